@@ -1,0 +1,23 @@
+"""FP8 numerics: formats, block-scaled quantization (the reference), recipes, quality measures."""
+
+from .formats import BLOCK, FORMATS, Fp8Format, get_format
+from .numerics import calc_diff, sqnr
+from .quantize import Block, amax_to_scale, dequantize, quantize, resolve_block
+from .recipe import RECIPES, Fp8Recipe, get_recipe
+
+__all__ = [
+    "BLOCK",
+    "FORMATS",
+    "RECIPES",
+    "Block",
+    "Fp8Format",
+    "Fp8Recipe",
+    "amax_to_scale",
+    "calc_diff",
+    "dequantize",
+    "get_format",
+    "get_recipe",
+    "quantize",
+    "resolve_block",
+    "sqnr",
+]

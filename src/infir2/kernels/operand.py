@@ -1,0 +1,34 @@
+"""The operand a GEMM backend consumes: FP8 data, its ``scale_inv`` and the block shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..fp8.quantize import Block, dequantize
+
+__all__ = ["Operand"]
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A block-scaled FP8 matrix ``data [M, K]`` with ``scale_inv [ceil(M/bm), ceil(K/bk)]``."""
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    block: Block
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def t(self) -> Operand:
+        """The transpose ``[K, M]`` as a view: same bytes, transposed scales and block."""
+        return Operand(self.data.t(), self.scale_inv.t(), (self.block[1], self.block[0]))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self.data, self.scale_inv, self.block, dtype)
+
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + self.scale_inv.numel() * 4

@@ -1,0 +1,103 @@
+"""GEMM + quantize backends behind one contract, and the automatic choice between them.
+
+A backend provides ``quantize(x, block, fmt, pow2_scale) -> Operand`` and
+``gemm_nt(a, b, out_dtype) -> a @ b.T``. ``emulated`` is the reference and takes everything; a
+faster backend may decline a particular pair of operands (``supports``), in which case that GEMM
+runs emulated and the fallback is logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..fp8.recipe import Fp8Recipe
+from . import emulated, scaled_mm
+from .operand import Operand
+
+__all__ = ["BACKENDS", "Backend", "register_backend", "select_backend"]
+
+log = logging.getLogger(__name__)
+
+QuantizeFn = Callable[[torch.Tensor, tuple[int, int], str, bool], Operand]
+GemmFn = Callable[[Operand, Operand, torch.dtype], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    quantize: QuantizeFn
+    gemm_nt_fn: GemmFn
+    supports: Callable[[Operand, Operand], bool] = lambda a, b: True
+    available: Callable[[Fp8Recipe, torch.device], str | None] = lambda recipe, device: None
+
+    def gemm_nt(self, a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
+        if self.supports(a, b):
+            return self.gemm_nt_fn(a, b, out_dtype)
+        _log_once(f"backend {self.name} cannot take blocks {a.block} x {b.block} with shapes "
+                  f"{tuple(a.shape)} x {tuple(b.shape)}; that GEMM runs emulated")
+        return emulated.gemm_nt(a, b, out_dtype)
+
+
+def _scaled_mm_available(recipe: Fp8Recipe, device: torch.device) -> str | None:
+    if recipe.granularity == "blockwise":
+        return "torch._scaled_mm takes tensorwise and rowwise scales; blockwise needs another backend"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        return "FP8 GEMMs need an SM89+ GPU"
+    if device.type not in ("cpu", "cuda"):
+        return f"torch._scaled_mm does not run on {device.type}"
+    return None
+
+
+BACKENDS: dict[str, Backend] = {
+    "emulated": Backend("emulated", emulated.quantize_operand, emulated.gemm_nt),
+    "scaled_mm": Backend(
+        "scaled_mm", emulated.quantize_operand, scaled_mm.gemm_nt, scaled_mm.supports_operands, _scaled_mm_available
+    ),
+}
+
+#: Preference order for automatic selection: the first available backend wins.
+PREFERENCE: list[str] = ["scaled_mm", "emulated"]
+
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        log.info(message)
+
+
+def register_backend(backend: Backend, prefer: bool = True) -> None:
+    """Add a backend; with ``prefer`` it is tried before the existing ones."""
+    BACKENDS[backend.name] = backend
+    if backend.name in PREFERENCE:
+        PREFERENCE.remove(backend.name)
+    PREFERENCE.insert(0 if prefer else len(PREFERENCE) - 1, backend.name)
+
+
+def select_backend(recipe: Fp8Recipe, device: torch.device | str, override: str | None = None) -> Backend:
+    """The backend for ``recipe`` on ``device``: ``override`` if given (an error if it cannot run), else
+    the first available one in preference order. The choice is logged once."""
+    device = torch.device(device)
+    if override is not None:
+        if override not in BACKENDS:
+            raise ValueError(f"unknown FP8 backend {override!r}; known backends: {', '.join(BACKENDS)}")
+        reason = BACKENDS[override].available(recipe, device)
+        if reason:
+            raise ValueError(f"FP8 backend {override!r} cannot run recipe {recipe.name!r} on {device}: {reason}")
+        chosen, why = BACKENDS[override], "requested"
+    else:
+        reasons = {}
+        for name in PREFERENCE:
+            reasons[name] = BACKENDS[name].available(recipe, device)
+            if reasons[name] is None:
+                chosen, why = BACKENDS[name], "automatic"
+                break
+        skipped = "; ".join(f"{n}: {r}" for n, r in reasons.items() if r)
+        why = f"automatic{' (' + skipped + ')' if skipped else ''}"
+    _log_once(f"FP8 recipe {recipe.name!r} on {device.type}: backend {chosen.name} [{why}]")
+    return chosen

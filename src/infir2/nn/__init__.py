@@ -1,0 +1,21 @@
+"""FP8 modules: ``Fp8Linear`` and the model conversion around it."""
+
+from .convert import (
+    DECODER_PROJECTIONS,
+    cache_fp8_weights,
+    convert_to_fp8,
+    default_module_filter,
+    disable_fp8,
+    fp8_modules,
+)
+from .linear import Fp8Linear
+
+__all__ = [
+    "DECODER_PROJECTIONS",
+    "Fp8Linear",
+    "cache_fp8_weights",
+    "convert_to_fp8",
+    "default_module_filter",
+    "disable_fp8",
+    "fp8_modules",
+]

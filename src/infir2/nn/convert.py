@@ -1,0 +1,133 @@
+"""Swap a model's projections for ``Fp8Linear`` in place, and switch FP8 off for evaluation.
+
+The recipe puts the seven projections of every decoder layer in FP8 (q, k, v, o, gate, up, down)
+and keeps the token embedding, ``lm_head``, norms, RoPE and the attention core in high precision.
+``convert_to_fp8`` follows torchao's signature, ``module_filter_fn(module, fqn) -> bool``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from ..fp8.recipe import Fp8Recipe, get_recipe
+from ..kernels import select_backend
+from .linear import Fp8Linear
+
+__all__ = ["DECODER_PROJECTIONS", "cache_fp8_weights", "convert_to_fp8", "default_module_filter",
+           "disable_fp8", "fp8_modules"]  # fmt: skip
+
+log = logging.getLogger(__name__)
+
+#: The seven projections of a Qwen2 / Llama decoder layer that run in FP8.
+DECODER_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_DECODER_FQN = re.compile(r"(^|\.)layers\.\d+\.(self_attn|mlp)\.(" + "|".join(DECODER_PROJECTIONS) + r")$")
+
+ModuleFilter = Callable[[nn.Module, str], bool]
+
+
+def default_module_filter(module: nn.Module, fqn: str) -> bool:
+    """True for the q/k/v/o/gate/up/down projections of decoder layers (``...layers.<i>.self_attn.q_proj``)."""
+    return isinstance(module, nn.Linear) and _DECODER_FQN.search(fqn) is not None
+
+
+def _shape_problem(linear: nn.Linear, recipe: Fp8Recipe, device: torch.device) -> str | None:
+    """Why the GEMM backends on ``device`` cannot take this layer, or None."""
+    if device.type == "cuda":
+        multiple = 128 if recipe.granularity == "blockwise" else 16
+        if linear.in_features % multiple or linear.out_features % multiple:
+            return f"in/out features {linear.in_features}x{linear.out_features} are not multiples of {multiple}"
+    return None
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def convert_to_fp8(
+    model: nn.Module,
+    recipe: str | Fp8Recipe = "blockwise",
+    module_filter_fn: ModuleFilter | None = None,
+    backend: str | None = None,
+) -> nn.Module:
+    """Replace every ``nn.Linear`` that ``module_filter_fn`` selects with an ``Fp8Linear`` (in place).
+
+    Parameters are shared, not copied, so state_dict keys, tied weights and existing optimizers are
+    unaffected. Returns ``model``. Raises ``ValueError`` when the model was already converted or
+    when no layer qualifies; recipe ``bf16`` converts nothing.
+    """
+    recipe = get_recipe(recipe)
+    existing = [fqn for fqn, m in model.named_modules() if isinstance(m, Fp8Linear)]
+    if existing:
+        raise ValueError(f"model is already converted to FP8 ({len(existing)} Fp8Linear modules, e.g. "
+                         f"{existing[0]!r}); convert_to_fp8 runs once per model")  # fmt: skip
+    if not recipe.enabled:
+        log.info("recipe %r runs without FP8: no layer converted", recipe.name)
+        return model
+    filter_fn = module_filter_fn or default_module_filter
+    device = _device_of(model)
+    select_backend(recipe, device, backend)  # fail early on a bad backend override; logs the choice
+    chosen, skipped = [], []
+    for fqn, module in list(model.named_modules()):
+        if type(module) is not nn.Linear or not filter_fn(module, fqn):
+            continue
+        problem = _shape_problem(module, recipe, device)
+        if problem:
+            skipped.append(f"{fqn} ({problem})")
+            continue
+        chosen.append(fqn)
+    if skipped:
+        log.warning("FP8: %d layers stay in high precision: %s", len(skipped), "; ".join(skipped))
+    if not chosen:
+        n_linear = sum(type(m) is nn.Linear for m in model.modules())
+        raise ValueError(f"no layer to convert to FP8: the model has {n_linear} nn.Linear modules and the "
+                         f"module filter selected none that the backend can take"
+                         f"{' (skipped: ' + '; '.join(skipped) + ')' if skipped else ''}")  # fmt: skip
+    for fqn in chosen:
+        parent_name, _, child = fqn.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, Fp8Linear.from_linear(getattr(parent, child), recipe, backend))
+    log.info("FP8 recipe %r: converted %d linear layers", recipe.name, len(chosen))
+    return model
+
+
+def fp8_modules(model: nn.Module) -> Iterator[tuple[str, Fp8Linear]]:
+    for fqn, m in model.named_modules():
+        if isinstance(m, Fp8Linear):
+            yield fqn, m
+
+
+@contextmanager
+def disable_fp8(model: nn.Module) -> Iterator[nn.Module]:
+    """Run ``model`` in high precision inside the block (e.g. for evaluation); restores the state after."""
+    before = [(m, m.fp8_enabled) for _, m in fp8_modules(model)]
+    for m, _ in before:
+        m.fp8_enabled = False
+    try:
+        yield model
+    finally:
+        for m, enabled in before:
+            m.fp8_enabled = enabled
+
+
+@contextmanager
+def cache_fp8_weights(model: nn.Module) -> Iterator[nn.Module]:
+    """Quantize each FP8 weight once for the whole block (the micro-batches of one optimizer step).
+
+    A weight modified in place inside the block (its version counter moves) is quantized again.
+    """
+    modules = [m for _, m in fp8_modules(model)]
+    for m in modules:
+        m.cache_weight, m._weight_cache = True, None
+    try:
+        yield model
+    finally:
+        for m in modules:
+            m.cache_weight, m._weight_cache = False, None

@@ -1,0 +1,162 @@
+"""``Fp8Linear``: an ``nn.Linear`` whose three GEMMs run in FP8 with hybrid-granularity scales.
+
+For ``Y = X @ W.T + b`` with X ``[T, K]`` (tokens x in_features) and W ``[N, K]``::
+
+    fprop  Y  = Q(X, 1x128)  @ Q(W, 128x128).T     [T,K] @ [K,N] -> [T,N]
+    dgrad  dX = Q(dY, 1x128) @ Q(W, 128x128)       [T,N] @ [N,K] -> [T,K]
+    wgrad  dW = Q(dY, 128x1).T @ Q(X, 128x1)       [N,T] @ [T,K] -> [N,K]
+
+(blocks of the ``blockwise`` recipe; other recipes name other blocks, see ``infir2.fp8.recipe``).
+Each operand is quantized from its high-precision original, never re-quantized from another FP8
+copy, so each GEMM gets the tiling that runs along its own reduction dimension. Products
+accumulate in fp32; Y and dX come back in the input's dtype, dW in the weight's dtype (the fp32
+master weight). Why these tiles: activations have per-token outliers, so a scale per token per 128
+channels keeps one outlier from flushing its neighbours to zero; weights are smooth, and one scale
+per 128x128 block lets the same quantized weight serve fprop and dgrad (its transpose is still
+128x128 blocks).
+
+Memory: the only activation saved for backward is the FP8 wgrad copy of X (``Q(X, 128x1)``, one
+byte per element plus scales), not X itself, which is what makes FP8 save memory at all.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..fp8.recipe import Fp8Recipe, get_recipe
+from ..kernels import Backend, Operand, select_backend
+
+__all__ = ["Fp8Linear"]
+
+
+def _no_autocast(device: torch.device) -> AbstractContextManager[Any]:
+    if torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return nullcontext()
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        recipe: Fp8Recipe,
+        backend: Backend,
+        w_fprop: Operand,
+    ) -> torch.Tensor:
+        with _no_autocast(x.device):
+            xq = backend.quantize(x, recipe.input_block, recipe.fmt, recipe.pow2_scale)  # [T,K]
+            y = backend.gemm_nt(xq, w_fprop, torch.float32)  # [T,K] @ [K,N] -> [T,N], fp32 accumulate
+            if bias is not None:
+                y = y + bias.float()
+            # The only activation kept for backward: X in FP8, tiled along tokens for wgrad.
+            x_wgrad = backend.quantize(x, recipe.wgrad_input_block, recipe.fmt, recipe.pow2_scale)  # [T,K]
+        w_dgrad = w_fprop if recipe.reuses_weight else None
+        ctx.save_for_backward(
+            x_wgrad.data, x_wgrad.scale_inv, weight,
+            *((w_dgrad.data, w_dgrad.scale_inv) if w_dgrad is not None else ()),
+        )  # fmt: skip
+        ctx.recipe, ctx.backend, ctx.x_dtype, ctx.has_bias = recipe, backend, x.dtype, bias is not None
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        recipe: Fp8Recipe = ctx.recipe
+        backend: Backend = ctx.backend
+        x_data, x_scale_inv, weight, *w_saved = ctx.saved_tensors
+        dx = dw = db = None
+        with _no_autocast(dy.device):
+            if ctx.needs_input_grad[0]:
+                if w_saved:
+                    w_dgrad = Operand(w_saved[0], w_saved[1], recipe.dgrad_weight_block)
+                else:
+                    w_dgrad = backend.quantize(weight, recipe.dgrad_weight_block, recipe.fmt, recipe.pow2_scale)
+                dyq = backend.quantize(dy, recipe.grad_output_block, recipe.grad_fmt, recipe.pow2_scale)  # [T,N]
+                dx = backend.gemm_nt(dyq, w_dgrad.t(), ctx.x_dtype)  # [T,N] @ [N,K] -> [T,K], fp32 accumulate
+            if ctx.needs_input_grad[1]:
+                dy_w = backend.quantize(dy, recipe.wgrad_grad_output_block, recipe.grad_fmt, recipe.pow2_scale)
+                x_w = Operand(x_data, x_scale_inv, recipe.wgrad_input_block)  # [T,K]
+                dw = backend.gemm_nt(dy_w.t(), x_w.t(), torch.float32)  # [N,T] @ [T,K] -> [N,K], fp32 accumulate
+                dw = dw.to(weight.dtype)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                db = dy.float().sum(0).to(weight.dtype)
+        return dx, dw, db, None, None, None
+
+
+class Fp8Linear(nn.Linear):
+    """Drop-in ``nn.Linear`` (same parameters and state_dict keys) computing its GEMMs in FP8.
+
+    ``recipe`` names the scaling (``blockwise`` by default, see ``infir2.fp8.RECIPES``); ``backend``
+    forces a GEMM backend (default: chosen from the device and recipe, logged once). Set
+    ``fp8_enabled = False`` (or use ``infir2.disable_fp8``) to run it as a plain linear.
+
+    Inside ``infir2.nn.cache_fp8_weights(model)`` the quantized weight is computed once and reused
+    by every forward until the context exits or the weight is modified in place: wrap the
+    micro-batches of one optimizer step with it.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        recipe: str | Fp8Recipe = "blockwise",
+        backend: str | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.recipe = get_recipe(recipe)
+        self.backend_name = backend
+        self.fp8_enabled = self.recipe.enabled
+        self.cache_weight = False
+        self._weight_cache: tuple[tuple[Any, ...], Operand] | None = None
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, recipe: str | Fp8Recipe = "blockwise", backend: str | None = None
+    ) -> Fp8Linear:
+        """Wrap ``linear``'s own parameters (no copy: optimizers and tied weights keep working)."""
+        with torch.device("meta"):
+            new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                      recipe=recipe, backend=backend)  # fmt: skip
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.train(linear.training)
+        return new
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe.name}, fp8_enabled={self.fp8_enabled}"
+
+    def _backend(self, device: torch.device) -> Backend:
+        return select_backend(self.recipe, device, self.backend_name)
+
+    def quantized_weight(self, backend: Backend) -> Operand:
+        """The fprop-quantized weight, from the cache when it is on and still valid."""
+        w = self.weight
+        key = (w._version, w.data_ptr(), w.device, w.dtype, self.recipe, backend.name)
+        if self.cache_weight and self._weight_cache is not None and self._weight_cache[0] == key:
+            return self._weight_cache[1]
+        with torch.no_grad():
+            wq = backend.quantize(w.detach(), self.recipe.weight_block, self.recipe.fmt, self.recipe.pow2_scale)
+        self._weight_cache = (key, wq) if self.cache_weight else None
+        return wq
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fp8_enabled:
+            return F.linear(x, self.weight, self.bias)
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        lead = x.shape[:-1]
+        x2d = x.reshape(-1, self.in_features)  # [..., K] -> [T, K]
+        backend = self._backend(x.device)
+        w_fprop = self.quantized_weight(backend)
+        y = _Fp8LinearFunction.apply(x2d, self.weight, self.bias, self.recipe, backend, w_fprop)
+        return y.reshape(*lead, self.out_features)
