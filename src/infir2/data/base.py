@@ -1,0 +1,45 @@
+"""The contract between data sources and the training loop.
+
+A data source yields, for each optimizer step, the list of micro-batches that *this rank* runs
+(forward + backward each, gradients accumulated). Every rank gets the same number of micro-batches
+per step (a source pads with micro-batches whose labels are all ``IGNORE_INDEX``), so that FSDP's
+collectives line up. A micro-batch is a dict of tensors:
+
+* ``input_ids``  ``[B, L]`` int64
+* ``labels``     ``[B, L]`` int64, aligned with ``input_ids`` (Hugging Face convention: the loop
+  shifts), ``IGNORE_INDEX`` where no loss is taken (prompt tokens, padding)
+* ``attention_mask`` ``[B, L]`` int64, optional (1 = real token; right padding)
+
+The loop normalises the summed token loss by the number of loss tokens in the whole global batch
+(all micro-batches, all ranks): a per-token mean, as the recipe asks.
+
+``state_dict()`` / ``load_state_dict()`` capture the position in the data, so that a resumed run
+yields exactly the steps an uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["IGNORE_INDEX", "MicroBatch", "StepSource", "count_loss_tokens"]
+
+IGNORE_INDEX = -100
+
+MicroBatch = dict[str, torch.Tensor]
+
+
+@runtime_checkable
+class StepSource(Protocol):
+    def __iter__(self) -> Iterator[list[MicroBatch]]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def count_loss_tokens(micro_batches: list[MicroBatch]) -> int:
+    """Tokens that carry loss after the one-position shift (labels[:, 1:] != IGNORE_INDEX)."""
+    return int(sum((mb["labels"][:, 1:] != IGNORE_INDEX).sum() for mb in micro_batches))

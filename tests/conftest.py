@@ -1,0 +1,63 @@
+"""Shared fixtures: a tiny tokenizer trained in-process and tiny Qwen2 / Llama models (no download)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infir2.data.chat_template import CHATML_SPECIAL_TOKENS, DEFAULT_CHAT_TEMPLATE
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. 12 + 30 = 42.",
+    "In the beginning was the word, and the word was with numbers: 7 * 6 = 42.",
+    "Please reason step by step, and put your final answer within \\boxed{}.",
+] * 20
+
+
+def make_tokenizer(vocab_size: int = 300):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=CHATML_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None
+    )
+    fast.chat_template = DEFAULT_CHAT_TEMPLATE
+    return fast
+
+
+def make_tiny_model(arch: str = "qwen2", vocab_size: int = 300, hidden: int = 128, layers: int = 2, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    cfg_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    cfg = cfg_cls(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden + 128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    return model_cls(cfg).float()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture
+def tiny_qwen2():
+    return make_tiny_model("qwen2")
