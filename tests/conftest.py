@@ -29,7 +29,7 @@ def make_tokenizer(vocab_size: int = 300):
     )
     tok.train_from_iterator(_CORPUS, trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>", bos_token=None
     )
     fast.chat_template = DEFAULT_CHAT_TEMPLATE
     return fast
