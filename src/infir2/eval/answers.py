@@ -51,7 +51,7 @@ class Graded:
 
 def final_part(text: str) -> str:
     """The text after the last ``</think>``, or the whole text when the model wrote none."""
-    head, sep, tail = text.rpartition(_THINK_END)
+    _head, sep, tail = text.rpartition(_THINK_END)
     return tail if sep else text
 
 
@@ -105,7 +105,7 @@ def _parse(expr: str) -> list:
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
 
     configs = [LatexExtractionConfig(), ExprExtractionConfig()]
-    return parse(f"${expr}$", extraction_config=configs, parsing_timeout=_timeout())  # type: ignore[arg-type]
+    return parse(f"${expr}$", extraction_config=configs, parsing_timeout=_timeout())
 
 
 def _normalize_text(s: str) -> str:
