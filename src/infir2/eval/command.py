@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["add_arguments", "run", "sample_path"]
+__all__ = ["add_arguments", "load_tokenizer", "run", "sample_path"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,23 @@ log = logging.getLogger(__name__)
 def sample_path(task: str) -> Path:
     """The small sample benchmark shipped with infir2 for ``task`` (``math`` or ``multiple_choice``)."""
     return Path(str(resources.files("infir2.eval") / "samples" / f"{task}.jsonl"))
+
+
+def load_tokenizer(folder: str | Path):
+    """The tokenizer saved in ``folder``, exactly as saved.
+
+    ``AutoTokenizer`` in transformers 5 picks the class from the *model* type when the tokenizer was
+    saved as a generic ``TokenizersBackend`` / ``PreTrainedTokenizerFast``, and e.g. ``Qwen2Tokenizer``
+    then replaces the saved pre-tokenizer (a tokenizer trained in-process would encode differently).
+    Generic tokenizers are therefore loaded from ``tokenizer.json`` as they are.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    config_path = Path(folder) / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+    if config.get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        return PreTrainedTokenizerFast.from_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -79,12 +96,10 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if args.perplexity:
         return _run_perplexity(model, args, out)
-    from transformers import AutoTokenizer
-
     from .runner import evaluate
     from .tasks import load_problems
 
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    tokenizer = load_tokenizer(args.tokenizer or args.model)
     data = Path(args.data) if args.data else sample_path(args.task)
     problems = load_problems(data, args.task)[: args.limit]
     result = evaluate(model, tokenizer, problems, task=args.task, n=args.n, greedy=args.greedy,

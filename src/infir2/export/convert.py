@@ -183,7 +183,9 @@ def convert_checkpoint(
     reader = CheckpointReader(src)
     writer = ShardWriter(out, max_shard_size)
     float_dtypes: set[torch.dtype] = set()
-    for _file, names in tqdm(list(reader.iter_shards()), desc=f"convert to {fmt}", unit="shard"):
+    for _file, names in tqdm(
+        reader.iter_shards(), total=len(reader.files), desc=f"convert to {fmt}", unit="shard"
+    ):
         for name, tensor in _convert_tensors(names, reader.get, fmt, pow2_scale):
             if (
                 tensor.is_floating_point()
