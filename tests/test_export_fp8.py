@@ -198,3 +198,16 @@ def test_cli_pow2_flag_parses_both_ways(model, tmp_path: Path, flag: str | None,
 def test_cli_errors_are_one_line(tmp_path: Path, capsys) -> None:
     assert main(["export", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_export_of_an_fp8_converted_model_and_existing_output(tiny_tokenizer, tmp_path: Path) -> None:
+    from infir2 import convert_to_fp8
+
+    reference = make_tiny_model()
+    converted = convert_to_fp8(make_tiny_model())  # Fp8Linear shares the nn.Linear parameters and names
+    out = export_model(converted, tiny_tokenizer, tmp_path / "fp32", fmt="fp32")
+    saved = _read_folder(out)
+    assert set(saved) == set(reference.state_dict())
+    assert all(torch.equal(saved[k], v) for k, v in reference.state_dict().items())
+    with pytest.raises(ValueError, match="already holds a checkpoint"):
+        export_model(converted, tiny_tokenizer, out, fmt="fp32")

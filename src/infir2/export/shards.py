@@ -105,6 +105,10 @@ class ShardWriter:
 
     def __init__(self, out_dir: str | Path, max_shard_bytes: int | str = "5GB"):
         self.out_dir = Path(out_dir)
+        if (self.out_dir / INDEX_NAME).exists() or any(self.out_dir.glob("*.safetensors")):
+            raise ValueError(
+                f"output folder {self.out_dir} already holds a checkpoint; choose a new or empty folder"
+            )
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.max_bytes = parse_size(max_shard_bytes)
         self._pending: dict[str, torch.Tensor] = {}
