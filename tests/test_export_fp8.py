@@ -211,3 +211,22 @@ def test_export_of_an_fp8_converted_model_and_existing_output(tiny_tokenizer, tm
     assert all(torch.equal(saved[k], v) for k, v in reference.state_dict().items())
     with pytest.raises(ValueError, match="already holds a checkpoint"):
         export_model(converted, tiny_tokenizer, out, fmt="fp32")
+
+
+@pytest.mark.parametrize("pow2_scale", [True, False])
+def test_transformers_reads_our_fp8_layout(tiny_tokenizer, tmp_path: Path, pow2_scale: bool) -> None:
+    """Independent reader: transformers' fine-grained FP8 loader (dequantizing on a machine without a GPU).
+
+    Its CPU dequantizer derives the block size from the scale grid, so it needs dimensions that are
+    multiples of 128 (true for Qwen2.5 / Llama); hidden=128 here.
+    """
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load FP8 checkpoints")
+    from transformers import AutoModelForCausalLM
+
+    out = export_model(make_tiny_model(hidden=128), tiny_tokenizer, tmp_path / "fp8", fmt="fp8",
+                       pow2_scale=pow2_scale, base_dtype=torch.float32)  # fmt: skip
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    ours = load_fp8_state_dict(out)
+    assert set(theirs) == set(ours)
+    for name, tensor in ours.items():
+        assert torch.equal(theirs[name], tensor), name
