@@ -101,3 +101,11 @@ def test_bad_arguments(tiny_tokenizer) -> None:
         evaluate(model, tiny_tokenizer, problems, task="multiple_choice")
     with pytest.raises(ValueError, match="temperature"):
         evaluate(model, tiny_tokenizer, problems, temperature=0.0)
+
+
+def test_plain_dicts_are_accepted(tiny_tokenizer) -> None:
+    result = evaluate(make_tiny_model(), tiny_tokenizer, [{"problem": "7 * 6 = ?", "answer": "42"}], greedy=True,
+                      max_new_tokens=2)  # fmt: skip
+    assert result.summary["problems"] == 1 and result.records[0]["id"] == "0"
+    with pytest.raises(ValueError, match="item 0: missing key"):
+        evaluate(make_tiny_model(), tiny_tokenizer, [{"question": "q"}], max_new_tokens=2)

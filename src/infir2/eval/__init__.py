@@ -8,7 +8,7 @@ from .generate import SYSTEM_PROMPT, THINK_PREFIX, SamplingConfig, render_prompt
 from .metrics import avg_at_n, pass_at_k
 from .perplexity import LossResult, evaluate_loss, read_tokens
 from .runner import EvalResult, evaluate
-from .tasks import TASKS, Problem, load_problems, problems_from_dicts
+from .tasks import TASKS, Problem, load_problems, problems_from_dicts, sample_path
 
 __all__ = [
     "SYSTEM_PROMPT",
@@ -33,4 +33,5 @@ __all__ = [
     "problems_from_dicts",
     "read_tokens",
     "render_prompt",
+    "sample_path",
 ]

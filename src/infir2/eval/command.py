@@ -22,19 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from importlib import resources
 from pathlib import Path
 
 import torch
 
+from .tasks import sample_path
+
 __all__ = ["add_arguments", "load_tokenizer", "run", "sample_path"]
 
 log = logging.getLogger(__name__)
-
-
-def sample_path(task: str) -> Path:
-    """The small sample benchmark shipped with infir2 for ``task`` (``math`` or ``multiple_choice``)."""
-    return Path(str(resources.files("infir2.eval") / "samples" / f"{task}.jsonl"))
 
 
 def load_tokenizer(folder: str | Path):

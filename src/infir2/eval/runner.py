@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from ..nn import disable_fp8, fp8_modules
 from .answers import Graded, grade_choice, grade_math
 from .generate import SYSTEM_PROMPT, THINK_PREFIX, SamplingConfig, generate, render_prompt
 from .metrics import avg_at_n, default_ks, pass_at_k
-from .tasks import TASKS, Problem
+from .tasks import TASKS, Problem, problems_from_dicts
 
 __all__ = ["EvalResult", "evaluate"]
 
@@ -80,7 +80,7 @@ def _precision_context(model: torch.nn.Module, fp8: bool):
 def evaluate(
     model: torch.nn.Module,
     tokenizer,
-    problems: Sequence[Problem],
+    problems: Sequence[Problem] | Sequence[Mapping[str, Any]],
     task: str = "math",
     n: int = 1,
     greedy: bool = False,
@@ -93,11 +93,15 @@ def evaluate(
     system_prompt: str | None = SYSTEM_PROMPT,
     think_prefix: str = THINK_PREFIX,
 ) -> EvalResult:
-    """Generate ``n`` completions per problem (greedy: ``n`` must be 1), grade them, return scores and records."""
+    """Generate ``n`` completions per problem (greedy: ``n`` must be 1), grade them, return scores and records.
+
+    ``problems``: ``Problem`` objects (``load_problems``) or plain dicts with the JSONL schema of ``task``.
+    """
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}: expected one of {', '.join(TASKS)}")
     if not problems:
         raise ValueError("no problems to evaluate")
+    problems = _as_problems(problems, task)
     if wrong := [p.id for p in problems if p.task != task]:
         raise ValueError(f"problems {wrong[:3]} are not of task {task!r}")
     if n < 1 or (greedy and n != 1):
@@ -126,6 +130,14 @@ def evaluate(
     per_problem = _per_problem(problems, records, n)
     summary = _summary(task, cfg, n, fp8, records, per_problem, seconds)
     return EvalResult(summary=summary, records=records, problems=per_problem)
+
+
+def _as_problems(items: Sequence[Problem] | Sequence[Mapping[str, Any]], task: str) -> list[Problem]:
+    if all(isinstance(p, Problem) for p in items):
+        return list(items)  # type: ignore[arg-type]
+    if all(isinstance(p, Mapping) for p in items):  # plain dicts with the JSONL schema
+        return problems_from_dicts(items, task)  # type: ignore[arg-type]
+    raise TypeError("problems must be all Problem objects or all dicts (not a mix)")
 
 
 def _per_problem(problems: Sequence[Problem], records: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:

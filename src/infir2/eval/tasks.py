@@ -20,10 +20,11 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TASKS", "Problem", "load_problems", "problems_from_dicts"]
+__all__ = ["TASKS", "Problem", "load_problems", "problems_from_dicts", "sample_path"]
 
 TASKS = ("math", "multiple_choice")
 _KEYS = {
@@ -130,3 +131,9 @@ def _check_unique_ids(problems: list[Problem], source: str) -> None:
         if p.id in seen:
             raise ValueError(f"{source}: duplicate id {p.id!r}")
         seen.add(p.id)
+
+
+def sample_path(task: str) -> Path:
+    """The small sample benchmark shipped with infir2 for ``task`` (``math`` or ``multiple_choice``)."""
+    _check_task(task)
+    return Path(str(resources.files("infir2.eval") / "samples" / f"{task}.jsonl"))
