@@ -90,7 +90,7 @@ def _unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, t in model.state_dict().items():
         key = (t.data_ptr(), tuple(t.shape))
-        if key in seen:
+        if key in seen and t.numel() > 0:
             log.info("export: %s is tied to an earlier tensor; not stored twice", name)
             continue
         seen.add(key)
@@ -118,11 +118,17 @@ def export_model(
         raise ValueError(
             f"cannot export a {type(model).__name__}: expected a transformers model with a .config"
         )
+    if base_dtype not in _DTYPE_NAMES:
+        raise ValueError(f"base_dtype must be one of {sorted(map(str, _DTYPE_NAMES))}, got {base_dtype}")
     out = Path(out_dir)
     state = _unique_state_dict(model)
     writer = ShardWriter(out, max_shard_size)
     cast = base_dtype if fmt == "fp8" else _DTYPES[fmt]
-    get = lambda name: state[name].detach().cpu().to(cast)  # noqa: E731
+
+    def get(name: str) -> torch.Tensor:
+        t = state[name].detach().cpu()
+        return t.to(cast) if t.is_floating_point() else t
+
     for name, tensor in tqdm(
         _convert_tensors(state, get, fmt, pow2_scale), desc=f"export {fmt}", unit="tensor"
     ):
