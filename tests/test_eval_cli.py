@@ -108,3 +108,25 @@ def test_perplexity_cli_and_errors(model_dir: Path, tmp_path: Path, capsys) -> N
     (tmp_path / "tok" / "meta.json").write_text('{"dtype": "int8"}')
     assert main(["eval", "--model", str(model_dir), "--perplexity", str(tmp_path / "tok")]) == 2
     assert "meta.json: key 'dtype' must be one of ['uint16', 'uint32']" in capsys.readouterr().err
+
+
+def test_eval_cli_on_a_plain_save_pretrained_folder(tmp_path: Path, tiny_tokenizer) -> None:
+    folder = tmp_path / "hf"
+    make_tiny_model().to(torch.bfloat16).save_pretrained(folder)  # what the training loop writes
+    tiny_tokenizer.save_pretrained(folder)
+    out = tmp_path / "report"
+    argv = [
+        "eval",
+        "--model",
+        str(folder),
+        "--greedy",
+        "--limit",
+        "2",
+        "--max-new-tokens",
+        "3",
+        "--out",
+        str(out),
+    ]
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["problems"] == 2 and summary["decoding"] == "greedy"
