@@ -1,0 +1,58 @@
+"""A small deterministic StepSource for the training tests (no tokenizer, no files).
+
+Each sequence is an arithmetic progression ``x_t = (a + b t) mod V`` with ``a``, ``b`` drawn per
+sequence from a generator seeded by (seed, step): learnable in a few steps, and any step can be
+regenerated from its index, which makes the position in the data (``{"step": k}``) the whole state.
+The first ``0..seq_len/2`` labels of each row are ``IGNORE_INDEX`` (like a prompt), so the number of
+loss tokens differs between micro-batches and ranks -- which exercises the global per-token mean.
+The global batch is split across ranks by rows (``rank::world_size``), then into micro-batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from infir2.data.base import IGNORE_INDEX, MicroBatch
+
+
+class SyntheticSource:
+    def __init__(self, vocab_size: int = 300, seq_len: int = 32, global_batch_size: int = 8,
+                 micro_batch_size: int = 2, rank: int = 0, world_size: int = 1, seed: int = 0,
+                 steps: int | None = None) -> None:  # fmt: skip
+        assert global_batch_size % (world_size * micro_batch_size) == 0
+        self.vocab_size, self.seq_len, self.global_batch_size = vocab_size, seq_len, global_batch_size
+        self.micro_batch_size, self.rank, self.world_size = micro_batch_size, rank, world_size
+        self.seed, self.steps, self.step = seed, steps, 0
+
+    def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        n, length = self.global_batch_size, self.seq_len
+        a = torch.randint(0, self.vocab_size, (n, 1), generator=g)
+        b = torch.randint(1, 4, (n, 1), generator=g)
+        ids = (a + b * torch.arange(length)) % self.vocab_size
+        labels = ids.clone()
+        prompt = torch.randint(0, length // 2, (n,), generator=g)
+        labels[torch.arange(length) < prompt[:, None]] = IGNORE_INDEX
+        return ids, labels
+
+    def __len__(self) -> int:
+        if self.steps is None:
+            raise TypeError("endless source")
+        return self.steps
+
+    def __iter__(self) -> Iterator[list[MicroBatch]]:
+        while self.steps is None or self.step < self.steps:
+            ids, labels = self.global_batch(self.step)
+            self.step += 1
+            ids, labels = ids[self.rank :: self.world_size], labels[self.rank :: self.world_size]
+            m = self.micro_batch_size
+            yield [{"input_ids": ids[i : i + m], "labels": labels[i : i + m]} for i in range(0, len(ids), m)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
