@@ -31,7 +31,7 @@ def supports_operands(a: Operand, b: Operand) -> bool:
     if not (both_tensor or both_row):
         return False
     if a.data.is_cuda:
-        m, k = a.shape
+        k = a.shape[1]
         n = b.shape[0]
         return k % 16 == 0 and n % 16 == 0
     return True
@@ -46,4 +46,6 @@ def gemm_nt(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
     else:
         scale_a, scale_b = a.scale_inv, b.scale_inv.t()  # [M, 1], [1, N]
     # [M,K] row-major @ [K,N] column-major -> [M,N], fp32 accumulate
-    return torch._scaled_mm(a.data.contiguous(), b.data.contiguous().t(), scale_a, scale_b, out_dtype=out_dtype)
+    return torch._scaled_mm(
+        a.data.contiguous(), b.data.contiguous().t(), scale_a, scale_b, out_dtype=out_dtype
+    )
