@@ -56,3 +56,29 @@ class SyntheticSource:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = state["step"]
+
+
+def tiny_run_config(out_dir: str, name: str = "run", **sections: dict[str, Any]):
+    """A RunConfig for the tiny models: fp32 high precision on CPU, a short WSD schedule."""
+    from infir2.train.config import parse_config
+
+    data: dict[str, dict[str, Any]] = {
+        "run": {"name": name, "out_dir": str(out_dir), "device": "cpu", "seed": 0},
+        "model": {"precision": "fp32"},
+        "fp8": {"recipe": "blockwise"},
+        "optim": {"lr": 3e-3},
+        "schedule": {"name": "wsd", "warmup_fraction": 0.2, "decay_fraction": 0.3, "min_lr_ratio": 0.1},
+        "train": {"max_steps": 6},
+    }
+    for section, values in sections.items():
+        data.setdefault(section, {}).update(values)
+    return parse_config(data, "<test>")
+
+
+def one_thread():
+    """Generator for an autouse fixture: one intra-op thread (on a shared 2-core CPU, OpenMP's
+    two threads spin against other processes and tiny GEMMs get ~50x slower)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -167,12 +167,12 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
             if type(None) in options:
                 return None
             raise _err(source, key, "must not be null")
-        errors = []
+        errors: list[ValueError] = []
         for option in (o for o in options if o is not type(None)):
             try:
                 return _coerce(value, option, key, source)
             except ValueError as e:
-                errors.append(str(e))
+                errors.append(e)
         raise errors[0] if len(errors) == 1 else _err(source, key, f"bad value {value!r}")
     if origin is Literal:
         allowed = typing.get_args(tp)
