@@ -5,7 +5,8 @@ sequence from a generator seeded by (seed, step): learnable in a few steps, and 
 regenerated from its index, which makes the position in the data (``{"step": k}``) the whole state.
 The first ``0..seq_len/2`` labels of each row are ``IGNORE_INDEX`` (like a prompt), so the number of
 loss tokens differs between micro-batches and ranks -- which exercises the global per-token mean.
-The global batch is split across ranks by rows (``rank::world_size``), then into micro-batches.
+The global batch is split across ranks in contiguous blocks of rows, then into micro-batches, so
+one process sees exactly the micro-batches that N processes see together (same FP8 tiles).
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ class SyntheticSource:
         while self.steps is None or self.step < self.steps:
             ids, labels = self.global_batch(self.step)
             self.step += 1
-            ids, labels = ids[self.rank :: self.world_size], labels[self.rank :: self.world_size]
+            per_rank = self.global_batch_size // self.world_size
+            rows = slice(self.rank * per_rank, (self.rank + 1) * per_rank)
+            ids, labels = ids[rows], labels[rows]
             m = self.micro_batch_size
             yield [{"input_ids": ids[i : i + m], "labels": labels[i : i + m]} for i in range(0, len(ids), m)]
 

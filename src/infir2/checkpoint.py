@@ -139,7 +139,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise FileNotFoundError(f"{folder} is not a checkpoint folder (no {STATE_FILE})")
     if not _is_valid(folder):
         raise ValueError(f"checkpoint {folder} is incomplete or corrupt ({META_FILE} does not match {STATE_FILE})")
-    state = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=False)
+    state = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=False, mmap=True)
     missing = [k for k in CHECKPOINT_KEYS if k not in state]
     if missing:
         raise ValueError(f"checkpoint {folder} lacks keys {missing}")

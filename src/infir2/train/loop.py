@@ -266,26 +266,23 @@ def _restore(cfg: RunConfig, env: DistEnv, model: nn.Module, optimizer: torch.op
         path, mode = own, "resume"
     else:
         return TrainState(), None
-    full = ckpt.load_checkpoint(path) if env.is_main else None
-    meta = broadcast_object(None if full is None else {k: full[k] for k in ("data", "train_state")}, env)
-    assert isinstance(meta, dict)
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=env.distributed)
-    model_sd = full["model"] if full else {}
+    full = ckpt.load_checkpoint(path)  # every rank maps the file (mmap: the page cache is shared)
+    options = StateDictOptions(full_state_dict=True)
+    model_sd = full["model"]
     if mode == "weights_only":
         set_model_state_dict(model, model_sd, options=options)
         log.info("loaded model weights from %s (fresh optimizer, step 0)", path)
         return TrainState(), path
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=full["optimizer"] if full else {},
-                   options=options)  # fmt: skip
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=full["optimizer"], options=options)
     _apply_optim_config(optimizer, cfg)
-    saved = meta["train_state"]
+    saved = full["train_state"]
     state = TrainState(**{k: saved[k] for k in vars(TrainState())})
     same_world = saved["world_size"] == env.world_size
     if mode == "resume":
         if not same_world:
             raise ValueError(f"checkpoint {path} was written by {saved['world_size']} processes; resuming it exactly "
                              f"needs the same number (got {env.world_size}); use load.mode=decay_only or weights_only")  # fmt: skip
-        source.load_state_dict(meta["data"][env.rank])
+        source.load_state_dict(full["data"][env.rank])
         _set_rng_state(saved["rng"][env.rank])
         log.info("resumed from %s at step %d", path, state.step)
         return state, path
@@ -293,7 +290,7 @@ def _restore(cfg: RunConfig, env: DistEnv, model: nn.Module, optimizer: torch.op
         if not same_world:
             raise ValueError(f"load.reset_data: checkpoint {path} has the data position of {saved['world_size']} "
                              f"processes, this run has {env.world_size}; set load.reset_data=true")  # fmt: skip
-        source.load_state_dict(meta["data"][env.rank])
+        source.load_state_dict(full["data"][env.rank])
     if cfg.load.reset_step:
         state = TrainState()
     state.nonfinite_in_row = 0
