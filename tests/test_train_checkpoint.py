@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from infir2.checkpoint import CHECKPOINT_KEYS, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from infir2.checkpoint import (
+    CHECKPOINT_KEYS,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 
 def _state(step: int, numel: int = 1000) -> dict:
@@ -69,7 +75,9 @@ def test_sigkill_at_any_moment_leaves_a_loadable_checkpoint(tmp_path, delay):
     """A process saving checkpoints in a loop is SIGKILLed at an arbitrary moment (during a write,
     an fsync, a rename or a prune); every checkpoint folder that remains loads, and holds its step's data."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
-    proc = subprocess.Popen([sys.executable, "-c", _SAVER, str(tmp_path)], stdout=subprocess.PIPE, env=env, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SAVER, str(tmp_path)], stdout=subprocess.PIPE, env=env, text=True
+    )
     assert proc.stdout is not None
     first = proc.stdout.readline()  # wait until the first checkpoint is complete
     assert first.strip() == "1", first

@@ -37,7 +37,11 @@ def test_authors_hyperparameters_are_expressed():
     for size, lr in (("7b", 2e-5), ("1.5b", 5e-5)):
         sft = load_config(CONFIG_DIR / f"qwen2.5-{size}-sft-stage1.yaml")
         assert (sft.optim.lr, sft.schedule.name, sft.schedule.min_lr_ratio) == (lr, "cosine", 0.1)
-        assert (sft.schedule.warmup_fraction, sft.optim.weight_decay, sft.data.global_batch_size) == (0.05, 0.0, 64)
+        assert (sft.schedule.warmup_fraction, sft.optim.weight_decay, sft.data.global_batch_size) == (
+            0.05,
+            0.0,
+            64,
+        )
         assert (sft.data.epochs, sft.data.max_length, sft.data.kind) == (5, 32768, "sft")
     decay = load_config(CONFIG_DIR / "qwen2.5-7b-decay-only.yaml")
     assert decay.load.mode == "decay_only" and decay.load.path

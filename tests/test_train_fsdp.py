@@ -10,13 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import make_tiny_model
-from train_fsdp_worker import CONFIG, SOURCE
-from train_synthetic import SyntheticSource, one_thread, tiny_run_config
 
+from conftest import make_tiny_model
 from infir2.checkpoint import load_checkpoint
 from infir2.train import train
+from train_fsdp_worker import CONFIG, SOURCE
+from train_synthetic import SyntheticSource, one_thread, tiny_run_config
 
 TESTS = Path(__file__).parent
 _one_thread = pytest.fixture(autouse=True)(one_thread)

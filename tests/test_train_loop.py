@@ -7,12 +7,12 @@ import math
 
 import pytest
 import torch
-from conftest import make_tiny_model
-from train_synthetic import SyntheticSource, one_thread, tiny_run_config
 
+from conftest import make_tiny_model
 from infir2.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from infir2.train import NonFiniteError, train, train_step
 from infir2.train.distributed import DistEnv
+from train_synthetic import SyntheticSource, one_thread, tiny_run_config
 
 CPU = DistEnv(rank=0, world_size=1, device=torch.device("cpu"), owns_group=False)
 _one_thread = pytest.fixture(autouse=True)(one_thread)
@@ -46,12 +46,17 @@ def test_resume_is_exact(tmp_path):
         train(cfg, model=make_tiny_model(), train_source=CrashAfter(3, seed=1), progress=False)
     assert latest_checkpoint(cfg.run_dir / "checkpoints").name == "step_00000003"
     # Fresh model (different init: the checkpoint must overwrite it), fresh source at position 0.
-    resumed = train(cfg, model=make_tiny_model(seed=123), train_source=SyntheticSource(seed=1), progress=False)
+    resumed = train(
+        cfg, model=make_tiny_model(seed=123), train_source=SyntheticSource(seed=1), progress=False
+    )
     assert resumed.resumed_from.name == "step_00000003"
     assert [m["step"] for m in resumed.history] == [4, 5, 6]
     assert [m["loss"] for m in resumed.history] == [m["loss"] for m in full.history[3:]]  # bit-identical
     assert _losses(cfg.run_dir / "metrics.jsonl") == _losses(full.metrics_path)  # one clean curve
-    assert [p.name for p in list_checkpoints(cfg.run_dir / "checkpoints")] == ["step_00000003", "step_00000006"]
+    assert [p.name for p in list_checkpoints(cfg.run_dir / "checkpoints")] == [
+        "step_00000003",
+        "step_00000006",
+    ]
     a, b = load_checkpoint(full.checkpoint), load_checkpoint(resumed.checkpoint)
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert b["data"] == [{"step": 6}] and b["scheduler"] == {"step": 6}

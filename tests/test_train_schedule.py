@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -28,7 +29,9 @@ def test_wsd_authors_schedule_at_boundaries():
 
 
 def test_wsd_linear_decay_and_fractions():
-    cfg = ScheduleConfig("wsd", warmup_fraction=0.1, decay_fraction=0.2, decay_style="linear", min_lr_ratio=0.1)
+    cfg = ScheduleConfig(
+        "wsd", warmup_fraction=0.1, decay_fraction=0.2, decay_style="linear", min_lr_ratio=0.1
+    )
     s = make_schedule(cfg, LR, 100)
     assert (s.warmup_steps, s.decay_steps, s.min_lr) == (10, 20, pytest.approx(LR * 0.1))
     assert s(9) == pytest.approx(LR) and s(79) == LR and s(80) == pytest.approx(LR)
@@ -45,7 +48,7 @@ def test_cosine_with_warmup_fraction():
     assert s(525) == pytest.approx((2e-5 + 2e-6) / 2)  # half-way through the 950 cosine steps
     assert s(1000) == pytest.approx(2e-6)
     lrs = [s(i) for i in range(50, 1001)]
-    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))  # monotone after warmup
+    assert all(a >= b for a, b in itertools.pairwise(lrs))  # monotone after warmup
 
 
 def test_constant_and_bad_lengths():

@@ -13,10 +13,10 @@ import os
 import sys
 
 import torch
-from conftest import make_tiny_model
-from train_synthetic import SyntheticSource, tiny_run_config
 
+from conftest import make_tiny_model
 from infir2.train import train
+from train_synthetic import SyntheticSource, tiny_run_config
 
 SOURCE = {"seed": 1, "global_batch_size": 8, "micro_batch_size": 2}
 CONFIG = {"train": {"max_steps": 4, "save_every": 2}}
@@ -45,7 +45,9 @@ def main(out_dir: str, phase: str) -> None:
         raise AssertionError("the run should have died at step 3")
     source = SyntheticSource(rank=rank, world_size=world, **SOURCE)
     result = train(cfg, model=make_tiny_model(seed=7), train_source=source, progress=False)
-    assert result.resumed_from is not None and result.resumed_from.name == "step_00000002", result.resumed_from
+    assert result.resumed_from is not None and result.resumed_from.name == "step_00000002", (
+        result.resumed_from
+    )
 
 
 if __name__ == "__main__":

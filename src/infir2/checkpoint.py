@@ -138,7 +138,9 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     if not (folder / STATE_FILE).is_file():
         raise FileNotFoundError(f"{folder} is not a checkpoint folder (no {STATE_FILE})")
     if not _is_valid(folder):
-        raise ValueError(f"checkpoint {folder} is incomplete or corrupt ({META_FILE} does not match {STATE_FILE})")
+        raise ValueError(
+            f"checkpoint {folder} is incomplete or corrupt ({META_FILE} does not match {STATE_FILE})"
+        )
     state = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=False, mmap=True)
     missing = [k for k in CHECKPOINT_KEYS if k not in state]
     if missing:
@@ -148,7 +150,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
 
 def export_hf(
     model: torch.nn.Module,
-    state_dict: dict[str, torch.Tensor],
+    state_dict: dict[str, Any],
     out_dir: str | Path,
     tokenizer: Any = None,
     dtype: torch.dtype = torch.float32,
@@ -162,11 +164,12 @@ def export_hf(
     tmp = out_dir.with_name(f".tmp-{out_dir.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     cast = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state_dict.items()}
-    config = model.config
+    config: Any = model.config
     old_dtype = getattr(config, "dtype", None)
     config.dtype = dtype
     try:
-        model.save_pretrained(tmp, state_dict=cast, safe_serialization=True)  # type: ignore[operator]
+        hf_model: Any = model
+        hf_model.save_pretrained(tmp, state_dict=cast, safe_serialization=True)
     finally:
         config.dtype = old_dtype
     if tokenizer is not None:

@@ -25,7 +25,14 @@ from torch import nn
 
 from .nn import convert_to_fp8
 
-__all__ = ["ARCHS", "autocast", "build_from_config", "load_pretrained", "load_tokenizer", "prepare_for_training"]
+__all__ = [
+    "ARCHS",
+    "autocast",
+    "build_from_config",
+    "load_pretrained",
+    "load_tokenizer",
+    "prepare_for_training",
+]
 
 #: arch name -> (transformers config class name, model class name)
 ARCHS = {
@@ -37,7 +44,9 @@ ARCHS = {
 def _check_folder(path: str | Path, what: str) -> Path:
     path = Path(path)
     if not (path / "config.json").is_file() and what == "model":
-        raise FileNotFoundError(f"model folder {path} has no config.json (expected a Hugging Face model folder)")
+        raise FileNotFoundError(
+            f"model folder {path} has no config.json (expected a Hugging Face model folder)"
+        )
     if not path.is_dir():
         raise FileNotFoundError(f"{what} folder {path} does not exist")
     return path
@@ -92,7 +101,8 @@ def prepare_for_training(
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
     if activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        hf_model: Any = model
+        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if recipe != "bf16":
         convert_to_fp8(model, recipe, backend=backend)
     return model

@@ -50,5 +50,10 @@ def run(args: argparse.Namespace) -> int:
     if result.history:
         log.info("done: step %d, final loss %.4f%s", result.step, result.final_loss or float("nan"),
                  f", val loss {result.final_val_loss:.4f}" if result.final_val_loss is not None else "")  # fmt: skip
-    log.info("run folder %s; checkpoint %s; Hugging Face export %s", result.run_dir, result.checkpoint, result.hf_dir)
+    log.info(
+        "run folder %s; checkpoint %s; Hugging Face export %s",
+        result.run_dir,
+        result.checkpoint,
+        result.hf_dir,
+    )
     return 0

@@ -62,9 +62,13 @@ class RunSection:
 @dataclass(frozen=True)
 class ModelConfig:
     path: str | None = None  # local Hugging Face folder (config.json + weights); loaded with local_files_only
-    from_config: dict[str, Any] | None = None  # {arch: qwen2|llama, hidden_size: ..., ...}: a seeded new model
+    from_config: dict[str, Any] | None = (
+        None  # {arch: qwen2|llama, hidden_size: ..., ...}: a seeded new model
+    )
     tokenizer: str | None = None  # tokenizer folder; default: `path`
-    precision: Literal["fp32", "bf16"] = "bf16"  # autocast dtype of the high-precision parts (masters stay fp32)
+    precision: Literal["fp32", "bf16"] = (
+        "bf16"  # autocast dtype of the high-precision parts (masters stay fp32)
+    )
     activation_checkpointing: bool = False  # recompute each decoder layer in backward (long contexts)
     export_dtype: Literal["fp32", "bf16"] | None = None  # dtype of the final HF export; default: precision
 
@@ -83,7 +87,9 @@ class DataConfig:
     seq_len: int = 2048  # cpt: window length
     global_batch_size: int = 8  # sequences (cpt) or samples (sft) per optimizer step, all ranks together
     micro_batch_size: int = 1  # cpt: sequences per forward
-    max_tokens_per_micro_batch: int | None = None  # sft: token budget per forward (authors' max_tokens_per_gpu)
+    max_tokens_per_micro_batch: int | None = (
+        None  # sft: token budget per forward (authors' max_tokens_per_gpu)
+    )
     max_length: int = 32768  # sft: longest sample
     overlong: Literal["truncate", "drop"] = "truncate"  # sft: what happens to samples over max_length
     epochs: int = 1  # passes over the data (sft); cpt runs are sized by train.max_steps
@@ -185,7 +191,9 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
         args = typing.get_args(tp)
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise _err(source, key, f"expected a list of {len(args)} numbers, got {value!r}")
-        return tuple(_coerce(v, a, f"{key}[{i}]", source) for i, (v, a) in enumerate(zip(value, args, strict=True)))
+        return tuple(
+            _coerce(v, a, f"{key}[{i}]", source) for i, (v, a) in enumerate(zip(value, args, strict=True))
+        )
     if origin is dict:
         if not isinstance(value, dict):
             raise _err(source, key, f"expected a mapping, got {value!r}")
@@ -251,9 +259,13 @@ def _check(cfg: RunConfig, source: str) -> None:
 
     m, d, o, s, t = cfg.model, cfg.data, cfg.optim, cfg.schedule, cfg.train
     if m.path is not None and m.from_config is not None:
-        raise _err(source, "model", "give one of model.path (a local HF folder) or model.from_config, not both")
+        raise _err(
+            source, "model", "give one of model.path (a local HF folder) or model.from_config, not both"
+        )
     if m.from_config is not None and m.from_config.get("arch") not in ("qwen2", "llama"):
-        raise _err(source, "model.from_config.arch", f"expected qwen2 or llama, got {m.from_config.get('arch')!r}")
+        raise _err(
+            source, "model.from_config.arch", f"expected qwen2 or llama, got {m.from_config.get('arch')!r}"
+        )
     if m.from_config is not None and m.tokenizer is None:
         raise _err(source, "model.tokenizer", "a model built from_config needs a tokenizer folder")
     for key in ("seq_len", "global_batch_size", "micro_batch_size", "max_length", "epochs"):

@@ -17,7 +17,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["DistEnv", "all_reduce_sum", "broadcast_object", "gather_objects", "init_distributed", "shard_model"]
+__all__ = [
+    "DistEnv",
+    "all_reduce_sum",
+    "broadcast_object",
+    "gather_objects",
+    "init_distributed",
+    "shard_model",
+]
 
 
 @dataclass(frozen=True)

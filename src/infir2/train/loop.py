@@ -43,7 +43,14 @@ from ..data.base import IGNORE_INDEX, MicroBatch, StepSource, count_loss_tokens
 from ..model import autocast, build_from_config, load_pretrained, load_tokenizer, prepare_for_training
 from ..nn import cache_fp8_weights, disable_fp8
 from .config import RunConfig, config_to_dict, save_config
-from .distributed import DistEnv, all_reduce_sum, broadcast_object, gather_objects, init_distributed, shard_model
+from .distributed import (
+    DistEnv,
+    all_reduce_sum,
+    broadcast_object,
+    gather_objects,
+    init_distributed,
+    shard_model,
+)
 from .metrics import MetricsLogger, peak_memory_gib
 from .optim import Schedule, build_optimizer, make_schedule
 
@@ -129,7 +136,9 @@ def train_step(
     env: DistEnv,
 ) -> dict[str, Any]:
     """Forward/backward over this rank's micro-batches, clip, and (unless non-finite) one AdamW step."""
-    counts = torch.tensor([count_loss_tokens(micro_batches), sum(map(_num_tokens, micro_batches))], dtype=torch.float64)
+    counts = torch.tensor(
+        [count_loss_tokens(micro_batches), sum(map(_num_tokens, micro_batches))], dtype=torch.float64
+    )
     n_loss_tokens, n_tokens = all_reduce_sum(counts.to(env.device), env).tolist()
     scale = env.world_size / max(n_loss_tokens, 1.0)
     ce_total = torch.zeros((), dtype=torch.float64, device=env.device)
@@ -191,14 +200,19 @@ def build_sources(cfg: RunConfig, tokenizer: Any, env: DistEnv) -> tuple[StepSou
     if not d.train_path:
         raise ValueError("data.train_path: is required")
     seed = d.seed if d.seed is not None else cfg.run.seed
-    common = {"global_batch_size": d.global_batch_size, "rank": env.rank, "world_size": env.world_size, "seed": seed}
+    common = {
+        "global_batch_size": d.global_batch_size,
+        "rank": env.rank,
+        "world_size": env.world_size,
+        "seed": seed,
+    }
     if d.kind == "cpt":
         from ..data.cpt import CptSource
 
         def cpt(split: str, shuffle: bool) -> StepSource:
             return CptSource(d.val_path if split == "val" and d.val_path else d.train_path, split=split,
                              seq_len=d.seq_len, micro_batch_size=d.micro_batch_size, shuffle=shuffle,
-                             **common)  # type: ignore[arg-type]  # fmt: skip
+                             **common)  # fmt: skip
 
         return cpt("train", d.shuffle), cpt("val", False)
     from ..data.sft import SftSource, load_conversations
@@ -206,7 +220,7 @@ def build_sources(cfg: RunConfig, tokenizer: Any, env: DistEnv) -> tuple[StepSou
     def sft(path: str, epochs: int, shuffle: bool) -> StepSource:
         return SftSource(load_conversations(path), tokenizer, max_length=d.max_length, overlong=d.overlong,
                          max_tokens_per_micro_batch=d.max_tokens_per_micro_batch, epochs=epochs,
-                         shuffle=shuffle, **common)  # type: ignore[arg-type]  # fmt: skip
+                         shuffle=shuffle, **common)  # fmt: skip
 
     return sft(d.train_path, d.epochs, d.shuffle), (sft(d.val_path, 1, False) if d.val_path else None)
 
@@ -217,7 +231,9 @@ def _total_steps(cfg: RunConfig, source: StepSource) -> int:
     try:
         return len(source)  # type: ignore[arg-type]
     except TypeError:
-        raise ValueError("train.max_steps: required, because the data source does not know its length") from None
+        raise ValueError(
+            "train.max_steps: required, because the data source does not know its length"
+        ) from None
 
 
 def _rng_state() -> dict[str, Any]:
@@ -243,17 +259,26 @@ def _save(cfg: RunConfig, env: DistEnv, model: nn.Module, optimizer: torch.optim
     rng_states = gather_objects(_rng_state(), env)
     path = None
     if env.is_main:
-        train_state = {**vars(state), "world_size": env.world_size, "rng": rng_states, "config": config_to_dict(cfg)}
+        train_state = {
+            **vars(state),
+            "world_size": env.world_size,
+            "rng": rng_states,
+            "config": config_to_dict(cfg),
+        }
         full = {"model": model_sd, "optimizer": optim_sd, "scheduler": {"step": state.step},
                 "data": data_states, "train_state": train_state}  # fmt: skip
-        path = ckpt.save_checkpoint(cfg.run_dir / "checkpoints", state.step, full, keep_last=cfg.train.keep_last)
+        path = ckpt.save_checkpoint(
+            cfg.run_dir / "checkpoints", state.step, full, keep_last=cfg.train.keep_last
+        )
     return broadcast_object(path, env)  # type: ignore[return-value]
 
 
 def _apply_optim_config(optimizer: torch.optim.Optimizer, cfg: RunConfig) -> None:
     """After loading optimizer state, the config's hyperparameters win (a decay-only run may change them)."""
     for i, group in enumerate(optimizer.param_groups):
-        group.update(betas=cfg.optim.betas, eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay if i == 0 else 0.0)
+        group.update(
+            betas=cfg.optim.betas, eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay if i == 0 else 0.0
+        )
 
 
 def _restore(cfg: RunConfig, env: DistEnv, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -273,7 +298,9 @@ def _restore(cfg: RunConfig, env: DistEnv, model: nn.Module, optimizer: torch.op
         set_model_state_dict(model, model_sd, options=options)
         log.info("loaded model weights from %s (fresh optimizer, step 0)", path)
         return TrainState(), path
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=full["optimizer"], options=options)
+    set_state_dict(
+        model, optimizer, model_state_dict=model_sd, optim_state_dict=full["optimizer"], options=options
+    )
     _apply_optim_config(optimizer, cfg)
     saved = full["train_state"]
     state = TrainState(**{k: saved[k] for k in vars(TrainState())})
@@ -311,7 +338,9 @@ def _export(cfg: RunConfig, env: DistEnv, model: nn.Module, tokenizer: Any) -> P
 # The run
 
 
-def _step_metrics(step: int, out: dict[str, Any], seconds: float, state: TrainState, env: DistEnv) -> dict[str, Any]:
+def _step_metrics(
+    step: int, out: dict[str, Any], seconds: float, state: TrainState, env: DistEnv
+) -> dict[str, Any]:
     return {"step": step, **out, "tokens_per_s": out["tokens"] / seconds if seconds > 0 else math.nan,
             "step_time_s": seconds, "tokens_seen": state.tokens_seen, "nonfinite_total": state.nonfinite_total,
             "peak_mem_gib": peak_memory_gib(env.device)}  # fmt: skip
@@ -384,7 +413,9 @@ def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, 
     random.seed(cfg.run.seed + env.rank)
     state, resumed_from = _restore(cfg, env, model, optimizer, train_source)
     result = TrainResult(run_dir, state.step, resumed_from=resumed_from)
-    with MetricsLogger(run_dir, env.is_main, state.step, total_steps, cfg.train.log_every, progress) as logger:
+    with MetricsLogger(
+        run_dir, env.is_main, state.step, total_steps, cfg.train.log_every, progress
+    ) as logger:
         steps = iter(train_source)
         while state.step < total_steps:
             t0 = time.perf_counter()

@@ -104,5 +104,7 @@ def _short(metrics: dict[str, Any]) -> dict[str, str]:
     for key in ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s"):
         value = metrics.get(key)
         if isinstance(value, float):
-            out[key] = f"{value:.3g}" if math.isfinite(value) and key in ("lr", "tokens_per_s") else f"{value:.4f}"
+            out[key] = (
+                f"{value:.3g}" if math.isfinite(value) and key in ("lr", "tokens_per_s") else f"{value:.4f}"
+            )
     return out

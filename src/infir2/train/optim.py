@@ -36,7 +36,8 @@ __all__ = ["Schedule", "build_optimizer", "make_schedule", "param_groups"]
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Two AdamW groups: >=2-D weights decay, 1-D parameters (norms, biases) do not."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
@@ -94,13 +95,23 @@ def make_schedule(cfg: ScheduleConfig, lr: float, total_steps: int) -> Schedule:
     """Resolve fractions against ``total_steps`` and ``min_lr_ratio`` against ``lr``."""
     if total_steps <= 0:
         raise ValueError(f"schedule needs a positive number of steps, got {total_steps}")
-    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else round((cfg.warmup_fraction or 0.0) * total_steps)
+    warmup = (
+        cfg.warmup_steps
+        if cfg.warmup_steps is not None
+        else round((cfg.warmup_fraction or 0.0) * total_steps)
+    )
     if cfg.name == "wsd":
-        decay = cfg.decay_steps if cfg.decay_steps is not None else round((cfg.decay_fraction or 0.0) * total_steps)
+        decay = (
+            cfg.decay_steps
+            if cfg.decay_steps is not None
+            else round((cfg.decay_fraction or 0.0) * total_steps)
+        )
     else:
         decay = 0
     if warmup + decay > total_steps:
-        raise ValueError(f"schedule: warmup ({warmup}) + decay ({decay}) steps exceed the {total_steps} training steps")
+        raise ValueError(
+            f"schedule: warmup ({warmup}) + decay ({decay}) steps exceed the {total_steps} training steps"
+        )
     if cfg.min_lr is not None:
         min_lr = cfg.min_lr
     elif cfg.min_lr_ratio is not None:
