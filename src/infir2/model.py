@@ -1,4 +1,4 @@
-"""Build or load Hugging Face causal LMs (Qwen2, Llama) for FP8 training, and their tokenizers.
+"""Build or load Hugging Face causal LMs (Qwen2, Llama) for FP8 training (tokenizers: ``infir2.data``).
 
 Precision layout of a training model:
 
@@ -30,7 +30,6 @@ __all__ = [
     "autocast",
     "build_from_config",
     "load_pretrained",
-    "load_tokenizer",
     "prepare_for_training",
 ]
 
@@ -41,14 +40,14 @@ ARCHS = {
 }
 
 
-def _check_folder(path: str | Path, what: str) -> Path:
+def _check_folder(path: str | Path) -> Path:
     path = Path(path)
-    if not (path / "config.json").is_file() and what == "model":
+    if not path.is_dir():
+        raise FileNotFoundError(f"model folder {path} does not exist")
+    if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"model folder {path} has no config.json (expected a Hugging Face model folder)"
         )
-    if not path.is_dir():
-        raise FileNotFoundError(f"{what} folder {path} does not exist")
     return path
 
 
@@ -56,7 +55,7 @@ def load_pretrained(path: str | Path) -> nn.Module:
     """A causal LM from a local Hugging Face folder, with fp32 weights (the training masters)."""
     from transformers import AutoModelForCausalLM
 
-    path = _check_folder(path, "model")
+    path = _check_folder(path)
     return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
 
 
@@ -80,14 +79,6 @@ def build_from_config(config: dict[str, Any], vocab_size: int | None = None, see
         raise ValueError(f"model.from_config: {config_cls_name} rejects {fields}: {e}") from e
     torch.manual_seed(seed)
     return getattr(transformers, model_cls_name)(hf_config).float()
-
-
-def load_tokenizer(path: str | Path) -> Any:
-    """The tokenizer in a local folder (``tokenizer.json`` etc.), loaded without network."""
-    from transformers import AutoTokenizer
-
-    path = _check_folder(path, "tokenizer")
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 def prepare_for_training(

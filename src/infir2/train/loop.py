@@ -23,6 +23,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,8 +40,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from .. import checkpoint as ckpt
+from ..data import load_tokenizer
 from ..data.base import IGNORE_INDEX, MicroBatch, StepSource, count_loss_tokens
-from ..model import autocast, build_from_config, load_pretrained, load_tokenizer, prepare_for_training
+from ..model import autocast, build_from_config, load_pretrained, prepare_for_training
 from ..nn import cache_fp8_weights, disable_fp8
 from .config import RunConfig, config_to_dict, save_config
 from .distributed import (
@@ -54,7 +56,16 @@ from .distributed import (
 from .metrics import MetricsLogger, peak_memory_gib
 from .optim import Schedule, build_optimizer, make_schedule
 
-__all__ = ["NonFiniteError", "TrainResult", "TrainState", "build_sources", "evaluate", "train", "train_step"]
+__all__ = [
+    "NonFiniteError",
+    "TrainResult",
+    "TrainState",
+    "ValSteps",
+    "build_sources",
+    "evaluate",
+    "train",
+    "train_step",
+]
 
 log = logging.getLogger(__name__)
 
@@ -161,17 +172,16 @@ def train_step(
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, source: StepSource, start_state: dict[str, Any], batches: int, precision: str,
-    env: DistEnv, fp8: bool = False,
+    model: nn.Module, steps: Iterable[list[MicroBatch]], batches: int, precision: str, env: DistEnv,
+    fp8: bool = False,
 ) -> float:  # fmt: skip
-    """Per-token loss over the first ``batches`` steps of ``source`` (rewound to ``start_state`` first)."""
-    source.load_state_dict(start_state)
+    """Per-token loss over the first ``batches`` steps of ``steps`` (FP8 off unless ``fp8``)."""
     totals = torch.zeros(2, dtype=torch.float64, device=env.device)  # [ce sum, loss tokens]
     was_training = model.training
     model.eval()
     try:
         with disable_fp8(model) if not fp8 else cache_fp8_weights(model):
-            for _, micro_batches in zip(range(batches), source, strict=False):
+            for _, micro_batches in zip(range(batches), steps, strict=False):
                 for mb in micro_batches:
                     totals[0] += _token_ce_sum(model, mb, precision, env.device).double()
                 totals[1] += count_loss_tokens(micro_batches)
@@ -194,46 +204,73 @@ def _build_model(cfg: RunConfig, tokenizer: Any) -> nn.Module:
     raise ValueError("model: give model.path (a local HF folder) or model.from_config")
 
 
-def build_sources(cfg: RunConfig, tokenizer: Any, env: DistEnv) -> tuple[StepSource, StepSource | None]:
-    """The train and validation ``StepSource`` of ``cfg.data`` for this rank (CPT shards or SFT JSONL)."""
+ValSteps = Callable[[], Iterable[list[MicroBatch]]]
+
+
+def build_sources(cfg: RunConfig, tokenizer: Any, env: DistEnv) -> tuple[StepSource, ValSteps | None]:
+    """This rank's training ``StepSource`` for ``cfg.data`` and a factory of its validation steps.
+
+    CPT: windows of ``<train_path>/train.bin``; validation: ``<val_path or train_path>/val.bin`` in
+    order, one micro-batch per step. SFT: ``SftSource`` over the JSONL (``data.epochs``, shuffled);
+    validation: ``SftSource`` over ``val_path`` (one epoch, in file order).
+    """
+    from ..data import CptSource, SftSource, load_conversations, load_tokens, val_batches
+
     d = cfg.data
     if not d.train_path:
         raise ValueError("data.train_path: is required")
     seed = d.seed if d.seed is not None else cfg.run.seed
-    common = {
-        "global_batch_size": d.global_batch_size,
-        "rank": env.rank,
-        "world_size": env.world_size,
-        "seed": seed,
-    }
+    ranks = {"rank": env.rank, "world_size": env.world_size}
     if d.kind == "cpt":
-        from ..data.cpt import CptSource
+        cpt_source = CptSource(
+            d.train_path, d.seq_len, d.global_batch_size, d.micro_batch_size, seed=seed, **ranks
+        )
+        val_dir = d.val_path or d.train_path
+        if len(load_tokens(val_dir, "val")) < d.seq_len:
+            log.warning(
+                "%s/val.bin holds less than one window of %d tokens: no evaluation", val_dir, d.seq_len
+            )
+            return cpt_source, None
+        max_batches = cfg.train.eval_batches * env.world_size
 
-        def cpt(split: str, shuffle: bool) -> StepSource:
-            return CptSource(d.val_path if split == "val" and d.val_path else d.train_path, split=split,
-                             seq_len=d.seq_len, micro_batch_size=d.micro_batch_size, shuffle=shuffle,
-                             **common)  # fmt: skip
+        def cpt_val() -> Iterable[list[MicroBatch]]:
+            return ([mb] for mb in val_batches(val_dir, d.seq_len, d.micro_batch_size, max_batches, **ranks))
 
-        return cpt("train", d.shuffle), cpt("val", False)
-    from ..data.sft import SftSource, load_conversations
+        return cpt_source, cpt_val
+    if tokenizer is None:
+        raise ValueError("model.tokenizer: SFT data needs a tokenizer (model.tokenizer or model.path)")
+    if d.max_tokens_per_micro_batch is None:
+        raise ValueError("data.max_tokens_per_micro_batch: required for SFT (the token budget per forward)")
+    sft = {"tokenizer": tokenizer, "global_batch_size": d.global_batch_size, "max_length": d.max_length,
+           "max_tokens_per_micro_batch": d.max_tokens_per_micro_batch, "overlong": d.overlong,
+           "seed": seed, "progress": env.is_main, **ranks}  # fmt: skip
+    train_source = SftSource(load_conversations(d.train_path), epochs=d.epochs, shuffle=d.shuffle, **sft)
+    if not d.val_path:
+        return train_source, None
+    val_source = SftSource(load_conversations(d.val_path), epochs=1, shuffle=False, **sft)
+    return train_source, _rewinding(val_source)
 
-    def sft(path: str, epochs: int, shuffle: bool) -> StepSource:
-        return SftSource(load_conversations(path), tokenizer, max_length=d.max_length, overlong=d.overlong,
-                         max_tokens_per_micro_batch=d.max_tokens_per_micro_batch, epochs=epochs,
-                         shuffle=shuffle, **common)  # fmt: skip
 
-    return sft(d.train_path, d.epochs, d.shuffle), (sft(d.val_path, 1, False) if d.val_path else None)
+def _rewinding(source: StepSource) -> ValSteps:
+    """Validation steps of a ``StepSource``: from its initial position at every evaluation."""
+    start = source.state_dict()
+
+    def steps() -> Iterable[list[MicroBatch]]:
+        source.load_state_dict(start)
+        return source
+
+    return steps
 
 
 def _total_steps(cfg: RunConfig, source: StepSource) -> int:
     if cfg.train.max_steps is not None:
         return cfg.train.max_steps
-    try:
-        return len(source)  # type: ignore[arg-type]
-    except TypeError:
-        raise ValueError(
-            "train.max_steps: required, because the data source does not know its length"
-        ) from None
+    total = getattr(source, "total_steps", None)
+    if total is None and hasattr(source, "__len__"):
+        total = len(source)  # type: ignore[arg-type]
+    if total is None:
+        raise ValueError("train.max_steps: required, because the data source does not know its length")
+    return int(total)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -371,13 +408,14 @@ def train(
     model: nn.Module | None = None,
     tokenizer: Any = None,
     train_source: StepSource | None = None,
-    val_source: StepSource | None = None,
+    val_source: StepSource | ValSteps | None = None,
     progress: bool = True,
 ) -> TrainResult:
     """Run (or resume) the training that ``cfg`` describes; returns metrics and output paths.
 
     ``model`` (an unconverted HF causal LM), ``tokenizer`` and the sources may be passed in (the demo
-    and tests do); otherwise they are built from ``cfg``. Under ``torchrun`` every rank calls this.
+    and tests do); otherwise they are built from ``cfg``. ``val_source`` is a ``StepSource`` (rewound
+    to its current position before every evaluation) or a function returning fresh validation steps. Under ``torchrun`` every rank calls this.
     """
     env = init_distributed(cfg.run.device)
     try:
@@ -394,7 +432,7 @@ def _setup_model(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenize
 
 
 def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, train_source: StepSource | None,
-         val_source: StepSource | None, progress: bool) -> TrainResult:  # fmt: skip
+         val_source: StepSource | ValSteps | None, progress: bool) -> TrainResult:  # fmt: skip
     run_dir = cfg.run_dir
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -405,8 +443,9 @@ def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, 
     model = _setup_model(cfg, env, model, tokenizer)
     optimizer = build_optimizer(model, cfg.optim)
     if train_source is None:
-        train_source, val_source = build_sources(cfg, tokenizer, env)
-    val_start = val_source.state_dict() if val_source is not None else {}
+        train_source, val_steps = build_sources(cfg, tokenizer, env)
+    else:
+        val_steps = _rewinding(val_source) if isinstance(val_source, StepSource) else val_source
     total_steps = _total_steps(cfg, train_source)
     schedule: Schedule = make_schedule(cfg.schedule, cfg.optim.lr, total_steps)
     torch.manual_seed(cfg.run.seed + env.rank)
@@ -430,8 +469,8 @@ def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, 
             seconds = time.perf_counter() - t0
             last = state.step == total_steps
             metrics = _step_metrics(state.step, out, seconds, state, env)
-            if val_source is not None and _due(state.step, cfg.train.eval_every, last):
-                metrics["val_loss"] = evaluate(model, val_source, val_start, cfg.train.eval_batches,
+            if val_steps is not None and _due(state.step, cfg.train.eval_every, last):
+                metrics["val_loss"] = evaluate(model, val_steps(), cfg.train.eval_batches,
                                                cfg.model.precision, env, cfg.train.eval_fp8)  # fmt: skip
             logger.log(metrics)
             result.history.append(metrics)
