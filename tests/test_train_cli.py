@@ -6,12 +6,12 @@ import json
 
 import pytest
 import yaml
-from conftest import make_tokenizer
-from train_synthetic import one_thread
 
+from conftest import make_tokenizer
 from infir2.checkpoint import load_checkpoint
 from infir2.cli import main
 from infir2.data import prepare_cpt
+from train_synthetic import one_thread
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
 
@@ -55,7 +55,9 @@ def test_cpt_decay_only_and_sft_through_the_command(tmp_path):
     args = ["train", str(tmp_path / "cpt.yaml"), "--load", str(ckpt), "--no-progress"]
     assert main(args + [x for o in overrides for x in ("--set", o)]) == 0
     decay = [json.loads(line) for line in (tmp_path / "runs/decay/metrics.jsonl").read_text().splitlines()]
-    assert [r["lr"] for r in decay] == pytest.approx([3e-3, 3e-3 - (3e-3 - 3e-4) / 3, 3e-3 - 2 * (3e-3 - 3e-4) / 3])
+    assert [r["lr"] for r in decay] == pytest.approx(
+        [3e-3, 3e-3 - (3e-3 - 3e-4) / 3, 3e-3 - 2 * (3e-3 - 3e-4) / 3]
+    )
     stable = load_checkpoint(ckpt)
     state = load_checkpoint(tmp_path / "runs/decay/checkpoints/step_00000003")
     assert state["data"][0]["step_in_epoch"] == stable["data"][0]["step_in_epoch"] + 3  # data continued

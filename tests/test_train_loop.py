@@ -142,3 +142,17 @@ def test_hf_export_loads_in_transformers(tmp_path, tiny_tokenizer):
     row = json.loads(result.metrics_path.read_text().splitlines()[0])
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_gib"):
         assert isinstance(row[key], float) and row[key] > 0, key
+
+
+def test_weights_only_load_starts_a_new_run_from_a_checkpoint(tmp_path):
+    first = train(tiny_run_config(tmp_path, "a", fp8={"recipe": "bf16"}, train={"max_steps": 2}),
+                  model=make_tiny_model(), train_source=SyntheticSource(seed=1), progress=False)  # fmt: skip
+    cfg = tiny_run_config(tmp_path, "b", fp8={"recipe": "bf16"}, train={"max_steps": 1},
+                          load={"path": str(first.checkpoint), "mode": "weights_only"})  # fmt: skip
+    second = train(cfg, model=make_tiny_model(seed=5), train_source=SyntheticSource(seed=1), progress=False)
+    assert second.resumed_from == first.checkpoint and [m["step"] for m in second.history] == [1]
+    # the loaded weights (not the seed-5 init) produced the first loss: it is the trained model's loss on step 1
+    assert second.history[0]["loss"] < first.history[0]["loss"] - 0.05
+    state = load_checkpoint(second.checkpoint)
+    assert int(state["optimizer"]["state"]["lm_head.weight"]["step"]) == 1  # fresh AdamW
+    assert second.tokens_per_s is not None and second.tokens_per_s > 0

@@ -103,6 +103,13 @@ class TrainResult:
         return losses[-1] if losses else None
 
     @property
+    def tokens_per_s(self) -> float | None:
+        """Throughput of this invocation: all tokens / all step time, the first step (warm-up) left out."""
+        timed = self.history[1:] or self.history
+        seconds = sum(m["step_time_s"] for m in timed)
+        return sum(m["tokens"] for m in timed) / seconds if seconds > 0 else None
+
+    @property
     def final_val_loss(self) -> float | None:
         losses = [m["val_loss"] for m in self.history if "val_loss" in m]
         return losses[-1] if losses else None
@@ -425,6 +432,9 @@ def train(
 
 
 def _setup_model(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any) -> nn.Module:
+    if cfg.model.precision == "bf16" and env.device.type == "cpu":
+        log.warning("model.precision=bf16 on a CPU: most CPUs have no fast bf16 (often 10-100x slower); "
+                    "fp32 is the CPU baseline (--set model.precision=fp32)")  # fmt: skip
     model = model if model is not None else _build_model(cfg, tokenizer)
     model = prepare_for_training(model, cfg.fp8.recipe, cfg.fp8.backend, cfg.model.activation_checkpointing)
     model.to(env.device)
