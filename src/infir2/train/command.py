@@ -7,7 +7,10 @@ or cosine) and the loop settings; see infir2/configs/*.yaml for the InfiR2 setup
 at the end, hf/ (a Hugging Face folder that transformers loads).
 
 Re-running the same command resumes from the latest checkpoint in the run folder and continues
-exactly where it stopped.
+exactly where it stopped (same losses step by step). `--load PATH` starts from PATH instead, every
+time it is given: drop it to resume the new run. Several processes (torchrun) shard the model with
+FSDP2; the run folder must be on a filesystem all nodes see (checkpoints are full state dicts
+gathered to rank 0, loadable on any number of processes; exact data resume needs the same number).
 
 examples:
   infir2 train src/infir2/configs/qwen2.5-1.5b-cpt.yaml
@@ -16,6 +19,8 @@ examples:
   infir2 train src/infir2/configs/qwen2.5-7b-decay-only.yaml              # WSD decay from a stable ckpt
   torchrun --nproc_per_node 8 -m infir2.cli train src/infir2/configs/qwen2.5-7b-sft-stage1.yaml
                                                    # data parallel, FSDP2 (NCCL on GPUs, gloo on CPUs)
+  torchrun --nnodes 4 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 \
+      -m infir2.cli train src/infir2/configs/qwen2.5-7b-cpt.yaml
 """
 
 from __future__ import annotations
