@@ -18,8 +18,15 @@ The task: multi-step integer arithmetic with worked steps, in the reasoning form
 The expression is evaluated left to right, one operation per line, each line starting from the
 previous result; subtractions are drawn so that no intermediate result is negative. Difficulty is set
 by ``max_operand`` (operands are 1..max_operand) and ``num_ops`` (operations per problem). The default
-(2 operations, operands up to 9; about 1,900 distinct problems) is learnable by a ~3M-parameter model
-on a laptop CPU in minutes, and the answer space (0..27) makes chance accuracy a few percent at most.
+(2 operations, operands up to 9) has about 1,900 distinct problems and answers 0..27. Smaller settings
+learn faster but have few problems (``max_operand=4``: 174) and a higher chance level: report the
+majority-answer baseline of the test file next to the accuracy.
+
+What a from-scratch model needs is the single-step facts (``8 + 5 = 13.``), so the CPT corpus is mostly
+those facts in the answer's line format. Measured on a 2-core CPU (Qwen2-style, hidden 256, 4 layers,
+2.9M parameters, fp32, AdamW lr 1e-3, batches of 8 x 128 tokens): the share of single-step facts a
+model completes correctly was ~0.1-0.2 after 100-200 steps and rose to 0.47 (operands <= 5) / 0.61
+(operands <= 3) only after 300-400 steps, i.e. 300-400k tokens; a few minutes of CPU per run.
 
 Files written by ``make_demo_data(out_dir)``:
 
