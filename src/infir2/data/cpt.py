@@ -237,8 +237,8 @@ def _write_shards(
                 counts[f"{split}_tokens"] += len(tokens)
                 counts[f"{split}_documents"] += 1
                 index += 1
+            bar.set_postfix(tokens=counts["train_tokens"] + counts["val_tokens"], refresh=False)
             bar.update(len(texts))
-            bar.set_postfix(tokens=counts["train_tokens"] + counts["val_tokens"])
     if counts["train_documents"] == 0:
         raise ValueError(
             f"no training documents: {index} non-empty document(s) in {[str(f) for f in files]} "
