@@ -9,12 +9,13 @@ import pytest
 
 from infir2.data import SYSTEM_PROMPT, load_conversations, make_demo_data, render_conversation
 
+SMALL = dict(n_train=400, n_test=100, n_cpt_worked=200, n_cpt_tables=50)
 EXPR = re.compile(r"^Compute (\d+(?: [+-] \d+)+)\.$")
 
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    return make_demo_data(tmp_path_factory.mktemp("demo"), seed=0, n_train=400, n_test=100, n_cpt_worked=200)
+    return make_demo_data(tmp_path_factory.mktemp("demo"), seed=0, **SMALL)
 
 
 def read_jsonl(path):
@@ -22,8 +23,8 @@ def read_jsonl(path):
 
 
 def test_deterministic(demo, tmp_path):
-    again = make_demo_data(tmp_path / "a", seed=0, n_train=400, n_test=100, n_cpt_worked=200)
-    other = make_demo_data(tmp_path / "b", seed=1, n_train=400, n_test=100, n_cpt_worked=200)
+    again = make_demo_data(tmp_path / "a", seed=0, **SMALL)
+    other = make_demo_data(tmp_path / "b", seed=1, **SMALL)
     for name in ("cpt", "sft_train", "test"):
         assert demo[name].read_bytes() == again[name].read_bytes()
         assert demo[name].read_bytes() != other[name].read_bytes()
@@ -51,12 +52,26 @@ def test_train_test_disjoint(demo):
     assert len(test) == 100 and len(train) == len(set(train)) == 400
     assert not test & set(train)
     cpt = [r["text"] for r in read_jsonl(demo["cpt"])]
-    worked = {m.group(1) for t in cpt if (m := re.match(r"To work out (.+?), go", t))}
-    assert len(worked) == 200 and not test & worked
+    worked = [
+        m.group(1) or m.group(2)
+        for t in cpt
+        if (m := re.match(r"To work out (.+?), go|Compute (.+?)\.\n", t))
+    ]
+    assert len(worked) == 200 and not test & set(worked)
 
 
-def test_sizes_fit_the_demo(demo, tiny_tokenizer):
-    assert demo["cpt"].stat().st_size < 300_000
+def test_cpt_corpus(demo):
+    cpt = [r["text"] for r in read_jsonl(demo["cpt"])]
+    tables = [t for t in cpt if t.startswith("Arithmetic facts:\n")]
+    assert len(tables) == 50 and len(cpt) == 250
+    for line in "\n".join(t.split("\n", 1)[1] for t in tables).split("\n"):
+        lhs, rhs = line.removesuffix(".").split(" = ")
+        assert eval(lhs) == int(rhs) >= 0
+
+
+def test_sizes_fit_the_demo(demo, tiny_tokenizer, tmp_path):
+    full = make_demo_data(tmp_path)  # the defaults: a few hundred KB at most
+    assert full["cpt"].stat().st_size < 400_000 and full["sft_train"].stat().st_size < 400_000
     conv = load_conversations(demo["sft_train"])[0]
     ids, mask = render_conversation(tiny_tokenizer, conv)
     assert sum(mask) < len(ids) < 200  # short samples: tens of thousands of tokens per epoch
@@ -66,3 +81,16 @@ def test_sizes_fit_the_demo(demo, tiny_tokenizer):
 def test_too_many_problems_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="distinct problems"):
         make_demo_data(tmp_path, n_train=10_000, n_test=10, max_operand=3, num_ops=(2, 2))
+
+
+def test_tokenizer_texts_train_a_tokenizer(demo):
+    from infir2.data import tokenizer_training_texts, train_bpe_tokenizer
+
+    texts = tokenizer_training_texts(demo)
+    assert any(t.startswith("assistant\n<think>\n") for t in texts) and any(
+        t.startswith("system\n") for t in texts
+    )
+    tok = train_bpe_tokenizer(texts, vocab_size=400)
+    conv = load_conversations(demo["sft_train"])[0]
+    ids, mask = render_conversation(tok, conv)
+    assert tok.decode([i for i, m in zip(ids, mask, strict=True) if m]) == conv[2]["content"] + "<|im_end|>"

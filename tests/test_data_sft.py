@@ -24,6 +24,16 @@ LLAMA3_LIKE = (
     "{% endfor %}{% if add_generation_prompt %}<|endoftext|>assistant\n\n{% endif %}"
 )
 
+# Qwen2.5's template (tool branches left out): a default system prompt when there is none.
+QWEN25_LIKE = (
+    "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nYou are Qwen, a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}{%- if message.role == 'user' or (message.role == 'system' and not loop.first)"
+    " or message.role == 'assistant' %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
 
 def loss_spans(tokenizer, ids, mask):
     """Decoded text of each maximal run of loss tokens."""
@@ -65,6 +75,14 @@ def test_other_template(tiny_tokenizer):
     tok.chat_template = LLAMA3_LIKE
     ids, mask = render_conversation(tok, messages)
     assert loss_spans(tok, ids, mask) == ["42<|im_end|>", "Also 42.<|im_end|>"]
+
+
+def test_qwen_template_with_default_system_prompt(tiny_tokenizer):
+    tok = tiny_tokenizer.__class__(tokenizer_object=tiny_tokenizer.backend_tokenizer)
+    tok.chat_template = QWEN25_LIKE
+    ids, mask = render_conversation(tok, [USER1, ASSISTANT1, USER2, ASSISTANT2])
+    assert tok.decode(ids).startswith("<|im_start|>system\nYou are Qwen, a helpful assistant.<|im_end|>\n")
+    assert loss_spans(tok, ids, mask) == [ASSISTANT1["content"] + "<|im_end|>", "Also 42.<|im_end|>"]
 
 
 def test_template_that_rewrites_history_is_rejected(tiny_tokenizer):

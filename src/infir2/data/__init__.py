@@ -3,7 +3,7 @@
 from .base import IGNORE_INDEX, MicroBatch, StepSource, count_loss_tokens
 from .chat_template import CHATML_SPECIAL_TOKENS, DEFAULT_CHAT_TEMPLATE
 from .cpt import CptSource, load_cpt_meta, load_tokens, prepare_cpt, val_batches
-from .demo import SYSTEM_PROMPT, make_demo_data
+from .demo import SYSTEM_PROMPT, make_demo_data, tokenizer_training_texts
 from .sft import SftSource, assistant_spans, load_conversations, render_conversation
 from .tokenizer import load_tokenizer, train_bpe_tokenizer
 
@@ -25,6 +25,7 @@ __all__ = [
     "make_demo_data",
     "prepare_cpt",
     "render_conversation",
+    "tokenizer_training_texts",
     "train_bpe_tokenizer",
     "val_batches",
 ]

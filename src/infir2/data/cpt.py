@@ -237,8 +237,8 @@ def _write_shards(
                 counts[f"{split}_tokens"] += len(tokens)
                 counts[f"{split}_documents"] += 1
                 index += 1
+            bar.set_postfix(tokens=counts["train_tokens"] + counts["val_tokens"], refresh=False)
             bar.update(len(texts))
-            bar.set_postfix(tokens=counts["train_tokens"] + counts["val_tokens"])
     if counts["train_documents"] == 0:
         raise ValueError(
             f"no training documents: {index} non-empty document(s) in {[str(f) for f in files]} "
@@ -335,6 +335,8 @@ class CptSource:
         self.seed = seed
         self.epoch = 0
         self.step_in_epoch = 0
+        self._order_key: tuple[int, int] | None = None
+        self._order = np.zeros(0, dtype=np.int64)
 
     def __iter__(self) -> Iterator[list[MicroBatch]]:
         while True:
@@ -348,7 +350,10 @@ class CptSource:
             ]
 
     def _step_windows(self, epoch: int, step: int) -> np.ndarray:
-        order = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+        if self._order_key != (self.seed, epoch):  # one permutation per epoch, cached
+            self._order = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+            self._order_key = (self.seed, epoch)
+        order = self._order
         step_windows = order[step * self.global_batch_size : (step + 1) * self.global_batch_size]
         per_rank = self.global_batch_size // self.world_size
         return step_windows[self.rank * per_rank : (self.rank + 1) * per_rank]

@@ -18,13 +18,22 @@ The task: multi-step integer arithmetic with worked steps, in the reasoning form
 The expression is evaluated left to right, one operation per line, each line starting from the
 previous result; subtractions are drawn so that no intermediate result is negative. Difficulty is set
 by ``max_operand`` (operands are 1..max_operand) and ``num_ops`` (operations per problem). The default
-(2 operations, operands up to 9; about 1,900 distinct problems) is learnable by a ~3M-parameter model
-on a laptop CPU in minutes, and the answer space (0..27) makes chance accuracy a few percent at most.
+(2 operations, operands up to 9) has about 1,900 distinct problems and answers 0..27. Smaller settings
+learn faster but have few problems (``max_operand=4``: 174) and a higher chance level: report the
+majority-answer baseline of the test file next to the accuracy.
+
+What a from-scratch model needs is the single-step facts (``8 + 5 = 13.``), so the CPT corpus is mostly
+those facts in the answer's line format. Measured on a 2-core CPU (Qwen2-style, hidden 256, 4 layers,
+2.9M parameters, fp32, AdamW lr 1e-3, batches of 8 x 128 tokens): the share of single-step facts a
+model completes correctly was ~0.1-0.2 after 100-200 steps and rose to 0.47 (operands <= 5) / 0.61
+(operands <= 3) only after 300-400 steps, i.e. 300-400k tokens; a few minutes of CPU per run.
 
 Files written by ``make_demo_data(out_dir)``:
 
-* ``cpt.jsonl`` -- the continual pre-training corpus (``{"text": ...}`` per line): addition and
-  subtraction facts in words and symbols, counting, and worked multi-step explanations in prose.
+* ``cpt.jsonl`` -- the continual pre-training corpus (``{"text": ...}`` per line): tables of
+  single-step facts in the answers' line format (``12 - 3 = 9.``), worked multi-step examples in the
+  same format, and some worked examples in prose. CPT is where a from-scratch model learns the facts
+  (dense, no chat overhead); SFT then teaches the chat format and the chaining.
 * ``sft_train.jsonl`` -- SFT conversations (``{"messages": [system, user, assistant]}``), with the eval
   system prompt.
 * ``test.jsonl`` -- held-out problems in the math benchmark schema ``{"problem", "answer", "id"}``.
@@ -46,6 +55,7 @@ __all__ = [
     "make_demo_data",
     "random_problem",
     "solution_text",
+    "tokenizer_training_texts",
 ]
 
 SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -54,6 +64,7 @@ SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\
 Problem = tuple[int, tuple[tuple[str, int], ...]]
 
 _WORDS = {"+": "plus", "-": "minus"}
+_FACTS_PER_TABLE = 8  # problems whose steps make one fact-table document
 _MAX_MISSES = 20_000  # draws in a row that find no new problem: the space is (nearly) exhausted
 
 
@@ -129,43 +140,61 @@ def _distinct_problems(
 # ----------------------------------------------------------------------------- the CPT corpus
 
 
-def _fact_documents(max_value: int) -> Iterable[str]:
-    """One short document per addition/subtraction fact in the range the task needs."""
-    for a in range(max_value + 1):
-        for b in range(1, max_value + 1 - a):
-            c = a + b
-            yield f"{a} + {b} = {c}. {a} plus {b} is {c}, and {c} - {b} = {a}: {c} minus {b} is {a}."
-
-
-def _counting_documents(max_value: int) -> Iterable[str]:
-    for start in range(0, max_value, 5):
-        numbers = list(range(start, min(start + 12, max_value + 1)))
-        yield (
-            "Counting up: " + ", ".join(map(str, numbers)) + ". Each number is one more than the one before."
-        )
+def _fact_table(rng: random.Random, problems: list[Problem]) -> str:
+    """Single-step facts (``a op b = c.``, the lines of worked answers), drawn from ``problems``."""
+    facts = [line for p in problems for line in worked_steps(p)[0]]
+    rng.shuffle(facts)
+    return "Arithmetic facts:\n" + "\n".join(facts)
 
 
 def _worked_document(problem: Problem) -> str:
+    """A worked example in the same line format as the SFT answers."""
+    lines, result = worked_steps(problem)
+    return f"{problem_text(problem)}\n" + "\n".join(lines) + f"\nSo {expression(problem)} = {result}."
+
+
+def _prose_document(problem: Problem) -> str:
+    """A worked example in words: the method, explained."""
     lines, result = worked_steps(problem)
     words = [str(problem[0]), *(f"{_WORDS[op]} {b}" for op, b in problem[1])]
     return (
         f"To work out {expression(problem)}, go from left to right, one operation at a time. "
         + " ".join(f"Step {i + 1}: {line}" for i, line in enumerate(lines))
-        + f" So {' '.join(words)} equals {result}, and {expression(problem)} = {result}."
+        + f" So {' '.join(words)} equals {result}."
     )
 
 
 def _cpt_documents(
-    rng: random.Random, n_worked: int, max_operand: int, num_ops: tuple[int, int], exclude: set[Problem]
+    rng: random.Random,
+    n_worked: int,
+    n_tables: int,
+    max_operand: int,
+    num_ops: tuple[int, int],
+    exclude: set[Problem],
 ) -> list[str]:
-    max_value = max_operand * (num_ops[1] + 1)
-    worked = [_worked_document(p) for p in _distinct_problems(rng, n_worked, max_operand, num_ops, exclude)]
-    docs = [*_fact_documents(max_value), *_counting_documents(max_value), *worked]
+    """Fact tables, worked examples (one in ten in prose), shuffled; no problem of ``exclude``."""
+    problems: list[Problem] = []
+    while len(problems) < n_worked + _FACTS_PER_TABLE * n_tables:  # repeats allowed; test problems never
+        p = random_problem(rng, max_operand, num_ops)
+        if p not in exclude:
+            problems.append(p)
+    worked, rest = problems[:n_worked], problems[n_worked:]
+    docs = [_prose_document(p) if i % 10 == 0 else _worked_document(p) for i, p in enumerate(worked)]
+    tables = [rest[i : i + _FACTS_PER_TABLE] for i in range(0, len(rest), _FACTS_PER_TABLE)]
+    docs += [_fact_table(rng, t) for t in tables]
     rng.shuffle(docs)
     return docs
 
 
 # ----------------------------------------------------------------------------- writing
+
+
+def tokenizer_training_texts(paths: dict[str, Path]) -> list[str]:
+    """Texts to train the demo tokenizer on: the CPT documents and every SFT turn with its role name."""
+    texts = [json.loads(line)["text"] for line in paths["cpt"].read_text(encoding="utf-8").splitlines()]
+    for line in paths["sft_train"].read_text(encoding="utf-8").splitlines():
+        texts += [f"{m['role']}\n{m['content']}" for m in json.loads(line)["messages"]]
+    return texts
 
 
 def _write_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> None:
@@ -179,21 +208,23 @@ def make_demo_data(
     seed: int = 0,
     n_train: int = 1000,
     n_test: int = 200,
-    n_cpt_worked: int = 1000,
+    n_cpt_worked: int = 1500,
+    n_cpt_tables: int = 500,
     max_operand: int = 9,
     num_ops: tuple[int, int] = (2, 2),
 ) -> dict[str, Path]:
     """Write the demo's CPT corpus, SFT conversations and test problems; returns their paths.
 
-    Same arguments, same bytes. ``n_cpt_worked`` worked examples go into the CPT corpus besides the
-    fact tables; they may repeat SFT problems but never test problems.
+    Same arguments, same bytes. The CPT corpus holds ``n_cpt_worked`` worked examples and
+    ``n_cpt_tables`` fact tables (the steps of 8 random problems each); they may repeat SFT problems but
+    never test problems.
     """
     if not 1 <= num_ops[0] <= num_ops[1]:
         raise ValueError(f"num_ops must be (min, max) with 1 <= min <= max, got {num_ops}")
     rng = random.Random(seed)
     test = _distinct_problems(rng, n_test, max_operand, num_ops, exclude=set())
     train = _distinct_problems(rng, n_train, max_operand, num_ops, exclude=set(test))
-    cpt = _cpt_documents(rng, n_cpt_worked, max_operand, num_ops, exclude=set(test))
+    cpt = _cpt_documents(rng, n_cpt_worked, n_cpt_tables, max_operand, num_ops, exclude=set(test))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {name: out / f"{name}.jsonl" for name in ("cpt", "sft_train", "test")}
@@ -219,7 +250,7 @@ def _readme(
         f"Written by `infir2.data.demo.make_demo_data(seed={seed}, n_train={n_train}, n_test={n_test}, "
         f"max_operand={max_operand}, num_ops={num_ops})`.\n\n"
         '- `cpt.jsonl`: continual pre-training corpus, {"text"} per line '
-        f"({n_cpt} documents: arithmetic facts, counting, worked examples).\n"
+        f"({n_cpt} documents: arithmetic fact tables, worked examples).\n"
         '- `sft_train.jsonl`: SFT conversations, {"messages": [system, user, assistant]}.\n'
         '- `test.jsonl`: held-out problems, {"problem", "answer", "id"}; none appears in the files above.\n\n'
         "Licence: synthetic data generated by code from a random seed; no third-party content. "
