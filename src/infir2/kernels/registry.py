@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..fp8.recipe import Fp8Recipe
-from . import emulated, scaled_mm
+from . import compiled, emulated, gpu, scaled_mm
 from .operand import Operand
 
 __all__ = ["BACKENDS", "Backend", "register_backend", "select_backend"]
@@ -57,12 +57,25 @@ BACKENDS: dict[str, Backend] = {
     "scaled_mm": Backend(
         "scaled_mm", emulated.quantize_operand, scaled_mm.gemm_nt, scaled_mm.supports_operands, _scaled_mm_available
     ),
+    # Triton quantization + cuBLAS block-scaled GEMMs (SM90, CUDA >= 12.9), Triton GEMMs elsewhere.
+    "cuda": Backend(
+        "cuda", gpu.quantize_operand, gpu.gemm_nt_cublas_or_triton, gpu.supports_operands, gpu.gpu_unavailable
+    ),
+    # Triton quantization + Triton block-scaled GEMMs everywhere.
+    "triton": Backend("triton", gpu.quantize_operand, gpu.gemm_nt_triton, gpu.supports_operands, gpu.gpu_unavailable),
+    # The emulated backend with torch.compile'd quantize/dequantize; only when asked for (compile time).
+    "compiled": Backend(
+        "compiled", compiled.quantize_operand, compiled.gemm_nt, available=compiled.compiled_unavailable
+    ),
 }
 
-#: Preference order for automatic selection: the first available backend wins.
-PREFERENCE: list[str] = ["scaled_mm", "emulated"]
+#: Preference order for automatic selection: the first available backend wins. ``compiled`` is not
+#: in it: it is faster per call on CPU but costs compile time, so it runs only when asked for.
+PREFERENCE: list[str] = ["cuda", "triton", "scaled_mm", "emulated"]
 
 _logged: set[str] = set()
+#: select_backend's answers: it runs on every forward, so the device queries are done once.
+_selected: dict[tuple[Fp8Recipe, torch.device, str | None], Backend] = {}
 
 
 def _log_once(message: str) -> None:
@@ -74,6 +87,7 @@ def _log_once(message: str) -> None:
 def register_backend(backend: Backend, prefer: bool = True) -> None:
     """Add a backend; with ``prefer`` it is tried before the existing ones."""
     BACKENDS[backend.name] = backend
+    _selected.clear()
     if backend.name in PREFERENCE:
         PREFERENCE.remove(backend.name)
     PREFERENCE.insert(0 if prefer else len(PREFERENCE) - 1, backend.name)
@@ -83,6 +97,11 @@ def select_backend(recipe: Fp8Recipe, device: torch.device | str, override: str 
     """The backend for ``recipe`` on ``device``: ``override`` if given (an error if it cannot run), else
     the first available one in preference order. The choice is logged once."""
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (recipe, device, override)
+    if key in _selected:
+        return _selected[key]
     if override is not None:
         if override not in BACKENDS:
             raise ValueError(f"unknown FP8 backend {override!r}; known backends: {', '.join(BACKENDS)}")
@@ -100,4 +119,5 @@ def select_backend(recipe: Fp8Recipe, device: torch.device | str, override: str 
         skipped = "; ".join(f"{n}: {r}" for n, r in reasons.items() if r)
         why = f"automatic{' (' + skipped + ')' if skipped else ''}"
     _log_once(f"FP8 recipe {recipe.name!r} on {device.type}: backend {chosen.name} [{why}]")
+    _selected[key] = chosen
     return chosen

@@ -53,7 +53,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         with _no_autocast(x.device):
             xq = backend.quantize(x, recipe.input_block, recipe.fmt, recipe.pow2_scale)  # [T,K]
-            y = backend.gemm_nt(xq, w_fprop, torch.float32)  # [T,K] @ [K,N] -> [T,N], fp32 accumulate
+            # Without a bias the GEMM writes the input's dtype directly (no fp32 [T,N] round trip);
+            # with one, the bias is added to the fp32 result before the single rounding.
+            out_dtype = x.dtype if bias is None else torch.float32
+            y = backend.gemm_nt(xq, w_fprop, out_dtype)  # [T,K] @ [K,N] -> [T,N], fp32 accumulate
             if bias is not None:
                 y = y + bias.float()
             # The only activation kept for backward: X in FP8, tiled along tokens for wgrad.
