@@ -28,7 +28,13 @@ from ..fp8.recipe import Fp8Recipe
 from . import scaled_mm
 from .operand import Operand
 
-__all__ = ["gemm_nt_cublas_or_triton", "gemm_nt_triton", "gpu_unavailable", "quantize_operand", "supports_operands"]
+__all__ = [
+    "gemm_nt_cublas_or_triton",
+    "gemm_nt_triton",
+    "gpu_unavailable",
+    "quantize_operand",
+    "supports_operands",
+]
 
 log = logging.getLogger(__name__)
 _logged: set[str] = set()
@@ -44,7 +50,9 @@ def _log_once(message: str) -> None:
 def gpu_unavailable(recipe: Fp8Recipe, device: torch.device) -> str | None:
     """Why the ``cuda`` / ``triton`` backends cannot run ``recipe`` on ``device`` (None when they can)."""
     if recipe.granularity != "blockwise":
-        return f"the Triton kernels implement blockwise scales; recipe {recipe.name!r} is {recipe.granularity}"
+        return (
+            f"the Triton kernels implement blockwise scales; recipe {recipe.name!r} is {recipe.granularity}"
+        )
     if device.type != "cuda":
         return f"needs a CUDA device, got {device.type}"
     if importlib.util.find_spec("triton") is None:

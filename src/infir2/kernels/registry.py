@@ -62,7 +62,9 @@ BACKENDS: dict[str, Backend] = {
         "cuda", gpu.quantize_operand, gpu.gemm_nt_cublas_or_triton, gpu.supports_operands, gpu.gpu_unavailable
     ),
     # Triton quantization + Triton block-scaled GEMMs everywhere.
-    "triton": Backend("triton", gpu.quantize_operand, gpu.gemm_nt_triton, gpu.supports_operands, gpu.gpu_unavailable),
+    "triton": Backend(
+        "triton", gpu.quantize_operand, gpu.gemm_nt_triton, gpu.supports_operands, gpu.gpu_unavailable
+    ),
     # The emulated backend with torch.compile'd quantize/dequantize; only when asked for (compile time).
     "compiled": Backend(
         "compiled", compiled.quantize_operand, compiled.gemm_nt, available=compiled.compiled_unavailable

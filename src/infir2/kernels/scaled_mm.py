@@ -45,7 +45,7 @@ def supports_operands(a: Operand, b: Operand) -> bool:
     if not (both_tensor or both_row):
         return False
     if a.data.is_cuda:
-        m, k = a.shape
+        k = a.shape[1]
         n = b.shape[0]
         return k % 16 == 0 and n % 16 == 0
     return True

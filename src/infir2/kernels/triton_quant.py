@@ -101,7 +101,9 @@ def _quantize_kernel(
         tl.store(scale_inv_ptr + pid_m * stride_sm + offs_k[None, :] * stride_sk, scale_inv,
                  mask=offs_k[None, :] < K)  # fmt: skip
     else:
-        tl.store(scale_inv_ptr + pid_m * stride_sm + pid_k * stride_sk + tl.zeros((1, 1), tl.int32), scale_inv)
+        tl.store(
+            scale_inv_ptr + pid_m * stride_sm + pid_k * stride_sk + tl.zeros((1, 1), tl.int32), scale_inv
+        )
 
 
 def supports_block(block: Block, shape: tuple[int, ...] | torch.Size) -> bool:
