@@ -35,10 +35,14 @@ def make_tokenizer(vocab_size: int = 300):
     return fast
 
 
-def make_tiny_model(arch: str = "qwen2", vocab_size: int = 300, hidden: int = 128, layers: int = 2, seed: int = 0):
+def make_tiny_model(
+    arch: str = "qwen2", vocab_size: int = 300, hidden: int = 128, layers: int = 2, seed: int = 0
+):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    cfg_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    cfg_cls, model_cls = (
+        (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    )
     cfg = cfg_cls(
         vocab_size=vocab_size,
         hidden_size=hidden,

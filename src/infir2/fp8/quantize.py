@@ -96,7 +96,11 @@ def quantize(
     f = get_format(fmt)
     m, k = x.shape
     blocks = expand_blocks(x.float(), block)  # [Mb, bm, Kb, bk]
-    amax = blocks.abs().amax(dim=(1, 3)) if blocks.numel() else blocks.new_zeros(blocks.shape[0], blocks.shape[2])
+    amax = (
+        blocks.abs().amax(dim=(1, 3))
+        if blocks.numel()
+        else blocks.new_zeros(blocks.shape[0], blocks.shape[2])
+    )
     scale = amax_to_scale(amax, f, pow2_scale)  # [Mb, Kb]
     scaled = blocks * scale[:, None, :, None]
     data = _saturating_cast(scaled, f).reshape(blocks.shape[0] * blocks.shape[1], -1)[:m, :k]

@@ -54,17 +54,23 @@ class Fp8Recipe:
     def __post_init__(self) -> None:
         get_format(self.fmt)
         get_format(self.grad_fmt)
-        for field in ("input_block", "weight_block", "grad_output_block", "dgrad_weight_block",
-                      "wgrad_grad_output_block", "wgrad_input_block"):
+        for field in (
+            "input_block",
+            "weight_block",
+            "grad_output_block",
+            "dgrad_weight_block",
+            "wgrad_grad_output_block",
+            "wgrad_input_block",
+        ):
             resolve_block(getattr(self, field), (1, 1))
 
     @property
-    def blocks(self) -> dict[str, Block]:
+    def blocks(self) -> dict[str, tuple[Block, Block]]:
         return {
             "fprop": (self.input_block, self.weight_block),
             "dgrad": (self.grad_output_block, self.dgrad_weight_block),
             "wgrad": (self.wgrad_grad_output_block, self.wgrad_input_block),
-        }  # type: ignore[return-value]
+        }
 
     @property
     def granularity(self) -> str:

@@ -60,7 +60,9 @@ def gemm_nt(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
     else:
         scale_a, scale_b = a.scale_inv, b.scale_inv.t()  # [M, 1], [1, N]
     # [M,K] row-major @ [K,N] column-major -> [M,N], fp32 accumulate
-    return torch._scaled_mm(a.data.contiguous(), b.data.contiguous().t(), scale_a, scale_b, out_dtype=out_dtype)
+    return torch._scaled_mm(
+        a.data.contiguous(), b.data.contiguous().t(), scale_a, scale_b, out_dtype=out_dtype
+    )
 
 
 def blockwise_unavailable(device: torch.device) -> str | None:
@@ -102,7 +104,11 @@ def _blockwise_scale(op: Operand) -> torch.Tensor:
     """``op.scale_inv`` in the layout cuBLAS wants (see the module doc); copies only the small scales."""
     s = op.scale_inv
     if op.block[0] == 1:  # [M, K/128] with strides (1, M)
-        return s if s.stride(0) == 1 and (s.shape[1] == 1 or s.stride(1) == s.shape[0]) else s.t().contiguous().t()
+        return (
+            s
+            if s.stride(0) == 1 and (s.shape[1] == 1 or s.stride(1) == s.shape[0])
+            else s.t().contiguous().t()
+        )
     pad = (-s.shape[1]) % 4  # 128x128: [M/128, K/128] -> padded [M/128, ru4(K/128)], transposed
     return F.pad(s, (0, pad)).contiguous().t()
 

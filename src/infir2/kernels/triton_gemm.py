@@ -33,7 +33,7 @@ _GROUP_M = 8  # programs that share a band of A rows (L2 reuse)
 
 
 @triton.jit
-def _gemm_nt_kernel(
+def _gemm_nt_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: no Python annotations
     a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bn, stride_bk,

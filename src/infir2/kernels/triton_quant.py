@@ -43,7 +43,7 @@ _FLT_MAX = float(torch.finfo(torch.float32).max)
 
 
 @triton.jit
-def _scale_from_amax(amax, nonfinite, FMAX: tl.constexpr, FLT_MAX: tl.constexpr, POW2: tl.constexpr):
+def _scale_from_amax(amax, nonfinite, FMAX: tl.constexpr, FLT_MAX: tl.constexpr, POW2: tl.constexpr):  # type: ignore[no-untyped-def]  # a Triton kernel
     """fp32 ``scale = fmax / amax`` (IEEE division), 1 for a zero or non-finite amax, pow2 floor."""
     scale = tl.math.div_rn(tl.full(amax.shape, FMAX, tl.float32), amax)
     scale = tl.where(scale == float("inf"), FLT_MAX, scale)
@@ -54,7 +54,7 @@ def _scale_from_amax(amax, nonfinite, FMAX: tl.constexpr, FLT_MAX: tl.constexpr,
 
 
 @triton.jit
-def _saturate(y, FMAX: tl.constexpr, HAS_INF: tl.constexpr):
+def _saturate(y, FMAX: tl.constexpr, HAS_INF: tl.constexpr):  # type: ignore[no-untyped-def]  # a Triton kernel
     """Clamp finite values to +-fmax; NaN stays NaN; inf stays inf (E5M2) or becomes NaN (E4M3)."""
     clamped = tl.where(y > FMAX, FMAX, tl.where(y < -FMAX, -FMAX, y))  # NaN fails both tests: kept
     is_inf = tl.abs(y) == float("inf")
@@ -64,7 +64,7 @@ def _saturate(y, FMAX: tl.constexpr, HAS_INF: tl.constexpr):
 
 
 @triton.jit
-def _quantize_kernel(
+def _quantize_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: no Python annotations
     x_ptr, data_ptr, scale_inv_ptr,
     M, K,
     stride_xm, stride_xk, stride_dm, stride_dk, stride_sm, stride_sk,

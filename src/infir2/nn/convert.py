@@ -41,7 +41,9 @@ def _shape_problem(linear: nn.Linear, recipe: Fp8Recipe, device: torch.device) -
     if device.type == "cuda":
         multiple = 128 if recipe.granularity == "blockwise" else 16
         if linear.in_features % multiple or linear.out_features % multiple:
-            return f"in/out features {linear.in_features}x{linear.out_features} are not multiples of {multiple}"
+            return (
+                f"in/out features {linear.in_features}x{linear.out_features} are not multiples of {multiple}"
+            )
     return None
 
 

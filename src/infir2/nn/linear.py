@@ -42,7 +42,7 @@ def _no_autocast(device: torch.device) -> AbstractContextManager[Any]:
 
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         x: torch.Tensor,
         weight: torch.Tensor,
@@ -70,7 +70,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         return y.to(x.dtype)
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         recipe: Fp8Recipe = ctx.recipe
         backend: Backend = ctx.backend
         x_data, x_scale_inv, weight, *w_saved = ctx.saved_tensors
@@ -80,13 +80,21 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 if w_saved:
                     w_dgrad = Operand(w_saved[0], w_saved[1], recipe.dgrad_weight_block)
                 else:
-                    w_dgrad = backend.quantize(weight, recipe.dgrad_weight_block, recipe.fmt, recipe.pow2_scale)
-                dyq = backend.quantize(dy, recipe.grad_output_block, recipe.grad_fmt, recipe.pow2_scale)  # [T,N]
+                    w_dgrad = backend.quantize(
+                        weight, recipe.dgrad_weight_block, recipe.fmt, recipe.pow2_scale
+                    )
+                dyq = backend.quantize(
+                    dy, recipe.grad_output_block, recipe.grad_fmt, recipe.pow2_scale
+                )  # [T,N]
                 dx = backend.gemm_nt(dyq, w_dgrad.t(), ctx.x_dtype)  # [T,N] @ [N,K] -> [T,K], fp32 accumulate
             if ctx.needs_input_grad[1]:
-                dy_w = backend.quantize(dy, recipe.wgrad_grad_output_block, recipe.grad_fmt, recipe.pow2_scale)
+                dy_w = backend.quantize(
+                    dy, recipe.wgrad_grad_output_block, recipe.grad_fmt, recipe.pow2_scale
+                )
                 x_w = Operand(x_data, x_scale_inv, recipe.wgrad_input_block)  # [T,K]
-                dw = backend.gemm_nt(dy_w.t(), x_w.t(), torch.float32)  # [N,T] @ [T,K] -> [N,K], fp32 accumulate
+                dw = backend.gemm_nt(
+                    dy_w.t(), x_w.t(), torch.float32
+                )  # [N,T] @ [T,K] -> [N,K], fp32 accumulate
                 dw = dw.to(weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 db = dy.float().sum(0).to(weight.dtype)
@@ -148,7 +156,9 @@ class Fp8Linear(nn.Linear):
         if self.cache_weight and self._weight_cache is not None and self._weight_cache[0] == key:
             return self._weight_cache[1]
         with torch.no_grad():
-            wq = backend.quantize(w.detach(), self.recipe.weight_block, self.recipe.fmt, self.recipe.pow2_scale)
+            wq = backend.quantize(
+                w.detach(), self.recipe.weight_block, self.recipe.fmt, self.recipe.pow2_scale
+            )
         self._weight_cache = (key, wq) if self.cache_weight else None
         return wq
 

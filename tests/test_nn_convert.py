@@ -1,0 +1,117 @@
+"""convert_to_fp8 on tiny Hugging Face models built from configs (no download)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import make_tiny_model
+from infir2 import Fp8Linear, convert_to_fp8, disable_fp8
+from infir2.nn import DECODER_PROJECTIONS
+
+EXPECTED_SUFFIXES = {
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+}  # fmt: skip
+
+
+def converted(model):
+    return sorted(fqn for fqn, m in model.named_modules() if isinstance(m, Fp8Linear))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_converts_exactly_the_seven_projections_per_layer(arch):
+    model = make_tiny_model(arch, layers=3)
+    linears_before = sorted(fqn for fqn, m in model.named_modules() if isinstance(m, nn.Linear))
+    convert_to_fp8(model)
+    expected = sorted(f"model.layers.{i}.{s}" for i in range(3) for s in EXPECTED_SUFFIXES)
+    assert converted(model) == expected
+    assert "lm_head" in linears_before and not isinstance(model.lm_head, Fp8Linear)
+    assert type(model.model.embed_tokens) is nn.Embedding
+    assert len(DECODER_PROJECTIONS) == 7
+
+
+def test_conversion_shares_parameters_and_state_dict_keys():
+    model = make_tiny_model()
+    keys = list(model.state_dict())
+    params = {n: p for n, p in model.named_parameters()}
+    convert_to_fp8(model)
+    assert list(model.state_dict()) == keys
+    assert all(p is params[n] for n, p in model.named_parameters())
+
+
+def test_training_step_close_to_unconverted(tiny_tokenizer):
+    torch.manual_seed(0)
+    ref = make_tiny_model()
+    fp8 = copy.deepcopy(ref)
+    convert_to_fp8(fp8, "blockwise")
+    ids = torch.randint(0, ref.config.vocab_size, (4, 64))
+    losses = {}
+    for name, model in [("ref", ref), ("fp8", fp8)]:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        history = []
+        for _ in range(3):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            history.append(loss.item())
+        losses[name] = history
+    assert all(torch.isfinite(torch.tensor(v)).all() for v in losses.values())
+    for a, b in zip(losses["ref"], losses["fp8"], strict=True):
+        assert abs(a - b) / a < 0.01, losses
+    assert losses["fp8"][-1] < losses["fp8"][0]  # it trains
+
+
+def test_disable_fp8_restores_high_precision_outputs():
+    ref = make_tiny_model()
+    fp8 = convert_to_fp8(copy.deepcopy(ref))
+    ids = torch.randint(0, 300, (2, 16))
+    with torch.no_grad():
+        y_ref = ref(ids).logits
+        y_fp8 = fp8(ids).logits
+        with disable_fp8(fp8):
+            y_off = fp8(ids).logits
+        y_on_again = fp8(ids).logits
+    assert torch.equal(y_off, y_ref)
+    assert not torch.equal(y_fp8, y_ref)
+    assert torch.equal(y_on_again, y_fp8)
+
+
+def test_convert_twice_and_nothing_to_convert_are_errors():
+    model = convert_to_fp8(make_tiny_model())
+    with pytest.raises(ValueError, match="already converted"):
+        convert_to_fp8(model)
+    with pytest.raises(ValueError, match="no layer to convert"):
+        convert_to_fp8(nn.Sequential(nn.Linear(8, 8), nn.ReLU()))
+
+
+def test_custom_filter_and_bf16_recipe():
+    model = make_tiny_model(layers=2)
+    convert_to_fp8(model, "rowwise", module_filter_fn=lambda m, fqn: fqn.endswith("mlp.down_proj"))
+    assert converted(model) == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    assert model.model.layers[0].mlp.down_proj.recipe.name == "rowwise"
+    baseline = make_tiny_model()
+    assert converted(convert_to_fp8(baseline, "bf16")) == []
+
+
+def test_layers_the_backend_cannot_take_are_skipped_on_cuda(monkeypatch, caplog):
+    """On CUDA, blockwise GEMMs need multiples of 128; the skip is named in the log."""
+    from infir2.nn import convert as convert_module
+
+    model = nn.Sequential()
+    model.add_module("layers", nn.ModuleList())
+    for dims in [(256, 256), (256, 200)]:
+        block = nn.Module()
+        block.self_attn = nn.Module()
+        block.self_attn.q_proj = nn.Linear(*dims)
+        model.layers.append(block)
+    monkeypatch.setattr(convert_module, "_device_of", lambda m: torch.device("cuda"))
+    monkeypatch.setattr(convert_module, "select_backend", lambda *a, **k: None)
+    with caplog.at_level("WARNING"):
+        convert_to_fp8(model)
+    assert converted(model) == ["layers.0.self_attn.q_proj"]
+    assert "layers.1.self_attn.q_proj" in caplog.text and "multiples of 128" in caplog.text

@@ -1,0 +1,193 @@
+"""Fp8Linear: numerics against fp64, what it saves for backward, backends, and torchao as an oracle."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from infir2 import Fp8Linear, sqnr
+from infir2.fp8 import get_recipe
+from infir2.kernels import BACKENDS, select_backend
+from infir2.nn import cache_fp8_weights
+
+SHAPES = [(256, 256, 384), (100, 200, 300)]  # (tokens, in_features, out_features): multiples of 128 and not
+
+
+def fp64_reference(x, weight, bias, grad):
+    x64 = x.detach().double().requires_grad_()
+    w64 = weight.detach().double().requires_grad_()
+    b64 = bias.detach().double().requires_grad_() if bias is not None else None
+    y = nn.functional.linear(x64, w64, b64)
+    y.backward(grad.double())
+    return y, x64.grad, w64.grad
+
+
+def run_fp8(layer, x, grad):
+    x = x.detach().clone().requires_grad_()
+    y = layer(x)
+    y.backward(grad)
+    return y, x.grad, layer.weight.grad
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "blockwise_fp32scale", "rowwise", "tensorwise"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("t", "k", "n"), SHAPES)
+def test_fp8_linear_sqnr_vs_fp64(recipe, dtype, t, k, n):
+    torch.manual_seed(0)
+    layer = Fp8Linear(k, n, bias=True, recipe=recipe)
+    x = torch.randn(2, t // 2, k).to(dtype)  # leading batch dims are flattened to tokens
+    grad = torch.randn(2, t // 2, n).to(dtype)
+    y, dx, dw = run_fp8(layer, x, grad)
+    y_ref, dx_ref, dw_ref = fp64_reference(x, layer.weight, layer.bias, grad)
+    assert y.dtype == dtype and dx.dtype == dtype and dw.dtype == torch.float32
+    assert y.shape == (2, t // 2, n) and dx.shape == x.shape
+    assert sqnr(y_ref, y) >= 25
+    assert sqnr(dx_ref, dx) >= 25
+    assert sqnr(dw_ref, dw) >= 25
+    assert sqnr(grad.double().sum((0, 1)), layer.bias.grad) >= 40  # bias grad is a plain fp32 sum
+
+
+def test_fp8_linear_matches_emulated_composition_exactly():
+    """The autograd function is exactly the three GEMMs of the recipe table on dequantized operands."""
+    from infir2.fp8 import dequantize, quantize
+
+    torch.manual_seed(1)
+    t, k, n = 130, 256, 384
+    layer = Fp8Linear(k, n, bias=False)
+    x = torch.randn(t, k)
+    g = torch.randn(t, n)
+    y, dx, dw = run_fp8(layer, x, g)
+
+    def q(a, block):
+        return dequantize(*quantize(a, block), block)
+
+    w = layer.weight.detach()
+    assert torch.allclose(y, q(x, (1, 128)) @ q(w, (128, 128)).t(), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(dx, q(g, (1, 128)) @ q(w, (128, 128)), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(dw, q(g, (128, 1)).t() @ q(x, (128, 1)), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "rowwise", "tensorwise"])
+def test_saved_activation_is_fp8(recipe):
+    layer = Fp8Linear(256, 384, recipe=recipe)
+    x = torch.randn(64, 256, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x).sum().backward()
+    activations = [t for t in saved if t.shape == x.shape]
+    assert activations and all(t.dtype == torch.float8_e4m3fn for t in activations)
+    high_precision = [
+        t for t in saved if t.dtype.is_floating_point and t.dtype.itemsize > 1 and t.numel() > 64
+    ]
+    # only the weight (a parameter: no extra memory) and fp32 scales may be in high precision
+    assert all(
+        t is layer.weight or (t.dtype == torch.float32 and t.numel() < x.numel() // 16)
+        for t in high_precision
+    )
+    assert not any(t.data_ptr() == x.data_ptr() for t in saved)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_scaled_mm_backend_agrees_with_emulated(recipe):
+    torch.manual_seed(2)
+    base = nn.Linear(200, 300)
+    x = torch.randn(96, 200)
+    g = torch.randn(96, 300)
+    outs = {}
+    for backend in ["emulated", "scaled_mm"]:
+        layer = Fp8Linear.from_linear(copy.deepcopy(base), recipe, backend=backend)
+        outs[backend] = run_fp8(layer, x, g)
+    for a, b in zip(outs["emulated"], outs["scaled_mm"], strict=True):
+        # identical FP8 operands and exact products: only the fp32 summation order differs
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_backend_selection_and_errors(caplog):
+    with caplog.at_level(logging.INFO):
+        assert select_backend(get_recipe("blockwise"), "cpu").name == "emulated"
+        assert select_backend(get_recipe("rowwise"), "cpu").name == "scaled_mm"
+    with pytest.raises(ValueError, match="unknown FP8 backend 'cutlass'"):
+        select_backend(get_recipe("blockwise"), "cpu", "cutlass")
+    with pytest.raises(ValueError, match="cannot run recipe 'blockwise'"):
+        select_backend(get_recipe("blockwise"), "cpu", "scaled_mm")
+    assert set(BACKENDS) >= {"emulated", "scaled_mm"}
+
+
+def _torchao_layer(base: nn.Linear, recipe: str):
+    pytest.importorskip("torchao")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.config import CastConfig
+
+    if recipe == "rowwise":
+        config = Float8LinearConfig.from_recipe_name("rowwise")  # E4M3 everywhere, pow2 scales
+    else:  # torchao's tensorwise default casts grads to E5M2; the recipe uses E4M3 everywhere
+        config = Float8LinearConfig(cast_config_grad_output=CastConfig(target_dtype=torch.float8_e4m3fn))
+    model = nn.Sequential(copy.deepcopy(base))
+    convert_to_float8_training(model, config=config)
+    return model
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_agrees_with_torchao(recipe):
+    torch.manual_seed(3)
+    base = nn.Linear(256, 384, bias=False)
+    x = torch.randn(64, 256)
+    g = torch.randn(64, 384)
+    theirs = _torchao_layer(base, recipe)
+    ours = Fp8Linear.from_linear(copy.deepcopy(base), recipe)
+    xa = x.clone().requires_grad_()
+    ya = theirs(xa)
+    ya.backward(g)
+    yb, dxb, dwb = run_fp8(ours, x, g)
+    results = [(ya, yb), (xa.grad, dxb), (theirs[0].weight.grad, dwb)]
+    for a, b in results:
+        if recipe == "rowwise":
+            # torchao's rowwise GEMM rounds its output through bf16 on CPU; the FP8 operands are the same
+            b = b.bfloat16().float()
+        assert torch.equal(a, b) or sqnr(a, b) > 60
+
+
+def test_weight_cache_quantizes_once_per_step_and_follows_updates(monkeypatch):
+    layer = Fp8Linear(256, 256)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    calls = []
+    backend = BACKENDS["emulated"]
+    original = backend.quantize
+
+    def counting(x, block, fmt, pow2):
+        calls.append(tuple(block))
+        return original(x, block, fmt, pow2)
+
+    monkeypatch.setitem(BACKENDS, "emulated", type(backend)(backend.name, counting, backend.gemm_nt_fn))
+    x = torch.randn(8, 256)
+    with cache_fp8_weights(layer):
+        for _ in range(3):  # three micro-batches, one optimizer step
+            layer(x).sum().backward()
+        assert calls.count((128, 128)) == 1
+        y_before = layer(x).detach()
+        opt.step()  # in-place update bumps the weight's version: the cache must not be reused
+        y_after = layer(x).detach()
+    assert calls.count((128, 128)) == 2
+    assert not torch.equal(y_before, y_after)
+    with torch.no_grad():
+        expected = Fp8Linear.from_linear(layer, "blockwise")(x)
+    assert torch.equal(y_after, expected)
+
+
+def test_disabled_fp8_is_plain_linear():
+    base = nn.Linear(64, 32)
+    layer = Fp8Linear.from_linear(base)
+    layer.fp8_enabled = False
+    x = torch.randn(4, 64)
+    assert torch.equal(layer(x), base(x))
+    assert layer.weight is base.weight
+    assert set(layer.state_dict()) == set(base.state_dict())
