@@ -4,7 +4,8 @@ The weight is quantized once per optimizer step under ``cache_fp8_weights`` and 
 is FP8 (both tested in ``test_nn_fp8linear.py``). Here: the backend is chosen once, not re-queried
 per forward; a layer without bias gets its output from the GEMM in the input's dtype (no fp32
 ``[T, N]`` intermediate); each operand is quantized exactly once per GEMM that needs it; and the hot
-path has no host synchronization (no ``.item()``/``.tolist()``/``.cpu()`` in kernels/ and nn/).
+path has no host synchronization (no ``.item()``/``.tolist()``/``.cpu()`` in kernels/ and nn/);
+layers fed the same tensor (q/k/v, gate/up) quantize it once and save one shared FP8 copy.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from infir2.bench import saved_bytes
 from infir2.kernels import BACKENDS, Backend
 from infir2.nn import Fp8Linear, cache_fp8_weights
 
@@ -46,9 +48,9 @@ def recording(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_pass_per_operand_and_output_in_input_dtype(recording, dtype):
     layer = Fp8Linear(256, 384, bias=False, backend="emulated", dtype=dtype)
-    x = torch.randn(2, 64, 256, dtype=dtype, requires_grad=True)
     with cache_fp8_weights(layer):
         for _ in range(3):  # three micro-batches of one step
+            x = torch.randn(2, 64, 256, dtype=dtype, requires_grad=True)
             layer(x).float().sum().backward()
     blocks = [b for _, b in recording["quantize"]]
     assert blocks.count((128, 128)) == 1  # the weight: once per step, reused by fprop and dgrad
@@ -80,3 +82,26 @@ def test_no_host_sync_in_the_hot_path():
         if pattern.search(line)
     ]
     assert not hits, "host syncs in the FP8 hot path:\n" + "\n".join(hits)
+
+
+def test_layers_sharing_an_input_quantize_it_once(recording):
+    torch.manual_seed(0)
+    q, k, v = (Fp8Linear(256, n, bias=False, backend="emulated") for n in (256, 128, 128))
+    h = torch.randn(2, 64, 256, requires_grad=True)
+    params = [m.weight for m in (q, k, v)]
+
+    def attention_inputs() -> torch.Tensor:
+        return q(h).sum() + k(h).sum() + v(h).sum()
+
+    shared = saved_bytes(attention_inputs, params)
+    x_blocks = [b for shape, b in recording["quantize"] if shape == (128, 256) and b != (128, 128)]
+    assert sorted(x_blocks) == [(1, 128), (128, 1)]  # once per tiling, not three times
+    wq = sum(m.quantized_weight(BACKENDS["emulated"]).nbytes() for m in (q, k, v))
+    x_fp8 = 128 * 256 + 256 * 4  # one FP8 wgrad copy [T, K] + its 1 x 256 scales (128x1 tiles)
+    assert shared - wq == x_fp8
+    h2 = h.detach().clone().requires_grad_()  # a different tensor with the same values: no reuse
+    out1, out2 = q(h).detach(), q(h2).detach()
+    assert torch.equal(out1, out2)
+    with torch.no_grad():
+        h.mul_(2)  # an in-place change bumps the version: quantized again, new values
+    assert torch.equal(q(h).detach(), 2 * out1)

@@ -47,7 +47,7 @@ def _compiled(name: str, fn: Callable[..., Any], shape: torch.Size, block: Block
             log.info(message)
         return fn
     if name not in _cache:
-        _cache[name] = torch.compile(fn, dynamic=None)
+        _cache[name] = torch.compile(fn, dynamic=True)  # shapes vary per layer: one graph, no recompiles
     return _cache[name]
 
 
