@@ -87,8 +87,8 @@ def _quantize_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: no Pyt
         amax = tl.max(xa, axis=0)[None, :]
         nonfinite = tl.max(bad, axis=0)[None, :] > 0
     else:  # one (BM, BK) block per program -> [1, 1]
-        amax = tl.max(tl.max(xa, axis=1), axis=0)[None, None] + tl.zeros((1, 1), tl.float32)
-        nonfinite = (tl.max(tl.max(bad, axis=1), axis=0)[None, None] + tl.zeros((1, 1), tl.int32)) > 0
+        amax = tl.zeros((1, 1), tl.float32) + tl.max(tl.max(xa, axis=1), axis=0)  # scalar -> [1, 1]
+        nonfinite = (tl.zeros((1, 1), tl.int32) + tl.max(tl.max(bad, axis=1), axis=0)) > 0
     scale = _scale_from_amax(amax, nonfinite, FMAX, FLT_MAX, POW2)
     y = _saturate(x.to(tl.float32) * scale, FMAX, HAS_INF)
     tl.store(data_ptr + offs_m[:, None] * stride_dm + offs_k[None, :] * stride_dk,
@@ -151,5 +151,6 @@ def _quantize(
         x.stride(0), x.stride(1), data.stride(0), data.stride(1), scale_inv.stride(0), scale_inv.stride(1),
         BM=bm, BK=bk, TILE_M=tile_m, TILE_K=tile_k,
         FMAX=f.max, FLT_MAX=_FLT_MAX, POW2=pow2_scale, HAS_INF=f.has_inf,
+        num_warps=8 if tile_m * tile_k >= 128 * 128 else 4,  # a 128x128 fp32 tile: 64 values per thread
     )  # fmt: skip
     return data, scale_inv
