@@ -1,0 +1,175 @@
+"""``evaluate``: sample ``n`` completions per problem, grade them, and score avg@n / pass@k.
+
+In-process use (the demo does this)::
+
+    from infir2.eval import evaluate, problems_from_dicts
+    problems = problems_from_dicts([{"problem": "7 * 6 = ?", "answer": "42"}], task="math")
+    result = evaluate(model, tokenizer, problems, task="math", n=4, max_new_tokens=256)
+    print(result.summary["avg@n"], result.markdown())
+    result.save("runs/eval")        # samples.jsonl, problems.jsonl, summary.json, summary.md
+
+By default the model runs in high precision (``infir2.disable_fp8``); ``fp8=True`` keeps the
+model's ``Fp8Linear`` layers in FP8 (convert it first with ``infir2.convert_to_fp8``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..nn import disable_fp8, fp8_modules
+from .answers import Graded, grade_choice, grade_math
+from .generate import SYSTEM_PROMPT, THINK_PREFIX, SamplingConfig, generate, render_prompt
+from .metrics import avg_at_n, default_ks, pass_at_k
+from .tasks import TASKS, Problem, problems_from_dicts
+
+__all__ = ["EvalResult", "evaluate"]
+
+
+@dataclass
+class EvalResult:
+    """``summary``: one flat dict of scores and settings; ``records``: one dict per sample; ``problems``: per problem."""
+
+    summary: dict[str, Any]
+    records: list[dict[str, Any]]
+    problems: list[dict[str, Any]]
+
+    def markdown(self) -> str:
+        """The summary as a two-column markdown table."""
+        rows = ["| metric | value |", "|---|---|"]
+        for key, value in self.summary.items():
+            shown = f"{value:.4f}" if isinstance(value, float) else str(value)
+            rows.append(f"| {key} | {shown} |")
+        return "\n".join(rows) + "\n"
+
+    def save(self, out_dir: str | Path) -> Path:
+        """Write ``samples.jsonl``, ``problems.jsonl``, ``summary.json`` and ``summary.md`` under ``out_dir``."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        for name, rows in (("samples.jsonl", self.records), ("problems.jsonl", self.problems)):
+            with (out / name).open("w", encoding="utf-8") as f:
+                f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        (out / "summary.json").write_text(json.dumps(self.summary, indent=2) + "\n", encoding="utf-8")
+        (out / "summary.md").write_text(self.markdown(), encoding="utf-8")
+        return out
+
+
+def _grade(problem: Problem, text: str) -> Graded:
+    if problem.task == "math":
+        return grade_math(text, problem.answer)
+    return grade_choice(text, problem.answer, n_choices=len(problem.choices))
+
+
+def _precision_context(model: torch.nn.Module, fp8: bool):
+    if not fp8:
+        return disable_fp8(model)
+    if next(fp8_modules(model), None) is None:
+        raise ValueError(
+            "fp8=True but the model has no Fp8Linear layers; call infir2.convert_to_fp8(model) first"
+        )
+    return contextlib.nullcontext(model)
+
+
+def evaluate(
+    model: torch.nn.Module,
+    tokenizer,
+    problems: Sequence[Problem] | Sequence[Mapping[str, Any]],
+    task: str = "math",
+    n: int = 1,
+    greedy: bool = False,
+    temperature: float = 0.65,
+    top_p: float = 0.95,
+    max_new_tokens: int = 1024,
+    batch_size: int = 8,
+    fp8: bool = False,
+    seed: int = 0,
+    system_prompt: str | None = SYSTEM_PROMPT,
+    think_prefix: str = THINK_PREFIX,
+) -> EvalResult:
+    """Generate ``n`` completions per problem (greedy: ``n`` must be 1), grade them, return scores and records.
+
+    ``problems``: ``Problem`` objects (``load_problems``) or plain dicts with the JSONL schema of ``task``.
+    """
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}: expected one of {', '.join(TASKS)}")
+    if not problems:
+        raise ValueError("no problems to evaluate")
+    problems = _as_problems(problems, task)
+    if wrong := [p.id for p in problems if p.task != task]:
+        raise ValueError(f"problems {wrong[:3]} are not of task {task!r}")
+    if n < 1 or (greedy and n != 1):
+        raise ValueError(f"n must be >= 1 (and 1 with greedy decoding, which is deterministic), got {n}")
+    cfg = SamplingConfig(greedy, temperature, top_p, max_new_tokens, batch_size)
+    prompts = [render_prompt(tokenizer, p.user_message, system_prompt, think_prefix) for p in problems]
+    jobs = [(pi, s) for pi in range(len(problems)) for s in range(n)]
+    torch.manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    start = time.perf_counter()
+    try:
+        with _precision_context(model, fp8):
+            completions = generate(
+                model, tokenizer, [prompts[pi] for pi, _ in jobs], cfg, desc=f"eval {task}"
+            )
+    finally:
+        model.train(was_training)
+    seconds = time.perf_counter() - start
+    records = []
+    for (pi, s), c in zip(jobs, completions, strict=True):
+        p, graded = problems[pi], _grade(problems[pi], c.text)
+        records.append({"id": p.id, "sample": s, "gold": p.answer, "extracted": graded.extracted,
+                        "correct": graded.correct, "finished": c.finished, "n_tokens": c.n_tokens,
+                        "completion": c.text})  # fmt: skip
+    per_problem = _per_problem(problems, records, n)
+    summary = _summary(task, cfg, n, fp8, records, per_problem, seconds)
+    return EvalResult(summary=summary, records=records, problems=per_problem)
+
+
+def _as_problems(items: Sequence[Problem] | Sequence[Mapping[str, Any]], task: str) -> list[Problem]:
+    if all(isinstance(p, Problem) for p in items):
+        return list(items)  # type: ignore[arg-type]
+    if all(isinstance(p, Mapping) for p in items):  # plain dicts with the JSONL schema
+        return problems_from_dicts(items, task)  # type: ignore[arg-type]
+    raise TypeError("problems must be all Problem objects or all dicts (not a mix)")
+
+
+def _per_problem(problems: Sequence[Problem], records: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+    out = []
+    for p in problems:
+        rows = [r for r in records if r["id"] == p.id]
+        c = sum(r["correct"] for r in rows)
+        out.append({"id": p.id, "gold": p.answer, "n": n, "n_correct": c, "accuracy": c / n,
+                    "n_unparsed": sum(r["extracted"] is None for r in rows),
+                    "answers": [r["extracted"] for r in rows]})  # fmt: skip
+    return out
+
+
+def _summary(task: str, cfg: SamplingConfig, n: int, fp8: bool, records: list[dict[str, Any]],
+             per_problem: list[dict[str, Any]], seconds: float) -> dict[str, Any]:  # fmt: skip
+    counts = [p["n_correct"] for p in per_problem]
+    summary: dict[str, Any] = {
+        "task": task,
+        "problems": len(per_problem),
+        "samples_per_problem": n,
+        "decoding": "greedy" if cfg.greedy else f"sample (temperature {cfg.temperature}, top_p {cfg.top_p})",
+        "precision": "fp8" if fp8 else "high (fp8 disabled)",
+        "avg@n": avg_at_n(counts, n),
+    }
+    for k in default_ks(n):
+        summary[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in counts) / len(counts)
+    summary.update({
+        "unparseable": sum(r["extracted"] is None for r in records),
+        "truncated": sum(not r["finished"] for r in records),
+        "samples": len(records),
+        "mean_new_tokens": sum(r["n_tokens"] for r in records) / len(records),
+        "max_new_tokens": cfg.max_new_tokens,
+        "seconds": round(seconds, 2),
+    })  # fmt: skip
+    return summary

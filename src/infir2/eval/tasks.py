@@ -1,0 +1,139 @@
+"""Benchmark problems and their JSONL schemas.
+
+One JSON object per line; blank lines are skipped. Two task types:
+
+``math``::
+
+    {"problem": "What is 7 * 6?", "answer": "42", "id": "demo-1"}       # id optional
+
+``multiple_choice``::
+
+    {"question": "Which is a prime?", "choices": ["4", "6", "7", "9"], "answer": "C", "id": "q1"}
+
+``answer`` is the gold: a LaTeX / plain string for math (graded by equivalence), a letter
+``A``.. for multiple choice (at most 26 choices). A missing ``id`` becomes ``<file stem>-<line>``.
+Unknown keys are an error (a typo like ``"anwser"`` must not silently drop the gold).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TASKS", "Problem", "load_problems", "problems_from_dicts", "sample_path"]
+
+TASKS = ("math", "multiple_choice")
+_KEYS = {
+    "math": ({"problem", "answer"}, {"id"}),
+    "multiple_choice": ({"question", "choices", "answer"}, {"id"}),
+}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One benchmark item: the user message to send, the gold answer, and the choice count (0 for math)."""
+
+    id: str
+    task: str
+    question: str
+    answer: str
+    choices: tuple[str, ...] = field(default=())
+
+    @property
+    def user_message(self) -> str:
+        """The user turn: the question, then the lettered choices for multiple choice."""
+        if not self.choices:
+            return self.question
+        lines = [f"({chr(ord('A') + i)}) {c}" for i, c in enumerate(self.choices)]
+        return self.question.rstrip() + "\n\n" + "\n".join(lines)
+
+
+def _check_task(task: str) -> None:
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}: expected one of {', '.join(TASKS)}")
+
+
+def _problem(obj: Any, task: str, where: str, default_id: str) -> Problem:
+    if not isinstance(obj, Mapping):
+        raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    required, optional = _KEYS[task]
+    missing = required - obj.keys()
+    unknown = obj.keys() - required - optional
+    if missing or unknown:
+        problems = [f"missing key(s) {sorted(missing)}"] * bool(missing) + [
+            f"unknown key(s) {sorted(unknown)}"
+        ] * bool(unknown)
+        raise ValueError(
+            f"{where}: {'; '.join(problems)}; a {task} item has keys {sorted(required)} and optional 'id'"
+        )
+    text_key = "problem" if task == "math" else "question"
+    text, answer = obj[text_key], obj["answer"]
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"{where}: {text_key!r} must be a non-empty string")
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool) and task == "math":
+        answer = str(answer)
+    if not isinstance(answer, str) or not answer.strip():
+        raise ValueError(f"{where}: 'answer' must be a non-empty string, got {answer!r}")
+    choices: tuple[str, ...] = ()
+    if task == "multiple_choice":
+        raw = obj["choices"]
+        if not isinstance(raw, list) or not 2 <= len(raw) <= 26 or not all(isinstance(c, str) for c in raw):
+            raise ValueError(f"{where}: 'choices' must be a list of 2 to 26 strings")
+        choices = tuple(raw)
+        letters = [chr(ord("A") + i) for i in range(len(choices))]
+        if answer.strip().upper() not in letters:
+            raise ValueError(f"{where}: 'answer' must be one of {letters}, got {answer!r}")
+        answer = answer.strip().upper()
+    pid = obj.get("id", default_id)
+    return Problem(id=str(pid), task=task, question=text, answer=answer.strip(), choices=choices)
+
+
+def problems_from_dicts(
+    items: Iterable[Mapping[str, Any]], task: str, source: str = "<memory>"
+) -> list[Problem]:
+    """Validate in-memory items (same schema as the JSONL lines) into ``Problem`` objects."""
+    _check_task(task)
+    out = [_problem(obj, task, f"{source}: item {i}", f"{i}") for i, obj in enumerate(items)]
+    _check_unique_ids(out, source)
+    return out
+
+
+def load_problems(path: str | Path, task: str) -> list[Problem]:
+    """Read a benchmark JSONL file; errors name ``file:line`` and the offending key."""
+    _check_task(task)
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"benchmark file not found: {path}")
+    out = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            out.append(_problem(obj, task, where, f"{path.stem}-{lineno}"))
+    if not out:
+        raise ValueError(f"{path}: no problems (the file is empty)")
+    _check_unique_ids(out, str(path))
+    return out
+
+
+def _check_unique_ids(problems: list[Problem], source: str) -> None:
+    seen: set[str] = set()
+    for p in problems:
+        if p.id in seen:
+            raise ValueError(f"{source}: duplicate id {p.id!r}")
+        seen.add(p.id)
+
+
+def sample_path(task: str) -> Path:
+    """The small sample benchmark shipped with infir2 for ``task`` (``math`` or ``multiple_choice``)."""
+    _check_task(task)
+    return Path(str(resources.files("infir2.eval") / "samples" / f"{task}.jsonl"))

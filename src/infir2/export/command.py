@@ -1,0 +1,45 @@
+"""Export a checkpoint as a Hugging Face folder: BF16, FP32, or FP8 with 128x128 weight blocks.
+
+FP8 uses the DeepSeek-V3 layout that vLLM, SGLang and transformers load: every q/k/v/o/gate/up/down
+projection weight [N, K] of the decoder layers becomes float8_e4m3fn plus `<name>_scale_inv`
+(float32, [ceil(N/128), ceil(K/128)], one scale per block); embeddings, lm_head, norms and biases are
+kept as they are; config.json gets quantization_config = {"quant_method": "fp8", "fmt": "e4m3",
+"activation_scheme": "dynamic", "weight_block_size": [128, 128]}. The input is streamed shard by shard,
+so checkpoints larger than memory convert. An FP8 folder converts back to bf16 / fp32 (dequantized).
+
+  infir2 export --model runs/sft/final --out out/model-fp8 --format fp8
+  infir2 export --model Qwen2.5-7B-local --out out/qwen-fp8 --format fp8 --no-pow2-scale
+  infir2 export --model runs/sft/final --out out/model-bf16 --format bf16 --max-shard-size 2GB
+
+--pow2-scale (default) rounds each block scale down to a power of two, as the training recipe does;
+--no-pow2-scale keeps exact fp32 scales (a little more accurate). Both load the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="input Hugging Face folder (safetensors)")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--format", choices=["bf16", "fp32", "fp8"], default="fp8", help="default fp8")
+    p.add_argument("--pow2-scale", action=argparse.BooleanOptionalAction, default=True,
+                   help="power-of-two block scales for fp8 (default: on)")  # fmt: skip
+    p.add_argument(
+        "--max-shard-size", default="5GB", help="largest output shard, e.g. 5GB, 500MB (default 5GB)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from .convert import convert_checkpoint, describe
+
+    out = convert_checkpoint(args.model, args.out, fmt=args.format, pow2_scale=args.pow2_scale,
+                             max_shard_size=args.max_shard_size)  # fmt: skip
+    info = describe(out)
+    print(f"wrote {args.format} checkpoint to {Path(out)}: {info['shards']} shard(s), tensors by dtype "
+          f"{info['tensors_by_dtype']}")  # fmt: skip
+    return 0

@@ -1,0 +1,227 @@
+"""Write Hugging Face checkpoint folders: BF16 / FP32, or FP8 in the DeepSeek-V3 layout (``layout.py``).
+
+Two entry points share one per-tensor conversion:
+
+* ``export_model(model, tokenizer, out_dir, fmt)`` - an in-memory model (e.g. right after training);
+* ``convert_checkpoint(src_dir, out_dir, fmt)`` - an existing HF folder (the authors' ``bf16_cast_fp8``),
+  streamed shard by shard (``safe_open``), so a model larger than memory converts; an FP8 folder of
+  this layout converts back to BF16 / FP32 the same way (dequantized).
+
+The output folder holds ``model-0000i-of-0000n.safetensors`` shards, ``model.safetensors.index.json``,
+``config.json`` (``dtype``; ``quantization_config`` for FP8), ``generation_config.json`` and the tokenizer.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import shutil
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from .layout import (
+    QUANTIZATION_CONFIG,
+    SCALE_SUFFIX,
+    dequantize_weight,
+    is_fp8_config,
+    is_projection_weight,
+    quantize_weight,
+    scale_inv_name,
+)
+from .shards import INDEX_NAME, CheckpointReader, ShardWriter
+
+__all__ = ["FORMATS", "convert_checkpoint", "describe", "export_model"]
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("bf16", "fp32", "fp8")
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
+_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}: expected one of {', '.join(FORMATS)}")
+
+
+def _convert_tensors(names: Iterable[str], get: Callable[[str], torch.Tensor], fmt: str,
+                     pow2_scale: bool) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    """Per tensor: dequantize an FP8 source weight, then cast (bf16/fp32) or quantize projections (fp8)."""
+    for name in names:
+        if name.endswith(SCALE_SUFFIX):
+            continue  # consumed together with its weight
+        tensor = get(name)
+        if tensor.dtype == torch.float8_e4m3fn:
+            tensor = dequantize_weight(tensor, get(scale_inv_name(name)), torch.float32)
+        if fmt == "fp8":
+            if is_projection_weight(name, tensor):
+                data, scale_inv = quantize_weight(tensor, pow2_scale)
+                yield name, data
+                yield scale_inv_name(name), scale_inv
+            else:
+                yield name, tensor  # embeddings, lm_head, norms, biases: untouched
+        else:
+            yield name, tensor.to(_DTYPES[fmt]) if tensor.is_floating_point() else tensor
+
+
+def _patch_config(path: Path, fmt: str, dtype_name: str) -> None:
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config.pop("quantization_config", None)
+    if fmt == "fp8":
+        config["quantization_config"] = copy.deepcopy(QUANTIZATION_CONFIG)
+    config["dtype"] = dtype_name
+    if "torch_dtype" in config:  # older transformers spell it this way
+        config["torch_dtype"] = dtype_name
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+# ------------------------------------------------------------------------------------ in-memory model
+
+
+def _unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """state_dict without the second name of tied tensors (e.g. ``lm_head.weight`` tied to the embedding)."""
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    out = {}
+    for name, t in model.state_dict().items():
+        key = (t.data_ptr(), tuple(t.shape))
+        if key in seen and t.numel() > 0:
+            log.info("export: %s is tied to an earlier tensor; not stored twice", name)
+            continue
+        seen.add(key)
+        out[name] = t
+    return out
+
+
+def export_model(
+    model: torch.nn.Module,
+    tokenizer,
+    out_dir: str | Path,
+    fmt: str = "bf16",
+    pow2_scale: bool = True,
+    base_dtype: torch.dtype = torch.bfloat16,
+    max_shard_size: int | str = "5GB",
+) -> Path:
+    """Save an in-memory HF causal LM as a ``fmt`` folder; for ``fp8`` the other tensors are in ``base_dtype``.
+
+    The generation config stops at ``<|im_end|>`` and the eos token, so inference engines stop where
+    ``infir2 eval`` does. ``tokenizer`` may be None (no tokenizer files are written then).
+    """
+    _check_format(fmt)
+    config: Any = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(
+            f"cannot export a {type(model).__name__}: expected a transformers model with a .config"
+        )
+    if base_dtype not in _DTYPE_NAMES:
+        raise ValueError(f"base_dtype must be one of {sorted(map(str, _DTYPE_NAMES))}, got {base_dtype}")
+    out = Path(out_dir)
+    state = _unique_state_dict(model)
+    writer = ShardWriter(out, max_shard_size)
+    cast = base_dtype if fmt == "fp8" else _DTYPES[fmt]
+
+    def get(name: str) -> torch.Tensor:
+        t = state[name].detach().cpu()
+        return t.to(cast) if t.is_floating_point() else t
+
+    for name, tensor in tqdm(
+        _convert_tensors(state, get, fmt, pow2_scale), desc=f"export {fmt}", unit="tensor"
+    ):
+        writer.add(name, tensor)
+    writer.close()
+    config.save_pretrained(out)
+    _patch_config(out / "config.json", fmt, _DTYPE_NAMES[cast])
+    _save_generation_config(model, tokenizer, out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    log.info("exported %s checkpoint to %s", fmt, out)
+    return out
+
+
+def _save_generation_config(model: torch.nn.Module, tokenizer, out: Path) -> None:
+    from transformers import GenerationConfig
+
+    gen = copy.deepcopy(getattr(model, "generation_config", None) or GenerationConfig())
+    if tokenizer is not None:
+        vocab = tokenizer.get_vocab()
+        stops = [vocab[t] for t in _STOP_TOKENS if t in vocab]
+        if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in stops:
+            stops.append(tokenizer.eos_token_id)
+        if stops:
+            gen.eos_token_id = stops
+        if tokenizer.pad_token_id is not None:
+            gen.pad_token_id = tokenizer.pad_token_id
+    gen.save_pretrained(out)
+
+
+# ----------------------------------------------------------------------------------- folder -> folder
+
+_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def convert_checkpoint(
+    src_dir: str | Path,
+    out_dir: str | Path,
+    fmt: str = "fp8",
+    pow2_scale: bool = True,
+    max_shard_size: int | str = "5GB",
+) -> Path:
+    """Convert a safetensors HF folder to ``fmt``, one input shard in memory at a time.
+
+    All other top-level files (tokenizer, generation config, chat template, README) are copied.
+    An FP8 source (``quantization_config`` of this layout) can be converted to ``bf16`` / ``fp32``.
+    """
+    _check_format(fmt)
+    src, out = Path(src_dir), Path(out_dir)
+    config_path = src / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{src}: no config.json (expected a Hugging Face checkpoint folder)")
+    if src.resolve() == out.resolve():
+        raise ValueError(f"output folder {out} is the input folder; choose another")
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    if fmt == "fp8" and is_fp8_config(config, str(config_path)):
+        raise ValueError(f"{src} is already an FP8 checkpoint")
+    reader = CheckpointReader(src)
+    writer = ShardWriter(out, max_shard_size)
+    float_dtypes: set[torch.dtype] = set()
+    for _file, names in tqdm(
+        reader.iter_shards(), total=len(reader.files), desc=f"convert to {fmt}", unit="shard"
+    ):
+        for name, tensor in _convert_tensors(names, reader.get, fmt, pow2_scale):
+            if (
+                tensor.is_floating_point()
+                and tensor.dtype != torch.float8_e4m3fn
+                and not name.endswith(SCALE_SUFFIX)
+            ):
+                float_dtypes.add(tensor.dtype)
+            writer.add(name, tensor)
+    writer.close()
+    _copy_side_files(src, out)
+    dtype_name = (
+        _DTYPE_NAMES.get(next(iter(float_dtypes)), "bfloat16") if len(float_dtypes) == 1 else "bfloat16"
+    )
+    _patch_config(out / "config.json", fmt, dtype_name if fmt == "fp8" else _DTYPE_NAMES[_DTYPES[fmt]])
+    log.info("converted %s -> %s (%s)", src, out, fmt)
+    return out
+
+
+def _copy_side_files(src: Path, out: Path) -> None:
+    for path in src.iterdir():
+        if path.is_file() and path.name != INDEX_NAME and not path.name.endswith(_WEIGHT_FILES):
+            shutil.copy2(path, out / path.name)
+
+
+def describe(folder: str | Path) -> dict[str, Any]:
+    """Counts of tensors per dtype in a checkpoint folder (for logs and the CLI summary)."""
+    reader = CheckpointReader(folder)
+    counts: dict[str, int] = {}
+    for _file, names in reader.iter_shards():
+        for name in names:
+            dtype = reader.dtype_of(name)
+            counts[dtype] = counts.get(dtype, 0) + 1
+    return {"shards": len(reader.files), "tensors_by_dtype": counts}

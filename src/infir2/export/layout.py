@@ -1,0 +1,69 @@
+"""The FP8 checkpoint layout of DeepSeek-V3 (what vLLM, SGLang and transformers load as ``quant_method: fp8``).
+
+Each 2-D projection weight ``W [N, K]`` of a decoder layer (q/k/v/o/gate/up/down) is stored as::
+
+    <name>            float8_e4m3fn [N, K]                       W quantized per 128x128 block
+    <name>_scale_inv  float32       [ceil(N/128), ceil(K/128)]   dequantize: W ~= data * scale_inv (per block)
+
+e.g. ``model.layers.0.self_attn.q_proj.weight`` + ``model.layers.0.self_attn.q_proj.weight_scale_inv``.
+Everything else (embeddings, ``lm_head``, norms, biases) is stored as it was. ``config.json`` gets
+:data:`QUANTIZATION_CONFIG`. Scales are powers of two (UE8M0, what the training recipe uses) or plain
+fp32 (``pow2_scale=False``, slightly more accurate); both load the same way.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from ..fp8 import BLOCK, dequantize, quantize
+from ..nn import DECODER_PROJECTIONS
+
+__all__ = ["QUANTIZATION_CONFIG", "SCALE_SUFFIX", "WEIGHT_BLOCK", "dequantize_weight", "is_fp8_config",
+           "is_projection_weight", "quantize_weight", "scale_inv_name"]  # fmt: skip
+
+WEIGHT_BLOCK = (BLOCK, BLOCK)
+SCALE_SUFFIX = "_scale_inv"
+QUANTIZATION_CONFIG: dict[str, Any] = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": list(WEIGHT_BLOCK),
+}
+_PROJECTION_KEY = re.compile(
+    r"(^|\.)layers\.\d+\.(self_attn|mlp)\.(" + "|".join(DECODER_PROJECTIONS) + r")\.weight$"
+)
+
+
+def is_projection_weight(name: str, tensor: torch.Tensor) -> bool:
+    """True for a 2-D floating weight of a decoder projection (the same layers ``convert_to_fp8`` swaps)."""
+    return _PROJECTION_KEY.search(name) is not None and tensor.dim() == 2 and tensor.dtype.is_floating_point
+
+
+def scale_inv_name(name: str) -> str:
+    return name + SCALE_SUFFIX
+
+
+def quantize_weight(weight: torch.Tensor, pow2_scale: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``W [N, K]`` -> (``float8_e4m3fn [N, K]``, ``float32 [ceil(N/128), ceil(K/128)]``)."""
+    data, scale_inv = quantize(weight, WEIGHT_BLOCK, fmt="e4m3", pow2_scale=pow2_scale)
+    return data, scale_inv.float().contiguous()
+
+
+def dequantize_weight(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize(data, scale_inv, WEIGHT_BLOCK, dtype=dtype)
+
+
+def is_fp8_config(config: dict[str, Any], where: str = "config.json") -> bool:
+    """True when ``config`` declares this layout; raises for an FP8 config this project cannot read."""
+    qc = config.get("quantization_config")
+    if not qc:
+        return False
+    if qc.get("quant_method") != "fp8":
+        raise ValueError(f"{where}: quantization_config.quant_method {qc.get('quant_method')!r} is not supported "
+                         f"(only 'fp8' with 128x128 weight blocks)")  # fmt: skip
+    if list(qc.get("weight_block_size") or []) != list(WEIGHT_BLOCK) or qc.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"{where}: FP8 quantization_config {qc} is not the e4m3 / [128, 128] block layout")
+    return True

@@ -1,0 +1,232 @@
+"""FP8 / BF16 / FP32 export: round trips, the DeepSeek-V3 layout, streaming conversion, reload in transformers."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import make_tiny_model
+from infir2 import sqnr
+from infir2.cli import main
+from infir2.export import (
+    QUANTIZATION_CONFIG,
+    CheckpointReader,
+    convert_checkpoint,
+    export_model,
+    load_checkpoint,
+    load_fp8_state_dict,
+)
+from infir2.fp8 import dequantize
+from infir2.nn import DECODER_PROJECTIONS
+
+HIDDEN = 160  # intermediate = 2*160+128 = 448: partial 128-blocks on both axes of the MLP weights
+
+
+def _read_folder(folder: Path) -> dict[str, torch.Tensor]:
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    out = {}
+    for file in sorted(set(index["weight_map"].values())):
+        with safe_open(str(folder / file), framework="pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 (safe_open has no __iter__)
+    return out
+
+
+def _is_projection(name: str) -> bool:
+    return any(f".{p}.weight" in name for p in DECODER_PROJECTIONS)
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return make_tiny_model(hidden=HIDDEN)
+
+
+@pytest.mark.parametrize("pow2_scale", [True, False])
+def test_fp8_export_layout_and_round_trip(model, tiny_tokenizer, tmp_path: Path, pow2_scale: bool) -> None:
+    out = export_model(model, tiny_tokenizer, tmp_path / "fp8", fmt="fp8", pow2_scale=pow2_scale,
+                       base_dtype=torch.float32, max_shard_size="150KB")  # fmt: skip
+    saved, original = _read_folder(out), model.state_dict()
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"] == QUANTIZATION_CONFIG
+    assert QUANTIZATION_CONFIG == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                   "weight_block_size": [128, 128]}  # fmt: skip
+    projections = [k for k in original if _is_projection(k)]
+    assert len(projections) == 7 * 2
+    assert set(saved) == set(original) | {k + "_scale_inv" for k in projections}
+    for name, ref in original.items():
+        if name not in projections:  # embeddings, lm_head, norms, biases: bit-identical
+            assert saved[name].dtype == ref.dtype and torch.equal(saved[name], ref), name
+            continue
+        data, scale_inv = saved[name], saved[name + "_scale_inv"]
+        n, k = ref.shape
+        assert data.dtype == torch.float8_e4m3fn and data.shape == ref.shape
+        assert scale_inv.dtype == torch.float32 and scale_inv.shape == (
+            math.ceil(n / 128),
+            math.ceil(k / 128),
+        )
+        mantissa = torch.frexp(scale_inv).mantissa
+        assert bool((mantissa == 0.5).all()) is pow2_scale, (
+            "pow2 scales are powers of two, fp32 scales are not"
+        )
+        back = dequantize(data, scale_inv, (128, 128))
+        assert sqnr(ref, back) >= 25, name
+
+
+def test_index_json_is_consistent(model, tiny_tokenizer, tmp_path: Path) -> None:
+    out = export_model(model, tiny_tokenizer, tmp_path / "fp8", fmt="fp8", max_shard_size="100KB")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(files) > 1 and sorted(set(index["weight_map"].values())) == files
+    total = 0
+    for file in files:
+        with safe_open(str(out / file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118
+                assert index["weight_map"][key] == file
+                t = f.get_tensor(key)
+                total += t.numel() * t.element_size()
+    assert index["metadata"]["total_size"] == total
+    assert {"config.json", "generation_config.json", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+
+
+def test_fp32_export_reloads_in_transformers_with_identical_logits(
+    model, tiny_tokenizer, tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from infir2.eval.command import load_tokenizer
+
+    out = export_model(model, tiny_tokenizer, tmp_path / "fp32", fmt="fp32", max_shard_size="200KB")
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model.eval()(ids).logits)
+    tok = load_tokenizer(out)
+    assert tok.encode("12 + 30 = 42") == tiny_tokenizer.encode("12 + 30 = 42")
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == [
+        tiny_tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        tiny_tokenizer.eos_token_id,
+    ]
+
+
+def test_bf16_export_reloads_close(model, tiny_tokenizer, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    out = export_model(model, tiny_tokenizer, tmp_path / "bf16", fmt="bf16")
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert all(t.dtype == torch.bfloat16 for t in _read_folder(out).values())
+    reloaded = AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float32
+    ).eval()  # fp32 compute: fast on CPU
+    rounded = make_tiny_model(hidden=HIDDEN)
+    rounded.load_state_dict({k: v.bfloat16().float() for k, v in model.state_dict().items()})
+    ids = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, ref = reloaded(ids).logits, model.eval()(ids).logits
+        assert torch.equal(got, rounded.eval()(ids).logits)  # exactly the bf16-rounded weights
+    assert sqnr(ref, got) > 30
+
+
+def test_streaming_conversion_of_a_multi_shard_checkpoint(model, tmp_path: Path, monkeypatch) -> None:
+    src = tmp_path / "hf"
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(src, max_shard_size="100KB")
+    assert len(list(src.glob("*.safetensors"))) > 2
+    originals = _read_folder(src)
+    open_shards: list[int] = []
+    real_get = CheckpointReader.get
+
+    def spying_get(self, name):
+        out = real_get(self, name)
+        open_shards.append(len(self._handles))
+        return out
+
+    monkeypatch.setattr(CheckpointReader, "get", spying_get)
+    out = convert_checkpoint(src, tmp_path / "fp8", fmt="fp8", max_shard_size="60KB")
+    assert open_shards and max(open_shards) == 1, "one input shard open at a time"
+    saved = _read_folder(out)
+    for name, ref in originals.items():
+        if _is_projection(name):
+            expected, _ = _quantize_ref(ref)
+            assert torch.equal(saved[name].view(torch.uint8), expected.view(torch.uint8)), name
+        else:
+            assert saved[name].dtype == torch.bfloat16 and torch.equal(saved[name], ref), name
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"] == QUANTIZATION_CONFIG and config["dtype"] == "bfloat16"
+    assert (out / "generation_config.json").is_file()
+    with pytest.raises(ValueError, match="already an FP8 checkpoint"):
+        convert_checkpoint(out, tmp_path / "again", fmt="fp8")
+
+
+def _quantize_ref(w: torch.Tensor):
+    from infir2.fp8 import quantize
+
+    return quantize(w, (128, 128), "e4m3", pow2_scale=True)
+
+
+def test_fp8_folder_loads_back_and_converts_back(model, tiny_tokenizer, tmp_path: Path) -> None:
+    out = export_model(model, tiny_tokenizer, tmp_path / "fp8", fmt="fp8", base_dtype=torch.float32)
+    state = load_fp8_state_dict(out)
+    loaded = load_checkpoint(out)
+    assert not hasattr(loaded.config, "quantization_config")
+    for name, ref in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], state[name])
+        assert sqnr(ref, state[name]) >= 25
+    ids = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert sqnr(model.eval()(ids).logits, loaded(ids).logits) > 20
+    back = convert_checkpoint(out, tmp_path / "bf16", fmt="fp32")
+    restored = _read_folder(back)
+    assert set(restored) == set(state) and all(torch.equal(restored[k], state[k]) for k in state)
+    assert "quantization_config" not in json.loads((back / "config.json").read_text())
+
+
+@pytest.mark.parametrize(("flag", "pow2"), [("--pow2-scale", True), ("--no-pow2-scale", False), (None, True)])
+def test_cli_pow2_flag_parses_both_ways(model, tmp_path: Path, flag: str | None, pow2: bool) -> None:
+    src = tmp_path / "hf"
+    model.save_pretrained(src)
+    argv = ["export", "--model", str(src), "--out", str(tmp_path / "out"), "--format", "fp8"]
+    assert main(argv + ([flag] if flag else [])) == 0
+    scales = [t for k, t in _read_folder(tmp_path / "out").items() if k.endswith("_scale_inv")]
+    assert scales and all(bool((torch.frexp(s).mantissa == 0.5).all()) is pow2 for s in scales)
+
+
+def test_cli_errors_are_one_line(tmp_path: Path, capsys) -> None:
+    assert main(["export", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+def test_export_of_an_fp8_converted_model_and_existing_output(tiny_tokenizer, tmp_path: Path) -> None:
+    from infir2 import convert_to_fp8
+
+    reference = make_tiny_model()
+    converted = convert_to_fp8(make_tiny_model())  # Fp8Linear shares the nn.Linear parameters and names
+    out = export_model(converted, tiny_tokenizer, tmp_path / "fp32", fmt="fp32")
+    saved = _read_folder(out)
+    assert set(saved) == set(reference.state_dict())
+    assert all(torch.equal(saved[k], v) for k, v in reference.state_dict().items())
+    with pytest.raises(ValueError, match="already holds a checkpoint"):
+        export_model(converted, tiny_tokenizer, out, fmt="fp32")
+
+
+@pytest.mark.parametrize("pow2_scale", [True, False])
+def test_transformers_reads_our_fp8_layout(tiny_tokenizer, tmp_path: Path, pow2_scale: bool) -> None:
+    """Independent reader: transformers' fine-grained FP8 loader (dequantizing on a machine without a GPU).
+
+    Its CPU dequantizer derives the block size from the scale grid, so it needs dimensions that are
+    multiples of 128 (true for Qwen2.5 / Llama); hidden=128 here.
+    """
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load FP8 checkpoints")
+    from transformers import AutoModelForCausalLM
+
+    out = export_model(make_tiny_model(hidden=128), tiny_tokenizer, tmp_path / "fp8", fmt="fp8",
+                       pow2_scale=pow2_scale, base_dtype=torch.float32)  # fmt: skip
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    ours = load_fp8_state_dict(out)
+    assert set(theirs) == set(ours)
+    for name, tensor in ours.items():
+        assert torch.equal(theirs[name], tensor), name
