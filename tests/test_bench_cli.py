@@ -40,7 +40,7 @@ def test_bench_quick_writes_json_and_one_table(tmp_path, capsys):
     ) in metrics
     saved = [r for r in rows if r["metric"] == "saved act. MB"]
     assert saved and all(r["ratio"] < 0.5 for r in saved)  # 1-byte FP8 (+ scales) vs 4-byte fp32
-    assert any(r["section"] == "step" and r["metric"] == "saved act. GiB" for r in rows)
+    assert any(r["section"] == "step" and r["metric"] == "saved for bwd GiB" for r in rows)
     printed = capsys.readouterr().out
     assert printed.rstrip().splitlines()[-1].startswith("step")  # the table is printed last
     assert "infir2 bench" in printed

@@ -9,8 +9,8 @@ Three sections, each printed as rows of one table at the end (and written as JSO
                ``torch.autograd.graph.saved_tensors_hooks``; parameters and Fp8Linear's per-layer FP8
                weight copy, N*K bytes + scales, excluded: they do not grow with tokens).
 3. step      - a full training step (forward, backward, AdamW) of a Qwen2.5-shaped model: step time,
-               forward/backward split, peak memory (CUDA), activations saved by the forward (all
-               devices), TFLOP/s; FP8 / baseline ratios.
+               forward/backward split, peak memory (CUDA), bytes the forward saves for backward (all
+               devices; parameters excluded, Fp8Linear's FP8 weight copies included), TFLOP/s.
 
 A ratio is FP8 / baseline: below 1 is better for time and memory, above 1 for GB/s and TFLOP/s.
 On a GPU the baseline is BF16 and the FP8 path the "cuda" backend (Triton quantization, cuBLAS
@@ -227,6 +227,7 @@ def bench_linear(
     """fwd+bwd of nn.Linear (``base_dtype``, and bf16 on CPU) vs Fp8Linear per layer shape; saved bytes."""
     rows: list[dict] = []
     totals: dict[str, dict[str, float]] = {}
+    timed: dict[str, dict[str, int]] = {}  # model -> arm -> shapes timed
     base_name = str(base_dtype).replace("torch.", "")
     for model, name, k, n, count in tqdm(cfg.layer_shapes(), desc="linear", leave=False):
         case = f"{model} {name} {cfg.tokens}x{k}->{n}"
@@ -238,6 +239,7 @@ def bench_linear(
         b_base = saved_bytes(lambda: base(x), [base.weight])  # noqa: B023
         tot = totals.setdefault(model, {})
         tot[base_name] = tot.get(base_name, 0.0) + count * t_base
+        arms = timed.setdefault(model, {})
         cheap = cfg.tokens * k * n <= _CPU_BF16_MAX_MACS  # CPU bf16 GEMMs run 7-300x slower than fp32
         if device.type == "cpu" and base_dtype != torch.bfloat16 and cfg.time_bf16_on_cpu and cheap:
             bf = copy.deepcopy(base).bfloat16()
@@ -245,6 +247,7 @@ def bench_linear(
             t_bf = _time_ms(_linear_step(bf, xb, dyb), device, 0, 1)
             rows.append(_row("linear", case, "fwd+bwd ms", base_name, t_base, "nn.Linear bf16", t_bf))
             tot["bf16"] = tot.get("bf16", 0.0) + count * t_bf
+            arms["bf16"] = arms.get("bf16", 0) + 1
         for backend in backends:
             fp8 = Fp8Linear.from_linear(base, "blockwise", backend=backend)
             t_fp8 = _time_ms(_linear_step(fp8, x, dy), device, cfg.warmup, cfg.iters)
@@ -256,9 +259,11 @@ def bench_linear(
             rows.append(_row("linear", case, "saved act. MB", base_name, b_base / 2**20, f"Fp8Linear[{backend}]",
                              b_fp8 / 2**20))  # fmt: skip
             tot[backend] = tot.get(backend, 0.0) + count * t_fp8
+            arms[backend] = arms.get(backend, 0) + 1
     for model, tot in totals.items():  # one decoder layer's seven projections
+        shapes = sum(1 for m, *_ in cfg.layer_shapes() if m == model)
         for arm, t in tot.items():
-            if arm != base_name:
+            if arm != base_name and timed[model].get(arm, 0) == shapes:  # only arms timed on every shape
                 label = "nn.Linear bf16" if arm == "bf16" else f"Fp8Linear[{arm}]"
                 rows.append(_row("linear", f"{model} 7 projections of a layer", "fwd+bwd ms", base_name,
                                  tot[base_name], label, t))  # fmt: skip
@@ -339,7 +344,7 @@ def bench_step(cfg: BenchConfig, device: torch.device, dtype: torch.dtype, backe
         saved = saved_bytes(functools.partial(model, input_ids=ids, labels=ids), params) / 2**30
         total = sum(measured)
         results[arm] = {"step ms": total, "forward ms": measured[0], "backward ms": measured[1],
-                        "optimizer ms": measured[2], "peak GiB": peak, "saved act. GiB": saved,
+                        "optimizer ms": measured[2], "peak GiB": peak, "saved for bwd GiB": saved,
                         "TFLOP/s": step_flops(spec, spec.seq) / (total * 1e-3) / 1e12}  # fmt: skip
         del model, opt
     case = f"{spec.layers}-layer h{spec.hidden} seq {spec.seq}"
