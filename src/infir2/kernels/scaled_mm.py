@@ -21,6 +21,8 @@ Fast accumulation is not allowed with block scales (the K-block promotion is the
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -65,8 +67,9 @@ def gemm_nt(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
     )
 
 
+@functools.cache
 def blockwise_unavailable(device: torch.device) -> str | None:
-    """Why ``gemm_nt_blockwise`` cannot run on ``device`` (None when it can)."""
+    """Why ``gemm_nt_blockwise`` cannot run on ``device`` (None when it can); asked once per device."""
     if device.type != "cuda":
         return "block-scaled scaled_mm needs CUDA"
     if not hasattr(F, "ScalingType"):
