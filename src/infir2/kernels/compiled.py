@@ -3,16 +3,17 @@
 On a CPU the reference quantizer makes several passes over memory (abs, amax, multiply, clamp,
 where, cast); Inductor fuses them into one loop: on the development CPU the activation quantizers
 run 1.7-3x faster than eager (128x128 weight blocks are not faster), bit-identical to the reference
-(tested; ``BENCHMARKS.md`` has the figures). The price is compile time: ~30 s for the first graph in a process and a few seconds for each new
-block shape / dtype after that, so it pays off only for runs longer than a few minutes. It is
-therefore never chosen automatically: ask for it with ``backend="compiled"``.
+(tested; ``BENCHMARKS.md`` has the figures). The price is compile time: ~30 s for the first graph
+in a process and a few seconds for each new block shape / dtype after that, and in a whole layer
+the dequantize + fp32 matmul dominates anyway. It is therefore never chosen automatically: ask for
+it with ``backend="compiled"``.
 
 The GEMM is the emulated one (dequantize to fp32, matmul) with the dequantize compiled too.
 
 Only tensors made of whole blocks are compiled: with a partial edge block (a dimension that is not
-a multiple of the block) torch 2.13's Inductor CPU code for the reference's pad + reshape + slice
-writes wrong FP8 data (``tests/test_kernels_compiled.py`` shows it), so those go to the eager
-reference, logged once.
+a multiple of the block) a static-shape compile of the reference's pad + reshape + slice by torch
+2.13's Inductor (CPU) wrote wrong FP8 data into the partial block ([260, 300] with 1x128 tiles, as
+the first compile in a process), so those go to the eager reference, logged once.
 """
 
 from __future__ import annotations
