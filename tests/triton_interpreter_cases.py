@@ -121,6 +121,23 @@ def test_quantize_low_precision_input_and_strided_input(tq, dtype):
     assert _same_bits(data.to(torch.float8_e4m3fn), quantize(xt, (1, 128))[0])
 
 
+@pytest.mark.parametrize("pow2", [True, False])
+@pytest.mark.parametrize("shape", [(130, 260), (5, 130)])
+def test_quantize_both_equals_two_quantizations(tq, pow2, shape):
+    """The fused kernel (one read, 1x128 and 128x1 outputs) gives the reference's values and layouts."""
+    x = _hard_input(shape, seed=sum(shape) + pow2)
+    for fmt in ("e4m3", "e5m2") if pow2 else ("e4m3",):
+        pair = tq._quantize_both(x, fmt, pow2, data_dtype=torch.float32)
+        for (data, scale_inv), block in zip(pair, [(1, 128), (128, 1)], strict=True):
+            ref_data, ref_scale_inv = quantize(x, block, fmt, pow2)
+            assert torch.equal(scale_inv, ref_scale_inv), (fmt, block)
+            precast = _reference_precast(x, block, fmt, pow2)
+            torch.testing.assert_close(data, precast, rtol=0, atol=0, equal_nan=True)
+            assert _same_bits(data.to(get_format(fmt).dtype), ref_data)
+            single = tq.quantize(x, block, fmt, pow2)  # same layouts as the single kernel
+            assert data.stride() == single[0].stride() and scale_inv.stride() == single[1].stride()
+
+
 def test_quantize_layouts_are_the_gemm_layouts(tq):
     x = torch.randn(256, 384)
     data, scale_inv = tq.quantize(x, (128, 1))
@@ -177,7 +194,8 @@ def test_gemm_declines_other_blocks(tg):
 
 
 def test_fp8_linear_through_triton_backend(tq, tg):
-    """The whole autograd function (3 GEMMs, 5 quantizations) through the Triton kernels on CPU.
+    """The whole autograd function (3 GEMMs; X and dY through the fused two-tiling kernel, W through the
+    single one) through the Triton kernels on CPU.
 
     The backend here is the ``triton`` backend except that the quantize kernel's fp32 pre-cast values
     are cast to FP8 by torch (the interpreter's own cast misrounds, see the module doc), so the only
@@ -190,9 +208,21 @@ def test_fp8_linear_through_triton_backend(tq, tg):
         data, scale_inv = tq._quantize(x, block, fmt, pow2, data_dtype=torch.float32)
         return Operand(data.to(get_format(fmt).dtype), scale_inv, tuple(block))
 
+    def pair_via_kernel(x: torch.Tensor, block_a, block_b, fmt: str, pow2: bool) -> tuple[Operand, Operand]:
+        assert (tuple(block_a), tuple(block_b)) == ((1, 128), (128, 1))
+        row, col = tq._quantize_both(x, fmt, pow2, data_dtype=torch.float32)
+        dtype = get_format(fmt).dtype
+        return Operand(row[0].to(dtype), row[1], (1, 128)), Operand(col[0].to(dtype), col[1], (128, 1))
+
     backends = {
         "emulated": BACKENDS["emulated"],
-        "triton": Backend("triton-interpreted", quantize_via_kernel, gemm_nt_triton, supports_operands),
+        "triton": Backend(
+            "triton-interpreted",
+            quantize_via_kernel,
+            gemm_nt_triton,
+            supports_operands,
+            quantize_pair=pair_via_kernel,
+        ),
     }
     recipe = get_recipe("blockwise")
     torch.manual_seed(0)

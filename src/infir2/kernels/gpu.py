@@ -74,6 +74,21 @@ def quantize_operand(x: torch.Tensor, block: Block, fmt: str, pow2_scale: bool) 
     return Operand(data, scale_inv, tuple(block))  # type: ignore[arg-type]
 
 
+def quantize_operand_pair(
+    x: torch.Tensor, block_a: Block, block_b: Block, fmt: str, pow2_scale: bool
+) -> tuple[Operand, Operand]:
+    """The (1,128) and (128,1) copies of ``x`` from one read (one Triton kernel); other pairs: two calls."""
+    from ..fp8.formats import BLOCK
+    from . import triton_quant
+
+    pair = (tuple(block_a), tuple(block_b))
+    if pair in (((1, BLOCK), (BLOCK, 1)), ((BLOCK, 1), (1, BLOCK))):
+        row, col = triton_quant.quantize_both(x, fmt, pow2_scale)
+        ops = Operand(*row, (1, BLOCK)), Operand(*col, (BLOCK, 1))
+        return ops if pair[0] == (1, BLOCK) else (ops[1], ops[0])
+    return quantize_operand(x, block_a, fmt, pow2_scale), quantize_operand(x, block_b, fmt, pow2_scale)
+
+
 def supports_operands(a: Operand, b: Operand) -> bool:
     from . import triton_gemm
 

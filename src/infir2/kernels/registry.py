@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..fp8.quantize import Block
 from ..fp8.recipe import Fp8Recipe
 from . import compiled, emulated, gpu, scaled_mm
 from .operand import Operand
@@ -33,6 +34,16 @@ class Backend:
     gemm_nt_fn: GemmFn
     supports: Callable[[Operand, Operand], bool] = lambda a, b: True
     available: Callable[[Fp8Recipe, torch.device], str | None] = lambda recipe, device: None
+    #: optional: both tilings of one tensor from one read, ``(x, block_a, block_b, fmt, pow2) -> (a, b)``
+    quantize_pair: Callable[[torch.Tensor, Block, Block, str, bool], tuple[Operand, Operand]] | None = None
+
+    def quantize_both(
+        self, x: torch.Tensor, block_a: Block, block_b: Block, fmt: str, pow2_scale: bool
+    ) -> tuple[Operand, Operand]:
+        """``(quantize(x, block_a), quantize(x, block_b))``, fused when the backend can."""
+        if self.quantize_pair is not None:
+            return self.quantize_pair(x, block_a, block_b, fmt, pow2_scale)
+        return self.quantize(x, block_a, fmt, pow2_scale), self.quantize(x, block_b, fmt, pow2_scale)
 
     def gemm_nt(self, a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
         if self.supports(a, b):
@@ -65,11 +76,21 @@ BACKENDS: dict[str, Backend] = {
     ),
     # Triton quantization + cuBLAS block-scaled GEMMs (SM90, CUDA >= 12.9), Triton GEMMs elsewhere.
     "cuda": Backend(
-        "cuda", gpu.quantize_operand, gpu.gemm_nt_cublas_or_triton, gpu.supports_operands, gpu.gpu_unavailable
+        "cuda",
+        gpu.quantize_operand,
+        gpu.gemm_nt_cublas_or_triton,
+        gpu.supports_operands,
+        gpu.gpu_unavailable,
+        gpu.quantize_operand_pair,
     ),
     # Triton quantization + Triton block-scaled GEMMs everywhere.
     "triton": Backend(
-        "triton", gpu.quantize_operand, gpu.gemm_nt_triton, gpu.supports_operands, gpu.gpu_unavailable
+        "triton",
+        gpu.quantize_operand,
+        gpu.gemm_nt_triton,
+        gpu.supports_operands,
+        gpu.gpu_unavailable,
+        gpu.quantize_operand_pair,
     ),
     # The emulated backend with torch.compile'd quantize/dequantize; only when asked for (compile time).
     "compiled": Backend(

@@ -32,7 +32,7 @@ import triton.language as tl
 from ..fp8.formats import BLOCK, get_format
 from ..fp8.quantize import Block, resolve_block
 
-__all__ = ["SUPPORTED_BLOCKS", "quantize", "supports_block"]
+__all__ = ["SUPPORTED_BLOCKS", "quantize", "quantize_both", "supports_block"]
 
 #: The block shapes these kernels implement; others go to the reference.
 SUPPORTED_BLOCKS: tuple[Block, ...] = ((1, BLOCK), (BLOCK, 1), (BLOCK, BLOCK))
@@ -106,6 +106,48 @@ def _quantize_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: no Pyt
         )
 
 
+@triton.jit
+def _quantize_both_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: no Python annotations
+    x_ptr, row_data_ptr, row_scale_inv_ptr, col_data_ptr, col_scale_inv_ptr,
+    M, K,
+    stride_xm, stride_xk, stride_rdm, stride_rdk, stride_rsm, stride_rsk,
+    stride_cdm, stride_cdk, stride_csm, stride_csk,
+    TILE: tl.constexpr,
+    FMAX: tl.constexpr, FLT_MAX: tl.constexpr, POW2: tl.constexpr, HAS_INF: tl.constexpr,
+):  # fmt: skip
+    """One read of a ``[TILE, TILE]`` tile, two quantizations: 1x``TILE`` tiles (one scale per row) and
+    ``TILE``x1 tiles (one scale per column), for the fprop/dgrad and the wgrad copy of the same tensor."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = pid_m * TILE + tl.arange(0, TILE)
+    offs_k = pid_k * TILE + tl.arange(0, TILE)
+    mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    xa = tl.abs(x)
+    bad = ((xa != xa) | (xa == float("inf"))).to(tl.int32)
+    # 1 x TILE tiles: one scale per row -> [TILE, 1]
+    row_scale = _scale_from_amax(
+        tl.max(xa, axis=1)[:, None], tl.max(bad, axis=1)[:, None] > 0, FMAX, FLT_MAX, POW2
+    )
+    row = _saturate(x * row_scale, FMAX, HAS_INF)
+    tl.store(row_data_ptr + offs_m[:, None] * stride_rdm + offs_k[None, :] * stride_rdk,
+             row.to(row_data_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+    row_scale_inv = tl.math.div_rn(tl.full(row_scale.shape, 1.0, tl.float32), row_scale)
+    tl.store(row_scale_inv_ptr + offs_m[:, None] * stride_rsm + pid_k * stride_rsk, row_scale_inv,
+             mask=offs_m[:, None] < M)  # fmt: skip
+    # TILE x 1 tiles: one scale per column -> [1, TILE]
+    col_scale = _scale_from_amax(
+        tl.max(xa, axis=0)[None, :], tl.max(bad, axis=0)[None, :] > 0, FMAX, FLT_MAX, POW2
+    )
+    col = _saturate(x * col_scale, FMAX, HAS_INF)
+    tl.store(col_data_ptr + offs_m[:, None] * stride_cdm + offs_k[None, :] * stride_cdk,
+             col.to(col_data_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+    col_scale_inv = tl.math.div_rn(tl.full(col_scale.shape, 1.0, tl.float32), col_scale)
+    tl.store(col_scale_inv_ptr + pid_m * stride_csm + offs_k[None, :] * stride_csk, col_scale_inv,
+             mask=offs_k[None, :] < K)  # fmt: skip
+
+
 def supports_block(block: Block, shape: tuple[int, ...] | torch.Size) -> bool:
     """True when ``block`` (resolved against ``shape``) is one of :data:`SUPPORTED_BLOCKS`."""
     return resolve_block(block, shape) in SUPPORTED_BLOCKS and len(shape) == 2
@@ -154,3 +196,37 @@ def _quantize(
         num_warps=8 if tile_m * tile_k >= 128 * 128 else 4,  # a 128x128 fp32 tile: 64 values per thread
     )  # fmt: skip
     return data, scale_inv
+
+
+def quantize_both(
+    x: torch.Tensor, fmt: str = "e4m3", pow2_scale: bool = True
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """``(quantize(x, (1, 128)), quantize(x, (128, 1)))`` from one read of ``x``: the fprop (or dgrad)
+    copy and the wgrad copy of an activation or output gradient, same values and layouts as two calls."""
+    return _quantize_both(x, fmt, pow2_scale, data_dtype=None)
+
+
+def _quantize_both(
+    x: torch.Tensor, fmt: str, pow2_scale: bool, data_dtype: torch.dtype | None
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    if x.dim() != 2 or not x.dtype.is_floating_point or x.dtype.itemsize == 1:
+        raise ValueError(f"quantize_both expects a 2-D floating-point tensor, got {tuple(x.shape)} {x.dtype}")
+    f = get_format(fmt)
+    m, k = x.shape
+    mb, kb = -(-m // BLOCK), -(-k // BLOCK)
+    dtype = data_dtype or f.dtype
+    row_data = torch.empty((m, k), dtype=dtype, device=x.device)
+    row_scale_inv = torch.empty((kb, m), dtype=torch.float32, device=x.device).t()  # [M, Kb], outer-dim-major
+    col_data = torch.empty((k, m), dtype=dtype, device=x.device).t()  # [M, K], physically [K, M]
+    col_scale_inv = torch.empty((mb, k), dtype=torch.float32, device=x.device)
+    if x.numel() == 0:
+        return (row_data, row_scale_inv.fill_(1.0)), (col_data, col_scale_inv.fill_(1.0))
+    _quantize_both_kernel[(mb, kb)](
+        x, row_data, row_scale_inv, col_data, col_scale_inv, m, k,
+        x.stride(0), x.stride(1), row_data.stride(0), row_data.stride(1),
+        row_scale_inv.stride(0), row_scale_inv.stride(1), col_data.stride(0), col_data.stride(1),
+        col_scale_inv.stride(0), col_scale_inv.stride(1),
+        TILE=BLOCK, FMAX=f.max, FLT_MAX=_FLT_MAX, POW2=pow2_scale, HAS_INF=f.has_inf,
+        num_warps=8,
+    )  # fmt: skip
+    return (row_data, row_scale_inv), (col_data, col_scale_inv)

@@ -55,11 +55,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         with _no_autocast(x.device):
             if x_ops is None:
-                x_ops = (
-                    backend.quantize(x, recipe.input_block, recipe.fmt, recipe.pow2_scale),  # [T,K] fprop
-                    backend.quantize(
-                        x, recipe.wgrad_input_block, recipe.fmt, recipe.pow2_scale
-                    ),  # [T,K] wgrad
+                x_ops = backend.quantize_both(  # [T,K] fprop copy and wgrad copy
+                    x, recipe.input_block, recipe.wgrad_input_block, recipe.fmt, recipe.pow2_scale
                 )
             xq, x_wgrad = x_ops
             # Without a bias the GEMM writes the input's dtype directly (no fp32 [T,N] round trip);
@@ -84,21 +81,30 @@ class _Fp8LinearFunction(torch.autograd.Function):
         x_data, x_scale_inv, weight, *w_saved = ctx.saved_tensors
         dx = dw = db = None
         with _no_autocast(dy.device):
-            if ctx.needs_input_grad[0]:
+            need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+            if need_dx and need_dw:  # dY [T,N]: dgrad copy (1x128) and wgrad copy (128x1), one read
+                dyq, dy_w = backend.quantize_both(
+                    dy,
+                    recipe.grad_output_block,
+                    recipe.wgrad_grad_output_block,
+                    recipe.grad_fmt,
+                    recipe.pow2_scale,
+                )
+            elif need_dx:
+                dyq = backend.quantize(dy, recipe.grad_output_block, recipe.grad_fmt, recipe.pow2_scale)
+            elif need_dw:
+                dy_w = backend.quantize(
+                    dy, recipe.wgrad_grad_output_block, recipe.grad_fmt, recipe.pow2_scale
+                )
+            if need_dx:
                 if w_saved:
                     w_dgrad = Operand(w_saved[0], w_saved[1], recipe.dgrad_weight_block)
                 else:
                     w_dgrad = backend.quantize(
                         weight, recipe.dgrad_weight_block, recipe.fmt, recipe.pow2_scale
                     )
-                dyq = backend.quantize(
-                    dy, recipe.grad_output_block, recipe.grad_fmt, recipe.pow2_scale
-                )  # [T,N]
                 dx = backend.gemm_nt(dyq, w_dgrad.t(), ctx.x_dtype)  # [T,N] @ [N,K] -> [T,K], fp32 accumulate
-            if ctx.needs_input_grad[1]:
-                dy_w = backend.quantize(
-                    dy, recipe.wgrad_grad_output_block, recipe.grad_fmt, recipe.pow2_scale
-                )
+            if need_dw:
                 x_w = Operand(x_data, x_scale_inv, recipe.wgrad_input_block)  # [T,K]
                 dw = backend.gemm_nt(
                     dy_w.t(), x_w.t(), torch.float32
@@ -133,11 +139,9 @@ class _InputCache:
                x2d.dtype, tuple(x2d.shape))  # fmt: skip
         if key not in self._ops:
             with torch.no_grad(), _no_autocast(x2d.device):
-                self._ops[key] = (
-                    backend.quantize(x2d, recipe.input_block, recipe.fmt, recipe.pow2_scale),  # [T,K] fprop
-                    backend.quantize(
-                        x2d, recipe.wgrad_input_block, recipe.fmt, recipe.pow2_scale
-                    ),  # [T,K] wgrad
+                # [T,K] fprop copy and wgrad copy, from one read where the backend fuses them
+                self._ops[key] = backend.quantize_both(
+                    x2d, recipe.input_block, recipe.wgrad_input_block, recipe.fmt, recipe.pow2_scale
                 )
         return self._ops[key]
 
