@@ -1,7 +1,7 @@
 """GPU check + benchmark of the FP8 fast path, in one process (needs only infir2, torch and triton).
 
 1. Correctness on the GPU (what the CPU test suite cannot check):
-   - the Triton quantization kernels against ``infir2.fp8.quantize``, bit for bit (FP8 data with NaNs
+   - the Triton quantization kernels (single and fused two-tiling) against ``infir2.fp8.quantize``, bit for bit (FP8 data with NaNs
      compared as NaN, and ``scale_inv``), for 1x128, 128x1 and 128x128 blocks, pow2 and fp32 scales,
      fp32 and bf16 inputs, partial edge blocks, zeros, outliers, tiny values, NaN and +-inf;
    - the block-scaled GEMMs of the ``cuda`` (cuBLAS ``scaled_mm``, Triton where cuBLAS cannot) and
@@ -77,6 +77,13 @@ def check_quantize(device: torch.device) -> list[dict[str, Any]]:
                         ok = torch.equal(scale_inv, ref_scale_inv) and _same_bits(data, ref_data)
                         results.append({"check": "quantize bit-exact", "dtype": str(dtype), "shape": shape,
                                         "block": block, "pow2": pow2, "fmt": fmt, "ok": ok})  # fmt: skip
+            for pow2 in (True, False):  # the fused kernel: both activation tilings from one read
+                pair = triton_quant.quantize_both(x, "e4m3", pow2)
+                for (data, scale_inv), block in zip(pair, ((1, 128), (128, 1)), strict=True):
+                    ref_data, ref_scale_inv = quantize(x, block, "e4m3", pow2)
+                    ok = torch.equal(scale_inv, ref_scale_inv) and _same_bits(data, ref_data)
+                    results.append({"check": "quantize_both bit-exact", "dtype": str(dtype), "shape": shape,
+                                    "block": block, "pow2": pow2, "ok": ok})  # fmt: skip
     return results
 
 
