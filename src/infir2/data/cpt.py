@@ -1,0 +1,417 @@
+"""Continual pre-training data: tokenize a corpus into memory-mapped token files, read fixed windows.
+
+Preparing (``prepare_cpt``, the ``infir2 prepare-cpt`` command)
+----------------------------------------------------------------
+Inputs are files or folders (searched recursively, in sorted order) of
+
+* ``.txt``     -- one document per file (the whole file). For many small documents use JSONL.
+* ``.jsonl``   -- one JSON object per line, the document in ``text_field`` (default ``"text"``);
+  blank lines are ignored.
+* ``.parquet`` -- the document in the column ``text_field``; needs ``pyarrow`` (``pip install
+  'infir2[parquet]'``).
+
+Each document is tokenized without special tokens and followed by the eos token, so the token stream is
+``doc0 EOS doc1 EOS ...``. Documents that are empty or whitespace only are skipped and counted. A record
+that is not what is expected (bad JSON, missing field, non-string) is an error naming file and line.
+
+Documents are split into train / validation whole, deterministically and evenly spread: with
+``val_fraction = f``, document ``i`` (in input order) is held out when ``ceil((i+1) f) > ceil(i f)``,
+i.e. exactly ``ceil(n f)`` documents, the first one included (so the split is never empty when f > 0).
+
+The output folder holds ``train.bin`` and ``val.bin`` (raw little-endian token ids, ``uint16`` when the
+vocabulary has fewer than 65536 entries, else ``uint32``) and ``meta.json`` (dtype, vocabulary size,
+token and document counts, skipped documents, source files, tokenizer). ``meta.json`` is written last:
+a folder without it is an interrupted run.
+
+Reading (``CptSource``, ``val_batches``)
+----------------------------------------
+The token stream is cut into non-overlapping windows of ``seq_len`` tokens (the tail that does not fill
+a window is unused). Each epoch visits the windows in a seeded random order; each optimizer step takes
+the next ``global_batch_size`` windows, split evenly across ranks and then into micro-batches of
+``micro_batch_size``. Labels equal the inputs (the loop shifts). The position (epoch, step in epoch, seed)
+is the state dict, so a resumed run sees exactly the windows an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from .base import MicroBatch
+
+__all__ = [
+    "CPT_SUFFIXES",
+    "CptSource",
+    "find_input_files",
+    "iter_documents",
+    "load_cpt_meta",
+    "load_tokens",
+    "prepare_cpt",
+    "token_dtype",
+    "val_batches",
+]
+
+log = logging.getLogger(__name__)
+
+CPT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+_META = "meta.json"
+_TOKENIZE_BATCH = 256  # documents per call into the (parallel, Rust) fast tokenizer
+
+
+# ----------------------------------------------------------------------------- reading documents
+
+
+def find_input_files(inputs: Sequence[str | Path]) -> list[Path]:
+    """Expand files and folders into the sorted list of supported files (error if there are none)."""
+    files: list[Path] = []
+    for item in map(Path, inputs):
+        if item.is_dir():
+            found = sorted(p for p in item.rglob("*") if p.is_file() and p.suffix in CPT_SUFFIXES)
+            if not found:
+                raise ValueError(f"{item}: folder has no {'/'.join(CPT_SUFFIXES)} files")
+            files.extend(found)
+        elif item.is_file():
+            if item.suffix not in CPT_SUFFIXES:
+                raise ValueError(
+                    f"{item}: unsupported file type {item.suffix!r}; expected one of {CPT_SUFFIXES}"
+                )
+            files.append(item)
+        else:
+            raise FileNotFoundError(f"input not found: {item}")
+    if not files:
+        raise ValueError("no input files given")
+    return files
+
+
+def iter_documents(path: Path, text_field: str = "text") -> Iterator[str]:
+    """The documents of one file (empty ones included; the caller skips them)."""
+    if path.suffix == ".txt":
+        yield path.read_text(encoding="utf-8")
+    elif path.suffix == ".jsonl":
+        yield from _iter_jsonl(path, text_field)
+    elif path.suffix == ".parquet":
+        yield from _iter_parquet(path, text_field)
+    else:
+        raise ValueError(f"{path}: unsupported file type {path.suffix!r}; expected one of {CPT_SUFFIXES}")
+
+
+def _iter_jsonl(path: Path, text_field: str) -> Iterator[str]:
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object with a {text_field!r} field")
+            if text_field not in record:
+                raise ValueError(f"{path}:{lineno}: missing field {text_field!r} (expected a string)")
+            text = record[text_field]
+            if not isinstance(text, str):
+                raise ValueError(
+                    f"{path}:{lineno}: field {text_field!r} must be a string, got {type(text).__name__}"
+                )
+            yield text
+
+
+def _iter_parquet(path: Path, text_field: str) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(
+            f"{path}: reading Parquet needs pyarrow: pip install 'infir2[parquet]' (or pip install pyarrow)"
+        ) from None
+    parquet = pq.ParquetFile(path)
+    if text_field not in parquet.schema_arrow.names:
+        raise ValueError(
+            f"{path}: no column {text_field!r}; columns are {parquet.schema_arrow.names} (see --text-field)"
+        )
+    row = 0
+    for batch in parquet.iter_batches(columns=[text_field]):
+        for text in batch.column(0).to_pylist():
+            row += 1
+            if not isinstance(text, str):
+                raise ValueError(
+                    f"{path}: row {row}: column {text_field!r} must be a string, got {type(text).__name__}"
+                )
+            yield text
+
+
+# ----------------------------------------------------------------------------- preparing shards
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned dtype that holds every token id (little-endian on disk)."""
+    return np.dtype("<u2") if vocab_size < 2**16 else np.dtype("<u4")
+
+
+def is_val_document(index: int, val_fraction: float) -> bool:
+    """Whole-document split: exactly ceil(n * f) of n documents, evenly spread, the first included."""
+    f = Fraction(repr(val_fraction))  # exact: 0.7 is 7/10, not 0.69999...
+    return math.ceil((index + 1) * f) > math.ceil(index * f)
+
+
+def prepare_cpt(
+    inputs: Sequence[str | Path],
+    out_dir: str | Path,
+    tokenizer: PreTrainedTokenizerBase,
+    val_fraction: float = 0.01,
+    text_field: str = "text",
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Tokenize ``inputs`` into ``out_dir/{train,val}.bin`` + ``meta.json``; returns the meta dict."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no eos token (needed as the document separator)")
+    files = find_input_files(inputs)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / _META).unlink(missing_ok=True)  # a folder without meta.json is incomplete
+    dtype = token_dtype(len(tokenizer))
+    try:
+        counts = _write_shards(files, out, tokenizer, dtype, val_fraction, text_field, progress)
+    finally:
+        for name in ("train", "val"):
+            (out / f"{name}.bin.tmp").unlink(missing_ok=True)
+    meta = {
+        "format": "infir2-cpt-1",
+        "dtype": dtype.name,
+        "vocab_size": len(tokenizer),
+        "eos_token_id": tokenizer.eos_token_id,
+        **counts,
+        "val_fraction": val_fraction,
+        "text_field": text_field,
+        "sources": [str(f) for f in files],
+        "tokenizer": {"name_or_path": str(tokenizer.name_or_path), "class": type(tokenizer).__name__},
+    }
+    (out / _META).write_text(json.dumps(meta, indent=2) + "\n")
+    log.info(
+        "wrote %s: %d train / %d val tokens, %d / %d documents, %d empty skipped",
+        out, counts["train_tokens"], counts["val_tokens"], counts["train_documents"],
+        counts["val_documents"], counts["skipped_empty"],
+    )  # fmt: skip
+    return meta
+
+
+def _write_shards(
+    files: list[Path],
+    out: Path,
+    tokenizer: PreTrainedTokenizerBase,
+    dtype: np.dtype,
+    val_fraction: float,
+    text_field: str,
+    progress: bool,
+) -> dict[str, int]:
+    """Stream documents -> token ids -> ``{train,val}.bin``; returns the counts for meta.json."""
+    counts = {
+        "train_tokens": 0,
+        "val_tokens": 0,
+        "train_documents": 0,
+        "val_documents": 0,
+        "skipped_empty": 0,
+    }
+    with (
+        (out / "train.bin.tmp").open("wb") as train_f,
+        (out / "val.bin.tmp").open("wb") as val_f,
+        tqdm(desc="tokenizing", unit=" docs", disable=not progress) as bar,
+    ):
+        index = 0
+        for texts in _batched(_nonempty_documents(files, text_field, counts), _TOKENIZE_BATCH):
+            for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+                split = "val" if is_val_document(index, val_fraction) else "train"
+                tokens = np.asarray([*ids, tokenizer.eos_token_id], dtype=dtype)
+                (val_f if split == "val" else train_f).write(tokens.tobytes())
+                counts[f"{split}_tokens"] += len(tokens)
+                counts[f"{split}_documents"] += 1
+                index += 1
+            bar.update(len(texts))
+            bar.set_postfix(tokens=counts["train_tokens"] + counts["val_tokens"])
+    if counts["train_documents"] == 0:
+        raise ValueError(
+            f"no training documents: {index} non-empty document(s) in {[str(f) for f in files]} "
+            f"(all went to validation or were empty)"
+        )
+    for name in ("train", "val"):
+        (out / f"{name}.bin.tmp").replace(out / f"{name}.bin")
+    return counts
+
+
+def _nonempty_documents(files: list[Path], text_field: str, counts: dict[str, int]) -> Iterator[str]:
+    for path in files:
+        for text in iter_documents(path, text_field):
+            if text.strip():
+                yield text
+            else:
+                counts["skipped_empty"] += 1
+
+
+def _batched(items: Iterable[str], n: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+# ----------------------------------------------------------------------------- reading shards
+
+
+def load_cpt_meta(data_dir: str | Path) -> dict[str, Any]:
+    """``meta.json`` of a prepared folder (error if the folder is missing or incomplete)."""
+    path = Path(data_dir) / _META
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: prepare the data with `infir2 prepare-cpt` first")
+    meta: dict[str, Any] = json.loads(path.read_text())
+    if meta.get("dtype") not in ("uint16", "uint32"):
+        raise ValueError(f"{path}: 'dtype' must be 'uint16' or 'uint32', got {meta.get('dtype')!r}")
+    return meta
+
+
+def load_tokens(data_dir: str | Path, split: str = "train") -> np.ndarray:
+    """The token ids of ``split`` as a read-only memmap."""
+    meta = load_cpt_meta(data_dir)
+    path = Path(data_dir) / f"{split}.bin"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found")
+    if path.stat().st_size == 0:
+        return np.zeros(0, dtype=np.dtype(meta["dtype"]).newbyteorder("<"))
+    return np.memmap(path, dtype=np.dtype(meta["dtype"]).newbyteorder("<"), mode="r")
+
+
+def _window_batch(tokens: np.ndarray, windows: np.ndarray, seq_len: int) -> MicroBatch:
+    rows = np.stack([tokens[w * seq_len : (w + 1) * seq_len] for w in windows]).astype(np.int64)
+    input_ids = torch.from_numpy(rows)
+    return {"input_ids": input_ids, "labels": input_ids.clone()}
+
+
+class CptSource:
+    """Fixed-length training windows of a prepared folder; a ``StepSource`` (infinite: the loop stops it).
+
+    Each step: ``global_batch_size`` windows; this rank takes its contiguous ``global_batch_size //
+    world_size`` of them, in micro-batches of ``micro_batch_size``. The global order does not depend on
+    ``world_size``, so a run may resume on a different number of ranks.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        seq_len: int,
+        global_batch_size: int,
+        micro_batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+    ) -> None:
+        _check_batch_sizes(global_batch_size, micro_batch_size, rank, world_size)
+        self.tokens = load_tokens(data_dir, "train")
+        self.seq_len = seq_len
+        self.num_windows = len(self.tokens) // seq_len
+        if self.num_windows < global_batch_size:
+            raise ValueError(
+                f"{data_dir}: {len(self.tokens)} training tokens make {self.num_windows} windows of "
+                f"seq_len={seq_len}, but one step needs global_batch_size={global_batch_size} windows"
+            )
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.rank, self.world_size = rank, world_size
+        self.steps_per_epoch = self.num_windows // global_batch_size
+        self.tokens_per_step = global_batch_size * seq_len
+        self.seed = seed
+        self.epoch = 0
+        self.step_in_epoch = 0
+
+    def __iter__(self) -> Iterator[list[MicroBatch]]:
+        while True:
+            windows = self._step_windows(self.epoch, self.step_in_epoch)
+            self.step_in_epoch += 1  # advance first: state_dict() taken after a step points at the next
+            if self.step_in_epoch == self.steps_per_epoch:
+                self.epoch, self.step_in_epoch = self.epoch + 1, 0
+            yield [
+                _window_batch(self.tokens, windows[i : i + self.micro_batch_size], self.seq_len)
+                for i in range(0, len(windows), self.micro_batch_size)
+            ]
+
+    def _step_windows(self, epoch: int, step: int) -> np.ndarray:
+        order = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+        step_windows = order[step * self.global_batch_size : (step + 1) * self.global_batch_size]
+        per_rank = self.global_batch_size // self.world_size
+        return step_windows[self.rank * per_rank : (self.rank + 1) * per_rank]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "step_in_epoch": self.step_in_epoch,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "num_windows": self.num_windows,
+            "global_batch_size": self.global_batch_size,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("seq_len", "num_windows", "global_batch_size"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"cannot resume the CPT data position: {key} was {state[key]} and is now "
+                    f"{getattr(self, key)} (the data or the batch shape changed)"
+                )
+        self.seed, self.epoch, self.step_in_epoch = state["seed"], state["epoch"], state["step_in_epoch"]
+
+
+def _check_batch_sizes(global_batch_size: int, micro_batch_size: int, rank: int, world_size: int) -> None:
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+    if global_batch_size <= 0 or micro_batch_size <= 0:
+        raise ValueError(f"batch sizes must be positive, got {global_batch_size=} {micro_batch_size=}")
+    if global_batch_size % world_size:
+        raise ValueError(f"global_batch_size={global_batch_size} is not divisible by world_size={world_size}")
+    per_rank = global_batch_size // world_size
+    if per_rank % micro_batch_size:
+        raise ValueError(
+            f"global_batch_size / world_size = {per_rank} windows per rank is not divisible by "
+            f"micro_batch_size={micro_batch_size}"
+        )
+
+
+def val_batches(
+    data_dir: str | Path,
+    seq_len: int,
+    batch_size: int,
+    max_batches: int | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+) -> Iterator[MicroBatch]:
+    """The held-out windows in order, ``batch_size`` at a time (the last batch may be smaller).
+
+    With several ranks, batch ``i`` goes to rank ``i % world_size`` and the count is cut to a multiple of
+    ``world_size`` so that every rank runs the same number of forwards.
+    """
+    tokens = load_tokens(data_dir, "val")
+    num_windows = len(tokens) // seq_len
+    if num_windows == 0:
+        raise ValueError(
+            f"{data_dir}/val.bin has {len(tokens)} tokens, fewer than one window of seq_len={seq_len} "
+            f"(prepare with a larger --val-fraction or use a shorter seq_len)"
+        )
+    starts = list(range(0, num_windows, batch_size))
+    if max_batches is not None:
+        starts = starts[:max_batches]
+    starts = starts[: len(starts) - len(starts) % world_size] if world_size > 1 else starts
+    for i, start in enumerate(starts):
+        if i % world_size == rank:
+            yield _window_batch(tokens, np.arange(start, min(start + batch_size, num_windows)), seq_len)

@@ -1,0 +1,227 @@
+"""The demo's data: generated here, deterministically, from a seed (no download).
+
+Licence: everything this module writes is synthetic -- produced by the code below from a random seed,
+not derived from any dataset or text by anyone else -- so it carries no third-party rights; it is
+distributed under the project's licence (Apache-2.0), like the code that makes it.
+
+The task: multi-step integer arithmetic with worked steps, in the reasoning format of the eval protocol
+(RECIPE.md section 2). A problem and its SFT answer::
+
+    Compute 7 + 5 - 3.
+    <think>
+    7 + 5 = 12.
+    12 - 3 = 9.
+    </think>
+
+    The answer is \\boxed{9}.
+
+The expression is evaluated left to right, one operation per line, each line starting from the
+previous result; subtractions are drawn so that no intermediate result is negative. Difficulty is set
+by ``max_operand`` (operands are 1..max_operand) and ``num_ops`` (operations per problem). The default
+(2 operations, operands up to 9; about 1,900 distinct problems) is learnable by a ~3M-parameter model
+on a laptop CPU in minutes, and the answer space (0..27) makes chance accuracy a few percent at most.
+
+Files written by ``make_demo_data(out_dir)``:
+
+* ``cpt.jsonl`` -- the continual pre-training corpus (``{"text": ...}`` per line): addition and
+  subtraction facts in words and symbols, counting, and worked multi-step explanations in prose.
+* ``sft_train.jsonl`` -- SFT conversations (``{"messages": [system, user, assistant]}``), with the eval
+  system prompt.
+* ``test.jsonl`` -- held-out problems in the math benchmark schema ``{"problem", "answer", "id"}``.
+  No test expression appears in the SFT data or in the worked examples of the CPT corpus.
+* ``README.md`` -- what the files are and their licence.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "SYSTEM_PROMPT",
+    "Problem",
+    "make_demo_data",
+    "random_problem",
+    "solution_text",
+]
+
+SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
+
+#: A problem: the first operand, then (operator, operand) pairs, evaluated left to right.
+Problem = tuple[int, tuple[tuple[str, int], ...]]
+
+_WORDS = {"+": "plus", "-": "minus"}
+_MAX_MISSES = 20_000  # draws in a row that find no new problem: the space is (nearly) exhausted
+
+
+def random_problem(rng: random.Random, max_operand: int, num_ops: tuple[int, int]) -> Problem:
+    """A problem with ``num_ops[0]..num_ops[1]`` operations; no intermediate result is negative."""
+    value = rng.randint(1, max_operand)
+    first, steps = value, []
+    for _ in range(rng.randint(*num_ops)):
+        op = rng.choice("+-") if value >= 1 else "+"
+        operand = rng.randint(1, max_operand) if op == "+" else rng.randint(1, min(value, max_operand))
+        value = value + operand if op == "+" else value - operand
+        steps.append((op, operand))
+    return first, tuple(steps)
+
+
+def expression(problem: Problem) -> str:
+    first, steps = problem
+    return " ".join([str(first), *(f"{op} {b}" for op, b in steps)])
+
+
+def worked_steps(problem: Problem) -> tuple[list[str], int]:
+    """The lines ``a op b = c.`` of the left-to-right evaluation, and the result."""
+    value, lines = problem[0], []
+    for op, operand in problem[1]:
+        new = value + operand if op == "+" else value - operand
+        lines.append(f"{value} {op} {operand} = {new}.")
+        value = new
+    return lines, value
+
+
+def problem_text(problem: Problem) -> str:
+    return f"Compute {expression(problem)}."
+
+
+def solution_text(problem: Problem) -> str:
+    """The assistant answer in the reasoning format: ``<think>`` steps, then ``\\boxed{result}``."""
+    lines, result = worked_steps(problem)
+    return "<think>\n" + "\n".join(lines) + "\n</think>\n\nThe answer is \\boxed{" + str(result) + "}."
+
+
+def _conversation(problem: Problem) -> dict[str, Any]:
+    return {
+        "messages": [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": problem_text(problem)},
+            {"role": "assistant", "content": solution_text(problem)},
+        ]
+    }
+
+
+def _distinct_problems(
+    rng: random.Random, n: int, max_operand: int, num_ops: tuple[int, int], exclude: set[Problem]
+) -> list[Problem]:
+    found: list[Problem] = []
+    seen = set(exclude)
+    misses = 0
+    while len(found) < n and misses < _MAX_MISSES:
+        p = random_problem(rng, max_operand, num_ops)
+        if p in seen:
+            misses += 1
+        else:
+            seen.add(p)
+            found.append(p)
+            misses = 0
+    if len(found) == n:
+        return found
+    raise ValueError(
+        f"could only find {len(found)} of {n} distinct problems with max_operand={max_operand}, "
+        f"num_ops={num_ops}: raise the difficulty or lower n_train/n_test"
+    )
+
+
+# ----------------------------------------------------------------------------- the CPT corpus
+
+
+def _fact_documents(max_value: int) -> Iterable[str]:
+    """One short document per addition/subtraction fact in the range the task needs."""
+    for a in range(max_value + 1):
+        for b in range(1, max_value + 1 - a):
+            c = a + b
+            yield f"{a} + {b} = {c}. {a} plus {b} is {c}, and {c} - {b} = {a}: {c} minus {b} is {a}."
+
+
+def _counting_documents(max_value: int) -> Iterable[str]:
+    for start in range(0, max_value, 5):
+        numbers = list(range(start, min(start + 12, max_value + 1)))
+        yield (
+            "Counting up: " + ", ".join(map(str, numbers)) + ". Each number is one more than the one before."
+        )
+
+
+def _worked_document(problem: Problem) -> str:
+    lines, result = worked_steps(problem)
+    words = [str(problem[0]), *(f"{_WORDS[op]} {b}" for op, b in problem[1])]
+    return (
+        f"To work out {expression(problem)}, go from left to right, one operation at a time. "
+        + " ".join(f"Step {i + 1}: {line}" for i, line in enumerate(lines))
+        + f" So {' '.join(words)} equals {result}, and {expression(problem)} = {result}."
+    )
+
+
+def _cpt_documents(
+    rng: random.Random, n_worked: int, max_operand: int, num_ops: tuple[int, int], exclude: set[Problem]
+) -> list[str]:
+    max_value = max_operand * (num_ops[1] + 1)
+    worked = [_worked_document(p) for p in _distinct_problems(rng, n_worked, max_operand, num_ops, exclude)]
+    docs = [*_fact_documents(max_value), *_counting_documents(max_value), *worked]
+    rng.shuffle(docs)
+    return docs
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def _write_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> None:
+    with path.open("w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def make_demo_data(
+    out_dir: str | Path,
+    seed: int = 0,
+    n_train: int = 1000,
+    n_test: int = 200,
+    n_cpt_worked: int = 1000,
+    max_operand: int = 9,
+    num_ops: tuple[int, int] = (2, 2),
+) -> dict[str, Path]:
+    """Write the demo's CPT corpus, SFT conversations and test problems; returns their paths.
+
+    Same arguments, same bytes. ``n_cpt_worked`` worked examples go into the CPT corpus besides the
+    fact tables; they may repeat SFT problems but never test problems.
+    """
+    if not 1 <= num_ops[0] <= num_ops[1]:
+        raise ValueError(f"num_ops must be (min, max) with 1 <= min <= max, got {num_ops}")
+    rng = random.Random(seed)
+    test = _distinct_problems(rng, n_test, max_operand, num_ops, exclude=set())
+    train = _distinct_problems(rng, n_train, max_operand, num_ops, exclude=set(test))
+    cpt = _cpt_documents(rng, n_cpt_worked, max_operand, num_ops, exclude=set(test))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {name: out / f"{name}.jsonl" for name in ("cpt", "sft_train", "test")}
+    _write_jsonl(paths["cpt"], ({"text": doc} for doc in cpt))
+    _write_jsonl(paths["sft_train"], map(_conversation, train))
+    _write_jsonl(
+        paths["test"],
+        (
+            {"problem": problem_text(p), "answer": str(worked_steps(p)[1]), "id": f"arith-{i:04d}"}
+            for i, p in enumerate(test)
+        ),
+    )
+    paths["readme"] = out / "README.md"
+    paths["readme"].write_text(_readme(seed, n_train, n_test, len(cpt), max_operand, num_ops))
+    return paths
+
+
+def _readme(
+    seed: int, n_train: int, n_test: int, n_cpt: int, max_operand: int, num_ops: tuple[int, int]
+) -> str:
+    return (
+        "# infir2 demo data (generated)\n\n"
+        f"Written by `infir2.data.demo.make_demo_data(seed={seed}, n_train={n_train}, n_test={n_test}, "
+        f"max_operand={max_operand}, num_ops={num_ops})`.\n\n"
+        '- `cpt.jsonl`: continual pre-training corpus, {"text"} per line '
+        f"({n_cpt} documents: arithmetic facts, counting, worked examples).\n"
+        '- `sft_train.jsonl`: SFT conversations, {"messages": [system, user, assistant]}.\n'
+        '- `test.jsonl`: held-out problems, {"problem", "answer", "id"}; none appears in the files above.\n\n'
+        "Licence: synthetic data generated by code from a random seed; no third-party content. "
+        "Apache-2.0, as the infir2 code.\n"
+    )

@@ -1,0 +1,349 @@
+"""Supervised fine-tuning data: chat JSONL -> (input_ids, loss_mask) -> token-budgeted micro-batches.
+
+File format (``load_conversations``): JSONL, one conversation per line::
+
+    {"messages": [{"role": "system", "content": "..."}, {"role": "user", "content": "..."},
+                  {"role": "assistant", "content": "..."}]}
+
+Roles are ``system``, ``user``, ``assistant``; every conversation has at least one assistant turn.
+Other keys on a line (an ``id``, say) are ignored.
+
+Rendering (``render_conversation``): the conversation is rendered with the tokenizer's chat template
+(``DEFAULT_CHAT_TEMPLATE``, ChatML, when it has none) and tokenized once. The loss mask is 1 on each
+assistant turn's content *and* its closing end-of-turn marker (``<|im_end|>`` in ChatML: the model must
+learn to stop) and 0 on everything else: system and user turns and the ``<|im_start|>assistant\\n``
+header. The spans are found from the template itself, not from ChatML assumptions: for assistant
+message ``i``, the text rendered for ``messages[:i]`` with the generation prompt ends where the answer
+begins, and the text rendered for ``messages[:i+1]`` (trailing whitespace removed) ends where it
+ends. Both must be prefixes of the full text (true of ChatML, Llama 3 and Qwen templates; a template
+that rewrites earlier turns is rejected with an error). Tokens are then assigned by their character
+offsets: a token carries loss when it starts inside an assistant span.
+
+Batching (``SftSource``): a global batch is ``global_batch_size`` samples (per-epoch seeded shuffle).
+They are spread over ranks longest first, each to the rank with the fewest tokens so far; on each
+rank they are packed, longest first, into micro-batches whose padded size (longest x count) stays within
+``max_tokens_per_micro_batch`` (the authors' ``max_tokens_per_gpu``). Ranks with fewer micro-batches get
+padding micro-batches whose labels are all ``IGNORE_INDEX``, so every rank runs the same number of
+forwards and FSDP's collectives line up.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from .base import IGNORE_INDEX, MicroBatch
+from .chat_template import DEFAULT_CHAT_TEMPLATE
+
+__all__ = [
+    "ROLES",
+    "Conversation",
+    "SftSource",
+    "assistant_spans",
+    "load_conversations",
+    "pack_micro_batches",
+    "render_conversation",
+    "split_across_ranks",
+]
+
+log = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant")
+Conversation = list[dict[str, str]]
+
+_DUMMY_LEN = 2  # tokens in a padding micro-batch (all labels IGNORE_INDEX)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_conversations(path: str | Path) -> list[Conversation]:
+    """Read a chat JSONL file; any malformed line is a ``ValueError`` naming ``file:line``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"SFT data file not found: {path}")
+    conversations = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if line.strip():
+                conversations.append(_parse_line(line, f"{path}:{lineno}"))
+    if not conversations:
+        raise ValueError(f'{path}: empty file (expected JSONL, one {{"messages": [...]}} object per line)')
+    return conversations
+
+
+def _parse_line(line: str, where: str) -> Conversation:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(record, dict) or "messages" not in record:
+        raise ValueError(f"{where}: missing 'messages' (expected an object with a list of {{role, content}})")
+    messages = record["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+    conversation = [_parse_message(m, f"{where}: messages[{i}]") for i, m in enumerate(messages)]
+    if not any(m["role"] == "assistant" for m in conversation):
+        raise ValueError(f"{where}: conversation has no assistant turn (nothing to learn from)")
+    return conversation
+
+
+def _parse_message(message: Any, where: str) -> dict[str, str]:
+    if not isinstance(message, dict):
+        raise ValueError(
+            f"{where}: expected an object with 'role' and 'content', got {type(message).__name__}"
+        )
+    role, content = message.get("role"), message.get("content")
+    if role not in ROLES:
+        raise ValueError(f"{where}.role is {role!r}; expected one of {', '.join(ROLES)}")
+    if not isinstance(content, str):
+        raise ValueError(f"{where}.content must be a string, got {type(content).__name__}")
+    return {"role": role, "content": content}
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def _render(tokenizer: PreTrainedTokenizerBase, messages: Conversation, generation_prompt: bool) -> str:
+    text = tokenizer.apply_chat_template(
+        messages,
+        chat_template=tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE,
+        tokenize=False,
+        add_generation_prompt=generation_prompt,
+    )
+    assert isinstance(text, str)
+    return text
+
+
+def assistant_spans(
+    tokenizer: PreTrainedTokenizerBase, messages: Conversation
+) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered text and, per assistant turn, the character span [start, end) that carries loss.
+
+    The span starts after the assistant header and ends after the end-of-turn marker (trailing
+    whitespace the template adds between turns is excluded).
+    """
+    text = _render(tokenizer, messages, generation_prompt=False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:i], generation_prompt=True)
+        through = _render(tokenizer, messages[: i + 1], generation_prompt=False)
+        if not (through.startswith(before) and text.startswith(through)):
+            raise ValueError(
+                f"the chat template does not render conversations prefix by prefix (assistant turn {i}): "
+                f"cannot locate the assistant spans; use a template that does (e.g. the default ChatML)"
+            )
+        start, end = len(before), len(through.rstrip())
+        if message["content"].strip() not in text[start:end]:
+            raise ValueError(f"the chat template drops or rewrites the content of assistant turn {i}")
+        spans.append((start, end))
+    return text, spans
+
+
+def render_conversation(
+    tokenizer: PreTrainedTokenizerBase, messages: Conversation, max_length: int | None = None
+) -> tuple[list[int], list[int]]:
+    """``(input_ids, loss_mask)`` of one conversation; ``loss_mask[j] = 1`` on assistant answers + end marker.
+
+    ``max_length`` cuts both lists (truncation from the right).
+    """
+    text, spans = assistant_spans(tokenizer, messages)
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids: list[int] = list(encoding["input_ids"])
+    loss_mask = [int(any(s <= start < e for s, e in spans)) for start, _ in encoding["offset_mapping"]]
+    if max_length is not None:
+        input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
+    return input_ids, loss_mask
+
+
+# ----------------------------------------------------------------------------- batching
+
+
+def split_across_ranks(lengths: Sequence[int], world_size: int) -> list[list[int]]:
+    """Positions of ``lengths`` per rank: longest first, each to the rank with the fewest tokens so far."""
+    ranks: list[list[int]] = [[] for _ in range(world_size)]
+    load = [0] * world_size
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(world_size), key=lambda r: (load[r], len(ranks[r]), r))
+        ranks[r].append(i)
+        load[r] += lengths[i]
+    return ranks
+
+
+def pack_micro_batches(lengths: Sequence[int], positions: Sequence[int], budget: int) -> list[list[int]]:
+    """Greedy, longest first: micro-batches of positions with ``longest * count <= budget``."""
+    batches: list[list[int]] = []
+    for i in sorted(positions, key=lambda i: (-lengths[i], i)):
+        if batches and lengths[batches[-1][0]] * (len(batches[-1]) + 1) <= budget:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+class SftSource:
+    """Chat conversations as a ``StepSource``: finite, ``total_steps = steps_per_epoch * epochs``.
+
+    ``overlong``: a sample longer than ``max_length`` tokens is cut to ``max_length`` (``"truncate"``)
+    or left out (``"drop"``); samples left with no loss token are left out too. ``stats`` counts them.
+    The last partial global batch of an epoch is not used.
+    """
+
+    def __init__(
+        self,
+        conversations: Sequence[Conversation],
+        tokenizer: PreTrainedTokenizerBase,
+        global_batch_size: int,
+        max_tokens_per_micro_batch: int,
+        max_length: int,
+        overlong: str = "truncate",
+        epochs: int = 1,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+        progress: bool = True,
+    ) -> None:
+        _check_args(
+            global_batch_size, max_tokens_per_micro_batch, max_length, overlong, epochs, rank, world_size
+        )
+        if tokenizer.pad_token_id is None:
+            raise ValueError("the tokenizer has no pad token (load it with infir2.data.load_tokenizer)")
+        self.pad_id = int(tokenizer.pad_token_id)
+        self.samples, self.stats = _render_all(conversations, tokenizer, max_length, overlong, progress)
+        if len(self.samples) < global_batch_size:
+            raise ValueError(
+                f"{len(self.samples)} usable SFT samples (stats: {self.stats}) are fewer than "
+                f"global_batch_size={global_batch_size}: not enough for one step"
+            )
+        self.lengths = [len(ids) for ids, _ in self.samples]
+        self.global_batch_size, self.budget = global_batch_size, max_tokens_per_micro_batch
+        self.epochs, self.seed, self.shuffle = epochs, seed, shuffle
+        self.rank, self.world_size = rank, world_size
+        self.steps_per_epoch = len(self.samples) // global_batch_size
+        self.total_steps = self.steps_per_epoch * epochs
+        self.epoch, self.step_in_epoch = 0, 0
+
+    def __iter__(self) -> Iterator[list[MicroBatch]]:
+        while self.epoch < self.epochs:
+            indices = self._step_indices(self.epoch, self.step_in_epoch)
+            self.step_in_epoch += 1  # advance first: state_dict() taken after a step points at the next
+            if self.step_in_epoch == self.steps_per_epoch:
+                self.epoch, self.step_in_epoch = self.epoch + 1, 0
+            yield self._micro_batches(indices)
+
+    def _step_indices(self, epoch: int, step: int) -> list[int]:
+        n = len(self.samples)
+        order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+        return [int(i) for i in order[step * self.global_batch_size : (step + 1) * self.global_batch_size]]
+
+    def _micro_batches(self, indices: list[int]) -> list[MicroBatch]:
+        lengths = [self.lengths[i] for i in indices]
+        per_rank = split_across_ranks(lengths, self.world_size)
+        packs = [pack_micro_batches(lengths, positions, self.budget) for positions in per_rank]
+        count = max(len(p) for p in packs)
+        mine = [self._collate([indices[p] for p in mb]) for mb in packs[self.rank]]
+        return mine + [self._padding_batch() for _ in range(count - len(mine))]
+
+    def _collate(self, sample_indices: list[int]) -> MicroBatch:
+        width = max(self.lengths[i] for i in sample_indices)
+        shape = (len(sample_indices), width)
+        input_ids = torch.full(shape, self.pad_id, dtype=torch.long)
+        labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
+        attention_mask = torch.zeros(shape, dtype=torch.long)
+        for row, i in enumerate(sample_indices):
+            ids, mask = (torch.tensor(x, dtype=torch.long) for x in self.samples[i])
+            input_ids[row, : len(ids)] = ids
+            labels[row, : len(ids)] = torch.where(mask.bool(), ids, IGNORE_INDEX)
+            attention_mask[row, : len(ids)] = 1
+        return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+
+    def _padding_batch(self) -> MicroBatch:
+        shape = (1, _DUMMY_LEN)
+        return {
+            "input_ids": torch.full(shape, self.pad_id, dtype=torch.long),
+            "labels": torch.full(shape, IGNORE_INDEX, dtype=torch.long),
+            "attention_mask": torch.ones(
+                shape, dtype=torch.long
+            ),  # real (ignored) tokens: no all-masked rows
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "step_in_epoch": self.step_in_epoch,
+            "seed": self.seed,
+            "num_samples": len(self.samples),
+            "global_batch_size": self.global_batch_size,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, now in (("num_samples", len(self.samples)), ("global_batch_size", self.global_batch_size)):
+            if state[key] != now:
+                raise ValueError(
+                    f"cannot resume the SFT data position: {key} was {state[key]} and is now {now} "
+                    f"(the data, max_length/overlong or the batch size changed)"
+                )
+        self.seed, self.epoch, self.step_in_epoch = state["seed"], state["epoch"], state["step_in_epoch"]
+
+
+def _check_args(
+    global_batch_size: int,
+    budget: int,
+    max_length: int,
+    overlong: str,
+    epochs: int,
+    rank: int,
+    world_size: int,
+) -> None:
+    if overlong not in ("truncate", "drop"):
+        raise ValueError(f"overlong must be 'truncate' or 'drop', got {overlong!r}")
+    if min(global_batch_size, max_length, epochs, world_size) <= 0:
+        raise ValueError(f"must be positive: {global_batch_size=} {max_length=} {epochs=} {world_size=}")
+    if max_length > budget:
+        raise ValueError(
+            f"max_length={max_length} exceeds max_tokens_per_micro_batch={budget}: "
+            f"a sample of max_length tokens must fit in one micro-batch"
+        )
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+
+
+def _render_all(
+    conversations: Sequence[Conversation],
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int,
+    overlong: str,
+    progress: bool,
+) -> tuple[list[tuple[list[int], list[int]]], dict[str, int]]:
+    stats = {"conversations": len(conversations), "samples": 0, "truncated": 0, "dropped_overlong": 0}
+    stats |= {"dropped_no_loss": 0, "tokens": 0, "loss_tokens": 0}
+    samples = []
+    for messages in tqdm(conversations, desc="rendering SFT data", unit=" conv", disable=not progress):
+        ids, mask = render_conversation(tokenizer, messages)
+        if len(ids) > max_length:
+            if overlong == "drop":
+                stats["dropped_overlong"] += 1
+                continue
+            ids, mask = ids[:max_length], mask[:max_length]
+            stats["truncated"] += 1
+        if sum(mask[1:]) == 0:  # position 0 is never a target after the shift
+            stats["dropped_no_loss"] += 1
+            continue
+        samples.append((ids, mask))
+        stats["samples"] += 1
+        stats["tokens"] += len(ids)
+        stats["loss_tokens"] += sum(mask)
+    if stats["truncated"] or stats["dropped_overlong"] or stats["dropped_no_loss"]:
+        log.info("SFT data: %s", stats)
+    return samples, stats

@@ -1,0 +1,110 @@
+"""Tokenizers: train a small byte-level BPE in-process, or load one from a local folder.
+
+``train_bpe_tokenizer`` builds the kind of tokenizer Qwen2.5 uses, scaled down for from-scratch demo runs:
+
+* byte-level BPE (any UTF-8 text round-trips, no unknown token);
+* digits are split one by one *before* the byte-level step (``Digits(individual_digits=True)``), so
+  ``"1234"`` is always the four tokens ``1 2 3 4``. A model then sees numbers digit by digit, with the same
+  token for the same digit everywhere, which is what makes column arithmetic learnable;
+* the ChatML special tokens ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` (ids 0, 1, 2);
+* ``eos_token = pad_token = "<|endoftext|>"`` (Qwen2.5 base convention; also the CPT document separator);
+* the default chat template (ChatML) is set, so ``apply_chat_template`` works.
+
+``load_tokenizer`` loads any Hugging Face tokenizer folder without touching the network and fills in the
+documented defaults (chat template, pad token) when the folder lacks them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from .chat_template import CHATML_SPECIAL_TOKENS, DEFAULT_CHAT_TEMPLATE
+
+__all__ = ["EOS_TOKEN", "load_tokenizer", "train_bpe_tokenizer"]
+
+log = logging.getLogger(__name__)
+
+EOS_TOKEN = "<|endoftext|>"
+
+
+def train_bpe_tokenizer(
+    texts: Iterable[str],
+    vocab_size: int,
+    *,
+    min_frequency: int = 2,
+    special_tokens: list[str] | None = None,
+    model_max_length: int = 32768,
+) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer on ``texts`` (digits split individually, ChatML specials).
+
+    ``vocab_size`` counts the 256 byte symbols and the special tokens; it must leave room for them.
+    Returns a ``PreTrainedTokenizerFast``; ``save_pretrained(dir)`` writes a folder that
+    ``load_tokenizer`` / ``AutoTokenizer`` load back.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    specials = list(CHATML_SPECIAL_TOKENS if special_tokens is None else special_tokens)
+    if EOS_TOKEN not in specials:
+        raise ValueError(f"special_tokens must contain the eos token {EOS_TOKEN!r}, got {specials}")
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if vocab_size < len(alphabet) + len(specials):
+        raise ValueError(
+            f"vocab_size={vocab_size} is too small: the byte alphabet ({len(alphabet)}) and the special "
+            f"tokens ({len(specials)}) need {len(alphabet) + len(specials)}"
+        )
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=specials,
+        initial_alphabet=alphabet,
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        bos_token=None,
+        model_max_length=model_max_length,
+    )
+    fast.chat_template = DEFAULT_CHAT_TEMPLATE
+    return fast
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """Load a tokenizer from a local folder (never the network), with documented defaults filled in.
+
+    * no chat template -> ``DEFAULT_CHAT_TEMPLATE`` (ChatML), logged once per folder;
+    * no pad token -> the eos token (right padding; padded positions never carry loss).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"tokenizer folder not found: {path}")
+    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+        _log_once(f"tokenizer {path} has no chat template; using the default ChatML template")
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"tokenizer {path} has neither a pad token nor an eos token")
+        tokenizer.pad_token = tokenizer.eos_token
+        _log_once(f"tokenizer {path} has no pad token; padding with eos {tokenizer.eos_token!r}")
+    return tokenizer
+
+
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        log.info(message)

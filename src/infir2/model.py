@@ -1,0 +1,108 @@
+"""Build or load Hugging Face causal LMs (Qwen2, Llama) for FP8 training (tokenizers: ``infir2.data``).
+
+Precision layout of a training model:
+
+* master weights and AdamW moments are **fp32**, always (``load_pretrained`` upcasts a bf16 checkpoint);
+* ``precision="bf16"`` runs the high-precision parts (embedding, attention core, norms, ``lm_head``,
+  and the projections under the ``bf16`` recipe) in bf16 autocast on top of the fp32 masters;
+  ``precision="fp32"`` runs them in fp32 (the CPU baseline: CPUs without native bf16 are 7-300x
+  slower in bf16);
+* the seven decoder projections run in FP8 through ``infir2.convert_to_fp8`` unless the recipe is
+  ``bf16``. ``Fp8Linear`` keeps ``nn.Linear``'s parameters, so state dicts and ``save_pretrained``
+  see an ordinary model.
+
+Nothing here downloads: folders are read with ``local_files_only=True``.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .nn import convert_to_fp8
+
+__all__ = [
+    "ARCHS",
+    "autocast",
+    "build_from_config",
+    "load_pretrained",
+    "prepare_for_training",
+]
+
+#: arch name -> (transformers config class name, model class name)
+ARCHS = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+}
+
+
+def _check_folder(path: str | Path) -> Path:
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model folder {path} does not exist")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model folder {path} has no config.json (expected a Hugging Face model folder)"
+        )
+    return path
+
+
+def load_pretrained(path: str | Path) -> nn.Module:
+    """A causal LM from a local Hugging Face folder, with fp32 weights (the training masters)."""
+    from transformers import AutoModelForCausalLM
+
+    path = _check_folder(path)
+    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+
+
+def build_from_config(config: dict[str, Any], vocab_size: int | None = None, seed: int = 0) -> nn.Module:
+    """A freshly initialised causal LM (fp32, seeded) from ``{arch: qwen2|llama, <HF config fields>}``.
+
+    ``vocab_size`` (from the tokenizer) is used when the dict does not name one.
+    """
+    import transformers
+
+    fields = dict(config)
+    arch = fields.pop("arch", None)
+    if arch not in ARCHS:
+        raise ValueError(f"model.from_config.arch: expected one of {', '.join(ARCHS)}, got {arch!r}")
+    if vocab_size is not None:
+        fields.setdefault("vocab_size", vocab_size)
+    config_cls_name, model_cls_name = ARCHS[arch]
+    try:
+        hf_config = getattr(transformers, config_cls_name)(**fields)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"model.from_config: {config_cls_name} rejects {fields}: {e}") from e
+    torch.manual_seed(seed)
+    return getattr(transformers, model_cls_name)(hf_config).float()
+
+
+def prepare_for_training(
+    model: nn.Module,
+    recipe: str = "blockwise",
+    backend: str | None = None,
+    activation_checkpointing: bool = False,
+) -> nn.Module:
+    """fp32 masters, train mode, optional activation checkpointing, then the FP8 swap (unless ``bf16``)."""
+    model.float().train()
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = False
+    if activation_checkpointing:
+        hf_model: Any = model
+        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if recipe != "bf16":
+        convert_to_fp8(model, recipe, backend=backend)
+    return model
+
+
+def autocast(precision: str, device: torch.device) -> AbstractContextManager[Any]:
+    """The autocast context of the high-precision parts: bf16 autocast, or nothing for fp32."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    if precision == "fp32":
+        return nullcontext()
+    raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")

@@ -1,0 +1,64 @@
+"""Train a causal LM (continual pre-training or SFT) in FP8 or BF16 from a YAML run config.
+
+The config names the model (a local Hugging Face folder, or a new one from_config), the FP8 recipe,
+the data (CPT token shards from `infir2 prepare-cpt`, or SFT chat JSONL), AdamW, the schedule (WSD
+or cosine) and the loop settings; see infir2/configs/*.yaml for the InfiR2 setups. The run folder
+<run.out_dir>/<run.name> gets config.yaml (resolved), metrics.jsonl, tensorboard/, checkpoints/ and,
+at the end, hf/ (a Hugging Face folder that transformers loads).
+
+Re-running the same command resumes from the latest checkpoint in the run folder and continues
+exactly where it stopped (same losses step by step). `--load PATH` starts from PATH instead, every
+time it is given: drop it to resume the new run. Several processes (torchrun) shard the model with
+FSDP2; the run folder must be on a filesystem all nodes see (checkpoints are full state dicts
+gathered to rank 0, loadable on any number of processes; exact data resume needs the same number).
+
+examples:
+  infir2 train src/infir2/configs/qwen2.5-1.5b-cpt.yaml
+  infir2 train my.yaml --set optim.lr=3e-4 --set fp8.recipe=bf16 --set run.name=bf16-baseline
+  infir2 train my.yaml --load runs/cpt/checkpoints/step_00035000          # start from that checkpoint
+  infir2 train src/infir2/configs/qwen2.5-7b-decay-only.yaml              # WSD decay from a stable ckpt
+  torchrun --nproc_per_node 8 -m infir2.cli train src/infir2/configs/qwen2.5-7b-sft-stage1.yaml
+                                                   # data parallel, FSDP2 (NCCL on GPUs, gloo on CPUs)
+  torchrun --nnodes 4 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 \
+      -m infir2.cli train src/infir2/configs/qwen2.5-7b-cpt.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+__all__ = ["add_arguments", "run"]
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="YAML run config")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config field, e.g. --set optim.lr=3e-4 (repeatable)")  # fmt: skip
+    parser.add_argument("--load", metavar="PATH",
+                        help="start from this checkpoint folder even if the run folder has its own "
+                             "(sets load.path and load.force; load.mode stays as configured)")  # fmt: skip
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (log lines instead)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .loop import train
+
+    overrides = list(args.overrides)
+    if args.load:
+        overrides += [f"load.path={args.load}", "load.force=true"]
+    cfg = load_config(args.config, overrides)
+    result = train(cfg, progress=not args.no_progress)
+    if result.history:
+        log.info("done: step %d, final loss %.4f%s", result.step, result.final_loss or float("nan"),
+                 f", val loss {result.final_val_loss:.4f}" if result.final_val_loss is not None else "")  # fmt: skip
+    log.info(
+        "run folder %s; checkpoint %s; Hugging Face export %s",
+        result.run_dir,
+        result.checkpoint,
+        result.hf_dir,
+    )
+    return 0

@@ -1,0 +1,158 @@
+"""The loop: exact resume, non-finite skipping, FP8 vs BF16-recipe training, eval, and the HF export."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import make_tiny_model
+from infir2.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from infir2.train import NonFiniteError, train, train_step
+from infir2.train.distributed import DistEnv
+from train_synthetic import SyntheticSource, one_thread, tiny_run_config
+
+CPU = DistEnv(rank=0, world_size=1, device=torch.device("cpu"), owns_group=False)
+_one_thread = pytest.fixture(autouse=True)(one_thread)
+
+
+class CrashAfter(SyntheticSource):
+    """Dies (like a killed process) when asked for step ``crash_at`` + 1."""
+
+    def __init__(self, crash_at: int, **kw):
+        super().__init__(**kw)
+        self.crash_at = crash_at
+
+    def __iter__(self):
+        for step in super().__iter__():
+            if self.step > self.crash_at:
+                raise KeyboardInterrupt("simulated kill")
+            yield step
+
+
+def _losses(path):
+    return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
+
+
+def test_resume_is_exact(tmp_path):
+    """6 steps in one go == 3 steps, a crash, and a resume with fresh objects: identical losses."""
+    kw = {"train": {"max_steps": 6, "save_every": 3, "keep_last": 2}}
+    full = train(tiny_run_config(tmp_path, "full", **kw), model=make_tiny_model(), train_source=SyntheticSource(seed=1),
+                 progress=False)  # fmt: skip
+    cfg = tiny_run_config(tmp_path, "split", **kw)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, model=make_tiny_model(), train_source=CrashAfter(3, seed=1), progress=False)
+    assert latest_checkpoint(cfg.run_dir / "checkpoints").name == "step_00000003"
+    # Fresh model (different init: the checkpoint must overwrite it), fresh source at position 0.
+    resumed = train(
+        cfg, model=make_tiny_model(seed=123), train_source=SyntheticSource(seed=1), progress=False
+    )
+    assert resumed.resumed_from.name == "step_00000003"
+    assert [m["step"] for m in resumed.history] == [4, 5, 6]
+    assert [m["loss"] for m in resumed.history] == [m["loss"] for m in full.history[3:]]  # bit-identical
+    assert _losses(cfg.run_dir / "metrics.jsonl") == _losses(full.metrics_path)  # one clean curve
+    assert [p.name for p in list_checkpoints(cfg.run_dir / "checkpoints")] == [
+        "step_00000003",
+        "step_00000006",
+    ]
+    a, b = load_checkpoint(full.checkpoint), load_checkpoint(resumed.checkpoint)
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert b["data"] == [{"step": 6}] and b["scheduler"] == {"step": 6}
+
+
+def test_rerun_of_a_finished_run_resumes_at_its_end(tmp_path):
+    cfg = tiny_run_config(tmp_path, train={"max_steps": 2})
+    train(cfg, model=make_tiny_model(), train_source=SyntheticSource(seed=1), progress=False)
+    again = train(cfg, model=make_tiny_model(), train_source=SyntheticSource(seed=1), progress=False)
+    assert again.history == [] and again.step == 2 and again.resumed_from.name == "step_00000002"
+
+
+def _poison_lm_head(model, when):
+    """Make the logits NaN whenever ``when()`` is true (a stand-in for an FP8 overflow)."""
+
+    def hook(module, args, output):
+        return output * math.nan if when() else output
+
+    return model.lm_head.register_forward_hook(hook)
+
+
+def test_nonfinite_step_leaves_weights_untouched():
+    model = make_tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    _poison_lm_head(model, lambda: True)
+    out = train_step(model, opt, next(iter(SyntheticSource())), 1e-2, 1.0, "fp32", CPU)
+    assert out["skipped"] and math.isnan(out["loss"])
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not opt.state and all(p.grad is None for p in model.parameters())
+
+
+def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(tmp_path):
+    source = SyntheticSource(seed=1)
+    model = make_tiny_model()
+    _poison_lm_head(model, lambda: source.step in (2, 3))  # the 2nd and 3rd steps
+    cfg = tiny_run_config(tmp_path, "skip", train={"max_steps": 5, "max_nonfinite_in_row": 3})
+    result = train(cfg, model=model, train_source=source, progress=False)
+    assert [m["skipped"] for m in result.history] == [False, True, True, False, False]
+    assert result.history[-1]["nonfinite_total"] == 2
+    adam_steps = load_checkpoint(result.checkpoint)["optimizer"]["state"]["lm_head.weight"]["step"]
+    assert int(adam_steps) == 3  # two updates skipped
+
+    source = SyntheticSource(seed=1)
+    model = make_tiny_model()
+    _poison_lm_head(model, lambda: source.step >= 2)
+    cfg = tiny_run_config(tmp_path, "stop", train={"max_steps": 6, "max_nonfinite_in_row": 2})
+    with pytest.raises(NonFiniteError, match="2 steps in a row"):
+        train(cfg, model=model, train_source=source, progress=False)
+
+
+@pytest.mark.slow
+def test_fp8_blockwise_and_bf16_recipe_both_train_and_agree(tmp_path):
+    losses = {}
+    for recipe in ("bf16", "blockwise"):
+        cfg = tiny_run_config(tmp_path, recipe, fp8={"recipe": recipe}, train={"max_steps": 10, "eval_every": 5},
+                              schedule={"warmup_fraction": 0.2, "decay_fraction": 0.4})  # fmt: skip
+        result = train(cfg, model=make_tiny_model(), train_source=SyntheticSource(seed=1),
+                       val_source=SyntheticSource(seed=99), progress=False)  # fmt: skip
+        losses[recipe] = [m["loss"] for m in result.history]
+        assert [m["step"] for m in result.history if "val_loss" in m] == [5, 10]
+        assert result.final_val_loss < result.history[4]["val_loss"]  # held-out loss falls
+        assert sum(losses[recipe][-3:]) / 3 < losses[recipe][0] - 0.3  # training loss falls
+    # FP8 (E4M3, 1x128 / 128x128 scales) tracks the high-precision run: within 2% at every step
+    gaps = [abs(a - b) / b for a, b in zip(losses["blockwise"], losses["bf16"], strict=True)]
+    assert max(gaps) < 0.02, gaps
+    assert losses["blockwise"] != losses["bf16"]  # and the FP8 GEMMs really ran
+
+
+def test_hf_export_loads_in_transformers(tmp_path, tiny_tokenizer):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = tiny_run_config(tmp_path, train={"max_steps": 1})
+    result = train(cfg, model=make_tiny_model(), tokenizer=tiny_tokenizer, train_source=SyntheticSource(),
+                   progress=False)  # fmt: skip
+    loaded = AutoModelForCausalLM.from_pretrained(result.hf_dir, local_files_only=True)
+    trained = load_checkpoint(result.checkpoint)["model"]
+    assert set(loaded.state_dict()) == set(trained)  # Fp8Linear saved as a plain nn.Linear model
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in trained.items())
+    assert AutoTokenizer.from_pretrained(result.hf_dir).eos_token == "<|endoftext|>"
+    saved = (cfg.run_dir / "config.yaml").read_text()
+    assert "recipe: blockwise" in saved and (cfg.run_dir / "tensorboard").is_dir()
+    row = json.loads(result.metrics_path.read_text().splitlines()[0])
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_gib"):
+        assert isinstance(row[key], float) and row[key] > 0, key
+
+
+def test_weights_only_load_starts_a_new_run_from_a_checkpoint(tmp_path):
+    first = train(tiny_run_config(tmp_path, "a", fp8={"recipe": "bf16"}, train={"max_steps": 2}),
+                  model=make_tiny_model(), train_source=SyntheticSource(seed=1), progress=False)  # fmt: skip
+    cfg = tiny_run_config(tmp_path, "b", fp8={"recipe": "bf16"}, train={"max_steps": 1},
+                          load={"path": str(first.checkpoint), "mode": "weights_only"})  # fmt: skip
+    second = train(cfg, model=make_tiny_model(seed=5), train_source=SyntheticSource(seed=1), progress=False)
+    assert second.resumed_from == first.checkpoint and [m["step"] for m in second.history] == [1]
+    # the loaded weights (not the seed-5 init) produced the first loss: it is the trained model's loss on step 1
+    assert second.history[0]["loss"] < first.history[0]["loss"] - 0.05
+    state = load_checkpoint(second.checkpoint)
+    assert int(state["optimizer"]["state"]["lm_head.weight"]["step"]) == 1  # fresh AdamW
+    assert second.tokens_per_s is not None and second.tokens_per_s > 0

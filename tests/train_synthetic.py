@@ -1,0 +1,87 @@
+"""A small deterministic StepSource for the training tests (no tokenizer, no files).
+
+Each sequence is an arithmetic progression ``x_t = (a + b t) mod V`` with ``a``, ``b`` drawn per
+sequence from a generator seeded by (seed, step): learnable in a few steps, and any step can be
+regenerated from its index, which makes the position in the data (``{"step": k}``) the whole state.
+The first ``0..seq_len/2`` labels of each row are ``IGNORE_INDEX`` (like a prompt), so the number of
+loss tokens differs between micro-batches and ranks -- which exercises the global per-token mean.
+The global batch is split across ranks in contiguous blocks of rows, then into micro-batches, so
+one process sees exactly the micro-batches that N processes see together (same FP8 tiles).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from infir2.data.base import IGNORE_INDEX, MicroBatch
+
+
+class SyntheticSource:
+    def __init__(self, vocab_size: int = 300, seq_len: int = 32, global_batch_size: int = 8,
+                 micro_batch_size: int = 2, rank: int = 0, world_size: int = 1, seed: int = 0,
+                 steps: int | None = None) -> None:  # fmt: skip
+        assert global_batch_size % (world_size * micro_batch_size) == 0
+        self.vocab_size, self.seq_len, self.global_batch_size = vocab_size, seq_len, global_batch_size
+        self.micro_batch_size, self.rank, self.world_size = micro_batch_size, rank, world_size
+        self.seed, self.steps, self.step = seed, steps, 0
+
+    def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        n, length = self.global_batch_size, self.seq_len
+        a = torch.randint(0, self.vocab_size, (n, 1), generator=g)
+        b = torch.randint(1, 4, (n, 1), generator=g)
+        ids = (a + b * torch.arange(length)) % self.vocab_size
+        labels = ids.clone()
+        prompt = torch.randint(0, length // 2, (n,), generator=g)
+        labels[torch.arange(length) < prompt[:, None]] = IGNORE_INDEX
+        return ids, labels
+
+    def __len__(self) -> int:
+        if self.steps is None:
+            raise TypeError("endless source")
+        return self.steps
+
+    def __iter__(self) -> Iterator[list[MicroBatch]]:
+        while self.steps is None or self.step < self.steps:
+            ids, labels = self.global_batch(self.step)
+            self.step += 1
+            per_rank = self.global_batch_size // self.world_size
+            rows = slice(self.rank * per_rank, (self.rank + 1) * per_rank)
+            ids, labels = ids[rows], labels[rows]
+            m = self.micro_batch_size
+            yield [{"input_ids": ids[i : i + m], "labels": labels[i : i + m]} for i in range(0, len(ids), m)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
+
+
+def tiny_run_config(out_dir: str, name: str = "run", **sections: dict[str, Any]):
+    """A RunConfig for the tiny models: fp32 high precision on CPU, a short WSD schedule."""
+    from infir2.train.config import parse_config
+
+    data: dict[str, dict[str, Any]] = {
+        "run": {"name": name, "out_dir": str(out_dir), "device": "cpu", "seed": 0},
+        "model": {"precision": "fp32"},
+        "fp8": {"recipe": "blockwise"},
+        "optim": {"lr": 3e-3},
+        "schedule": {"name": "wsd", "warmup_fraction": 0.2, "decay_fraction": 0.3, "min_lr_ratio": 0.1},
+        "train": {"max_steps": 6},
+    }
+    for section, values in sections.items():
+        data.setdefault(section, {}).update(values)
+    return parse_config(data, "<test>")
+
+
+def one_thread():
+    """Generator for an autouse fixture: one intra-op thread (on a shared 2-core CPU, OpenMP's
+    two threads spin against other processes and tiny GEMMs get ~50x slower)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
