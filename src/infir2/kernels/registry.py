@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..fp8.quantize import Block
 from ..fp8.recipe import Fp8Recipe
-from . import emulated, scaled_mm
+from . import compiled, emulated, gpu, scaled_mm
 from .operand import Operand
 
 __all__ = ["BACKENDS", "Backend", "register_backend", "select_backend"]
@@ -33,6 +34,16 @@ class Backend:
     gemm_nt_fn: GemmFn
     supports: Callable[[Operand, Operand], bool] = lambda a, b: True
     available: Callable[[Fp8Recipe, torch.device], str | None] = lambda recipe, device: None
+    #: optional: both tilings of one tensor from one read, ``(x, block_a, block_b, fmt, pow2) -> (a, b)``
+    quantize_pair: Callable[[torch.Tensor, Block, Block, str, bool], tuple[Operand, Operand]] | None = None
+
+    def quantize_both(
+        self, x: torch.Tensor, block_a: Block, block_b: Block, fmt: str, pow2_scale: bool
+    ) -> tuple[Operand, Operand]:
+        """``(quantize(x, block_a), quantize(x, block_b))``, fused when the backend can."""
+        if self.quantize_pair is not None:
+            return self.quantize_pair(x, block_a, block_b, fmt, pow2_scale)
+        return self.quantize(x, block_a, fmt, pow2_scale), self.quantize(x, block_b, fmt, pow2_scale)
 
     def gemm_nt(self, a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
         if self.supports(a, b):
@@ -63,12 +74,37 @@ BACKENDS: dict[str, Backend] = {
         scaled_mm.supports_operands,
         _scaled_mm_available,
     ),
+    # Triton quantization + cuBLAS block-scaled GEMMs (SM90, CUDA >= 12.9), Triton GEMMs elsewhere.
+    "cuda": Backend(
+        "cuda",
+        gpu.quantize_operand,
+        gpu.gemm_nt_cublas_or_triton,
+        gpu.supports_operands,
+        gpu.gpu_unavailable,
+        gpu.quantize_operand_pair,
+    ),
+    # Triton quantization + Triton block-scaled GEMMs everywhere.
+    "triton": Backend(
+        "triton",
+        gpu.quantize_operand,
+        gpu.gemm_nt_triton,
+        gpu.supports_operands,
+        gpu.gpu_unavailable,
+        gpu.quantize_operand_pair,
+    ),
+    # The emulated backend with torch.compile'd quantize/dequantize; only when asked for (compile time).
+    "compiled": Backend(
+        "compiled", compiled.quantize_operand, compiled.gemm_nt, available=compiled.compiled_unavailable
+    ),
 }
 
-#: Preference order for automatic selection: the first available backend wins.
-PREFERENCE: list[str] = ["scaled_mm", "emulated"]
+#: Preference order for automatic selection: the first available backend wins. ``compiled`` is not
+#: in it: it is faster per call on CPU but costs compile time, so it runs only when asked for.
+PREFERENCE: list[str] = ["cuda", "triton", "scaled_mm", "emulated"]
 
 _logged: set[str] = set()
+#: select_backend's answers: it runs on every forward, so the device queries are done once.
+_selected: dict[tuple[Fp8Recipe, torch.device, str | None], Backend] = {}
 
 
 def _log_once(message: str) -> None:
@@ -80,6 +116,7 @@ def _log_once(message: str) -> None:
 def register_backend(backend: Backend, prefer: bool = True) -> None:
     """Add a backend; with ``prefer`` it is tried before the existing ones."""
     BACKENDS[backend.name] = backend
+    _selected.clear()
     if backend.name in PREFERENCE:
         PREFERENCE.remove(backend.name)
     PREFERENCE.insert(0 if prefer else len(PREFERENCE) - 1, backend.name)
@@ -89,6 +126,12 @@ def select_backend(recipe: Fp8Recipe, device: torch.device | str, override: str 
     """The backend for ``recipe`` on ``device``: ``override`` if given (an error if it cannot run), else
     the first available one in preference order. The choice is logged once."""
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (recipe, device, override)
+    cached = _selected.get(key)
+    if cached is not None and BACKENDS.get(cached.name) is cached:  # still registered (tests swap them)
+        return cached
     if override is not None:
         if override not in BACKENDS:
             raise ValueError(f"unknown FP8 backend {override!r}; known backends: {', '.join(BACKENDS)}")
@@ -108,4 +151,5 @@ def select_backend(recipe: Fp8Recipe, device: torch.device | str, override: str 
         skipped = "; ".join(f"{n}: {r}" for n, r in reasons.items() if r)
         why = f"automatic{' (' + skipped + ')' if skipped else ''}"
     _log_once(f"FP8 recipe {recipe.name!r} on {device.type}: backend {chosen.name} [{why}]")
+    _selected[key] = chosen
     return chosen

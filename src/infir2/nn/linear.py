@@ -21,6 +21,7 @@ byte per element plus scales), not X itself, which is what makes FP8 save memory
 
 from __future__ import annotations
 
+import weakref
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -50,14 +51,21 @@ class _Fp8LinearFunction(torch.autograd.Function):
         recipe: Fp8Recipe,
         backend: Backend,
         w_fprop: Operand,
+        x_ops: tuple[Operand, Operand] | None = None,
     ) -> torch.Tensor:
         with _no_autocast(x.device):
-            xq = backend.quantize(x, recipe.input_block, recipe.fmt, recipe.pow2_scale)  # [T,K]
-            y = backend.gemm_nt(xq, w_fprop, torch.float32)  # [T,K] @ [K,N] -> [T,N], fp32 accumulate
+            if x_ops is None:
+                x_ops = backend.quantize_both(  # [T,K] fprop copy and wgrad copy
+                    x, recipe.input_block, recipe.wgrad_input_block, recipe.fmt, recipe.pow2_scale
+                )
+            xq, x_wgrad = x_ops
+            # Without a bias the GEMM writes the input's dtype directly (no fp32 [T,N] round trip);
+            # with one, the bias is added to the fp32 result before the single rounding.
+            out_dtype = x.dtype if bias is None else torch.float32
+            y = backend.gemm_nt(xq, w_fprop, out_dtype)  # [T,K] @ [K,N] -> [T,N], fp32 accumulate
             if bias is not None:
                 y = y + bias.float()
-            # The only activation kept for backward: X in FP8, tiled along tokens for wgrad.
-            x_wgrad = backend.quantize(x, recipe.wgrad_input_block, recipe.fmt, recipe.pow2_scale)  # [T,K]
+            # The only activation kept for backward: X in FP8, tiled along tokens for wgrad (x_wgrad).
         w_dgrad = w_fprop if recipe.reuses_weight else None
         ctx.save_for_backward(
             x_wgrad.data, x_wgrad.scale_inv, weight,
@@ -73,21 +81,30 @@ class _Fp8LinearFunction(torch.autograd.Function):
         x_data, x_scale_inv, weight, *w_saved = ctx.saved_tensors
         dx = dw = db = None
         with _no_autocast(dy.device):
-            if ctx.needs_input_grad[0]:
+            need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+            if need_dx and need_dw:  # dY [T,N]: dgrad copy (1x128) and wgrad copy (128x1), one read
+                dyq, dy_w = backend.quantize_both(
+                    dy,
+                    recipe.grad_output_block,
+                    recipe.wgrad_grad_output_block,
+                    recipe.grad_fmt,
+                    recipe.pow2_scale,
+                )
+            elif need_dx:
+                dyq = backend.quantize(dy, recipe.grad_output_block, recipe.grad_fmt, recipe.pow2_scale)
+            elif need_dw:
+                dy_w = backend.quantize(
+                    dy, recipe.wgrad_grad_output_block, recipe.grad_fmt, recipe.pow2_scale
+                )
+            if need_dx:
                 if w_saved:
                     w_dgrad = Operand(w_saved[0], w_saved[1], recipe.dgrad_weight_block)
                 else:
                     w_dgrad = backend.quantize(
                         weight, recipe.dgrad_weight_block, recipe.fmt, recipe.pow2_scale
                     )
-                dyq = backend.quantize(
-                    dy, recipe.grad_output_block, recipe.grad_fmt, recipe.pow2_scale
-                )  # [T,N]
                 dx = backend.gemm_nt(dyq, w_dgrad.t(), ctx.x_dtype)  # [T,N] @ [N,K] -> [T,K], fp32 accumulate
-            if ctx.needs_input_grad[1]:
-                dy_w = backend.quantize(
-                    dy, recipe.wgrad_grad_output_block, recipe.grad_fmt, recipe.pow2_scale
-                )
+            if need_dw:
                 x_w = Operand(x_data, x_scale_inv, recipe.wgrad_input_block)  # [T,K]
                 dw = backend.gemm_nt(
                     dy_w.t(), x_w.t(), torch.float32
@@ -95,7 +112,44 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 dw = dw.to(weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 db = dy.float().sum(0).to(weight.dtype)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
+
+
+class _InputCache:
+    """The FP8 copies of the last input tensor, so that layers fed the same tensor quantize it once.
+
+    q/k/v projections all read the same normalized hidden states, gate/up the same MLP input: without
+    this, each would quantize it again (two passes over memory each) and save its own FP8 wgrad copy
+    for backward. An entry is valid only for the very same tensor object (held by weak reference, so
+    a freed tensor whose memory is reused never matches) at the same version (no in-place change).
+    """
+
+    def __init__(self) -> None:
+        self._ref: weakref.ref[torch.Tensor] | None = None
+        self._version = -1
+        self._ops: dict[tuple[Any, ...], tuple[Operand, Operand]] = {}
+
+    def get(
+        self, original: torch.Tensor, x2d: torch.Tensor, recipe: Fp8Recipe, backend: Backend
+    ) -> tuple[Operand, Operand]:
+        """``(fprop, wgrad)`` operands of ``x2d`` (the 2-D, autocast view of ``original``)."""
+        if self._ref is None or self._ref() is not original or self._version != original._version:
+            self._ref, self._version, self._ops = weakref.ref(original), original._version, {}
+        key = (recipe.input_block, recipe.wgrad_input_block, recipe.fmt, recipe.pow2_scale, backend.name,
+               x2d.dtype, tuple(x2d.shape))  # fmt: skip
+        if key not in self._ops:
+            with torch.no_grad(), _no_autocast(x2d.device):
+                # [T,K] fprop copy and wgrad copy, from one read where the backend fuses them
+                self._ops[key] = backend.quantize_both(
+                    x2d, recipe.input_block, recipe.wgrad_input_block, recipe.fmt, recipe.pow2_scale
+                )
+        return self._ops[key]
+
+    def clear(self) -> None:
+        self._ref, self._version, self._ops = None, -1, {}
+
+
+_INPUT_CACHE = _InputCache()
 
 
 class Fp8Linear(nn.Linear):
@@ -162,11 +216,13 @@ class Fp8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fp8_enabled:
             return F.linear(x, self.weight, self.bias)
+        original = x
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)  # [..., K] -> [T, K]
         backend = self._backend(x.device)
         w_fprop = self.quantized_weight(backend)
-        y = _Fp8LinearFunction.apply(x2d, self.weight, self.bias, self.recipe, backend, w_fprop)
+        x_ops = _INPUT_CACHE.get(original, x2d, self.recipe, backend)
+        y = _Fp8LinearFunction.apply(x2d, self.weight, self.bias, self.recipe, backend, w_fprop, x_ops)
         return y.reshape(*lead, self.out_features)

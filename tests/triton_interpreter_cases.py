@@ -1,0 +1,240 @@
+"""Triton kernels run on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1``).
+
+Run by ``test_kernels_triton.py`` in a fresh process with ``TRITON_INTERPRET=1`` set before Triton is
+imported (the interpreter is chosen when ``@triton.jit`` runs, and torchao imports Triton early in
+the main test process); by hand: ``TRITON_INTERPRET=1 pytest tests/triton_interpreter_cases.py``.
+
+What is checked here, against the plain-torch reference (``infir2.fp8.quantize``, ``emulated.gemm_nt``):
+
+* quantize, for (1,128), (128,1) with the transposed GEMM layout, and (128,128) blocks; pow2 and fp32
+  scales; E4M3 and E5M2; partial edge blocks, zero blocks, outliers, tiny values, NaN and +-inf:
+  - ``scale_inv`` bit for bit;
+  - the scaled, saturated fp32 values just before the FP8 cast, bit for bit (the kernel writes them
+    as fp32 when asked), NaN where the reference has NaN;
+  - torch's FP8 cast of those values equals the reference's FP8 data bit for bit.
+* the block-scaled GEMM for the three GEMMs of the recipe (fprop, dgrad, wgrad) by ``calc_diff``.
+* an ``Fp8Linear`` forward/backward through the ``triton`` backend against the emulated backend.
+
+What stays unchecked on CPU: the single ``fp32 -> fp8`` conversion instruction inside the quantize
+kernel. The interpreter emulates it with bit manipulation that does not round correctly when the
+mantissa carries into the exponent (126.25 * 2 becomes 64, not 128 in E4M3) and turns NaN into a
+finite value, so the kernel's own FP8 output is not compared here. On a GPU that conversion is the
+hardware ``cvt.rn.satfinite`` (round to nearest even, like torch's cast); ``benchmarks/gpu_bench.py``
+checks the FP8 output bit for bit there. The tensor-core path of ``tl.dot`` and the cuBLAS block-scaled
+``scaled_mm`` call also need a GPU (the layouts it is given are checked in ``test_kernels_scaled_mm.py``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+import pytest
+import torch
+
+from infir2.fp8 import calc_diff, get_recipe, sqnr
+from infir2.fp8.formats import get_format
+from infir2.fp8.quantize import amax_to_scale, expand_blocks, quantize
+from infir2.kernels import BACKENDS, Operand, emulated
+
+pytest.importorskip("triton", reason="triton is not installed (pip install triton==3.9.0)")
+
+BLOCKS = [(1, 128), (128, 1), (128, 128)]
+
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs TRITON_INTERPRET=1 before triton is imported (see test_kernels_triton.py)",
+                allow_module_level=True)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tq() -> ModuleType:
+    return importlib.import_module("infir2.kernels.triton_quant")
+
+
+@pytest.fixture(scope="module")
+def tg() -> ModuleType:
+    return importlib.import_module("infir2.kernels.triton_gemm")
+
+
+def _hard_input(shape: tuple[int, int], seed: int) -> torch.Tensor:
+    """Gaussian data with outliers, tiny values, a zero block-row, NaN and +-inf."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * 3
+    m, k = shape
+    x[0, 0] = float("nan")
+    x[min(3, m - 1), min(5, k - 1)] = float("inf")
+    x[m - 1, k - 1] = float("-inf")
+    x[min(2, m - 1)] = 0.0  # a zero row: zero 1x128 blocks
+    x[:, min(7, k - 1)] *= 1e4  # an outlier channel
+    x[m // 2, : k // 2] = 1e-30  # tiny values
+    return x
+
+
+def _reference_precast(x: torch.Tensor, block: tuple[int, int], fmt: str, pow2: bool) -> torch.Tensor:
+    """The reference's scaled, saturated fp32 values right before its FP8 cast (same steps as
+    ``infir2.fp8.quantize``), shape of ``x``."""
+    f = get_format(fmt)
+    blocks = expand_blocks(x.float(), block)
+    scale = amax_to_scale(blocks.abs().amax(dim=(1, 3)), f, pow2)
+    y = blocks * scale[:, None, :, None]
+    clamped = y.clamp(-f.max, f.max)
+    y = torch.where(torch.isinf(y), y if f.has_inf else torch.full_like(y, float("nan")), clamped)
+    m, k = x.shape
+    return y.reshape(blocks.shape[0] * blocks.shape[1], -1)[:m, :k]
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """FP8 tensors equal bit for bit, NaNs of either sign counted equal."""
+    nan = a.float().isnan() & b.float().isnan()
+    return bool(((a.view(torch.uint8) == b.view(torch.uint8)) | nan).all())
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("pow2", [True, False])
+@pytest.mark.parametrize("shape", [(130, 260), (5, 130)])
+def test_quantize_matches_reference(tq, block, pow2, shape):
+    x = _hard_input(shape, seed=sum(shape) + 7 * block[0] + pow2)
+    for fmt in ("e4m3", "e5m2") if pow2 else ("e4m3",):
+        ref_data, ref_scale_inv = quantize(x, block, fmt, pow2)
+        data, scale_inv = tq._quantize(x, block, fmt, pow2, data_dtype=torch.float32)
+        assert scale_inv.shape == ref_scale_inv.shape
+        assert torch.equal(scale_inv, ref_scale_inv), f"scale_inv differs for {fmt}"
+        torch.testing.assert_close(
+            data, _reference_precast(x, block, fmt, pow2), rtol=0, atol=0, equal_nan=True
+        )
+        assert _same_bits(data.to(get_format(fmt).dtype), ref_data)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_quantize_low_precision_input_and_strided_input(tq, dtype):
+    x = torch.randn(130, 256).to(dtype)
+    for block in BLOCKS:
+        ref_data, ref_scale_inv = quantize(x, block)
+        data, scale_inv = tq._quantize(x, block, "e4m3", True, data_dtype=torch.float32)
+        assert torch.equal(scale_inv, ref_scale_inv)
+        assert _same_bits(data.to(torch.float8_e4m3fn), ref_data)
+    xt = torch.randn(256, 20).t()  # a transposed view: the kernel reads through the strides
+    data, scale_inv = tq._quantize(xt, (1, 128), "e4m3", True, data_dtype=torch.float32)
+    assert torch.equal(scale_inv, quantize(xt, (1, 128))[1])
+    assert _same_bits(data.to(torch.float8_e4m3fn), quantize(xt, (1, 128))[0])
+
+
+@pytest.mark.parametrize("pow2", [True, False])
+@pytest.mark.parametrize("shape", [(130, 260), (5, 130)])
+def test_quantize_both_equals_two_quantizations(tq, pow2, shape):
+    """The fused kernel (one read, 1x128 and 128x1 outputs) gives the reference's values and layouts."""
+    x = _hard_input(shape, seed=sum(shape) + pow2)
+    for fmt in ("e4m3", "e5m2") if pow2 else ("e4m3",):
+        pair = tq._quantize_both(x, fmt, pow2, data_dtype=torch.float32)
+        for (data, scale_inv), block in zip(pair, [(1, 128), (128, 1)], strict=True):
+            ref_data, ref_scale_inv = quantize(x, block, fmt, pow2)
+            assert torch.equal(scale_inv, ref_scale_inv), (fmt, block)
+            precast = _reference_precast(x, block, fmt, pow2)
+            torch.testing.assert_close(data, precast, rtol=0, atol=0, equal_nan=True)
+            assert _same_bits(data.to(get_format(fmt).dtype), ref_data)
+            single = tq.quantize(x, block, fmt, pow2)  # same layouts as the single kernel
+            assert data.stride() == single[0].stride() and scale_inv.stride() == single[1].stride()
+
+
+def test_quantize_layouts_are_the_gemm_layouts(tq):
+    x = torch.randn(256, 384)
+    data, scale_inv = tq.quantize(x, (128, 1))
+    assert data.shape == (256, 384) and data.t().is_contiguous()  # physically [K, M]: tokens fastest
+    assert data.dtype == torch.float8_e4m3fn and scale_inv.is_contiguous()
+    data, scale_inv = tq.quantize(x, (1, 128))
+    assert data.is_contiguous() and scale_inv.shape == (256, 3) and scale_inv.stride() == (1, 256)
+    data, scale_inv = tq.quantize(x, (128, 128))
+    assert data.is_contiguous() and scale_inv.shape == (2, 3) and scale_inv.is_contiguous()
+
+
+def test_quantize_rejects_what_it_does_not_implement(tq):
+    assert not tq.supports_block((1, -1), (4, 256))
+    with pytest.raises(ValueError, match="triton quantize takes blocks"):
+        tq.quantize(torch.randn(4, 256), (1, -1))
+    with pytest.raises(ValueError, match="2-D floating-point"):
+        tq.quantize(torch.randn(4, 4, 4), (1, 128))
+    data, scale_inv = tq.quantize(torch.empty(0, 256), (1, 128))
+    assert data.shape == (0, 256) and scale_inv.shape == (0, 2)
+
+
+def _operands(m: int, n: int, k: int, seed: int) -> dict[str, tuple[Operand, Operand]]:
+    g = torch.Generator().manual_seed(seed)
+    x, w, dy = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(m, n, generator=g)
+    q = emulated.quantize_operand
+    wq = q(w, (128, 128), "e4m3", True)
+    return {
+        "fprop": (q(x, (1, 128), "e4m3", True), wq),  # [T,K] @ [K,N]
+        "dgrad": (q(dy, (1, 128), "e4m3", True), wq.t()),  # [T,N] @ [N,K]
+        "wgrad": (q(dy, (128, 1), "e4m3", True).t(), q(x, (128, 1), "e4m3", True).t()),  # [N,T] @ [T,K]
+    }
+
+
+@pytest.mark.parametrize(
+    ("mnk", "out_dtype"),
+    [((128, 128, 256), torch.float32), ((130, 136, 260), torch.float32), ((7, 130, 129), torch.bfloat16)],
+)
+def test_gemm_matches_emulated(tg, mnk, out_dtype):
+    for name, (a, b) in _operands(*mnk, seed=sum(mnk)).items():
+        assert tg.supports_operands(a, b), name
+        out = tg.gemm_nt(a, b, out_dtype)
+        ref = emulated.gemm_nt(a, b, torch.float32)
+        assert out.dtype == out_dtype and out.shape == ref.shape
+        assert calc_diff(out.float(), ref) < 1e-3, name
+        if out_dtype == torch.float32:  # same products, fp32 sums in another order
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4 * float(ref.abs().max()))
+
+
+def test_gemm_declines_other_blocks(tg):
+    a = emulated.quantize_operand(torch.randn(4, 256), (1, -1), "e4m3", True)
+    assert not tg.supports_operands(a, a)
+    with pytest.raises(ValueError, match="takes"):
+        tg.gemm_nt(a, a, torch.float32)
+
+
+def test_fp8_linear_through_triton_backend(tq, tg):
+    """The whole autograd function (3 GEMMs; X and dY through the fused two-tiling kernel, W through the
+    single one) through the Triton kernels on CPU.
+
+    The backend here is the ``triton`` backend except that the quantize kernel's fp32 pre-cast values
+    are cast to FP8 by torch (the interpreter's own cast misrounds, see the module doc), so the only
+    difference from the emulated backend left is the order of the fp32 sums in the GEMM."""
+    from infir2.kernels import Backend
+    from infir2.kernels.gpu import gemm_nt_triton, supports_operands
+    from infir2.nn.linear import _Fp8LinearFunction
+
+    def quantize_via_kernel(x: torch.Tensor, block, fmt: str, pow2: bool) -> Operand:
+        data, scale_inv = tq._quantize(x, block, fmt, pow2, data_dtype=torch.float32)
+        return Operand(data.to(get_format(fmt).dtype), scale_inv, tuple(block))
+
+    def pair_via_kernel(x: torch.Tensor, block_a, block_b, fmt: str, pow2: bool) -> tuple[Operand, Operand]:
+        assert (tuple(block_a), tuple(block_b)) == ((1, 128), (128, 1))
+        row, col = tq._quantize_both(x, fmt, pow2, data_dtype=torch.float32)
+        dtype = get_format(fmt).dtype
+        return Operand(row[0].to(dtype), row[1], (1, 128)), Operand(col[0].to(dtype), col[1], (128, 1))
+
+    backends = {
+        "emulated": BACKENDS["emulated"],
+        "triton": Backend(
+            "triton-interpreted",
+            quantize_via_kernel,
+            gemm_nt_triton,
+            supports_operands,
+            quantize_pair=pair_via_kernel,
+        ),
+    }
+    recipe = get_recipe("blockwise")
+    torch.manual_seed(0)
+    x = torch.randn(136, 256, requires_grad=True)
+    w = torch.randn(384, 256, requires_grad=True)
+    dy = torch.randn(136, 384)
+    outs = {}
+    for name, backend in backends.items():
+        x.grad = w.grad = None
+        w_fprop = backend.quantize(w.detach(), recipe.weight_block, recipe.fmt, recipe.pow2_scale)
+        y = _Fp8LinearFunction.apply(x, w, None, recipe, backend, w_fprop)
+        y.backward(dy)
+        outs[name] = (y.detach(), x.grad.clone(), w.grad.clone())
+    for ref, got in zip(outs["emulated"], outs["triton"], strict=True):
+        assert calc_diff(got, ref) < 1e-6 and sqnr(ref, got) > 100
