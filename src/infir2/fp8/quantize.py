@@ -25,8 +25,6 @@ infinite in E5M2. A block holding one gets ``scale = 1``.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -74,18 +72,23 @@ def expand_blocks(x: torch.Tensor, block: Block) -> torch.Tensor:
 def amax_to_scale(amax: torch.Tensor, fmt: Fp8Format, pow2_scale: bool) -> torch.Tensor:
     """fp32 ``scale = fmax / amax`` with the recipe's rules for zero, non-finite and overflow."""
     amax = amax.float()
-    scale = torch.full_like(amax, fmt.max) / amax
-    scale = torch.where(torch.isinf(scale), torch.full_like(scale, _FLT_MAX), scale)
-    scale = torch.where((amax == 0) | ~torch.isfinite(amax), torch.ones_like(scale), scale)
+    # a true fp32 division (``python_scalar / tensor`` would multiply by a rounded reciprocal);
+    # an amax so small that fmax / amax overflows gets FLT_MAX
+    scale = (amax.new_tensor(fmt.max) / amax).clamp_(max=_FLT_MAX)
+    scale = torch.where(torch.isfinite(amax) & (amax != 0), scale, 1.0)
     if pow2_scale:  # floor to a power of two: keep sign and exponent, clear the mantissa
         scale = (scale.view(torch.int32) & _EXPONENT_MASK).view(torch.float32)
     return scale
 
 
 def _saturating_cast(y: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
-    clamped = y.clamp(-fmt.max, fmt.max)  # NaN passes through clamp unchanged
-    inf_to = y if fmt.has_inf else torch.full_like(y, math.nan)
-    return torch.where(torch.isinf(y), inf_to, clamped).to(fmt.dtype)
+    """Clamp finite values to +-fmax; NaN stays NaN; +-inf stays inf (E5M2) or becomes NaN (E4M3)."""
+    if fmt.has_inf:
+        return torch.where(torch.isinf(y), y, y.clamp(-fmt.max, fmt.max)).to(fmt.dtype)
+    # y - y is +0 where y is finite and NaN where it is +-inf or NaN; subtracting +0 keeps every finite
+    # value (and the sign of -0) bit for bit. Two cheap passes instead of isinf + where.
+    not_finite = y - y
+    return y.clamp(-fmt.max, fmt.max).sub_(not_finite).to(fmt.dtype)
 
 
 def quantize(
@@ -96,11 +99,10 @@ def quantize(
     f = get_format(fmt)
     m, k = x.shape
     blocks = expand_blocks(x.float(), block)  # [Mb, bm, Kb, bk]
-    amax = (
-        blocks.abs().amax(dim=(1, 3))
-        if blocks.numel()
-        else blocks.new_zeros(blocks.shape[0], blocks.shape[2])
-    )
+    if blocks.numel():
+        amax = blocks.abs().amax(dim=(1, 3))
+    else:
+        amax = blocks.new_zeros(blocks.shape[0], blocks.shape[2])
     scale = amax_to_scale(amax, f, pow2_scale)  # [Mb, Kb]
     scaled = blocks * scale[:, None, :, None]
     data = _saturating_cast(scaled, f).reshape(blocks.shape[0] * blocks.shape[1], -1)[:m, :k]
