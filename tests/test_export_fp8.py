@@ -98,7 +98,7 @@ def test_fp32_export_reloads_in_transformers_with_identical_logits(
 ) -> None:
     from transformers import AutoModelForCausalLM
 
-    from infir2.eval.command import load_tokenizer
+    from infir2.data.tokenizer import load_tokenizer
 
     out = export_model(model, tiny_tokenizer, tmp_path / "fp32", fmt="fp32", max_shard_size="200KB")
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()

@@ -16,6 +16,7 @@ documented defaults (chat template, pad token) when the folder lacks them.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterable
 from pathlib import Path
@@ -85,11 +86,20 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
 
     * no chat template -> ``DEFAULT_CHAT_TEMPLATE`` (ChatML), logged once per folder;
     * no pad token -> the eos token (right padding; padded positions never carry loss).
+
+    A tokenizer saved as a generic ``PreTrainedTokenizerFast`` (as ``train_bpe_tokenizer`` makes them)
+    is loaded as it was saved: ``AutoTokenizer`` in transformers 5 would pick the class from the
+    *model* type of a checkpoint folder (e.g. ``Qwen2Tokenizer``) and replace the saved pre-tokenizer.
     """
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"tokenizer folder not found: {path}")
-    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    config_path = path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+    if config.get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     if not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
         _log_once(f"tokenizer {path} has no chat template; using the default ChatML template")

@@ -26,28 +26,12 @@ from pathlib import Path
 
 import torch
 
+from ..data.tokenizer import load_tokenizer
 from .tasks import sample_path
 
-__all__ = ["add_arguments", "load_tokenizer", "run", "sample_path"]
+__all__ = ["add_arguments", "run", "sample_path"]
 
 log = logging.getLogger(__name__)
-
-
-def load_tokenizer(folder: str | Path):
-    """The tokenizer saved in ``folder``, exactly as saved.
-
-    ``AutoTokenizer`` in transformers 5 picks the class from the *model* type when the tokenizer was
-    saved as a generic ``TokenizersBackend`` / ``PreTrainedTokenizerFast``, and e.g. ``Qwen2Tokenizer``
-    then replaces the saved pre-tokenizer (a tokenizer trained in-process would encode differently).
-    Generic tokenizers are therefore loaded from ``tokenizer.json`` as they are.
-    """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    config_path = Path(folder) / "tokenizer_config.json"
-    config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
-    if config.get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
-        return PreTrainedTokenizerFast.from_pretrained(folder)
-    return AutoTokenizer.from_pretrained(folder)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
