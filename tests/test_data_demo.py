@@ -55,7 +55,7 @@ def test_train_test_disjoint(demo):
     worked = [
         m.group(1) or m.group(2)
         for t in cpt
-        if (m := re.match(r"To work out (.+?), go|Compute (.+?)\.\n", t))
+        if (m := re.search(r"To work out (.+?), go|Compute (.+?)\.(?:\n|<\|im_end\|>)", t))
     ]
     assert len(worked) == 200 and not test & set(worked)
 
@@ -67,6 +67,26 @@ def test_cpt_corpus(demo):
     for line in "\n".join(t.split("\n", 1)[1] for t in tables).split("\n"):
         lhs, rhs = line.removesuffix(".").split(" = ")
         assert eval(lhs) == int(rhs) >= 0
+
+
+def test_cpt_conversations_read_as_the_chat_template_renders_them(demo, tiny_tokenizer):
+    """The rendered conversations in the CPT corpus are exactly what SFT and evaluation show the model."""
+    cpt = [r["text"] for r in read_jsonl(demo["cpt"])]
+    chats = [t for t in cpt if t.startswith("<|im_start|>system")]
+    assert len(chats) >= 50
+    for text in chats[:20]:
+        user = re.search(r"<\|im_start\|>user\n(.+?)<\|im_end\|>", text).group(1)
+        answer = text.split("<|im_start|>assistant\n", 1)[1].removesuffix("<|im_end|>")
+        messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": user},
+            {"role": "assistant", "content": answer},
+        ]
+        assert tiny_tokenizer.apply_chat_template(messages, tokenize=False).rstrip("\n") == text
+        lines = answer.split("\n")[1:-3]  # between <think> and </think>
+        for line in lines:
+            lhs, rhs = line.removesuffix(".").split(" = ")
+            assert eval(lhs) == int(rhs) >= 0
 
 
 def test_sizes_fit_the_demo(demo, tiny_tokenizer, tmp_path):

@@ -153,6 +153,13 @@ def _worked_document(problem: Problem) -> str:
     return f"{problem_text(problem)}\n" + "\n".join(lines) + f"\nSo {expression(problem)} = {result}."
 
 
+def _chat_document(problem: Problem) -> str:
+    """A worked example as the SFT conversation reads once rendered (ChatML): the layout the model
+    sees at evaluation, so copying the operands from the question is learned at the right distance."""
+    turns = _conversation(problem)["messages"]
+    return "\n".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>" for m in turns)
+
+
 def _prose_document(problem: Problem) -> str:
     """A worked example in words: the method, explained."""
     lines, result = worked_steps(problem)
@@ -179,7 +186,9 @@ def _cpt_documents(
         if p not in exclude:
             problems.append(p)
     worked, rest = problems[:n_worked], problems[n_worked:]
-    docs = [_prose_document(p) if i % 10 == 0 else _worked_document(p) for i, p in enumerate(worked)]
+    # one in ten in prose; the rest alternate between plain worked lines and rendered conversations
+    kinds = (_worked_document, _chat_document)
+    docs = [_prose_document(p) if i % 10 == 0 else kinds[i % 2](p) for i, p in enumerate(worked)]
     tables = [rest[i : i + _FACTS_PER_TABLE] for i in range(0, len(rest), _FACTS_PER_TABLE)]
     docs += [_fact_table(rng, t) for t in tables]
     rng.shuffle(docs)
