@@ -1,0 +1,41 @@
+"""`infir2 demo --quick` end to end: data, tokenizer, CPT + SFT per recipe, evaluation, report and plot."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from infir2.cli import main
+
+
+@pytest.mark.slow
+def test_quick_demo_runs_end_to_end(tmp_path):
+    out = tmp_path / "demo"
+    assert main(["demo", "--quick", "--out", str(out), "--recipes", "bf16,blockwise,tensorwise"]) == 0
+    report = (out / "report.md").read_text()
+    results = json.loads((out / "results.json").read_text())
+    assert [r["recipe"] for r in results] == ["bf16", "blockwise", "tensorwise"]
+    for r in results:
+        assert math.isfinite(r["cpt_loss"]) and math.isfinite(r["sft_loss"])
+        assert r["cpt_curve"][0][1] > r["cpt_curve"][-1][1]  # CPT loss falls
+        assert 0.0 <= r["accuracy"] <= 1.0
+        assert (out / "runs" / r["recipe"] / "eval" / "samples.jsonl").is_file()
+        assert r["tokens_per_s"] > 0
+    base = results[0]["sft_val_loss"]
+    for r in results[1:]:  # FP8 tracks the baseline closely even in the reduced run
+        assert abs(r["sft_val_loss"] - base) / base < 0.05
+    assert (out / "loss_curves.png").stat().st_size > 10_000
+    for label in ("baseline", "FP8 blockwise", "FP8 tensorwise", "accuracy", "tokens/s"):
+        assert label in report
+
+
+def test_demo_refuses_a_foreign_non_empty_folder(tmp_path):
+    (tmp_path / "precious.txt").write_text("keep me")
+    assert main(["demo", "--quick", "--out", str(tmp_path)]) == 2
+    assert (tmp_path / "precious.txt").read_text() == "keep me"
+
+
+def test_demo_rejects_unknown_recipes(tmp_path):
+    assert main(["demo", "--quick", "--out", str(tmp_path / "d"), "--recipes", "bf16,fp4"]) == 2
