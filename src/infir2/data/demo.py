@@ -22,18 +22,20 @@ by ``max_operand`` (operands are 1..max_operand) and ``num_ops`` (operations per
 learn faster but have few problems (``max_operand=4``: 174) and a higher chance level: report the
 majority-answer baseline of the test file next to the accuracy.
 
-What a from-scratch model needs is the single-step facts (``8 + 5 = 13.``), so the CPT corpus is mostly
-those facts in the answer's line format. Measured on a 2-core CPU (Qwen2-style, hidden 256, 4 layers,
-2.9M parameters, fp32, AdamW lr 1e-3, batches of 8 x 128 tokens): the share of single-step facts a
-model completes correctly was ~0.1-0.2 after 100-200 steps and rose to 0.47 (operands <= 5) / 0.61
-(operands <= 3) only after 300-400 steps, i.e. 300-400k tokens; a few minutes of CPU per run.
+A from-scratch model needs two skills: the single-step facts (``8 + 5 = 13.``) and copying the
+operands from the question into the first step. Facts alone (tables, plain worked lines) taught a
+tiny model the facts but not the copy: its answers ignored the question. Half of the worked examples
+are therefore the rendered conversation itself (ChatML, system prompt included), so the copy is
+learned at the distance the model sees in SFT and evaluation. With those, ``infir2 demo`` (a 1M
+parameter model, 900 CPT steps of 8 x 64 tokens, 2 SFT epochs) reaches about 80% on held-out
+problems against 8% for the majority answer (README has the figures of a full run).
 
 Files written by ``make_demo_data(out_dir)``:
 
 * ``cpt.jsonl`` -- the continual pre-training corpus (``{"text": ...}`` per line): tables of
   single-step facts in the answers' line format (``12 - 3 = 9.``), worked multi-step examples in the
-  same format, and some worked examples in prose. CPT is where a from-scratch model learns the facts
-  (dense, no chat overhead); SFT then teaches the chat format and the chaining.
+  same format and as rendered conversations, and some worked examples in prose. CPT is where a
+  from-scratch model learns the facts and the copy; SFT then settles the answer format.
 * ``sft_train.jsonl`` -- SFT conversations (``{"messages": [system, user, assistant]}``), with the eval
   system prompt.
 * ``test.jsonl`` -- held-out problems in the math benchmark schema ``{"problem", "answer", "id"}``.

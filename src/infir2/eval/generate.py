@@ -93,7 +93,12 @@ def _generation_config(cfg: SamplingConfig, stop_ids: list[int], pad_id: int):
 
 @torch.no_grad()
 def generate(
-    model, tokenizer, prompts: Sequence[str], cfg: SamplingConfig, desc: str = "generate"
+    model,
+    tokenizer,
+    prompts: Sequence[str],
+    cfg: SamplingConfig,
+    desc: str = "generate",
+    progress: bool = True,
 ) -> list[Completion]:
     """Complete each prompt once (repeat a prompt for several samples); results in input order."""
     stop_ids = _stop_ids(tokenizer)
@@ -103,7 +108,7 @@ def generate(
     gen_cfg = _generation_config(cfg, stop_ids, pad_id)
     device = next(model.parameters()).device
     out: list[Completion | None] = [None] * len(prompts)
-    with tqdm(total=len(prompts), desc=desc, unit="seq") as bar:
+    with tqdm(total=len(prompts), desc=desc, unit="seq", disable=not progress) as bar:
         for start in range(0, len(order), cfg.batch_size):
             batch = order[start : start + cfg.batch_size]
             ids, mask = _left_pad([encoded[i] for i in batch], pad_id)

@@ -92,6 +92,7 @@ def evaluate(
     seed: int = 0,
     system_prompt: str | None = SYSTEM_PROMPT,
     think_prefix: str = THINK_PREFIX,
+    progress: bool = True,
 ) -> EvalResult:
     """Generate ``n`` completions per problem (greedy: ``n`` must be 1), grade them, return scores and records.
 
@@ -116,7 +117,7 @@ def evaluate(
     try:
         with _precision_context(model, fp8):
             completions = generate(
-                model, tokenizer, [prompts[pi] for pi, _ in jobs], cfg, desc=f"eval {task}"
+                model, tokenizer, [prompts[pi] for pi, _ in jobs], cfg, desc=f"eval {task}", progress=progress
             )
     finally:
         model.train(was_training)
