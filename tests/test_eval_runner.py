@@ -59,7 +59,7 @@ def test_scores_match_hand_counts(monkeypatch: pytest.MonkeyPatch, tiny_tokenize
                 r"\boxed{0.5}", r"\boxed{2}", "<think> still going"]  # fmt: skip
     finished = [True, True, True, True, True, False]
 
-    def fake_generate(model, tokenizer, prompts, cfg, desc=""):
+    def fake_generate(model, tokenizer, prompts, cfg, desc="", progress=True):
         assert len(prompts) == 6 and prompts[0] == prompts[2] != prompts[3]
         return [Completion(t, 5, f) for t, f in zip(scripted, finished, strict=True)]
 
