@@ -26,7 +26,11 @@ ALLOWED: dict[str, set[str]] = {
     "demo": {"fp8", "kernels", "nn", "data", "model", "checkpoint", "train", "eval", "export"},
     "cli": set(),  # cli imports its subcommands lazily by name (importlib), never statically
     "__init__": {"fp8", "kernels", "nn"},
+    "_logging": set(),
 }
+
+#: Helpers every layer may import (they import nothing of infir2 themselves).
+UTILITIES = {"_logging"}
 
 
 def layer_of(path: Path) -> str:
@@ -66,10 +70,15 @@ def test_imports_go_one_way():
     violations = []
     for path in sorted(PACKAGE.rglob("*.py")):
         layer = layer_of(path)
-        for imported in imported_layers(path) - {layer}:
+        for imported in imported_layers(path) - {layer} - UTILITIES:
             if imported not in ALLOWED.get(layer, set()):
                 violations.append(f"{path.relative_to(PACKAGE.parent)}: layer '{layer}' imports '{imported}'")
     assert not violations, "imports against the layering:\n" + "\n".join(violations)
+
+
+def test_utilities_import_no_layer():
+    for name in UTILITIES:
+        assert imported_layers(PACKAGE / f"{name}.py") == set()
 
 
 def test_the_checker_sees_relative_and_absolute_imports():

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from .._logging import log_once
 from .chat_template import CHATML_SPECIAL_TOKENS, DEFAULT_CHAT_TEMPLATE
 
 __all__ = ["EOS_TOKEN", "load_tokenizer", "train_bpe_tokenizer"]
@@ -102,19 +103,10 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     if not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
-        _log_once(f"tokenizer {path} has no chat template; using the default ChatML template")
+        log_once(log, f"tokenizer {path} has no chat template; using the default ChatML template")
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(f"tokenizer {path} has neither a pad token nor an eos token")
         tokenizer.pad_token = tokenizer.eos_token
-        _log_once(f"tokenizer {path} has no pad token; padding with eos {tokenizer.eos_token!r}")
+        log_once(log, f"tokenizer {path} has no pad token; padding with eos {tokenizer.eos_token!r}")
     return tokenizer
-
-
-_logged: set[str] = set()
-
-
-def _log_once(message: str) -> None:
-    if message not in _logged:
-        _logged.add(message)
-        log.info(message)

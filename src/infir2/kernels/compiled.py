@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from .._logging import log_once
 from ..fp8.quantize import Block, dequantize, quantize, resolve_block
 from ..fp8.recipe import Fp8Recipe
 from .operand import Operand
@@ -33,7 +34,6 @@ __all__ = ["compiled_unavailable", "gemm_nt", "quantize_operand"]
 
 log = logging.getLogger(__name__)
 _cache: dict[str, Callable[..., Any]] = {}
-_logged: set[str] = set()
 
 
 def _compiled(name: str, fn: Callable[..., Any], shape: torch.Size, block: Block) -> Callable[..., Any]:
@@ -43,9 +43,7 @@ def _compiled(name: str, fn: Callable[..., Any], shape: torch.Size, block: Block
         message = (
             f"compiled backend: shape {tuple(shape)} has partial {tuple(block)} blocks; {name} runs eager"
         )
-        if message not in _logged:
-            _logged.add(message)
-            log.info(message)
+        log_once(log, message)
         return fn
     if name not in _cache:
         _cache[name] = torch.compile(fn, dynamic=True)  # shapes vary per layer: one graph, no recompiles

@@ -22,6 +22,7 @@ import logging
 
 import torch
 
+from .._logging import log_once
 from ..fp8.quantize import Block
 from ..fp8.quantize import quantize as reference_quantize
 from ..fp8.recipe import Fp8Recipe
@@ -37,14 +38,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-_logged: set[str] = set()
 _cublas_failed: set[tuple[str, str, torch.dtype]] = set()
-
-
-def _log_once(message: str) -> None:
-    if message not in _logged:
-        _logged.add(message)
-        log.info(message)
 
 
 def gpu_unavailable(recipe: Fp8Recipe, device: torch.device) -> str | None:
@@ -69,7 +63,9 @@ def quantize_operand(x: torch.Tensor, block: Block, fmt: str, pow2_scale: bool) 
     if triton_quant.supports_block(block, x.shape):
         data, scale_inv = triton_quant.quantize(x, block, fmt, pow2_scale)
     else:
-        _log_once(f"triton quantize has no kernel for block {tuple(block)}; using the reference quantizer")
+        log_once(
+            log, f"triton quantize has no kernel for block {tuple(block)}; using the reference quantizer"
+        )
         data, scale_inv = reference_quantize(x, block, fmt, pow2_scale)
     return Operand(data, scale_inv, tuple(block))  # type: ignore[arg-type]
 
@@ -107,7 +103,7 @@ def gemm_nt_cublas_or_triton(a: Operand, b: Operand, out_dtype: torch.dtype) -> 
     key = (str(a.block), str(b.block), out_dtype)
     reason = scaled_mm.blockwise_unavailable(a.data.device)
     if reason:
-        _log_once(f"cuBLAS blockwise GEMM unavailable ({reason}); the Triton GEMM runs instead")
+        log_once(log, f"cuBLAS blockwise GEMM unavailable ({reason}); the Triton GEMM runs instead")
     elif key not in _cublas_failed and scaled_mm.supports_blockwise(a, b):
         try:
             return scaled_mm.gemm_nt_blockwise(a, b, out_dtype)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._logging import log_once
 from ..fp8.quantize import Block
 from ..fp8.recipe import Fp8Recipe
 from . import compiled, emulated, gpu, scaled_mm
@@ -48,9 +49,10 @@ class Backend:
     def gemm_nt(self, a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
         if self.supports(a, b):
             return self.gemm_nt_fn(a, b, out_dtype)
-        _log_once(
+        log_once(
+            log,
             f"backend {self.name} cannot take blocks {a.block} x {b.block} with shapes "
-            f"{tuple(a.shape)} x {tuple(b.shape)}; that GEMM runs emulated"
+            f"{tuple(a.shape)} x {tuple(b.shape)}; that GEMM runs emulated",
         )
         return emulated.gemm_nt(a, b, out_dtype)
 
@@ -102,15 +104,8 @@ BACKENDS: dict[str, Backend] = {
 #: in it: it is faster per call on CPU but costs compile time, so it runs only when asked for.
 PREFERENCE: list[str] = ["cuda", "triton", "scaled_mm", "emulated"]
 
-_logged: set[str] = set()
 #: select_backend's answers: it runs on every forward, so the device queries are done once.
 _selected: dict[tuple[Fp8Recipe, torch.device, str | None], Backend] = {}
-
-
-def _log_once(message: str) -> None:
-    if message not in _logged:
-        _logged.add(message)
-        log.info(message)
 
 
 def register_backend(backend: Backend, prefer: bool = True) -> None:
@@ -150,6 +145,6 @@ def select_backend(recipe: Fp8Recipe, device: torch.device | str, override: str 
                 break
         skipped = "; ".join(f"{n}: {r}" for n, r in reasons.items() if r)
         why = f"automatic{' (' + skipped + ')' if skipped else ''}"
-    _log_once(f"FP8 recipe {recipe.name!r} on {device.type}: backend {chosen.name} [{why}]")
+    log_once(log, f"FP8 recipe {recipe.name!r} on {device.type}: backend {chosen.name} [{why}]")
     _selected[key] = chosen
     return chosen
