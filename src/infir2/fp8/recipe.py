@@ -87,10 +87,6 @@ class Fp8Recipe:
         """True when dgrad can reuse the fprop-quantized weight (same blocks)."""
         return self.weight_block == self.dgrad_weight_block
 
-    @classmethod
-    def from_name(cls, name: str) -> Fp8Recipe:
-        return get_recipe(name)
-
 
 RECIPES: dict[str, Fp8Recipe] = {
     "bf16": Fp8Recipe("bf16", enabled=False),
