@@ -1,7 +1,7 @@
 """infir2: a PyTorch-native FP8 training recipe (InfiR2 / DeepSeek-V3 hybrid granularity)."""
 
 from .fp8 import RECIPES, Fp8Recipe, calc_diff, dequantize, get_recipe, quantize, sqnr
-from .nn import Fp8Linear, cache_fp8_weights, convert_to_fp8, disable_fp8
+from .nn import Fp8Linear, cache_fp8_weights, convert_to_fp8, disable_fp8, fp8_enabled
 
 __version__ = "0.1.0"
 
@@ -15,6 +15,7 @@ __all__ = [
     "convert_to_fp8",
     "dequantize",
     "disable_fp8",
+    "fp8_enabled",
     "get_recipe",
     "quantize",
     "sqnr",

@@ -6,6 +6,7 @@ from .convert import (
     convert_to_fp8,
     default_module_filter,
     disable_fp8,
+    fp8_enabled,
     fp8_modules,
 )
 from .linear import Fp8Linear
@@ -17,5 +18,6 @@ __all__ = [
     "convert_to_fp8",
     "default_module_filter",
     "disable_fp8",
+    "fp8_enabled",
     "fp8_modules",
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 from torch import nn
@@ -20,7 +20,7 @@ from ..kernels import select_backend
 from .linear import Fp8Linear
 
 __all__ = ["DECODER_PROJECTIONS", "cache_fp8_weights", "convert_to_fp8", "default_module_filter",
-           "disable_fp8", "fp8_modules"]  # fmt: skip
+           "disable_fp8", "fp8_enabled", "fp8_modules"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -107,16 +107,30 @@ def fp8_modules(model: nn.Module) -> Iterator[tuple[str, Fp8Linear]]:
 
 
 @contextmanager
-def disable_fp8(model: nn.Module) -> Iterator[nn.Module]:
-    """Run ``model`` in high precision inside the block (e.g. for evaluation); restores the state after."""
-    before = [(m, m.fp8_enabled) for _, m in fp8_modules(model)]
-    for m, _ in before:
-        m.fp8_enabled = False
+def fp8_enabled(model: nn.Module, on: bool) -> Iterator[nn.Module]:
+    """Run ``model``'s FP8 layers in FP8 (``on=True``) or in high precision (``on=False``) inside the block.
+
+    The one switch for "FP8 or not" around evaluation and generation; restores each layer's state after.
+    ``on=True`` on a model with no ``Fp8Linear`` is an error (it would silently measure high precision).
+    """
+    modules = [m for _, m in fp8_modules(model)]
+    if on and not modules:
+        raise ValueError(
+            "FP8 requested but the model has no Fp8Linear layers; call infir2.convert_to_fp8 first"
+        )
+    before = [(m, m.fp8_enabled) for m in modules]
+    for m in modules:
+        m.fp8_enabled = on and m.recipe.enabled
     try:
         yield model
     finally:
         for m, enabled in before:
             m.fp8_enabled = enabled
+
+
+def disable_fp8(model: nn.Module) -> AbstractContextManager[nn.Module]:
+    """Run ``model`` in high precision inside the block (e.g. for evaluation): ``fp8_enabled(model, False)``."""
+    return fp8_enabled(model, False)
 
 
 @contextmanager
