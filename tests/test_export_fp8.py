@@ -165,7 +165,7 @@ def test_streaming_conversion_of_a_multi_shard_checkpoint(model, tmp_path: Path,
 def _quantize_ref(w: torch.Tensor):
     from infir2.fp8 import quantize
 
-    return quantize(w, (128, 128), "e4m3", pow2_scale=True)
+    return quantize(w, (128, 128), "e4m3", scale_encoding="pow2")
 
 
 def test_fp8_folder_loads_back_and_converts_back(model, tiny_tokenizer, tmp_path: Path) -> None:

@@ -123,7 +123,7 @@ def test_scale_rules():
     x[1, 0] = 3.0  # 448 / 3 = 149.33 -> pow2 128
     _, s = quantize(x, (1, 128))
     assert s.tolist() == [[1.0], [1 / 128]]
-    _, s = quantize(x, (1, 128), pow2_scale=False)
+    _, s = quantize(x, (1, 128), scale_encoding=False)
     assert s[1, 0].item() == pytest.approx(3.0 / fmax, rel=1e-6)
     # an amax that is exactly representable keeps the exact max: 448 maps to 448
     y = torch.tensor([[448.0, 1.0]])
@@ -148,7 +148,7 @@ def test_non_finite_values_are_not_hidden():
 @pytest.mark.parametrize("pow2", [True, False])
 def test_round_trip_sqnr_gaussian(block, pow2):
     x = torch.randn(512, 640, generator=torch.Generator().manual_seed(0))
-    d, s = quantize(x, block, pow2_scale=pow2)
+    d, s = quantize(x, block, scale_encoding=pow2)
     assert sqnr(x, dequantize(d, s, block)) >= 25.0
 
 
@@ -189,5 +189,5 @@ def test_dequantize_checks_scale_shape():
 def test_unknown_recipe_lists_known_ones():
     with pytest.raises(ValueError, match=r"known recipes: .*blockwise.*tensorwise"):
         get_recipe("fp4")
-    assert get_recipe("blockwise_fp32scale").pow2_scale is False
-    assert get_recipe("blockwise", pow2_scale=False).pow2_scale is False
+    assert {c.scale for c in get_recipe("blockwise_fp32scale").casts.values()} == {"fp32"}
+    assert {c.scale for c in get_recipe("blockwise", scale="fp32").casts.values()} == {"fp32"}

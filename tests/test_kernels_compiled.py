@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from infir2.fp8 import quantize
+from infir2.fp8.recipe import Cast
 from infir2.kernels import compiled
 from infir2.nn import Fp8Linear
 
@@ -32,7 +33,7 @@ def test_compiled_quantize_is_bit_exact():
     for shape in [(256, 384), (260, 300)]:
         x = _hard_input(shape)
         for block, pow2 in [((1, 128), True), ((128, 1), False), ((128, 128), True)]:
-            op = compiled.quantize_operand(x, block, "e4m3", pow2)
+            op = compiled.quantize(x, Cast(block, scale="pow2" if pow2 else "fp32"))
             data, scale_inv = quantize(x, block, "e4m3", pow2)
             assert torch.equal(op.scale_inv, scale_inv), (shape, block)
             nan = op.data.float().isnan() & data.float().isnan()

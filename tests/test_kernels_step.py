@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from infir2.bench import saved_bytes
-from infir2.kernels import BACKENDS, Backend
+from infir2.kernels import BACKENDS
 from infir2.nn import Fp8Linear, cache_fp8_weights
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "infir2"
@@ -25,23 +25,26 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "infir2"
 
 @pytest.fixture
 def recording(monkeypatch):
-    """The emulated backend, recording every quantize (block) and GEMM (out dtype) call."""
+    """The emulated backend, recording every quantize (block), GEMM (out dtype) and binding call."""
     base = BACKENDS["emulated"]
     calls: dict[str, list] = {"quantize": [], "gemm": [], "available": []}
+    quantize, gemm_nt, why_unavailable = base.quantize, base.gemm_nt, base.why_unavailable
 
-    def quantize(x, block, fmt, pow2):
-        calls["quantize"].append((tuple(x.shape), tuple(block)))
-        return base.quantize(x, block, fmt, pow2)
+    def recording_quantize(x, cast):
+        calls["quantize"].append((tuple(x.shape), tuple(cast.block)))
+        return quantize(x, cast)
 
-    def gemm(a, b, out_dtype):
+    def recording_gemm(a, b, out_dtype):
         calls["gemm"].append(out_dtype)
-        return base.gemm_nt_fn(a, b, out_dtype)
+        return gemm_nt(a, b, out_dtype)
 
-    def available(recipe, device):
+    def recording_why_unavailable(recipe, device):
         calls["available"].append(device)
-        return None
+        return why_unavailable(recipe, device)
 
-    monkeypatch.setitem(BACKENDS, "emulated", Backend("emulated", quantize, gemm, available=available))
+    monkeypatch.setattr(base, "quantize", recording_quantize)  # quantize_pair calls it too
+    monkeypatch.setattr(base, "gemm_nt", recording_gemm)
+    monkeypatch.setattr(base, "why_unavailable", recording_why_unavailable)
     return calls
 
 
@@ -96,7 +99,7 @@ def test_layers_sharing_an_input_quantize_it_once(recording):
     shared = saved_bytes(attention_inputs, params)
     x_blocks = [b for shape, b in recording["quantize"] if shape == (128, 256) and b != (128, 128)]
     assert sorted(x_blocks) == [(1, 128), (128, 1)]  # once per tiling, not three times
-    wq = sum(m.quantized_weight(BACKENDS["emulated"]).nbytes() for m in (q, k, v))
+    wq = sum(m.quantized_weight().nbytes() for m in (q, k, v))
     x_fp8 = 128 * 256 + 256 * 4  # one FP8 wgrad copy [T, K] + its 1 x 256 scales (128x1 tiles)
     assert shared - wq == x_fp8
     h2 = h.detach().clone().requires_grad_()  # a different tensor with the same values: no reuse

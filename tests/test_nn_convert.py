@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from conftest import make_tiny_model
-from infir2 import Fp8Linear, convert_to_fp8, disable_fp8
+from infir2 import Fp8Linear, convert_to_fp8, disable_fp8, get_recipe
 from infir2.nn import DECODER_PROJECTIONS
 
 EXPECTED_SUFFIXES = {
@@ -98,9 +98,10 @@ def test_custom_filter_and_bf16_recipe():
     assert converted(convert_to_fp8(baseline, "bf16")) == []
 
 
-def test_layers_the_backend_cannot_take_are_skipped_on_cuda(monkeypatch, caplog):
-    """On CUDA, blockwise GEMMs need multiples of 128; the skip is named in the log."""
-    from infir2.nn import convert as convert_module
+def test_shape_limits_live_in_the_backends(caplog):
+    """Every selected layer is converted whatever its shape; a GEMM the preferred backend cannot take
+    (rowwise on CPU: none) runs on the next backend of the chain, and a fallback is logged once."""
+    from infir2.kernels import bind
 
     model = nn.Sequential()
     model.add_module("layers", nn.ModuleList())
@@ -109,9 +110,13 @@ def test_layers_the_backend_cannot_take_are_skipped_on_cuda(monkeypatch, caplog)
         block.self_attn = nn.Module()
         block.self_attn.q_proj = nn.Linear(*dims)
         model.layers.append(block)
-    monkeypatch.setattr(convert_module, "_device_of", lambda m: torch.device("cuda"))
-    monkeypatch.setattr(convert_module, "select_backend", lambda *a, **k: None)
-    with caplog.at_level("WARNING"):
-        convert_to_fp8(model)
-    assert converted(model) == ["layers.0.self_attn.q_proj"]
-    assert "layers.1.self_attn.q_proj" in caplog.text and "multiples of 128" in caplog.text
+    convert_to_fp8(model)
+    assert converted(model) == ["layers.0.self_attn.q_proj", "layers.1.self_attn.q_proj"]
+    assert all(model.layers[i].self_attn.q_proj.kernels.device == torch.device("cpu") for i in range(2))
+    kernels = bind(get_recipe("rowwise"), "cpu")  # scaled_mm first, then emulated
+    assert [b.NAME for b in kernels.chain] == ["scaled_mm", "emulated"]
+    a = kernels.quantize(torch.randn(4, 64), get_recipe("mxfp8").x)  # an MX operand: not scaled_mm's kind
+    with caplog.at_level("INFO"):
+        out = kernels.gemm_nt(a, a, torch.float32)
+    assert "scaled_mm does not take it; runs on emulated" in caplog.text
+    assert torch.equal(out, a.dequantize() @ a.dequantize().t())

@@ -45,7 +45,8 @@ from tqdm import tqdm
 
 from .fp8 import get_recipe
 from .fp8.quantize import quantize as reference_quantize
-from .kernels import BACKENDS, select_backend
+from .fp8.recipe import Cast
+from .kernels import BACKENDS, bind
 from .nn import Fp8Linear, convert_to_fp8
 
 __all__ = ["PRESETS", "BenchConfig", "add_arguments", "main_table", "run", "run_bench"]
@@ -203,12 +204,19 @@ def bench_quantize(
         case = f"{name} {shape[0]}x{shape[1]} {str(dtype).replace('torch.', '')}"
         rows.append(_row("quantize", case, "GB/s", "copy", gbs["copy"], "cast", gbs["cast"]))
         for backend in backends:
-            quant = reference_quantize if backend == "reference" else BACKENDS[backend].quantize
-            t_q = _time_ms(lambda: quant(x, block, "e4m3", True), device, cfg.warmup, cfg.iters)  # noqa: B023
+            quant: Callable[[], object]
+            if backend == "reference":
+                quant = functools.partial(reference_quantize, x, block, "e4m3", "pow2")
+            else:
+                quant = functools.partial(
+                    bind(get_recipe("blockwise"), device, backend).quantize, x, Cast(block)
+                )
+            t_q = _time_ms(quant, device, cfg.warmup, cfg.iters)
             rows.append(_row("quantize", case, "GB/s", "copy", gbs["copy"], f"quantize[{backend}]",
                              quant_bytes / t_q / 1e6))  # fmt: skip
             if block == (1, 128) and backend != "reference":  # both activation copies from one read
-                both = functools.partial(BACKENDS[backend].quantize_both, x, (1, 128), (128, 1), "e4m3", True)
+                kernels = bind(get_recipe("blockwise"), device, backend)
+                both = functools.partial(kernels.quantize_pair, x, Cast((1, 128)), Cast((128, 1)))
                 t_b = _time_ms(both, device, cfg.warmup, cfg.iters)
                 both_bytes = n * x.element_size() + 2 * n + 4 * (2 * blocks)
                 rows.append(_row("quantize", case.replace("1x128", "1x128+128x1"), "GB/s", "copy", gbs["copy"],
@@ -260,7 +268,7 @@ def bench_linear(
             fp8 = Fp8Linear.from_linear(base, "blockwise", backend=backend)
             t_fp8 = _time_ms(_linear_step(fp8, x, dy), device, cfg.warmup, cfg.iters)
             fp8.cache_weight = True  # the FP8 weight copy is per layer, not per token: count activations only
-            wq = fp8.quantized_weight(BACKENDS[backend])
+            wq = fp8.quantized_weight()
             b_fp8 = saved_bytes(lambda: fp8(x), [base.weight, wq.data, wq.scale_inv])  # noqa: B023
             fp8.cache_weight, fp8._weight_cache = False, None
             rows.append(_row("linear", case, "fwd+bwd ms", base_name, t_base, f"Fp8Linear[{backend}]", t_fp8))
@@ -374,9 +382,9 @@ def _fp8_backends(requested: str | None, device: torch.device) -> list[str]:
     if requested:
         names = [b.strip() for b in requested.split(",") if b.strip()]
         for name in names:
-            select_backend(get_recipe("blockwise"), device, name)  # a clear error for an unusable one
+            bind(get_recipe("blockwise"), device, name)  # a clear error for an unusable one
         return names
-    return [select_backend(get_recipe("blockwise"), device).name]
+    return [bind(get_recipe("blockwise"), device).name]
 
 
 def run_bench(

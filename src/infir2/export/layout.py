@@ -48,7 +48,7 @@ def scale_inv_name(name: str) -> str:
 
 def quantize_weight(weight: torch.Tensor, pow2_scale: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``W [N, K]`` -> (``float8_e4m3fn [N, K]``, ``float32 [ceil(N/128), ceil(K/128)]``)."""
-    data, scale_inv = quantize(weight, WEIGHT_BLOCK, fmt="e4m3", pow2_scale=pow2_scale)
+    data, scale_inv = quantize(weight, WEIGHT_BLOCK, "e4m3", "pow2" if pow2_scale else "fp32")
     return data, scale_inv.float().contiguous()
 
 

@@ -11,10 +11,23 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BLOCK", "FORMATS", "Fp8Format", "get_format"]
+__all__ = ["BLOCK", "E8M0_BIAS", "E8M0_MAX_EXP", "EXPONENT_MASK", "FLT_MAX", "FORMATS", "MX_BLOCK", "Fp8Format",
+           "get_format"]  # fmt: skip
 
 #: Edge of the quantization tiles of the blockwise recipe (1x128 activations, 128x128 weights).
 BLOCK = 128
+#: Elements per scale block of the OCP Microscaling (MX) formats: 1x32 along the reduction dimension.
+MX_BLOCK = 32
+
+#: E8M0, the MX scale format: 8 exponent bits, no sign, no mantissa; code c means 2 ** (c - 127),
+#: codes 0..254 span 2**-127 .. 2**127 and 255 is NaN (``torch.float8_e8m0fnu``).
+E8M0_BIAS = 127
+E8M0_MAX_EXP = 127
+
+#: Largest finite fp32; a scale that would overflow is clamped to it.
+FLT_MAX = float(torch.finfo(torch.float32).max)
+#: 0xFF800000 as an int32: the sign and exponent bits of an fp32 (clearing the rest floors to a power of two).
+EXPONENT_MASK = -8388608
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,23 @@ means the whole dimension. The blocks the recipes use:
 * ``(128, 128)`` - 128x128 blocks (weights);
 * ``(1, -1)``    - one scale per row; ``(-1, -1)`` - one scale per tensor.
 
-Per block (TransformerEngine ``Float8BlockScaling`` semantics, computed in fp32)::
+* ``(1, 32)`` / ``(32, 1)`` - the 32-element blocks of MXFP8.
+
+Per block, with one of three scale encodings (``scale_encoding``)::
 
     amax  = max |x|                            over the elements that exist (edge blocks are partial)
-    scale = fmax / amax                         1 if amax is 0 or not finite; FLT_MAX if that overflows
-    scale = 2 ** floor(log2(scale))             when pow2_scale (UE8M0 scales), by clearing mantissa bits
+    "fp32": scale = fmax / amax                 1 if amax is 0 or not finite; FLT_MAX if that overflows
+    "pow2": scale = 2 ** floor(log2(fmax / amax))   the fp32 scale with its mantissa bits cleared
+    "e8m0": scale_inv = 2 ** ceil(log2(amax / fmax)) clamped to [2**-127, 2**127], 1 if amax is 0 or
+            not finite; stored as E8M0 (``torch.float8_e8m0fnu``: one byte, the biased exponent)
     data  = saturating_cast(x * scale)          finite values clamp to +-fmax
     scale_inv = 1 / scale                       dequantize: x' = data * scale_inv
+
+"fp32" and "pow2" are TransformerEngine's ``Float8BlockScaling`` (the InfiR2 / DeepSeek-V3 recipe; pow2
+rounds the scale *down*, so the largest element may land on fmax). "e8m0" is the OCP Microscaling rule
+as trained on Blackwell: it rounds the scale_inv *up*, so that no element exceeds fmax and none
+saturates; the scale_inv is a power of two that E8M0 holds exactly (``scale_inv.view(torch.uint8)``
+gives the biased exponent codes, ``scale_inv.float()`` the fp32 values).
 
 Non-finite values are never hidden: NaN stays NaN, and an infinity becomes NaN in E4M3 (which has
 no infinity; saturating it to 448 would turn an overflow into a plausible number) and stays
@@ -25,17 +35,28 @@ infinite in E5M2. A block holding one gets ``scale = 1``.
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 import torch.nn.functional as F
 
-from .formats import Fp8Format, get_format
+from .formats import E8M0_BIAS, E8M0_MAX_EXP, EXPONENT_MASK, FLT_MAX, Fp8Format, get_format
 
-__all__ = ["Block", "amax_to_scale", "dequantize", "expand_blocks", "quantize", "resolve_block"]
+__all__ = ["SCALE_ENCODINGS", "Block", "ScaleEncoding", "amax_to_scale", "dequantize", "expand_blocks",
+           "quantize", "resolve_block", "resolve_encoding", "to_e8m0"]  # fmt: skip
 
 Block = tuple[int, int]
+ScaleEncoding = Literal["fp32", "pow2", "e8m0"]
+SCALE_ENCODINGS: tuple[str, ...] = get_args(ScaleEncoding)
 
-_FLT_MAX = float(torch.finfo(torch.float32).max)
-_EXPONENT_MASK = -8388608  # 0xFF800000 as int32: sign + exponent bits of an fp32
+
+def resolve_encoding(scale_encoding: ScaleEncoding | bool) -> ScaleEncoding:
+    """Check a scale encoding; ``True`` / ``False`` (the older ``pow2_scale`` flag) mean pow2 / fp32."""
+    if isinstance(scale_encoding, bool):
+        return "pow2" if scale_encoding else "fp32"
+    if scale_encoding not in SCALE_ENCODINGS:
+        raise ValueError(f"unknown scale encoding {scale_encoding!r}; expected one of {SCALE_ENCODINGS}")
+    return scale_encoding
 
 
 def resolve_block(block: Block, shape: tuple[int, ...] | torch.Size) -> Block:
@@ -69,16 +90,39 @@ def expand_blocks(x: torch.Tensor, block: Block) -> torch.Tensor:
     return x.reshape((m + pad_m) // bm, bm, (k + pad_k) // bk, bk)
 
 
-def amax_to_scale(amax: torch.Tensor, fmt: Fp8Format, pow2_scale: bool) -> torch.Tensor:
-    """fp32 ``scale = fmax / amax`` with the recipe's rules for zero, non-finite and overflow."""
+def amax_to_scale(
+    amax: torch.Tensor, fmt: Fp8Format, scale_encoding: ScaleEncoding | bool = "pow2"
+) -> torch.Tensor:
+    """fp32 ``scale`` (multiplies to quantize) from the block amax, by the encoding's rule (module doc)."""
+    encoding = resolve_encoding(scale_encoding)
     amax = amax.float()
+    usable = torch.isfinite(amax) & (amax != 0)
+    if encoding == "e8m0":
+        return _e8m0_scale_inv(amax, fmt, usable).reciprocal()  # a power of two: exact
     # a true fp32 division (``python_scalar / tensor`` would multiply by a rounded reciprocal);
     # an amax so small that fmax / amax overflows gets FLT_MAX
-    scale = (amax.new_tensor(fmt.max) / amax).clamp_(max=_FLT_MAX)
-    scale = torch.where(torch.isfinite(amax) & (amax != 0), scale, 1.0)
-    if pow2_scale:  # floor to a power of two: keep sign and exponent, clear the mantissa
-        scale = (scale.view(torch.int32) & _EXPONENT_MASK).view(torch.float32)
+    scale = (amax.new_tensor(fmt.max) / amax).clamp_(max=FLT_MAX)
+    scale = torch.where(usable, scale, 1.0)
+    if encoding == "pow2":  # floor to a power of two: keep sign and exponent, clear the mantissa
+        scale = (scale.view(torch.int32) & EXPONENT_MASK).view(torch.float32)
     return scale
+
+
+def _e8m0_scale_inv(amax: torch.Tensor, fmt: Fp8Format, usable: torch.Tensor) -> torch.Tensor:
+    """``2 ** ceil(log2(amax / fmax))`` (exact: the quotient in fp64 cannot cross a power of two),
+    clamped to the E8M0 range; 1 where the amax is zero or not finite."""
+    mantissa, exponent = torch.frexp(
+        amax.double() / fmt.max
+    )  # q = mantissa * 2**exponent, mantissa in [0.5, 1)
+    k = exponent - (mantissa == 0.5).int()  # q == 2**(exponent-1) exactly: no rounding up
+    k = torch.where(usable, k.clamp(-E8M0_MAX_EXP, E8M0_MAX_EXP), 0)
+    return (k + E8M0_BIAS).to(torch.uint8).view(torch.float8_e8m0fnu).float()
+
+
+def to_e8m0(scale_inv: torch.Tensor) -> torch.Tensor:
+    """Powers of two in fp32 (2**-127 .. 2**127) as E8M0 (their biased exponents), bit-exact."""
+    codes = (scale_inv.float().view(torch.int32) >> 23) & 0xFF  # 2**-127 is subnormal: bits 1 << 22 -> 0
+    return codes.to(torch.uint8).view(torch.float8_e8m0fnu)
 
 
 def _saturating_cast(y: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
@@ -92,10 +136,14 @@ def _saturating_cast(y: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
 
 
 def quantize(
-    x: torch.Tensor, block: Block, fmt: str = "e4m3", pow2_scale: bool = True
+    x: torch.Tensor, block: Block, fmt: str = "e4m3", scale_encoding: ScaleEncoding | bool = "pow2"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``x [M, K]`` per block; returns ``(data [M, K] fp8, scale_inv [ceil(M/bm), ceil(K/bk)] fp32)``."""
+    """Quantize ``x [M, K]`` per block; returns ``(data [M, K] fp8, scale_inv [ceil(M/bm), ceil(K/bk)])``.
+
+    ``scale_inv`` is fp32, or ``float8_e8m0fnu`` for ``scale_encoding="e8m0"`` (``.float()`` reads it).
+    """
     _check_input(x)
+    encoding = resolve_encoding(scale_encoding)
     f = get_format(fmt)
     m, k = x.shape
     blocks = expand_blocks(x.float(), block)  # [Mb, bm, Kb, bk]
@@ -103,10 +151,11 @@ def quantize(
         amax = blocks.abs().amax(dim=(1, 3))
     else:
         amax = blocks.new_zeros(blocks.shape[0], blocks.shape[2])
-    scale = amax_to_scale(amax, f, pow2_scale)  # [Mb, Kb]
+    scale = amax_to_scale(amax, f, encoding)  # [Mb, Kb]
     scaled = blocks * scale[:, None, :, None]
     data = _saturating_cast(scaled, f).reshape(blocks.shape[0] * blocks.shape[1], -1)[:m, :k]
-    return data.contiguous(), scale.reciprocal()
+    scale_inv = scale.reciprocal()
+    return data.contiguous(), to_e8m0(scale_inv) if encoding == "e8m0" else scale_inv
 
 
 def dequantize(

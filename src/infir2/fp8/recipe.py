@@ -1,31 +1,37 @@
-"""Named FP8 training recipes: which block shape quantizes each operand of the three GEMMs.
+"""Named FP8 training recipes: how each operand of the three GEMMs of a linear layer is cast.
 
 An ``nn.Linear`` ``Y = X @ W.T`` runs three GEMMs per step (X ``[T, K]`` tokens x input channels,
-W ``[N, K]``, dY ``[T, N]``). Each operand is quantized from its high-precision original with the
-block shape the recipe names, given in the operand's own orientation:
+W ``[N, K]``, dY ``[T, N]``). A recipe is plain data: one :class:`Cast` per operand of each GEMM,
+saying the block shape (in the operand's own orientation), the element format and how the block
+scales are encoded. Each operand is quantized from its high-precision original:
 
-============  ==================  ===================  ===================  =========================
-recipe        fprop X / W         dgrad dY / W         wgrad dY / X         notes
-============  ==================  ===================  ===================  =========================
-blockwise     (1,128) / (128,128) (1,128) / (128,128)  (128,1) / (128,1)    InfiR2 / DeepSeek-V3, pow2
-blockwise_fp32scale  same as blockwise                                      scales not rounded (RL)
-rowwise       (1,-1) / (1,-1)     (1,-1) / (-1,1)      (-1,1) / (-1,1)      one scale per row along K
-tensorwise    (-1,-1) everywhere                                            one scale per tensor
-bf16          no FP8: a plain high-precision linear (the baseline)
-============  ==================  ===================  ===================  =========================
+===================  ==================  ===================  ===================  ====================
+recipe               fprop X / W         dgrad dY / W         wgrad dY / X         scales
+===================  ==================  ===================  ===================  ====================
+blockwise            (1,128) / (128,128) (1,128) / (128,128)  (128,1) / (128,1)    pow2 (InfiR2, DSv3)
+blockwise_fp32scale  same as blockwise                                             fp32 (RL)
+mxfp8                (1,32) / (1,32)     (1,32) / (32,1)      (32,1) / (32,1)      E8M0, rounded up
+rowwise              (1,-1) / (1,-1)     (1,-1) / (-1,1)      (-1,1) / (-1,1)      pow2, one per row
+tensorwise           (-1,-1) everywhere                                            fp32, one per tensor
+bf16                 no FP8: a plain high-precision linear (the baseline)
+===================  ==================  ===================  ===================  ====================
 
 In every GEMM the blocks run along its reduction dimension: K in fprop, N in dgrad, T in wgrad.
-E4M3 is used for every tensor, gradients included (RECIPE.md section 1).
+E4M3 is used for every tensor, gradients included (docs/RECIPE.md). ``mxfp8`` is OCP Microscaling
+MXFP8 as Blackwell trains it: 32-element blocks along every reduction, one E8M0 scale per block.
+
+A recipe is resolved once (``get_recipe``, config validation against ``RECIPES``); the modules and
+kernels below only read its casts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
-from .formats import BLOCK, get_format
-from .quantize import Block, resolve_block
+from .formats import BLOCK, MX_BLOCK, get_format
+from .quantize import Block, ScaleEncoding, resolve_block, resolve_encoding
 
-__all__ = ["RECIPES", "Fp8Recipe", "get_recipe"]
+__all__ = ["RECIPES", "Cast", "Fp8Recipe", "get_recipe"]
 
 TILE: Block = (1, BLOCK)  # 1x128: per token, 128 channels
 TOKEN_TILE: Block = (BLOCK, 1)  # 128x1: 128 tokens, one channel
@@ -33,86 +39,90 @@ WEIGHT_BLOCK: Block = (BLOCK, BLOCK)
 ROW: Block = (1, -1)
 COLUMN: Block = (-1, 1)
 TENSOR: Block = (-1, -1)
+MX_ROW: Block = (1, MX_BLOCK)  # 1x32 along the reduction dimension of a row-major operand
+MX_COLUMN: Block = (MX_BLOCK, 1)  # 32x1: the same for an operand the GEMM reads transposed
+
+
+@dataclass(frozen=True)
+class Cast:
+    """How one GEMM operand becomes FP8: ``block`` (rows, cols; -1 = whole dimension), element
+    ``fmt`` (``e4m3`` / ``e5m2``) and ``scale`` encoding (``fp32``, ``pow2`` or ``e8m0``)."""
+
+    block: Block
+    fmt: str = "e4m3"
+    scale: ScaleEncoding = "pow2"
+
+    def __post_init__(self) -> None:
+        resolve_block(self.block, (1, 1))
+        get_format(self.fmt)
+        resolve_encoding(self.scale)
 
 
 @dataclass(frozen=True)
 class Fp8Recipe:
-    """How each operand of the fprop, dgrad and wgrad GEMMs is quantized (blocks in operand orientation)."""
+    """The cast of each operand of the fprop, dgrad and wgrad GEMMs (blocks in operand orientation).
+
+    ``enabled=False`` is the high-precision baseline (``bf16``): no GEMM runs in FP8.
+    """
 
     name: str
+    x: Cast = Cast(TILE)  # X [T, K], fprop A
+    w: Cast = Cast(WEIGHT_BLOCK)  # W [N, K], fprop B
+    dy: Cast = Cast(TILE)  # dY [T, N], dgrad A
+    w_dgrad: Cast = Cast(WEIGHT_BLOCK)  # W [N, K], dgrad B (read transposed)
+    dy_wgrad: Cast = Cast(TOKEN_TILE)  # dY [T, N], wgrad A (read transposed)
+    x_wgrad: Cast = Cast(TOKEN_TILE)  # X [T, K], wgrad B (read transposed); the copy saved for backward
     enabled: bool = True
-    fmt: str = "e4m3"
-    grad_fmt: str = "e4m3"
-    pow2_scale: bool = True
-    input_block: Block = TILE  # X [T, K], fprop
-    weight_block: Block = WEIGHT_BLOCK  # W [N, K], fprop
-    grad_output_block: Block = TILE  # dY [T, N], dgrad
-    dgrad_weight_block: Block = WEIGHT_BLOCK  # W [N, K], dgrad
-    wgrad_grad_output_block: Block = TOKEN_TILE  # dY [T, N], wgrad
-    wgrad_input_block: Block = TOKEN_TILE  # X [T, K], wgrad
-
-    def __post_init__(self) -> None:
-        get_format(self.fmt)
-        get_format(self.grad_fmt)
-        for field in (
-            "input_block",
-            "weight_block",
-            "grad_output_block",
-            "dgrad_weight_block",
-            "wgrad_grad_output_block",
-            "wgrad_input_block",
-        ):
-            resolve_block(getattr(self, field), (1, 1))
 
     @property
-    def blocks(self) -> dict[str, tuple[Block, Block]]:
+    def casts(self) -> dict[str, Cast]:
+        """The six casts by operand name."""
         return {
-            "fprop": (self.input_block, self.weight_block),
-            "dgrad": (self.grad_output_block, self.dgrad_weight_block),
-            "wgrad": (self.wgrad_grad_output_block, self.wgrad_input_block),
+            f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), Cast)
         }
 
     @property
-    def granularity(self) -> str:
-        """``tensorwise``, ``rowwise`` or ``blockwise``: what kind of scales the GEMMs consume."""
-        blocks = {b for pair in self.blocks.values() for b in pair}
-        if blocks == {TENSOR}:
-            return "tensorwise"
-        if blocks <= {ROW, COLUMN}:
-            return "rowwise"
-        return "blockwise"
-
-    @property
     def reuses_weight(self) -> bool:
-        """True when dgrad can reuse the fprop-quantized weight (same blocks)."""
-        return self.weight_block == self.dgrad_weight_block
+        """True when dgrad can reuse the fprop-quantized weight (same cast)."""
+        return self.w == self.w_dgrad
+
+
+def _uniform(name: str, block: Block, scale: ScaleEncoding) -> Fp8Recipe:
+    cast = Cast(block, scale=scale)
+    return Fp8Recipe(name, cast, cast, cast, cast, cast, cast)
 
 
 RECIPES: dict[str, Fp8Recipe] = {
     "bf16": Fp8Recipe("bf16", enabled=False),
     "blockwise": Fp8Recipe("blockwise"),
-    "blockwise_fp32scale": Fp8Recipe("blockwise_fp32scale", pow2_scale=False),
+    "blockwise_fp32scale": Fp8Recipe(
+        "blockwise_fp32scale",
+        Cast(TILE, scale="fp32"), Cast(WEIGHT_BLOCK, scale="fp32"),
+        Cast(TILE, scale="fp32"), Cast(WEIGHT_BLOCK, scale="fp32"),
+        Cast(TOKEN_TILE, scale="fp32"), Cast(TOKEN_TILE, scale="fp32"),
+    ),
+    "mxfp8": Fp8Recipe(
+        "mxfp8",
+        Cast(MX_ROW, scale="e8m0"), Cast(MX_ROW, scale="e8m0"),
+        Cast(MX_ROW, scale="e8m0"), Cast(MX_COLUMN, scale="e8m0"),
+        Cast(MX_COLUMN, scale="e8m0"), Cast(MX_COLUMN, scale="e8m0"),
+    ),
     "rowwise": Fp8Recipe(
-        "rowwise",
-        input_block=ROW, weight_block=ROW,
-        grad_output_block=ROW, dgrad_weight_block=COLUMN,
-        wgrad_grad_output_block=COLUMN, wgrad_input_block=COLUMN,
+        "rowwise", Cast(ROW), Cast(ROW), Cast(ROW), Cast(COLUMN), Cast(COLUMN), Cast(COLUMN)
     ),
-    "tensorwise": Fp8Recipe(
-        "tensorwise", pow2_scale=False,
-        input_block=TENSOR, weight_block=TENSOR,
-        grad_output_block=TENSOR, dgrad_weight_block=TENSOR,
-        wgrad_grad_output_block=TENSOR, wgrad_input_block=TENSOR,
-    ),
+    "tensorwise": _uniform("tensorwise", TENSOR, "fp32"),
 }  # fmt: skip
 
 
-def get_recipe(recipe: str | Fp8Recipe, **overrides: object) -> Fp8Recipe:
-    """Look up a named recipe (optionally overriding fields, e.g. ``pow2_scale=False``)."""
+def get_recipe(recipe: str | Fp8Recipe, **cast_overrides: object) -> Fp8Recipe:
+    """A named recipe; ``cast_overrides`` (``fmt=``, ``scale=``) replace that field in every cast."""
     if isinstance(recipe, Fp8Recipe):
         base = recipe
     elif recipe in RECIPES:
         base = RECIPES[recipe]
     else:
         raise ValueError(f"unknown FP8 recipe {recipe!r}; known recipes: {', '.join(RECIPES)}")
-    return replace(base, **overrides) if overrides else base  # type: ignore[arg-type]
+    if not cast_overrides:
+        return base
+    casts = {name: replace(cast, **cast_overrides) for name, cast in base.casts.items()}  # type: ignore[arg-type]
+    return replace(base, **casts)  # type: ignore[arg-type]

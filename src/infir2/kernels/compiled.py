@@ -26,11 +26,22 @@ from typing import Any
 import torch
 
 from .._logging import log_once
-from ..fp8.quantize import Block, dequantize, quantize, resolve_block
-from ..fp8.recipe import Fp8Recipe
+from ..fp8.quantize import Block, dequantize, resolve_block
+from ..fp8.quantize import quantize as _reference_quantize
+from ..fp8.recipe import Cast, Fp8Recipe
 from .operand import Operand
 
-__all__ = ["compiled_unavailable", "gemm_nt", "quantize_operand"]
+__all__ = [
+    "NAME",
+    "gemm_nt",
+    "quantize",
+    "quantize_pair",
+    "supports_gemm",
+    "supports_quantize",
+    "why_unavailable",
+]
+
+NAME = "compiled"
 
 log = logging.getLogger(__name__)
 _cache: dict[str, Callable[..., Any]] = {}
@@ -50,7 +61,7 @@ def _compiled(name: str, fn: Callable[..., Any], shape: torch.Size, block: Block
     return _cache[name]
 
 
-def compiled_unavailable(recipe: Fp8Recipe, device: torch.device) -> str | None:
+def why_unavailable(recipe: Fp8Recipe, device: torch.device) -> str | None:
     """Why ``torch.compile`` cannot run here (None when it can)."""
     if device.type == "cpu" and not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
         return "torch.compile on CPU needs a C++ compiler (c++/g++/clang++ on PATH)"
@@ -59,9 +70,22 @@ def compiled_unavailable(recipe: Fp8Recipe, device: torch.device) -> str | None:
     return None
 
 
-def quantize_operand(x: torch.Tensor, block: Block, fmt: str, pow2_scale: bool) -> Operand:
-    data, scale_inv = _compiled("quantize", quantize, x.shape, block)(x, tuple(block), fmt, pow2_scale)
-    return Operand(data, scale_inv, tuple(block))  # type: ignore[arg-type]
+def supports_quantize(x: torch.Tensor, cast: Cast) -> bool:
+    return True
+
+
+def quantize(x: torch.Tensor, cast: Cast) -> Operand:
+    compiled_quantize = _compiled("quantize", _reference_quantize, x.shape, cast.block)
+    data, scale_inv = compiled_quantize(x, tuple(cast.block), cast.fmt, cast.scale)
+    return Operand(data, scale_inv, cast.block)
+
+
+def quantize_pair(x: torch.Tensor, a: Cast, b: Cast) -> tuple[Operand, Operand]:
+    return quantize(x, a), quantize(x, b)
+
+
+def supports_gemm(a: Operand, b: Operand, out_dtype: torch.dtype) -> bool:
+    return True
 
 
 def gemm_nt(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:

@@ -1,23 +1,50 @@
 """The emulated backend: dequantize to fp32 and multiply. Exact, portable, the reference.
 
 Every product of two E4M3 values with power-of-two scales is exact in fp32, so this backend differs
-from a hardware FP8 GEMM only by the order of fp32 accumulation. It runs on any device and any
-shape, and every other backend is tested against it.
+from a hardware FP8 GEMM only by the order of fp32 accumulation. It runs on any device, any cast and
+any shape, ends every fallback chain, and every other backend is tested against it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..fp8.quantize import Block, quantize
+from ..fp8.quantize import quantize as reference_quantize
+from ..fp8.recipe import Cast, Fp8Recipe
 from .operand import Operand
 
-__all__ = ["gemm_nt", "quantize_operand"]
+__all__ = [
+    "NAME",
+    "gemm_nt",
+    "quantize",
+    "quantize_pair",
+    "supports_gemm",
+    "supports_quantize",
+    "why_unavailable",
+]
+
+NAME = "emulated"
 
 
-def quantize_operand(x: torch.Tensor, block: Block, fmt: str, pow2_scale: bool) -> Operand:
-    data, scale_inv = quantize(x, block, fmt, pow2_scale)
-    return Operand(data, scale_inv, tuple(block))  # type: ignore[arg-type]
+def why_unavailable(recipe: Fp8Recipe, device: torch.device) -> str | None:
+    return None
+
+
+def supports_quantize(x: torch.Tensor, cast: Cast) -> bool:
+    return True
+
+
+def quantize(x: torch.Tensor, cast: Cast) -> Operand:
+    data, scale_inv = reference_quantize(x, cast.block, cast.fmt, cast.scale)
+    return Operand(data, scale_inv, cast.block)
+
+
+def quantize_pair(x: torch.Tensor, a: Cast, b: Cast) -> tuple[Operand, Operand]:
+    return quantize(x, a), quantize(x, b)
+
+
+def supports_gemm(a: Operand, b: Operand, out_dtype: torch.dtype) -> bool:
+    return True
 
 
 def gemm_nt(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:

@@ -13,7 +13,10 @@ __all__ = ["Operand"]
 
 @dataclass(frozen=True)
 class Operand:
-    """A block-scaled FP8 matrix ``data [M, K]`` with ``scale_inv [ceil(M/bm), ceil(K/bk)]``."""
+    """A block-scaled FP8 matrix ``data [M, K]`` with ``scale_inv [ceil(M/bm), ceil(K/bk)]``.
+
+    ``scale_inv`` is fp32, or ``float8_e8m0fnu`` (a power of two per block) for E8M0-scaled casts.
+    """
 
     data: torch.Tensor
     scale_inv: torch.Tensor
@@ -31,4 +34,7 @@ class Operand:
         return dequantize(self.data, self.scale_inv, self.block, dtype)
 
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size() + self.scale_inv.numel() * 4
+        return (
+            self.data.numel() * self.data.element_size()
+            + self.scale_inv.numel() * self.scale_inv.element_size()
+        )

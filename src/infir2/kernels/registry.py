@@ -1,150 +1,148 @@
-"""GEMM + quantize backends behind one contract, and the automatic choice between them.
+"""The backends, their one fallback order, and the dispatcher an ``Fp8Linear`` is bound to.
 
-A backend provides ``quantize(x, block, fmt, pow2_scale) -> Operand`` and
-``gemm_nt(a, b, out_dtype) -> a @ b.T``. ``emulated`` is the reference and takes everything; a
-faster backend may decline a particular pair of operands (``supports``), in which case that GEMM
-runs emulated and the fallback is logged once.
+Every backend is a module implementing :class:`Backend` (a handful of functions: can it run here,
+which casts and operand pairs it takes, quantize, GEMM). ``emulated`` takes everything and ends
+every chain. ``bind(recipe, device, override)`` returns :class:`Kernels`: the backends usable for
+that recipe on that device, in the order of ``ORDER``. Each quantization and each GEMM goes to the
+first backend of the chain that supports it; a job that skips the first backend is logged once
+(which job, which backend took it), and a backend that raises on a job it claimed is logged as a
+warning and passed over for that kind of job from then on. There is no other fallback anywhere.
+
+``convert_to_fp8`` binds each ``Fp8Linear`` once; the layer binds again only when its input arrives
+on another device.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
 from .._logging import log_once
-from ..fp8.quantize import Block
-from ..fp8.recipe import Fp8Recipe
-from . import compiled, emulated, gpu, scaled_mm
+from ..fp8.recipe import Cast, Fp8Recipe
+from . import compiled, emulated, scaled_mm, triton_backend
 from .operand import Operand
 
-__all__ = ["BACKENDS", "Backend", "register_backend", "select_backend"]
+__all__ = ["BACKENDS", "ORDER", "Backend", "Kernels", "bind"]
 
 log = logging.getLogger(__name__)
 
-QuantizeFn = Callable[[torch.Tensor, tuple[int, int], str, bool], Operand]
-GemmFn = Callable[[Operand, Operand, torch.dtype], torch.Tensor]
 
+class Backend(Protocol):
+    """What a backend module provides (see ``kernels/emulated.py`` for the reference one)."""
 
-@dataclass(frozen=True)
-class Backend:
-    name: str
-    quantize: QuantizeFn
-    gemm_nt_fn: GemmFn
-    supports: Callable[[Operand, Operand], bool] = lambda a, b: True
-    available: Callable[[Fp8Recipe, torch.device], str | None] = lambda recipe, device: None
-    #: optional: both tilings of one tensor from one read, ``(x, block_a, block_b, fmt, pow2) -> (a, b)``
-    quantize_pair: Callable[[torch.Tensor, Block, Block, str, bool], tuple[Operand, Operand]] | None = None
+    NAME: str
 
-    def quantize_both(
-        self, x: torch.Tensor, block_a: Block, block_b: Block, fmt: str, pow2_scale: bool
-    ) -> tuple[Operand, Operand]:
-        """``(quantize(x, block_a), quantize(x, block_b))``, fused when the backend can."""
-        if self.quantize_pair is not None:
-            return self.quantize_pair(x, block_a, block_b, fmt, pow2_scale)
-        return self.quantize(x, block_a, fmt, pow2_scale), self.quantize(x, block_b, fmt, pow2_scale)
+    def why_unavailable(self, recipe: Fp8Recipe, device: torch.device) -> str | None:
+        """None when the backend can serve ``recipe`` on ``device``, else the reason it cannot."""
+        ...
+
+    def supports_quantize(self, x: torch.Tensor, cast: Cast) -> bool: ...
+
+    def quantize(self, x: torch.Tensor, cast: Cast) -> Operand: ...
+
+    def quantize_pair(self, x: torch.Tensor, a: Cast, b: Cast) -> tuple[Operand, Operand]:
+        """``(quantize(x, a), quantize(x, b))``, from one read of ``x`` where the backend can fuse it."""
+        ...
+
+    def supports_gemm(self, a: Operand, b: Operand, out_dtype: torch.dtype) -> bool: ...
 
     def gemm_nt(self, a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
-        if self.supports(a, b):
-            return self.gemm_nt_fn(a, b, out_dtype)
-        log_once(
-            log,
-            f"backend {self.name} cannot take blocks {a.block} x {b.block} with shapes "
-            f"{tuple(a.shape)} x {tuple(b.shape)}; that GEMM runs emulated",
-        )
-        return emulated.gemm_nt(a, b, out_dtype)
+        """``a [M, K] @ b [N, K].T -> [M, N]``, fp32 accumulation, in ``out_dtype``."""
+        ...
 
 
-def _scaled_mm_available(recipe: Fp8Recipe, device: torch.device) -> str | None:
-    if recipe.granularity == "blockwise":
-        return "torch._scaled_mm takes tensorwise and rowwise scales; blockwise needs another backend"
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        return "FP8 GEMMs need an SM89+ GPU"
-    if device.type not in ("cpu", "cuda"):
-        return f"torch._scaled_mm does not run on {device.type}"
-    return None
+BACKENDS: dict[str, Backend] = {m.NAME: m for m in (emulated, scaled_mm, triton_backend, compiled)}
 
-
-BACKENDS: dict[str, Backend] = {
-    "emulated": Backend("emulated", emulated.quantize_operand, emulated.gemm_nt),
-    "scaled_mm": Backend(
-        "scaled_mm",
-        emulated.quantize_operand,
-        scaled_mm.gemm_nt,
-        scaled_mm.supports_operands,
-        _scaled_mm_available,
-    ),
-    # Triton quantization + cuBLAS block-scaled GEMMs (SM90, CUDA >= 12.9), Triton GEMMs elsewhere.
-    "cuda": Backend(
-        "cuda",
-        gpu.quantize_operand,
-        gpu.gemm_nt_cublas_or_triton,
-        gpu.supports_operands,
-        gpu.gpu_unavailable,
-        gpu.quantize_operand_pair,
-    ),
-    # Triton quantization + Triton block-scaled GEMMs everywhere.
-    "triton": Backend(
-        "triton",
-        gpu.quantize_operand,
-        gpu.gemm_nt_triton,
-        gpu.supports_operands,
-        gpu.gpu_unavailable,
-        gpu.quantize_operand_pair,
-    ),
-    # The emulated backend with torch.compile'd quantize/dequantize; only when asked for (compile time).
-    "compiled": Backend(
-        "compiled", compiled.quantize_operand, compiled.gemm_nt, available=compiled.compiled_unavailable
-    ),
+#: The fallback order per device type; the first backend that takes a job runs it. ``compiled`` is in
+#: no chain: it is faster per call on a CPU but costs compile time, so it runs only when asked for.
+ORDER: dict[str, tuple[str, ...]] = {
+    "cuda": ("scaled_mm", "triton", "emulated"),  # cuBLAS (FP8 / block-scaled), Triton, reference
+    "cpu": ("scaled_mm", "emulated"),
 }
 
-#: Preference order for automatic selection: the first available backend wins. ``compiled`` is not
-#: in it: it is faster per call on CPU but costs compile time, so it runs only when asked for.
-PREFERENCE: list[str] = ["cuda", "triton", "scaled_mm", "emulated"]
 
-#: select_backend's answers: it runs on every forward, so the device queries are done once.
-_selected: dict[tuple[Fp8Recipe, torch.device, str | None], Backend] = {}
+@dataclass
+class Kernels:
+    """The chain of backends bound to one recipe on one device; runs each job on the first that takes it."""
+
+    recipe: Fp8Recipe
+    device: torch.device
+    chain: tuple[Backend, ...]
+    _broken: set[tuple[str, str]] = field(default_factory=set)  # (backend, job) that raised
+
+    @property
+    def name(self) -> str:
+        """The preferred backend (the first of the chain)."""
+        return self.chain[0].NAME
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Kernels:
+        return self  # backends are modules; a copied layer shares its binding
+
+    def _first(self, job: str, takes: list[bool]) -> Backend:
+        for backend, ok in zip(self.chain, takes, strict=True):
+            if ok and (backend.NAME, job) not in self._broken:
+                if backend is not self.chain[0]:
+                    log_once(log, f"FP8 {job}: {self.chain[0].NAME} does not take it; runs on {backend.NAME}")
+                return backend
+        raise AssertionError(f"no backend takes {job}; the emulated backend ends every chain")
+
+    def quantize(self, x: torch.Tensor, cast: Cast) -> Operand:
+        job = f"quantize {tuple(cast.block)} {cast.fmt}/{cast.scale} of {x.dtype} {tuple(x.shape)}"
+        backend = self._first(job, [b.supports_quantize(x, cast) for b in self.chain])
+        return backend.quantize(x, cast)
+
+    def quantize_pair(self, x: torch.Tensor, a: Cast, b: Cast) -> tuple[Operand, Operand]:
+        job = f"quantize {tuple(a.block)} + {tuple(b.block)} of {x.dtype} {tuple(x.shape)}"
+        takes = [be.supports_quantize(x, a) and be.supports_quantize(x, b) for be in self.chain]
+        return self._first(job, takes).quantize_pair(x, a, b)
+
+    def gemm_nt(self, a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
+        job = f"GEMM {tuple(a.block)} x {tuple(b.block)} {tuple(a.shape)} x {tuple(b.shape)} -> {out_dtype}"
+        takes = [be.supports_gemm(a, b, out_dtype) for be in self.chain]
+        while True:
+            backend = self._first(job, takes)
+            if backend.NAME == emulated.NAME:
+                return backend.gemm_nt(a, b, out_dtype)
+            try:
+                return backend.gemm_nt(a, b, out_dtype)
+            except (RuntimeError, NotImplementedError) as e:  # e.g. a cuBLAS build that refuses the case
+                self._broken.add((backend.NAME, job))
+                log.warning("FP8 %s failed on %s (%s); the next backend runs it from now on",
+                            job, backend.NAME, str(e).splitlines()[0] if str(e) else type(e).__name__)  # fmt: skip
 
 
-def register_backend(backend: Backend, prefer: bool = True) -> None:
-    """Add a backend; with ``prefer`` it is tried before the existing ones."""
-    BACKENDS[backend.name] = backend
-    _selected.clear()
-    if backend.name in PREFERENCE:
-        PREFERENCE.remove(backend.name)
-    PREFERENCE.insert(0 if prefer else len(PREFERENCE) - 1, backend.name)
-
-
-def select_backend(recipe: Fp8Recipe, device: torch.device | str, override: str | None = None) -> Backend:
-    """The backend for ``recipe`` on ``device``: ``override`` if given (an error if it cannot run), else
-    the first available one in preference order. The choice is logged once."""
+def _resolve_device(device: torch.device | str) -> torch.device:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    key = (recipe, device, override)
-    cached = _selected.get(key)
-    if cached is not None and BACKENDS.get(cached.name) is cached:  # still registered (tests swap them)
-        return cached
+    return device
+
+
+def bind(recipe: Fp8Recipe, device: torch.device | str, override: str | None = None) -> Kernels:
+    """The :class:`Kernels` of ``recipe`` on ``device``: ``override`` then ``emulated`` if a backend is
+    named (an error if it cannot run here), else every usable backend of ``ORDER``. Logged once."""
+    device = _resolve_device(device)
     if override is not None:
         if override not in BACKENDS:
             raise ValueError(f"unknown FP8 backend {override!r}; known backends: {', '.join(BACKENDS)}")
-        reason = BACKENDS[override].available(recipe, device)
+        reason = BACKENDS[override].why_unavailable(recipe, device)
         if reason:
             raise ValueError(
                 f"FP8 backend {override!r} cannot run recipe {recipe.name!r} on {device}: {reason}"
             )
-        chosen, why = BACKENDS[override], "requested"
+        names = [override] + ([emulated.NAME] if override != emulated.NAME else [])
+        why = "requested"
     else:
-        reasons = {}
-        for name in PREFERENCE:
-            reasons[name] = BACKENDS[name].available(recipe, device)
-            if reasons[name] is None:
-                chosen, why = BACKENDS[name], "automatic"
-                break
-        skipped = "; ".join(f"{n}: {r}" for n, r in reasons.items() if r)
-        why = f"automatic{' (' + skipped + ')' if skipped else ''}"
-    log_once(log, f"FP8 recipe {recipe.name!r} on {device.type}: backend {chosen.name} [{why}]")
-    _selected[key] = chosen
-    return chosen
+        names, skipped = [], []
+        for name in (*ORDER.get(device.type, ()), emulated.NAME):
+            reason = BACKENDS[name].why_unavailable(recipe, device)
+            if reason:
+                skipped.append(f"{name}: {reason}")
+            elif name not in names:
+                names.append(name)
+        why = f"automatic{' (' + '; '.join(skipped) + ')' if skipped else ''}"
+    log_once(log, f"FP8 recipe {recipe.name!r} on {device.type}: backends {' > '.join(names)} [{why}]")
+    return Kernels(recipe, device, tuple(BACKENDS[n] for n in names))

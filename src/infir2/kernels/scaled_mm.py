@@ -1,4 +1,10 @@
-"""The ``torch._scaled_mm`` backend: hardware FP8 GEMMs for tensorwise and rowwise scales.
+"""The ``scaled_mm`` backend: PyTorch's own FP8 GEMMs (cuBLAS on CUDA, a reference kernel on CPU).
+
+It quantizes nothing (the next backend of the chain does) and takes three kinds of GEMM:
+
+* tensorwise and rowwise fp32 scales through ``torch._scaled_mm`` (CPU; CUDA SM89+, dims % 16);
+* block-scaled 1x128 / 128x128 fp32 scales through ``torch.nn.functional.scaled_mm`` (CUDA SM90,
+  cuBLAS >= 12.9), below.
 
 ``torch._scaled_mm(a, b, scale_a, scale_b)`` computes ``(a * scale_a) @ (b * scale_b)`` with ``a``
 row-major ``[M, K]`` and ``b`` column-major ``[K, N]``. Tensorwise scales are scalars; rowwise scales
@@ -27,18 +33,61 @@ import torch
 import torch.nn.functional as F
 
 from ..fp8.formats import BLOCK
+from ..fp8.recipe import Cast, Fp8Recipe
 from .operand import Operand
 
-__all__ = ["blockwise_unavailable", "gemm_nt", "gemm_nt_blockwise", "supports_blockwise", "supports_operands"]
+__all__ = ["NAME", "blockwise_unavailable", "gemm_nt", "gemm_nt_blockwise", "quantize", "quantize_pair",
+           "supports_blockwise", "supports_gemm", "supports_operands", "supports_quantize",
+           "why_unavailable"]  # fmt: skip
+
+NAME = "scaled_mm"
+
+
+def _per_tensor_or_row(cast: Cast) -> bool:
+    return cast.scale != "e8m0" and tuple(cast.block) in ((-1, -1), (1, -1), (-1, 1))
+
+
+def why_unavailable(recipe: Fp8Recipe, device: torch.device) -> str | None:
+    if device.type not in ("cpu", "cuda"):
+        return f"torch._scaled_mm does not run on {device.type}"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        return "FP8 GEMMs need an SM89+ GPU"
+    if not any(_per_tensor_or_row(c) for c in recipe.casts.values()):
+        reason = blockwise_unavailable(device)
+        if reason:
+            return f"recipe {recipe.name!r} has no tensorwise or rowwise cast and {reason}"
+    return None
+
+
+def supports_quantize(x: torch.Tensor, cast: Cast) -> bool:
+    return False  # the chain's next backend quantizes
+
+
+def quantize(x: torch.Tensor, cast: Cast) -> Operand:
+    raise NotImplementedError("the scaled_mm backend has GEMMs only")
+
+
+def quantize_pair(x: torch.Tensor, a: Cast, b: Cast) -> tuple[Operand, Operand]:
+    raise NotImplementedError("the scaled_mm backend has GEMMs only")
+
+
+def supports_gemm(a: Operand, b: Operand, out_dtype: torch.dtype) -> bool:
+    fp32_scales = a.scale_inv.dtype == torch.float32 and b.scale_inv.dtype == torch.float32
+    if not fp32_scales:
+        return False
+    if supports_operands(a, b):
+        return True
+    return blockwise_unavailable(a.data.device) is None and supports_blockwise(a, b)
 
 
 def _is_tensorwise(op: Operand) -> bool:
-    return op.scale_inv.numel() == 1
+    return tuple(op.block) == (-1, -1) and op.scale_inv.numel() == 1
 
 
 def _is_rowwise(op: Operand) -> bool:
-    m, k = op.shape
-    return op.scale_inv.shape == (m, 1) and op.block[1] >= k
+    """One scale per row along K: a (1, -1) block (blockwise tiles that happen to span K do not count,
+    so that a recipe's GEMMs run on one backend whatever the layer's width)."""
+    return tuple(op.block) == (1, -1) and op.scale_inv.shape == (op.shape[0], 1)
 
 
 def supports_operands(a: Operand, b: Operand) -> bool:
@@ -55,12 +104,17 @@ def supports_operands(a: Operand, b: Operand) -> bool:
 
 def gemm_nt(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
     """``a [M, K] @ b [N, K].T -> [M, N]`` with fp32 accumulation in the hardware GEMM."""
+    if not supports_operands(a, b) and supports_blockwise(a, b):
+        return gemm_nt_blockwise(a, b, out_dtype)
     if not supports_operands(a, b):
         raise ValueError(f"scaled_mm takes tensorwise or rowwise operands, got blocks {a.block} x {b.block}")
     if _is_tensorwise(a):
         scale_a, scale_b = a.scale_inv.reshape(()), b.scale_inv.reshape(())
     else:
-        scale_a, scale_b = a.scale_inv, b.scale_inv.t()  # [M, 1], [1, N]
+        scale_a, scale_b = (
+            a.scale_inv.reshape(-1)[:, None],
+            b.scale_inv.reshape(1, -1),
+        )  # [M, 1], [1, N], unit stride
     # [M,K] row-major @ [K,N] column-major -> [M,N], fp32 accumulate
     return torch._scaled_mm(
         a.data.contiguous(), b.data.contiguous().t(), scale_a, scale_b, out_dtype=out_dtype

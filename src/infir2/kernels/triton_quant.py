@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fp8.formats import BLOCK, get_format
+from ..fp8.formats import BLOCK, EXPONENT_MASK, FLT_MAX, get_format
 from ..fp8.quantize import Block, resolve_block
 
 __all__ = ["SUPPORTED_BLOCKS", "quantize", "quantize_both", "supports_block"]
@@ -39,7 +39,10 @@ SUPPORTED_BLOCKS: tuple[Block, ...] = ((1, BLOCK), (BLOCK, 1), (BLOCK, BLOCK))
 
 _ROWS_PER_PROGRAM = 16  # (1, 128) tiles: rows per program
 _COLS_PER_PROGRAM = 32  # (128, 1) tiles: columns per program
-_FLT_MAX = float(torch.finfo(torch.float32).max)
+
+
+#: sign + exponent bits of an fp32 (a global of a Triton kernel must be a constexpr)
+_EXPONENT_MASK = tl.constexpr(EXPONENT_MASK)
 
 
 @triton.jit
@@ -49,7 +52,7 @@ def _scale_from_amax(amax, nonfinite, FMAX: tl.constexpr, FLT_MAX: tl.constexpr,
     scale = tl.where(scale == float("inf"), FLT_MAX, scale)
     scale = tl.where((amax == 0.0) | nonfinite, 1.0, scale)
     if POW2:  # keep sign + exponent bits (0xFF800000): 2 ** floor(log2(scale))
-        scale = (scale.to(tl.int32, bitcast=True) & -8388608).to(tl.float32, bitcast=True)
+        scale = (scale.to(tl.int32, bitcast=True) & _EXPONENT_MASK).to(tl.float32, bitcast=True)
     return scale
 
 
@@ -192,7 +195,7 @@ def _quantize(
         x, data, scale_inv, m, k,
         x.stride(0), x.stride(1), data.stride(0), data.stride(1), scale_inv.stride(0), scale_inv.stride(1),
         BM=bm, BK=bk, TILE_M=tile_m, TILE_K=tile_k,
-        FMAX=f.max, FLT_MAX=_FLT_MAX, POW2=pow2_scale, HAS_INF=f.has_inf,
+        FMAX=f.max, FLT_MAX=FLT_MAX, POW2=pow2_scale, HAS_INF=f.has_inf,
         num_warps=8 if tile_m * tile_k >= 128 * 128 else 4,  # a 128x128 fp32 tile: 64 values per thread
     )  # fmt: skip
     return data, scale_inv
@@ -226,7 +229,7 @@ def _quantize_both(
         x.stride(0), x.stride(1), row_data.stride(0), row_data.stride(1),
         row_scale_inv.stride(0), row_scale_inv.stride(1), col_data.stride(0), col_data.stride(1),
         col_scale_inv.stride(0), col_scale_inv.stride(1),
-        TILE=BLOCK, FMAX=f.max, FLT_MAX=_FLT_MAX, POW2=pow2_scale, HAS_INF=f.has_inf,
+        TILE=BLOCK, FMAX=f.max, FLT_MAX=FLT_MAX, POW2=pow2_scale, HAS_INF=f.has_inf,
         num_warps=8,
     )  # fmt: skip
     return (row_data, row_scale_inv), (col_data, col_scale_inv)

@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from ..fp8.recipe import Fp8Recipe, get_recipe
-from ..kernels import select_backend
 from .linear import Fp8Linear
 
 __all__ = ["DECODER_PROJECTIONS", "cache_fp8_weights", "convert_to_fp8", "default_module_filter",
@@ -34,17 +33,6 @@ ModuleFilter = Callable[[nn.Module, str], bool]
 def default_module_filter(module: nn.Module, fqn: str) -> bool:
     """True for the q/k/v/o/gate/up/down projections of decoder layers (``...layers.<i>.self_attn.q_proj``)."""
     return isinstance(module, nn.Linear) and _DECODER_FQN.search(fqn) is not None
-
-
-def _shape_problem(linear: nn.Linear, recipe: Fp8Recipe, device: torch.device) -> str | None:
-    """Why the GEMM backends on ``device`` cannot take this layer, or None."""
-    if device.type == "cuda":
-        multiple = 128 if recipe.granularity == "blockwise" else 16
-        if linear.in_features % multiple or linear.out_features % multiple:
-            return (
-                f"in/out features {linear.in_features}x{linear.out_features} are not multiples of {multiple}"
-            )
-    return None
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -74,28 +62,28 @@ def convert_to_fp8(
         log.info("recipe %r runs without FP8: no layer converted", recipe.name)
         return model
     filter_fn = module_filter_fn or default_module_filter
-    device = _device_of(model)
-    select_backend(recipe, device, backend)  # fail early on a bad backend override; logs the choice
-    chosen, skipped = [], []
-    for fqn, module in list(model.named_modules()):
-        if type(module) is not nn.Linear or not filter_fn(module, fqn):
-            continue
-        problem = _shape_problem(module, recipe, device)
-        if problem:
-            skipped.append(f"{fqn} ({problem})")
-            continue
-        chosen.append(fqn)
-    if skipped:
-        log.warning("FP8: %d layers stay in high precision: %s", len(skipped), "; ".join(skipped))
+    chosen = [fqn for fqn, m in model.named_modules() if type(m) is nn.Linear and filter_fn(m, fqn)]
     if not chosen:
         n_linear = sum(type(m) is nn.Linear for m in model.modules())
         raise ValueError(f"no layer to convert to FP8: the model has {n_linear} nn.Linear modules and the "
-                         f"module filter selected none that the backend can take"
-                         f"{' (skipped: ' + '; '.join(skipped) + ')' if skipped else ''}")  # fmt: skip
+                         f"module filter selected none")  # fmt: skip
+    low = sorted(
+        {
+            str(m.weight.dtype)
+            for fqn in chosen
+            if (m := model.get_submodule(fqn)).weight.dtype != torch.float32
+        }
+    )
+    if low:
+        log.warning("FP8 layers will wrap %s parameters: the recipe keeps fp32 master weights (load the model "
+                    "with dtype=torch.float32, or call model.float() first)", "/".join(low))  # fmt: skip
+    device = _device_of(model)
     for fqn in chosen:
         parent_name, _, child = fqn.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, Fp8Linear.from_linear(getattr(parent, child), recipe, backend))
+        layer = Fp8Linear.from_linear(getattr(parent, child), recipe, backend)
+        layer.bind_kernels(device)  # an unusable backend override fails here, before any training
+        setattr(parent, child, layer)
     log.info("FP8 recipe %r: converted %d linear layers", recipe.name, len(chosen))
     return model
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..fp8.recipe import Fp8Recipe, get_recipe
-from ..kernels import Backend, Operand, select_backend
+from ..kernels import Kernels, Operand, bind
 
 __all__ = ["Fp8Linear"]
 
@@ -49,20 +49,18 @@ class _Fp8LinearFunction(torch.autograd.Function):
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         recipe: Fp8Recipe,
-        backend: Backend,
+        kernels: Kernels,
         w_fprop: Operand,
         x_ops: tuple[Operand, Operand] | None = None,
     ) -> torch.Tensor:
         with _no_autocast(x.device):
             if x_ops is None:
-                x_ops = backend.quantize_both(  # [T,K] fprop copy and wgrad copy
-                    x, recipe.input_block, recipe.wgrad_input_block, recipe.fmt, recipe.pow2_scale
-                )
+                x_ops = kernels.quantize_pair(x, recipe.x, recipe.x_wgrad)  # [T,K] fprop copy and wgrad copy
             xq, x_wgrad = x_ops
             # Without a bias the GEMM writes the input's dtype directly (no fp32 [T,N] round trip);
             # with one, the bias is added to the fp32 result before the single rounding.
             out_dtype = x.dtype if bias is None else torch.float32
-            y = backend.gemm_nt(xq, w_fprop, out_dtype)  # [T,K] @ [K,N] -> [T,N], fp32 accumulate
+            y = kernels.gemm_nt(xq, w_fprop, out_dtype)  # [T,K] @ [K,N] -> [T,N], fp32 accumulate
             if bias is not None:
                 y = y + bias.float()
             # The only activation kept for backward: X in FP8, tiled along tokens for wgrad (x_wgrad).
@@ -71,42 +69,32 @@ class _Fp8LinearFunction(torch.autograd.Function):
             x_wgrad.data, x_wgrad.scale_inv, weight,
             *((w_dgrad.data, w_dgrad.scale_inv) if w_dgrad is not None else ()),
         )  # fmt: skip
-        ctx.recipe, ctx.backend, ctx.x_dtype, ctx.has_bias = recipe, backend, x.dtype, bias is not None
+        ctx.recipe, ctx.kernels, ctx.x_dtype, ctx.has_bias = recipe, kernels, x.dtype, bias is not None
         return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         recipe: Fp8Recipe = ctx.recipe
-        backend: Backend = ctx.backend
+        kernels: Kernels = ctx.kernels
         x_data, x_scale_inv, weight, *w_saved = ctx.saved_tensors
         dx = dw = db = None
         with _no_autocast(dy.device):
             need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-            if need_dx and need_dw:  # dY [T,N]: dgrad copy (1x128) and wgrad copy (128x1), one read
-                dyq, dy_w = backend.quantize_both(
-                    dy,
-                    recipe.grad_output_block,
-                    recipe.wgrad_grad_output_block,
-                    recipe.grad_fmt,
-                    recipe.pow2_scale,
-                )
+            if need_dx and need_dw:  # dY [T,N]: dgrad copy and wgrad copy, one read where fused
+                dyq, dy_w = kernels.quantize_pair(dy, recipe.dy, recipe.dy_wgrad)
             elif need_dx:
-                dyq = backend.quantize(dy, recipe.grad_output_block, recipe.grad_fmt, recipe.pow2_scale)
+                dyq = kernels.quantize(dy, recipe.dy)
             elif need_dw:
-                dy_w = backend.quantize(
-                    dy, recipe.wgrad_grad_output_block, recipe.grad_fmt, recipe.pow2_scale
-                )
+                dy_w = kernels.quantize(dy, recipe.dy_wgrad)
             if need_dx:
                 if w_saved:
-                    w_dgrad = Operand(w_saved[0], w_saved[1], recipe.dgrad_weight_block)
+                    w_dgrad = Operand(w_saved[0], w_saved[1], recipe.w_dgrad.block)
                 else:
-                    w_dgrad = backend.quantize(
-                        weight, recipe.dgrad_weight_block, recipe.fmt, recipe.pow2_scale
-                    )
-                dx = backend.gemm_nt(dyq, w_dgrad.t(), ctx.x_dtype)  # [T,N] @ [N,K] -> [T,K], fp32 accumulate
+                    w_dgrad = kernels.quantize(weight, recipe.w_dgrad)
+                dx = kernels.gemm_nt(dyq, w_dgrad.t(), ctx.x_dtype)  # [T,N] @ [N,K] -> [T,K], fp32 accumulate
             if need_dw:
-                x_w = Operand(x_data, x_scale_inv, recipe.wgrad_input_block)  # [T,K]
-                dw = backend.gemm_nt(
+                x_w = Operand(x_data, x_scale_inv, recipe.x_wgrad.block)  # [T,K]
+                dw = kernels.gemm_nt(
                     dy_w.t(), x_w.t(), torch.float32
                 )  # [N,T] @ [T,K] -> [N,K], fp32 accumulate
                 dw = dw.to(weight.dtype)
@@ -130,19 +118,16 @@ class _InputCache:
         self._ops: dict[tuple[Any, ...], tuple[Operand, Operand]] = {}
 
     def get(
-        self, original: torch.Tensor, x2d: torch.Tensor, recipe: Fp8Recipe, backend: Backend
+        self, original: torch.Tensor, x2d: torch.Tensor, recipe: Fp8Recipe, kernels: Kernels
     ) -> tuple[Operand, Operand]:
         """``(fprop, wgrad)`` operands of ``x2d`` (the 2-D, autocast view of ``original``)."""
         if self._ref is None or self._ref() is not original or self._version != original._version:
             self._ref, self._version, self._ops = weakref.ref(original), original._version, {}
-        key = (recipe.input_block, recipe.wgrad_input_block, recipe.fmt, recipe.pow2_scale, backend.name,
-               x2d.dtype, tuple(x2d.shape))  # fmt: skip
+        key = (recipe.x, recipe.x_wgrad, kernels.name, x2d.dtype, tuple(x2d.shape))
         if key not in self._ops:
             with torch.no_grad(), _no_autocast(x2d.device):
                 # [T,K] fprop copy and wgrad copy, from one read where the backend fuses them
-                self._ops[key] = backend.quantize_both(
-                    x2d, recipe.input_block, recipe.wgrad_input_block, recipe.fmt, recipe.pow2_scale
-                )
+                self._ops[key] = kernels.quantize_pair(x2d, recipe.x, recipe.x_wgrad)
         return self._ops[key]
 
     def clear(self) -> None:
@@ -156,8 +141,10 @@ class Fp8Linear(nn.Linear):
     """Drop-in ``nn.Linear`` (same parameters and state_dict keys) computing its GEMMs in FP8.
 
     ``recipe`` names the scaling (``blockwise`` by default, see ``infir2.fp8.RECIPES``); ``backend``
-    forces a GEMM backend (default: chosen from the device and recipe, logged once). Set
-    ``fp8_enabled = False`` (or use ``infir2.disable_fp8``) to run it as a plain linear.
+    forces a GEMM backend (default: the device's fallback chain, see ``infir2.kernels.bind``). The
+    layer is bound to its kernels once (``bind_kernels``; ``convert_to_fp8`` does it) and binds again
+    only when an input arrives on another device. Set ``fp8_enabled = False`` (or use
+    ``infir2.fp8_enabled(model, False)``) to run it as a plain linear.
 
     Inside ``infir2.nn.cache_fp8_weights(model)`` the quantized weight is computed once and reused
     by every forward until the context exits or the weight is modified in place: wrap the
@@ -178,6 +165,7 @@ class Fp8Linear(nn.Linear):
         self.recipe = get_recipe(recipe)
         self.backend_name = backend
         self.fp8_enabled = self.recipe.enabled
+        self.kernels: Kernels | None = None
         self.cache_weight = False
         self._weight_cache: tuple[tuple[Any, ...], Operand] | None = None
 
@@ -197,19 +185,25 @@ class Fp8Linear(nn.Linear):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}, fp8_enabled={self.fp8_enabled}"
 
-    def _backend(self, device: torch.device) -> Backend:
-        return select_backend(self.recipe, device, self.backend_name)
+    def bind_kernels(self, device: torch.device | str) -> Kernels:
+        """Bind this layer to the kernels of its recipe on ``device`` (an error for an unusable backend)."""
+        self.kernels = bind(self.recipe, device, self.backend_name)
+        return self.kernels
 
-    def quantized_weight(self, backend: Backend) -> Operand:
+    def _kernels_on(self, device: torch.device) -> Kernels:
+        if self.kernels is None or self.kernels.device != device:
+            return self.bind_kernels(device)
+        return self.kernels
+
+    def quantized_weight(self, kernels: Kernels | None = None) -> Operand:
         """The fprop-quantized weight, from the cache when it is on and still valid."""
         w = self.weight
-        key = (w._version, w.data_ptr(), w.device, w.dtype, self.recipe, backend.name)
+        kernels = kernels or self._kernels_on(w.device)
+        key = (w._version, w.data_ptr(), w.device, w.dtype, self.recipe, kernels.name)
         if self.cache_weight and self._weight_cache is not None and self._weight_cache[0] == key:
             return self._weight_cache[1]
         with torch.no_grad():
-            wq = backend.quantize(
-                w.detach(), self.recipe.weight_block, self.recipe.fmt, self.recipe.pow2_scale
-            )
+            wq = kernels.quantize(w.detach(), self.recipe.w)
         self._weight_cache = (key, wq) if self.cache_weight else None
         return wq
 
@@ -221,8 +215,8 @@ class Fp8Linear(nn.Linear):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)  # [..., K] -> [T, K]
-        backend = self._backend(x.device)
-        w_fprop = self.quantized_weight(backend)
-        x_ops = _INPUT_CACHE.get(original, x2d, self.recipe, backend)
-        y = _Fp8LinearFunction.apply(x2d, self.weight, self.bias, self.recipe, backend, w_fprop, x_ops)
+        kernels = self._kernels_on(x.device)
+        w_fprop = self.quantized_weight(kernels)
+        x_ops = _INPUT_CACHE.get(original, x2d, self.recipe, kernels)
+        y = _Fp8LinearFunction.apply(x2d, self.weight, self.bias, self.recipe, kernels, w_fprop, x_ops)
         return y.reshape(*lead, self.out_features)

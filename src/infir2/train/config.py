@@ -75,7 +75,9 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class Fp8Config:
-    recipe: Literal["bf16", "tensorwise", "rowwise", "blockwise", "blockwise_fp32scale"] = "blockwise"
+    recipe: Literal["bf16", "tensorwise", "rowwise", "blockwise", "blockwise_fp32scale", "mxfp8"] = (
+        "blockwise"
+    )
     backend: str | None = None  # force a GEMM backend (emulated, scaled_mm, ...); default: automatic
 
 
