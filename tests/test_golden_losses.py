@@ -20,8 +20,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import make_tiny_model  # noqa: E402
-from train_synthetic import SyntheticSource, tiny_run_config  # noqa: E402
+from conftest import make_tiny_model
+from train_synthetic import SyntheticSource, tiny_run_config
 
 GOLDEN = Path(__file__).parent / "golden"
 RECIPES = ["bf16", "blockwise", "tensorwise", "mxfp8"]

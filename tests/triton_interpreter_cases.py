@@ -19,7 +19,7 @@ What stays unchecked on CPU: the single ``fp32 -> fp8`` conversion instruction i
 kernel. The interpreter emulates it with bit manipulation that does not round correctly when the
 mantissa carries into the exponent (126.25 * 2 becomes 64, not 128 in E4M3) and turns NaN into a
 finite value, so the kernel's own FP8 output is not compared here. On a GPU that conversion is the
-hardware ``cvt.rn.satfinite`` (round to nearest even, like torch's cast); ``benchmarks/gpu_bench.py``
+hardware ``cvt.rn.satfinite`` (round to nearest even, like torch's cast); ``tests/gpu/``
 checks the FP8 output bit for bit there. The tensor-core path of ``tl.dot`` and the cuBLAS block-scaled
 ``scaled_mm`` call also need a GPU (the layouts it is given are checked in ``test_kernels_scaled_mm.py``).
 """
@@ -36,6 +36,7 @@ import torch
 from infir2.fp8 import calc_diff, get_recipe, sqnr
 from infir2.fp8.formats import get_format
 from infir2.fp8.quantize import amax_to_scale, expand_blocks, quantize
+from infir2.fp8.recipe import Cast
 from infir2.kernels import BACKENDS, Operand, emulated
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton==3.9.0)")
@@ -162,12 +163,12 @@ def test_quantize_rejects_what_it_does_not_implement(tq):
 def _operands(m: int, n: int, k: int, seed: int) -> dict[str, tuple[Operand, Operand]]:
     g = torch.Generator().manual_seed(seed)
     x, w, dy = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(m, n, generator=g)
-    q = emulated.quantize_operand
-    wq = q(w, (128, 128), "e4m3", True)
+    q = emulated.quantize
+    wq = q(w, Cast((128, 128)))
     return {
-        "fprop": (q(x, (1, 128), "e4m3", True), wq),  # [T,K] @ [K,N]
-        "dgrad": (q(dy, (1, 128), "e4m3", True), wq.t()),  # [T,N] @ [N,K]
-        "wgrad": (q(dy, (128, 1), "e4m3", True).t(), q(x, (128, 1), "e4m3", True).t()),  # [N,T] @ [T,K]
+        "fprop": (q(x, Cast((1, 128))), wq),  # [T,K] @ [K,N]
+        "dgrad": (q(dy, Cast((1, 128))), wq.t()),  # [T,N] @ [N,K]
+        "wgrad": (q(dy, Cast((128, 1))).t(), q(x, Cast((128, 1))).t()),  # [N,T] @ [T,K]
     }
 
 
@@ -187,7 +188,7 @@ def test_gemm_matches_emulated(tg, mnk, out_dtype):
 
 
 def test_gemm_declines_other_blocks(tg):
-    a = emulated.quantize_operand(torch.randn(4, 256), (1, -1), "e4m3", True)
+    a = emulated.quantize(torch.randn(4, 256), Cast((1, -1)))
     assert not tg.supports_operands(a, a)
     with pytest.raises(ValueError, match="takes"):
         tg.gemm_nt(a, a, torch.float32)
@@ -200,31 +201,36 @@ def test_fp8_linear_through_triton_backend(tq, tg):
     The backend here is the ``triton`` backend except that the quantize kernel's fp32 pre-cast values
     are cast to FP8 by torch (the interpreter's own cast misrounds, see the module doc), so the only
     difference from the emulated backend left is the order of the fp32 sums in the GEMM."""
-    from infir2.kernels import Backend
-    from infir2.kernels.gpu import gemm_nt_triton, supports_operands
+    from types import SimpleNamespace
+
+    from infir2.kernels import Kernels
     from infir2.nn.linear import _Fp8LinearFunction
 
-    def quantize_via_kernel(x: torch.Tensor, block, fmt: str, pow2: bool) -> Operand:
-        data, scale_inv = tq._quantize(x, block, fmt, pow2, data_dtype=torch.float32)
-        return Operand(data.to(get_format(fmt).dtype), scale_inv, tuple(block))
+    def quantize_via_kernel(x: torch.Tensor, cast: Cast) -> Operand:
+        data, scale_inv = tq._quantize(
+            x, cast.block, cast.fmt, cast.scale == "pow2", data_dtype=torch.float32
+        )
+        return Operand(data.to(get_format(cast.fmt).dtype), scale_inv, cast.block)
 
-    def pair_via_kernel(x: torch.Tensor, block_a, block_b, fmt: str, pow2: bool) -> tuple[Operand, Operand]:
-        assert (tuple(block_a), tuple(block_b)) == ((1, 128), (128, 1))
-        row, col = tq._quantize_both(x, fmt, pow2, data_dtype=torch.float32)
-        dtype = get_format(fmt).dtype
+    def pair_via_kernel(x: torch.Tensor, a: Cast, b: Cast) -> tuple[Operand, Operand]:
+        assert (tuple(a.block), tuple(b.block)) == ((1, 128), (128, 1))
+        row, col = tq._quantize_both(x, a.fmt, a.scale == "pow2", data_dtype=torch.float32)
+        dtype = get_format(a.fmt).dtype
         return Operand(row[0].to(dtype), row[1], (1, 128)), Operand(col[0].to(dtype), col[1], (128, 1))
 
-    backends = {
-        "emulated": BACKENDS["emulated"],
-        "triton": Backend(
-            "triton-interpreted",
-            quantize_via_kernel,
-            gemm_nt_triton,
-            supports_operands,
-            quantize_pair=pair_via_kernel,
-        ),
-    }
+    interpreted = SimpleNamespace(
+        NAME="triton-interpreted",
+        supports_quantize=lambda x, cast: True,
+        quantize=quantize_via_kernel,
+        quantize_pair=pair_via_kernel,
+        supports_gemm=lambda a, b, out_dtype: tg.supports_operands(a, b),
+        gemm_nt=tg.gemm_nt,
+    )
     recipe = get_recipe("blockwise")
+    backends = {
+        "emulated": Kernels(recipe, torch.device("cpu"), (BACKENDS["emulated"],)),
+        "triton": Kernels(recipe, torch.device("cpu"), (interpreted,)),  # type: ignore[arg-type]
+    }
     torch.manual_seed(0)
     x = torch.randn(136, 256, requires_grad=True)
     w = torch.randn(384, 256, requires_grad=True)
@@ -232,7 +238,7 @@ def test_fp8_linear_through_triton_backend(tq, tg):
     outs = {}
     for name, backend in backends.items():
         x.grad = w.grad = None
-        w_fprop = backend.quantize(w.detach(), recipe.weight_block, recipe.fmt, recipe.pow2_scale)
+        w_fprop = backend.quantize(w.detach(), recipe.w)
         y = _Fp8LinearFunction.apply(x, w, None, recipe, backend, w_fprop)
         y.backward(dy)
         outs[name] = (y.detach(), x.grad.clone(), w.grad.clone())

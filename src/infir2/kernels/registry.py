@@ -3,7 +3,7 @@
 Every backend is a module implementing :class:`Backend` (a handful of functions: can it run here,
 which casts and operand pairs it takes, quantize, GEMM). ``emulated`` takes everything and ends
 every chain. ``bind(recipe, device, override)`` returns :class:`Kernels`: the backends usable for
-that recipe on that device, in the order of ``ORDER``. Each quantization and each GEMM goes to the
+that recipe on that device, in the order of ``ORDER`` (a requested backend first). Each quantization and each GEMM goes to the
 first backend of the chain that supports it; a job that skips the first backend is logged once
 (which job, which backend took it), and a backend that raises on a job it claimed is logged as a
 warning and passed over for that kind of job from then on. There is no other fallback anywhere.
@@ -122,27 +122,29 @@ def _resolve_device(device: torch.device | str) -> torch.device:
 
 
 def bind(recipe: Fp8Recipe, device: torch.device | str, override: str | None = None) -> Kernels:
-    """The :class:`Kernels` of ``recipe`` on ``device``: ``override`` then ``emulated`` if a backend is
-    named (an error if it cannot run here), else every usable backend of ``ORDER``. Logged once."""
+    """The :class:`Kernels` of ``recipe`` on ``device``: every usable backend of ``ORDER`` (then
+    ``emulated``), with ``override`` moved to the front when one is named (an error if it cannot run
+    here). The chain is logged once."""
     device = _resolve_device(device)
     if override is not None:
         if override not in BACKENDS:
             raise ValueError(f"unknown FP8 backend {override!r}; known backends: {', '.join(BACKENDS)}")
         reason = BACKENDS[override].why_unavailable(recipe, device)
         if reason:
-            raise ValueError(
-                f"FP8 backend {override!r} cannot run recipe {recipe.name!r} on {device}: {reason}"
-            )
-        names = [override] + ([emulated.NAME] if override != emulated.NAME else [])
-        why = "requested"
-    else:
-        names, skipped = [], []
-        for name in (*ORDER.get(device.type, ()), emulated.NAME):
-            reason = BACKENDS[name].why_unavailable(recipe, device)
-            if reason:
-                skipped.append(f"{name}: {reason}")
-            elif name not in names:
-                names.append(name)
-        why = f"automatic{' (' + '; '.join(skipped) + ')' if skipped else ''}"
+            raise ValueError(f"FP8 backend {override!r} cannot run recipe {recipe.name!r} on {device}: {reason}")
+    names = [override] if override is not None else []
+    skipped = []
+    for name in (*ORDER.get(device.type, ()), emulated.NAME):
+        if name in names:
+            continue
+        if names[-1:] == [emulated.NAME]:
+            break  # emulated takes every job: nothing after it would run
+        reason = BACKENDS[name].why_unavailable(recipe, device)
+        if reason:
+            skipped.append(f"{name}: {reason}")
+        else:
+            names.append(name)
+    why = "requested first" if override else "automatic"
+    why += f" ({'; '.join(skipped)})" if skipped else ""
     log_once(log, f"FP8 recipe {recipe.name!r} on {device.type}: backends {' > '.join(names)} [{why}]")
     return Kernels(recipe, device, tuple(BACKENDS[n] for n in names))
