@@ -15,8 +15,11 @@ NP_DTYPES = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
 FLT_MAX = np.float32(np.finfo(np.float32).max)
 
 
-def reference_quantize(x: np.ndarray, block, fmt: str, pow2: bool):
-    """Plain loops over blocks, fp32 scale, floor(log2) in fp64, saturating cast with ml_dtypes."""
+def reference_quantize(x: np.ndarray, block, fmt: str, pow2: bool | str):
+    """Plain loops over blocks, fp32 scale, floor(log2) in fp64, saturating cast with ml_dtypes.
+
+    ``pow2="e8m0"``: the MX rule, ``scale_inv = 2 ** ceil(log2(amax / fmax))`` in fp64, clamped to
+    2**-127 .. 2**127, 1 for a zero or non-finite block."""
     dt = NP_DTYPES[fmt]
     fmax = np.float32(float(ml_dtypes.finfo(dt).max))
     m, k = x.shape
@@ -31,12 +34,15 @@ def reference_quantize(x: np.ndarray, block, fmt: str, pow2: bool):
             amax = np.float32(np.max(np.abs(blk)))
             if amax == 0 or not np.isfinite(amax):
                 scale = np.float32(1.0)
+            elif pow2 == "e8m0":
+                exp = int(np.clip(np.ceil(np.log2(np.float64(amax) / np.float64(fmax))), -127, 127))
+                scale = np.float32(2.0**-exp)
             else:
                 with np.errstate(over="ignore"):
                     scale = np.float32(fmax / amax)
                 if np.isinf(scale):
                     scale = FLT_MAX
-                if pow2:
+                if pow2 is True:
                     scale = np.float32(2.0 ** np.floor(np.log2(np.float64(scale))))
             with np.errstate(invalid="ignore", over="ignore"):
                 y = blk * scale
@@ -191,3 +197,35 @@ def test_unknown_recipe_lists_known_ones():
         get_recipe("fp4")
     assert {c.scale for c in get_recipe("blockwise_fp32scale").casts.values()} == {"fp32"}
     assert {c.scale for c in get_recipe("blockwise", scale="fp32").casts.values()} == {"fp32"}
+
+
+MX_BLOCKS = [(1, 32), (32, 1), (1, 128), (-1, -1)]
+
+
+@pytest.mark.parametrize("block", MX_BLOCKS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_e8m0_scales_match_reference_bit_exact(block, shape, fmt):
+    x = special_input(shape, seed=hash((block, shape, fmt)) % 1000)
+    data, scale_inv = quantize(x, block, fmt, scale_encoding="e8m0")
+    ref_data, ref_scale_inv = reference_quantize(x.numpy(), block, fmt, "e8m0")
+    assert scale_inv.dtype == torch.float8_e8m0fnu and scale_inv.shape == ref_scale_inv.shape
+    assert np.array_equal(scale_inv.float().numpy(), ref_scale_inv)
+    # the stored byte is the biased exponent, by ml_dtypes' own E8M0 (an independent encoder)
+    codes = ref_scale_inv.astype(ml_dtypes.float8_e8m0fnu).view(np.uint8)
+    assert np.array_equal(scale_inv.view(torch.uint8).numpy(), codes)
+    assert_same_fp8(data, ref_data)
+
+
+def test_e8m0_rounds_up_so_nothing_saturates():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, generator=g) * torch.logspace(-30, 30, 64)[:, None]  # every magnitude
+    x[3, :32] = 448 * 2.0**-5  # amax / fmax exactly a power of two: scale_inv is that power, no rounding up
+    data, scale_inv = quantize(x, (1, 32), "e4m3", "e8m0")
+    scale = scale_inv.float().reciprocal().repeat_interleave(32, dim=1)
+    assert bool(((x * scale).abs() <= 448).all())  # the scaled block never exceeds the format's max
+    assert scale_inv[3, 0].float() == 2.0**-5 and data[3, :32].float().abs().max() == 448
+    block_amax = (x * scale).abs().reshape(64, 8, 32).amax(dim=2)
+    assert bool((2 * block_amax > 448).all())  # and not one power of two more than needed
+    assert bool((scale_inv.view(torch.uint8) != 255).all())  # never the E8M0 NaN code
+    assert quantize(torch.zeros(2, 32), (1, 32), "e4m3", "e8m0")[1].float().tolist() == [[1.0], [1.0]]

@@ -33,7 +33,7 @@ def run_fp8(layer, x, grad):
     return y, x.grad, layer.weight.grad
 
 
-@pytest.mark.parametrize("recipe", ["blockwise", "blockwise_fp32scale", "rowwise", "tensorwise"])
+@pytest.mark.parametrize("recipe", ["blockwise", "blockwise_fp32scale", "mxfp8", "rowwise", "tensorwise"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("t", "k", "n"), SHAPES)
 def test_fp8_linear_sqnr_vs_fp64(recipe, dtype, t, k, n):
@@ -71,7 +71,29 @@ def test_fp8_linear_matches_emulated_composition_exactly():
     assert torch.allclose(dw, q(g, (128, 1)).t() @ q(x, (128, 1)), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("recipe", ["blockwise", "rowwise", "tensorwise"])
+def test_mxfp8_linear_is_the_mx_table_on_dequantized_operands():
+    """MXFP8: 1x32 blocks along every reduction (32x1 for the operands read transposed), E8M0 scales;
+    the weight is quantized twice (its fprop and dgrad blocks differ), each from the fp32 original."""
+    from infir2.fp8 import dequantize, quantize
+
+    torch.manual_seed(1)
+    t, k, n = 70, 96, 80  # nothing a multiple of 128: MX blocks only need multiples of 32 to be whole
+    layer = Fp8Linear(k, n, bias=False, recipe="mxfp8")
+    x, g = torch.randn(t, k), torch.randn(t, n)
+    y, dx, dw = run_fp8(layer, x, g)
+
+    def q(a, block):
+        data, scale_inv = quantize(a, block, "e4m3", "e8m0")
+        assert scale_inv.dtype == torch.float8_e8m0fnu
+        return dequantize(data, scale_inv, block)
+
+    w = layer.weight.detach()
+    assert torch.allclose(y, q(x, (1, 32)) @ q(w, (1, 32)).t(), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(dx, q(g, (1, 32)) @ q(w, (32, 1)), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(dw, q(g, (32, 1)).t() @ q(x, (32, 1)), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8", "rowwise", "tensorwise"])
 def test_saved_activation_is_fp8(recipe):
     layer = Fp8Linear(256, 384, recipe=recipe)
     x = torch.randn(64, 256, requires_grad=True)
