@@ -131,7 +131,9 @@ def bind(recipe: Fp8Recipe, device: torch.device | str, override: str | None = N
             raise ValueError(f"unknown FP8 backend {override!r}; known backends: {', '.join(BACKENDS)}")
         reason = BACKENDS[override].why_unavailable(recipe, device)
         if reason:
-            raise ValueError(f"FP8 backend {override!r} cannot run recipe {recipe.name!r} on {device}: {reason}")
+            raise ValueError(
+                f"FP8 backend {override!r} cannot run recipe {recipe.name!r} on {device}: {reason}"
+            )
     names = [override] if override is not None else []
     skipped = []
     for name in (*ORDER.get(device.type, ()), emulated.NAME):

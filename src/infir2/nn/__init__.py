@@ -10,6 +10,7 @@ from .convert import (
     fp8_modules,
 )
 from .linear import Fp8Linear
+from .swiglu import recompute_swiglu
 
 __all__ = [
     "DECODER_PROJECTIONS",
@@ -20,4 +21,5 @@ __all__ = [
     "disable_fp8",
     "fp8_enabled",
     "fp8_modules",
+    "recompute_swiglu",
 ]
