@@ -123,3 +123,19 @@ def test_two_ranks_save_one_process_loads(tmp_path):
     for name, moments in ref["optimizer"]["state"].items():
         for k, v in moments.items():
             assert torch.equal(optim_sd["state"][name][k], v), (name, k)
+
+
+def test_streaming_hf_export_from_sharded(tmp_path):
+    """The export path the end of a run can take: one full tensor at a time into safetensors shards."""
+    from infir2.export.shards import CheckpointReader, ShardWriter
+
+    model, optimizer = _trained()
+    path = save_sharded(tmp_path / "ckpt", 1, model, optimizer, {"train_state": {}}, ONE).wait()
+    writer = ShardWriter(tmp_path / "hf", max_shard_bytes="100KB")
+    for name, tensor in iter_model_tensors(path, dtype=torch.bfloat16):
+        writer.add(name, tensor)
+    index = writer.close()
+    assert len(set(index["weight_map"].values())) > 1
+    reader = CheckpointReader(tmp_path / "hf")
+    for name, value in model.state_dict().items():
+        assert torch.equal(reader.get(name), value.to(torch.bfloat16)), name
