@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from .formats import E8M0_BIAS, E8M0_MAX_EXP, EXPONENT_MASK, FLT_MAX, Fp8Format, get_format
 
 __all__ = ["SCALE_ENCODINGS", "Block", "ScaleEncoding", "amax_to_scale", "dequantize", "expand_blocks",
-           "quantize", "resolve_block", "resolve_encoding", "to_e8m0"]  # fmt: skip
+           "quantize", "resolve_block", "resolve_encoding", "saturating_cast", "to_e8m0"]  # fmt: skip
 
 Block = tuple[int, int]
 ScaleEncoding = Literal["fp32", "pow2", "e8m0"]
@@ -125,7 +125,7 @@ def to_e8m0(scale_inv: torch.Tensor) -> torch.Tensor:
     return codes.to(torch.uint8).view(torch.float8_e8m0fnu)
 
 
-def _saturating_cast(y: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+def saturating_cast(y: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     """Clamp finite values to +-fmax; NaN stays NaN; +-inf stays inf (E5M2) or becomes NaN (E4M3)."""
     if fmt.has_inf:
         return torch.where(torch.isinf(y), y, y.clamp(-fmt.max, fmt.max)).to(fmt.dtype)
@@ -153,7 +153,7 @@ def quantize(
         amax = blocks.new_zeros(blocks.shape[0], blocks.shape[2])
     scale = amax_to_scale(amax, f, encoding)  # [Mb, Kb]
     scaled = blocks * scale[:, None, :, None]
-    data = _saturating_cast(scaled, f).reshape(blocks.shape[0] * blocks.shape[1], -1)[:m, :k]
+    data = saturating_cast(scaled, f).reshape(blocks.shape[0] * blocks.shape[1], -1)[:m, :k]
     scale_inv = scale.reciprocal()
     return data.contiguous(), to_e8m0(scale_inv) if encoding == "e8m0" else scale_inv
 

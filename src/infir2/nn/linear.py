@@ -31,6 +31,7 @@ from torch import nn
 
 from ..fp8.recipe import Fp8Recipe, get_recipe
 from ..kernels import Kernels, Operand, bind
+from .fsdp import Fp8GatheredWeight
 
 __all__ = ["Fp8Linear"]
 
@@ -198,6 +199,8 @@ class Fp8Linear(nn.Linear):
     def quantized_weight(self, kernels: Kernels | None = None) -> Operand:
         """The fprop-quantized weight, from the cache when it is on and still valid."""
         w = self.weight
+        if isinstance(w, Fp8GatheredWeight):  # all-gathered as FP8 codes by FSDP2 (infir2.nn.fsdp)
+            return w.operand
         kernels = kernels or self._kernels_on(w.device)
         key = (w._version, w.data_ptr(), w.device, w.dtype, self.recipe, kernels.name)
         if self.cache_weight and self._weight_cache is not None and self._weight_cache[0] == key:

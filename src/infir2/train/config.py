@@ -6,7 +6,7 @@ InfiR2 recipe, RECIPE.md section 2, can be written down)::
     run:      name, out_dir, seed, device (auto|cpu|cuda)
     model:    path (local HF folder) | from_config ({arch: qwen2|llama, hidden_size, ...}),
               tokenizer, precision (fp32|bf16), activation_checkpointing, export_dtype
-    fp8:      recipe (bf16|tensorwise|rowwise|blockwise|blockwise_fp32scale), backend
+    fp8:      recipe (bf16|tensorwise|rowwise|blockwise|blockwise_fp32scale), backend, param_gather
     data:     kind (cpt|sft), train_path, val_path, seq_len, global_batch_size, micro_batch_size,
               max_tokens_per_micro_batch, max_length, overlong (truncate|drop), epochs, shuffle, seed
     optim:    lr, betas, eps, weight_decay, grad_clip, fused
@@ -32,6 +32,9 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
+
+from ..fp8.recipe import get_recipe
+from ..nn.fsdp import supports_param_gather
 
 __all__ = [
     "DataConfig",
@@ -79,6 +82,9 @@ class Fp8Config:
         "blockwise"
     )
     backend: str | None = None  # force a GEMM backend (emulated, scaled_mm, ...); default: automatic
+    # FSDP2: all-gather FP8 linears' weights as FP8 codes (1 byte/element); default (null): on for the
+    # blockwise recipes; only recipes whose fprop and dgrad share the weight blocks can (not rowwise)
+    param_gather: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -298,6 +304,9 @@ def _check(cfg: RunConfig, source: str) -> None:
         positive(f"train.{key}", getattr(t, key), allow_zero=True)
     for key in ("eval_batches", "keep_last", "log_every", "max_nonfinite_in_row"):
         positive(f"train.{key}", getattr(t, key))
+    if cfg.fp8.param_gather and not supports_param_gather(get_recipe(cfg.fp8.recipe)):
+        raise _err(source, "fp8.param_gather", f"recipe {cfg.fp8.recipe} has no FP8 weight that serves both "
+                   "fprop and dgrad; set fp8.param_gather to false or null")  # fmt: skip
     if cfg.load.mode != "resume" and cfg.load.path is None:
         raise _err(source, "load.path", f"load.mode {cfg.load.mode!r} needs a checkpoint path")
 

@@ -4,14 +4,24 @@ One code path for every scale: a plain ``python`` run is world size 1 (no proces
 sharding); under ``torchrun --nproc_per_node N`` each process joins the group (NCCL on GPUs, gloo
 on CPUs) and the model is sharded with FSDP2: ``fully_shard`` on every decoder layer, then on the
 root, after ``convert_to_fp8`` (``Fp8Linear`` holds ordinary parameters, so FSDP shards them like
-any ``nn.Linear``). Gradients are reduce-scattered in fp32 (the masters' dtype). A caller that
-already initialised a process group (a test, a notebook) keeps it; ``train`` only tears down
-what it set up.
+any ``nn.Linear``). A caller that already initialised a process group (a test, a notebook) keeps
+it; ``train`` only tears down what it set up.
+
+What travels per step (each layer is all-gathered before its forward and again before its backward):
+
+* ``model.precision: fp32``: the fp32 masters, 4 bytes per parameter;
+* ``model.precision: bf16``: ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (the
+  torchtitan default): 2 bytes per parameter; gradients are reduce-scattered in fp32 and the
+  optimizer keeps fp32 masters;
+* ``fp8.param_gather`` (default on for the blockwise recipes): the weights of the FP8 linears travel
+  as their FP8 codes, 1 byte per element, quantized exactly as one process would
+  (``infir2.nn.fsdp``); embeddings, norms, biases and ``lm_head`` follow the precision above.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,10 +29,12 @@ from torch import nn
 
 __all__ = [
     "DistEnv",
+    "WireBytes",
     "all_reduce_sum",
     "broadcast_object",
     "gather_objects",
     "init_distributed",
+    "param_gather_enabled",
     "shard_model",
 ]
 
@@ -77,14 +89,74 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
-def shard_model(model: nn.Module) -> nn.Module:
-    """FSDP2: shard each decoder layer, then the root (embedding, final norm, lm_head)."""
-    from torch.distributed.fsdp import fully_shard
+def param_gather_enabled(setting: bool | None, recipe: str) -> bool:
+    """``fp8.param_gather``: None (the default) means on for the blockwise recipes."""
+    from ..fp8.recipe import get_recipe
+    from ..nn.fsdp import supports_param_gather
 
+    r = get_recipe(recipe)
+    block_scaled = all(b > 0 for b in r.w.block)  # 128x128 blocks, not one scale for the tensor
+    return supports_param_gather(r) and (setting if setting is not None else block_scaled)
+
+
+def shard_model(model: nn.Module, precision: str = "fp32", fp8_param_gather: bool = False) -> nn.Module:
+    """FSDP2: shard each decoder layer, then the root (embedding, final norm, lm_head).
+
+    ``precision`` ``bf16`` all-gathers parameters in bf16 and reduce-scatters gradients in fp32;
+    ``fp8_param_gather`` all-gathers the FP8 linears' weights as FP8 codes (module docstring).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from ..nn.fsdp import enable_fp8_param_gather, link_fsdp_params
+
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"model.precision must be fp32 or bf16, got {precision!r}")
+    mp = MixedPrecisionPolicy()  # no casts: fp32 all-gather and reduce-scatter
+    if precision == "bf16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in decoder_layers(model):
-        fully_shard(layer)
-    fully_shard(model)
+        if fp8_param_gather:
+            enable_fp8_param_gather(layer)
+        fully_shard(layer, mp_policy=mp)
+        if fp8_param_gather:
+            link_fsdp_params(layer)
+    fully_shard(model, mp_policy=mp)
     return model
+
+
+class WireBytes:
+    """Bytes that FSDP2's parameter all-gathers deliver to this rank (every shard, its own included).
+
+    Installed with :meth:`install` through FSDP2's ``set_custom_all_gather`` on every FSDP module of a
+    model; each all-gather still runs ``dist.all_gather_single``. ``bytes`` is what the
+    benchmark and the docs call "all-gather bytes per rank".
+    """
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.calls = 0
+
+    @classmethod
+    def install(cls, model: nn.Module) -> WireBytes:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+
+        counter = cls()
+
+        class _Counting(AllGather):
+            def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+                return torch.empty(*size, dtype=dtype, device=device)
+
+            def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                         group: dist.ProcessGroup, async_op: bool = False) -> Any:  # fmt: skip
+                counter.bytes += output_tensor.numel() * output_tensor.element_size()
+                counter.calls += 1
+                return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_custom_all_gather(_Counting())
+        return counter
 
 
 def all_reduce_sum(values: torch.Tensor, env: DistEnv) -> torch.Tensor:

@@ -51,6 +51,7 @@ from .distributed import (
     broadcast_object,
     gather_objects,
     init_distributed,
+    param_gather_enabled,
     shard_model,
 )
 from .metrics import MetricsLogger, peak_memory_gib
@@ -438,7 +439,9 @@ def _setup_model(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenize
     model = model if model is not None else _build_model(cfg, tokenizer)
     model = prepare_for_training(model, cfg.fp8.recipe, cfg.fp8.backend, cfg.model.activation_checkpointing)
     model.to(env.device)
-    return shard_model(model) if env.distributed else model
+    if not env.distributed:
+        return model
+    return shard_model(model, cfg.model.precision, param_gather_enabled(cfg.fp8.param_gather, cfg.fp8.recipe))
 
 
 def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, train_source: StepSource | None,

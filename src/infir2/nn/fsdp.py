@@ -1,0 +1,314 @@
+"""FP8 weight all-gather under FSDP2: weights travel between ranks as their FP8 codes.
+
+FSDP2 keeps each rank's rows of every weight (the fp32 master shard, dim 0 cut evenly: rank ``r`` of
+``W`` holds rows ``[r * P, r * P + P)`` with ``P = ceil(N / W)``) and all-gathers the whole weight
+before a layer runs. For an ``Fp8Linear`` whose GEMMs only ever read the weight quantized with
+128x128 blocks (``recipe.reuses_weight``: fprop and dgrad use the same blocks), the high-precision
+weight is never needed on the other ranks, so the all-gather can carry the FP8 codes (1 byte per
+element instead of 2 for bf16, 4 for fp32). The codes must be exactly those the GEMMs see in one
+process, ``quantize(W_full, 128x128)``; the only thing a rank cannot compute alone is the block
+amax, because a 128-row block straddles ranks whenever ``P`` is not a multiple of 128::
+
+    partial  = amax of |w| over this rank's rows of every block      [ceil(N/128), ceil(K/128)] fp32
+    amax     = all_reduce(partial, MAX) over the shard group          (a few KB per weight)
+    scale    = amax_to_scale(amax)                                    the rule of infir2.fp8.quantize
+    codes_r  = saturating_cast(w_r * scale[block of each row])        this rank's rows, FP8
+    codes    = all_gather(codes_r as uint8)                           [N, K]; scale_inv = 1 / scale
+
+The maximum is exact in any order, so ``amax`` is bit-identical to the one-process amax, and so are
+the scales and codes (a NaN in a block is sent as +inf: both give scale 1, and MAX keeps +inf in
+any order, which it does not promise for NaN). Codes go as ``uint8`` because some backends (gloo)
+cannot send FP8 dtypes.
+
+Mechanism: FSDP2's all-gather extension (the one torchao's float8 uses). The sharded parameter's
+local tensor is an :class:`Fp8ShardedWeight`, a thin wrapper that behaves as the fp32 shard for
+every op (optimizer, clipping, state dicts) and adds ``fsdp_pre_all_gather`` (the amax all-reduce
+and quantization above; returns the uint8 codes to gather) and ``fsdp_post_all_gather`` (turns the
+gathered codes into an :class:`Fp8GatheredWeight`). That unsharded parameter holds the
+:class:`~infir2.kernels.Operand` that ``Fp8Linear.quantized_weight`` returns as is; fprop and dgrad
+both use it, so no high-precision copy of an FP8 weight is ever gathered. The gradient of the
+gathered weight is an ordinary tensor of the parameter dtype, reduce-scattered as usual. A module
+whose FP8 is off (``disable_fp8``: the high-precision evaluation) gathers its weight in the parameter
+dtype as without ``param_gather``; FSDP2 sizes its all-gather buffers once, so on such a switch
+the weight drops them (``link_fsdp_params`` gives it access; a few lines on FSDP2 internals).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+from ..fp8.formats import get_format
+from ..fp8.quantize import (
+    Block,
+    ScaleEncoding,
+    amax_to_scale,
+    expand_blocks,
+    resolve_block,
+    saturating_cast,
+    to_e8m0,
+)
+from ..fp8.recipe import Fp8Recipe
+from ..kernels import Operand
+
+__all__ = [
+    "Fp8GatheredWeight",
+    "Fp8ShardedWeight",
+    "enable_fp8_param_gather",
+    "link_fsdp_params",
+    "partial_block_amax",
+    "quantize_rows",
+    "supports_param_gather",
+]
+
+aten = torch.ops.aten
+
+
+def supports_param_gather(recipe: Fp8Recipe) -> bool:
+    """True when the GEMMs read the weight only through one quantized copy (fprop blocks == dgrad blocks)."""
+    return recipe.enabled and recipe.reuses_weight
+
+
+def _row_block_index(row_offset: int, rows: int, bm: int, device: torch.device) -> torch.Tensor:
+    """Block row of each of ``rows`` rows starting at global row ``row_offset``."""
+    return torch.div(torch.arange(row_offset, row_offset + rows, device=device), bm, rounding_mode="floor")
+
+
+def partial_block_amax(shard: torch.Tensor, row_offset: int, n_rows: int, block: Block) -> torch.Tensor:
+    """Amax of |shard| per block of the full ``[n_rows, K]`` weight, over this shard's rows only.
+
+    ``shard [rows, K]`` holds global rows ``row_offset ..``; blocks it does not touch are 0 (the MAX
+    identity for amaxes). NaN is returned as +inf (see the module docstring).
+    """
+    k = shard.shape[1]
+    bm, bk = resolve_block(block, (n_rows, k))
+    amax = torch.zeros(math.ceil(n_rows / bm), math.ceil(k / bk), dtype=torch.float32, device=shard.device)
+    if shard.shape[0] == 0:
+        return amax
+    row_amax = expand_blocks(shard.float(), (1, bk)).abs().amax(dim=(1, 3))  # [rows, Kb]
+    row_amax = torch.where(row_amax.isnan(), math.inf, row_amax)
+    index = _row_block_index(row_offset, shard.shape[0], bm, shard.device)
+    return amax.scatter_reduce_(0, index[:, None].expand_as(row_amax), row_amax, "amax")
+
+
+def quantize_rows(
+    shard: torch.Tensor,
+    row_offset: int,
+    n_rows: int,
+    amax: torch.Tensor,
+    block: Block,
+    fmt: str,
+    scale_encoding: ScaleEncoding,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This shard's FP8 codes ``[rows, K]`` and the full ``scale_inv [Nb, Kb]``, given the full block ``amax``.
+
+    Element for element the arithmetic of ``infir2.fp8.quantize.quantize`` (fp32 ``x * scale``, the
+    same saturating cast), so the codes are bit-identical to those rows of ``quantize(full)``.
+    """
+    f = get_format(fmt)
+    rows, k = shard.shape
+    scale = amax_to_scale(amax, f, scale_encoding)  # [Nb, Kb]
+    scale_inv = to_e8m0(scale.reciprocal()) if scale_encoding == "e8m0" else scale.reciprocal()
+    bm, bk = resolve_block(block, (n_rows, k))
+    if rows == 0:
+        return torch.empty(0, k, dtype=f.dtype, device=shard.device), scale_inv
+    row_scale = scale[_row_block_index(row_offset, rows, bm, shard.device)]  # [rows, Kb]
+    blocks = expand_blocks(shard.float(), (1, bk))  # [rows, 1, Kb, bk]
+    codes = saturating_cast(blocks * row_scale[:, None, :, None], f).reshape(rows, -1)[:, :k]
+    return codes.contiguous(), scale_inv
+
+
+class Fp8GatheredWeight(torch.Tensor):
+    """An all-gathered FP8 weight: outer shape ``[N, K]`` and the parameter dtype, data in ``operand``."""
+
+    operand: Operand
+
+    @staticmethod
+    def __new__(cls, operand: Operand, dtype: torch.dtype, requires_grad: bool = False) -> Fp8GatheredWeight:
+        return torch.Tensor._make_wrapper_subclass(
+            cls, operand.shape, dtype=dtype, device=operand.data.device, requires_grad=requires_grad
+        )
+
+    def __init__(self, operand: Operand, dtype: torch.dtype, requires_grad: bool = False) -> None:
+        self.operand = operand
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"Fp8GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, block={self.operand.block})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
+        kwargs = kwargs or {}
+        if func in (aten.detach.default, aten.alias.default) or (
+            func is aten.as_strided.default and tuple(args[1]) == tuple(args[0].shape)
+        ):  # FSDP wraps the gathered tensor in a Parameter (detach) after an as_strided to its own shape
+            return cls(args[0].operand, args[0].dtype)
+
+        def dequantize(t: Fp8GatheredWeight) -> torch.Tensor:
+            return t.operand.dequantize(t.dtype)
+
+        return func(*tree_map_only(cls, dequantize, args), **tree_map_only(cls, dequantize, kwargs))
+
+
+#: ops whose result is still "the master shard" (FSDP2 builds its shards with them; torchao keeps the same set)
+_KEEP_WRAPPER = {
+    aten.detach.default, aten.alias.default, aten.empty_like.default, aten.new_zeros.default,
+    aten.slice.Tensor, aten.copy_.default, aten.view.default, aten.as_strided.default,
+    aten._to_copy.default, aten._pin_memory.default, aten.split.Tensor, aten.clone.default,
+}  # fmt: skip
+
+
+class Fp8ShardedWeight(torch.Tensor):
+    """The high-precision weight (or its FSDP shard) of an ``Fp8Linear``, all-gathered as FP8 codes.
+
+    Every op sees the wrapped tensor; only FSDP2's all-gather hooks differ (module docstring).
+    """
+
+    _tensor: torch.Tensor
+    #: bytes of block amaxes this process has all-reduced (a statistic for the wire-bytes benchmark)
+    amax_bytes: ClassVar[int] = 0
+
+    @staticmethod
+    def __new__(cls, tensor: torch.Tensor) -> Fp8ShardedWeight:
+        return torch.Tensor._make_wrapper_subclass(
+            cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype, device=tensor.device, layout=tensor.layout, requires_grad=tensor.requires_grad,
+        )  # fmt: skip
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"Fp8ShardedWeight({self._tensor!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
+        out = func(*tree_map_only(cls, lambda t: t._tensor, args),
+                   **tree_map_only(cls, lambda t: t._tensor, kwargs or {}))  # fmt: skip
+        if func not in _KEEP_WRAPPER:
+            return out
+        return tree_map_only(torch.Tensor, cls, out)
+
+    def __tensor_flatten__(self) -> tuple[list[str], None]:
+        return ["_tensor"], None
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner: dict[str, torch.Tensor], meta: None, size: Any, stride: Any
+    ) -> Fp8ShardedWeight:
+        return Fp8ShardedWeight(inner["_tensor"])
+
+    def fsdp_pre_all_gather(
+        self,
+        mesh: Any,
+        outer_size: torch.Size,
+        outer_stride: tuple[int, ...],
+        module: nn.Module,
+        mp_policy: Any,
+    ) -> tuple[tuple[torch.Tensor, ...], Any]:
+        """Quantize this rank's rows with the block scales of the full weight; send the codes as uint8.
+
+        With FP8 off on the module (``disable_fp8``: a high-precision evaluation) the shard is sent in
+        the parameter dtype instead, as without ``param_gather``.
+        """
+        if mesh.ndim != 1:
+            raise ValueError(f"FP8 param all-gather needs a 1-D FSDP mesh (got {mesh.ndim}-D)")
+        fp8 = bool(getattr(module, "fp8_enabled", False))
+        _switch_format(module, fp8)
+        world, rank = mesh.size(), mesh.get_local_rank()
+        n_rows = outer_size[0]
+        padded = math.ceil(
+            n_rows / world
+        )  # FSDP2's rows per rank (torch.chunk), the last ones may have fewer
+        shard = self._tensor
+        if not fp8:
+            param_dtype = getattr(mp_policy, "param_dtype", None) or shard.dtype
+            return (F.pad(shard.to(param_dtype), (0, 0, 0, padded - shard.shape[0])),), None
+        recipe: Fp8Recipe = module.recipe  # type: ignore[assignment]
+        offset = rank * padded
+        amax = partial_block_amax(shard, offset, n_rows, recipe.w.block)
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
+        Fp8ShardedWeight.amax_bytes += amax.numel() * amax.element_size()
+        codes, scale_inv = quantize_rows(
+            shard, offset, n_rows, amax, recipe.w.block, recipe.w.fmt, recipe.w.scale
+        )
+        codes_u8 = F.pad(codes.view(torch.uint8), (0, 0, 0, padded - shard.shape[0]))  # [P, K]
+        return (codes_u8,), (scale_inv, recipe.w.block, recipe.w.fmt, n_rows)
+
+    def fsdp_post_all_gather(
+        self,
+        all_gather_outputs: tuple[torch.Tensor, ...],
+        metadata: Any,
+        param_dtype: torch.dtype,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
+        """The gathered codes ``[W * P, K]`` (uint8) as the ``[N, K]`` FP8 operand of a gathered weight."""
+        if metadata is None:  # high precision (FP8 off): FSDP takes the gathered tensor as it is
+            return None if out is not None else (all_gather_outputs[0], ())
+        (codes_u8,) = all_gather_outputs
+        scale_inv, block, fmt, n_rows = metadata
+        operand = Operand(codes_u8.view(get_format(fmt).dtype)[:n_rows], scale_inv, block)
+        if out is not None:  # later steps: same buffers, new scales
+            if not isinstance(out, Fp8GatheredWeight):
+                raise TypeError(
+                    f"expected the Fp8GatheredWeight of an earlier all-gather, got {type(out).__name__}"
+                )
+            out.operand = operand
+            return None
+        return Fp8GatheredWeight(operand, param_dtype), ()  # the codes live in FSDP's own buffer
+
+
+def _switch_format(module: nn.Module, fp8: bool) -> None:
+    """FSDP2 sizes a parameter's all-gather buffers once: drop them when the gathered format changes."""
+    previous = getattr(module, "_fp8_gathered", None)
+    setattr(module, "_fp8_gathered", fp8)  # noqa: B010 (an attribute nn.Module does not declare)
+    if previous is None or previous == fp8:
+        return
+    ref = getattr(module, "_fp8_fsdp_param", None)
+    fsdp_param = ref() if ref is not None else None
+    if fsdp_param is None:
+        raise RuntimeError("switching an FP8 all-gather weight between FP8 and high precision needs "
+                           "infir2.nn.fsdp.link_fsdp_params(module) after fully_shard (shard_model does it)")  # fmt: skip
+    fsdp_param.all_gather_outputs = []  # FSDP2 internals (torch 2.13): reallocated by the next all-gather
+    fsdp_param._unsharded_inner_tensors = []
+    if hasattr(fsdp_param, "_unsharded_param"):
+        del fsdp_param._unsharded_param  # rebuilt by the next all-gather
+
+
+def link_fsdp_params(fsdp_module: nn.Module) -> None:
+    """After ``fully_shard(fsdp_module)``: let its FP8 all-gather weights find their FSDP2 parameter.
+
+    Needed only to switch a weight between FP8 and high-precision all-gather (``disable_fp8``).
+    """
+    states = fsdp_module._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
+    for group in states:
+        for fsdp_param in group.fsdp_params:
+            if isinstance(fsdp_param._sharded_local_tensor, Fp8ShardedWeight):
+                setattr(fsdp_param._module_info.module, "_fp8_fsdp_param", weakref.ref(fsdp_param))  # noqa: B010
+
+
+def enable_fp8_param_gather(module: nn.Module) -> list[str]:
+    """Before ``fully_shard``: make the weights of ``module``'s FP8 linears all-gather as FP8 codes.
+
+    Only layers whose recipe :func:`supports_param_gather` are changed; returns their names.
+    """
+    from .linear import Fp8Linear
+
+    changed = []
+    for name, m in module.named_modules():
+        if isinstance(m, Fp8Linear) and m.fp8_enabled and supports_param_gather(m.recipe):
+            if not isinstance(m.weight.data, Fp8ShardedWeight):
+                m.weight = nn.Parameter(Fp8ShardedWeight(m.weight.data), requires_grad=m.weight.requires_grad)
+            changed.append(name)
+    return changed

@@ -1,0 +1,236 @@
+"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP): no rank ever holds the whole state.
+
+A sharded checkpoint is a folder ``<run>/checkpoints/step_<8 digits>/`` holding::
+
+    __<rank>_0.distcp    each rank's shards of the model and AdamW state (fp32), written by that rank
+    .metadata            DCP's index: every tensor's global shape and which file holds which rows
+    extra.pt             the small non-tensor state: scheduler, data positions and RNG states per rank,
+                         train_state (step, tokens, world_size, config)
+    meta.json            {"format": "dcp", "step", "world_size", "files": {name: bytes}}; written last
+
+The tensor keys are those of the full-state format (``model.<HF name>``, ``optimizer.state.<HF
+name>.exp_avg`` ...), so a checkpoint does not depend on the sharding: DCP reshards on load, onto any
+number of ranks including one process without a process group. Rank 0 saves ``extra.pt`` and
+``meta.json``; the other ranks write only their own shards, and nobody gathers the model.
+
+Atomicity as in ``infir2.checkpoint``: every rank writes into ``checkpoints/.tmp-step_.../``; after
+all of them are done, rank 0 writes ``meta.json``, fsyncs, and renames the folder to its final name
+(a kill leaves the previous checkpoints usable). ``async_save=True`` stages the state in CPU memory
+and writes it in a background thread (``dcp.async_save``): training goes on, and the returned
+:class:`PendingSave` finalizes the folder when it is waited on (before the next save at the latest).
+
+Data position: the sources' states (``CptSource``, ``SftSource``) are positions in the *global*
+sample order (epoch, step in epoch, global batch size), the same on every rank. On the same world
+size each rank gets its own state back; on another world size they are valid too when all ranks
+saved the same state: the run continues at the same global sample count (step x global batch size),
+each rank now reading its new share of every global batch. A source whose per-rank states differ
+cannot be resumed on another world size (:func:`data_state_for` says so).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+from torch.utils._pytree import tree_map_only
+
+from ..nn.fsdp import Fp8ShardedWeight
+from .distributed import DistEnv, broadcast_object, gather_objects
+
+__all__ = [
+    "PendingSave",
+    "data_state_for",
+    "is_sharded_checkpoint",
+    "iter_model_tensors",
+    "list_sharded",
+    "load_sharded",
+    "save_sharded",
+]
+
+EXTRA_FILE = "extra.pt"
+META_FILE = "meta.json"
+FORMAT = "dcp"
+
+
+def _plain(state: Any) -> Any:
+    """The state with FP8 all-gather wrappers (``infir2.nn.fsdp``) replaced by the tensors they wrap,
+    so that the files hold ordinary tensors (and DCP reads into the wrapped storage)."""
+    from torch.distributed.tensor import DTensor
+
+    def unwrap(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, DTensor) and isinstance(t._local_tensor, Fp8ShardedWeight):
+            return DTensor.from_local(t._local_tensor._tensor, t.device_mesh, t.placements, run_check=False,
+                                      shape=t.shape, stride=t.stride())  # fmt: skip
+        return t
+
+    return tree_map_only(torch.Tensor, unwrap, state)
+
+
+def _barrier(env: DistEnv) -> None:
+    if env.distributed:
+        dist.barrier()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class PendingSave:
+    """A save in progress; :meth:`wait` (every rank) finishes it and returns the checkpoint folder."""
+
+    future: Future[Any] | None
+    finalize: Any  # () -> Path | None, run on every rank after the write
+
+    def wait(self) -> Path:
+        if self.future is not None:
+            self.future.result()
+        return self.finalize()
+
+
+def save_sharded(
+    root: str | Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extra: dict[str, Any],
+    env: DistEnv,
+    keep_last: int | None = None,
+    async_save: bool = False,
+) -> PendingSave:
+    """Write ``root/step_<step>`` (every rank calls). ``extra``: this rank's small state; rank 0's
+    ``scheduler`` and ``train_state``, every rank's ``data`` and ``rng`` are kept."""
+    root = Path(root)
+    final = root / f"step_{step:08d}"
+    tmp = root / f".tmp-{final.name}"
+    if env.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    _barrier(env)
+    model_sd, optim_sd = get_state_dict(model, optimizer)  # this rank's shards (DTensors), no gather
+    state = _plain({"model": model_sd, "optimizer": optim_sd})
+    per_rank = gather_objects({"data": extra.get("data"), "rng": extra.get("rng")}, env)
+    if env.is_main:
+        assert per_rank is not None
+        small = {"scheduler": extra.get("scheduler"), "train_state": {**extra.get("train_state", {}),
+                 "world_size": env.world_size}, "data": [r["data"] for r in per_rank],  # type: ignore[index]
+                 "rng": [r["rng"] for r in per_rank]}  # type: ignore[index]  # fmt: skip
+        torch.save(small, tmp / EXTRA_FILE)
+
+    def finalize() -> Path:
+        _barrier(env)  # every rank's shards are on disk
+        if env.is_main:
+            files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.name != META_FILE}
+            for name in files:
+                _fsync(tmp / name)
+            meta = {"format": FORMAT, "step": step, "world_size": env.world_size, "files": files}
+            (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
+            _fsync(tmp / META_FILE)
+            _fsync(tmp)
+            if final.exists():  # the same step saved again: replace it
+                shutil.rmtree(final)
+            tmp.rename(final)
+            _fsync(root)
+            if keep_last:
+                for old in list_sharded(root)[:-keep_last]:
+                    shutil.rmtree(old, ignore_errors=True)
+        return broadcast_object(final, env)  # type: ignore[return-value]
+
+    no_dist = not env.distributed
+    if async_save:  # state staged (copied) to CPU memory here, written by a background thread
+        started = dcp.async_save(state, checkpoint_id=tmp, no_dist=no_dist)
+        done = started.upload_completion if isinstance(started, AsyncSaveResponse) else started
+        return PendingSave(done, finalize)
+    dcp.save(state, checkpoint_id=tmp, no_dist=no_dist)
+    return PendingSave(None, finalize)
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    """True for a complete DCP checkpoint folder (``meta.json`` matches the files on disk)."""
+    path = Path(path)
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+        return meta.get("format") == FORMAT and all(
+            (path / name).stat().st_size == size for name, size in meta["files"].items()
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def list_sharded(root: str | Path) -> list[Path]:
+    """Complete sharded checkpoints under ``root``, oldest first."""
+    root = Path(root)
+    found = (
+        [p for p in root.glob("step_*") if p.is_dir() and is_sharded_checkpoint(p)] if root.is_dir() else []
+    )
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def load_sharded(
+    path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv
+) -> dict[str, Any]:
+    """Load a sharded checkpoint into ``model`` (and ``optimizer``) on any number of ranks; returns
+    the small state (``scheduler``, ``train_state``, ``data`` and ``rng`` lists by saving rank)."""
+    path = Path(path)
+    if not is_sharded_checkpoint(path):
+        raise ValueError(f"{path} is not a complete sharded checkpoint ({META_FILE} missing or not matching)")
+    if optimizer is None:
+        model_sd, _ = get_state_dict(model, [])
+        state: dict[str, Any] = {"model": model_sd}
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)  # templates: this rank's shapes
+        state = {"model": model_sd, "optimizer": optim_sd}
+    state = _plain(state)
+    dcp.load(state, checkpoint_id=path, no_dist=not env.distributed)  # reads only this rank's rows
+    if optimizer is None:
+        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    extra: dict[str, Any] = torch.load(path / EXTRA_FILE, map_location="cpu", weights_only=False)
+    return extra
+
+
+def data_state_for(extra: dict[str, Any], env: DistEnv) -> Any:
+    """This rank's data-source state from a checkpoint's ``extra`` (module docstring: other world sizes)."""
+    states, saved_world = extra["data"], extra["train_state"]["world_size"]
+    if saved_world == env.world_size:
+        return states[env.rank]
+    if all(s == states[0] for s in states):
+        return states[0]
+    raise ValueError(f"the data positions were saved by {saved_world} processes and differ by rank; they "
+                     f"cannot be resumed on {env.world_size} processes")  # fmt: skip
+
+
+def iter_model_tensors(
+    path: str | Path, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(HF name, full tensor)`` of each model tensor of a sharded checkpoint, one at a time (for an
+    export: at most one full tensor is in memory per call). Reads without a process group."""
+    from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
+
+    path = Path(path)
+    metadata = FileSystemReader(path).read_metadata()
+    for key, item in metadata.state_dict_metadata.items():
+        if not key.startswith("model.") or not isinstance(item, TensorStorageMetadata):
+            continue
+        tensor = torch.empty(item.size, dtype=item.properties.dtype)
+        dcp.load({key: tensor}, checkpoint_id=path, no_dist=True)
+        yield key[len("model.") :], tensor if dtype is None else tensor.to(dtype)

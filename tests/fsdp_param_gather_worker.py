@@ -1,0 +1,99 @@
+"""Run under torchrun by test_fsdp_param_gather.py: a few FSDP2 steps with each all-gather mode.
+
+Builds the same tiny Qwen2 (projection rows 128, 64 and 201: 128-row blocks straddle the two ranks,
+and 201 rows shard unevenly, 101 + 100) for every mode, trains ``STEPS`` steps on the same global
+batches, and writes per mode the losses, the final full weights and the all-gather bytes of rank 0 to
+OUT_DIR/<mode>.pt.
+After training it also all-gathers once more and checks, on every rank, that each FP8 weight that
+arrived as FP8 codes is bit-identical to ``quantize(full master weight, 128x128)`` of one process.
+Usage: torchrun --nproc_per_node 2 fsdp_param_gather_worker.py OUT_DIR MODE [MODE ...]
+with MODE in fp32, fp32-fp8gather, bf16, bf16-fp8gather.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import sys
+
+import torch
+import torch.distributed as dist
+
+from infir2.fp8.quantize import quantize
+from infir2.model import prepare_for_training
+from infir2.nn import Fp8Linear
+from infir2.nn.fsdp import Fp8GatheredWeight
+from infir2.train.config import OptimConfig
+from infir2.train.distributed import WireBytes, init_distributed, shard_model
+from infir2.train.loop import evaluate, train_step
+from infir2.train.optim import build_optimizer
+from train_synthetic import SyntheticSource
+
+STEPS = 3
+SOURCE = {"seed": 3, "global_batch_size": 4, "micro_batch_size": 1, "seq_len": 16}
+
+
+def tiny_qwen2(seed: int = 0) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=300, hidden_size=128, intermediate_size=201, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(cfg).float()
+
+
+def train_and_eval(model: torch.nn.Module, precision: str, env, rank: int, world: int) -> list[float]:
+    """``STEPS`` training steps with a high-precision evaluation (FP8 off) after the first; the losses."""
+    optimizer = build_optimizer(model, OptimConfig(lr=3e-3))
+    source = SyntheticSource(rank=rank, world_size=world, **SOURCE)
+    losses = []
+    for step, micro_batches in zip(range(STEPS), source, strict=False):
+        losses.append(train_step(model, optimizer, micro_batches, 3e-3, 1.0, precision, env)["loss"])
+        if step == 0:  # FP8 off and on again: the all-gather switches format twice
+            val = SyntheticSource(rank=rank, world_size=world, **{**SOURCE, "seed": 9})
+            losses.append(evaluate(model, iter(val), 1, precision, env))
+    return losses
+
+
+def run(mode: str, rank: int, world: int, env) -> dict:
+    precision, fp8_gather = mode.split("-")[0], mode.endswith("fp8gather")
+    model = prepare_for_training(tiny_qwen2(), "blockwise")
+    shard_model(model, precision, fp8_gather)
+    wire = WireBytes.install(model)
+    losses = train_and_eval(model, precision, env, rank, world)
+    wire_bytes = wire.bytes
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    layers = list(model.model.layers)
+    for layer in layers:  # all-gather every decoder layer once more, outside a forward
+        layer.unshard()
+    gathered = 0
+    for name, m in model.named_modules():
+        if isinstance(m, Fp8Linear) and isinstance(m.weight, Fp8GatheredWeight):
+            data, scale_inv = quantize(
+                full[f"{name}.weight"], m.recipe.w.block, m.recipe.w.fmt, m.recipe.w.scale
+            )
+            assert torch.equal(m.weight.operand.data.view(torch.uint8), data.view(torch.uint8)), name
+            assert torch.equal(m.weight.operand.scale_inv, scale_inv), name
+            gathered += 1
+    for layer in layers:
+        layer.reshard()
+    assert gathered == (14 if fp8_gather else 0), gathered  # 7 projections x 2 layers
+    return {"losses": losses, "weights": full, "wire_bytes": wire_bytes}
+
+
+def main(out_dir: str, modes: list[str]) -> None:
+    faulthandler.dump_traceback_later(240, exit=True)
+    torch.set_num_threads(1)
+    env = init_distributed("cpu")
+    try:
+        for mode in modes:
+            result = run(mode, env.rank, env.world_size, env)
+            if env.is_main:
+                torch.save(result, f"{out_dir}/{mode}.pt")
+        dist.barrier()
+    finally:
+        env.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
