@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from infir2.cli import main as cli_main
-from infir2.data import CptSource, load_cpt_meta, load_tokens, prepare_cpt, val_batches
+from infir2.data import IGNORE_INDEX, CptSource, load_cpt_meta, load_tokens, prepare_cpt, val_batches
 from infir2.data.cpt import token_dtype
 
 DOCS = [f"Document {i}: {i} + {i + 1} = {2 * i + 1}. " + "word " * (i % 7) for i in range(40)]
@@ -185,16 +185,23 @@ def test_batch_shape_errors(prepared):
 
 
 def test_val_batches(prepared):
+    """Held-out windows: L+1 tokens sharing boundaries, so every token after the first is a target once."""
     tokens = load_tokens(prepared, "val")
-    n = len(tokens) // 8
     batches = list(val_batches(prepared, 8, batch_size=3))
-    rows = np.concatenate([b["input_ids"].numpy() for b in batches])
-    assert rows.shape == (n, 8) and (rows.reshape(-1) == tokens[: n * 8]).all()
+    targets = np.concatenate([b["labels"][:, 1:].reshape(-1).numpy() for b in batches])
+    assert (targets[targets != IGNORE_INDEX] == tokens[1:]).all()
+    starts = np.concatenate([b["input_ids"][:, 0].numpy() for b in batches])
+    assert (starts == tokens[0 : len(tokens) - 1 : 8]).all()  # window w starts at token w * L
+    assert all(b["input_ids"].shape[1] <= 9 for b in batches)
+    assert all(((b["labels"] == IGNORE_INDEX) == (b["attention_mask"] == 0)).all() for b in batches)
     assert len(list(val_batches(prepared, 8, batch_size=3, max_batches=2))) == 2
     per_rank = [list(val_batches(prepared, 8, 1, rank=r, world_size=2)) for r in (0, 1)]
-    assert len(per_rank[0]) == len(per_rank[1]) == n // 2
-    with pytest.raises(ValueError, match="fewer than one window"):
-        next(val_batches(prepared, 10**6, 1))
+    assert len(per_rank[0]) == len(per_rank[1]) == len(starts) // 2
+    (prepared.parent / "one").mkdir()
+    (prepared.parent / "one" / "meta.json").write_text((prepared / "meta.json").read_text())
+    tokens[:1].tofile(prepared.parent / "one" / "val.bin")
+    with pytest.raises(ValueError, match="at least 2"):
+        next(val_batches(prepared.parent / "one", 8, 1))
 
 
 def test_command(corpus, tmp_path, capsys):

@@ -1,31 +1,36 @@
 """Imports inside src/infir2 go one way (STYLE.md): a lower layer never imports a higher one.
 
-The table below is the whole rule: each layer lists the layers it may import. A deliberate change
-of the architecture is a one-line change here.
+The table below is the whole rule, and it is exact: each layer lists the layers it imports (besides
+itself and the utilities), no more, no less. The edges are computed from the source (``imported_layers``);
+a test fails when a module imports a layer its row lacks, and also when a row names a layer nothing
+imports (a loose table would let a regression pass). The rows must form no cycle. A deliberate change
+of the architecture is a change of one row here.
 """
 
 from __future__ import annotations
 
 import ast
+from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "infir2"
 
-#: layer -> layers it may import (besides itself). Top-level modules are layers named after the file.
+#: layer -> the layers it imports (besides itself). Top-level modules are layers named after the file.
 ALLOWED: dict[str, set[str]] = {
     "fp8": set(),
     "kernels": {"fp8"},
     "nn": {"fp8", "kernels"},
-    "data": {"fp8", "kernels", "nn"},
-    "model": {"fp8", "kernels", "nn", "data"},
-    "checkpoint": {"fp8", "kernels", "nn", "data", "model"},
-    "train": {"fp8", "kernels", "nn", "data", "model", "checkpoint"},
-    "eval": {"fp8", "kernels", "nn", "data", "model", "checkpoint", "export"},
-    "export": {"fp8", "kernels", "nn", "data", "model", "checkpoint"},
-    "bench": {"fp8", "kernels", "nn", "data", "model", "train"},
-    "demo": {"fp8", "kernels", "nn", "data", "model", "checkpoint", "train", "eval", "export"},
+    "data": set(),
+    "model": {"nn"},
+    "loss": {"data", "model", "nn"},  # the next-token loss shared by train and eval
+    "checkpoint": set(),
+    "export": {"data", "fp8", "nn"},
+    "eval": {"data", "export", "loss", "nn"},
+    "train": {"checkpoint", "data", "export", "fp8", "loss", "model", "nn"},
+    "bench": {"fp8", "kernels", "model", "nn"},
+    "demo": {"data", "eval", "fp8", "train"},
     "cli": set(),  # cli imports its subcommands lazily by name (importlib), never statically
-    "__init__": {"fp8", "kernels", "nn"},
+    "__init__": {"fp8", "nn"},
     "_logging": set(),
 }
 
@@ -61,9 +66,19 @@ def imported_layers(path: Path, source: str | None = None) -> set[str]:
     return found
 
 
+def import_graph() -> dict[str, set[str]]:
+    """layer -> the other layers its modules import (utilities left out), computed from the source."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        layer = layer_of(path)
+        graph.setdefault(layer, set()).update(imported_layers(path) - {layer} - UTILITIES)
+    return graph
+
+
 def test_every_layer_is_in_the_table():
-    layers = {layer_of(p) for p in PACKAGE.rglob("*.py")}
+    layers = set(import_graph())
     assert layers <= set(ALLOWED), f"add these layers to ALLOWED: {sorted(layers - set(ALLOWED))}"
+    assert set(ALLOWED) <= layers, f"remove these layers from ALLOWED: {sorted(set(ALLOWED) - layers)}"
 
 
 def test_imports_go_one_way():
@@ -74,6 +89,21 @@ def test_imports_go_one_way():
             if imported not in ALLOWED.get(layer, set()):
                 violations.append(f"{path.relative_to(PACKAGE.parent)}: layer '{layer}' imports '{imported}'")
     assert not violations, "imports against the layering:\n" + "\n".join(violations)
+
+
+def test_every_permitted_edge_is_used():
+    graph = import_graph()
+    unused = [f"'{layer}' -> '{other}'" for layer, allowed in sorted(ALLOWED.items())
+              for other in sorted(allowed - graph.get(layer, set()))]  # fmt: skip
+    assert not unused, "ALLOWED permits imports nobody makes (remove them):\n" + "\n".join(unused)
+
+
+def test_the_table_has_no_cycle():
+    try:
+        order = list(TopologicalSorter(ALLOWED).static_order())
+    except CycleError as e:
+        raise AssertionError(f"ALLOWED has a cycle: {e.args[1]}") from None
+    assert order.index("fp8") < order.index("nn") < order.index("train") < order.index("demo")
 
 
 def test_utilities_import_no_layer():

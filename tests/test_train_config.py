@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 import infir2
-from infir2.train.config import RunConfig, load_config, save_config
+from infir2.fp8 import RECIPES
+from infir2.train import config as config_module
+from infir2.train.config import RunConfig, load_config, parse_config, save_config
 
 CONFIG_DIR = Path(infir2.__file__).parent / "configs"
 SHIPPED = sorted(CONFIG_DIR.glob("*.yaml"))
@@ -62,7 +64,7 @@ def _write(tmp_path, text: str) -> Path:
         ("train:\n  max_steps: 1.5\n", "train.max_steps", "expected an integer"),
         ("data:\n  shuffle: maybe\n", "data.shuffle", "expected true or false"),
         ("schedule:\n  name: linear\n", "schedule.name", "expected one of"),
-        ("fp8:\n  recipe: mxfp8\n", "fp8.recipe", "expected one of"),
+        ("fp8:\n  recipe: fp4\n", "fp8.recipe", "expected one of"),
         ("optim:\n  betas: [0.9]\n", "optim.betas", "list of 2"),
         ("optim:\n  lr: -1.0\n", "optim.lr", "> 0"),
         ("schedule:\n  warmup_steps: 5\n  warmup_fraction: 0.1\n", "schedule.warmup_steps", "not both"),
@@ -94,3 +96,20 @@ def test_overrides_are_typed_by_the_field(tmp_path):
 def test_pyyaml_exponent_without_dot_is_a_float(tmp_path):
     # PyYAML (YAML 1.1) reads `1e-4` as a string; a float field still accepts it
     assert load_config(_write(tmp_path, "optim:\n  lr: 1e-4\n")).optim.lr == 1e-4
+
+
+def _accepts_recipe(name: str) -> bool:
+    try:
+        parse_config({"fp8": {"recipe": name}}, "<test>")
+    except ValueError as e:
+        assert "<test>: fp8.recipe" in str(e) and all(known in str(e) for known in RECIPES), e
+        return False
+    return True
+
+
+def test_config_recipe_names_are_exactly_the_registry(monkeypatch):
+    """fp8.recipe accepts every RECIPES key and nothing else; a recipe added to the registry needs no config edit."""
+    assert all(_accepts_recipe(name) for name in RECIPES)
+    assert not any(_accepts_recipe(name) for name in ("fp4", "Blockwise", "", "blockwise "))
+    monkeypatch.setitem(RECIPES, "planted_recipe", next(iter(RECIPES.values())))
+    assert config_module.RECIPES is RECIPES and _accepts_recipe("planted_recipe")

@@ -156,3 +156,29 @@ def test_weights_only_load_starts_a_new_run_from_a_checkpoint(tmp_path):
     state = load_checkpoint(second.checkpoint)
     assert int(state["optimizer"]["state"]["lm_head.weight"]["step"]) == 1  # fresh AdamW
     assert second.tokens_per_s is not None and second.tokens_per_s > 0
+
+
+def test_cpt_val_loss_is_the_number_eval_perplexity_prints(tmp_path):
+    """One held-out loss: a CPT run's final val_loss (all of val.bin) equals evaluate_loss on its exported model."""
+    import numpy as np
+
+    from infir2.eval.perplexity import evaluate_loss
+
+    rng = np.random.default_rng(0)
+    data = tmp_path / "tokens"
+    data.mkdir()
+    rng.integers(0, 300, size=16 * 16).astype("<u2").tofile(data / "train.bin")
+    rng.integers(0, 300, size=5 * 16 + 7).astype("<u2").tofile(
+        data / "val.bin"
+    )  # 5 full windows, a partial one
+    (data / "meta.json").write_text(json.dumps({"dtype": "uint16"}))
+    cfg = tiny_run_config(tmp_path, "cpt", train={"max_steps": 2, "eval_batches": 100},
+                          data={"kind": "cpt", "train_path": str(data), "seq_len": 16, "global_batch_size": 4,
+                                "micro_batch_size": 2})  # fmt: skip
+    result = train(cfg, model=make_tiny_model(), progress=False)
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(result.hf_dir, local_files_only=True, dtype=torch.float32)
+    printed = evaluate_loss(exported, data, seq_len=16, batch_size=2)
+    assert printed.tokens == 5 * 16 + 7 - 1  # every val token after the first, once
+    assert result.final_val_loss == pytest.approx(printed.loss, rel=1e-5)

@@ -1,4 +1,4 @@
-"""Training checkpoints: one dict with fixed keys, written atomically; and the final Hugging Face export.
+"""Training checkpoints: one dict with fixed keys, written atomically, listed, loaded.
 
 A checkpoint is a folder ``<run>/checkpoints/step_<8 digits>/`` (the number of optimizer steps done)
 holding ``state.pt`` -- a ``torch.save`` of::
@@ -21,6 +21,9 @@ Atomicity: everything is written into ``checkpoints/.tmp-step_.../``, each file 
 folder is renamed to its final name (``rename`` is atomic on POSIX) and the parent fsynced. A kill
 at any moment leaves either the old set of checkpoints or the old set plus the new one; leftover
 ``.tmp-*`` folders are ignored and removed by the next save.
+
+The Hugging Face folder at the end of a run is not written here: ``train.checkpointing.export_final``
+calls ``export.export_model``, the code behind ``infir2 export``.
 """
 
 from __future__ import annotations
@@ -37,7 +40,6 @@ import torch
 
 __all__ = [
     "CHECKPOINT_KEYS",
-    "export_hf",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
@@ -146,37 +148,3 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     if missing:
         raise ValueError(f"checkpoint {folder} lacks keys {missing}")
     return state
-
-
-def export_hf(
-    model: torch.nn.Module,
-    state_dict: dict[str, Any],
-    out_dir: str | Path,
-    tokenizer: Any = None,
-    dtype: torch.dtype = torch.float32,
-) -> Path:
-    """Save ``state_dict`` (full, unsharded) as a Hugging Face folder: safetensors + config (+ tokenizer).
-
-    ``model`` supplies the class and config; ``Fp8Linear`` keeps ``nn.Linear`` keys, so the folder is
-    an ordinary model that ``AutoModelForCausalLM.from_pretrained`` loads. Written atomically too.
-    """
-    out_dir = Path(out_dir)
-    tmp = out_dir.with_name(f".tmp-{out_dir.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    cast = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state_dict.items()}
-    config: Any = model.config
-    old_dtype = getattr(config, "dtype", None)
-    config.dtype = dtype
-    try:
-        hf_model: Any = model
-        hf_model.save_pretrained(tmp, state_dict=cast, safe_serialization=True)
-    finally:
-        config.dtype = old_dtype
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    for f in tmp.iterdir():
-        _fsync_file(f)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
-    return out_dir

@@ -16,12 +16,15 @@ __all__ = ["COMMANDS", "main"]
 
 #: subcommand -> (module, one-line help). Modules are imported lazily: `infir2 --help` stays fast.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("infir2.demo", "the whole recipe on embedded data: CPT then SFT, BF16 vs FP8, report + plot"),
+    "demo": (
+        "infir2.demo.command",
+        "the whole recipe on embedded data: CPT then SFT, BF16 vs FP8, report + plot",
+    ),
     "train": ("infir2.train.command", "train (CPT or SFT) from a YAML run config"),
     "prepare-cpt": ("infir2.data.command", "tokenize text/JSONL/Parquet into memory-mapped token shards"),
     "eval": ("infir2.eval.command", "evaluate a checkpoint on reasoning benchmarks (JSONL) or held-out loss"),
     "export": ("infir2.export.command", "export a checkpoint as a BF16 or FP8 (128x128 blocks) HF folder"),
-    "bench": ("infir2.bench", "time BF16 vs FP8 linears, quantization kernels and a training step"),
+    "bench": ("infir2.bench.command", "time BF16 vs FP8 linears, quantization kernels and a training step"),
 }
 
 

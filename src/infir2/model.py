@@ -59,10 +59,16 @@ def load_pretrained(path: str | Path) -> nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
 
 
-def build_from_config(config: dict[str, Any], vocab_size: int | None = None, seed: int = 0) -> nn.Module:
-    """A freshly initialised causal LM (fp32, seeded) from ``{arch: qwen2|llama, <HF config fields>}``.
+def build_from_config(
+    config: dict[str, Any],
+    vocab_size: int | None = None,
+    seed: int = 0,
+    device: torch.device | str | None = None,
+) -> nn.Module:
+    """A freshly initialised causal LM (fp32, seeded) from ``{arch: <a name in ARCHS>, <HF config fields>}``.
 
-    ``vocab_size`` (from the tokenizer) is used when the dict does not name one.
+    ``vocab_size`` (from the tokenizer) is used when the dict does not name one. ``device``: where the
+    weights are created (and initialised, with that device's generator); default: the CPU.
     """
     import transformers
 
@@ -78,7 +84,9 @@ def build_from_config(config: dict[str, Any], vocab_size: int | None = None, see
     except (TypeError, ValueError) as e:
         raise ValueError(f"model.from_config: {config_cls_name} rejects {fields}: {e}") from e
     torch.manual_seed(seed)
-    return getattr(transformers, model_cls_name)(hf_config).float()
+    with torch.device(device) if device is not None else nullcontext():
+        model: nn.Module = getattr(transformers, model_cls_name)(hf_config)
+    return model.float()
 
 
 def prepare_for_training(

@@ -1,11 +1,13 @@
-"""Data: CPT token shards, SFT chat rendering and batching, tokenizers, the demo data."""
+"""Data: CPT token files (prepare, read), chat rendering, SFT batching, tokenizers, the demo data."""
 
 from .base import IGNORE_INDEX, MicroBatch, StepSource, count_loss_tokens
+from .chat import SYSTEM_PROMPT, assistant_spans, render_conversation, render_prompt, stop_token_ids
 from .chat_template import CHATML_SPECIAL_TOKENS, DEFAULT_CHAT_TEMPLATE
-from .cpt import CptSource, load_cpt_meta, load_tokens, prepare_cpt, val_batches
-from .demo import SYSTEM_PROMPT, make_demo_data, tokenizer_training_texts
-from .sft import SftSource, assistant_spans, load_conversations, render_conversation
+from .cpt import prepare_cpt
+from .demo import make_demo_data, tokenizer_training_texts
+from .sft import SftSource, load_conversations
 from .tokenizer import load_tokenizer, train_bpe_tokenizer
+from .tokens import CptSource, load_cpt_meta, load_tokens, val_batches
 
 __all__ = [
     "CHATML_SPECIAL_TOKENS",
@@ -25,6 +27,8 @@ __all__ = [
     "make_demo_data",
     "prepare_cpt",
     "render_conversation",
+    "render_prompt",
+    "stop_token_ids",
     "tokenizer_training_texts",
     "train_bpe_tokenizer",
     "val_batches",

@@ -1,4 +1,4 @@
-"""Continual pre-training data: tokenize a corpus into memory-mapped token files, read fixed windows.
+"""Continual pre-training data, preparing: tokenize a corpus into memory-mapped token files.
 
 Preparing (``prepare_cpt``, the ``infir2 prepare-cpt`` command)
 ----------------------------------------------------------------
@@ -23,13 +23,7 @@ vocabulary has fewer than 65536 entries, else ``uint32``) and ``meta.json`` (dty
 token and document counts, skipped documents, source files, tokenizer). ``meta.json`` is written last:
 a folder without it is an interrupted run.
 
-Reading (``CptSource``, ``val_batches``)
-----------------------------------------
-The token stream is cut into non-overlapping windows of ``seq_len`` tokens (the tail that does not fill
-a window is unused). Each epoch visits the windows in a seeded random order; each optimizer step takes
-the next ``global_batch_size`` windows, split evenly across ranks and then into micro-batches of
-``micro_batch_size``. Labels equal the inputs (the loop shifts). The position (epoch, step in epoch, seed)
-is the state dict, so a resumed run sees exactly the windows an uninterrupted run would.
+Reading the folder back (training windows, held-out windows, the token reader) is ``infir2.data.tokens``.
 """
 
 from __future__ import annotations
@@ -43,28 +37,23 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from .base import MicroBatch
+from .tokens import META_FILE
 
 __all__ = [
     "CPT_SUFFIXES",
-    "CptSource",
     "find_input_files",
+    "is_val_document",
     "iter_documents",
-    "load_cpt_meta",
-    "load_tokens",
     "prepare_cpt",
     "token_dtype",
-    "val_batches",
 ]
 
 log = logging.getLogger(__name__)
 
 CPT_SUFFIXES = (".txt", ".jsonl", ".parquet")
-_META = "meta.json"
 _TOKENIZE_BATCH = 256  # documents per call into the (parallel, Rust) fast tokenizer
 
 
@@ -179,7 +168,7 @@ def prepare_cpt(
     files = find_input_files(inputs)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / _META).unlink(missing_ok=True)  # a folder without meta.json is incomplete
+    (out / META_FILE).unlink(missing_ok=True)  # a folder without meta.json is incomplete
     dtype = token_dtype(len(tokenizer))
     try:
         counts = _write_shards(files, out, tokenizer, dtype, val_fraction, text_field, progress)
@@ -197,7 +186,7 @@ def prepare_cpt(
         "sources": [str(f) for f in files],
         "tokenizer": {"name_or_path": str(tokenizer.name_or_path), "class": type(tokenizer).__name__},
     }
-    (out / _META).write_text(json.dumps(meta, indent=2) + "\n")
+    (out / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     log.info(
         "wrote %s: %d train / %d val tokens, %d / %d documents, %d empty skipped",
         out, counts["train_tokens"], counts["val_tokens"], counts["train_documents"],
@@ -267,156 +256,3 @@ def _batched(items: Iterable[str], n: int) -> Iterator[list[str]]:
             batch = []
     if batch:
         yield batch
-
-
-# ----------------------------------------------------------------------------- reading shards
-
-
-def load_cpt_meta(data_dir: str | Path) -> dict[str, Any]:
-    """``meta.json`` of a prepared folder (error if the folder is missing or incomplete)."""
-    path = Path(data_dir) / _META
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: prepare the data with `infir2 prepare-cpt` first")
-    meta: dict[str, Any] = json.loads(path.read_text())
-    if meta.get("dtype") not in ("uint16", "uint32"):
-        raise ValueError(f"{path}: 'dtype' must be 'uint16' or 'uint32', got {meta.get('dtype')!r}")
-    return meta
-
-
-def load_tokens(data_dir: str | Path, split: str = "train") -> np.ndarray:
-    """The token ids of ``split`` as a read-only memmap."""
-    meta = load_cpt_meta(data_dir)
-    path = Path(data_dir) / f"{split}.bin"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found")
-    if path.stat().st_size == 0:
-        return np.zeros(0, dtype=np.dtype(meta["dtype"]).newbyteorder("<"))
-    return np.memmap(path, dtype=np.dtype(meta["dtype"]).newbyteorder("<"), mode="r")
-
-
-def _window_batch(tokens: np.ndarray, windows: np.ndarray, seq_len: int) -> MicroBatch:
-    rows = np.stack([tokens[w * seq_len : (w + 1) * seq_len] for w in windows]).astype(np.int64)
-    input_ids = torch.from_numpy(rows)
-    return {"input_ids": input_ids, "labels": input_ids.clone()}
-
-
-class CptSource:
-    """Fixed-length training windows of a prepared folder; a ``StepSource`` (infinite: the loop stops it).
-
-    Each step: ``global_batch_size`` windows; this rank takes its contiguous ``global_batch_size //
-    world_size`` of them, in micro-batches of ``micro_batch_size``. The global order does not depend on
-    ``world_size``, so a run may resume on a different number of ranks.
-    """
-
-    def __init__(
-        self,
-        data_dir: str | Path,
-        seq_len: int,
-        global_batch_size: int,
-        micro_batch_size: int,
-        rank: int = 0,
-        world_size: int = 1,
-        seed: int = 0,
-    ) -> None:
-        _check_batch_sizes(global_batch_size, micro_batch_size, rank, world_size)
-        self.tokens = load_tokens(data_dir, "train")
-        self.seq_len = seq_len
-        self.num_windows = len(self.tokens) // seq_len
-        if self.num_windows < global_batch_size:
-            raise ValueError(
-                f"{data_dir}: {len(self.tokens)} training tokens make {self.num_windows} windows of "
-                f"seq_len={seq_len}, but one step needs global_batch_size={global_batch_size} windows"
-            )
-        self.global_batch_size = global_batch_size
-        self.micro_batch_size = micro_batch_size
-        self.rank, self.world_size = rank, world_size
-        self.steps_per_epoch = self.num_windows // global_batch_size
-        self.tokens_per_step = global_batch_size * seq_len
-        self.seed = seed
-        self.epoch = 0
-        self.step_in_epoch = 0
-        self._order_key: tuple[int, int] | None = None
-        self._order = np.zeros(0, dtype=np.int64)
-
-    def __iter__(self) -> Iterator[list[MicroBatch]]:
-        while True:
-            windows = self._step_windows(self.epoch, self.step_in_epoch)
-            self.step_in_epoch += 1  # advance first: state_dict() taken after a step points at the next
-            if self.step_in_epoch == self.steps_per_epoch:
-                self.epoch, self.step_in_epoch = self.epoch + 1, 0
-            yield [
-                _window_batch(self.tokens, windows[i : i + self.micro_batch_size], self.seq_len)
-                for i in range(0, len(windows), self.micro_batch_size)
-            ]
-
-    def _step_windows(self, epoch: int, step: int) -> np.ndarray:
-        if self._order_key != (self.seed, epoch):  # one permutation per epoch, cached
-            self._order = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
-            self._order_key = (self.seed, epoch)
-        order = self._order
-        step_windows = order[step * self.global_batch_size : (step + 1) * self.global_batch_size]
-        per_rank = self.global_batch_size // self.world_size
-        return step_windows[self.rank * per_rank : (self.rank + 1) * per_rank]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "epoch": self.epoch,
-            "step_in_epoch": self.step_in_epoch,
-            "seed": self.seed,
-            "seq_len": self.seq_len,
-            "num_windows": self.num_windows,
-            "global_batch_size": self.global_batch_size,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in ("seq_len", "num_windows", "global_batch_size"):
-            if state[key] != getattr(self, key):
-                raise ValueError(
-                    f"cannot resume the CPT data position: {key} was {state[key]} and is now "
-                    f"{getattr(self, key)} (the data or the batch shape changed)"
-                )
-        self.seed, self.epoch, self.step_in_epoch = state["seed"], state["epoch"], state["step_in_epoch"]
-
-
-def _check_batch_sizes(global_batch_size: int, micro_batch_size: int, rank: int, world_size: int) -> None:
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
-    if global_batch_size <= 0 or micro_batch_size <= 0:
-        raise ValueError(f"batch sizes must be positive, got {global_batch_size=} {micro_batch_size=}")
-    if global_batch_size % world_size:
-        raise ValueError(f"global_batch_size={global_batch_size} is not divisible by world_size={world_size}")
-    per_rank = global_batch_size // world_size
-    if per_rank % micro_batch_size:
-        raise ValueError(
-            f"global_batch_size / world_size = {per_rank} windows per rank is not divisible by "
-            f"micro_batch_size={micro_batch_size}"
-        )
-
-
-def val_batches(
-    data_dir: str | Path,
-    seq_len: int,
-    batch_size: int,
-    max_batches: int | None = None,
-    rank: int = 0,
-    world_size: int = 1,
-) -> Iterator[MicroBatch]:
-    """The held-out windows in order, ``batch_size`` at a time (the last batch may be smaller).
-
-    With several ranks, batch ``i`` goes to rank ``i % world_size`` and the count is cut to a multiple of
-    ``world_size`` so that every rank runs the same number of forwards.
-    """
-    tokens = load_tokens(data_dir, "val")
-    num_windows = len(tokens) // seq_len
-    if num_windows == 0:
-        raise ValueError(
-            f"{data_dir}/val.bin has {len(tokens)} tokens, fewer than one window of seq_len={seq_len} "
-            f"(prepare with a larger --val-fraction or use a shorter seq_len)"
-        )
-    starts = list(range(0, num_windows, batch_size))
-    if max_batches is not None:
-        starts = starts[:max_batches]
-    starts = starts[: len(starts) - len(starts) % world_size] if world_size > 1 else starts
-    for i, start in enumerate(starts):
-        if i % world_size == rank:
-            yield _window_batch(tokens, np.arange(start, min(start + batch_size, num_windows)), seq_len)

@@ -51,8 +51,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from .chat import SYSTEM_PROMPT
+
 __all__ = [
-    "SYSTEM_PROMPT",
     "Problem",
     "make_demo_data",
     "random_problem",
@@ -60,7 +61,6 @@ __all__ = [
     "tokenizer_training_texts",
 ]
 
-SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 
 #: A problem: the first operand, then (operator, operand) pairs, evaluated left to right.
 Problem = tuple[int, tuple[tuple[str, int], ...]]

@@ -8,16 +8,8 @@ File format (``load_conversations``): JSONL, one conversation per line::
 Roles are ``system``, ``user``, ``assistant``; every conversation has at least one assistant turn.
 Other keys on a line (an ``id``, say) are ignored.
 
-Rendering (``render_conversation``): the conversation is rendered with the tokenizer's chat template
-(``DEFAULT_CHAT_TEMPLATE``, ChatML, when it has none) and tokenized once. The loss mask is 1 on each
-assistant turn's content *and* its closing end-of-turn marker (``<|im_end|>`` in ChatML: the model must
-learn to stop) and 0 on everything else: system and user turns and the ``<|im_start|>assistant\\n``
-header. The spans are found from the template itself, not from ChatML assumptions: for assistant
-message ``i``, the text rendered for ``messages[:i]`` with the generation prompt ends where the answer
-begins, and the text rendered for ``messages[:i+1]`` (trailing whitespace removed) ends where it
-ends. Both must be prefixes of the full text (true of ChatML, Llama 3 and Qwen templates; a template
-that rewrites earlier turns is rejected with an error). Tokens are then assigned by their character
-offsets: a token carries loss when it starts inside an assistant span.
+Rendering: each conversation becomes ``(input_ids, loss_mask)`` by ``infir2.data.chat.render_conversation``
+(the one chat renderer; the loss is on the assistant answers and their end-of-turn marker).
 
 Batching (``SftSource``): a global batch is ``global_batch_size`` samples (per-epoch seeded shuffle).
 They are spread over ranks longest first, each to the rank with the fewest tokens so far; on each
@@ -41,23 +33,19 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from .base import IGNORE_INDEX, MicroBatch
-from .chat_template import DEFAULT_CHAT_TEMPLATE
+from .chat import Conversation, render_conversation
 
 __all__ = [
     "ROLES",
-    "Conversation",
     "SftSource",
-    "assistant_spans",
     "load_conversations",
     "pack_micro_batches",
-    "render_conversation",
     "split_across_ranks",
 ]
 
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
-Conversation = list[dict[str, str]]
 
 _DUMMY_LEN = 2  # tokens in a padding micro-batch (all labels IGNORE_INDEX)
 
@@ -107,63 +95,6 @@ def _parse_message(message: Any, where: str) -> dict[str, str]:
     if not isinstance(content, str):
         raise ValueError(f"{where}.content must be a string, got {type(content).__name__}")
     return {"role": role, "content": content}
-
-
-# ----------------------------------------------------------------------------- rendering
-
-
-def _render(tokenizer: PreTrainedTokenizerBase, messages: Conversation, generation_prompt: bool) -> str:
-    text = tokenizer.apply_chat_template(
-        messages,
-        chat_template=tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE,
-        tokenize=False,
-        add_generation_prompt=generation_prompt,
-    )
-    assert isinstance(text, str)
-    return text
-
-
-def assistant_spans(
-    tokenizer: PreTrainedTokenizerBase, messages: Conversation
-) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered text and, per assistant turn, the character span [start, end) that carries loss.
-
-    The span starts after the assistant header and ends after the end-of-turn marker (trailing
-    whitespace the template adds between turns is excluded).
-    """
-    text = _render(tokenizer, messages, generation_prompt=False)
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before = _render(tokenizer, messages[:i], generation_prompt=True)
-        through = _render(tokenizer, messages[: i + 1], generation_prompt=False)
-        if not (through.startswith(before) and text.startswith(through)):
-            raise ValueError(
-                f"the chat template does not render conversations prefix by prefix (assistant turn {i}): "
-                f"cannot locate the assistant spans; use a template that does (e.g. the default ChatML)"
-            )
-        start, end = len(before), len(through.rstrip())
-        if message["content"].strip() not in text[start:end]:
-            raise ValueError(f"the chat template drops or rewrites the content of assistant turn {i}")
-        spans.append((start, end))
-    return text, spans
-
-
-def render_conversation(
-    tokenizer: PreTrainedTokenizerBase, messages: Conversation, max_length: int | None = None
-) -> tuple[list[int], list[int]]:
-    """``(input_ids, loss_mask)`` of one conversation; ``loss_mask[j] = 1`` on assistant answers + end marker.
-
-    ``max_length`` cuts both lists (truncation from the right).
-    """
-    text, spans = assistant_spans(tokenizer, messages)
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    input_ids: list[int] = list(encoding["input_ids"])
-    loss_mask = [int(any(s <= start < e for s, e in spans)) for start, _ in encoding["offset_mapping"]]
-    if max_length is not None:
-        input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
-    return input_ids, loss_mask
 
 
 # ----------------------------------------------------------------------------- batching

@@ -6,7 +6,7 @@ See ``runner.evaluate`` for the in-process API and ``docs/EVAL_EXPORT.md`` for t
 from .answers import Graded, extract_boxed, extract_choice, final_part, grade_choice, grade_math, math_equal
 from .generate import SYSTEM_PROMPT, THINK_PREFIX, SamplingConfig, render_prompt
 from .metrics import avg_at_n, pass_at_k
-from .perplexity import LossResult, evaluate_loss, read_tokens
+from .perplexity import LossResult, evaluate_loss
 from .runner import EvalResult, evaluate
 from .tasks import TASKS, Problem, load_problems, problems_from_dicts, sample_path
 
@@ -31,7 +31,6 @@ __all__ = [
     "math_equal",
     "pass_at_k",
     "problems_from_dicts",
-    "read_tokens",
     "render_prompt",
     "sample_path",
 ]

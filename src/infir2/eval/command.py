@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ..data.tokenizer import load_tokenizer
-from .tasks import sample_path
+from .tasks import TASKS, sample_path
 
 __all__ = ["add_arguments", "run", "sample_path"]
 
@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--model", required=True, help="checkpoint folder (HF BF16/FP32, or FP8 from `infir2 export`)"
     )
     p.add_argument("--tokenizer", help="tokenizer folder (default: --model)")
-    p.add_argument("--task", choices=["math", "multiple_choice"], default="math")
+    p.add_argument("--task", choices=list(TASKS), default="math")
     p.add_argument("--data", help="benchmark JSONL (default: the shipped sample for --task)")
     p.add_argument("--n", type=int, default=1, help="samples per problem (avg@n, pass@k); default 1")
     p.add_argument("--greedy", action="store_true", help="greedy decoding (requires --n 1)")

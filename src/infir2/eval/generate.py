@@ -1,10 +1,10 @@
-"""Prompt rendering and batched sampling with ``transformers`` ``generate`` (KV cache, left padding).
+"""Batched sampling with ``transformers`` ``generate`` (KV cache, left padding).
 
-The prompt follows the authors' protocol: a system turn with :data:`SYSTEM_PROMPT`, the user turn,
-the tokenizer's chat template with the generation prompt (``<|im_start|>assistant\\n`` for ChatML),
-and the assistant turn opened with ``"<think>\\n"`` so the model starts by reasoning. Generation stops
-at ``<|im_end|>`` or the tokenizer's eos. Prompts of a batch are left-padded (so all continuations
-start at the same column), sorted by length to waste little padding.
+Prompts are rendered by ``infir2.data.chat.render_prompt`` (system prompt, chat template, the assistant
+turn opened with ``"<think>\\n"``; re-exported here) and generation stops at
+``infir2.data.chat.stop_token_ids`` (``<|im_end|>`` or the tokenizer's eos): the same markers SFT
+trains on and the export's generation config names. Prompts of a batch are left-padded (so all
+continuations start at the same column), sorted by length to waste little padding.
 """
 
 from __future__ import annotations
@@ -15,11 +15,9 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-__all__ = ["SYSTEM_PROMPT", "THINK_PREFIX", "Completion", "SamplingConfig", "generate", "render_prompt"]
+from ..data.chat import SYSTEM_PROMPT, THINK_PREFIX, render_prompt, stop_token_ids
 
-SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
-THINK_PREFIX = "<think>\n"
-_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+__all__ = ["SYSTEM_PROMPT", "THINK_PREFIX", "Completion", "SamplingConfig", "generate", "render_prompt"]
 
 
 @dataclass(frozen=True)
@@ -50,27 +48,11 @@ class Completion:
     finished: bool  # stopped at a stop token (False: cut at max_new_tokens)
 
 
-def render_prompt(tokenizer, user_message: str, system_prompt: str | None = SYSTEM_PROMPT,
-                  think_prefix: str = THINK_PREFIX) -> str:  # fmt: skip
-    """The full prompt text: chat template with generation prompt, then ``think_prefix``."""
-    from ..data.chat_template import DEFAULT_CHAT_TEMPLATE
-
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": user_message})
-    template = None if getattr(tokenizer, "chat_template", None) else DEFAULT_CHAT_TEMPLATE
-    text = tokenizer.apply_chat_template(
-        messages, chat_template=template, tokenize=False, add_generation_prompt=True
-    )
-    return str(text) + think_prefix
-
-
 def _stop_ids(tokenizer) -> list[int]:
-    ids = {tokenizer.convert_tokens_to_ids(t) for t in _STOP_TOKENS if t in tokenizer.get_vocab()}
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
+    ids = sorted(set(stop_token_ids(tokenizer)))
     if not ids:
         raise ValueError("the tokenizer has neither <|im_end|> nor an eos token: generation could never stop")
-    return sorted(ids)
+    return ids
 
 
 def _left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

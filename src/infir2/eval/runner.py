@@ -8,13 +8,12 @@ In-process use (the demo does this)::
     print(result.summary["avg@n"], result.markdown())
     result.save("runs/eval")        # samples.jsonl, problems.jsonl, summary.json, summary.md
 
-By default the model runs in high precision (``infir2.disable_fp8``); ``fp8=True`` keeps the
-model's ``Fp8Linear`` layers in FP8 (convert it first with ``infir2.convert_to_fp8``).
+By default the model runs in high precision; ``fp8=True`` runs the model's ``Fp8Linear`` layers in
+FP8 (convert it first with ``infir2.convert_to_fp8``). Both through ``infir2.nn.fp8_enabled``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from collections.abc import Mapping, Sequence
@@ -24,8 +23,7 @@ from typing import Any
 
 import torch
 
-from ..nn import disable_fp8, fp8_modules
-from .answers import Graded, grade_choice, grade_math
+from ..nn import fp8_enabled
 from .generate import SYSTEM_PROMPT, THINK_PREFIX, SamplingConfig, generate, render_prompt
 from .metrics import avg_at_n, default_ks, pass_at_k
 from .tasks import TASKS, Problem, problems_from_dicts
@@ -59,22 +57,6 @@ class EvalResult:
         (out / "summary.json").write_text(json.dumps(self.summary, indent=2) + "\n", encoding="utf-8")
         (out / "summary.md").write_text(self.markdown(), encoding="utf-8")
         return out
-
-
-def _grade(problem: Problem, text: str) -> Graded:
-    if problem.task == "math":
-        return grade_math(text, problem.answer)
-    return grade_choice(text, problem.answer, n_choices=len(problem.choices))
-
-
-def _precision_context(model: torch.nn.Module, fp8: bool):
-    if not fp8:
-        return disable_fp8(model)
-    if next(fp8_modules(model), None) is None:
-        raise ValueError(
-            "fp8=True but the model has no Fp8Linear layers; call infir2.convert_to_fp8(model) first"
-        )
-    return contextlib.nullcontext(model)
 
 
 def evaluate(
@@ -115,7 +97,7 @@ def evaluate(
     model.eval()
     start = time.perf_counter()
     try:
-        with _precision_context(model, fp8):
+        with fp8_enabled(model, fp8):
             completions = generate(
                 model, tokenizer, [prompts[pi] for pi, _ in jobs], cfg, desc=f"eval {task}", progress=progress
             )
@@ -124,7 +106,8 @@ def evaluate(
     seconds = time.perf_counter() - start
     records = []
     for (pi, s), c in zip(jobs, completions, strict=True):
-        p, graded = problems[pi], _grade(problems[pi], c.text)
+        p = problems[pi]
+        graded = TASKS[p.task].grade(p, c.text)
         records.append({"id": p.id, "sample": s, "gold": p.answer, "extracted": graded.extracted,
                         "correct": graded.correct, "finished": c.finished, "n_tokens": c.n_tokens,
                         "completion": c.text})  # fmt: skip

@@ -13,24 +13,23 @@ One JSON object per line; blank lines are skipped. Two task types:
 ``answer`` is the gold: a LaTeX / plain string for math (graded by equivalence), a letter
 ``A``.. for multiple choice (at most 26 choices). A missing ``id`` becomes ``<file stem>-<line>``.
 Unknown keys are an error (a typo like ``"anwser"`` must not silently drop the gold).
+
+``TASKS`` is the registry: a new task is one entry (its keys and its grader); the CLI's ``--task``
+choices and the runner's grading come from it.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TASKS", "Problem", "load_problems", "problems_from_dicts", "sample_path"]
+from .answers import Graded, grade_choice, grade_math
 
-TASKS = ("math", "multiple_choice")
-_KEYS = {
-    "math": ({"problem", "answer"}, {"id"}),
-    "multiple_choice": ({"question", "choices", "answer"}, {"id"}),
-}
+__all__ = ["TASKS", "Problem", "Task", "load_problems", "problems_from_dicts", "sample_path"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +51,31 @@ class Problem:
         return self.question.rstrip() + "\n\n" + "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class Task:
+    """One benchmark type: the key of the question text, the keys of an item, and its grader."""
+
+    text_key: str
+    required: frozenset[str]
+    grade: Callable[[Problem, str], Graded]  # (problem, completion) -> extracted answer, correct
+    optional: frozenset[str] = frozenset({"id"})
+
+
+def _grade_math(problem: Problem, completion: str) -> Graded:
+    return grade_math(completion, problem.answer)
+
+
+def _grade_choice(problem: Problem, completion: str) -> Graded:
+    return grade_choice(completion, problem.answer, n_choices=len(problem.choices))
+
+
+#: task name -> its schema and grader (the registry; ``--task`` choices come from here)
+TASKS: dict[str, Task] = {
+    "math": Task("problem", frozenset({"problem", "answer"}), _grade_math),
+    "multiple_choice": Task("question", frozenset({"question", "choices", "answer"}), _grade_choice),
+}
+
+
 def _check_task(task: str) -> None:
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}: expected one of {', '.join(TASKS)}")
@@ -60,7 +84,8 @@ def _check_task(task: str) -> None:
 def _problem(obj: Any, task: str, where: str, default_id: str) -> Problem:
     if not isinstance(obj, Mapping):
         raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    required, optional = _KEYS[task]
+    spec = TASKS[task]
+    required, optional = spec.required, spec.optional
     missing = required - obj.keys()
     unknown = obj.keys() - required - optional
     if missing or unknown:
@@ -70,16 +95,17 @@ def _problem(obj: Any, task: str, where: str, default_id: str) -> Problem:
         raise ValueError(
             f"{where}: {'; '.join(problems)}; a {task} item has keys {sorted(required)} and optional 'id'"
         )
-    text_key = "problem" if task == "math" else "question"
+    text_key = spec.text_key
     text, answer = obj[text_key], obj["answer"]
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"{where}: {text_key!r} must be a non-empty string")
-    if isinstance(answer, (int, float)) and not isinstance(answer, bool) and task == "math":
+    multiple_choice = "choices" in required
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool) and not multiple_choice:
         answer = str(answer)
     if not isinstance(answer, str) or not answer.strip():
         raise ValueError(f"{where}: 'answer' must be a non-empty string, got {answer!r}")
     choices: tuple[str, ...] = ()
-    if task == "multiple_choice":
+    if multiple_choice:
         raw = obj["choices"]
         if not isinstance(raw, list) or not 2 <= len(raw) <= 26 or not all(isinstance(c, str) for c in raw):
             raise ValueError(f"{where}: 'choices' must be a list of 2 to 26 strings")
@@ -134,6 +160,6 @@ def _check_unique_ids(problems: list[Problem], source: str) -> None:
 
 
 def sample_path(task: str) -> Path:
-    """The small sample benchmark shipped with infir2 for ``task`` (``math`` or ``multiple_choice``)."""
+    """The small sample benchmark shipped with infir2 for ``task`` (``samples/<task>.jsonl``)."""
     _check_task(task)
     return Path(str(resources.files("infir2.eval") / "samples" / f"{task}.jsonl"))

@@ -7,7 +7,7 @@ Two entry points share one per-tensor conversion:
   streamed shard by shard (``safe_open``), so a model larger than memory converts; an FP8 folder of
   this layout converts back to BF16 / FP32 the same way (dequantized).
 
-The output folder holds ``model-0000i-of-0000n.safetensors`` shards, ``model.safetensors.index.json``,
+The output folder holds ``model-0000i-of-0000n.safetensors`` shards (one: ``model.safetensors``), ``model.safetensors.index.json``,
 ``config.json`` (``dtype``; ``quantization_config`` for FP8), ``generation_config.json`` and the tokenizer.
 """
 
@@ -16,14 +16,16 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 import shutil
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
+from ..data.chat import stop_token_ids
 from .layout import (
     QUANTIZATION_CONFIG,
     SCALE_SUFFIX,
@@ -42,7 +44,6 @@ log = logging.getLogger(__name__)
 FORMATS = ("bf16", "fp32", "fp8")
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
-_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 
 
 def _check_format(fmt: str) -> None:
@@ -84,13 +85,24 @@ def _patch_config(path: Path, fmt: str, dtype_name: str) -> None:
 # ------------------------------------------------------------------------------------ in-memory model
 
 
-def _unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """state_dict without the second name of tied tensors (e.g. ``lm_head.weight`` tied to the embedding)."""
+def _unique_state_dict(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` without the second name of tied tensors (e.g. ``lm_head.weight`` tied to the embedding).
+
+    Ties are seen as shared storage (a live ``model.state_dict()``) or, for a gathered copy (FSDP's full
+    state dict holds separate tensors), from the model's own map of tied keys when its config ties them.
+    """
+    config: Any = getattr(model, "config", None)
+    tied_map = getattr(model, "_tied_weights_keys", None)
+    tied = (
+        dict(tied_map) if isinstance(tied_map, dict) and getattr(config, "tie_word_embeddings", False) else {}
+    )
     seen: set[tuple[int, tuple[int, ...]]] = set()
     out = {}
-    for name, t in model.state_dict().items():
+    for name, t in state.items():
         key = (t.data_ptr(), tuple(t.shape))
-        if key in seen and t.numel() > 0:
+        source = tied.get(name)
+        tied_to_earlier = source is not None and source in state and torch.equal(state[source], t)
+        if (key in seen and t.numel() > 0) or tied_to_earlier:
             log.info("export: %s is tied to an earlier tensor; not stored twice", name)
             continue
         seen.add(key)
@@ -106,11 +118,17 @@ def export_model(
     pow2_scale: bool = True,
     base_dtype: torch.dtype = torch.bfloat16,
     max_shard_size: int | str = "5GB",
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Save an in-memory HF causal LM as a ``fmt`` folder; for ``fp8`` the other tensors are in ``base_dtype``.
 
-    The generation config stops at ``<|im_end|>`` and the eos token, so inference engines stop where
-    ``infir2 eval`` does. ``tokenizer`` may be None (no tokenizer files are written then).
+    ``state_dict`` (default: ``model.state_dict()``) is what is written -- the training loop passes the
+    full state dict gathered from FSDP shards; ``model`` supplies the config. The generation config
+    stops at ``<|im_end|>`` and the eos token, so inference engines stop where ``infir2 eval`` does.
+    ``tokenizer`` may be None (no tokenizer files are written then). A folder that already holds a
+    checkpoint is an error unless ``overwrite`` (then it is replaced). The files are written next to
+    ``out_dir`` first and renamed into place, so a new folder appears whole or not at all.
     """
     _check_format(fmt)
     config: Any = getattr(model, "config", None)
@@ -121,8 +139,12 @@ def export_model(
     if base_dtype not in _DTYPE_NAMES:
         raise ValueError(f"base_dtype must be one of {sorted(map(str, _DTYPE_NAMES))}, got {base_dtype}")
     out = Path(out_dir)
-    state = _unique_state_dict(model)
-    writer = ShardWriter(out, max_shard_size)
+    if not overwrite and out.is_dir() and ((out / INDEX_NAME).exists() or any(out.glob("*.safetensors"))):
+        raise ValueError(f"output folder {out} already holds a checkpoint; choose a new or empty folder")
+    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    state = _unique_state_dict(model, model.state_dict() if state_dict is None else state_dict)
+    writer = ShardWriter(tmp, max_shard_size)
     cast = base_dtype if fmt == "fp8" else _DTYPES[fmt]
 
     def get(name: str) -> torch.Tensor:
@@ -134,13 +156,29 @@ def export_model(
     ):
         writer.add(name, tensor)
     writer.close()
-    config.save_pretrained(out)
-    _patch_config(out / "config.json", fmt, _DTYPE_NAMES[cast])
-    _save_generation_config(model, tokenizer, out)
+    config.save_pretrained(tmp)
+    _patch_config(tmp / "config.json", fmt, _DTYPE_NAMES[cast])
+    _save_generation_config(model, tokenizer, tmp)
     if tokenizer is not None:
-        tokenizer.save_pretrained(out)
+        tokenizer.save_pretrained(tmp)
+    _move_into_place(tmp, out, overwrite)
     log.info("exported %s checkpoint to %s", fmt, out)
     return out
+
+
+def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
+    """fsync the files of ``tmp``, then rename it to ``out``; into an existing folder, file by file."""
+    for path in tmp.iterdir():
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    if overwrite and out.exists():
+        shutil.rmtree(out)
+    if not out.exists():
+        tmp.rename(out)
+        return
+    for path in tmp.iterdir():  # an existing folder without a checkpoint (checked first): files added
+        path.replace(out / path.name)
+    tmp.rmdir()
 
 
 def _save_generation_config(model: torch.nn.Module, tokenizer, out: Path) -> None:
@@ -148,10 +186,7 @@ def _save_generation_config(model: torch.nn.Module, tokenizer, out: Path) -> Non
 
     gen = copy.deepcopy(getattr(model, "generation_config", None) or GenerationConfig())
     if tokenizer is not None:
-        vocab = tokenizer.get_vocab()
-        stops = [vocab[t] for t in _STOP_TOKENS if t in vocab]
-        if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in stops:
-            stops.append(tokenizer.eos_token_id)
+        stops = stop_token_ids(tokenizer)  # where `infir2 eval` stops too
         if stops:
             gen.eos_token_id = stops
         if tokenizer.pad_token_id is not None:

@@ -1,7 +1,7 @@
 """Stream tensors in and out of sharded safetensors checkpoints, one shard in memory at a time.
 
-Writing follows the Hugging Face convention: ``model-00001-of-00003.safetensors`` ... plus
-``model.safetensors.index.json`` = ``{"metadata": {"total_size": <bytes>}, "weight_map": {name: file}}``.
+Writing follows the Hugging Face convention: ``model-00001-of-00003.safetensors`` ... (a single shard:
+``model.safetensors``) plus ``model.safetensors.index.json`` = ``{"metadata": {"total_size": <bytes>}, "weight_map": {name: file}}``.
 Reading accepts a single ``model.safetensors`` or an index with its shards; ``safe_open`` memory-maps
 each file so a tensor is read only when asked for.
 """
@@ -136,13 +136,17 @@ class ShardWriter:
         self._pending, self._pending_bytes = {}, 0
 
     def close(self) -> dict:
-        """Write the last shard, give shards their final ``-of-N`` names, write and return the index."""
+        """Write the last shard, give shards their final names, write and return the index.
+
+        One shard is ``model.safetensors`` (the name ``save_pretrained`` gives it), more are
+        ``model-0000i-of-0000n.safetensors``; the index is written either way.
+        """
         if self._pending or not self._written:
             self._flush()
         n = len(self._written)
         weight_map = {}
         for i, names in enumerate(self._written):
-            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            final = _SINGLE_NAME if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
             (self.out_dir / f"shard-{i:05d}.tmp").replace(self.out_dir / final)
             weight_map.update(dict.fromkeys(names, final))
         index = {"metadata": {"total_size": self.total_size}, "weight_map": dict(sorted(weight_map.items()))}

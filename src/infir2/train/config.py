@@ -4,9 +4,9 @@ A run config has eight sections (every field below, with its default; all hyperp
 InfiR2 recipe, RECIPE.md section 2, can be written down)::
 
     run:      name, out_dir, seed, device (auto|cpu|cuda)
-    model:    path (local HF folder) | from_config ({arch: qwen2|llama, hidden_size, ...}),
+    model:    path (local HF folder) | from_config ({arch: a name in infir2.model.ARCHS, hidden_size, ...}),
               tokenizer, precision (fp32|bf16), activation_checkpointing, export_dtype
-    fp8:      recipe (bf16|tensorwise|rowwise|blockwise|blockwise_fp32scale), backend, param_gather
+    fp8:      recipe (a name in infir2.fp8.RECIPES: bf16, blockwise, ...), backend, param_gather
     data:     kind (cpt|sft), train_path, val_path, seq_len, global_batch_size, micro_batch_size,
               max_tokens_per_micro_batch, max_length, overlong (truncate|drop), epochs, shuffle, seed
     optim:    lr, betas, eps, weight_decay, grad_clip, fused
@@ -16,25 +16,27 @@ InfiR2 recipe, RECIPE.md section 2, can be written down)::
               max_nonfinite_in_row
     load:     path, mode (resume|decay_only|weights_only), reset_step, reset_data, force
 
-Validation is strict: an unknown key, a value of the wrong type or outside its allowed set is a
-``ValueError`` naming the dotted key and the file. Numbers written as ``1e-4`` (which PyYAML reads as
+Validation is strict: an unknown key, a value of the wrong type or outside its allowed set (for
+``fp8.recipe`` and ``model.from_config.arch``: the names of their registries) is a ``ValueError``
+naming the dotted key and the file; the type checks against the annotations below are
+``typed_yaml.build``'s, the rules between fields are ``_check``'s. Numbers written as ``1e-4`` (which PyYAML reads as
 a string) are accepted for float fields. Overrides use the same dotted keys and are typed by the
 field: ``--set optim.lr=3e-4 --set data.shuffle=false --set optim.betas=[0.9,0.95]``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import yaml
 
+from ..fp8 import RECIPES
 from ..fp8.recipe import get_recipe
+from ..model import ARCHS
 from ..nn.fsdp import supports_param_gather
+from .typed_yaml import apply_overrides, build, config_error, to_plain
 
 __all__ = [
     "DataConfig",
@@ -78,9 +80,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class Fp8Config:
-    recipe: Literal["bf16", "tensorwise", "rowwise", "blockwise", "blockwise_fp32scale", "mxfp8"] = (
-        "blockwise"
-    )
+    recipe: str = "blockwise"  # a name in infir2.fp8.RECIPES (checked against the registry)
     backend: str | None = None  # force a GEMM backend (emulated, scaled_mm, ...); default: automatic
     # FSDP2: all-gather FP8 linears' weights as FP8 codes (1 byte/element); default (null): on for the
     # blockwise recipes; only recipes whose fprop and dgrad share the weight blocks can (not rowwise)
@@ -165,97 +165,7 @@ class RunConfig:
 
 
 # --------------------------------------------------------------------------------------------
-# Validation: dict -> dataclass, naming the dotted key and the file on any problem
-
-
-def _err(source: str, key: str, message: str) -> ValueError:
-    return ValueError(f"{source}: {key}: {message}")
-
-
-def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
-    """Check ``value`` against the type annotation ``tp`` (and convert the harmless cases)."""
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        options = typing.get_args(tp)
-        if value is None:
-            if type(None) in options:
-                return None
-            raise _err(source, key, "must not be null")
-        errors: list[ValueError] = []
-        for option in (o for o in options if o is not type(None)):
-            try:
-                return _coerce(value, option, key, source)
-            except ValueError as e:
-                errors.append(e)
-        raise errors[0] if len(errors) == 1 else _err(source, key, f"bad value {value!r}")
-    if origin is Literal:
-        allowed = typing.get_args(tp)
-        if value not in allowed:
-            raise _err(source, key, f"got {value!r}, expected one of {', '.join(map(str, allowed))}")
-        return value
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, key, source)
-    if origin is tuple:
-        args = typing.get_args(tp)
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise _err(source, key, f"expected a list of {len(args)} numbers, got {value!r}")
-        return tuple(
-            _coerce(v, a, f"{key}[{i}]", source) for i, (v, a) in enumerate(zip(value, args, strict=True))
-        )
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise _err(source, key, f"expected a mapping, got {value!r}")
-        return dict(value)
-    return _coerce_scalar(value, tp, key, source)
-
-
-def _coerce_scalar(value: Any, tp: Any, key: str, source: str) -> Any:
-    if value is None:
-        raise _err(source, key, "must not be null")
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        raise _err(source, key, f"expected true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        raise _err(source, key, f"expected an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # PyYAML reads `1e-4` as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise _err(source, key, f"expected a number, got {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise _err(source, key, f"expected a string, got {value!r}")
-    raise TypeError(f"unsupported config field type {tp!r} for {key}")
-
-
-def _build(cls: Any, data: Any, prefix: str, source: str) -> Any:
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise _err(source, prefix or "<top level>", f"expected a mapping of keys, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    for key in data:
-        if key not in fields:
-            where = f"{prefix}.{key}" if prefix else str(key)
-            raise _err(source, where, f"unknown key (known keys: {', '.join(sorted(fields))})")
-    kwargs = {k: _coerce(v, hints[k], f"{prefix}.{k}" if prefix else k, source) for k, v in data.items()}
-    return cls(**kwargs)
+# Rules beyond the types (the type checks are ``typed_yaml.build``'s)
 
 
 def _check(cfg: RunConfig, source: str) -> None:
@@ -263,19 +173,22 @@ def _check(cfg: RunConfig, source: str) -> None:
 
     def positive(key: str, value: float | None, allow_zero: bool = False) -> None:
         if value is not None and (value < 0 or (value == 0 and not allow_zero)):
-            raise _err(source, key, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+            raise config_error(source, key, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
     m, d, o, s, t = cfg.model, cfg.data, cfg.optim, cfg.schedule, cfg.train
     if m.path is not None and m.from_config is not None:
-        raise _err(
+        raise config_error(
             source, "model", "give one of model.path (a local HF folder) or model.from_config, not both"
         )
-    if m.from_config is not None and m.from_config.get("arch") not in ("qwen2", "llama"):
-        raise _err(
-            source, "model.from_config.arch", f"expected qwen2 or llama, got {m.from_config.get('arch')!r}"
+    if m.from_config is not None and m.from_config.get("arch") not in ARCHS:
+        raise config_error(source, "model.from_config.arch",
+                   f"got {m.from_config.get('arch')!r}, expected one of {', '.join(ARCHS)}")  # fmt: skip
+    if cfg.fp8.recipe not in RECIPES:
+        raise config_error(
+            source, "fp8.recipe", f"got {cfg.fp8.recipe!r}, expected one of {', '.join(RECIPES)}"
         )
     if m.from_config is not None and m.tokenizer is None:
-        raise _err(source, "model.tokenizer", "a model built from_config needs a tokenizer folder")
+        raise config_error(source, "model.tokenizer", "a model built from_config needs a tokenizer folder")
     for key in ("seq_len", "global_batch_size", "micro_batch_size", "max_length", "epochs"):
         positive(f"data.{key}", getattr(d, key))
     positive("data.max_tokens_per_micro_batch", d.max_tokens_per_micro_batch)
@@ -285,17 +198,17 @@ def _check(cfg: RunConfig, source: str) -> None:
     positive("optim.grad_clip", o.grad_clip, allow_zero=True)
     for i, beta in enumerate(o.betas):
         if not 0 <= beta < 1:
-            raise _err(source, f"optim.betas[{i}]", f"must be in [0, 1), got {beta}")
+            raise config_error(source, f"optim.betas[{i}]", f"must be in [0, 1), got {beta}")
     if s.warmup_steps is not None and s.warmup_fraction is not None:
-        raise _err(source, "schedule.warmup_steps", "give warmup_steps or warmup_fraction, not both")
+        raise config_error(source, "schedule.warmup_steps", "give warmup_steps or warmup_fraction, not both")
     if s.decay_steps is not None and s.decay_fraction is not None:
-        raise _err(source, "schedule.decay_steps", "give decay_steps or decay_fraction, not both")
+        raise config_error(source, "schedule.decay_steps", "give decay_steps or decay_fraction, not both")
     if s.min_lr is not None and s.min_lr_ratio is not None:
-        raise _err(source, "schedule.min_lr", "give min_lr or min_lr_ratio, not both")
+        raise config_error(source, "schedule.min_lr", "give min_lr or min_lr_ratio, not both")
     for key in ("warmup_fraction", "decay_fraction", "min_lr_ratio"):
         value = getattr(s, key)
         if value is not None and not 0 <= value <= 1:
-            raise _err(source, f"schedule.{key}", f"must be in [0, 1], got {value}")
+            raise config_error(source, f"schedule.{key}", f"must be in [0, 1], got {value}")
     positive("schedule.warmup_steps", s.warmup_steps, allow_zero=True)
     positive("schedule.decay_steps", s.decay_steps, allow_zero=True)
     positive("schedule.min_lr", s.min_lr, allow_zero=True)
@@ -305,39 +218,17 @@ def _check(cfg: RunConfig, source: str) -> None:
     for key in ("eval_batches", "keep_last", "log_every", "max_nonfinite_in_row"):
         positive(f"train.{key}", getattr(t, key))
     if cfg.fp8.param_gather and not supports_param_gather(get_recipe(cfg.fp8.recipe)):
-        raise _err(source, "fp8.param_gather", f"recipe {cfg.fp8.recipe} has no FP8 weight that serves both "
+        raise config_error(source, "fp8.param_gather", f"recipe {cfg.fp8.recipe} has no FP8 weight that serves both "
                    "fprop and dgrad; set fp8.param_gather to false or null")  # fmt: skip
     if cfg.load.mode != "resume" and cfg.load.path is None:
-        raise _err(source, "load.path", f"load.mode {cfg.load.mode!r} needs a checkpoint path")
+        raise config_error(source, "load.path", f"load.mode {cfg.load.mode!r} needs a checkpoint path")
 
 
 def parse_config(data: dict[str, Any], source: str = "<dict>") -> RunConfig:
     """Validate a nested dict (e.g. parsed YAML) into a ``RunConfig``; ``source`` names it in errors."""
-    cfg = _build(RunConfig, data, "", source)
+    cfg = build(RunConfig, data, "", source)
     _check(cfg, source)
     return cfg
-
-
-def _set_dotted(data: dict[str, Any], key: str, value: Any, source: str) -> None:
-    parts = key.split(".")
-    node = data
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise _err(source, key, f"{part!r} is not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str], source: str = "--set") -> dict[str, Any]:
-    """Apply ``key=value`` strings (values parsed as YAML, then typed by the field on validation)."""
-    data = yaml.safe_load(yaml.safe_dump(data)) or {}  # deep copy
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"{source}: expected KEY=VALUE (e.g. optim.lr=3e-4), got {item!r}")
-        _set_dotted(data, key.strip(), yaml.safe_load(text) if text.strip() else None, source)
-    return data
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
@@ -359,14 +250,8 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
 
 
 def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
-    def plain(x: Any) -> Any:
-        if isinstance(x, tuple):
-            return [plain(v) for v in x]
-        if isinstance(x, dict):
-            return {k: plain(v) for k, v in x.items()}
-        return x
-
-    return plain(dataclasses.asdict(cfg))
+    """The config as plain YAML-ready data (tuples as lists)."""
+    return to_plain(cfg)
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> None:

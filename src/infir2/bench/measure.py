@@ -1,55 +1,55 @@
-"""Time FP8 against high precision, side by side in one process: linears, quantizers, a training step.
+"""What ``infir2 bench`` measures: quantization GB/s, FP8 vs baseline linears, a training step.
 
-Three sections, each printed as rows of one table at the end (and written as JSON with --json):
+Each section returns rows ``{section, case, metric, baseline, baseline_value, fp8, fp8_value, ratio}``
+(``ratio`` = FP8 / baseline); the presets, the CLI and the table are ``command.py``'s.
 
-1. quantize  - GB/s of each quantization (1x128 activations, 128x1 wgrad tiles, 128x128 weights)
-               against a device-to-device copy and a plain cast of the same tensor.
-2. linear    - fwd+bwd time of nn.Linear (the baseline dtype) vs Fp8Linear at the Qwen2.5 layer GEMM
-               shapes, and the activation bytes each saves for backward (measured with
-               ``torch.autograd.graph.saved_tensors_hooks``; parameters and Fp8Linear's per-layer FP8
-               weight copy, N*K bytes + scales, excluded: they do not grow with tokens).
-3. step      - a full training step (forward, backward, AdamW) of a Qwen2.5-shaped model: step time,
-               forward/backward split, peak memory (CUDA), bytes the forward saves for backward (all
-               devices; parameters excluded, Fp8Linear's FP8 weight copies included), TFLOP/s.
+1. ``bench_quantize`` - GB/s of each quantization (1x128 activations, 128x1 wgrad tiles, 128x128
+   weights) against a device-to-device copy and a plain cast of the same tensor.
+2. ``bench_linear``   - fwd+bwd time of nn.Linear (the baseline dtype) vs Fp8Linear at the Qwen2.5
+   layer GEMM shapes, and the activation bytes each saves for backward (``saved_bytes``: measured with
+   ``torch.autograd.graph.saved_tensors_hooks``; parameters and Fp8Linear's per-layer FP8 weight copy,
+   N*K bytes + scales, excluded: they do not grow with tokens).
+3. ``bench_step``     - a full training step (forward, backward, AdamW) of a Qwen2.5-shaped model
+   (built by ``model.build_from_config``): step time, forward/backward split, peak memory (CUDA),
+   bytes the forward saves for backward (parameters excluded, Fp8Linear's FP8 weight copies
+   included), TFLOP/s (``step_flops``).
 
-A ratio is FP8 / baseline: below 1 is better for time and memory, above 1 for GB/s and TFLOP/s.
-On a GPU the baseline is BF16 and the FP8 path the "cuda" backend (Triton quantization, cuBLAS
-block-scaled GEMMs). On a CPU the FP8 path is emulated (dequantize + fp32 matmul, so it cannot be
-faster) and the baseline is fp32, because this CPU class has no native bf16 (bf16 is timed too where
-it is cheap); CPU figures show overheads and memory, not the GPU speed-up.
-
-Examples:
-  infir2 bench --preset quick                  # CPU, < 1 minute (what CI runs)
-  infir2 bench --preset medium --backends emulated,compiled --json bench.json
-  infir2 bench --preset full --json gpu.json   # H100/H200: 1.5B + 7B GEMMs at 8k tokens, 1.5B step
+Timing (``_time_ms``): the median on CUDA (synchronized), the minimum on a CPU, where other jobs only
+ever add time.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import datetime
 import functools
-import json
 import math
-import platform
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
-from .fp8 import get_recipe
-from .fp8.quantize import quantize as reference_quantize
-from .fp8.recipe import Cast
-from .kernels import BACKENDS, bind
-from .nn import Fp8Linear, convert_to_fp8
+from ..fp8 import get_recipe
+from ..fp8.quantize import quantize as reference_quantize
+from ..fp8.recipe import Cast
+from ..kernels import bind
+from ..model import build_from_config
+from ..nn import Fp8Linear, convert_to_fp8
 
-__all__ = ["PRESETS", "BenchConfig", "add_arguments", "main_table", "run", "run_bench"]
+__all__ = [
+    "QWEN25_LAYERS",
+    "BenchConfig",
+    "StepModel",
+    "bench_linear",
+    "bench_quantize",
+    "bench_step",
+    "saved_bytes",
+    "step_flops",
+    "step_model_config",
+]
 
 #: (model, projection, in_features K, out_features N, GEMMs of this shape per decoder layer)
 QWEN25_LAYERS: dict[str, list[tuple[str, int, int, int]]] = {
@@ -103,22 +103,6 @@ class BenchConfig:
             for model in self.models
             for name, k, n, count in QWEN25_LAYERS[model]
         ]
-
-
-PRESETS: dict[str, BenchConfig] = {
-    # CPU, well under a minute: 1.5B shapes / 4, 256 tokens, a 2-layer 256-wide model.
-    "quick": BenchConfig(
-        tokens=256, models=("1.5B",), scale=4, warmup=1, iters=3,
-        step=StepModel(hidden=256, intermediate=1536, heads=4, kv_heads=2, head_dim=64, layers=2, vocab=2048, seq=256),
-    ),
-    # CPU, a few minutes: real 1.5B layer shapes at 1024 tokens, a 4-layer 512-wide model at 512.
-    "medium": BenchConfig(
-        tokens=1024, models=("1.5B",), scale=1, warmup=1, iters=3,
-        step=StepModel(hidden=512, intermediate=2816, heads=4, kv_heads=2, head_dim=128, layers=4, vocab=8192, seq=512),
-    ),
-    # GPU: the authors' shapes, 8k tokens; the 1.5B model (all 28 layers) at 8k context.
-    "full": BenchConfig(),
-}  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -237,8 +221,18 @@ def _linear_step(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> Callabl
     return step
 
 
+#: An FP8 arm of the linear and step sections: (recipe, backend).
+Arm = tuple[str, str]
+
+
+def _label(arm: Arm) -> str:
+    """``backend`` for the default recipe, ``recipe/backend`` for the others."""
+    recipe, backend = arm
+    return backend if recipe == "blockwise" else f"{recipe}/{backend}"
+
+
 def bench_linear(
-    cfg: BenchConfig, device: torch.device, base_dtype: torch.dtype, backends: list[str]
+    cfg: BenchConfig, device: torch.device, base_dtype: torch.dtype, fp8_arms: list[Arm]
 ) -> list[dict]:
     """fwd+bwd of nn.Linear (``base_dtype``, and bf16 on CPU) vs Fp8Linear per layer shape; saved bytes."""
     rows: list[dict] = []
@@ -264,18 +258,19 @@ def bench_linear(
             rows.append(_row("linear", case, "fwd+bwd ms", base_name, t_base, "nn.Linear bf16", t_bf))
             tot["bf16"] = tot.get("bf16", 0.0) + count * t_bf
             arms["bf16"] = arms.get("bf16", 0) + 1
-        for backend in backends:
-            fp8 = Fp8Linear.from_linear(base, "blockwise", backend=backend)
+        for recipe, backend in fp8_arms:
+            arm = _label((recipe, backend))
+            fp8 = Fp8Linear.from_linear(base, recipe, backend=backend)
             t_fp8 = _time_ms(_linear_step(fp8, x, dy), device, cfg.warmup, cfg.iters)
             fp8.cache_weight = True  # the FP8 weight copy is per layer, not per token: count activations only
             wq = fp8.quantized_weight()
             b_fp8 = saved_bytes(lambda: fp8(x), [base.weight, wq.data, wq.scale_inv])  # noqa: B023
             fp8.cache_weight, fp8._weight_cache = False, None
-            rows.append(_row("linear", case, "fwd+bwd ms", base_name, t_base, f"Fp8Linear[{backend}]", t_fp8))
-            rows.append(_row("linear", case, "saved act. MB", base_name, b_base / 2**20, f"Fp8Linear[{backend}]",
+            rows.append(_row("linear", case, "fwd+bwd ms", base_name, t_base, f"Fp8Linear[{arm}]", t_fp8))
+            rows.append(_row("linear", case, "saved act. MB", base_name, b_base / 2**20, f"Fp8Linear[{arm}]",
                              b_fp8 / 2**20))  # fmt: skip
-            tot[backend] = tot.get(backend, 0.0) + count * t_fp8
-            arms[backend] = arms.get(backend, 0) + 1
+            tot[arm] = tot.get(arm, 0.0) + count * t_fp8
+            arms[arm] = arms.get(arm, 0) + 1
     for model, tot in totals.items():  # one decoder layer's seven projections
         shapes = sum(1 for m, *_ in cfg.layer_shapes() if m == model)
         for arm, t in tot.items():
@@ -290,23 +285,15 @@ def bench_linear(
 # 3. a training step
 
 
-def build_model(spec: StepModel, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """A randomly initialized Qwen2 causal LM with ``spec``'s shape (nothing is downloaded)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
+def step_model_config(spec: StepModel) -> dict[str, Any]:
+    """``spec`` as a ``model.build_from_config`` dict: a Qwen2 causal LM, SDPA attention, no KV cache."""
     if spec.hidden != spec.heads * spec.head_dim:
         raise ValueError(f"step model: hidden {spec.hidden} != heads {spec.heads} x head_dim {spec.head_dim}")
-    kwargs: dict[str, Any] = dict(
-        hidden_size=spec.hidden, intermediate_size=spec.intermediate, num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads, num_hidden_layers=spec.layers, vocab_size=spec.vocab,
-        max_position_embeddings=max(spec.seq, 128), tie_word_embeddings=False, use_cache=False,
-    )  # fmt: skip
-    config = Qwen2Config(**kwargs)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with torch.device(device):
-        model: nn.Module = Qwen2ForCausalLM(config)
-    return model.to(dtype=dtype).train()
+    return {"arch": "qwen2", "hidden_size": spec.hidden, "intermediate_size": spec.intermediate,
+            "num_attention_heads": spec.heads, "num_key_value_heads": spec.kv_heads,
+            "num_hidden_layers": spec.layers, "vocab_size": spec.vocab,
+            "max_position_embeddings": max(spec.seq, 128), "tie_word_embeddings": False, "use_cache": False,
+            "attn_implementation": "sdpa"}  # fmt: skip
 
 
 def step_flops(spec: StepModel, tokens: int) -> float:
@@ -335,18 +322,19 @@ def _train_step_times(model: nn.Module, ids: torch.Tensor, opt: torch.optim.Opti
     return (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3
 
 
-def bench_step(cfg: BenchConfig, device: torch.device, dtype: torch.dtype, backends: list[str]) -> list[dict]:
-    """Forward / backward / AdamW of the step model, baseline vs each FP8 backend, run one after another."""
+def bench_step(cfg: BenchConfig, device: torch.device, dtype: torch.dtype, arms: list[Arm]) -> list[dict]:
+    """Forward / backward / AdamW of the step model, baseline vs each FP8 arm, run one after another."""
     spec = cfg.step
     if spec is None:
         return []
     ids = torch.randint(0, spec.vocab, (1, spec.seq), device=device)
     results: dict[str, dict[str, float | None]] = {}
     base_name = str(dtype).replace("torch.", "")
-    for arm in tqdm([base_name, *backends], desc="step", leave=False):
-        model = build_model(spec, device, dtype)
+    fp8_arms = {_label(arm): arm for arm in arms}
+    for arm in tqdm([base_name, *fp8_arms], desc="step", leave=False):
+        model = build_from_config(step_model_config(spec), seed=0, device=device).to(dtype=dtype).train()
         if arm != base_name:
-            convert_to_fp8(model, "blockwise", backend=arm)
+            convert_to_fp8(model, fp8_arms[arm][0], backend=fp8_arms[arm][1])
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -366,119 +354,9 @@ def bench_step(cfg: BenchConfig, device: torch.device, dtype: torch.dtype, backe
         del model, opt
     case = f"{spec.layers}-layer h{spec.hidden} seq {spec.seq}"
     rows = []
-    for arm in backends:
+    for arm in fp8_arms:
         for metric, value in results[arm].items():
             rows.append(
                 _row("step", case, metric, base_name, results[base_name][metric], f"fp8[{arm}]", value)
             )
     return rows
-
-
-# ----------------------------------------------------------------------------------------------
-# driver
-
-
-def _fp8_backends(requested: str | None, device: torch.device) -> list[str]:
-    if requested:
-        names = [b.strip() for b in requested.split(",") if b.strip()]
-        for name in names:
-            bind(get_recipe("blockwise"), device, name)  # a clear error for an unusable one
-        return names
-    return [bind(get_recipe("blockwise"), device).name]
-
-
-def run_bench(
-    cfg: BenchConfig, device: torch.device, backends: list[str], sections: list[str]
-) -> dict[str, Any]:
-    """Run the sections; returns ``{"meta": ..., "rows": [...]}``."""
-    base_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    rows: list[dict] = []
-    if "quantize" in sections:
-        quant_backends = ["reference", *[b for b in backends if b != "emulated"]]
-        rows += bench_quantize(cfg, device, base_dtype, quant_backends)
-    if "linear" in sections:
-        rows += bench_linear(cfg, device, base_dtype, backends)
-    if "step" in sections:
-        rows += bench_step(cfg, device, base_dtype, backends)
-    meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or "cpu",
-        "cpu_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "triton": _triton_version(),
-        "backends": backends,
-        "config": asdict(cfg),
-    }
-    return {"meta": meta, "rows": rows}
-
-
-def _triton_version() -> str | None:
-    import importlib.util
-
-    if importlib.util.find_spec("triton") is None:
-        return None
-    import triton
-
-    return str(triton.__version__)
-
-
-def _fmt(v: float | None) -> str:
-    if v is None:
-        return "-"
-    return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
-
-
-def main_table(result: dict[str, Any]) -> str:
-    """The one table: section | case | metric | baseline | value | fp8 | value | fp8/baseline."""
-    head = ("section", "case", "metric", "baseline", "value", "fp8 path", "value", "ratio")
-    body = [(r["section"], r["case"], r["metric"], r["baseline"], _fmt(r["baseline_value"]), r["fp8"],
-             _fmt(r["fp8_value"]), _fmt(r["ratio"])) for r in result["rows"]]  # fmt: skip
-    widths = [max(len(str(c)) for c in col) for col in zip(head, *body, strict=True)]
-    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True))  # noqa: E731
-    meta = result["meta"]
-    title = f"infir2 bench  {meta['date']}  {meta['device']}  torch {meta['torch']}  backends {','.join(meta['backends'])}"
-    return "\n".join([title, line(head), line(["-" * w for w in widths]), *(line(r) for r in body)])
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                        help="sizes: quick (CPU, <1 min), medium (CPU, minutes), full (GPU); "
-                        "default: full on CUDA, quick on CPU")  # fmt: skip
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    parser.add_argument("--backends", default=None,
-                        help="comma-separated FP8 backends to compare (default: the automatic choice), "
-                        f"from {', '.join(BACKENDS)}")  # fmt: skip
-    parser.add_argument("--sections", default="quantize,linear,step", help="which sections to run")
-    parser.add_argument(
-        "--tokens", type=int, default=None, help="tokens per linear GEMM (overrides the preset)"
-    )
-    parser.add_argument("--layers", type=int, default=None, help="decoder layers of the step model")
-    parser.add_argument("--seq", type=int, default=None, help="context length of the step model")
-    parser.add_argument("--iters", type=int, default=None, help="timed iterations (median is reported)")
-    parser.add_argument("--json", type=Path, default=None, help="write the results here as JSON")
-
-
-def run(args: argparse.Namespace) -> int:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    cfg = PRESETS[args.preset or ("full" if device.type == "cuda" else "quick")]
-    if args.tokens:
-        cfg = replace(cfg, tokens=args.tokens)
-    if args.iters:
-        cfg = replace(cfg, iters=args.iters)
-    if cfg.step is not None and (args.layers or args.seq):
-        cfg = replace(
-            cfg, step=replace(cfg.step, layers=args.layers or cfg.step.layers, seq=args.seq or cfg.step.seq)
-        )
-    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    unknown = set(sections) - {"quantize", "linear", "step"}
-    if unknown:
-        raise ValueError(f"--sections: unknown {sorted(unknown)}; expected quantize, linear, step")
-    result = run_bench(cfg, device, _fp8_backends(args.backends, device), sections)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
-    print(main_table(result))
-    return 0

@@ -1,32 +1,14 @@
-"""The whole recipe on embedded data, on a laptop CPU: CPT then SFT, the baseline vs FP8, side by side.
+"""The demo's pipeline: data, tokenizer, then per recipe CPT -> SFT -> evaluation, side by side.
 
-`infir2 demo` (no arguments, no network) does, in a few minutes on 2 CPU cores:
-
-1. generates its data deterministically (``infir2.data.demo``: an arithmetic corpus for CPT, and a
-   multi-step arithmetic reasoning task with worked steps for SFT, plus held-out test problems);
-2. trains a byte-level BPE tokenizer on it (digits split, ChatML specials) and packs the CPT corpus;
-3. for each recipe -- the high-precision baseline (``bf16``; computed in fp32 on a CPU, which has no
-   fast bf16), FP8 ``blockwise`` (the InfiR2 / DeepSeek-V3 recipe) and FP8 ``tensorwise`` (the naive
-   FP8) -- builds the same seeded Qwen2-style model (~1M parameters), continually pre-trains it, then
-   fine-tunes it on the reasoning task;
-4. evaluates each fine-tuned model on the held-out problems with the evaluation protocol of the
-   recipe (system prompt, ``<think>`` opened, answer in the last ``\\boxed{}``; greedy decoding);
-5. writes ``report.md`` and ``loss_curves.png`` in the output folder: final losses, the gap to the
-   baseline in %, task accuracy, tokens/s.
-
-On a CPU the FP8 GEMMs are emulated exactly (FP8 values, fp32 products), so FP8 runs are *slower*
-here; the demo shows the numerics (FP8 tracks the baseline), not the speed. Speed is measured by
-`infir2 bench` on a GPU.
-
-Examples:
-  infir2 demo                         # the full demo into runs/demo (about 10 minutes on 2 cores)
-  infir2 demo --quick --out /tmp/d    # a reduced run (about a minute), as in CI
-  infir2 demo --recipes bf16,blockwise,rowwise
+``run_demo(out, settings, recipes, jobs)`` generates the data (``data.demo``), trains the tokenizer,
+packs the CPT corpus, runs ``run_recipe`` for each recipe (in worker processes when ``jobs > 1``: each
+with its own threads, logging instead of progress bars) and hands the results to ``report.py``. Every
+step is seeded, so the numbers of a run are reproducible (timings aside). ``DemoSettings`` are the
+sizes; ``FULL`` fits 10 minutes on 2 CPU cores, ``QUICK`` is the CI run. The CLI is ``command.py``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -39,12 +21,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .data.cpt import prepare_cpt
-from .data.demo import make_demo_data, tokenizer_training_texts
-from .data.tokenizer import train_bpe_tokenizer
-from .train import parse_config, train
+from ..data.cpt import prepare_cpt
+from ..data.demo import make_demo_data, tokenizer_training_texts
+from ..data.tokenizer import train_bpe_tokenizer
+from ..train import parse_config, train
+from .report import write_report
 
-__all__ = ["DemoSettings", "add_arguments", "run", "run_demo"]
+__all__ = ["FULL", "QUICK", "DemoSettings", "RecipeResult", "prepare_data", "run_demo", "run_recipe"]
 
 log = logging.getLogger(__name__)
 
@@ -85,14 +68,6 @@ QUICK = DemoSettings(n_train=160, n_test=20, n_cpt_worked=200, n_cpt_tables=20, 
                      eval_batch_size=20)  # fmt: skip
 
 _LOG_EVERY = 100  # steps between log lines when progress bars are off (recipes run side by side)
-
-RECIPE_LABELS = {
-    "bf16": "baseline (no FP8; fp32 on CPU)",
-    "blockwise": "FP8 blockwise (1x128 / 128x128, InfiR2)",
-    "blockwise_fp32scale": "FP8 blockwise, fp32 scales",
-    "rowwise": "FP8 rowwise",
-    "tensorwise": "FP8 tensorwise (naive)",
-}
 
 
 @dataclass
@@ -194,7 +169,7 @@ def run_recipe(
     """CPT, then SFT, then the reasoning evaluation, for one recipe."""
     from transformers import AutoModelForCausalLM
 
-    from .eval import evaluate, load_problems
+    from ..eval import evaluate, load_problems
 
     t0 = time.perf_counter()
     cpt = train(parse_config(_cpt_config(s, out, recipe, len(tokenizer)), f"demo:{recipe}/cpt"),
@@ -226,78 +201,6 @@ def run_recipe(
     )
 
 
-def plot(results: list[RecipeResult], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, stage in zip(axes, ("cpt", "sft"), strict=True):
-        for r in results:
-            curve = getattr(r, f"{stage}_curve")
-            ax.plot([c[0] for c in curve], [c[1] for c in curve], label=RECIPE_LABELS.get(r.recipe, r.recipe))
-        ax.set_title(f"{stage.upper()} training loss")
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("loss (per token)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _gap(value: float | None, base: float | None) -> str:
-    if value is None or base is None or not base:
-        return "-"
-    return f"{100 * (value - base) / base:+.2f}%"
-
-
-def _fmt(value: float | None) -> str:
-    return "-" if value is None or not math.isfinite(value) else f"{value:.4f}"
-
-
-def report(results: list[RecipeResult], s: DemoSettings, seconds: float, chance: float) -> str:
-    base = results[0]
-    lines = [
-        "# infir2 demo report",
-        "",
-        f"Model: Qwen2-style, hidden {s.hidden_size}, {s.num_layers} layers, vocab {s.vocab_size}; "
-        f"CPT {s.cpt_steps} steps x {s.cpt_batch} x {s.seq_len} tokens, then SFT {s.sft_epochs} epochs on "
-        f"{s.n_train} arithmetic conversations; {s.n_test} held-out problems, greedy. "
-        f"Total time {seconds / 60:.1f} min.",
-        "",
-        f"Gaps are relative to `{base.recipe}` (first row); SFT losses end near zero, so their relative "
-        f"gaps look large. Chance accuracy (guessing the most common answer) is {100 * chance:.1f}%. "
-        "One seed: the step at which this tiny model learns to copy the operands varies from run to run, "
-        "so one run's accuracy differences between recipes can be run-to-run variation, not precision.",
-        "",
-        "| recipe | CPT loss | CPT gap | SFT loss | SFT val loss | val gap | accuracy | unparseable | tokens/s | time |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        lines.append(
-            f"| {RECIPE_LABELS.get(r.recipe, r.recipe)} | {_fmt(r.cpt_loss)} | {_gap(r.cpt_loss, base.cpt_loss)} | "
-            f"{_fmt(r.sft_loss)} | "
-            f"{_fmt(r.sft_val_loss)} | {_gap(r.sft_val_loss, base.sft_val_loss)} | {100 * r.accuracy:.1f}% | "
-            f"{r.unparseable} | {r.tokens_per_s:.0f} | {r.seconds:.0f} s |"
-        )
-    lines += [
-        "",
-        "![loss curves](loss_curves.png)",
-        "",
-        "On a CPU the FP8 GEMMs are emulated (dequantize to fp32, multiply), so FP8 is slower here; the",
-        "point is the numerics. Per-step metrics: `runs/<recipe>/{cpt,sft}/metrics.jsonl`; per-problem",
-        "answers: `runs/<recipe>/eval/samples.jsonl`.",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def _chance(test_path: Path) -> float:
-    answers = [json.loads(line)["answer"] for line in test_path.read_text(encoding="utf-8").splitlines()]
-    return max(answers.count(a) for a in set(answers)) / len(answers)
-
-
 _MARKER = "demo.json"
 
 
@@ -319,7 +222,7 @@ def _recipe_worker(
     """One recipe in a worker process: its own threads, log lines instead of progress bars."""
     import torch
 
-    from .data.tokenizer import load_tokenizer
+    from ..data.tokenizer import load_tokenizer
 
     torch.set_num_threads(threads)
     logging.basicConfig(
@@ -350,34 +253,5 @@ def run_demo(out: Path, settings: DemoSettings, recipes: list[str], jobs: int = 
         with ProcessPoolExecutor(jobs, mp_context=context) as pool:
             futures = [pool.submit(_recipe_worker, r, out, settings, data, threads) for r in recipes]
             results = [f.result() for f in futures]
-    plot(results, out / "loss_curves.png")
-    text = report(results, settings, time.perf_counter() - t0, _chance(data["test"]))
-    (out / "report.md").write_text(text, encoding="utf-8")
-    (out / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=1), encoding="utf-8")
-    print(text)
+    write_report(out, results, settings, time.perf_counter() - t0, data["test"])
     return results
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="runs/demo", help="output folder (default: runs/demo)")
-    parser.add_argument("--quick", action="store_true", help="a reduced run (about a minute), as in CI")
-    parser.add_argument("--recipes", default="bf16,blockwise,tensorwise",
-                        help="comma-separated recipes; the first is the baseline of the gaps "
-                             "(default: bf16,blockwise,tensorwise)")  # fmt: skip
-    parser.add_argument("--jobs", type=int, default=None,
-                        help="recipes trained side by side in worker processes (default: one per CPU "
-                             "core, at most one per recipe; 1 = one after the other, with progress bars)")  # fmt: skip
-
-
-def run(args: argparse.Namespace) -> int:
-    from .fp8 import RECIPES
-
-    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
-    unknown = [r for r in recipes if r not in RECIPES]
-    if unknown or not recipes:
-        raise ValueError(f"--recipes: unknown {unknown or 'empty list'}; known recipes: {', '.join(RECIPES)}")
-    if args.jobs is not None and args.jobs < 1:
-        raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
-    jobs = args.jobs if args.jobs is not None else (os.cpu_count() or 1)
-    run_demo(Path(args.out), QUICK if args.quick else FULL, recipes, jobs)
-    return 0

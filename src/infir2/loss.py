@@ -1,0 +1,77 @@
+"""The next-token loss, defined once: for a training step, for validation, for ``infir2 eval --perplexity``.
+
+``token_ce_sum`` is the summed next-token cross-entropy of one micro-batch (labels aligned with the
+inputs, Hugging Face convention, shifted here; ``IGNORE_INDEX`` labels carry no loss; logits in fp32).
+The training step divides it by the global count of loss tokens; ``heldout_loss`` sums it over
+held-out steps and divides by their loss tokens, with FP8 off unless asked (``nn.fp8_enabled``), as the
+exported model runs. Training's validation (``train.loop.evaluate``) and ``eval.perplexity.evaluate_loss``
+both call ``heldout_loss`` on ``data.tokens.val_batches`` (CPT) -- one definition, so the validation loss
+a run logs is the number ``infir2 eval --perplexity`` prints for the same windows.
+
+This module sits beside ``model.py`` (it imports data, model and nn) so that train and eval, which may
+not import each other, share it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from .data.base import IGNORE_INDEX, MicroBatch, count_loss_tokens
+from .model import autocast
+from .nn import cache_fp8_weights, fp8_enabled
+
+__all__ = ["heldout_loss", "token_ce_sum"]
+
+
+def token_ce_sum(model: nn.Module, mb: MicroBatch, precision: str, device: torch.device) -> torch.Tensor:
+    """Summed next-token cross-entropy of one micro-batch (labels shifted here, HF convention)."""
+    input_ids = mb["input_ids"].to(device, non_blocking=True)
+    labels = mb["labels"].to(device, non_blocking=True)
+    mask = mb.get("attention_mask")
+    with autocast(precision, device):
+        logits = model(input_ids=input_ids, attention_mask=None if mask is None else mask.to(device)).logits
+    logits = logits[:, :-1].float()  # [B, L-1, V]
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="sum")  # fmt: skip
+
+
+@torch.no_grad()
+def heldout_loss(
+    model: nn.Module,
+    steps: Iterable[list[MicroBatch]],
+    precision: str = "fp32",
+    device: torch.device | None = None,
+    fp8: bool = False,
+    max_steps: int | None = None,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    progress: bool = False,
+) -> tuple[float, int]:
+    """``(loss per token, loss tokens)`` over the first ``max_steps`` of ``steps`` (all when None).
+
+    The model runs in eval mode (restored after), FP8 off unless ``fp8``; ``reduce`` sums the fp64
+    ``[ce sum, loss tokens]`` over processes (training passes its all-reduce). No tokens: ``nan``.
+    """
+    device = device if device is not None else next(model.parameters()).device
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # [ce sum, loss tokens]
+    was_training = model.training
+    model.eval()
+    try:
+        with fp8_enabled(model, fp8), cache_fp8_weights(model) if fp8 else nullcontext():
+            taken = steps if max_steps is None else (s for _, s in zip(range(max_steps), steps, strict=False))
+            for micro_batches in tqdm(taken, desc="held-out loss", unit="step", disable=not progress):
+                for mb in micro_batches:
+                    totals[0] += token_ce_sum(model, mb, precision, device).double()
+                totals[1] += count_loss_tokens(micro_batches)
+    finally:
+        model.train(was_training)
+    if reduce is not None:
+        totals = reduce(totals)
+    ce, n = totals.tolist()
+    return (ce / n if n else math.nan), int(n)

@@ -1,0 +1,118 @@
+"""What a run is built from: the model and the data sources that ``cfg.model`` / ``cfg.data`` name.
+
+``setup_model`` loads or builds the model, makes it trainable (fp32 masters, the FP8 swap of the
+recipe), moves it to the device and shards it under torchrun. ``build_sources`` makes this rank's
+training ``StepSource`` (``data.tokens.CptSource`` or ``data.sft.SftSource``) and a factory of its
+validation steps; a new training-data kind is one branch here (and one ``DataConfig.kind``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch import nn
+
+from ..data import CptSource, SftSource, load_conversations, load_tokens, val_batches
+from ..data.base import MicroBatch, StepSource
+from ..model import build_from_config, load_pretrained, prepare_for_training
+from .config import RunConfig
+from .distributed import DistEnv, param_gather_enabled, shard_model
+
+__all__ = ["ValSteps", "build_model", "build_sources", "rewinding", "setup_model", "total_steps"]
+
+log = logging.getLogger(__name__)
+
+#: A function returning fresh validation steps (called before every evaluation).
+ValSteps = Callable[[], Iterable[list[MicroBatch]]]
+
+
+def build_model(cfg: RunConfig, tokenizer: Any) -> nn.Module:
+    """The model ``cfg.model`` names: a local HF folder, or a seeded new one ``from_config``."""
+    if cfg.model.path:
+        return load_pretrained(cfg.model.path)
+    if cfg.model.from_config:
+        vocab_size = len(tokenizer) if tokenizer is not None else None
+        return build_from_config(cfg.model.from_config, vocab_size=vocab_size, seed=cfg.run.seed)
+    raise ValueError("model: give model.path (a local HF folder) or model.from_config")
+
+
+def setup_model(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any) -> nn.Module:
+    """``model`` (or the configured one) with fp32 masters and FP8 layers, on the device, sharded if distributed."""
+    if cfg.model.precision == "bf16" and env.device.type == "cpu":
+        log.warning("model.precision=bf16 on a CPU: most CPUs have no fast bf16 (often 10-100x slower); "
+                    "fp32 is the CPU baseline (--set model.precision=fp32)")  # fmt: skip
+    model = model if model is not None else build_model(cfg, tokenizer)
+    model = prepare_for_training(model, cfg.fp8.recipe, cfg.fp8.backend, cfg.model.activation_checkpointing)
+    model.to(env.device)
+    if not env.distributed:
+        return model
+    return shard_model(model, cfg.model.precision, param_gather_enabled(cfg.fp8.param_gather, cfg.fp8.recipe))
+
+
+def build_sources(cfg: RunConfig, tokenizer: Any, env: DistEnv) -> tuple[StepSource, ValSteps | None]:
+    """This rank's training ``StepSource`` for ``cfg.data`` and a factory of its validation steps.
+
+    CPT: windows of ``<train_path>/train.bin``; validation: the held-out windows of
+    ``<val_path or train_path>/val.bin`` (``data.tokens.val_batches``, the windows ``infir2 eval
+    --perplexity`` scores), ``micro_batch_size`` windows per step. SFT: ``SftSource`` over the JSONL
+    (``data.epochs``, shuffled); validation: ``SftSource`` over ``val_path`` (one epoch, in file order).
+    """
+    d = cfg.data
+    if not d.train_path:
+        raise ValueError("data.train_path: is required")
+    seed = d.seed if d.seed is not None else cfg.run.seed
+    ranks = {"rank": env.rank, "world_size": env.world_size}
+    if d.kind == "cpt":
+        cpt_source = CptSource(
+            d.train_path, d.seq_len, d.global_batch_size, d.micro_batch_size, seed=seed, **ranks
+        )
+        val_dir = d.val_path or d.train_path
+        if len(load_tokens(val_dir, "val")) < 2:
+            log.warning("%s/val.bin holds fewer than 2 tokens: no evaluation", val_dir)
+            return cpt_source, None
+        max_batches = cfg.train.eval_batches * env.world_size
+
+        def cpt_val() -> Iterable[list[MicroBatch]]:
+            batches = val_batches(
+                val_dir, d.seq_len, d.micro_batch_size, max_batches, env.rank, env.world_size
+            )
+            return ([mb] for mb in batches)
+
+        return cpt_source, cpt_val
+    if tokenizer is None:
+        raise ValueError("model.tokenizer: SFT data needs a tokenizer (model.tokenizer or model.path)")
+    if d.max_tokens_per_micro_batch is None:
+        raise ValueError("data.max_tokens_per_micro_batch: required for SFT (the token budget per forward)")
+    sft = {"tokenizer": tokenizer, "global_batch_size": d.global_batch_size, "max_length": d.max_length,
+           "max_tokens_per_micro_batch": d.max_tokens_per_micro_batch, "overlong": d.overlong,
+           "seed": seed, "progress": env.is_main, **ranks}  # fmt: skip
+    train_source = SftSource(load_conversations(d.train_path), epochs=d.epochs, shuffle=d.shuffle, **sft)
+    if not d.val_path:
+        return train_source, None
+    val_source = SftSource(load_conversations(d.val_path), epochs=1, shuffle=False, **sft)
+    return train_source, rewinding(val_source)
+
+
+def rewinding(source: StepSource) -> ValSteps:
+    """Validation steps of a ``StepSource``: from its initial position at every evaluation."""
+    start = source.state_dict()
+
+    def steps() -> Iterable[list[MicroBatch]]:
+        source.load_state_dict(start)
+        return source
+
+    return steps
+
+
+def total_steps(cfg: RunConfig, source: StepSource) -> int:
+    """``train.max_steps``, else the source's own length (an SFT source knows it)."""
+    if cfg.train.max_steps is not None:
+        return cfg.train.max_steps
+    total = getattr(source, "total_steps", None)
+    if total is None and hasattr(source, "__len__"):
+        total = len(source)  # type: ignore[arg-type]
+    if total is None:
+        raise ValueError("train.max_steps: required, because the data source does not know its length")
+    return int(total)

@@ -1,0 +1,149 @@
+"""Nested frozen dataclasses from YAML-like data: type checks against the annotations, dotted overrides.
+
+``build(cls, data, prefix, source)`` turns a nested dict (parsed YAML) into ``cls``, checking each value
+against its field's annotation -- ``bool``, ``int``, ``float``, ``str``, ``Literal[...]``, ``X | None``,
+``tuple[X, Y]``, ``dict[...]``, nested dataclasses -- and converting the harmless cases (``1e-4``, which
+PyYAML reads as a string, for a float; ``"true"`` for a bool). Any problem is a ``ValueError``
+``"<source>: <dotted.key>: <what>"``. ``apply_overrides`` applies ``key=value`` strings (values parsed
+as YAML, typed later by ``build``); ``to_plain`` turns a dataclass back into YAML-ready data.
+
+Nothing here knows the run config's schema (that is ``config.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Literal, Union
+
+import yaml
+
+__all__ = ["apply_overrides", "build", "config_error", "to_plain"]
+
+
+def config_error(source: str, key: str, message: str) -> ValueError:
+    """The one error shape: ``"<source>: <key>: <message>"``."""
+    return ValueError(f"{source}: {key}: {message}")
+
+
+def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
+    """Check ``value`` against the type annotation ``tp`` (and convert the harmless cases)."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None:
+            if type(None) in options:
+                return None
+            raise config_error(source, key, "must not be null")
+        errors: list[ValueError] = []
+        for option in (o for o in options if o is not type(None)):
+            try:
+                return _coerce(value, option, key, source)
+            except ValueError as e:
+                errors.append(e)
+        raise errors[0] if len(errors) == 1 else config_error(source, key, f"bad value {value!r}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise config_error(source, key, f"got {value!r}, expected one of {', '.join(map(str, allowed))}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value, key, source)
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise config_error(source, key, f"expected a list of {len(args)} numbers, got {value!r}")
+        return tuple(
+            _coerce(v, a, f"{key}[{i}]", source) for i, (v, a) in enumerate(zip(value, args, strict=True))
+        )
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise config_error(source, key, f"expected a mapping, got {value!r}")
+        return dict(value)
+    return _coerce_scalar(value, tp, key, source)
+
+
+def _coerce_scalar(value: Any, tp: Any, key: str, source: str) -> Any:
+    if value is None:
+        raise config_error(source, key, "must not be null")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise config_error(source, key, f"expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise config_error(source, key, f"expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # PyYAML reads `1e-4` as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise config_error(source, key, f"expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise config_error(source, key, f"expected a string, got {value!r}")
+    raise TypeError(f"unsupported config field type {tp!r} for {key}")
+
+
+def build(cls: Any, data: Any, prefix: str, source: str) -> Any:
+    """``cls(**data)`` with every value checked against its annotation (nested dataclasses too)."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise config_error(source, prefix or "<top level>", f"expected a mapping of keys, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            where = f"{prefix}.{key}" if prefix else str(key)
+            raise config_error(source, where, f"unknown key (known keys: {', '.join(sorted(fields))})")
+    kwargs = {k: _coerce(v, hints[k], f"{prefix}.{k}" if prefix else k, source) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any, source: str) -> None:
+    parts = key.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise config_error(source, key, f"{part!r} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str], source: str = "--set") -> dict[str, Any]:
+    """Apply ``key=value`` strings (values parsed as YAML, then typed by the field on validation)."""
+    data = yaml.safe_load(yaml.safe_dump(data)) or {}  # deep copy
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{source}: expected KEY=VALUE (e.g. optim.lr=3e-4), got {item!r}")
+        _set_dotted(data, key.strip(), yaml.safe_load(text) if text.strip() else None, source)
+    return data
+
+
+def to_plain(obj: Any) -> Any:
+    """A dataclass as nested dicts / lists / scalars (tuples become lists), ready for ``yaml.safe_dump``."""
+
+    def plain(x: Any) -> Any:
+        if isinstance(x, tuple):
+            return [plain(v) for v in x]
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        return x
+
+    return plain(dataclasses.asdict(obj))
