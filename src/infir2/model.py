@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .nn import convert_to_fp8
+from .nn import convert_to_fp8, recompute_swiglu
 
 __all__ = [
     "ARCHS",
@@ -94,16 +94,20 @@ def prepare_for_training(
     recipe: str = "blockwise",
     backend: str | None = None,
     activation_checkpointing: bool = False,
+    recompute_mlp: bool = True,
 ) -> nn.Module:
-    """fp32 masters, train mode, optional activation checkpointing, then the FP8 swap (unless ``bf16``)."""
+    """fp32 masters, train mode, optional activation checkpointing, the SwiGLU recompute
+    (``infir2.nn.recompute_swiglu``: exact, keeps two fewer ``[T, I]`` tensors), then the FP8 swap
+    (none for a recipe without FP8, ``bf16``)."""
     model.float().train()
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
     if activation_checkpointing:
         hf_model: Any = model
         hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if recipe != "bf16":
-        convert_to_fp8(model, recipe, backend=backend)
+    if recompute_mlp:
+        recompute_swiglu(model)
+    convert_to_fp8(model, recipe, backend=backend)
     return model
 
 

@@ -44,7 +44,8 @@ def setup_model(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer
         log.warning("model.precision=bf16 on a CPU: most CPUs have no fast bf16 (often 10-100x slower); "
                     "fp32 is the CPU baseline (--set model.precision=fp32)")  # fmt: skip
     model = model if model is not None else build_model(cfg, tokenizer)
-    model = prepare_for_training(model, cfg.fp8.recipe, cfg.fp8.backend, cfg.model.activation_checkpointing)
+    model = prepare_for_training(model, cfg.fp8.recipe, cfg.fp8.backend, cfg.model.activation_checkpointing,
+                                 cfg.model.recompute_mlp)  # fmt: skip
     model.to(env.device)
     if not env.distributed:
         return model
