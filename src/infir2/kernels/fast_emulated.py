@@ -1,0 +1,252 @@
+"""Fast CPU emulation: round to the FP8 grid in fp32 and keep the dequantized operands for the GEMM.
+
+Same contract as the reference (``infir2.fp8.quantize``), bit for bit: ``data`` and ``scale_inv``
+are identical to ``quantize(x, block, fmt, pow2_scale)`` and ``dequantized`` to
+``dequantize(data, scale_inv, block)``, so a GEMM on the dequantized operands is the ``emulated``
+backend's GEMM. What changes is the cost: on a CPU the slowest step of the reference is the
+fp8 -> fp32 conversion inside ``dequantize`` (torch converts FP8 one element at a time, ~15 ns per
+element on the development CPU, 50x an fp32 multiply), and the emulated backend pays it once per
+operand per GEMM. Here no FP8 value is ever converted back with torch:
+
+1. **Scale.** ``amax`` per block over a view of ``x`` (no padding copy when the shape is whole
+   blocks), ``scale = amax_to_scale(amax)`` - the reference's own function, so any change to the
+   scale rule applies here too.
+2. **Round in fp32.** ``y = x * scale`` (fp32, as in the reference), ``a = min(|y|, fmax)``, then
+   round ``a`` to the FP8 grid with one fp32 addition::
+
+       e     = max(exponent(a), emin)               integer AND + max on the fp32 bit pattern
+       magic = 2 ** (e + 23 - mbits)                 exponent bits + (23 - mbits) << 23
+       r     = copysign((a + magic) - magic, y)
+
+   ``a + magic`` lies in the binade of ``magic``, whose fp32 ulp is ``2 ** (e - mbits)``: exactly
+   the FP8 spacing at ``a`` (``e`` is clamped at ``emin`` so subnormals get the fixed subnormal
+   spacing). The fp32 addition rounds to nearest, ties to even (the last kept bit of the sum is the
+   last FP8 mantissa bit, since ``magic``'s low bits are zero), and subtracting ``magic`` is exact
+   (Sterbenz). Clamping first is the reference's saturation: ``fmax`` is on the grid. ``copysign``
+   restores the sign, also of ``-0`` and of negatives that round to zero.
+3. **Outputs.** ``data = r.to(fp8)`` is exact (``r`` is on the grid, so torch's cast has nothing to
+   round), and ``dequantized = r * scale_inv`` is the reference's ``data.float() * scale_inv``
+   because ``r == data.float()`` bit for bit.
+
+Non-finite inputs (any block whose ``amax`` is NaN or inf: one check on the small ``amax`` tensor)
+take the reference's own saturating cast and dequantize, so NaN stays NaN, inf becomes NaN in E4M3
+and stays inf in E5M2, with the reference's exact bit patterns.
+
+:func:`dequantize` decodes stored FP8 bytes (the wgrad copy of X saved for backward) without
+torch's slow conversion, by placing the FP8 bits in an fp32 pattern and multiplying by a power of
+two::
+
+    bits  = (int8(data) << (23 - mbits)) & (sign | exponent+mantissa field)
+    value = float32(bits) * 2 ** (127 - fp8 bias)    (exact; FP8 subnormals become fp32 subnormals)
+
+The power of two is folded into ``scale_inv`` when that product is finite, so decoding costs one
+integer conversion, two integer operations and the one multiply the reference does anyway. Bytes
+that encode NaN/inf send the call to the reference.
+
+Cost (see ``benchmarks/cpu_emulation.py``): quantize is about ten elementwise passes plus one FP8
+cast, with no fp8 -> fp32 conversion; the GEMMs of an ``Fp8Linear`` step on kept operands are the
+fp32 GEMMs of ``nn.Linear``. Memory: ``dequantized`` is an fp32 copy of the operand; keep it only
+as long as its GEMM needs it, and save the FP8 ``data`` for backward (:func:`dequantize` brings it
+back).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..fp8.formats import Fp8Format, get_format
+from ..fp8.quantize import Block, amax_to_scale, resolve_block
+from ..fp8.quantize import dequantize as reference_dequantize
+from ..fp8.quantize import quantize as reference_quantize
+from .operand import Operand
+
+__all__ = ["KeptOperand", "dequantize", "gemm_nt", "gemm_nt_operands", "quantize", "quantize_operand"]
+
+_MANTISSA_BITS_FP32 = 23
+_EXPONENT_BIAS_FP32 = 127
+_EXPONENT_FIELD = 0x7F800000  # exponent bits of an fp32 pattern
+_SIGN_BIT = -(2**31)  # 0x80000000 as int32
+
+
+@dataclass(frozen=True)
+class _Grid:
+    """The integer constants of one FP8 format's grid, derived from ``torch.finfo``."""
+
+    exponent_floor: int  # fp32 exponent bits of the smallest normal, 2 ** emin
+    magic_offset: int  # (23 - mbits) << 23: adds 23 - mbits to an fp32 exponent
+    shift: int  # 23 - mbits: where the FP8 exponent+mantissa bits sit in an fp32 pattern
+    decode_mask: int  # sign | exponent+mantissa field, after shifting the byte left by 23 - mbits
+    decode_factor: float  # 2 ** (127 - bias): turns the shifted pattern into the FP8 value
+    magnitude: int  # the 7 bits of a code below its sign bit
+    nonfinite_magnitude: int  # the smallest magnitude that is inf or NaN
+
+
+def _grid(f: Fp8Format) -> _Grid:
+    info = torch.finfo(f.dtype)
+    mbits = -int(math.log2(info.eps))
+    emin = int(math.log2(info.smallest_normal))
+    shift = _MANTISSA_BITS_FP32 - mbits
+    ebits = info.bits - 1 - mbits
+    bias = 2 ** (ebits - 1) - 1
+    magnitude = 2 ** (info.bits - 1) - 1  # the 7 bits below the sign
+    # E4M3 (fn): only the all-ones magnitude is NaN; E5M2: the all-ones exponent is inf/NaN
+    nonfinite = magnitude if not f.has_inf else ((2**ebits - 1) << mbits)
+    return _Grid(exponent_floor=(emin + _EXPONENT_BIAS_FP32) << _MANTISSA_BITS_FP32,
+                 magic_offset=shift << _MANTISSA_BITS_FP32, shift=shift,
+                 decode_mask=_SIGN_BIT | (magnitude << shift),
+                 decode_factor=2.0 ** (_EXPONENT_BIAS_FP32 - bias), magnitude=magnitude,
+                 nonfinite_magnitude=nonfinite)  # fmt: skip
+
+
+_GRIDS: dict[torch.dtype, _Grid] = {}
+
+
+def _grid_of(f: Fp8Format) -> _Grid:
+    if f.dtype not in _GRIDS:
+        _GRIDS[f.dtype] = _grid(f)
+    return _GRIDS[f.dtype]
+
+
+def _round_to_grid(y: torch.Tensor, f: Fp8Format) -> torch.Tensor:
+    """``saturate(y)`` rounded to nearest-even on the FP8 grid, as an fp32 tensor (``y`` finite)."""
+    g = _grid_of(f)
+    a = y.abs().clamp_(max=f.max)
+    magic_bits = a.view(torch.int32) & _EXPONENT_FIELD
+    magic = magic_bits.clamp_(min=g.exponent_floor).add_(g.magic_offset).view(torch.float32)
+    return a.add_(magic).sub_(magic).copysign_(y)
+
+
+class _Blocks:
+    """``x [M, K]`` viewed so that each block is one reduction: ``[M, Kb, bk]`` for ``(1, bk)``,
+    ``[Mb, bm, K]`` for ``(bm, 1)``, else ``[Mb, bm, Kb, bk]``; zero-padded only for partial blocks."""
+
+    def __init__(self, x: torch.Tensor, block: Block) -> None:
+        self.m, self.k = x.shape
+        self.bm, self.bk = resolve_block(block, x.shape)
+        pad_m, pad_k = (-self.m) % self.bm, (-self.k) % self.bk
+        if pad_m or pad_k:
+            x = F.pad(x, (0, pad_k, 0, pad_m))
+        self.padded_shape = x.shape
+        self.mb, self.kb = x.shape[0] // self.bm, x.shape[1] // self.bk
+        self.dims: tuple[int, ...]  # the dimensions of self.view that one block spans
+        if self.bm == 1:
+            self.view, self.dims = x.reshape(x.shape[0], self.kb, self.bk), (2,)
+        elif self.bk == 1:
+            self.view, self.dims = x.reshape(self.mb, self.bm, x.shape[1]), (1,)
+        else:
+            self.view, self.dims = x.reshape(self.mb, self.bm, self.kb, self.bk), (1, 3)
+
+    def per_block(self, s: torch.Tensor) -> torch.Tensor:
+        """A ``[Mb, Kb]`` tensor broadcast against :attr:`view`."""
+        if self.bm == 1:
+            return s[:, :, None]
+        if self.bk == 1:
+            return s[:, None, :]
+        return s[:, None, :, None]
+
+    def unview(self, t: torch.Tensor) -> torch.Tensor:
+        """A tensor shaped like :attr:`view` back to ``[M, K]`` (a slice when padded)."""
+        t = t.reshape(self.padded_shape)
+        return t if tuple(t.shape) == (self.m, self.k) else t[: self.m, : self.k]
+
+
+def _check_input(x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"quantize expects a 2-D tensor [M, K], got {getattr(x, 'shape', type(x).__name__)}")
+    if not x.dtype.is_floating_point or x.dtype.itemsize == 1:
+        raise ValueError(f"quantize expects a floating-point tensor (fp32/bf16/fp16/fp64), got {x.dtype}")
+
+
+def quantize(
+    x: torch.Tensor, block: Block, fmt: str = "e4m3", pow2_scale: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(data [M,K] fp8, scale_inv [Mb,Kb] fp32, dequantized [M,K] fp32)``, bit-identical to the
+    reference ``quantize`` and to ``dequantize(data, scale_inv, block)``."""
+    _check_input(x)
+    f = get_format(fmt)
+    if x.dtype == torch.float64 or x.numel() == 0:  # fp64 input rounds differently in x.float()
+        data, scale_inv = reference_quantize(x, block, fmt, pow2_scale)
+        return data, scale_inv, reference_dequantize(data, scale_inv, block)
+    b = _Blocks(x, block)
+    amax = b.view.abs().amax(dim=b.dims)  # [Mb, Kb], exact in x's dtype
+    scale = amax_to_scale(amax, f, pow2_scale)  # [Mb, Kb] fp32
+    scale_inv = scale.reciprocal()
+    if not bool(torch.isfinite(amax).all()):  # inf/NaN somewhere: the reference's exact bit patterns
+        data, scale_inv = reference_quantize(x, block, fmt, pow2_scale)
+        return data, scale_inv, reference_dequantize(data, scale_inv, block)
+    y = b.view * b.per_block(scale)  # fp32 (bf16 * fp32 promotes exactly like x.float() * scale)
+    r = _round_to_grid(y, f)  # fp32 values on the FP8 grid, saturated
+    data = b.unview(r.to(f.dtype)).contiguous()
+    dequantized = b.unview(r.mul_(b.per_block(scale_inv)))
+    return data, scale_inv, dequantized
+
+
+def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, block: Block) -> torch.Tensor:
+    """``data * scale_inv`` in fp32, bit-identical to the reference ``dequantize``, decoding the FP8
+    bytes with integer operations instead of torch's element-by-element conversion."""
+    if data.dim() != 2 or data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"dequantize expects 2-D FP8 data, got {data.dtype} of shape {tuple(data.shape)}")
+    f = get_format("e4m3" if data.dtype == torch.float8_e4m3fn else "e5m2")
+    g = _grid_of(f)
+    b = _Blocks(data.view(torch.int8), block)
+    if scale_inv.shape != (b.mb, b.kb):
+        raise ValueError(
+            f"scale_inv shape {tuple(scale_inv.shape)} does not match data {tuple(data.shape)} "
+            f"with block {tuple(block)}: expected {(b.mb, b.kb)}"
+        )
+    if data.numel() and int((data.view(torch.uint8) & g.magnitude).amax()) >= g.nonfinite_magnitude:
+        return reference_dequantize(data, scale_inv, block)  # NaN/inf bytes: torch's own NaN payloads
+    codes = b.view.to(torch.int32)  # sign-extended bytes
+    bits = codes.bitwise_left_shift_(g.shift).bitwise_and_(g.decode_mask)
+    raw = bits.view(torch.float32)  # the FP8 value times 2 ** -(127 - bias), exact
+    factor = scale_inv.float() * g.decode_factor
+    if bool(torch.isfinite(factor).all()):  # one rounding, of the exact product value * scale_inv
+        return b.unview(raw.mul_(b.per_block(factor)))
+    return b.unview(raw.mul_(g.decode_factor).mul_(b.per_block(scale_inv.float())))
+
+
+def gemm_nt(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a [M, K] @ b[N, K].T -> [M, N]`` on dequantized fp32 operands, cast to ``out_dtype``."""
+    assert a.shape[1] == b.shape[1], f"reduction dims differ: {tuple(a.shape)} vs {tuple(b.shape)}"
+    return (a @ b.t()).to(out_dtype)  # [M,K] @ [K,N] -> [M,N], fp32
+
+
+@dataclass(frozen=True)
+class KeptOperand(Operand):
+    """An :class:`Operand` that also carries its dequantized fp32 values (``None``: decode on use)."""
+
+    dequantized: torch.Tensor | None = None
+
+    def t(self) -> KeptOperand:
+        deq = None if self.dequantized is None else self.dequantized.t()
+        return KeptOperand(self.data.t(), self.scale_inv.t(), (self.block[1], self.block[0]), deq)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.dequantized is not None:
+            return self.dequantized.to(dtype)
+        return dequantize(self.data, self.scale_inv, self.block).to(dtype)
+
+    def stored(self) -> Operand:
+        """The FP8 bytes and scales only (what to save for backward)."""
+        return Operand(self.data, self.scale_inv, self.block)
+
+
+def quantize_operand(x: torch.Tensor, block: Block, fmt: str, pow2_scale: bool) -> KeptOperand:
+    """The backend ``quantize``: :func:`quantize` as a :class:`KeptOperand`."""
+    data, scale_inv, dequantized = quantize(x, block, fmt, pow2_scale)
+    return KeptOperand(data, scale_inv, tuple(block), dequantized)  # type: ignore[arg-type]
+
+
+def gemm_nt_operands(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
+    """The backend ``gemm_nt``: kept fp32 operands where present, fast decoding otherwise."""
+    return gemm_nt(_fp32(a), _fp32(b), out_dtype)  # [M,K] @ [K,N] -> [M,N], fp32
+
+
+def _fp32(op: Operand) -> torch.Tensor:
+    if isinstance(op, KeptOperand):
+        return op.dequantize()
+    return dequantize(op.data, op.scale_inv, op.block)
