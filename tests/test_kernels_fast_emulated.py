@@ -17,7 +17,6 @@ from infir2.fp8.formats import get_format
 from infir2.fp8.quantize import dequantize, quantize
 from infir2.kernels import BACKENDS, Backend, emulated
 from infir2.kernels import fast_emulated as fe
-from infir2.kernels.fast_emulated import _round_to_grid
 from infir2.nn import convert_to_fp8
 
 FORMATS = ("e4m3", "e5m2")
@@ -108,19 +107,21 @@ def boundary_sweep(fmt: str, ulps: int = 6) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_rounding_boundaries_exhaustive(fmt):
+@pytest.mark.parametrize("pow2", [True, False])
+def test_rounding_boundaries_exhaustive(fmt, pow2):
+    """Each value of the sweep, alone in a block with fmax (so the scale is exactly 1), quantizes
+    and dequantizes as torch's own cast of it; past fmax, the scale shrinks and both paths agree."""
     f = get_format(fmt)
     v = boundary_sweep(fmt)
-    expected = v.clamp(-f.max, f.max).to(f.dtype)  # torch's own round-to-nearest-even cast
-    got = _round_to_grid(v, f)
-    assert same_bits(got.to(f.dtype), expected)
-    assert same_bits(got, expected.float())  # on the grid: the cast back changes nothing
-    # and through the public quantize: with fmax in the tensor the scale is exactly 1
     within = v[v.abs() <= f.max]
-    row = torch.cat([within, torch.tensor([f.max])])[None, :]
-    data, scale_inv, _ = fe.quantize(row, (1, -1), fmt, True)
-    assert scale_inv.item() == 1.0
-    assert same_bits(data, row.to(f.dtype))
+    rows = torch.stack([within, torch.full_like(within, f.max)], dim=1)  # [n, 2]: one block per row
+    data, scale_inv, deq = fe.quantize(rows, (1, -1), fmt, pow2)
+    assert torch.all(scale_inv == 1.0)
+    assert same_bits(data, rows.to(f.dtype))  # torch's round-to-nearest-even cast
+    assert same_bits(deq, rows.to(f.dtype).float())
+    past = v[v.abs() > f.max]
+    assert_matches_reference(torch.stack([past, within[: past.numel()]], dim=1), (1, -1), fmt, pow2)
+    assert_matches_reference(v[None, :], (1, 128), fmt, pow2)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -1,53 +1,43 @@
-"""Fast CPU emulation: round to the FP8 grid in fp32 and keep the dequantized operands for the GEMM.
+"""Fast CPU emulation: decode FP8 with integer arithmetic and keep the dequantized operands.
 
 Same contract as the reference (``infir2.fp8.quantize``), bit for bit: ``data`` and ``scale_inv``
 are identical to ``quantize(x, block, fmt, pow2_scale)`` and ``dequantized`` to
 ``dequantize(data, scale_inv, block)``, so a GEMM on the dequantized operands is the ``emulated``
-backend's GEMM. What changes is the cost: on a CPU the slowest step of the reference is the
-fp8 -> fp32 conversion inside ``dequantize`` (torch converts FP8 one element at a time, ~15 ns per
-element on the development CPU, 50x an fp32 multiply), and the emulated backend pays it once per
-operand per GEMM. Here no FP8 value is ever converted back with torch:
+backend's GEMM. What changes is the cost. On a CPU the slowest step of the reference is the
+fp8 -> fp32 conversion inside ``dequantize``: torch converts FP8 one element at a time (~15 ns per
+element on the development CPU, ~100x an fp32 multiply), and the emulated backend pays it for
+every operand of every GEMM. Here torch never converts FP8 back:
 
 1. **Scale.** ``amax`` per block over a view of ``x`` (no padding copy when the shape is whole
    blocks), ``scale = amax_to_scale(amax)`` - the reference's own function, so any change to the
    scale rule applies here too.
-2. **Round in fp32.** ``y = x * scale`` (fp32, as in the reference), ``a = min(|y|, fmax)``, then
-   round ``a`` to the FP8 grid with one fp32 addition::
+2. **Round.** ``data = clamp(x * scale, -fmax, fmax).to(fp8)``: the reference's multiply and its
+   saturating round-to-nearest-even cast, the same torch operations, so the same bytes.
+3. **Decode in fp32 bit arithmetic.** An FP8 byte is a sign, ``ebits`` exponent and ``mbits``
+   mantissa bits; shifted left by ``23 - mbits`` into an fp32 pattern it lands on the fp32
+   sign/exponent/mantissa fields, with the exponent bias off by ``127 - bias``::
 
-       e     = max(exponent(a), emin)               integer AND + max on the fp32 bit pattern
-       magic = 2 ** (e + 23 - mbits)                 exponent bits + (23 - mbits) << 23
-       r     = copysign((a + magic) - magic, y)
+       bits  = (int32(int8(data)) << (23 - mbits)) & (sign bit | 7 magnitude bits << (23 - mbits))
+       value = float32(bits) * 2 ** (127 - bias)
 
-   ``a + magic`` lies in the binade of ``magic``, whose fp32 ulp is ``2 ** (e - mbits)``: exactly
-   the FP8 spacing at ``a`` (``e`` is clamped at ``emin`` so subnormals get the fixed subnormal
-   spacing). The fp32 addition rounds to nearest, ties to even (the last kept bit of the sum is the
-   last FP8 mantissa bit, since ``magic``'s low bits are zero), and subtracting ``magic`` is exact
-   (Sterbenz). Clamping first is the reference's saturation: ``fmax`` is on the grid. ``copysign``
-   restores the sign, also of ``-0`` and of negatives that round to zero.
-3. **Outputs.** ``data = r.to(fp8)`` is exact (``r`` is on the grid, so torch's cast has nothing to
-   round), and ``dequantized = r * scale_inv`` is the reference's ``data.float() * scale_inv``
-   because ``r == data.float()`` bit for bit.
+   The multiply by a power of two is exact, and an FP8 subnormal (exponent field 0) becomes an fp32
+   subnormal with the same mantissa, which the same multiply scales exactly. So ``value`` is
+   ``data.float()`` bit for bit, and ``dequantized = value * scale_inv`` is the reference's one
+   rounding of the same product; the power of two is folded into ``scale_inv`` when that product
+   is finite (it then is exact), so decoding costs an int8 -> int32 widening, two integer ops and
+   the multiply the reference does anyway.
 
-Non-finite inputs (any block whose ``amax`` is NaN or inf: one check on the small ``amax`` tensor)
-take the reference's own saturating cast and dequantize, so NaN stays NaN, inf becomes NaN in E4M3
-and stays inf in E5M2, with the reference's exact bit patterns.
+Non-finite inputs (a block whose ``amax`` is NaN or inf; one check of the small ``amax`` tensor) and
+FP8 bytes that encode NaN/inf take the reference path, so NaN stays NaN, inf becomes NaN in E4M3 and
+stays inf in E5M2, with the reference's exact bit patterns and NaN payloads.
 
-:func:`dequantize` decodes stored FP8 bytes (the wgrad copy of X saved for backward) without
-torch's slow conversion, by placing the FP8 bits in an fp32 pattern and multiplying by a power of
-two::
-
-    bits  = (int8(data) << (23 - mbits)) & (sign | exponent+mantissa field)
-    value = float32(bits) * 2 ** (127 - fp8 bias)    (exact; FP8 subnormals become fp32 subnormals)
-
-The power of two is folded into ``scale_inv`` when that product is finite, so decoding costs one
-integer conversion, two integer operations and the one multiply the reference does anyway. Bytes
-that encode NaN/inf send the call to the reference.
-
-Cost (see ``benchmarks/cpu_emulation.py``): quantize is about ten elementwise passes plus one FP8
-cast, with no fp8 -> fp32 conversion; the GEMMs of an ``Fp8Linear`` step on kept operands are the
-fp32 GEMMs of ``nn.Linear``. Memory: ``dequantized`` is an fp32 copy of the operand; keep it only
-as long as its GEMM needs it, and save the FP8 ``data`` for backward (:func:`dequantize` brings it
-back).
+Cost (``benchmarks/cpu_emulation.py``): quantize is ~8 elementwise passes plus one fp32 -> fp8 cast,
+and no fp8 -> fp32 conversion; the GEMMs on kept operands are the fp32 GEMMs of ``nn.Linear``.
+Memory: ``dequantized`` is an fp32 copy of the operand. Keep it only while its GEMM needs it and
+save the FP8 ``data`` for backward: :func:`dequantize` brings it back at the cost of one decode.
+(Rounding in fp32 instead - ``(|y| + 2 ** (e + 23 - mbits)) - 2 ** (...)`` with a per-element
+exponent - is exact too, but measured 1.4-1.7x slower than cast + decode at the demo's sizes: it
+needs more passes, and the fp8 bytes still have to be produced.)
 """
 
 from __future__ import annotations
@@ -111,13 +101,14 @@ def _grid_of(f: Fp8Format) -> _Grid:
     return _GRIDS[f.dtype]
 
 
-def _round_to_grid(y: torch.Tensor, f: Fp8Format) -> torch.Tensor:
-    """``saturate(y)`` rounded to nearest-even on the FP8 grid, as an fp32 tensor (``y`` finite)."""
-    g = _grid_of(f)
-    a = y.abs().clamp_(max=f.max)
-    magic_bits = a.view(torch.int32) & _EXPONENT_FIELD
-    magic = magic_bits.clamp_(min=g.exponent_floor).add_(g.magic_offset).view(torch.float32)
-    return a.add_(magic).sub_(magic).copysign_(y)
+def _decode(codes: torch.Tensor, scale_inv: torch.Tensor, g: _Grid) -> torch.Tensor:
+    """fp32 ``codes * scale_inv`` (``scale_inv`` broadcast to ``codes``) for finite FP8 ``codes``."""
+    bits = codes.view(torch.int8).to(torch.int32).bitwise_left_shift_(g.shift).bitwise_and_(g.decode_mask)
+    raw = bits.view(torch.float32)  # the FP8 value times 2 ** -(127 - bias), exact
+    factor = scale_inv.float() * g.decode_factor
+    if math.isfinite(factor.max()):  # exact, so raw * factor is one rounding of value * scale_inv
+        return raw.mul_(factor)
+    return raw.mul_(g.decode_factor).mul_(scale_inv.float())
 
 
 class _Blocks:
@@ -175,13 +166,13 @@ def quantize(
     amax = b.view.abs().amax(dim=b.dims)  # [Mb, Kb], exact in x's dtype
     scale = amax_to_scale(amax, f, pow2_scale)  # [Mb, Kb] fp32
     scale_inv = scale.reciprocal()
-    if not bool(torch.isfinite(amax).all()):  # inf/NaN somewhere: the reference's exact bit patterns
+    if not math.isfinite(amax.max()):  # inf/NaN somewhere (max propagates NaN): the reference's bits
         data, scale_inv = reference_quantize(x, block, fmt, pow2_scale)
         return data, scale_inv, reference_dequantize(data, scale_inv, block)
     y = b.view * b.per_block(scale)  # fp32 (bf16 * fp32 promotes exactly like x.float() * scale)
-    r = _round_to_grid(y, f)  # fp32 values on the FP8 grid, saturated
-    data = b.unview(r.to(f.dtype)).contiguous()
-    dequantized = b.unview(r.mul_(b.per_block(scale_inv)))
+    codes = y.clamp_(-f.max, f.max).to(f.dtype)  # the reference's saturating RNE cast (y is finite)
+    dequantized = b.unview(_decode(codes, b.per_block(scale_inv), _grid_of(f)))
+    data = b.unview(codes).contiguous()
     return data, scale_inv, dequantized
 
 
@@ -192,7 +183,7 @@ def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, block: Block) -> tor
         raise ValueError(f"dequantize expects 2-D FP8 data, got {data.dtype} of shape {tuple(data.shape)}")
     f = get_format("e4m3" if data.dtype == torch.float8_e4m3fn else "e5m2")
     g = _grid_of(f)
-    b = _Blocks(data.view(torch.int8), block)
+    b = _Blocks(data.view(torch.int8), block)  # a view of the bytes (reshape, as the reference does)
     if scale_inv.shape != (b.mb, b.kb):
         raise ValueError(
             f"scale_inv shape {tuple(scale_inv.shape)} does not match data {tuple(data.shape)} "
@@ -200,13 +191,7 @@ def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, block: Block) -> tor
         )
     if data.numel() and int((data.view(torch.uint8) & g.magnitude).amax()) >= g.nonfinite_magnitude:
         return reference_dequantize(data, scale_inv, block)  # NaN/inf bytes: torch's own NaN payloads
-    codes = b.view.to(torch.int32)  # sign-extended bytes
-    bits = codes.bitwise_left_shift_(g.shift).bitwise_and_(g.decode_mask)
-    raw = bits.view(torch.float32)  # the FP8 value times 2 ** -(127 - bias), exact
-    factor = scale_inv.float() * g.decode_factor
-    if bool(torch.isfinite(factor).all()):  # one rounding, of the exact product value * scale_inv
-        return b.unview(raw.mul_(b.per_block(factor)))
-    return b.unview(raw.mul_(g.decode_factor).mul_(b.per_block(scale_inv.float())))
+    return b.unview(_decode(b.view, b.per_block(scale_inv), g))
 
 
 def gemm_nt(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,163 @@
+"""CPU emulation speed: the reference quantizer + ``emulated`` GEMMs vs ``kernels.fast_emulated``.
+
+Side by side in one process, fastest of ``--repeats`` rounds (the paths are interleaved in every
+round, so a busy shared CPU slows them alike):
+
+* **quantize**: reference ``quantize`` + ``dequantize`` (what the emulated GEMM consumes) vs
+  ``fast_emulated.quantize`` (data, scale_inv and the dequantized fp32 copy in one call);
+* **linear**: one fprop + dgrad + wgrad step of an ``nn.Linear`` (fp32) vs ``Fp8Linear`` on the
+  ``emulated`` backend vs ``Fp8Linear`` on ``fast_emulated`` (registered here for the run);
+* **model**: forward + backward of the demo's 4-layer Qwen2-style model (``infir2 demo`` sizes),
+  fp32 vs blockwise FP8 on each backend.
+
+Run: ``nice python benchmarks/cpu_emulation.py`` (``--quick`` for a smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+
+import torch
+from torch import nn
+
+from infir2.demo import FULL
+from infir2.fp8.quantize import dequantize, quantize
+from infir2.kernels import BACKENDS, Backend
+from infir2.kernels import fast_emulated as fe
+from infir2.nn import Fp8Linear, convert_to_fp8
+
+FAST = "fast_emulated"
+TOKENS = FULL.cpt_batch * FULL.seq_len  # tokens per CPT micro-batch of the demo
+H, I = FULL.hidden_size, FULL.intermediate_size  # noqa: E741 - the usual name of the MLP width
+
+# (label, tokens, in_features, out_features)
+LINEARS = [
+    (f"demo q,o {TOKENS}x{H}->{H}", TOKENS, H, H),
+    (f"demo gate,up {TOKENS}x{H}->{I}", TOKENS, H, I),
+    (f"demo down {TOKENS}x{I}->{H}", TOKENS, I, H),
+    (f"demo SFT gate,up {FULL.sft_tokens_per_micro_batch}x{H}->{I}", FULL.sft_tokens_per_micro_batch, H, I),
+    ("large 2048x1024->2816", 2048, 1024, 2816),
+]
+
+
+def fastest(fns: dict[str, Callable[[], object]], repeats: int, inner: int) -> dict[str, float]:
+    """Milliseconds per call of each function: the fastest of ``repeats`` interleaved rounds."""
+    best = dict.fromkeys(fns, float("inf"))
+    for fn in fns.values():
+        fn()  # warm-up
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - start) / inner * 1e3)
+    return best
+
+
+def row(section: str, case: str, times: dict[str, float], baseline: str) -> None:
+    base = times[baseline]
+    for name, ms in times.items():
+        ratio = f"{ms / base:6.2f}x" if name != baseline else "     -"
+        print(f"{section:<9} {case:<34} {name:<24} {ms:9.3f} ms  {ratio} vs {baseline}")
+
+
+def bench_quantize(repeats: int, inner: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    for label, shape, block in [
+        (f"act 1x128 {TOKENS}x{H}", (TOKENS, H), (1, 128)),
+        (f"act 128x1 {TOKENS}x{I}", (TOKENS, I), (128, 1)),
+        (f"weight 128x128 {I}x{H}", (I, H), (128, 128)),
+        ("act 1x128 2048x1024", (2048, 1024), (1, 128)),
+        ("act 128x1 2048x2816", (2048, 2816), (128, 1)),
+    ]:
+        x = torch.randn(shape, generator=g)
+
+        def reference(x: torch.Tensor = x, block: tuple[int, int] = block) -> object:
+            data, scale_inv = quantize(x, block)
+            return dequantize(data, scale_inv, block)
+
+        times = fastest(
+            {"reference q+dq": reference, "reference q only": lambda x=x, b=block: quantize(x, b),
+             FAST: lambda x=x, b=block: fe.quantize(x, b)},
+            repeats, inner,
+        )  # fmt: skip
+        row("quantize", label, times, "reference q+dq")
+
+
+def linear_step(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> Callable[[], object]:
+    def step() -> object:
+        xi = x.clone().requires_grad_()  # a new tensor each call: no cached quantization of X
+        y = layer(xi)
+        y.backward(dy)  # dgrad + wgrad
+        layer.weight.grad = None
+        return xi.grad
+
+    return step
+
+
+def bench_linear(repeats: int, inner: int, cases: list[tuple[str, int, int, int]]) -> None:
+    g = torch.Generator().manual_seed(0)
+    for label, t, k, n in cases:
+        base = nn.Linear(k, n, bias=False)
+        x, dy = torch.randn(t, k, generator=g), torch.randn(t, n, generator=g)
+        layers = {
+            "fp32 nn.Linear": base,
+            "fp8 emulated": Fp8Linear.from_linear(base, backend="emulated"),
+            f"fp8 {FAST}": Fp8Linear.from_linear(base, backend=FAST),
+        }
+        times = fastest({name: linear_step(m, x, dy) for name, m in layers.items()}, repeats, inner)
+        row("linear", label, times, "fp32 nn.Linear")
+
+
+def bench_model(repeats: int, inner: int) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=FULL.vocab_size, hidden_size=H, intermediate_size=I,
+                      num_hidden_layers=FULL.num_layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=2 * FULL.seq_len, tie_word_embeddings=True)  # fmt: skip
+    ids = torch.randint(
+        0, FULL.vocab_size, (FULL.cpt_batch, FULL.seq_len), generator=torch.Generator().manual_seed(0)
+    )
+    models = {"fp32": Qwen2ForCausalLM(cfg).float()}
+    for backend in ("emulated", FAST):
+        models[f"fp8 {backend}"] = convert_to_fp8(Qwen2ForCausalLM(cfg).float(), "blockwise", backend=backend)
+
+    def step(model: nn.Module) -> Callable[[], object]:
+        def run() -> object:
+            model(input_ids=ids, labels=ids).loss.backward()
+            model.zero_grad(set_to_none=True)
+            return None
+
+        return run
+
+    times = fastest({name: step(m) for name, m in models.items()}, repeats, inner)
+    label = f"demo {FULL.num_layers}L h{H} i{I} {FULL.cpt_batch}x{FULL.seq_len}"
+    row("model", label, times, "fp32")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=7, help="timed rounds; the fastest counts")
+    parser.add_argument("--quick", action="store_true", help="demo sizes only, 2 rounds")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    repeats = 2 if args.quick else args.repeats
+    BACKENDS[FAST] = Backend(FAST, fe.quantize_operand, fe.gemm_nt_operands)  # for this run only
+    print(f"cpu_emulation  {datetime.now(timezone.utc).isoformat(timespec='seconds')}  "
+          f"{platform.processor() or platform.machine()}  torch {torch.__version__}  "
+          f"threads {torch.get_num_threads()}  fastest of {repeats}")  # fmt: skip
+    bench_quantize(repeats, inner=5)
+    bench_linear(repeats, inner=3, cases=LINEARS[:-1] if args.quick else LINEARS)
+    bench_model(repeats, inner=2)
+
+
+if __name__ == "__main__":
+    main()
