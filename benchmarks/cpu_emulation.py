@@ -5,8 +5,13 @@ round, so a busy shared CPU slows them alike):
 
 * **quantize**: reference ``quantize`` + ``dequantize`` (what the emulated GEMM consumes) vs
   ``fast_emulated.quantize`` (data, scale_inv and the dequantized fp32 copy in one call);
-* **linear**: one fprop + dgrad + wgrad step of an ``nn.Linear`` (fp32) vs ``Fp8Linear`` on the
-  ``emulated`` backend vs ``Fp8Linear`` on ``fast_emulated`` (registered here for the run);
+* **gemms**: the three GEMMs of one linear step as plain functions (no autograd, no module): fp32
+  ``x @ w.T, dy @ w, dy.T @ x`` vs reference quantize + ``emulated`` GEMMs vs fast quantize + GEMMs
+  on the kept fp32 operands (the wgrad copy of X is stored as FP8 and decoded, the weight's fp32
+  copy is kept from fprop for dgrad);
+* **linear**: the same step through autograd: ``nn.Linear`` (fp32) vs ``Fp8Linear`` on the
+  ``emulated`` backend vs ``Fp8Linear`` on ``fast_emulated`` (registered here for the run; it
+  decodes the saved FP8 weight too);
 * **model**: forward + backward of the demo's 4-layer Qwen2-style model (``infir2 demo`` sizes),
   fp32 vs blockwise FP8 on each backend.
 
@@ -26,7 +31,7 @@ from torch import nn
 
 from infir2.demo import FULL
 from infir2.fp8.quantize import dequantize, quantize
-from infir2.kernels import BACKENDS, Backend
+from infir2.kernels import BACKENDS, Backend, emulated
 from infir2.kernels import fast_emulated as fe
 from infir2.nn import Fp8Linear, convert_to_fp8
 
@@ -86,6 +91,51 @@ def bench_quantize(repeats: int, inner: int) -> None:
             repeats, inner,
         )  # fmt: skip
         row("quantize", label, times, "reference q+dq")
+
+
+def reference_gemms(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Fp8Linear's three GEMMs on the emulated backend (blockwise recipe blocks)."""
+    q = emulated.quantize_operand
+    xq, x_w, wq = q(x, (1, 128), "e4m3", True), q(x, (128, 1), "e4m3", True), q(w, (128, 128), "e4m3", True)
+    y = emulated.gemm_nt(xq, wq, torch.float32)  # [T,K] @ [K,N] -> [T,N]
+    dyq, dy_w = q(dy, (1, 128), "e4m3", True), q(dy, (128, 1), "e4m3", True)
+    dx = emulated.gemm_nt(dyq, wq.t(), torch.float32)  # [T,N] @ [N,K] -> [T,K]
+    dw = emulated.gemm_nt(dy_w.t(), x_w.t(), torch.float32)  # [N,T] @ [T,K] -> [N,K]
+    return y, dx, dw
+
+
+def fast_gemms(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The same with fast_emulated: kept fp32 operands, X saved as FP8 and decoded for wgrad."""
+    _, _, xq = fe.quantize(x, (1, 128))
+    x_data, x_scale_inv, _ = fe.quantize(x, (128, 1))  # saved for backward: FP8 bytes + scales only
+    _, _, wq = fe.quantize(w, (128, 128))
+    y = fe.gemm_nt(xq, wq, torch.float32)  # [T,K] @ [K,N] -> [T,N]
+    _, _, dyq = fe.quantize(dy, (1, 128))
+    _, _, dy_w = fe.quantize(dy, (128, 1))
+    dx = fe.gemm_nt(dyq, wq.t(), torch.float32)  # [T,N] @ [N,K] -> [T,K]
+    x_w = fe.dequantize(x_data, x_scale_inv, (128, 1))
+    dw = fe.gemm_nt(dy_w.t(), x_w.t(), torch.float32)  # [N,T] @ [T,K] -> [N,K]
+    return y, dx, dw
+
+
+def bench_gemms(repeats: int, inner: int, cases: list[tuple[str, int, int, int]]) -> None:
+    g = torch.Generator().manual_seed(0)
+    for label, t, k, n in cases:
+        x, w, dy = (
+            torch.randn(t, k, generator=g),
+            torch.randn(n, k, generator=g),
+            torch.randn(t, n, generator=g),
+        )
+        assert all(
+            torch.equal(a, b) for a, b in zip(reference_gemms(x, w, dy), fast_gemms(x, w, dy), strict=True)
+        )
+        times = fastest(
+            {"fp32 3 GEMMs": lambda x=x, w=w, dy=dy: (x @ w.t(), dy @ w, dy.t() @ x),
+             "fp8 reference+emulated": lambda x=x, w=w, dy=dy: reference_gemms(x, w, dy),
+             "fp8 fast+kept": lambda x=x, w=w, dy=dy: fast_gemms(x, w, dy)},
+            repeats, inner,
+        )  # fmt: skip
+        row("gemms", label, times, "fp32 3 GEMMs")
 
 
 def linear_step(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> Callable[[], object]:
@@ -155,7 +205,9 @@ def main() -> None:
           f"{platform.processor() or platform.machine()}  torch {torch.__version__}  "
           f"threads {torch.get_num_threads()}  fastest of {repeats}")  # fmt: skip
     bench_quantize(repeats, inner=5)
-    bench_linear(repeats, inner=3, cases=LINEARS[:-1] if args.quick else LINEARS)
+    cases = LINEARS[:-1] if args.quick else LINEARS
+    bench_gemms(repeats, inner=3, cases=cases)
+    bench_linear(repeats, inner=3, cases=cases)
     bench_model(repeats, inner=2)
 
 
