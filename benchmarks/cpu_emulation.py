@@ -200,7 +200,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     repeats = 2 if args.quick else args.repeats
-    BACKENDS[FAST] = Backend(FAST, fe.quantize_operand, fe.gemm_nt_operands)  # for this run only
+    BACKENDS[FAST] = Backend(
+        FAST, fe.quantize_operand, fe.gemm_nt_operands, quantize_pair=fe.quantize_operand_pair
+    )
     print(f"cpu_emulation  {datetime.now(timezone.utc).isoformat(timespec='seconds')}  "
           f"{platform.processor() or platform.machine()}  torch {torch.__version__}  "
           f"threads {torch.get_num_threads()}  fastest of {repeats}")  # fmt: skip

@@ -204,7 +204,9 @@ def test_real_activations_and_gradients():
 @pytest.mark.slow
 def test_whole_model_step_bit_identical_to_emulated(monkeypatch):
     """A 4-layer Qwen2 with every linear in FP8: loss and every gradient equal the emulated backend's."""
-    fast_backend = Backend("fast_emulated", fe.quantize_operand, fe.gemm_nt_operands)
+    fast_backend = Backend(
+        "fast_emulated", fe.quantize_operand, fe.gemm_nt_operands, quantize_pair=fe.quantize_operand_pair
+    )
     monkeypatch.setitem(BACKENDS, "fast_emulated", fast_backend)
     ids = torch.randint(0, 300, (2, 64), generator=torch.Generator().manual_seed(1))
     results = []
@@ -214,3 +216,16 @@ def test_whole_model_step_bit_identical_to_emulated(monkeypatch):
         loss.backward()
         results.append([loss.detach()] + [p.grad for p in model.parameters()])
     assert all(same_bits(a, b) for a, b in zip(*results, strict=True))
+
+
+def test_operand_pair_and_kept_operand():
+    """quantize_operand_pair: the first tiling kept, the second FP8 only; both equal the reference."""
+    x = hard_tensor((256, 384), torch.float32, seed=3)
+    first, second = fe.quantize_operand_pair(x, (1, 128), (128, 1), "e4m3", True)
+    assert first.dequantized is not None and second.dequantized is None
+    for op, block in ((first, (1, 128)), (second, (128, 1))):
+        data, scale_inv = quantize(x, block)
+        assert same_bits(op.data, data) and same_bits(op.scale_inv, scale_inv)
+        assert same_bits(op.dequantize(), dequantize(data, scale_inv, block))
+        assert same_bits(op.t().dequantize(), dequantize(data.t(), scale_inv.t(), block[::-1]))
+    assert type(first.stored()) is not fe.KeptOperand and first.stored().data is first.data

@@ -54,7 +54,16 @@ from ..fp8.quantize import dequantize as reference_dequantize
 from ..fp8.quantize import quantize as reference_quantize
 from .operand import Operand
 
-__all__ = ["KeptOperand", "dequantize", "gemm_nt", "gemm_nt_operands", "quantize", "quantize_operand"]
+__all__ = [
+    "KeptOperand",
+    "dequantize",
+    "gemm_nt",
+    "gemm_nt_operands",
+    "quantize",
+    "quantize_fp8",
+    "quantize_operand",
+    "quantize_operand_pair",
+]
 
 _MANTISSA_BITS_FP32 = 23
 _EXPONENT_BIAS_FP32 = 127
@@ -152,28 +161,31 @@ def _check_input(x: torch.Tensor) -> None:
         raise ValueError(f"quantize expects a floating-point tensor (fp32/bf16/fp16/fp64), got {x.dtype}")
 
 
+def quantize_fp8(
+    x: torch.Tensor, block: Block, fmt: str = "e4m3", pow2_scale: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(data [M,K] fp8, scale_inv [Mb,Kb] fp32)``, bit-identical to the reference ``quantize``."""
+    _check_input(x)
+    f = get_format(fmt)
+    if x.dtype == torch.float64 or x.numel() == 0:  # fp64 input rounds differently in x.float()
+        return reference_quantize(x, block, fmt, pow2_scale)
+    b = _Blocks(x, block)
+    amax = b.view.abs().amax(dim=b.dims)  # [Mb, Kb], exact in x's dtype
+    if not math.isfinite(amax.max()):  # inf/NaN somewhere (max propagates NaN): the reference's bits
+        return reference_quantize(x, block, fmt, pow2_scale)
+    scale = amax_to_scale(amax, f, pow2_scale)  # [Mb, Kb] fp32
+    y = b.view * b.per_block(scale)  # fp32 (bf16 * fp32 promotes exactly like x.float() * scale)
+    codes = y.clamp_(-f.max, f.max).to(f.dtype)  # the reference's saturating RNE cast (y is finite)
+    return b.unview(codes).contiguous(), scale.reciprocal()
+
+
 def quantize(
     x: torch.Tensor, block: Block, fmt: str = "e4m3", pow2_scale: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(data [M,K] fp8, scale_inv [Mb,Kb] fp32, dequantized [M,K] fp32)``, bit-identical to the
     reference ``quantize`` and to ``dequantize(data, scale_inv, block)``."""
-    _check_input(x)
-    f = get_format(fmt)
-    if x.dtype == torch.float64 or x.numel() == 0:  # fp64 input rounds differently in x.float()
-        data, scale_inv = reference_quantize(x, block, fmt, pow2_scale)
-        return data, scale_inv, reference_dequantize(data, scale_inv, block)
-    b = _Blocks(x, block)
-    amax = b.view.abs().amax(dim=b.dims)  # [Mb, Kb], exact in x's dtype
-    scale = amax_to_scale(amax, f, pow2_scale)  # [Mb, Kb] fp32
-    scale_inv = scale.reciprocal()
-    if not math.isfinite(amax.max()):  # inf/NaN somewhere (max propagates NaN): the reference's bits
-        data, scale_inv = reference_quantize(x, block, fmt, pow2_scale)
-        return data, scale_inv, reference_dequantize(data, scale_inv, block)
-    y = b.view * b.per_block(scale)  # fp32 (bf16 * fp32 promotes exactly like x.float() * scale)
-    codes = y.clamp_(-f.max, f.max).to(f.dtype)  # the reference's saturating RNE cast (y is finite)
-    dequantized = b.unview(_decode(codes, b.per_block(scale_inv), _grid_of(f)))
-    data = b.unview(codes).contiguous()
-    return data, scale_inv, dequantized
+    data, scale_inv = quantize_fp8(x, block, fmt, pow2_scale)
+    return data, scale_inv, dequantize(data, scale_inv, block)
 
 
 def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, block: Block) -> torch.Tensor:
@@ -224,6 +236,16 @@ def quantize_operand(x: torch.Tensor, block: Block, fmt: str, pow2_scale: bool) 
     """The backend ``quantize``: :func:`quantize` as a :class:`KeptOperand`."""
     data, scale_inv, dequantized = quantize(x, block, fmt, pow2_scale)
     return KeptOperand(data, scale_inv, tuple(block), dequantized)  # type: ignore[arg-type]
+
+
+def quantize_operand_pair(
+    x: torch.Tensor, block_a: Block, block_b: Block, fmt: str, pow2_scale: bool
+) -> tuple[KeptOperand, KeptOperand]:
+    """The backend ``quantize_pair``: the first tiling kept dequantized (its GEMM runs now), the
+    second as FP8 only, decoded when its GEMM runs. For X the second is the wgrad copy saved for
+    backward, so forward never decodes it; for dY both GEMMs follow at once and it costs the same."""
+    data, scale_inv = quantize_fp8(x, block_b, fmt, pow2_scale)
+    return quantize_operand(x, block_a, fmt, pow2_scale), KeptOperand(data, scale_inv, tuple(block_b))  # type: ignore[arg-type]
 
 
 def gemm_nt_operands(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
