@@ -196,6 +196,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7, help="timed rounds; the fastest counts")
     parser.add_argument("--quick", action="store_true", help="demo sizes only, 2 rounds")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--sections", default="quantize,gemms,linear,model", help="comma-separated subset")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -206,11 +207,16 @@ def main() -> None:
     print(f"cpu_emulation  {datetime.now(timezone.utc).isoformat(timespec='seconds')}  "
           f"{platform.processor() or platform.machine()}  torch {torch.__version__}  "
           f"threads {torch.get_num_threads()}  fastest of {repeats}")  # fmt: skip
-    bench_quantize(repeats, inner=5)
+    sections = set(args.sections.split(","))
     cases = LINEARS[:-1] if args.quick else LINEARS
-    bench_gemms(repeats, inner=3, cases=cases)
-    bench_linear(repeats, inner=3, cases=cases)
-    bench_model(repeats, inner=2)
+    if "quantize" in sections:
+        bench_quantize(repeats, inner=5)
+    if "gemms" in sections:
+        bench_gemms(repeats, inner=3, cases=cases)
+    if "linear" in sections:
+        bench_linear(repeats, inner=3, cases=cases)
+    if "model" in sections:
+        bench_model(repeats, inner=2)
 
 
 if __name__ == "__main__":
