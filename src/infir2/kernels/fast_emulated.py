@@ -161,22 +161,32 @@ def _check_input(x: torch.Tensor) -> None:
         raise ValueError(f"quantize expects a floating-point tensor (fp32/bf16/fp16/fp64), got {x.dtype}")
 
 
+def _quantize_blocks(
+    x: torch.Tensor, block: Block, f: Fp8Format, pow2_scale: bool
+) -> tuple[_Blocks, torch.Tensor, torch.Tensor] | None:
+    """``(blocks, codes in the blocks' view, scale_inv)``; ``None`` where the reference must run."""
+    _check_input(x)
+    if x.dtype == torch.float64 or x.numel() == 0:  # fp64 input rounds differently in x.float()
+        return None
+    b = _Blocks(x, block)
+    amax = b.view.abs().amax(dim=b.dims)  # [Mb, Kb], exact in x's dtype
+    if not math.isfinite(amax.max()):  # inf/NaN somewhere (max propagates NaN): the reference's bits
+        return None
+    scale = amax_to_scale(amax, f, pow2_scale)  # [Mb, Kb] fp32
+    y = b.view * b.per_block(scale)  # fp32 (bf16 * fp32 promotes exactly like x.float() * scale)
+    codes = y.clamp_(-f.max, f.max).to(f.dtype)  # the reference's saturating RNE cast (y is finite)
+    return b, codes, scale.reciprocal()
+
+
 def quantize_fp8(
     x: torch.Tensor, block: Block, fmt: str = "e4m3", pow2_scale: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(data [M,K] fp8, scale_inv [Mb,Kb] fp32)``, bit-identical to the reference ``quantize``."""
-    _check_input(x)
-    f = get_format(fmt)
-    if x.dtype == torch.float64 or x.numel() == 0:  # fp64 input rounds differently in x.float()
+    quantized = _quantize_blocks(x, block, get_format(fmt), pow2_scale)
+    if quantized is None:
         return reference_quantize(x, block, fmt, pow2_scale)
-    b = _Blocks(x, block)
-    amax = b.view.abs().amax(dim=b.dims)  # [Mb, Kb], exact in x's dtype
-    if not math.isfinite(amax.max()):  # inf/NaN somewhere (max propagates NaN): the reference's bits
-        return reference_quantize(x, block, fmt, pow2_scale)
-    scale = amax_to_scale(amax, f, pow2_scale)  # [Mb, Kb] fp32
-    y = b.view * b.per_block(scale)  # fp32 (bf16 * fp32 promotes exactly like x.float() * scale)
-    codes = y.clamp_(-f.max, f.max).to(f.dtype)  # the reference's saturating RNE cast (y is finite)
-    return b.unview(codes).contiguous(), scale.reciprocal()
+    b, codes, scale_inv = quantized
+    return b.unview(codes).contiguous(), scale_inv
 
 
 def quantize(
@@ -184,8 +194,14 @@ def quantize(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(data [M,K] fp8, scale_inv [Mb,Kb] fp32, dequantized [M,K] fp32)``, bit-identical to the
     reference ``quantize`` and to ``dequantize(data, scale_inv, block)``."""
-    data, scale_inv = quantize_fp8(x, block, fmt, pow2_scale)
-    return data, scale_inv, dequantize(data, scale_inv, block)
+    f = get_format(fmt)
+    quantized = _quantize_blocks(x, block, f, pow2_scale)
+    if quantized is None:
+        data, scale_inv = reference_quantize(x, block, fmt, pow2_scale)
+        return data, scale_inv, reference_dequantize(data, scale_inv, block)
+    b, codes, scale_inv = quantized  # codes are finite: decode them directly
+    dequantized = b.unview(_decode(codes, b.per_block(scale_inv), _grid_of(f)))
+    return b.unview(codes).contiguous(), scale_inv, dequantized
 
 
 def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, block: Block) -> torch.Tensor:
