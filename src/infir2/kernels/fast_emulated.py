@@ -1,0 +1,275 @@
+"""Fast CPU emulation: decode FP8 with integer arithmetic and keep the dequantized operands.
+
+Same contract as the reference (``infir2.fp8.quantize``), bit for bit: ``data`` and ``scale_inv``
+are identical to ``quantize(x, block, fmt, pow2_scale)`` and ``dequantized`` to
+``dequantize(data, scale_inv, block)``, so a GEMM on the dequantized operands is the ``emulated``
+backend's GEMM. What changes is the cost. On a CPU the slowest step of the reference is the
+fp8 -> fp32 conversion inside ``dequantize``: torch converts FP8 one element at a time (~15 ns per
+element on the development CPU, ~100x an fp32 multiply), and the emulated backend pays it for
+every operand of every GEMM. Here torch never converts FP8 back:
+
+1. **Scale.** ``amax`` per block over a view of ``x`` (no padding copy when the shape is whole
+   blocks), ``scale = amax_to_scale(amax)`` - the reference's own function, so any change to the
+   scale rule applies here too.
+2. **Round.** ``data = clamp(x * scale, -fmax, fmax).to(fp8)``: the reference's multiply and its
+   saturating round-to-nearest-even cast, the same torch operations, so the same bytes.
+3. **Decode in fp32 bit arithmetic.** An FP8 byte is a sign, ``ebits`` exponent and ``mbits``
+   mantissa bits; shifted left by ``23 - mbits`` into an fp32 pattern it lands on the fp32
+   sign/exponent/mantissa fields, with the exponent bias off by ``127 - bias``::
+
+       bits  = (int32(int8(data)) << (23 - mbits)) & (sign bit | 7 magnitude bits << (23 - mbits))
+       value = float32(bits) * 2 ** (127 - bias)
+
+   The multiply by a power of two is exact, and an FP8 subnormal (exponent field 0) becomes an fp32
+   subnormal with the same mantissa, which the same multiply scales exactly. So ``value`` is
+   ``data.float()`` bit for bit, and ``dequantized = value * scale_inv`` is the reference's one
+   rounding of the same product; the power of two is folded into ``scale_inv`` when that product
+   is finite (it then is exact), so decoding costs an int8 -> int32 widening, two integer ops and
+   the multiply the reference does anyway.
+
+Non-finite inputs (a block whose ``amax`` is NaN or inf; one check of the small ``amax`` tensor) and
+FP8 bytes that encode NaN/inf take the reference path, so NaN stays NaN, inf becomes NaN in E4M3 and
+stays inf in E5M2, with the reference's exact bit patterns and NaN payloads.
+
+Cost (``benchmarks/cpu_emulation.py``): quantize is ~8 elementwise passes plus one fp32 -> fp8 cast,
+and no fp8 -> fp32 conversion; the GEMMs on kept operands are the fp32 GEMMs of ``nn.Linear``.
+Memory: ``dequantized`` is an fp32 copy of the operand. Keep it only while its GEMM needs it and
+save the FP8 ``data`` for backward: :func:`dequantize` brings it back at the cost of one decode.
+(Rounding in fp32 instead - ``(|y| + 2 ** (e + 23 - mbits)) - 2 ** (...)`` with a per-element
+exponent - is exact too, but measured 1.4-1.7x slower than cast + decode at the demo's sizes: it
+needs more passes, and the fp8 bytes still have to be produced.)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..fp8.formats import Fp8Format, get_format
+from ..fp8.quantize import Block, amax_to_scale, resolve_block
+from ..fp8.quantize import dequantize as reference_dequantize
+from ..fp8.quantize import quantize as reference_quantize
+from .operand import Operand
+
+__all__ = [
+    "KeptOperand",
+    "dequantize",
+    "gemm_nt",
+    "gemm_nt_operands",
+    "quantize",
+    "quantize_fp8",
+    "quantize_operand",
+    "quantize_operand_pair",
+]
+
+_MANTISSA_BITS_FP32 = 23
+_EXPONENT_BIAS_FP32 = 127
+_EXPONENT_FIELD = 0x7F800000  # exponent bits of an fp32 pattern
+_SIGN_BIT = -(2**31)  # 0x80000000 as int32
+
+
+@dataclass(frozen=True)
+class _Grid:
+    """The integer constants of one FP8 format's grid, derived from ``torch.finfo``."""
+
+    exponent_floor: int  # fp32 exponent bits of the smallest normal, 2 ** emin
+    magic_offset: int  # (23 - mbits) << 23: adds 23 - mbits to an fp32 exponent
+    shift: int  # 23 - mbits: where the FP8 exponent+mantissa bits sit in an fp32 pattern
+    decode_mask: int  # sign | exponent+mantissa field, after shifting the byte left by 23 - mbits
+    decode_factor: float  # 2 ** (127 - bias): turns the shifted pattern into the FP8 value
+    magnitude: int  # the 7 bits of a code below its sign bit
+    nonfinite_magnitude: int  # the smallest magnitude that is inf or NaN
+
+
+def _grid(f: Fp8Format) -> _Grid:
+    info = torch.finfo(f.dtype)
+    mbits = -int(math.log2(info.eps))
+    emin = int(math.log2(info.smallest_normal))
+    shift = _MANTISSA_BITS_FP32 - mbits
+    ebits = info.bits - 1 - mbits
+    bias = 2 ** (ebits - 1) - 1
+    magnitude = 2 ** (info.bits - 1) - 1  # the 7 bits below the sign
+    # E4M3 (fn): only the all-ones magnitude is NaN; E5M2: the all-ones exponent is inf/NaN
+    nonfinite = magnitude if not f.has_inf else ((2**ebits - 1) << mbits)
+    return _Grid(exponent_floor=(emin + _EXPONENT_BIAS_FP32) << _MANTISSA_BITS_FP32,
+                 magic_offset=shift << _MANTISSA_BITS_FP32, shift=shift,
+                 decode_mask=_SIGN_BIT | (magnitude << shift),
+                 decode_factor=2.0 ** (_EXPONENT_BIAS_FP32 - bias), magnitude=magnitude,
+                 nonfinite_magnitude=nonfinite)  # fmt: skip
+
+
+_GRIDS: dict[torch.dtype, _Grid] = {}
+
+
+def _grid_of(f: Fp8Format) -> _Grid:
+    if f.dtype not in _GRIDS:
+        _GRIDS[f.dtype] = _grid(f)
+    return _GRIDS[f.dtype]
+
+
+def _decode(codes: torch.Tensor, scale_inv: torch.Tensor, g: _Grid) -> torch.Tensor:
+    """fp32 ``codes * scale_inv`` (``scale_inv`` broadcast to ``codes``) for finite FP8 ``codes``."""
+    bits = codes.view(torch.int8).to(torch.int32).bitwise_left_shift_(g.shift).bitwise_and_(g.decode_mask)
+    raw = bits.view(torch.float32)  # the FP8 value times 2 ** -(127 - bias), exact
+    factor = scale_inv.float() * g.decode_factor
+    if math.isfinite(factor.max()):  # exact, so raw * factor is one rounding of value * scale_inv
+        return raw.mul_(factor)
+    return raw.mul_(g.decode_factor).mul_(scale_inv.float())
+
+
+class _Blocks:
+    """``x [M, K]`` viewed so that each block is one reduction: ``[M, Kb, bk]`` for ``(1, bk)``,
+    ``[Mb, bm, K]`` for ``(bm, 1)``, else ``[Mb, bm, Kb, bk]``; zero-padded only for partial blocks."""
+
+    def __init__(self, x: torch.Tensor, block: Block) -> None:
+        self.m, self.k = x.shape
+        self.bm, self.bk = resolve_block(block, x.shape)
+        pad_m, pad_k = (-self.m) % self.bm, (-self.k) % self.bk
+        if pad_m or pad_k:
+            x = F.pad(x, (0, pad_k, 0, pad_m))
+        self.padded_shape = x.shape
+        self.mb, self.kb = x.shape[0] // self.bm, x.shape[1] // self.bk
+        self.dims: tuple[int, ...]  # the dimensions of self.view that one block spans
+        if self.bm == 1:
+            self.view, self.dims = x.reshape(x.shape[0], self.kb, self.bk), (2,)
+        elif self.bk == 1:
+            self.view, self.dims = x.reshape(self.mb, self.bm, x.shape[1]), (1,)
+        else:
+            self.view, self.dims = x.reshape(self.mb, self.bm, self.kb, self.bk), (1, 3)
+
+    def per_block(self, s: torch.Tensor) -> torch.Tensor:
+        """A ``[Mb, Kb]`` tensor broadcast against :attr:`view`."""
+        if self.bm == 1:
+            return s[:, :, None]
+        if self.bk == 1:
+            return s[:, None, :]
+        return s[:, None, :, None]
+
+    def unview(self, t: torch.Tensor) -> torch.Tensor:
+        """A tensor shaped like :attr:`view` back to ``[M, K]`` (a slice when padded)."""
+        t = t.reshape(self.padded_shape)
+        return t if tuple(t.shape) == (self.m, self.k) else t[: self.m, : self.k]
+
+
+def _check_input(x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"quantize expects a 2-D tensor [M, K], got {getattr(x, 'shape', type(x).__name__)}")
+    if not x.dtype.is_floating_point or x.dtype.itemsize == 1:
+        raise ValueError(f"quantize expects a floating-point tensor (fp32/bf16/fp16/fp64), got {x.dtype}")
+
+
+def _quantize_blocks(
+    x: torch.Tensor, block: Block, f: Fp8Format, pow2_scale: bool
+) -> tuple[_Blocks, torch.Tensor, torch.Tensor] | None:
+    """``(blocks, codes in the blocks' view, scale_inv)``; ``None`` where the reference must run."""
+    _check_input(x)
+    if x.dtype == torch.float64 or x.numel() == 0:  # fp64 input rounds differently in x.float()
+        return None
+    b = _Blocks(x, block)
+    amax = b.view.abs().amax(dim=b.dims)  # [Mb, Kb], exact in x's dtype
+    if not math.isfinite(amax.max()):  # inf/NaN somewhere (max propagates NaN): the reference's bits
+        return None
+    scale = amax_to_scale(amax, f, pow2_scale)  # [Mb, Kb] fp32
+    y = b.view * b.per_block(scale)  # fp32 (bf16 * fp32 promotes exactly like x.float() * scale)
+    codes = y.clamp_(-f.max, f.max).to(f.dtype)  # the reference's saturating RNE cast (y is finite)
+    return b, codes, scale.reciprocal()
+
+
+def quantize_fp8(
+    x: torch.Tensor, block: Block, fmt: str = "e4m3", pow2_scale: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(data [M,K] fp8, scale_inv [Mb,Kb] fp32)``, bit-identical to the reference ``quantize``."""
+    quantized = _quantize_blocks(x, block, get_format(fmt), pow2_scale)
+    if quantized is None:
+        return reference_quantize(x, block, fmt, pow2_scale)
+    b, codes, scale_inv = quantized
+    return b.unview(codes).contiguous(), scale_inv
+
+
+def quantize(
+    x: torch.Tensor, block: Block, fmt: str = "e4m3", pow2_scale: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(data [M,K] fp8, scale_inv [Mb,Kb] fp32, dequantized [M,K] fp32)``, bit-identical to the
+    reference ``quantize`` and to ``dequantize(data, scale_inv, block)``."""
+    f = get_format(fmt)
+    quantized = _quantize_blocks(x, block, f, pow2_scale)
+    if quantized is None:
+        data, scale_inv = reference_quantize(x, block, fmt, pow2_scale)
+        return data, scale_inv, reference_dequantize(data, scale_inv, block)
+    b, codes, scale_inv = quantized  # codes are finite: decode them directly
+    dequantized = b.unview(_decode(codes, b.per_block(scale_inv), _grid_of(f)))
+    return b.unview(codes).contiguous(), scale_inv, dequantized
+
+
+def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, block: Block) -> torch.Tensor:
+    """``data * scale_inv`` in fp32, bit-identical to the reference ``dequantize``, decoding the FP8
+    bytes with integer operations instead of torch's element-by-element conversion."""
+    if data.dim() != 2 or data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"dequantize expects 2-D FP8 data, got {data.dtype} of shape {tuple(data.shape)}")
+    f = get_format("e4m3" if data.dtype == torch.float8_e4m3fn else "e5m2")
+    g = _grid_of(f)
+    b = _Blocks(data.view(torch.int8), block)  # a view of the bytes (reshape, as the reference does)
+    if scale_inv.shape != (b.mb, b.kb):
+        raise ValueError(
+            f"scale_inv shape {tuple(scale_inv.shape)} does not match data {tuple(data.shape)} "
+            f"with block {tuple(block)}: expected {(b.mb, b.kb)}"
+        )
+    if data.numel() and int((data.view(torch.uint8) & g.magnitude).amax()) >= g.nonfinite_magnitude:
+        return reference_dequantize(data, scale_inv, block)  # NaN/inf bytes: torch's own NaN payloads
+    return b.unview(_decode(b.view, b.per_block(scale_inv), g))
+
+
+def gemm_nt(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a [M, K] @ b[N, K].T -> [M, N]`` on dequantized fp32 operands, cast to ``out_dtype``."""
+    assert a.shape[1] == b.shape[1], f"reduction dims differ: {tuple(a.shape)} vs {tuple(b.shape)}"
+    return (a @ b.t()).to(out_dtype)  # [M,K] @ [K,N] -> [M,N], fp32
+
+
+@dataclass(frozen=True)
+class KeptOperand(Operand):
+    """An :class:`Operand` that also carries its dequantized fp32 values (``None``: decode on use)."""
+
+    dequantized: torch.Tensor | None = None
+
+    def t(self) -> KeptOperand:
+        deq = None if self.dequantized is None else self.dequantized.t()
+        return KeptOperand(self.data.t(), self.scale_inv.t(), (self.block[1], self.block[0]), deq)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.dequantized is not None:
+            return self.dequantized.to(dtype)
+        return dequantize(self.data, self.scale_inv, self.block).to(dtype)
+
+    def stored(self) -> Operand:
+        """The FP8 bytes and scales only (what to save for backward)."""
+        return Operand(self.data, self.scale_inv, self.block)
+
+
+def quantize_operand(x: torch.Tensor, block: Block, fmt: str, pow2_scale: bool) -> KeptOperand:
+    """The backend ``quantize``: :func:`quantize` as a :class:`KeptOperand`."""
+    data, scale_inv, dequantized = quantize(x, block, fmt, pow2_scale)
+    return KeptOperand(data, scale_inv, tuple(block), dequantized)  # type: ignore[arg-type]
+
+
+def quantize_operand_pair(
+    x: torch.Tensor, block_a: Block, block_b: Block, fmt: str, pow2_scale: bool
+) -> tuple[KeptOperand, KeptOperand]:
+    """The backend ``quantize_pair``: the first tiling kept dequantized (its GEMM runs now), the
+    second as FP8 only, decoded when its GEMM runs. For X the second is the wgrad copy saved for
+    backward, so forward never decodes it; for dY both GEMMs follow at once and it costs the same."""
+    data, scale_inv = quantize_fp8(x, block_b, fmt, pow2_scale)
+    return quantize_operand(x, block_a, fmt, pow2_scale), KeptOperand(data, scale_inv, tuple(block_b))  # type: ignore[arg-type]
+
+
+def gemm_nt_operands(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
+    """The backend ``gemm_nt``: kept fp32 operands where present, fast decoding otherwise."""
+    return gemm_nt(_fp32(a), _fp32(b), out_dtype)  # [M,K] @ [K,N] -> [M,N], fp32
+
+
+def _fp32(op: Operand) -> torch.Tensor:
+    if isinstance(op, KeptOperand):
+        return op.dequantize()
+    return dequantize(op.data, op.scale_inv, op.block)
