@@ -31,7 +31,8 @@ from torch import nn
 
 from infir2.demo import FULL
 from infir2.fp8.quantize import dequantize, quantize
-from infir2.kernels import BACKENDS, Backend, emulated
+from infir2.fp8.recipe import Cast
+from infir2.kernels import Operand, emulated
 from infir2.kernels import fast_emulated as fe
 from infir2.nn import Fp8Linear, convert_to_fp8
 
@@ -87,7 +88,7 @@ def bench_quantize(repeats: int, inner: int) -> None:
 
         times = fastest(
             {"reference q+dq": reference, "reference q only": lambda x=x, b=block: quantize(x, b),
-             FAST: lambda x=x, b=block: fe.quantize(x, b)},
+             FAST: lambda x=x, b=block: fe.quantize_kept(x, b)},
             repeats, inner,
         )  # fmt: skip
         row("quantize", label, times, "reference q+dq")
@@ -95,10 +96,13 @@ def bench_quantize(repeats: int, inner: int) -> None:
 
 def reference_gemms(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Fp8Linear's three GEMMs on the emulated backend (blockwise recipe blocks)."""
-    q = emulated.quantize_operand
-    xq, x_w, wq = q(x, (1, 128), "e4m3", True), q(x, (128, 1), "e4m3", True), q(w, (128, 128), "e4m3", True)
+
+    def q(t: torch.Tensor, block: tuple[int, int]) -> Operand:
+        return emulated.quantize(t, Cast(block))
+
+    xq, x_w, wq = q(x, (1, 128)), q(x, (128, 1)), q(w, (128, 128))
     y = emulated.gemm_nt(xq, wq, torch.float32)  # [T,K] @ [K,N] -> [T,N]
-    dyq, dy_w = q(dy, (1, 128), "e4m3", True), q(dy, (128, 1), "e4m3", True)
+    dyq, dy_w = q(dy, (1, 128)), q(dy, (128, 1))
     dx = emulated.gemm_nt(dyq, wq.t(), torch.float32)  # [T,N] @ [N,K] -> [T,K]
     dw = emulated.gemm_nt(dy_w.t(), x_w.t(), torch.float32)  # [N,T] @ [T,K] -> [N,K]
     return y, dx, dw
@@ -106,15 +110,15 @@ def reference_gemms(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple
 
 def fast_gemms(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The same with fast_emulated: kept fp32 operands, X saved as FP8 and decoded for wgrad."""
-    _, _, xq = fe.quantize(x, (1, 128))
-    x_data, x_scale_inv, _ = fe.quantize(x, (128, 1))  # saved for backward: FP8 bytes + scales only
-    _, _, wq = fe.quantize(w, (128, 128))
-    y = fe.gemm_nt(xq, wq, torch.float32)  # [T,K] @ [K,N] -> [T,N]
-    _, _, dyq = fe.quantize(dy, (1, 128))
-    _, _, dy_w = fe.quantize(dy, (128, 1))
-    dx = fe.gemm_nt(dyq, wq.t(), torch.float32)  # [T,N] @ [N,K] -> [T,K]
+    _, _, xq = fe.quantize_kept(x, (1, 128))
+    x_data, x_scale_inv, _ = fe.quantize_kept(x, (128, 1))  # saved for backward: FP8 bytes + scales only
+    _, _, wq = fe.quantize_kept(w, (128, 128))
+    y = fe.gemm_nt_fp32(xq, wq, torch.float32)  # [T,K] @ [K,N] -> [T,N]
+    _, _, dyq = fe.quantize_kept(dy, (1, 128))
+    _, _, dy_w = fe.quantize_kept(dy, (128, 1))
+    dx = fe.gemm_nt_fp32(dyq, wq.t(), torch.float32)  # [T,N] @ [N,K] -> [T,K]
     x_w = fe.dequantize(x_data, x_scale_inv, (128, 1))
-    dw = fe.gemm_nt(dy_w.t(), x_w.t(), torch.float32)  # [N,T] @ [T,K] -> [N,K]
+    dw = fe.gemm_nt_fp32(dy_w.t(), x_w.t(), torch.float32)  # [N,T] @ [T,K] -> [N,K]
     return y, dx, dw
 
 
@@ -201,9 +205,6 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     repeats = 2 if args.quick else args.repeats
-    BACKENDS[FAST] = Backend(
-        FAST, fe.quantize_operand, fe.gemm_nt_operands, quantize_pair=fe.quantize_operand_pair
-    )
     print(f"cpu_emulation  {datetime.now(timezone.utc).isoformat(timespec='seconds')}  "
           f"{platform.processor() or platform.machine()}  torch {torch.__version__}  "
           f"threads {torch.get_num_threads()}  fastest of {repeats}")  # fmt: skip

@@ -15,7 +15,8 @@ import torch
 from conftest import make_tiny_model
 from infir2.fp8.formats import get_format
 from infir2.fp8.quantize import dequantize, quantize
-from infir2.kernels import BACKENDS, Backend, emulated
+from infir2.fp8.recipe import Cast
+from infir2.kernels import emulated
 from infir2.kernels import fast_emulated as fe
 from infir2.nn import convert_to_fp8
 
@@ -34,7 +35,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def assert_matches_reference(x: torch.Tensor, block, fmt: str, pow2: bool) -> None:
     data, scale_inv = quantize(x, block, fmt, pow2)
-    fast_data, fast_scale_inv, fast_deq = fe.quantize(x, block, fmt, pow2)
+    fast_data, fast_scale_inv, fast_deq = fe.quantize_kept(x, block, fmt, pow2)
     where = f"{fmt} pow2={pow2} block={block} shape={tuple(x.shape)} {x.dtype}"
     assert same_bits(fast_data, data), f"data differs: {where}"
     assert same_bits(fast_scale_inv, scale_inv), f"scale_inv differs: {where}"
@@ -85,7 +86,7 @@ def test_nonfinite_like_reference(fmt, block):
     x = hard_tensor((130, 200), torch.float32, seed=7)
     x[0, 5], x[4, 64], x[129, 199], x[60, 3] = float("inf"), float("-inf"), float("nan"), -float("nan")
     assert_matches_reference(x, block, fmt, True)
-    data = fe.quantize(x, block, fmt, True)[0].float()
+    data = fe.quantize_kept(x, block, fmt, True)[0].float()
     assert torch.isnan(data[129, 199]) and torch.isnan(data[60, 3])
     assert torch.isinf(data[0, 5]) == get_format(fmt).has_inf  # inf -> NaN in E4M3, stays in E5M2
 
@@ -115,7 +116,7 @@ def test_rounding_boundaries_exhaustive(fmt, pow2):
     v = boundary_sweep(fmt)
     within = v[v.abs() <= f.max]
     rows = torch.stack([within, torch.full_like(within, f.max)], dim=1)  # [n, 2]: one block per row
-    data, scale_inv, deq = fe.quantize(rows, (1, -1), fmt, pow2)
+    data, scale_inv, deq = fe.quantize_kept(rows, (1, -1), fmt, pow2)
     assert torch.all(scale_inv == 1.0)
     assert same_bits(data, rows.to(f.dtype))  # torch's round-to-nearest-even cast
     assert same_bits(deq, rows.to(f.dtype).float())
@@ -138,9 +139,9 @@ def test_dequantize_decodes_every_code(fmt):
 
 def test_bad_input_is_a_clear_error():
     with pytest.raises(ValueError, match="2-D"):
-        fe.quantize(torch.zeros(4), (1, 128))
+        fe.quantize_kept(torch.zeros(4), (1, 128))
     with pytest.raises(ValueError, match="floating-point"):
-        fe.quantize(torch.zeros(4, 4, dtype=torch.int32), (1, 128))
+        fe.quantize_kept(torch.zeros(4, 4, dtype=torch.int32), (1, 128))
     data, scale_inv = quantize(torch.randn(4, 256), (1, 128))
     with pytest.raises(ValueError, match="scale_inv shape"):
         fe.dequantize(data, scale_inv.t(), (1, 128))
@@ -160,20 +161,26 @@ def test_three_gemms_bit_identical_to_emulated(shape, recipe_blocks):
         0.05 * torch.randn(n, k, generator=g),
         torch.randn(t, n, generator=g),
     )
-    ref, fast = emulated.quantize_operand, fe.quantize_operand
+
+    def ref(x, block, fmt, pow2):
+        return emulated.quantize(x, Cast(block, fmt, "pow2" if pow2 else "fp32"))
+
+    def fast(x, block, fmt, pow2):
+        return fe.quantize(x, Cast(block, fmt, "pow2" if pow2 else "fp32"))
+
     cases = [((x, act), (w, weight), False), ((dy, act), (w, dgrad_weight), True)]
     for (a, a_block), (b, b_block), transpose_b in cases:  # fprop [T,K]@[K,N], dgrad [T,N]@[N,K]
         ra, rb = ref(a, a_block, "e4m3", True), ref(b, b_block, "e4m3", True)
         fa, fb = fast(a, a_block, "e4m3", True), fast(b, b_block, "e4m3", True)
         expected = emulated.gemm_nt(ra, rb.t() if transpose_b else rb, torch.float32)
-        assert same_bits(fe.gemm_nt_operands(fa, fb.t() if transpose_b else fb, torch.float32), expected)
+        assert same_bits(fe.gemm_nt(fa, fb.t() if transpose_b else fb, torch.float32), expected)
     # wgrad [N,T] @ [T,K]: dY kept, X from its stored FP8 bytes (what backward has)
     dy_w, x_w = fast(dy, token, "e4m3", True), fast(x, token, "e4m3", True)
     expected = emulated.gemm_nt(
         ref(dy, token, "e4m3", True).t(), ref(x, token, "e4m3", True).t(), torch.float32
     )
-    assert same_bits(fe.gemm_nt_operands(dy_w.t(), x_w.stored().t(), torch.float32), expected)
-    assert same_bits(fe.gemm_nt_operands(dy_w.t(), x_w.t(), torch.float32), expected)
+    assert same_bits(fe.gemm_nt(dy_w.t(), x_w.stored().t(), torch.float32), expected)
+    assert same_bits(fe.gemm_nt(dy_w.t(), x_w.t(), torch.float32), expected)
 
 
 def _activations_and_grads(model, ids):
@@ -202,12 +209,8 @@ def test_real_activations_and_gradients():
 
 
 @pytest.mark.slow
-def test_whole_model_step_bit_identical_to_emulated(monkeypatch):
+def test_whole_model_step_bit_identical_to_emulated():
     """A 4-layer Qwen2 with every linear in FP8: loss and every gradient equal the emulated backend's."""
-    fast_backend = Backend(
-        "fast_emulated", fe.quantize_operand, fe.gemm_nt_operands, quantize_pair=fe.quantize_operand_pair
-    )
-    monkeypatch.setitem(BACKENDS, "fast_emulated", fast_backend)
     ids = torch.randint(0, 300, (2, 64), generator=torch.Generator().manual_seed(1))
     results = []
     for backend in ("emulated", "fast_emulated"):
@@ -221,7 +224,7 @@ def test_whole_model_step_bit_identical_to_emulated(monkeypatch):
 def test_operand_pair_and_kept_operand():
     """quantize_operand_pair: the first tiling kept, the second FP8 only; both equal the reference."""
     x = hard_tensor((256, 384), torch.float32, seed=3)
-    first, second = fe.quantize_operand_pair(x, (1, 128), (128, 1), "e4m3", True)
+    first, second = fe.quantize_pair(x, Cast((1, 128)), Cast((128, 1)))
     assert first.dequantized is not None and second.dequantized is None
     for op, block in ((first, (1, 128)), (second, (128, 1))):
         data, scale_inv = quantize(x, block)

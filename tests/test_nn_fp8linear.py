@@ -135,7 +135,8 @@ def test_scaled_mm_backend_agrees_with_emulated(recipe):
 
 def test_backend_selection_and_errors(caplog):
     with caplog.at_level(logging.INFO):
-        assert bind(get_recipe("blockwise"), "cpu").name == "emulated"
+        assert bind(get_recipe("blockwise"), "cpu").name == "fast_emulated"  # exact, integer-decoded
+        assert bind(get_recipe("mxfp8"), "cpu").name == "emulated"  # E8M0 scales: the reference
         assert bind(get_recipe("rowwise"), "cpu").name == "scaled_mm"
     with pytest.raises(ValueError, match="unknown FP8 backend 'cutlass'"):
         bind(get_recipe("blockwise"), "cpu", "cutlass")
@@ -182,7 +183,7 @@ def test_weight_cache_quantizes_once_per_step_and_follows_updates(monkeypatch):
     layer = Fp8Linear(256, 256)
     opt = torch.optim.SGD(layer.parameters(), lr=0.1)
     calls = []
-    backend = BACKENDS["emulated"]
+    backend = BACKENDS[layer.bind_kernels("cpu").name]
     original = backend.quantize
 
     def counting(x, cast):

@@ -52,18 +52,25 @@ from ..fp8.formats import Fp8Format, get_format
 from ..fp8.quantize import Block, amax_to_scale, resolve_block
 from ..fp8.quantize import dequantize as reference_dequantize
 from ..fp8.quantize import quantize as reference_quantize
+from ..fp8.recipe import Cast, Fp8Recipe
 from .operand import Operand
 
 __all__ = [
+    "NAME",
     "KeptOperand",
     "dequantize",
     "gemm_nt",
-    "gemm_nt_operands",
+    "gemm_nt_fp32",
     "quantize",
     "quantize_fp8",
-    "quantize_operand",
-    "quantize_operand_pair",
+    "quantize_kept",
+    "quantize_pair",
+    "supports_gemm",
+    "supports_quantize",
+    "why_unavailable",
 ]
+
+NAME = "fast_emulated"
 
 _MANTISSA_BITS_FP32 = 23
 _EXPONENT_BIAS_FP32 = 127
@@ -189,7 +196,7 @@ def quantize_fp8(
     return b.unview(codes).contiguous(), scale_inv
 
 
-def quantize(
+def quantize_kept(
     x: torch.Tensor, block: Block, fmt: str = "e4m3", pow2_scale: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(data [M,K] fp8, scale_inv [Mb,Kb] fp32, dequantized [M,K] fp32)``, bit-identical to the
@@ -222,7 +229,7 @@ def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, block: Block) -> tor
     return b.unview(_decode(b.view, b.per_block(scale_inv), g))
 
 
-def gemm_nt(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def gemm_nt_fp32(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """``a [M, K] @ b[N, K].T -> [M, N]`` on dequantized fp32 operands, cast to ``out_dtype``."""
     assert a.shape[1] == b.shape[1], f"reduction dims differ: {tuple(a.shape)} vs {tuple(b.shape)}"
     return (a @ b.t()).to(out_dtype)  # [M,K] @ [K,N] -> [M,N], fp32
@@ -248,25 +255,49 @@ class KeptOperand(Operand):
         return Operand(self.data, self.scale_inv, self.block)
 
 
-def quantize_operand(x: torch.Tensor, block: Block, fmt: str, pow2_scale: bool) -> KeptOperand:
-    """The backend ``quantize``: :func:`quantize` as a :class:`KeptOperand`."""
-    data, scale_inv, dequantized = quantize(x, block, fmt, pow2_scale)
-    return KeptOperand(data, scale_inv, tuple(block), dequantized)  # type: ignore[arg-type]
+# --------------------------------------------------------------------------------------------
+# the backend interface (infir2.kernels.registry.Backend)
 
 
-def quantize_operand_pair(
-    x: torch.Tensor, block_a: Block, block_b: Block, fmt: str, pow2_scale: bool
-) -> tuple[KeptOperand, KeptOperand]:
-    """The backend ``quantize_pair``: the first tiling kept dequantized (its GEMM runs now), the
-    second as FP8 only, decoded when its GEMM runs. For X the second is the wgrad copy saved for
-    backward, so forward never decodes it; for dY both GEMMs follow at once and it costs the same."""
-    data, scale_inv = quantize_fp8(x, block_b, fmt, pow2_scale)
-    return quantize_operand(x, block_a, fmt, pow2_scale), KeptOperand(data, scale_inv, tuple(block_b))  # type: ignore[arg-type]
+def why_unavailable(recipe: Fp8Recipe, device: torch.device) -> str | None:
+    if device.type != "cpu":
+        return f"the fast emulation is written for CPUs (it decodes FP8 with integer ops); got {device.type}"
+    if not any(supports_cast(c) for c in recipe.casts.values()):
+        return f"recipe {recipe.name!r} has only E8M0-scaled casts; they run on the emulated backend"
+    return None
 
 
-def gemm_nt_operands(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
-    """The backend ``gemm_nt``: kept fp32 operands where present, fast decoding otherwise."""
-    return gemm_nt(_fp32(a), _fp32(b), out_dtype)  # [M,K] @ [K,N] -> [M,N], fp32
+def supports_cast(cast: Cast) -> bool:
+    return cast.scale in ("fp32", "pow2")
+
+
+def supports_quantize(x: torch.Tensor, cast: Cast) -> bool:
+    return supports_cast(cast) and x.device.type == "cpu"
+
+
+def quantize(x: torch.Tensor, cast: Cast) -> KeptOperand:
+    """:func:`quantize_kept` as a :class:`KeptOperand` (FP8 bytes, scales and the fp32 copy)."""
+    data, scale_inv, dequantized = quantize_kept(x, cast.block, cast.fmt, cast.scale == "pow2")
+    return KeptOperand(data, scale_inv, cast.block, dequantized)
+
+
+def quantize_pair(x: torch.Tensor, a: Cast, b: Cast) -> tuple[KeptOperand, KeptOperand]:
+    """The first tiling kept dequantized (its GEMM runs now), the second as FP8 only, decoded when its
+    GEMM runs. For X the second is the wgrad copy saved for backward, so forward never decodes it;
+    for dY both GEMMs follow at once and it costs the same."""
+    data, scale_inv = quantize_fp8(x, b.block, b.fmt, b.scale == "pow2")
+    return quantize(x, a), KeptOperand(data, scale_inv, b.block)
+
+
+def supports_gemm(a: Operand, b: Operand, out_dtype: torch.dtype) -> bool:
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    fp32_scales = a.scale_inv.dtype == torch.float32 and b.scale_inv.dtype == torch.float32
+    return fp32_scales and a.data.dtype in fp8 and b.data.dtype in fp8 and a.data.device.type == "cpu"
+
+
+def gemm_nt(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
+    """Kept fp32 operands where present, fast decoding otherwise; the fp32 GEMM of ``emulated``."""
+    return gemm_nt_fp32(_fp32(a), _fp32(b), out_dtype)  # [M,K] @ [K,N] -> [M,N], fp32
 
 
 def _fp32(op: Operand) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 
 from .._logging import log_once
 from ..fp8.recipe import Cast, Fp8Recipe
-from . import compiled, emulated, scaled_mm, triton_backend
+from . import compiled, emulated, fast_emulated, scaled_mm, triton_backend
 from .operand import Operand
 
 __all__ = ["BACKENDS", "ORDER", "Backend", "Kernels", "bind"]
@@ -54,13 +54,15 @@ class Backend(Protocol):
         ...
 
 
-BACKENDS: dict[str, Backend] = {m.NAME: m for m in (emulated, scaled_mm, triton_backend, compiled)}
+BACKENDS: dict[str, Backend] = {
+    m.NAME: m for m in (emulated, fast_emulated, scaled_mm, triton_backend, compiled)
+}
 
 #: The fallback order per device type; the first backend that takes a job runs it. ``compiled`` is in
 #: no chain: it is faster per call on a CPU but costs compile time, so it runs only when asked for.
 ORDER: dict[str, tuple[str, ...]] = {
     "cuda": ("scaled_mm", "triton", "emulated"),  # cuBLAS (FP8 / block-scaled), Triton, reference
-    "cpu": ("scaled_mm", "emulated"),
+    "cpu": ("scaled_mm", "fast_emulated", "emulated"),  # torch._scaled_mm, integer-decoded emulation
 }
 
 
