@@ -27,7 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "export": {"data", "fp8", "nn"},
     "eval": {"data", "export", "loss", "nn"},
     "train": {"checkpoint", "data", "export", "fp8", "loss", "model", "nn"},
-    "bench": {"fp8", "kernels", "model", "nn"},
+    "bench": {"data", "fp8", "kernels", "model", "nn", "train"},
     "demo": {"data", "eval", "fp8", "train"},
     "cli": set(),  # cli imports its subcommands lazily by name (importlib), never statically
     "__init__": {"fp8", "nn"},

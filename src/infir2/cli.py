@@ -25,6 +25,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("infir2.eval.command", "evaluate a checkpoint on reasoning benchmarks (JSONL) or held-out loss"),
     "export": ("infir2.export.command", "export a checkpoint as a BF16 or FP8 (128x128 blocks) HF folder"),
     "bench": ("infir2.bench.command", "time BF16 vs FP8 linears, quantization kernels and a training step"),
+    "fidelity": (
+        "infir2.bench.fidelity",
+        "held-out loss of every FP8 recipe vs the baseline on real text, by width",
+    ),
 }
 
 

