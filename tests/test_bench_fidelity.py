@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 import re
+from dataclasses import asdict
 
 import pytest
 
@@ -113,3 +114,19 @@ def test_quick_run_reports_the_gaps_of_its_own_runs(tmp_path, capsys):
     # finished runs are reused: a second call trains nothing and reports the same numbers
     assert cli.main(["fidelity", "--quick", "--out", str(tmp_path)]) == 0
     assert json.loads((tmp_path / "fidelity.json").read_text())["runs"] == result["runs"]
+
+
+def test_report_mode_tabulates_finished_runs_without_training(tmp_path, capsys):
+    for r in PLANTED:
+        run_dir = tmp_path / "runs" / f"w{r.width}" / r.recipe / f"s{r.seed}"
+        run_dir.mkdir(parents=True)
+        (run_dir / "result.json").write_text(json.dumps({"config": {}, "result": asdict(r)}))
+    assert cli.main(["fidelity", "--report", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "fidelity.json").read_text())
+    assert result["partial"] and result["summary"] == json.loads(json.dumps(summarize(PLANTED)))
+    assert "| 256 | blockwise | 4.0200 / 4.1000 |" in capsys.readouterr().out
+
+
+def test_report_mode_without_runs_is_a_clear_error(tmp_path, capsys):
+    assert cli.main(["fidelity", "--report", "--out", str(tmp_path)]) == 2
+    assert "no finished run" in capsys.readouterr().err

@@ -24,12 +24,15 @@ last fifth vs the fifth before, relative %): a run whose curve has flattened sho
 The output folder gets ``fidelity.json`` (settings, every run, the summary), ``fidelity.md`` (the
 table) and ``fidelity_gap.png`` (gap vs width per recipe, the baseline's seed spread shaded). Runs
 already finished in ``--out`` (``runs/w*/<recipe>/s*/result.json``) are reused, so an interrupted
-ladder resumes (a run whose settings changed is trained again). ``fidelity_report.py`` (``fidelity_report``) makes the table and the plot.
+ladder resumes (a run whose settings changed is trained again); ``--report`` writes the outputs
+from the runs finished so far without training anything. ``fidelity_report.py`` makes the numbers,
+the table and the plot.
 
 Examples:
-  infir2 fidelity --out fid                          # the ladder in BENCHMARKS.md (CPU: about an hour)
+  infir2 fidelity --out fid                          # all recipes, 3 widths x 2 seeds (2 CPUs: hours)
   infir2 fidelity --out fid --widths 128 --recipes bf16,blockwise --seeds 0,1,2
   infir2 fidelity --quick --out /tmp/fid             # seconds: the CI smoke run
+  infir2 fidelity --report --out fid                 # the table of the runs finished so far
 """
 
 from __future__ import annotations
@@ -51,7 +54,18 @@ from ..fp8 import RECIPES
 from ..train import parse_config, train
 from .fidelity_report import RunResult, summarize, table, write_outputs
 
-__all__ = ["EXTRA", "FULL", "QUICK", "FidelitySettings", "add_arguments", "kjv_chapters", "run", "run_ladder"]
+__all__ = [
+    "EXTRA",
+    "FULL",
+    "QUICK",
+    "FidelitySettings",
+    "add_arguments",
+    "finished_runs",
+    "kjv_chapters",
+    "report_finished",
+    "run",
+    "run_ladder",
+]
 
 log = logging.getLogger(__name__)
 
@@ -219,6 +233,25 @@ def run_ladder(out: Path, s: FidelitySettings) -> dict[str, Any]:
     return result
 
 
+def finished_runs(out: Path) -> list[RunResult]:
+    """The runs already finished in ``out`` (any settings), widths and seeds in order."""
+    runs = [RunResult(**json.loads(p.read_text())["result"]) for p in out.glob("runs/w*/*/s*/result.json")]
+    return sorted(runs, key=lambda r: (r.width, r.seed, r.recipe != BASELINE, r.recipe))
+
+
+def report_finished(out: Path) -> dict[str, Any]:
+    """Write the outputs from the runs finished in ``out`` (an interrupted ladder); trains nothing."""
+    runs = finished_runs(out)
+    if not runs:
+        raise FileNotFoundError(f"{out}: no finished run (runs/w*/<recipe>/s*/result.json)")
+    saved = out / "fidelity.json"
+    previous = json.loads(saved.read_text()) if saved.is_file() else {}
+    result = {"settings": previous.get("settings"), "data": previous.get("data"), "partial": True,
+              "runs": [asdict(r) for r in runs], "summary": summarize(runs)}  # fmt: skip
+    write_outputs(out, result)
+    return result
+
+
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in text.split(",") if v.strip())
 
@@ -233,9 +266,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", default=None, help="comma-separated seeds (default 0,1)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers")
+    parser.add_argument("--report", action="store_true",
+                        help="train nothing: report the runs already finished in --out (an interrupted ladder)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.report:
+        result = report_finished(args.out)
+        print(table(result["summary"], result["runs"]))
+        return 0
     s = QUICK if args.quick else FULL
     if args.recipes:
         recipes = tuple(r.strip() for r in args.recipes.split(",") if r.strip())
