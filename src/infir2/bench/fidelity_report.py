@@ -5,7 +5,7 @@ tested on planted runs without training anything:
 
 * paired gap of an FP8 run: ``100 * (loss - baseline loss) / baseline loss`` (%), the baseline run of
   the same width *and seed* (same initialization, same data order);
-* per (width, recipe): the gaps' mean and sample standard deviation over seeds (0 with one seed);
+* per (width, recipe): the gaps' mean and sample standard deviation over seeds (none with one seed);
 * baseline seed spread per width: ``100 * (max - min) / mean`` of the baseline's losses over seeds;
 * within noise: ``|mean gap| <= seed spread``; shrinks with width: ``|mean gap|`` never grows from one
   width of the ladder to the next.
@@ -66,7 +66,7 @@ def summarize(runs: list[RunResult]) -> dict[str, Any]:
             values = [g for _, g in paired]
             mean = statistics.fmean(values)
             gaps.append({"width": w, "recipe": recipe, "seeds": [s for s, _ in paired], "gaps_pct": values,
-                         "mean_pct": mean, "sd_pct": statistics.stdev(values) if len(values) > 1 else 0.0,
+                         "mean_pct": mean, "sd_pct": statistics.stdev(values) if len(values) > 1 else None,
                          "within_noise": abs(mean) <= spread_at[w]})  # fmt: skip
     verdict: dict[str, dict[str, bool | None]] = {}
     for recipe in recipes:
@@ -80,6 +80,16 @@ def summarize(runs: list[RunResult]) -> dict[str, Any]:
             else None,
         }
     return {"baseline": baseline, "gaps": gaps, "verdict": verdict}
+
+
+def _gap(g: dict[str, Any] | None) -> str:
+    if g is None:
+        return "(baseline)"
+    return (
+        f"{g['mean_pct']:+.2f} (1 seed)"
+        if g["sd_pct"] is None
+        else f"{g['mean_pct']:+.2f} +- {g['sd_pct']:.2f}"
+    )
 
 
 def _yes(flag: bool | None) -> str:
@@ -102,7 +112,7 @@ def table(summary: dict[str, Any], runs: list[dict[str, Any]] | list[RunResult])
             losses = " / ".join(f"{r.val_loss:.4f}" for r in mine)
             drops = " / ".join(f"{r.tail_drop:.1f}" for r in mine)
             g = gap.get((w, recipe))
-            cells = [str(w), recipe, losses, f"{g['mean_pct']:+.2f} +- {g['sd_pct']:.2f}" if g else "(baseline)",
+            cells = [str(w), recipe, losses, _gap(g),
                      f"{spread[w]:.2f}", ("yes" if g["within_noise"] else "NO") if g else "", drops]  # fmt: skip
             lines.append("| " + " | ".join(cells) + " |")
     verdict = [f"- {recipe}: within the baseline's seed spread at every width: "
@@ -124,7 +134,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     ax.fill_between(widths, [-s for s in spreads], spreads, color="0.85", label="baseline seed spread (+-)")
     for recipe in dict.fromkeys(g["recipe"] for g in summary["gaps"]):
         rows = [g for g in summary["gaps"] if g["recipe"] == recipe]
-        ax.errorbar([g["width"] for g in rows], [g["mean_pct"] for g in rows], yerr=[g["sd_pct"] for g in rows],
+        ax.errorbar([g["width"] for g in rows], [g["mean_pct"] for g in rows], yerr=[g["sd_pct"] or 0.0 for g in rows],
                     marker="o", capsize=3, label=recipe)  # fmt: skip
     ax.axhline(0, color="k", linewidth=0.8)
     ax.set_xscale("log", base=2)
