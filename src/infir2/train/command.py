@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load", metavar="PATH",
                         help="start from this checkpoint folder even if the run folder has its own "
                              "(sets load.path and load.force; load.mode stays as configured)")  # fmt: skip
+    parser.add_argument("--start-fresh", action="store_true",
+                        help="if the run folder has checkpoints but none loads (damaged), set them aside "
+                             "as damaged-step_* and start from step 0 instead of refusing")  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (log lines instead)")
 
 
@@ -50,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.load:
         overrides += [f"load.path={args.load}", "load.force=true"]
+    if args.start_fresh:
+        overrides.append("load.start_fresh=true")
     cfg = load_config(args.config, overrides)
     result = train(cfg, progress=not args.no_progress)
     if result.history:

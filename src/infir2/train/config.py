@@ -14,7 +14,7 @@ InfiR2 recipe, RECIPE.md section 2, can be written down)::
               decay_style (cosine|linear), min_lr | min_lr_ratio
     train:    max_steps, eval_every, eval_batches, eval_fp8, save_every, keep_last, log_every,
               max_nonfinite_in_row
-    load:     path, mode (resume|decay_only|weights_only), reset_step, reset_data, force
+    load:     path, mode (resume|decay_only|weights_only), reset_step, reset_data, force, start_fresh
 
 Validation is strict: an unknown key, a value of the wrong type or outside its allowed set is a
 ``ValueError`` naming the dotted key and the file. Numbers written as ``1e-4`` (which PyYAML reads as
@@ -138,6 +138,7 @@ class LoadConfig:
     reset_step: bool = False  # decay_only: restart the step counter at 0 (the new schedule starts fresh)
     reset_data: bool = False  # decay_only: start the data from the beginning instead of where it stopped
     force: bool = False  # use `path` even when the run folder has checkpoints (set by `--load`)
+    start_fresh: bool = False  # if none of the run's checkpoints loads: set them aside, start at step 0
 
 
 @dataclass(frozen=True)
