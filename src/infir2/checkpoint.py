@@ -46,6 +46,8 @@ from typing import Any
 
 import torch
 
+from ._files import default_permissions
+
 __all__ = [
     "CHECKPOINT_KEYS",
     "NoLoadableCheckpointError",
@@ -262,6 +264,7 @@ def export_hf(
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     for f in tmp.iterdir():
+        default_permissions(f)  # save_pretrained's safetensors files are 0600
         _fsync_file(f)
     if out_dir.exists():
         shutil.rmtree(out_dir)
