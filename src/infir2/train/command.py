@@ -15,11 +15,11 @@ gathered to rank 0, loadable on any number of processes; exact data resume needs
 examples:
   infir2 train src/infir2/configs/qwen2.5-1.5b-cpt.yaml
   infir2 train my.yaml --set optim.lr=3e-4 --set fp8.recipe=bf16 --set run.name=bf16-baseline
-  infir2 train my.yaml --load runs/cpt/checkpoints/step_00035000          # start from that checkpoint
+  infir2 train my.yaml --load runs/qwen2.5-1.5b-cpt/checkpoints/step_00035000         # start from that checkpoint
   infir2 train src/infir2/configs/qwen2.5-7b-decay-only.yaml              # WSD decay from a stable ckpt
   torchrun --nproc_per_node 8 -m infir2.cli train src/infir2/configs/qwen2.5-7b-sft-stage1.yaml
                                                    # data parallel, FSDP2 (NCCL on GPUs, gloo on CPUs)
-  torchrun --nnodes 4 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 \
+  torchrun --nnodes 4 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 \\
       -m infir2.cli train src/infir2/configs/qwen2.5-7b-cpt.yaml
 """
 
