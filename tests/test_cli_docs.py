@@ -142,3 +142,15 @@ def test_hiding_torchao_is_undone_after_the_command():
         if not had:
             assert importlib.util.find_spec("torchao") is None
     assert sys.modules.get("torchao", "absent") is not None  # never left blocked
+
+
+def test_recipe_citations_name_sections_that_exist():
+    """Code and docs cite `RECIPE.md section N`; docs/RECIPE.md exists and has a section N."""
+    recipe = (ROOT / "docs" / "RECIPE.md").read_text(encoding="utf-8")
+    sections = set(re.findall(r"^## (\d+)\. ", recipe, re.M))
+    files = [*DOCS, ROOT / "BENCHMARKS.md", *(ROOT / "src").rglob("*.py"), *(ROOT / "src").rglob("*.yaml"),
+             *(ROOT / "tests").glob("*.py")]  # fmt: skip
+    cited = {
+        (p.name, n) for p in files for n in re.findall(r"RECIPE\.md`? (?:section|§) ?(\d+)", p.read_text())
+    }
+    assert cited and {(name, n) for name, n in cited if n not in sections} == set()

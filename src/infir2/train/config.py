@@ -1,7 +1,7 @@
 """Run configs: YAML files validated into nested dataclasses, with ``--set key=value`` overrides.
 
 A run config has eight sections (every field below, with its default; all hyperparameters of the
-InfiR2 recipe, RECIPE.md section 2, can be written down)::
+InfiR2 recipe, docs/RECIPE.md section 2, can be written down)::
 
     run:      name, out_dir, seed, device (auto|cpu|cuda)
     model:    path (local HF folder) | from_config ({arch: qwen2|llama, hidden_size, ...}),
