@@ -8,7 +8,10 @@ at the end, hf/ (a Hugging Face folder that transformers loads).
 
 Re-running the same command resumes from the latest checkpoint in the run folder and continues
 exactly where it stopped (same losses step by step). `--load PATH` starts from PATH instead, every
-time it is given: drop it to resume the new run. Several processes (torchrun) shard the model with
+time it is given: drop it to resume the new run. Each checkpoint's SHA-256 is checked on load: a
+damaged one is skipped (with a warning) for the next older one; if none loads, the command refuses
+to start over them unless given --start-fresh. One run folder takes one training at a time (a lock
+file, <run>/.lock, names the process holding it). Several processes (torchrun) shard the model with
 FSDP2; the run folder must be on a filesystem all nodes see (checkpoints are full state dicts
 gathered to rank 0, loadable on any number of processes; exact data resume needs the same number).
 
