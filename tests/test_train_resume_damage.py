@@ -78,11 +78,13 @@ def test_all_checkpoints_damaged_refuses_then_start_fresh_sets_them_aside(finish
     assert names == ["damaged-step_00000002", "damaged-step_00000004", "step_00000002", "step_00000004"]
 
 
-_HOLDER = textwrap.dedent(
+_HOLDER = textwrap.dedent(  # lock.py needs only the standard library: load it alone (no torch import, fast)
     """
-    import sys, time
-    from infir2.train.lock import run_lock
-    with run_lock(sys.argv[1]):
+    import importlib.util, sys, time
+    spec = importlib.util.spec_from_file_location("lock", sys.argv[2])
+    lock = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lock)
+    with lock.run_lock(sys.argv[1]):
         print("held", flush=True)
         time.sleep(600)
     """
@@ -92,8 +94,9 @@ _HOLDER = textwrap.dedent(
 def test_a_second_process_is_refused_with_the_holders_pid_and_the_lock_dies_with_it(tmp_path):
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
-    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(run_dir)], stdout=subprocess.PIPE, text=True,
-                              env=env)  # fmt: skip
+    lock_py = Path(__file__).parents[1] / "src" / "infir2" / "train" / "lock.py"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(run_dir), str(lock_py)], stdout=subprocess.PIPE,
+                              text=True, env=env)  # fmt: skip
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         with pytest.raises(RunLockedError, match=rf"in use by process {holder.pid}\b"), run_lock(run_dir):
