@@ -106,7 +106,7 @@ def main() -> int:
         ref = _fingerprint(args.out / "ref" / stage / cfg["run"]["name"])
         for trial in range(args.trials):
             out = args.out / f"{stage}-{trial}"
-            delays = [rng.uniform(0.15, 0.9) * wall for _ in range(args.kills)]
+            delays = [rng.uniform(0.1, 0.6) * wall for _ in range(args.kills)]
             killed = sum(_run(cfg, out, d) is None for d in delays)
             rc = _run(cfg, out, None)
             run_dir = out / cfg["run"]["name"]
