@@ -32,10 +32,11 @@ ALLOWED: dict[str, set[str]] = {
     "cli": set(),  # cli imports its subcommands lazily by name (importlib), never statically
     "__init__": {"fp8", "nn"},
     "_logging": set(),
+    "_files": set(),
 }
 
 #: Helpers every layer may import (they import nothing of infir2 themselves).
-UTILITIES = {"_logging"}
+UTILITIES = {"_files", "_logging"}
 
 
 def layer_of(path: Path) -> str:

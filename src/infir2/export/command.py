@@ -7,9 +7,9 @@ kept as they are; config.json gets quantization_config = {"quant_method": "fp8",
 "activation_scheme": "dynamic", "weight_block_size": [128, 128]}. The input is streamed shard by shard,
 so checkpoints larger than memory convert. An FP8 folder converts back to bf16 / fp32 (dequantized).
 
-  infir2 export --model runs/sft/final --out out/model-fp8 --format fp8
+  infir2 export --model runs/qwen2.5-7b-sft-stage2/hf --out out/model-fp8 --format fp8
   infir2 export --model Qwen2.5-7B-local --out out/qwen-fp8 --format fp8 --no-pow2-scale
-  infir2 export --model runs/sft/final --out out/model-bf16 --format bf16 --max-shard-size 2GB
+  infir2 export --model runs/qwen2.5-7b-sft-stage2/hf --out out/model-bf16 --format bf16 --max-shard-size 2GB
 
 --pow2-scale (default) rounds each block scale down to a power of two, as the training recipe does;
 --no-pow2-scale keeps exact fp32 scales (a little more accurate). Both load the same way.

@@ -100,14 +100,16 @@ def _apply_optim_config(optimizer: torch.optim.Optimizer, cfg: RunConfig) -> Non
 def restore(cfg: RunConfig, env: DistEnv, model: nn.Module, optimizer: torch.optim.Optimizer,
             source: StepSource) -> tuple[TrainState, Path | None]:  # fmt: skip
     """Resume from the run folder's latest checkpoint, else from ``load.path``; returns the counters."""
-    own = ckpt.latest_checkpoint(cfg.run_dir / "checkpoints")
-    if cfg.load.path and (cfg.load.force or own is None):
+    # every rank verifies and maps the file (mmap: the page cache is shared); damaged ones are skipped
+    forced = cfg.load.force and cfg.load.path
+    own = None if forced else ckpt.load_latest_valid(cfg.run_dir / "checkpoints", cfg.load.start_fresh)
+    if own is not None:
+        (path, full), mode = own, "resume"
+    elif cfg.load.path:
         path, mode = Path(cfg.load.path), cfg.load.mode
-    elif own is not None:
-        path, mode = own, "resume"
+        full = ckpt.load_checkpoint(path)
     else:
         return TrainState(), None
-    full = ckpt.load_checkpoint(path)  # every rank maps the file (mmap: the page cache is shared)
     options = StateDictOptions(full_state_dict=True)
     model_sd = full["model"]
     if mode == "weights_only":

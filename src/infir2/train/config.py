@@ -1,7 +1,7 @@
 """Run configs: YAML files validated into nested dataclasses, with ``--set key=value`` overrides.
 
 A run config has eight sections (every field below, with its default; all hyperparameters of the
-InfiR2 recipe, RECIPE.md section 2, can be written down)::
+InfiR2 recipe, docs/RECIPE.md section 2, can be written down)::
 
     run:      name, out_dir, seed, device (auto|cpu|cuda)
     model:    path (local HF folder) | from_config ({arch: a name in infir2.model.ARCHS, hidden_size, ...}),
@@ -14,7 +14,7 @@ InfiR2 recipe, RECIPE.md section 2, can be written down)::
               decay_style (cosine|linear), min_lr | min_lr_ratio
     train:    max_steps, eval_every, eval_batches, eval_fp8, save_every, keep_last, log_every,
               max_nonfinite_in_row
-    load:     path, mode (resume|decay_only|weights_only), reset_step, reset_data, force
+    load:     path, mode (resume|decay_only|weights_only), reset_step, reset_data, force, start_fresh
 
 Validation is strict: an unknown key, a value of the wrong type or outside its allowed set (for
 ``fp8.recipe`` and ``model.from_config.arch``: the names of their registries) is a ``ValueError``
@@ -148,6 +148,7 @@ class LoadConfig:
     reset_step: bool = False  # decay_only: restart the step counter at 0 (the new schedule starts fresh)
     reset_data: bool = False  # decay_only: start the data from the beginning instead of where it stopped
     force: bool = False  # use `path` even when the run folder has checkpoints (set by `--load`)
+    start_fresh: bool = False  # if none of the run's checkpoints loads: set them aside, start at step 0
 
 
 @dataclass(frozen=True)

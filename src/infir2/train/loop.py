@@ -40,6 +40,7 @@ from ..nn import cache_fp8_weights, fp8_modules
 from .checkpointing import TrainState, export_final, restore, save
 from .config import RunConfig, save_config
 from .distributed import DistEnv, all_reduce_sum, init_distributed
+from .lock import run_lock
 from .metrics import MetricsLogger, peak_memory_gib
 from .optim import Schedule, build_optimizer, make_schedule
 from .setup import ValSteps, build_sources, rewinding, setup_model, total_steps
@@ -202,7 +203,8 @@ def train(
     """
     env = init_distributed(cfg.run.device)
     try:
-        return _run(cfg, env, model, tokenizer, train_source, val_source, progress)
+        with run_lock(cfg.run_dir, enabled=env.is_main):  # one process (group) per run folder
+            return _run(cfg, env, model, tokenizer, train_source, val_source, progress)
     finally:
         env.close()
 

@@ -75,11 +75,11 @@ class MetricsLogger:
         for key, value in metrics.items():
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                 self._tb.add_scalar(f"train/{key}" if key != "val_loss" else "eval/loss", value, step)
-        self._bar.update(1)
         if step % self.log_every == 0 or "val_loss" in metrics:
-            self._bar.set_postfix(_short(metrics), refresh=False)
+            self._bar.set_postfix(_short(metrics), refresh=False)  # before update(), which redraws the bar
             if self._bar.disable:
                 log.info("step %d %s", step, " ".join(f"{k}={v}" for k, v in _short(metrics).items()))
+        self._bar.update(1)
 
     def message(self, text: str) -> None:
         if self.enabled:
