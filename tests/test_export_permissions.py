@@ -7,7 +7,7 @@ import stat
 import torch
 
 from conftest import make_tiny_model
-from infir2.checkpoint import export_hf
+from infir2.export import export_model
 from infir2.export.shards import ShardWriter
 
 
@@ -23,7 +23,7 @@ def test_shards_and_hf_export_match_a_plain_file(tmp_path):
         writer.add(f"t{i}", torch.zeros(16))
     writer.close()
     model = make_tiny_model()
-    export_hf(model, model.state_dict(), tmp_path / "hf")
+    export_model(model, None, tmp_path / "hf")  # the writer behind infir2 export and every run's <run>/hf
     written = [*(tmp_path / "shards").iterdir(), *(tmp_path / "hf").iterdir()]
     assert any(p.suffix == ".safetensors" for p in written)
     assert {p.name: _mode(p) for p in written} == {p.name: _mode(reference) for p in written}
