@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -53,6 +52,7 @@ from .distributed import (
     init_distributed,
     shard_model,
 )
+from .loss import lm_loss_sum, use_chunked_loss
 from .metrics import MetricsLogger, peak_memory_gib
 from .optim import Schedule, build_optimizer, make_schedule
 
@@ -119,16 +119,22 @@ class TrainResult:
 # One step
 
 
-def _token_ce_sum(model: nn.Module, mb: MicroBatch, precision: str, device: torch.device) -> torch.Tensor:
-    """Summed next-token cross-entropy of one micro-batch (labels shifted here, HF convention)."""
+def _token_ce_sum(model: nn.Module, mb: MicroBatch, precision: str, device: torch.device,
+                  loss_chunk_tokens: int | str = "auto") -> torch.Tensor:  # fmt: skip
+    """Summed next-token cross-entropy of one micro-batch (labels shifted here, HF convention).
+
+    Above ``loss_chunk_tokens``' threshold the LM head + loss run chunked (``train.loss``): no full
+    fp32 ``[tokens, vocab]`` logits in forward or backward.
+    """
     input_ids = mb["input_ids"].to(device, non_blocking=True)
     labels = mb["labels"].to(device, non_blocking=True)
     mask = mb.get("attention_mask")
+    vocab = model.get_output_embeddings().weight.shape[0]  # type: ignore[operator]
+    chunk = use_chunked_loss(loss_chunk_tokens, input_ids.numel(), vocab)
     with autocast(precision, device):
-        logits = model(input_ids=input_ids, attention_mask=None if mask is None else mask.to(device)).logits
-    logits = logits[:, :-1].float()  # [B, L-1, V]
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction="sum")  # fmt: skip
+        return lm_loss_sum(
+            model, input_ids, labels, None if mask is None else mask.to(device), chunk, IGNORE_INDEX
+        )
 
 
 def _num_tokens(mb: MicroBatch) -> int:
@@ -152,6 +158,7 @@ def train_step(
     grad_clip: float,
     precision: str,
     env: DistEnv,
+    loss_chunk_tokens: int | str = "auto",
 ) -> dict[str, Any]:
     """Forward/backward over this rank's micro-batches, clip, and (unless non-finite) one AdamW step."""
     counts = torch.tensor(
@@ -162,7 +169,7 @@ def train_step(
     ce_total = torch.zeros((), dtype=torch.float64, device=env.device)
     with cache_fp8_weights(model):
         for mb in micro_batches:
-            ce_sum = _token_ce_sum(model, mb, precision, env.device)
+            ce_sum = _token_ce_sum(model, mb, precision, env.device, loss_chunk_tokens)
             (ce_sum * scale).backward()
             ce_total += ce_sum.detach().double()
     loss = float(all_reduce_sum(ce_total, env)) / max(n_loss_tokens, 1.0)
@@ -180,7 +187,7 @@ def train_step(
 @torch.no_grad()
 def evaluate(
     model: nn.Module, steps: Iterable[list[MicroBatch]], batches: int, precision: str, env: DistEnv,
-    fp8: bool = False,
+    fp8: bool = False, loss_chunk_tokens: int | str = "auto",
 ) -> float:  # fmt: skip
     """Per-token loss over the first ``batches`` steps of ``steps`` (FP8 off unless ``fp8``)."""
     totals = torch.zeros(2, dtype=torch.float64, device=env.device)  # [ce sum, loss tokens]
@@ -190,7 +197,7 @@ def evaluate(
         with disable_fp8(model) if not fp8 else cache_fp8_weights(model):
             for _, micro_batches in zip(range(batches), steps, strict=False):
                 for mb in micro_batches:
-                    totals[0] += _token_ce_sum(model, mb, precision, env.device).double()
+                    totals[0] += _token_ce_sum(model, mb, precision, env.device, loss_chunk_tokens).double()
                 totals[1] += count_loss_tokens(micro_batches)
     finally:
         model.train(was_training)
@@ -473,7 +480,7 @@ def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, 
                 logger.message(f"data exhausted after {state.step} steps (of {total_steps})")
                 break
             out = train_step(model, optimizer, micro_batches, schedule(state.step), cfg.optim.grad_clip,
-                             cfg.model.precision, env)  # fmt: skip
+                             cfg.model.precision, env, cfg.train.loss_chunk_tokens)  # fmt: skip
             state.step += 1
             state.tokens_seen += out["tokens"]
             seconds = time.perf_counter() - t0
@@ -481,7 +488,8 @@ def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, 
             metrics = _step_metrics(state.step, out, seconds, state, env)
             if val_steps is not None and _due(state.step, cfg.train.eval_every, last):
                 metrics["val_loss"] = evaluate(model, val_steps(), cfg.train.eval_batches,
-                                               cfg.model.precision, env, cfg.train.eval_fp8)  # fmt: skip
+                                               cfg.model.precision, env, cfg.train.eval_fp8,
+                                               cfg.train.loss_chunk_tokens)  # fmt: skip
             logger.log(metrics)
             result.history.append(metrics)
             _count_nonfinite(state, out, cfg, logger)
