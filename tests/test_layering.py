@@ -24,6 +24,8 @@ ALLOWED: dict[str, set[str]] = {
     "export": {"fp8", "kernels", "nn", "data", "model", "checkpoint"},
     "bench": {"fp8", "kernels", "nn", "data", "model", "train"},
     "demo": {"fp8", "kernels", "nn", "data", "model", "checkpoint", "train", "eval", "export"},
+    "memory": {"fp8", "kernels", "nn", "model"},
+    "plan": {"fp8", "kernels", "nn", "model", "memory", "train"},
     "cli": set(),  # cli imports its subcommands lazily by name (importlib), never statically
     "__init__": {"fp8", "kernels", "nn"},
     "_logging": set(),
