@@ -97,7 +97,7 @@ def build_layer(model: str, layer_idx: int = 0, **overrides: int) -> tuple[nn.Mo
     from transformers import Qwen2Config
     from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
 
-    shape = {**LAYER_SHAPES[model], **overrides} if model in LAYER_SHAPES else dict(overrides)
+    shape: dict[str, Any] = {**LAYER_SHAPES[model], **overrides} if model in LAYER_SHAPES else dict(overrides)
     config = Qwen2Config(**shape, num_hidden_layers=1, max_position_embeddings=32768, vocab_size=128)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
@@ -155,7 +155,7 @@ def layer_memory(model: str, recipe: str, tokens: int, **overrides: int) -> Laye
     layer, rotary = build_layer(model, **overrides)
     if recipe != "bf16":
         convert_to_fp8(layer, recipe, module_filter_fn=lambda m, _fqn: isinstance(m, nn.Linear))
-    hidden = layer.self_attn.config.hidden_size
+    hidden = {**LAYER_SHAPES.get(model, {}), **overrides}["hidden_size"]
     x = torch.randn(1, tokens, hidden).requires_grad_()
     positions = torch.arange(tokens)[None]
     made_by: dict[int, str] = {}
