@@ -83,3 +83,14 @@ def test_cli_prints_bf16_and_fp8_side_by_side(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "activations" in out and "all_gather /step" in out and "fp8/bf16" in out
     assert main(["plan", str(tmp_path), "--recipe", "nope"]) == 2
+
+
+def test_embedded_figures_are_what_infir2_memory_measures() -> None:
+    """The shipped 1.5B row of MEASURED == a fresh measurement (small shape-preserving check: weights)."""
+    from infir2.plan import MEASURED
+
+    shape = load_shape("qwen2.5-1.5b")[1]
+    row = MEASURED[(shape.hidden, shape.intermediate, shape.heads, shape.kv_heads)]
+    projections = shape.layer_params - 2 * shape.hidden - (shape.hidden + 2 * 256)  # minus norms and biases
+    assert row["bf16"][1] == 2 * projections  # autocast's bf16 copies
+    assert projections < row["blockwise"][1] < projections * 1.001  # FP8 copies + 128x128 scales

@@ -10,8 +10,10 @@ recipe side by side, next to InfiR2's published FP8/BF16 peak-memory ratios wher
 * gathered     FSDP2 working copies (only with gpus > 1): the root module's parameters (embedding,
                final norm, lm_head; the root is not resharded after forward) plus two decoder layers
                (the current one and the prefetched next), and their unsharded gradients
-* weight copies what each layer's GEMMs keep for backward: autocast's bf16 casts (2 B/param) or the
-               FP8 copies with their scales (1 B/param + 1/128^2) -- measured per layer by ``infir2 memory``
+* weight copies what each layer's GEMMs keep for backward: autocast's bf16 casts (2 B/param; one
+               layer's worth under activation checkpointing) or the FP8 copies with their scales
+               (1 B/param + 1/128^2, every layer for the whole step: ``cache_fp8_weights``) -- measured
+               per layer by ``infir2 memory``
 * activations  per-layer bytes per token, measured by ``infir2 memory`` at the layer's shape, times
                tokens per micro-batch times layers; with activation checkpointing, each layer's fp32
                input plus one layer's full set (the one being recomputed); plus the final norm
@@ -57,10 +59,17 @@ PUBLISHED: dict[str, dict[int, float]] = {
     "qwen2.5-7b": {8192: 0.95, 32768: 0.86},
 }
 
-#: Per decoder layer: recipe -> (activation bytes per token, weight-copy bytes), printed by
-#: ``infir2 memory --tokens 512`` at the Qwen2.5 shapes (filled in from BENCHMARKS.md; other shapes
-#: are measured on the fly by ``layer_figures``).
-MEASURED: dict[tuple[int, int, int, int], dict[str, tuple[float, int]]] = {}
+#: Per decoder layer (hidden, intermediate, heads, kv heads) -> recipe -> (activation bytes per token,
+#: weight-copy bytes), as printed by ``infir2 memory --tokens 384`` (BENCHMARKS.md); other shapes are
+#: measured on the fly by ``layer_figures``.
+MEASURED: dict[tuple[int, int, int, int], dict[str, tuple[float, int]]] = {
+    (1536, 8960, 12, 2): {"bf16": (118840, 93585408), "blockwise": (99552, 46804128),
+                          "blockwise_fp32scale": (99552, 46804128), "rowwise": (99269, 0),
+                          "tensorwise": (99128, 46792732)},
+    (3584, 18944, 28, 4): {"bf16": (261240, 466092032), "blockwise": (218136, 233102912),
+                           "blockwise_fp32scale": (218136, 233102912), "rowwise": (217517, 0),
+                           "tensorwise": (217208, 233046044)},
+}  # fmt: skip
 
 FP32_BYTES, BF16_BYTES = 4, 2
 PLAIN_LOGITS_SAVED, PLAIN_LOGITS_BACKWARD = 4, 8  # bytes per logit: fp32 log-softmax; its + the logits' grads
@@ -177,6 +186,9 @@ def plan(shape: ModelShape, recipe: str, gpus: int = 1, seq_len: int = 8192, mic
     else:
         saved, backward = tokens * FP32_BYTES, 2 * min(chunk, tokens) * shape.vocab * FP32_BYTES
     head_copy = shape.vocab * shape.hidden * BF16_BYTES  # the lm_head GEMM's bf16 weight
+    # autocast's bf16 copies live as long as a saved tensor holds them: one layer under activation
+    # checkpointing; the FP8 copies live for the whole step (cache_fp8_weights), checkpointing or not
+    copied_layers = 1 if activation_checkpointing and recipe == "bf16" else shape.layers
     distributed = gpus > 1
     working = shape.root_params + 2 * shape.layer_params  # unsharded while in use
     micro_steps = max((global_batch or micro_batch * gpus) // (micro_batch * gpus), 1)
@@ -186,7 +198,7 @@ def plan(shape: ModelShape, recipe: str, gpus: int = 1, seq_len: int = 8192, mic
         gradients=FP32_BYTES * p * shard,
         optimizer=(2 * FP32_BYTES if state_dtype == "fp32" else 2 * BF16_BYTES) * p * shard,
         gathered=2 * FP32_BYTES * working * (1 - shard) if distributed else 0.0,
-        weight_copies=shape.layers * weight_copy + head_copy,
+        weight_copies=copied_layers * weight_copy + head_copy,
         activations=activations,
         logits_saved=saved,
         logits_backward=backward,
@@ -201,13 +213,13 @@ ROWS = ("parameters", "gradients", "optimizer", "gathered", "weight_copies", "ac
 
 def format_plan(name: str, base: Plan, fp8: Plan, recipe: str, seq_len: int) -> str:
     gib = 2**30
-    lines = [f"{'per GPU (GiB)':<18}{'bf16':>10}{recipe:>22}{'fp8/bf16':>10}"]
+    lines = [f"{'per GPU (GiB)':<22}{'bf16':>10}{recipe:>22}{'fp8/bf16':>10}"]
     for row in ROWS:
         b, f = getattr(base, row), getattr(fp8, row)
-        lines.append(f"{row:<18}{b / gib:>10.2f}{f / gib:>22.2f}{(f / b if b else 1.0):>10.3f}")
-    lines.append(f"{'peak':<18}{base.peak / gib:>10.2f}{fp8.peak / gib:>22.2f}{fp8.peak / base.peak:>10.3f}")
+        lines.append(f"{row:<22}{b / gib:>10.2f}{f / gib:>22.2f}{(f / b if b else 1.0):>10.3f}")
+    lines.append(f"{'peak':<22}{base.peak / gib:>10.2f}{fp8.peak / gib:>22.2f}{fp8.peak / base.peak:>10.3f}")
     for row in ("all_gather", "reduce_scatter"):
-        lines.append(f"{row + ' /step':<18}{getattr(base, row) / gib:>10.2f}{getattr(fp8, row) / gib:>22.2f}")
+        lines.append(f"{row + ' /step':<22}{getattr(base, row) / gib:>10.2f}{getattr(fp8, row) / gib:>22.2f}")
     published = PUBLISHED.get(name, {})
     if published:
         rows = ", ".join(f"{ratio:.2f}x at {length // 1024}k" for length, ratio in sorted(published.items()))
