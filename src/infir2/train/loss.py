@@ -95,8 +95,12 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             del dz
             if grad_h is not None:
                 grad_h[rows] = dz_c @ w  # [c,V] @ [V,H] -> [c,H]
-            if grad_w is not None:
-                grad_w += (dz_c.t() @ h).float()  # [V,c] @ [c,H] -> [V,H], summed in fp32
+            if grad_w is None:
+                continue
+            if dtype == torch.float32:  # in place: no [V,H] temporary per chunk
+                grad_w.addmm_(dz_c.t(), h)  # [V,c] @ [c,H] -> [V,H]
+            else:  # one [V,H] product in `dtype`, added into the fp32 sum without an fp32 copy
+                grad_w.add_(dz_c.t() @ h)  # [V,c] @ [c,H] -> [V,H]
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
 
 
