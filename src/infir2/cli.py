@@ -35,6 +35,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("infir2.eval.command", "evaluate a checkpoint on reasoning benchmarks (JSONL) or held-out loss"),
     "export": ("infir2.export.command", "export a checkpoint as a BF16 or FP8 (128x128 blocks) HF folder"),
     "bench": ("infir2.bench.command", "time BF16 vs FP8 linears, quantization kernels and a training step"),
+    "memory": ("infir2.memory", "bytes one decoder layer keeps for backward, tensor by tensor, BF16 vs FP8"),
+    "plan": (
+        "infir2.plan",
+        "per-GPU memory and all-gather bytes of a run, BF16 vs FP8, before you launch it",
+    ),
 }
 
 

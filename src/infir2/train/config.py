@@ -9,11 +9,11 @@ InfiR2 recipe, docs/RECIPE.md section 2, can be written down)::
     fp8:      recipe (a name in infir2.fp8.RECIPES: bf16, blockwise, ...), backend, param_gather
     data:     kind (cpt|sft), train_path, val_path, seq_len, global_batch_size, micro_batch_size,
               max_tokens_per_micro_batch, max_length, overlong (truncate|drop), epochs, shuffle, seed
-    optim:    lr, betas, eps, weight_decay, grad_clip, fused
+    optim:    lr, betas, eps, weight_decay, grad_clip, fused, state_dtype (fp32|bf16)
     schedule: name (wsd|cosine|constant), warmup_steps | warmup_fraction, decay_steps | decay_fraction,
               decay_style (cosine|linear), min_lr | min_lr_ratio
     train:    max_steps, eval_every, eval_batches, eval_fp8, save_every, keep_last, log_every,
-              max_nonfinite_in_row
+              max_nonfinite_in_row, loss_chunk_tokens (auto|0|N)
     load:     path, mode (resume|decay_only|weights_only), reset_step, reset_data, force, start_fresh
 
 Validation is strict: an unknown key, a value of the wrong type or outside its allowed set (for
@@ -115,6 +115,7 @@ class OptimConfig:
     weight_decay: float = 0.1  # on >=2-D weights (incl. embeddings); never on norms or biases
     grad_clip: float = 1.0  # max global grad norm; 0 = no clipping
     fused: bool | None = None  # AdamW implementation: None = fused on CUDA, foreach elsewhere
+    state_dtype: Literal["fp32", "bf16"] = "fp32"  # AdamW moments' storage (math is fp32): 16 vs 12 B/param
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,8 @@ class TrainConfig:
     keep_last: int = 2
     log_every: int = 1  # steps between progress-bar / stdout updates (metrics.jsonl gets every step)
     max_nonfinite_in_row: int = 3  # consecutive skipped (non-finite) steps that stop the run
+    # chunked LM-head loss (chunked_loss.py): tokens per chunk; 0 = never; auto = 2048 once fp32 logits > 1 GiB
+    loss_chunk_tokens: int | Literal["auto"] = "auto"
 
 
 @dataclass(frozen=True)
@@ -216,6 +219,8 @@ def _check(cfg: RunConfig, source: str) -> None:
     positive("schedule.decay_steps", s.decay_steps, allow_zero=True)
     positive("schedule.min_lr", s.min_lr, allow_zero=True)
     positive("train.max_steps", t.max_steps)
+    if t.loss_chunk_tokens != "auto":
+        positive("train.loss_chunk_tokens", t.loss_chunk_tokens, allow_zero=True)
     for key in ("eval_every", "save_every"):
         positive(f"train.{key}", getattr(t, key), allow_zero=True)
     for key in ("eval_batches", "keep_last", "log_every", "max_nonfinite_in_row"):

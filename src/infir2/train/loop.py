@@ -119,6 +119,7 @@ def train_step(
     grad_clip: float,
     precision: str,
     env: DistEnv,
+    loss_chunk_tokens: int | str = "auto",
 ) -> dict[str, Any]:
     """Forward/backward over this rank's micro-batches, clip, and (unless non-finite) one AdamW step."""
     counts = torch.tensor(
@@ -129,7 +130,7 @@ def train_step(
     ce_total = torch.zeros((), dtype=torch.float64, device=env.device)
     with cache_fp8_weights(model):
         for mb in micro_batches:
-            ce_sum = token_ce_sum(model, mb, precision, env.device)
+            ce_sum = token_ce_sum(model, mb, precision, env.device, loss_chunk_tokens)
             (ce_sum * scale).backward()
             ce_total += ce_sum.detach().double()
     loss = float(all_reduce_sum(ce_total, env)) / max(n_loss_tokens, 1.0)
@@ -146,11 +147,12 @@ def train_step(
 
 def evaluate(
     model: nn.Module, steps: Iterable[list[MicroBatch]], batches: int, precision: str, env: DistEnv,
-    fp8: bool = False,
+    fp8: bool = False, loss_chunk_tokens: int | str = "auto",
 ) -> float:  # fmt: skip
     """Per-token loss over the first ``batches`` steps of ``steps``, all ranks (``infir2.loss.heldout_loss``)."""
     loss, _ = heldout_loss(model, steps, precision, env.device, fp8, max_steps=batches,
-                           reduce=lambda totals: all_reduce_sum(totals, env))  # fmt: skip
+                           reduce=lambda totals: all_reduce_sum(totals, env),
+                           loss_chunk_tokens=loss_chunk_tokens)  # fmt: skip
     return loss
 
 
@@ -242,7 +244,7 @@ def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, 
                 logger.message(f"data exhausted after {state.step} steps (of {n_steps})")
                 break
             out = train_step(model, optimizer, micro_batches, schedule(state.step), cfg.optim.grad_clip,
-                             cfg.model.precision, env)  # fmt: skip
+                             cfg.model.precision, env, cfg.train.loss_chunk_tokens)  # fmt: skip
             state.step += 1
             state.tokens_seen += out["tokens"]
             seconds = time.perf_counter() - t0
@@ -250,7 +252,8 @@ def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, 
             metrics = _step_metrics(state.step, out, seconds, state, env)
             if val_steps is not None and _due(state.step, cfg.train.eval_every, last):
                 metrics["val_loss"] = evaluate(model, val_steps(), cfg.train.eval_batches,
-                                               cfg.model.precision, env, cfg.train.eval_fp8)  # fmt: skip
+                                               cfg.model.precision, env, cfg.train.eval_fp8,
+                                               cfg.train.loss_chunk_tokens)  # fmt: skip
             logger.log(metrics)
             result.history.append(metrics)
             _count_nonfinite(state, out, cfg, logger)
