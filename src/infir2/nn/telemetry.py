@@ -71,10 +71,10 @@ _MAGNITUDE = 0x7F  # the bits of an FP8 code below its sign bit (the same for E4
 _AMAX, _UNDER, _NONZERO, _SAT, _N, _EMIN, _EMAX = range(7)
 
 
-def _max_code(fmt: str) -> int:
-    """The magnitude bits of the FP8 code of the format's largest finite value."""
+def _max_code(fmt: str) -> torch.Tensor:
+    """The magnitude bits of the FP8 code of the format's largest finite value (a 0-d uint8 tensor)."""
     f = get_format(fmt)
-    return int(torch.tensor(f.max).to(f.dtype).view(torch.uint8).item()) & _MAGNITUDE
+    return torch.tensor(f.max).to(f.dtype).view(torch.uint8) & _MAGNITUDE
 
 
 def operand_counts(x: torch.Tensor, op: Operand, cast: Cast) -> torch.Tensor:
@@ -91,7 +91,7 @@ def operand_counts(x: torch.Tensor, op: Operand, cast: Cast) -> torch.Tensor:
         x.abs().amax().double() if x.numel() else x.new_zeros((), dtype=torch.float64),
         (nonzero & (magnitude == 0)).sum().double(),
         nonzero.sum().double(),
-        (magnitude == _max_code(cast.fmt)).sum().double(),
+        (magnitude == _max_code(cast.fmt).to(magnitude.device)).sum().double(),
         torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device),
         exps.amin().double(),
         exps.amax().double(),
@@ -211,7 +211,7 @@ class Fp8Telemetry:
     def _collect(self) -> dict[str, float]:
         out: dict[str, float] = {}
         for key, counts in self.counts.items():
-            amax, under, nonzero, sat, n, emin, emax = counts.tolist()
+            amax, under, nonzero, sat, n, emin, emax = counts.tolist()  # the one host sync, per operand
             values = (amax, under / nonzero if nonzero else 0.0, sat / n if n else 0.0, emin, emax)
             out.update({f"{PREFIX}/{key}/{stat}": v for stat, v in zip(OPERAND_STATS, values, strict=True)})
         out.update({f"{PREFIX}/{key}/{SQNR_STAT}": v for key, v in self.sqnrs.items()})

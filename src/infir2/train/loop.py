@@ -13,11 +13,11 @@ One optimizer step, top to bottom (``train_step``):
 
 Around it: evaluation every ``train.eval_every`` steps (``evaluate``: the held-out loss of
 ``infir2.loss``, the definition ``infir2 eval --perplexity`` uses), a checkpoint every
-``train.save_every`` steps and at the end, auto-resume from the run folder's latest checkpoint, FP8 numerics telemetry every
-``fp8.stats_every`` steps (``infir2.nn.telemetry``: per-layer keys ``fp8/...`` in the metrics), and the
-final export as a Hugging Face folder ``<run>/hf`` (``checkpointing.py``). The model and the data come
-from ``setup.py``. The run folder also holds ``config.yaml`` (resolved), ``metrics.jsonl`` and
-``tensorboard/``.
+``train.save_every`` steps and at the end, auto-resume from the run folder's latest checkpoint, FP8
+numerics telemetry every ``fp8.stats_every`` steps (``infir2.nn.telemetry``: per-layer keys ``fp8/...``
+in the metrics), and the final export as a Hugging Face folder ``<run>/hf`` (``checkpointing.py``).
+The model and the data come from ``setup.py``. The run folder also holds ``config.yaml`` (resolved),
+``metrics.jsonl`` and ``tensorboard/``.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Each line of ``metrics.jsonl`` is one JSON object: ``{"step": 12, "loss": ..., "lr": ..., "grad_norm": ...,
 "tokens": ..., "tokens_per_s": ..., "step_time_s": ..., "peak_mem_gib": ..., "skipped": false}``,
 plus ``"val_loss"`` on evaluation steps and, every ``fp8.stats_every`` steps, the FP8 telemetry
-(``"fp8/<layer>/<gemm>.<operand>/<stat>"``, ``infir2.nn.telemetry``; TensorBoard tags of the same name). On resume, lines beyond the checkpoint's step (written
-after it, before the interruption) are dropped, so the file always reads as one clean run.
+(``"fp8/<layer>/<gemm>.<operand>/<stat>"``, ``infir2.nn.telemetry``; TensorBoard tags of the same
+name). On resume, lines beyond the checkpoint's step (written after it, before the interruption) are dropped, so the file always reads as one clean run.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class MetricsLogger:
 
 
 def _tag(key: str) -> str:
-    """The TensorBoard tag of a metric: FP8 telemetry keeps its ``fp8/<layer>/...`` key (grouped per layer)."""
+    """The TensorBoard tag of a metric; FP8 telemetry keeps its ``fp8/<layer>/...`` key."""
     if key == "val_loss":
         return "eval/loss"
     return key if key.startswith("fp8/") else f"train/{key}"

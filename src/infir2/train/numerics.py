@@ -53,7 +53,7 @@ class Telemetry:
 
 
 def load_telemetry(run_dir: Path) -> Telemetry:
-    """Read the ``fp8/...`` keys of ``<run_dir>/metrics.jsonl`` (an error naming the file when there are none)."""
+    """The ``fp8/...`` keys of ``<run_dir>/metrics.jsonl`` (an error naming the file when there are none)."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no metrics.jsonl (is {run_dir} a run folder of `infir2 train`?)")
@@ -100,9 +100,11 @@ def report(tel: Telemetry, top: int = 5) -> str:
     lines = [f"FP8 telemetry: {len(tel.layers)} layers, {len(tel.steps)} stats steps "
              f"({tel.steps[0]}..{tel.steps[-1]})"]  # fmt: skip
     width = max(len(layer) for layer in tel.layers)
-    tables = ((SQNR_STAT, True, "lowest SQNR (dB; ~25-35 is healthy E4M3, ~0 is noise)", "{:8.2f}"),
-              ("underflow", False, "highest underflow (fraction of non-zero elements flushed to 0)", "{:8.2e}"),
-              ("saturation", False, "highest saturation (fraction at the format's max)", "{:8.2e}"))  # fmt: skip
+    tables = (
+        (SQNR_STAT, True, "lowest SQNR (dB; ~25-35 is healthy E4M3, ~0 is noise)", "{:8.2f}"),
+        ("underflow", False, "highest underflow (fraction of non-zero elements flushed to 0)", "{:8.2e}"),
+        ("saturation", False, "highest saturation (fraction at the format's max)", "{:8.2e}"),
+    )
     for stat, lowest, title, fmt in tables:
         lines += ["", title, f"  {'layer':<{width}}  {'gemm.op':<9} {'value':>8}  step"]
         for layer, what, value, step in worst(tel, stat, lowest, top):
