@@ -30,7 +30,8 @@ layer on one micro-batch; a handful of host syncs per layer when the step's numb
 The numbers come back as flat keys ``fp8/<layer fqn>/<gemm>.<operand>/<stat>`` (``parse_key`` splits
 one), which the training loop writes to ``metrics.jsonl`` and TensorBoard; ``infir2 numerics RUN_DIR``
 ranks the layers and draws them over steps. Under torchrun each rank records its own micro-batches
-and the main rank's are written. Weights all-gathered as FP8 codes (``fp8.param_gather``) have no
+and the main rank's are written. Under activation checkpointing a recomputed forward counts its
+operands twice, which leaves every fraction, amax and range unchanged. Weights all-gathered as FP8 codes (``fp8.param_gather``) have no
 high-precision copy on the rank: their ``w`` statistics and the SQNRs are not recorded.
 """
 
