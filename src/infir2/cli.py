@@ -34,6 +34,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prepare-cpt": ("infir2.data.command", "tokenize text/JSONL/Parquet into memory-mapped token shards"),
     "eval": ("infir2.eval.command", "evaluate a checkpoint on reasoning benchmarks (JSONL) or held-out loss"),
     "export": ("infir2.export.command", "export a checkpoint as a BF16 or FP8 (128x128 blocks) HF folder"),
+    "numerics": (
+        "infir2.train.numerics",
+        "rank a run's layers by FP8 telemetry (SQNR, underflow); heatmap PNG",
+    ),
     "bench": ("infir2.bench.command", "time BF16 vs FP8 linears, quantization kernels and a training step"),
     "memory": ("infir2.memory", "bytes one decoder layer keeps for backward, tensor by tensor, BF16 vs FP8"),
     "plan": (

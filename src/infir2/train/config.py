@@ -6,7 +6,7 @@ InfiR2 recipe, docs/RECIPE.md section 2, can be written down)::
     run:      name, out_dir, seed, device (auto|cpu|cuda)
     model:    path (local HF folder) | from_config ({arch: a name in infir2.model.ARCHS, hidden_size, ...}),
               tokenizer, precision (fp32|bf16), activation_checkpointing, recompute_mlp, export_dtype
-    fp8:      recipe (a name in infir2.fp8.RECIPES: bf16, blockwise, ...), backend, param_gather
+    fp8:      recipe (a name in infir2.fp8.RECIPES: bf16, blockwise, ...), backend, param_gather, stats_every
     data:     kind (cpt|sft), train_path, val_path, seq_len, global_batch_size, micro_batch_size,
               max_tokens_per_micro_batch, max_length, overlong (truncate|drop), epochs, shuffle, seed
     optim:    lr, betas, eps, weight_decay, grad_clip, fused, state_dtype (fp32|bf16)
@@ -87,6 +87,8 @@ class Fp8Config:
     # FSDP2: all-gather FP8 linears' weights as FP8 codes (1 byte/element); default (null): on for the
     # blockwise recipes; only recipes whose fprop and dgrad share the weight blocks can (not rowwise)
     param_gather: bool | None = None
+    # FP8 numerics telemetry (infir2.nn.telemetry, `infir2 numerics`) every N steps; 0 = off
+    stats_every: int = 0
 
 
 @dataclass(frozen=True)
@@ -221,6 +223,7 @@ def _check(cfg: RunConfig, source: str) -> None:
     positive("train.max_steps", t.max_steps)
     if t.loss_chunk_tokens != "auto":
         positive("train.loss_chunk_tokens", t.loss_chunk_tokens, allow_zero=True)
+    positive("fp8.stats_every", cfg.fp8.stats_every, allow_zero=True)
     for key in ("eval_every", "save_every"):
         positive(f"train.{key}", getattr(t, key), allow_zero=True)
     for key in ("eval_batches", "keep_last", "log_every", "max_nonfinite_in_row"):

@@ -13,10 +13,11 @@ One optimizer step, top to bottom (``train_step``):
 
 Around it: evaluation every ``train.eval_every`` steps (``evaluate``: the held-out loss of
 ``infir2.loss``, the definition ``infir2 eval --perplexity`` uses), a checkpoint every
-``train.save_every`` steps and at the end, auto-resume from the run folder's latest checkpoint, and the
-final export as a Hugging Face folder ``<run>/hf`` (``checkpointing.py``). The model and the data come
-from ``setup.py``. The run folder also holds ``config.yaml`` (resolved), ``metrics.jsonl`` and
-``tensorboard/``.
+``train.save_every`` steps and at the end, auto-resume from the run folder's latest checkpoint, FP8
+numerics telemetry every ``fp8.stats_every`` steps (``infir2.nn.telemetry``: per-layer keys ``fp8/...``
+in the metrics), and the final export as a Hugging Face folder ``<run>/hf`` (``checkpointing.py``).
+The model and the data come from ``setup.py``. The run folder also holds ``config.yaml`` (resolved),
+``metrics.jsonl`` and ``tensorboard/``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from ..data import load_tokenizer
 from ..data.base import MicroBatch, StepSource, count_loss_tokens
 from ..loss import heldout_loss, token_ce_sum
 from ..nn import cache_fp8_weights, fp8_modules
+from ..nn.telemetry import Fp8Telemetry
 from .checkpointing import TrainState, export_final, restore, save
 from .config import RunConfig, save_config
 from .distributed import DistEnv, all_reduce_sum, init_distributed
@@ -235,6 +237,7 @@ def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, 
     random.seed(cfg.run.seed + env.rank)
     state, resumed_from = restore(cfg, env, model, optimizer, train_source)
     result = TrainResult(run_dir, state.step, resumed_from=resumed_from)
+    telemetry = Fp8Telemetry(model, cfg.fp8.stats_every)  # fp8.stats_every: 0 = off, no layer touched
     with MetricsLogger(run_dir, env.is_main, state.step, n_steps, cfg.train.log_every, progress) as logger:
         steps = iter(train_source)
         while state.step < n_steps:
@@ -243,13 +246,14 @@ def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, 
             if micro_batches is None:
                 logger.message(f"data exhausted after {state.step} steps (of {n_steps})")
                 break
-            out = train_step(model, optimizer, micro_batches, schedule(state.step), cfg.optim.grad_clip,
-                             cfg.model.precision, env, cfg.train.loss_chunk_tokens)  # fmt: skip
+            with telemetry.record(state.step + 1) as fp8_stats:
+                out = train_step(model, optimizer, micro_batches, schedule(state.step), cfg.optim.grad_clip,
+                                 cfg.model.precision, env, cfg.train.loss_chunk_tokens)  # fmt: skip
             state.step += 1
             state.tokens_seen += out["tokens"]
             seconds = time.perf_counter() - t0
             last = state.step == n_steps
-            metrics = _step_metrics(state.step, out, seconds, state, env)
+            metrics = _step_metrics(state.step, out, seconds, state, env) | fp8_stats
             if val_steps is not None and _due(state.step, cfg.train.eval_every, last):
                 metrics["val_loss"] = evaluate(model, val_steps(), cfg.train.eval_batches,
                                                cfg.model.precision, env, cfg.train.eval_fp8,
