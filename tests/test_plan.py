@@ -11,7 +11,7 @@ from conftest import make_tiny_model
 from infir2.chunked_loss import lm_loss_sum
 from infir2.cli import main
 from infir2.memory import saved_in_graph
-from infir2.nn import cache_fp8_weights, convert_to_fp8
+from infir2.nn import cache_fp8_weights, convert_to_fp8, recompute_swiglu
 from infir2.plan import MODELS, ModelShape, load_shape, plan
 from infir2.train.config import parse_config
 from infir2.train.optim import build_optimizer
@@ -48,10 +48,15 @@ def test_states_match_the_tensors_after_one_step(state_dtype: str) -> None:
     _within(p.optimizer, moments)
 
 
-@pytest.mark.parametrize(("recipe", "chunk"), [("bf16", 0), ("blockwise", 0), ("blockwise", 64)])
-def test_saved_bytes_match_a_whole_tiny_model(recipe: str, chunk: int) -> None:
+@pytest.mark.parametrize(
+    ("recipe", "chunk", "recompute"),
+    [("bf16", 0, True), ("blockwise", 0, True), ("blockwise", 64, True), ("blockwise", 0, False)],
+)
+def test_saved_bytes_match_a_whole_tiny_model(recipe: str, chunk: int, recompute: bool) -> None:
     """Activations + logits + weight copies of the plan == what a whole model's forward keeps."""
     model = make_tiny_model(hidden=128, layers=3)
+    if recompute:  # as training does by default (model.recompute_mlp)
+        recompute_swiglu(model)
     if recipe != "bf16":
         convert_to_fp8(model, recipe)
     ids = torch.randint(0, 300, (BATCH, SEQ))
@@ -61,7 +66,8 @@ def test_saved_bytes_match_a_whole_tiny_model(recipe: str, chunk: int) -> None:
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for _, t in saved_in_graph(loss.grad_fn)}  # fmt: skip
     measured = sum(n for ptr, n in storages.items() if ptr not in params)
-    p = plan(_shape(model), recipe, gpus=1, seq_len=SEQ, micro_batch=BATCH, loss_chunk_tokens=chunk)
+    p = plan(_shape(model), recipe, gpus=1, seq_len=SEQ, micro_batch=BATCH, loss_chunk_tokens=chunk,
+             recompute_mlp=recompute)  # fmt: skip
     _within(p.activations + p.logits_saved + p.weight_copies, measured)
 
 
@@ -90,7 +96,14 @@ def test_embedded_figures_are_what_infir2_memory_measures() -> None:
     from infir2.plan import MEASURED
 
     shape = load_shape("qwen2.5-1.5b")[1]
-    row = MEASURED[(shape.hidden, shape.intermediate, shape.heads, shape.kv_heads)]
     projections = shape.layer_params - 2 * shape.hidden - (shape.hidden + 2 * 256)  # minus norms and biases
-    assert row["bf16"][1] == 2 * projections  # autocast's bf16 copies
-    assert projections < row["blockwise"][1] < projections * 1.001  # FP8 copies + 128x128 scales
+    assert projections == shape.projection_weights
+    for recompute in (False, True):
+        row = MEASURED[(shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, recompute)]
+        assert row["bf16"][1] == 2 * projections  # autocast's bf16 copies
+        assert projections < row["blockwise"][1] < projections * 1.001  # FP8 copies + 128x128 scales
+    # the recompute drops exactly silu(g): one bf16 [T, I] tensor, 2 I bytes per token
+    recomputed = MEASURED[(shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, True)]
+    plain = MEASURED[(shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, False)]
+    for recipe in recomputed.keys() & plain.keys():
+        assert plain[recipe][0] - recomputed[recipe][0] == 2 * shape.intermediate, recipe

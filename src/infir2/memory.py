@@ -20,6 +20,12 @@ CPU-sized token count scale linearly to 8k or 32k (``per_token`` is what ``infir
 Only the forward runs (saved tensors are made there), but bf16 GEMMs are slow on CPUs without native
 bf16: keep ``--tokens`` small (256-1024).
 
+FP8 layers are measured as training runs them: with the SwiGLU recompute (``model.recompute_mlp``,
+on by default), which keeps the gate and up outputs and recomputes ``silu`` in backward, so the
+down projection's FP8 input is the only copy of the product. Two baselines are printed: the plain
+HF layer (what users run today: "vs bf16") and the same layer with the recompute ("vs bf16+rc",
+like for like, since the recompute is not FP8's own doing).
+
     infir2 memory                              # 1.5B and 7B shapes, 384 tokens, all recipes
     infir2 memory --models 1.5B --tokens 1024 --recipes blockwise --table
 """
@@ -35,7 +41,7 @@ from torch import nn
 
 from .fp8 import RECIPES
 from .fp8.formats import BLOCK
-from .nn import cache_fp8_weights, convert_to_fp8
+from .nn import cache_fp8_weights, convert_to_fp8, recompute_swiglu
 
 __all__ = [
     "LAYER_SHAPES",
@@ -150,9 +156,17 @@ def _key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def layer_memory(model: str, recipe: str, tokens: int, **overrides: int) -> LayerMemory:
-    """Run one layer's forward on ``tokens`` tokens and list what it keeps for backward."""
+def layer_memory(
+    model: str, recipe: str, tokens: int, recompute_mlp: bool = False, **overrides: int
+) -> LayerMemory:
+    """Run one layer's forward on ``tokens`` tokens and list what it keeps for backward.
+
+    ``recompute_mlp``: the SwiGLU recompute training applies by default (``model.recompute_mlp``,
+    ``infir2.nn.recompute_swiglu``); off, the layer is the plain Hugging Face one.
+    """
     layer, rotary = build_layer(model, **overrides)
+    if recompute_mlp:
+        recompute_swiglu(layer)
     if recipe != "bf16":
         convert_to_fp8(layer, recipe, module_filter_fn=lambda m, _fqn: isinstance(m, nn.Linear))
     hidden = {**LAYER_SHAPES.get(model, {}), **overrides}["hidden_size"]
@@ -211,6 +225,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipes", default=",".join(r for r in RECIPES if r != "bf16"),
                         help="FP8 recipes to compare with the bf16 baseline")  # fmt: skip
     parser.add_argument("--table", action="store_true", help="print every saved tensor, per recipe")
+    parser.add_argument("--no-recompute-mlp", action="store_true",
+                        help="FP8 layers without the SwiGLU recompute training uses by default "
+                        "(model.recompute_mlp: true)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -224,14 +241,22 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"saved for backward by ONE decoder layer, {args.tokens} tokens, bf16 autocast; MiB (per-token bytes)"
     )
-    print(f"{'model':<7}{'recipe':<22}{'activations':>12}{'B/token':>10}{'vs bf16':>9}"
+    print(f"{'model':<7}{'recipe':<26}{'activations':>12}{'B/token':>10}{'vs bf16':>9}{'vs bf16+rc':>11}"
           f"{'weight copies':>15}{'shared':>9}")  # fmt: skip
+    recompute = not args.no_recompute_mlp
     for model in models:
-        base = layer_memory(model, "bf16", args.tokens)
-        for m in [base] + [layer_memory(model, r, args.tokens) for r in recipes]:
-            print(f"{model:<7}{m.recipe:<22}{m.total() / 2**20:>12.2f}{m.per_token:>10.0f}"
-                  f"{m.total() / base.total():>9.3f}{m.total('weight') / 2**20:>15.2f}"
-                  f"{m.total('shared') / 2**20:>9.2f}")  # fmt: skip
+        # the baseline users run (plain HF MLP) and the like-for-like one (the same recompute)
+        base, base_rc = (
+            layer_memory(model, "bf16", args.tokens),
+            layer_memory(model, "bf16", args.tokens, True),
+        )
+        rows = [("bf16", base), ("bf16 + recompute_mlp", base_rc)]
+        rows += [(r + (" + recompute_mlp" if recompute else ""), layer_memory(model, r, args.tokens, recompute))
+                 for r in recipes]  # fmt: skip
+        for label, m in rows:
+            print(f"{model:<7}{label:<26}{m.total() / 2**20:>12.2f}{m.per_token:>10.0f}"
+                  f"{m.total() / base.total():>9.3f}{m.total() / base_rc.total():>11.3f}"
+                  f"{m.total('weight') / 2**20:>15.2f}{m.total('shared') / 2**20:>9.2f}")  # fmt: skip
             if args.table:
                 print(format_table(m))
     return 0

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from .fp8 import RECIPES
+from .fp8.formats import BLOCK
 
 __all__ = ["MODELS", "PUBLISHED", "ModelShape", "Plan", "add_arguments", "layer_figures", "plan", "run"]
 
@@ -59,16 +60,22 @@ PUBLISHED: dict[str, dict[int, float]] = {
     "qwen2.5-7b": {8192: 0.95, 32768: 0.86},
 }
 
-#: Per decoder layer (hidden, intermediate, heads, kv heads) -> recipe -> (activation bytes per token,
+#: Per decoder layer (hidden, intermediate, heads, kv heads, SwiGLU recompute) -> recipe -> (activation bytes per token,
 #: weight-copy bytes), as printed by ``infir2 memory --tokens 384`` (BENCHMARKS.md); other shapes are
 #: measured on the fly by ``layer_figures``.
-MEASURED: dict[tuple[int, int, int, int], dict[str, tuple[float, int]]] = {
-    (1536, 8960, 12, 2): {"bf16": (118840, 93585408), "blockwise": (99552, 46804128),
+MEASURED: dict[tuple[int, int, int, int, bool], dict[str, tuple[float, int]]] = {
+    (1536, 8960, 12, 2, False): {"bf16": (118840, 93585408), "blockwise": (99552, 46804128),
                           "blockwise_fp32scale": (99552, 46804128), "rowwise": (99269, 0),
                           "tensorwise": (99128, 46792732)},
-    (3584, 18944, 28, 4): {"bf16": (261240, 466092032), "blockwise": (218136, 233102912),
+    (3584, 18944, 28, 4, False): {"bf16": (261240, 466092032), "blockwise": (218136, 233102912),
                            "blockwise_fp32scale": (218136, 233102912), "rowwise": (217517, 0),
                            "tensorwise": (217208, 233046044)},
+    # with the SwiGLU recompute training applies by default (``infir2 memory``, same command, 2026-11-30)
+    (1536, 8960, 12, 2, True): {"bf16": (100920, 93585408), "blockwise": (81632, 46804128),
+                                "blockwise_fp32scale": (81632, 46804128), "mxfp8": (81632, 0),
+                                "rowwise": (81349, 0), "tensorwise": (81208, 46792732)},
+    (3584, 18944, 28, 4, True): {"bf16": (223352, 466092032), "blockwise": (180248, 233102912),
+                                 "mxfp8": (180248, 0), "tensorwise": (179320, 233046044)},
 }  # fmt: skip
 
 FP32_BYTES, BF16_BYTES = 4, 2
@@ -102,6 +109,12 @@ class ModelShape:
         return attention + 3 * h * self.intermediate + 2 * h  # gate, up, down; two RMSNorms
 
     @property
+    def projection_weights(self) -> int:
+        """Elements of one layer's seven projection weights (what FP8 quantizes and FP8-gathers)."""
+        h, kv = self.hidden, self.kv_heads * (self.hidden // self.heads)
+        return 2 * h * h + 2 * h * kv + 3 * h * self.intermediate
+
+    @property
     def root_params(self) -> int:
         return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden  # embed (+ lm_head), norm
 
@@ -125,17 +138,18 @@ def load_shape(model: str) -> tuple[str, ModelShape]:
     return str(path), ModelShape.from_config(config, str(path))
 
 
-def layer_figures(shape: ModelShape, recipe: str) -> tuple[float, int]:
+def layer_figures(shape: ModelShape, recipe: str, recompute_mlp: bool = True) -> tuple[float, int]:
     """(activation bytes per token, weight-copy bytes) of one decoder layer: measured, cached."""
-    key = (shape.hidden, shape.intermediate, shape.heads, shape.kv_heads)
+    key = (shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, recompute_mlp)
     if recipe not in MEASURED.get(key, {}):
         from .memory import layer_memory, safe_tokens
 
         kv = shape.kv_heads * (shape.hidden // shape.heads)
         tokens = safe_tokens({shape.hidden, shape.intermediate, kv})
 
-        m = layer_memory("", recipe, tokens, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-                         num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads)  # fmt: skip
+        m = layer_memory("", recipe, tokens, recompute_mlp, hidden_size=shape.hidden,
+                         intermediate_size=shape.intermediate, num_attention_heads=shape.heads,
+                         num_key_value_heads=shape.kv_heads)  # fmt: skip
         MEASURED.setdefault(key, {})[recipe] = (m.per_token, m.total("weight"))
     return MEASURED[key][recipe]
 
@@ -163,12 +177,19 @@ class Plan:
 
 def plan(shape: ModelShape, recipe: str, gpus: int = 1, seq_len: int = 8192, micro_batch: int = 1,
          global_batch: int | None = None, activation_checkpointing: bool = False, state_dtype: str = "fp32",
-         loss_chunk_tokens: int | str = "auto") -> Plan:  # fmt: skip
-    """The memory and traffic of one GPU; ``recipe`` is ``bf16`` (baseline) or an FP8 recipe."""
+         loss_chunk_tokens: int | str = "auto", recompute_mlp: bool = True, precision: str = "bf16",
+         param_gather: bool | None = None) -> Plan:  # fmt: skip
+    """The memory and traffic of one GPU; ``recipe`` is ``bf16`` (baseline) or an FP8 recipe.
+
+    Under FSDP (``gpus > 1``) parameters travel in ``precision`` (bf16 mixed precision, or fp32), and
+    an FP8 recipe's projection weights as FP8 codes (1 byte) when ``param_gather`` (default: as
+    ``fp8.param_gather``, on for the block-scaled recipes); the gathered weight is then the GEMMs' copy,
+    so no per-step weight cache is kept.
+    """
     from .chunked_loss import use_chunked_loss
 
     tokens = seq_len * micro_batch
-    per_token, weight_copy = layer_figures(shape, recipe)
+    per_token, weight_copy = layer_figures(shape, recipe, recompute_mlp)
     p, shard = shape.params, 1 / gpus
     if activation_checkpointing:
         activations = tokens * (shape.layers * shape.hidden * FP32_BYTES + per_token)
@@ -190,14 +211,24 @@ def plan(shape: ModelShape, recipe: str, gpus: int = 1, seq_len: int = 8192, mic
     # checkpointing; the FP8 copies live for the whole step (cache_fp8_weights), checkpointing or not
     copied_layers = 1 if activation_checkpointing and recipe == "bf16" else shape.layers
     distributed = gpus > 1
-    working = shape.root_params + 2 * shape.layer_params  # unsharded while in use
+    r = RECIPES[recipe]
+    fp8_gather = distributed and r.enabled and r.reuses_weight and all(b > 0 for b in r.w.block)
+    fp8_gather = fp8_gather if param_gather is None else (param_gather and distributed and r.enabled)
+    wire = BF16_BYTES if precision == "bf16" else FP32_BYTES
+    layer_wire = float(wire * shape.layer_params)
+    if fp8_gather:  # projections as FP8 codes + one fp32 scale per 128x128 block, the rest in `wire`
+        proj = shape.projection_weights
+        layer_wire = (shape.layer_params - proj) * wire + proj * (1 + FP32_BYTES / BLOCK**2)
+    if distributed and (precision == "bf16" or fp8_gather):
+        copied_layers = 0  # the gathered weights are already what the GEMMs read
+    working = shape.root_params * wire + 2 * layer_wire  # unsharded while in use: root + 2 layers
     micro_steps = max((global_batch or micro_batch * gpus) // (micro_batch * gpus), 1)
-    gather = FP32_BYTES * (2 * shape.layers * shape.layer_params + shape.root_params) * (1 - shard)
+    gather = (2 * shape.layers * layer_wire + shape.root_params * wire) * (1 - shard)
     return Plan(
         parameters=FP32_BYTES * p * shard,
         gradients=FP32_BYTES * p * shard,
         optimizer=(2 * FP32_BYTES if state_dtype == "fp32" else 2 * BF16_BYTES) * p * shard,
-        gathered=2 * FP32_BYTES * working * (1 - shard) if distributed else 0.0,
+        gathered=2 * working * (1 - shard) if distributed else 0.0,  # the weights and their gradients
         weight_copies=copied_layers * weight_copy + head_copy,
         activations=activations,
         logits_saved=saved,
@@ -242,6 +273,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--loss-chunk-tokens", default="auto", help="auto | 0 (plain loss) | tokens per chunk"
     )
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                        help="model.precision: the dtype parameters travel in under FSDP")  # fmt: skip
+    parser.add_argument("--no-recompute-mlp", action="store_true",
+                        help="without the SwiGLU recompute (model.recompute_mlp: false)")  # fmt: skip
+    parser.add_argument("--no-param-gather", action="store_true",
+                        help="FP8 projections gathered in --precision, not as FP8 (fp8.param_gather: false)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -256,7 +293,9 @@ def run(args: argparse.Namespace) -> int:
     name, shape = load_shape(args.model)
     kw = {"gpus": args.gpus, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
           "global_batch": args.global_batch, "activation_checkpointing": args.activation_checkpointing,
-          "state_dtype": args.state_dtype, "loss_chunk_tokens": chunk}  # fmt: skip
+          "state_dtype": args.state_dtype, "loss_chunk_tokens": chunk, "precision": args.precision,
+          "recompute_mlp": not args.no_recompute_mlp,
+          "param_gather": False if args.no_param_gather else None}  # fmt: skip
     print(f"{name}: {shape.params / 1e9:.2f}B parameters, {args.gpus} GPUs, {args.seq_len} x {args.micro_batch} "
           f"tokens per micro-batch, AC {'on' if args.activation_checkpointing else 'off'}, AdamW moments "
           f"{args.state_dtype}, loss chunk {chunk}")  # fmt: skip
