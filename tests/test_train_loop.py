@@ -108,6 +108,21 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(tmp_path):
         train(cfg, model=model, train_source=source, progress=False)
 
 
+def test_no_checkpoint_during_a_nonfinite_streak_and_the_abort_names_the_last_healthy_one(tmp_path):
+    """A checkpoint every step, keep_last=1: the streak from step 3 on must not push out step 2's."""
+    source = SyntheticSource(seed=1)
+    model = make_tiny_model()
+    _poison_lm_head(model, lambda: source.step >= 3)  # steps 3, 4, ... are non-finite
+    cfg = tiny_run_config(tmp_path, "streak", train={"max_steps": 8, "save_every": 1, "keep_last": 1,
+                                                     "max_nonfinite_in_row": 3})  # fmt: skip
+    with pytest.raises(NonFiniteError) as e:
+        train(cfg, model=model, train_source=source, progress=False)
+    healthy = cfg.run_dir / "checkpoints" / "step_00000002"
+    assert [p.name for p in list_checkpoints(cfg.run_dir / "checkpoints")] == [healthy.name]
+    message = str(e.value)
+    assert str(healthy) in message and "\n" not in message and isinstance(e.value, ValueError)
+
+
 @pytest.mark.slow
 def test_fp8_blockwise_and_bf16_recipe_both_train_and_agree(tmp_path):
     losses = {}

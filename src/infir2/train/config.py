@@ -26,6 +26,7 @@ field: ``--set optim.lr=3e-4 --set data.shuffle=false --set optim.betas=[0.9,0.9
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -37,6 +38,9 @@ from ..fp8.recipe import get_recipe
 from ..model import ARCHS
 from ..nn.fsdp import supports_param_gather
 from .typed_yaml import apply_overrides, build, config_error, to_plain
+
+#: the largest finite float32: optimizer hyperparameters above it become inf inside fp32 AdamW
+FP32_MAX = 3.4028234663852886e38
 
 __all__ = [
     "DataConfig",
@@ -175,6 +179,10 @@ def _check(cfg: RunConfig, source: str) -> None:
     """Cross-field rules that types alone cannot express."""
 
     def positive(key: str, value: float | None, allow_zero: bool = False) -> None:
+        if value is not None and not math.isfinite(value):
+            raise config_error(source, key, f"must be a finite number, got {value}")
+        if value is not None and abs(value) > FP32_MAX:
+            raise config_error(source, key, f"overflows float32 (max {FP32_MAX:.4g}), got {value}")
         if value is not None and (value < 0 or (value == 0 and not allow_zero)):
             raise config_error(source, key, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 

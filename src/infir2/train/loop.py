@@ -59,8 +59,12 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-class NonFiniteError(RuntimeError):
-    """Too many consecutive steps with a non-finite loss or gradient norm."""
+class NonFiniteError(ValueError):
+    """Too many consecutive steps with a non-finite loss or gradient norm.
+
+    A ``ValueError``: the CLI prints it as one line (exit code 2). It names the last checkpoint written
+    before the streak -- none is written during one, so ``train.keep_last`` never deletes it.
+    """
 
 
 @dataclass
@@ -166,7 +170,8 @@ def _step_metrics(
             "peak_mem_gib": peak_memory_gib(env.device)}  # fmt: skip
 
 
-def _count_nonfinite(state: TrainState, out: dict[str, Any], cfg: RunConfig, logger: MetricsLogger) -> None:
+def _count_nonfinite(state: TrainState, out: dict[str, Any], cfg: RunConfig, logger: MetricsLogger,
+                     last_checkpoint: Path | None) -> None:  # fmt: skip
     if not out["skipped"]:
         state.nonfinite_in_row = 0
         return
@@ -175,10 +180,12 @@ def _count_nonfinite(state: TrainState, out: dict[str, Any], cfg: RunConfig, log
     logger.message(f"step {state.step}: non-finite loss {out['loss']} or grad norm {out['grad_norm']}: update "
                    f"skipped ({state.nonfinite_in_row} in a row, {state.nonfinite_total} in total)")  # fmt: skip
     if state.nonfinite_in_row >= cfg.train.max_nonfinite_in_row:
+        where = (f"the last checkpoint written before the streak is {last_checkpoint}" if last_checkpoint
+                 else "no checkpoint was written before the streak")  # fmt: skip
         raise NonFiniteError(f"stopping at step {state.step}: {state.nonfinite_in_row} steps in a row had a "
                              f"non-finite loss or gradient norm (train.max_nonfinite_in_row="
-                             f"{cfg.train.max_nonfinite_in_row}); lower optim.lr, check the data, or try "
-                             f"another fp8.recipe. The last good checkpoint is in {cfg.run_dir / 'checkpoints'}")  # fmt: skip
+                             f"{cfg.train.max_nonfinite_in_row}); {where}. Lower optim.lr, check the data, or "
+                             f"try another fp8.recipe, then resume with --load that checkpoint")  # fmt: skip
 
 
 def _due(step: int, every: int, last: bool) -> bool:
@@ -253,10 +260,16 @@ def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, 
                                                cfg.model.precision, env, cfg.train.eval_fp8)  # fmt: skip
             logger.log(metrics)
             result.history.append(metrics)
-            _count_nonfinite(state, out, cfg, logger)
+            _count_nonfinite(state, out, cfg, logger, result.checkpoint or resumed_from)
+            if state.nonfinite_in_row:  # never during a streak: keep_last would delete the healthy one
+                continue
             if cfg.train.save_every and state.step % cfg.train.save_every == 0 and not last:
                 result.checkpoint = save(cfg, env, model, optimizer, train_source, state)
         result.step = state.step
-        result.checkpoint = save(cfg, env, model, optimizer, train_source, state)
+        if state.nonfinite_in_row:
+            logger.message(f"ending in a non-finite streak: no checkpoint for step {state.step}; the last one is "
+                           f"{result.checkpoint or resumed_from}")  # fmt: skip
+        else:
+            result.checkpoint = save(cfg, env, model, optimizer, train_source, state)
         result.hf_dir = export_final(cfg, env, model, tokenizer)
     return result
