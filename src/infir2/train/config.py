@@ -14,7 +14,8 @@ InfiR2 recipe, docs/RECIPE.md section 2, can be written down)::
               decay_style (cosine|linear), min_lr | min_lr_ratio
     train:    max_steps, eval_every, eval_batches, eval_fp8, save_every, keep_last, log_every,
               max_nonfinite_in_row
-    load:     path, mode (resume|decay_only|weights_only), reset_step, reset_data, force, start_fresh
+    load:     path, mode (resume|decay_only|weights_only), reset_step, reset_data, force, start_fresh,
+              accept_config_changes
 
 Validation is strict: an unknown key, a value of the wrong type or outside its allowed set (for
 ``fp8.recipe`` and ``model.from_config.arch``: the names of their registries) is a ``ValueError``
@@ -153,6 +154,9 @@ class LoadConfig:
     reset_data: bool = False  # decay_only: start the data from the beginning instead of where it stopped
     force: bool = False  # use `path` even when the run folder has checkpoints (set by `--load`)
     start_fresh: bool = False  # if none of the run's checkpoints loads: set them aside, start at step 0
+    accept_config_changes: bool = (
+        False  # resume although schedule/optim/data/model/fp8/seed/max_steps changed
+    )
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,8 @@ from ..data.base import MicroBatch, StepSource, count_loss_tokens
 from ..loss import heldout_loss, token_ce_sum
 from ..nn import cache_fp8_weights, fp8_modules
 from .checkpointing import TrainState, export_final, restore, save
-from .config import RunConfig, save_config
+from .config import RunConfig
+from .config_changes import reconcile_saved_config
 from .distributed import DistEnv, all_reduce_sum, init_distributed
 from .lock import run_lock
 from .metrics import MetricsLogger, peak_memory_gib
@@ -219,9 +220,7 @@ def train(
 def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, train_source: StepSource | None,
          val_source: StepSource | ValSteps | None, progress: bool) -> TrainResult:  # fmt: skip
     run_dir = cfg.run_dir
-    if env.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
+    reconcile_saved_config(cfg, write=env.is_main)  # refuses meaningful changes on resume; keeps the old one
     tokenizer_path = cfg.model.tokenizer or cfg.model.path
     if tokenizer is None and tokenizer_path:
         tokenizer = load_tokenizer(tokenizer_path)
