@@ -36,6 +36,7 @@ from torch import nn
 from ..data import load_tokenizer
 from ..data.base import MicroBatch, StepSource, count_loss_tokens
 from ..loss import heldout_loss, token_ce_sum
+from ..model import check_model_folder
 from ..nn import cache_fp8_weights, fp8_modules
 from .checkpointing import TrainState, export_final, restore, save
 from .config import RunConfig
@@ -221,6 +222,8 @@ def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, 
          val_source: StepSource | ValSteps | None, progress: bool) -> TrainResult:  # fmt: skip
     run_dir = cfg.run_dir
     reconcile_saved_config(cfg, write=env.is_main)  # refuses meaningful changes on resume; keeps the old one
+    if cfg.model.path and model is None:
+        check_model_folder(cfg.model.path)  # before the tokenizer: a missing model is named as such
     tokenizer_path = cfg.model.tokenizer or cfg.model.path
     if tokenizer is None and tokenizer_path:
         tokenizer = load_tokenizer(tokenizer_path)
