@@ -213,9 +213,11 @@ def test_export_refuses_a_non_empty_out_unless_overwrite(model, tmp_path: Path, 
     assert f"output folder {out} is not empty" in err and "--overwrite" in err and len(err.splitlines()) == 1
     assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "keep me"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "mine"]  # no temporary folder left
-    assert main(argv + ["--overwrite"]) == 0
+    assert main([*argv, "--overwrite"]) == 0
     assert not (out / "notes.txt").exists() and _read_folder(out)
-    assert main(["export", "--model", str(src), "--out", str(tmp_path), "--overwrite"]) == 2  # holds the input
+    assert (
+        main(["export", "--model", str(src), "--out", str(tmp_path), "--overwrite"]) == 2
+    )  # holds the input
     assert src.is_dir()
 
 
@@ -226,7 +228,7 @@ def test_a_model_folder_without_weights_is_a_clear_error(model, tmp_path: Path) 
         load_checkpoint(src)
     from infir2.model import load_pretrained
 
-    with pytest.raises(FileNotFoundError, match="has a config.json but no weights"):
+    with pytest.raises(FileNotFoundError, match=r"has a config\.json but no weights"):
         load_pretrained(src)
 
 
