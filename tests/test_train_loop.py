@@ -197,3 +197,25 @@ def test_cpt_val_loss_is_the_number_eval_perplexity_prints(tmp_path):
     printed = evaluate_loss(exported, data, seq_len=16, batch_size=2)
     assert printed.tokens == 5 * 16 + 7 - 1  # every val token after the first, once
     assert result.final_val_loss == pytest.approx(printed.loss, rel=1e-5)
+
+
+def test_a_killed_exports_leftover_is_removed_by_the_next_run(tmp_path):
+    cfg = tiny_run_config(tmp_path, train={"max_steps": 2})
+    train(cfg, model=make_tiny_model(), train_source=SyntheticSource(seed=1), progress=False)
+    leftover = cfg.run_dir / ".tmp-hf-12345"  # what a kill -9 during export_model leaves
+    leftover.mkdir()
+    (leftover / "model-00001-of-00002.safetensors").write_bytes(b"partial")
+    again = train(cfg, model=make_tiny_model(), train_source=SyntheticSource(seed=1), progress=False)
+    assert not leftover.exists() and again.hf_dir.is_dir()
+
+
+def test_a_failed_start_leaves_no_run_folder_it_created(tmp_path):
+    cfg = tiny_run_config(tmp_path, "bad", data={"train_path": str(tmp_path / "no-such-data")})
+    with pytest.raises(FileNotFoundError, match="no-such-data"):
+        train(cfg, model=make_tiny_model(), progress=False)
+    assert not cfg.run_dir.exists()
+    cfg.run_dir.mkdir()
+    (cfg.run_dir / "mine.txt").write_text("x")  # a folder the user made is never removed
+    with pytest.raises(FileNotFoundError):
+        train(cfg, model=make_tiny_model(), progress=False)
+    assert (cfg.run_dir / "mine.txt").is_file()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import shutil
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -211,11 +212,25 @@ def train(
     Under ``torchrun`` every rank calls this.
     """
     env = init_distributed(cfg.run.device)
+    created = env.is_main and not cfg.run_dir.exists()
     try:
         with run_lock(cfg.run_dir, enabled=env.is_main):  # one process (group) per run folder
             return _run(cfg, env, model, tokenizer, train_source, val_source, progress)
+    except Exception:
+        if created:
+            _remove_if_unstarted(cfg.run_dir)
+        raise
     finally:
         env.close()
+
+
+def _remove_if_unstarted(run_dir: Path) -> None:
+    """A run folder this call created, whose start failed (no step logged, no checkpoint): remove it."""
+    metrics = run_dir / "metrics.jsonl"
+    if any((run_dir / "checkpoints").glob("step_*")) or (metrics.exists() and metrics.stat().st_size):
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+    log.info("removed %s: the run did not start", run_dir)
 
 
 def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, train_source: StepSource | None,
