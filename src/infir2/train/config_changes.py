@@ -59,7 +59,8 @@ def config_changes(saved: dict[str, Any], now: dict[str, Any]) -> tuple[list[str
     A key absent from the saved config (a field added since) counts as harmless.
     """
     old, new = _flatten(saved), _flatten(now)
-    meaningful, harmless = [], []
+    meaningful: list[str] = []
+    harmless: list[str] = []
     for key in sorted(old.keys() | new.keys()):
         a, b = old.get(key, _ABSENT), new.get(key, _ABSENT)
         if a == b:
