@@ -29,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=["bf16", "fp32", "fp8"], default="fp8", help="default fp8")
     p.add_argument("--pow2-scale", action=argparse.BooleanOptionalAction, default=True,
                    help="power-of-two block scales for fp8 (default: on)")  # fmt: skip
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out even if it is not empty (otherwise a non-empty folder is refused)")  # fmt: skip
     p.add_argument(
         "--max-shard-size", default="5GB", help="largest output shard, e.g. 5GB, 500MB (default 5GB)"
     )
@@ -38,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from .convert import convert_checkpoint, describe
 
     out = convert_checkpoint(args.model, args.out, fmt=args.format, pow2_scale=args.pow2_scale,
-                             max_shard_size=args.max_shard_size)  # fmt: skip
+                             max_shard_size=args.max_shard_size, overwrite=args.overwrite)  # fmt: skip
     info = describe(out)
     print(f"wrote {args.format} checkpoint to {Path(out)}: {info['shards']} shard(s), tensors by dtype "
           f"{info['tensors_by_dtype']}")  # fmt: skip

@@ -205,23 +205,50 @@ def convert_checkpoint(
     fmt: str = "fp8",
     pow2_scale: bool = True,
     max_shard_size: int | str = "5GB",
+    overwrite: bool = False,
 ) -> Path:
     """Convert a safetensors HF folder to ``fmt``, one input shard in memory at a time.
 
     All other top-level files (tokenizer, generation config, chat template, README) are copied.
     An FP8 source (``quantization_config`` of this layout) can be converted to ``bf16`` / ``fp32``.
+    ``out_dir`` must be new or empty unless ``overwrite`` (then it is replaced); the files are
+    written beside it first and renamed into place, so a failed conversion leaves it untouched.
     """
     _check_format(fmt)
     src, out = Path(src_dir), Path(out_dir)
     config_path = src / "config.json"
+    if not src.is_dir():
+        raise FileNotFoundError(f"model folder {src} does not exist")
     if not config_path.is_file():
         raise FileNotFoundError(f"{src}: no config.json (expected a Hugging Face checkpoint folder)")
     if src.resolve() == out.resolve():
         raise ValueError(f"output folder {out} is the input folder; choose another")
+    if out.resolve() in src.resolve().parents:
+        raise ValueError(f"output folder {out} contains the input folder {src}; choose another")
+    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"output folder {out} is not empty; choose a new or empty folder, or pass --overwrite "
+                         "to replace it")  # fmt: skip
     config = json.loads(config_path.read_text(encoding="utf-8"))
     if fmt == "fp8" and is_fp8_config(config, str(config_path)):
         raise ValueError(f"{src} is already an FP8 checkpoint")
     reader = CheckpointReader(src)
+    final, out = out, out.with_name(f".tmp-{out.name}-{os.getpid()}")
+    shutil.rmtree(out, ignore_errors=True)
+    try:
+        _convert_into(reader, src, out, fmt, pow2_scale, max_shard_size)
+        if final.is_dir() and not final.is_symlink():
+            shutil.rmtree(final)  # empty, or replaced with overwrite (checked above)
+        elif final.exists():
+            final.unlink()
+        out.rename(final)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    log.info("converted %s -> %s (%s)", src, final, fmt)
+    return final
+
+
+def _convert_into(reader: CheckpointReader, src: Path, out: Path, fmt: str, pow2_scale: bool,
+                  max_shard_size: int | str) -> None:  # fmt: skip
     writer = ShardWriter(out, max_shard_size)
     float_dtypes: set[torch.dtype] = set()
     for _file, names in tqdm(
@@ -241,8 +268,6 @@ def convert_checkpoint(
         _DTYPE_NAMES.get(next(iter(float_dtypes)), "bfloat16") if len(float_dtypes) == 1 else "bfloat16"
     )
     _patch_config(out / "config.json", fmt, dtype_name if fmt == "fp8" else _DTYPE_NAMES[_DTYPES[fmt]])
-    log.info("converted %s -> %s (%s)", src, out, fmt)
-    return out
 
 
 def _copy_side_files(src: Path, out: Path) -> None:

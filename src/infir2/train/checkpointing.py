@@ -11,12 +11,14 @@ folder's latest checkpoint (auto-resume), else ``load.path``, and applies ``load
 
 ``export_final`` writes ``<run>/hf`` with ``export.export_model`` -- the code behind ``infir2 export``,
 so the run's Hugging Face folder has the same layout and generation config (stop tokens) as an export.
+It first removes ``<run>/.tmp-hf-*``: the partial folder of an export that was killed.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,6 +150,9 @@ def export_final(cfg: RunConfig, env: DistEnv, model: nn.Module, tokenizer: Any)
     model_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     out = None
     if env.is_main:
+        for stale in cfg.run_dir.glob(".tmp-hf-*"):  # a killed export's partial folder (we hold the run lock)
+            shutil.rmtree(stale, ignore_errors=True)
+            log.info("removed %s, left by an interrupted export", stale)
         fmt = (
             cfg.model.export_dtype or cfg.model.precision
         )  # "fp32" | "bf16": export formats of the same name

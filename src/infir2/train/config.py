@@ -14,7 +14,8 @@ InfiR2 recipe, docs/RECIPE.md section 2, can be written down)::
               decay_style (cosine|linear), min_lr | min_lr_ratio
     train:    max_steps, eval_every, eval_batches, eval_fp8, save_every, keep_last, log_every,
               max_nonfinite_in_row, loss_chunk_tokens (auto|0|N)
-    load:     path, mode (resume|decay_only|weights_only), reset_step, reset_data, force, start_fresh
+    load:     path, mode (resume|decay_only|weights_only), reset_step, reset_data, force, start_fresh,
+              accept_config_changes
 
 Validation is strict: an unknown key, a value of the wrong type or outside its allowed set (for
 ``fp8.recipe`` and ``model.from_config.arch``: the names of their registries) is a ``ValueError``
@@ -26,6 +27,7 @@ field: ``--set optim.lr=3e-4 --set data.shuffle=false --set optim.betas=[0.9,0.9
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -37,6 +39,9 @@ from ..fp8.recipe import get_recipe
 from ..model import ARCHS
 from ..nn.fsdp import supports_param_gather
 from .typed_yaml import apply_overrides, build, config_error, to_plain
+
+#: the largest finite float32: optimizer hyperparameters above it become inf inside fp32 AdamW
+FP32_MAX = 3.4028234663852886e38
 
 __all__ = [
     "DataConfig",
@@ -154,6 +159,9 @@ class LoadConfig:
     reset_data: bool = False  # decay_only: start the data from the beginning instead of where it stopped
     force: bool = False  # use `path` even when the run folder has checkpoints (set by `--load`)
     start_fresh: bool = False  # if none of the run's checkpoints loads: set them aside, start at step 0
+    accept_config_changes: bool = (
+        False  # resume although schedule/optim/data/model/fp8/seed/max_steps changed
+    )
 
 
 @dataclass(frozen=True)
@@ -180,6 +188,10 @@ def _check(cfg: RunConfig, source: str) -> None:
     """Cross-field rules that types alone cannot express."""
 
     def positive(key: str, value: float | None, allow_zero: bool = False) -> None:
+        if value is not None and not math.isfinite(value):
+            raise config_error(source, key, f"must be a finite number, got {value}")
+        if value is not None and abs(value) > FP32_MAX:
+            raise config_error(source, key, f"overflows float32 (max {FP32_MAX:.4g}), got {value}")
         if value is not None and (value < 0 or (value == 0 and not allow_zero)):
             raise config_error(source, key, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 

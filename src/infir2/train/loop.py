@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import shutil
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -37,10 +38,12 @@ from torch import nn
 from ..data import load_tokenizer
 from ..data.base import MicroBatch, StepSource, count_loss_tokens
 from ..loss import heldout_loss, token_ce_sum
+from ..model import check_model_folder
 from ..nn import cache_fp8_weights, fp8_modules
 from ..nn.telemetry import Fp8Telemetry
 from .checkpointing import TrainState, export_final, restore, save
-from .config import RunConfig, save_config
+from .config import RunConfig
+from .config_changes import reconcile_saved_config
 from .distributed import DistEnv, all_reduce_sum, init_distributed
 from .lock import run_lock
 from .metrics import MetricsLogger, peak_memory_gib
@@ -61,8 +64,12 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-class NonFiniteError(RuntimeError):
-    """Too many consecutive steps with a non-finite loss or gradient norm."""
+class NonFiniteError(ValueError):
+    """Too many consecutive steps with a non-finite loss or gradient norm.
+
+    A ``ValueError``: the CLI prints it as one line (exit code 2). It names the last checkpoint written
+    before the streak -- none is written during one, so ``train.keep_last`` never deletes it.
+    """
 
 
 @dataclass
@@ -170,7 +177,8 @@ def _step_metrics(
             "peak_mem_gib": peak_memory_gib(env.device)}  # fmt: skip
 
 
-def _count_nonfinite(state: TrainState, out: dict[str, Any], cfg: RunConfig, logger: MetricsLogger) -> None:
+def _count_nonfinite(state: TrainState, out: dict[str, Any], cfg: RunConfig, logger: MetricsLogger,
+                     last_checkpoint: Path | None) -> None:  # fmt: skip
     if not out["skipped"]:
         state.nonfinite_in_row = 0
         return
@@ -179,10 +187,12 @@ def _count_nonfinite(state: TrainState, out: dict[str, Any], cfg: RunConfig, log
     logger.message(f"step {state.step}: non-finite loss {out['loss']} or grad norm {out['grad_norm']}: update "
                    f"skipped ({state.nonfinite_in_row} in a row, {state.nonfinite_total} in total)")  # fmt: skip
     if state.nonfinite_in_row >= cfg.train.max_nonfinite_in_row:
+        where = (f"the last checkpoint written before the streak is {last_checkpoint}" if last_checkpoint
+                 else "no checkpoint was written before the streak")  # fmt: skip
         raise NonFiniteError(f"stopping at step {state.step}: {state.nonfinite_in_row} steps in a row had a "
                              f"non-finite loss or gradient norm (train.max_nonfinite_in_row="
-                             f"{cfg.train.max_nonfinite_in_row}); lower optim.lr, check the data, or try "
-                             f"another fp8.recipe. The last good checkpoint is in {cfg.run_dir / 'checkpoints'}")  # fmt: skip
+                             f"{cfg.train.max_nonfinite_in_row}); {where}. Lower optim.lr, check the data, or "
+                             f"try another fp8.recipe, then resume with --load that checkpoint")  # fmt: skip
 
 
 def _due(step: int, every: int, last: bool) -> bool:
@@ -206,19 +216,33 @@ def train(
     Under ``torchrun`` every rank calls this.
     """
     env = init_distributed(cfg.run.device)
+    created = env.is_main and not cfg.run_dir.exists()
     try:
         with run_lock(cfg.run_dir, enabled=env.is_main):  # one process (group) per run folder
             return _run(cfg, env, model, tokenizer, train_source, val_source, progress)
+    except Exception:
+        if created:
+            _remove_if_unstarted(cfg.run_dir)
+        raise
     finally:
         env.close()
+
+
+def _remove_if_unstarted(run_dir: Path) -> None:
+    """A run folder this call created, whose start failed (no step logged, no checkpoint): remove it."""
+    metrics = run_dir / "metrics.jsonl"
+    if any((run_dir / "checkpoints").glob("step_*")) or (metrics.exists() and metrics.stat().st_size):
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+    log.info("removed %s: the run did not start", run_dir)
 
 
 def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, train_source: StepSource | None,
          val_source: StepSource | ValSteps | None, progress: bool) -> TrainResult:  # fmt: skip
     run_dir = cfg.run_dir
-    if env.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
+    reconcile_saved_config(cfg, write=env.is_main)  # refuses meaningful changes on resume; keeps the old one
+    if cfg.model.path and model is None:
+        check_model_folder(cfg.model.path)  # before the tokenizer: a missing model is named as such
     tokenizer_path = cfg.model.tokenizer or cfg.model.path
     if tokenizer is None and tokenizer_path:
         tokenizer = load_tokenizer(tokenizer_path)
@@ -260,10 +284,16 @@ def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, 
                                                cfg.train.loss_chunk_tokens)  # fmt: skip
             logger.log(metrics)
             result.history.append(metrics)
-            _count_nonfinite(state, out, cfg, logger)
+            _count_nonfinite(state, out, cfg, logger, result.checkpoint or resumed_from)
+            if state.nonfinite_in_row:  # never during a streak: keep_last would delete the healthy one
+                continue
             if cfg.train.save_every and state.step % cfg.train.save_every == 0 and not last:
                 result.checkpoint = save(cfg, env, model, optimizer, train_source, state)
         result.step = state.step
-        result.checkpoint = save(cfg, env, model, optimizer, train_source, state)
+        if state.nonfinite_in_row:
+            logger.message(f"ending in a non-finite streak: no checkpoint for step {state.step}; the last one is "
+                           f"{result.checkpoint or resumed_from}")  # fmt: skip
+        else:
+            result.checkpoint = save(cfg, env, model, optimizer, train_source, state)
         result.hf_dir = export_final(cfg, env, model, tokenizer)
     return result
