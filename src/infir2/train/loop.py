@@ -13,7 +13,9 @@ One optimizer step, top to bottom (``train_step``):
 
 Around it: evaluation every ``train.eval_every`` steps (``evaluate``: the held-out loss of
 ``infir2.loss``, the definition ``infir2 eval --perplexity`` uses), a checkpoint every
-``train.save_every`` steps and at the end, auto-resume from the run folder's latest checkpoint, and the
+``train.save_every`` steps and at the end (``train.checkpoint_format``: full state on rank 0 or DCP
+shards per rank; ``train.async_save`` lets the loop go on while a DCP save writes -- it is waited on
+before the next save and at the end), auto-resume from the run folder's latest checkpoint, and the
 final export as a Hugging Face folder ``<run>/hf`` (``checkpointing.py``). The model and the data come
 from ``setup.py``. The run folder also holds ``config.yaml`` (resolved), ``metrics.jsonl`` and
 ``tensorboard/``.
@@ -37,7 +39,7 @@ from ..data import load_tokenizer
 from ..data.base import MicroBatch, StepSource, count_loss_tokens
 from ..loss import heldout_loss, token_ce_sum
 from ..nn import cache_fp8_weights, fp8_modules
-from .checkpointing import TrainState, export_final, restore, save
+from .checkpointing import PendingSave, TrainState, export_final, restore, save
 from .config import RunConfig, save_config
 from .distributed import DistEnv, all_reduce_sum, init_distributed
 from .lock import run_lock
@@ -235,6 +237,7 @@ def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, 
     result = TrainResult(run_dir, state.step, resumed_from=resumed_from)
     with MetricsLogger(run_dir, env.is_main, state.step, n_steps, cfg.train.log_every, progress) as logger:
         steps = iter(train_source)
+        pending: PendingSave | None = None  # the last periodic save (async: maybe still writing)
         while state.step < n_steps:
             t0 = time.perf_counter()
             micro_batches = next(steps, None)
@@ -255,8 +258,12 @@ def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, 
             result.history.append(metrics)
             _count_nonfinite(state, out, cfg, logger)
             if cfg.train.save_every and state.step % cfg.train.save_every == 0 and not last:
-                result.checkpoint = save(cfg, env, model, optimizer, train_source, state)
+                if pending is not None:  # an async save still writing: finish it first
+                    result.checkpoint = pending.wait()
+                pending = save(cfg, env, model, optimizer, train_source, state)
         result.step = state.step
-        result.checkpoint = save(cfg, env, model, optimizer, train_source, state)
-        result.hf_dir = export_final(cfg, env, model, tokenizer)
+        if pending is not None:
+            pending.wait()
+        result.checkpoint = save(cfg, env, model, optimizer, train_source, state).wait()
+        result.hf_dir = export_final(cfg, env, model, tokenizer, result.checkpoint)
     return result

@@ -6,7 +6,8 @@ A sharded checkpoint is a folder ``<run>/checkpoints/step_<8 digits>/`` holding:
     .metadata            DCP's index: every tensor's global shape and which file holds which rows
     extra.pt             the small non-tensor state: scheduler, data positions and RNG states per rank,
                          train_state (step, tokens, world_size, config)
-    meta.json            {"format": "dcp", "step", "world_size", "files": {name: bytes}}; written last
+    meta.json            {"format": "dcp", "step", "world_size", "files": {name: {"bytes", "sha256"}}};
+                         written last, with the checksums of ``infir2.checkpoint`` (``sha256_file``)
 
 The tensor keys are those of the full-state format (``model.<HF name>``, ``optimizer.state.<HF
 name>.exp_avg`` ...), so a checkpoint does not depend on the sharding: DCP reshards on load, onto any
@@ -15,7 +16,9 @@ number of ranks including one process without a process group. Rank 0 saves ``ex
 
 Atomicity as in ``infir2.checkpoint``: every rank writes into ``checkpoints/.tmp-step_.../``; after
 all of them are done, rank 0 writes ``meta.json``, fsyncs, and renames the folder to its final name
-(a kill leaves the previous checkpoints usable). ``async_save=True`` stages the state in CPU memory
+(a kill leaves the previous checkpoints usable). ``load_sharded`` verifies every file against
+``meta.json`` (size and SHA-256, ``checkpoint.verify_file``) before reading: a damaged checkpoint is a
+``ValueError``, which ``checkpoint.load_latest_valid`` turns into "skip it, try the next older one". ``async_save=True`` stages the state in CPU memory
 and writes it in a background thread (``dcp.async_save``): training goes on, and the returned
 :class:`PendingSave` finalizes the folder when it is waited on (before the next save at the latest).
 
@@ -46,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.utils._pytree import tree_map_only
 
+from ..checkpoint import sha256_file, verify_file
 from ..nn.fsdp import Fp8ShardedWeight
 from .distributed import DistEnv, broadcast_object, gather_objects
 
@@ -53,10 +57,12 @@ __all__ = [
     "PendingSave",
     "data_state_for",
     "is_sharded_checkpoint",
+    "is_sharded_folder",
     "iter_model_tensors",
     "list_sharded",
     "load_sharded",
     "save_sharded",
+    "verify_sharded",
 ]
 
 EXTRA_FILE = "extra.pt"
@@ -138,9 +144,10 @@ def save_sharded(
     def finalize() -> Path:
         _barrier(env)  # every rank's shards are on disk
         if env.is_main:
-            files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.name != META_FILE}
-            for name in files:
+            names = [p.name for p in sorted(tmp.iterdir()) if p.name != META_FILE]
+            for name in names:
                 _fsync(tmp / name)
+            files = {n: {"bytes": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)} for n in names}
             meta = {"format": FORMAT, "step": step, "world_size": env.world_size, "files": files}
             (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
             _fsync(tmp / META_FILE)
@@ -164,15 +171,39 @@ def save_sharded(
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
-    """True for a complete DCP checkpoint folder (``meta.json`` matches the files on disk)."""
+    """True for a complete DCP checkpoint folder (the sizes in ``meta.json`` match the files on disk;
+    the cheap check used for listing, :func:`verify_sharded` is the full one)."""
     path = Path(path)
     try:
         meta = json.loads((path / META_FILE).read_text())
         return meta.get("format") == FORMAT and all(
-            (path / name).stat().st_size == size for name, size in meta["files"].items()
+            (path / name).stat().st_size == rec["bytes"] for name, rec in meta["files"].items()
         )
     except (OSError, ValueError, KeyError, TypeError):
         return False
+
+
+def is_sharded_folder(path: str | Path) -> bool:
+    """True when ``meta.json`` says the folder is a DCP checkpoint (complete or not)."""
+    try:
+        return bool(json.loads((Path(path) / META_FILE).read_text()).get("format") == FORMAT)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def verify_sharded(path: str | Path) -> None:
+    """Raise ValueError unless every file of the checkpoint has the size and SHA-256 of ``meta.json``."""
+    path = Path(path)
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"format {meta.get('format')!r}")
+        files = meta["files"]
+        records = [(name, rec["bytes"], rec.get("sha256")) for name, rec in files.items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path} is not a complete sharded checkpoint ({META_FILE}: {e})") from e
+    for name, size, sha in records:
+        verify_file(path, name, size, sha)
 
 
 def list_sharded(root: str | Path) -> list[Path]:
@@ -190,8 +221,7 @@ def load_sharded(
     """Load a sharded checkpoint into ``model`` (and ``optimizer``) on any number of ranks; returns
     the small state (``scheduler``, ``train_state``, ``data`` and ``rng`` lists by saving rank)."""
     path = Path(path)
-    if not is_sharded_checkpoint(path):
-        raise ValueError(f"{path} is not a complete sharded checkpoint ({META_FILE} missing or not matching)")
+    verify_sharded(path)
     if optimizer is None:
         model_sd, _ = get_state_dict(model, [])
         state: dict[str, Any] = {"model": model_sd}
@@ -204,7 +234,7 @@ def load_sharded(
         set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    extra: dict[str, Any] = torch.load(path / EXTRA_FILE, map_location="cpu", weights_only=False)
+    extra: dict[str, Any] = torch.load(path / EXTRA_FILE, map_location="cpu", weights_only=True)
     return extra
 
 
