@@ -257,6 +257,8 @@ def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, 
             logger.log(metrics)
             result.history.append(metrics)
             _count_nonfinite(state, out, cfg, logger)
+            if pending is not None and pending.ready(env):  # an async save is written: make it a checkpoint
+                result.checkpoint, pending = pending.wait(), None
             if cfg.train.save_every and state.step % cfg.train.save_every == 0 and not last:
                 if pending is not None:  # an async save still writing: finish it first
                     result.checkpoint = pending.wait()

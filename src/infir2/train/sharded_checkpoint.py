@@ -20,7 +20,10 @@ all of them are done, rank 0 writes ``meta.json``, fsyncs, and renames the folde
 ``meta.json`` (size and SHA-256, ``checkpoint.verify_file``) before reading: a damaged checkpoint is a
 ``ValueError``, which ``checkpoint.load_latest_valid`` turns into "skip it, try the next older one". ``async_save=True`` stages the state in CPU memory
 and writes it in a background thread (``dcp.async_save``): training goes on, and the returned
-:class:`PendingSave` finalizes the folder when it is waited on (before the next save at the latest).
+:class:`PendingSave` finalizes the folder (``meta.json``, rename) when it is waited on: the loop does
+so at the first step after every rank's write is done (:meth:`PendingSave.ready`), before the next
+save and at the end of the run at the latest. Until then the folder is a ``.tmp-*``: a crash in that
+window falls back to the previous checkpoint (resumes stay exact, some steps are redone).
 
 Data position: the sources' states (``CptSource``, ``SftSource``) are positions in the *global*
 sample order (epoch, step in epoch, global batch size), the same on every rank. On the same world
@@ -51,7 +54,7 @@ from torch.utils._pytree import tree_map_only
 
 from ..checkpoint import sha256_file, verify_file
 from ..nn.fsdp import Fp8ShardedWeight
-from .distributed import DistEnv, broadcast_object, gather_objects
+from .distributed import DistEnv, all_reduce_sum, broadcast_object, gather_objects
 
 __all__ = [
     "PendingSave",
@@ -103,6 +106,16 @@ class PendingSave:
 
     future: Future[Any] | None
     finalize: Any  # () -> Path | None, run on every rank after the write
+
+    def ready(self, env: DistEnv) -> bool:
+        """True on every rank once every rank's write is done (one tiny all-reduce: all ranks call).
+
+        The loop asks after each step and finalizes a finished async save then, so that a crash
+        soon after loses nothing; :meth:`wait` would block instead."""
+        not_done = torch.tensor(
+            [0.0 if self.future is None or self.future.done() else 1.0], device=env.device
+        )
+        return float(all_reduce_sum(not_done, env)) == 0.0
 
     def wait(self) -> Path:
         if self.future is not None:
