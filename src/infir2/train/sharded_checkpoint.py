@@ -100,6 +100,20 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+_ASYNC_GROUPS: dict[int, Any] = {}
+
+
+def _async_group() -> Any:
+    """A gloo group of its own for the background writer's collectives (as torchtitan does): on the
+    default group they would interleave with the training step's and deadlock. Created once per
+    default group (``new_group`` is collective: every rank reaches it in the same save)."""
+    key = id(dist.group.WORLD)
+    if key not in _ASYNC_GROUPS:
+        _ASYNC_GROUPS.clear()  # groups of a destroyed default group
+        _ASYNC_GROUPS[key] = dist.new_group(backend="gloo")
+    return _ASYNC_GROUPS[key]
+
+
 @dataclass
 class PendingSave:
     """A save in progress; :meth:`wait` (every rank) finishes it and returns the checkpoint folder."""
@@ -176,11 +190,13 @@ def save_sharded(
 
     no_dist = not env.distributed
     if async_save:  # state staged (copied) to CPU memory here, written by a background thread
-        started = dcp.async_save(state, checkpoint_id=tmp, no_dist=no_dist)
+        group = _async_group() if env.distributed else None
+        started = dcp.async_save(state, checkpoint_id=tmp, no_dist=no_dist, process_group=group)
         done = started.upload_completion if isinstance(started, AsyncSaveResponse) else started
         return PendingSave(done, finalize)
     dcp.save(state, checkpoint_id=tmp, no_dist=no_dist)
-    return PendingSave(None, finalize)
+    written = finalize()  # a synchronous save is a checkpoint when it returns
+    return PendingSave(None, lambda: written)
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
