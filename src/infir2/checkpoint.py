@@ -14,8 +14,9 @@ and ``meta.json`` (step, world size, size and SHA-256 of ``state.pt``). Full sta
 to rank 0 by ``torch.distributed.checkpoint.state_dict``) make a checkpoint independent of the
 sharding: it loads on any number of ranks (the data position needs the same world size) and in a plain
 single-process ``torch.load``. The cost is that rank 0 holds the whole state in CPU memory while
-saving (about 12 bytes per parameter) -- fine up to a few billion parameters; beyond that a
-sharded format would be the next step.
+saving (about 12 bytes per parameter) -- fine up to a few billion parameters; beyond that use the
+sharded format (``train.checkpoint_format: dcp``, ``infir2.train.sharded_checkpoint``), which keeps
+this folder layout, ``meta.json`` checksums (``sha256_file`` / ``verify_file``) and ``load_latest_valid``.
 
 Atomicity: everything is written into ``checkpoints/.tmp-step_.../``, each file is fsynced, then the
 folder is renamed to its final name (``rename`` is atomic on POSIX) and the parent fsynced. A kill

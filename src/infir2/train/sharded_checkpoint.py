@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -90,6 +91,12 @@ def _plain(state: Any) -> Any:
 def _barrier(env: DistEnv) -> None:
     if env.distributed:
         dist.barrier()
+
+
+def _writer(name: str, env: DistEnv) -> int:
+    """The rank that wrote (and hashes) a checkpoint file: DCP names each rank's data ``__<rank>_<i>.distcp``."""
+    match = re.match(r"__(\d+)_", name)
+    return int(match.group(1)) if match and int(match.group(1)) < env.world_size else 0
 
 
 def _fsync(path: Path) -> None:
@@ -170,11 +177,18 @@ def save_sharded(
 
     def finalize() -> Path:
         _barrier(env)  # every rank's shards are on disk
+        # each rank fsyncs and hashes the files it wrote (__<rank>_*.distcp; rank 0 also the rest):
+        # the checksums cost one read of the checkpoint in all, spread over the ranks
+        mine = [
+            p.name for p in sorted(tmp.iterdir()) if p.name != META_FILE and _writer(p.name, env) == env.rank
+        ]
+        for name in mine:
+            _fsync(tmp / name)
+        records = gather_objects({n: {"bytes": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)}
+                                  for n in mine}, env)  # fmt: skip
         if env.is_main:
-            names = [p.name for p in sorted(tmp.iterdir()) if p.name != META_FILE]
-            for name in names:
-                _fsync(tmp / name)
-            files = {n: {"bytes": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)} for n in names}
+            assert records is not None
+            files = dict(sorted(kv for r in records for kv in r.items()))  # type: ignore[attr-defined]
             meta = {"format": FORMAT, "step": step, "world_size": env.world_size, "files": files}
             (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
             _fsync(tmp / META_FILE)
