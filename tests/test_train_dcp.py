@@ -28,7 +28,7 @@ from train_synthetic import SyntheticSource, one_thread, tiny_run_config
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
 TESTS = Path(__file__).parent
-DCP = {"checkpoint_format": "dcp", "async_save": True, "max_steps": 6, "save_every": 2, "keep_last": 3}
+DCP = {"checkpoint_format": "dcp", "async_save": True, "max_steps": 4, "save_every": 2, "keep_last": 3}
 
 
 class CrashAfter(SyntheticSource):
@@ -56,7 +56,7 @@ def _losses(result):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The reference: 6 steps in the full format; and the same run with async DCP checkpoints."""
+    """The reference: 4 steps in the full format; and the same run with async DCP checkpoints."""
     root = tmp_path_factory.mktemp("runs")
     full = _train(
         tiny_run_config(root, "full", train={**DCP, "checkpoint_format": "full", "async_save": False})
@@ -75,10 +75,10 @@ def test_dcp_run_matches_full_format_and_exports_the_same_model(runs):
     full, sharded = runs
     assert _losses(sharded) == _losses(full)  # the checkpoint format does not touch the numerics
     ckpts = sc.list_sharded(sharded.run_dir / "checkpoints")
-    assert [p.name for p in ckpts] == ["step_00000002", "step_00000004", "step_00000006"]
+    assert [p.name for p in ckpts] == ["step_00000002", "step_00000004"]
     assert sharded.checkpoint == ckpts[-1]
     meta = json.loads((ckpts[-1] / "meta.json").read_text())
-    assert meta["format"] == "dcp" and meta["step"] == 6 and "extra.pt" in meta["files"]
+    assert meta["format"] == "dcp" and meta["step"] == 4 and "extra.pt" in meta["files"]
     for name, record in meta["files"].items():  # hashlib over the whole file: an independent checksum
         assert record["sha256"] == hashlib.sha256((ckpts[-1] / name).read_bytes()).hexdigest(), name
     # the HF folder streamed from the shards equals the one exported from the gathered full state
@@ -100,7 +100,7 @@ def test_dcp_crash_and_resume_is_bit_identical(runs, tmp_path):
     assert [p.name for p in sc.list_sharded(cfg.run_dir / "checkpoints")] == ["step_00000002"]
     resumed = _train(cfg)
     assert resumed.resumed_from.name == "step_00000002"
-    assert [m["step"] for m in resumed.history] == [3, 4, 5, 6]
+    assert [m["step"] for m in resumed.history] == [3, 4]
     assert _losses(resumed) == _losses(full)[2:]  # bit-identical: model, AdamW, data, RNG restored
 
 
@@ -113,9 +113,8 @@ def _garble(path: Path) -> None:
 
 def test_damaged_dcp_checkpoint_is_skipped_and_all_damaged_refuses(runs, tmp_path, caplog):
     full, sharded = runs
-    cfg = _copy(sharded, tmp_path, max_steps=6)
+    cfg = _copy(sharded, tmp_path)
     ckpts = cfg.run_dir / "checkpoints"
-    shutil.rmtree(ckpts / "step_00000006")
     _garble(ckpts / "step_00000004" / "__0_0.distcp")
     with caplog.at_level(logging.WARNING):
         resumed = _train(cfg)
@@ -124,7 +123,7 @@ def test_damaged_dcp_checkpoint_is_skipped_and_all_damaged_refuses(runs, tmp_pat
     assert resumed.resumed_from.name == "step_00000002" and _losses(resumed) == _losses(full)[2:]
     for folder in sc.list_sharded(ckpts):
         _garble(folder / "extra.pt")
-    with pytest.raises(NoLoadableCheckpointError, match="none of the 3 checkpoints"):
+    with pytest.raises(NoLoadableCheckpointError, match="none of the 2 checkpoints"):
         _train(cfg)
 
 
@@ -135,7 +134,7 @@ def test_interrupted_dcp_save_leaves_the_previous_checkpoint_usable(runs, tmp_pa
 
     def dies_on_second(state, checkpoint_id, **kw):
         calls.append(checkpoint_id)
-        if len(calls) == 2:  # the step-4 save: some bytes on disk, then the process dies
+        if len(calls) == 2:  # the final (step-4) save: some bytes on disk, then the process dies
             (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"partial")
             raise KeyboardInterrupt("killed mid-save")
         return real_save(state, checkpoint_id=checkpoint_id, **kw)
@@ -166,7 +165,7 @@ _KILLED = textwrap.dedent(
                 yield step
 
     torch.set_num_threads(1)
-    train_kw = dict(checkpoint_format="dcp", async_save=True, max_steps=6, save_every=1, keep_last=2)
+    train_kw = dict(checkpoint_format="dcp", async_save=True, max_steps=4, save_every=1, keep_last=2)
     cfg = tiny_run_config(sys.argv[1], "killed", train=train_kw)
     train(cfg, model=make_tiny_model(seed=7), train_source=Slow(seed=1), progress=False)
     """
@@ -174,7 +173,7 @@ _KILLED = textwrap.dedent(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("delay", [0.0, 0.15])
+@pytest.mark.parametrize("delay", [0.1])
 def test_sigkill_during_dcp_training_resumes_bit_identical(runs, tmp_path, delay):
     """``kill -9`` once the second checkpoint exists (mid step, mid async write or mid rename): the
     newest complete checkpoint resumes and the rest of the curve is bit-identical."""
