@@ -15,11 +15,12 @@ number of ranks including one process without a process group. Rank 0 saves ``ex
 ``meta.json``; the other ranks write only their own shards, and nobody gathers the model.
 
 Atomicity as in ``infir2.checkpoint``: every rank writes into ``checkpoints/.tmp-step_.../``; after
-all of them are done, rank 0 writes ``meta.json``, fsyncs, and renames the folder to its final name
+all of them are done (a barrier), each rank fsyncs and hashes the files it wrote, rank 0 writes
+``meta.json`` with every file's size and SHA-256, fsyncs, and renames the folder to its final name
 (a kill leaves the previous checkpoints usable). ``load_sharded`` verifies every file against
-``meta.json`` (size and SHA-256, ``checkpoint.verify_file``) before reading: a damaged checkpoint is a
-``ValueError``, which ``checkpoint.load_latest_valid`` turns into "skip it, try the next older one". ``async_save=True`` stages the state in CPU memory
-and writes it in a background thread (``dcp.async_save``): training goes on, and the returned
+``meta.json`` (``checkpoint.verify_file``) before reading: a damaged checkpoint is a ``ValueError``,
+which ``checkpoint.load_latest_valid`` turns into "skip it, try the next older one".
+``async_save=True`` stages the state in CPU memory and writes it in a background thread (``dcp.async_save``): training goes on, and the returned
 :class:`PendingSave` finalizes the folder (``meta.json``, rename) when it is waited on: the loop does
 so at the first step after every rank's write is done (:meth:`PendingSave.ready`), before the next
 save and at the end of the run at the latest. Until then the folder is a ``.tmp-*``: a crash in that
