@@ -14,8 +14,9 @@ and ``meta.json`` (step, world size, size and SHA-256 of ``state.pt``). Full sta
 to rank 0 by ``torch.distributed.checkpoint.state_dict``) make a checkpoint independent of the
 sharding: it loads on any number of ranks (the data position needs the same world size) and in a plain
 single-process ``torch.load``. The cost is that rank 0 holds the whole state in CPU memory while
-saving (about 12 bytes per parameter) -- fine up to a few billion parameters; beyond that a
-sharded format would be the next step.
+saving (about 12 bytes per parameter) -- fine up to a few billion parameters; beyond that use the
+sharded format (``train.checkpoint_format: dcp``, ``infir2.train.sharded_checkpoint``), which keeps
+this folder layout, ``meta.json`` checksums (``sha256_file`` / ``verify_file``) and ``load_latest_valid``.
 
 Atomicity: everything is written into ``checkpoints/.tmp-step_.../``, each file is fsynced, then the
 folder is renamed to its final name (``rename`` is atomic on POSIX) and the parent fsynced. A kill
@@ -57,6 +58,8 @@ __all__ = [
     "load_checkpoint",
     "load_latest_valid",
     "save_checkpoint",
+    "sha256_file",
+    "verify_file",
 ]
 
 log = logging.getLogger(__name__)
@@ -73,7 +76,8 @@ class NoLoadableCheckpointError(ValueError):
     """``step_*`` folders exist but none verifies and loads (a ValueError: the CLI's one-line user error)."""
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """SHA-256 (hex) of a file, read in chunks: what ``meta.json`` records for every checkpoint file."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_HASH_CHUNK_BYTES):
@@ -122,7 +126,7 @@ def save_checkpoint(
     writer(state, tmp / STATE_FILE)
     _fsync_file(tmp / STATE_FILE)
     meta = {"step": step, "world_size": state["train_state"].get("world_size", 1),
-            "state_bytes": (tmp / STATE_FILE).stat().st_size, "state_sha256": _sha256(tmp / STATE_FILE)}  # fmt: skip
+            "state_bytes": (tmp / STATE_FILE).stat().st_size, "state_sha256": sha256_file(tmp / STATE_FILE)}  # fmt: skip
     (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
     _fsync_file(tmp / META_FILE)
     _fsync_dir(tmp)
@@ -149,6 +153,24 @@ def _is_valid(path: Path) -> bool:
         return False
 
 
+def verify_file(folder: Path, name: str, expected_bytes: int, expected_sha: str | None) -> None:
+    """Raise ValueError unless ``folder/name`` has the size and SHA-256 that ``meta.json`` records
+    (``expected_sha`` None: written before checksums were recorded; loaded with a warning)."""
+    try:
+        size = (folder / name).stat().st_size
+    except OSError as e:
+        raise ValueError(f"checkpoint {folder}: {name} is missing ({e})") from e
+    if size != expected_bytes:
+        raise ValueError(f"checkpoint {folder}: {name} has {size} bytes, {META_FILE} records "
+                         f"{expected_bytes} (truncated or incomplete)")  # fmt: skip
+    if expected_sha is None:
+        log.warning(
+            "checkpoint %s has no checksum for %s in %s; loading it unverified", folder, name, META_FILE
+        )
+    elif sha256_file(folder / name) != expected_sha:
+        raise ValueError(f"checkpoint {folder}: {name} does not match the SHA-256 in {META_FILE} (damaged)")
+
+
 def _verify(folder: Path) -> None:
     """Raise ValueError unless ``state.pt`` has the size and SHA-256 that ``meta.json`` records."""
     try:
@@ -156,16 +178,7 @@ def _verify(folder: Path) -> None:
         expected_bytes, expected_sha = meta["state_bytes"], meta.get("state_sha256")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"checkpoint {folder}: unreadable {META_FILE} ({e})") from e
-    size = (folder / STATE_FILE).stat().st_size
-    if size != expected_bytes:
-        raise ValueError(f"checkpoint {folder}: {STATE_FILE} has {size} bytes, {META_FILE} records "
-                         f"{expected_bytes} (truncated or incomplete)")  # fmt: skip
-    if expected_sha is None:  # written before checksums were recorded
-        log.warning("checkpoint %s has no checksum in %s; loading it unverified", folder, META_FILE)
-    elif _sha256(folder / STATE_FILE) != expected_sha:
-        raise ValueError(
-            f"checkpoint {folder}: {STATE_FILE} does not match the SHA-256 in {META_FILE} (damaged)"
-        )
+    verify_file(folder, STATE_FILE, expected_bytes, expected_sha)
 
 
 def list_checkpoints(root: str | Path) -> list[Path]:
@@ -205,8 +218,13 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     return state
 
 
-def load_latest_valid(root: str | Path, start_fresh: bool = False) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint under ``root`` that verifies and loads, as ``(folder, state)``.
+def load_latest_valid(
+    root: str | Path, start_fresh: bool = False, load: Callable[[Path], Any] = load_checkpoint
+) -> tuple[Path, Any] | None:
+    """The newest checkpoint under ``root`` that verifies and loads, as ``(folder, load(folder))``.
+
+    ``load`` (default ``load_checkpoint``) verifies and reads one folder, raising ``OSError`` or
+    ``ValueError`` when it cannot: the training loop passes one that also reads sharded checkpoints.
 
     Each ``step_*`` folder that fails is skipped with a WARNING naming it and the reason; ``None``
     when ``root`` holds no ``step_*`` folder. When some exist but none loads, raises
@@ -218,7 +236,7 @@ def load_latest_valid(root: str | Path, start_fresh: bool = False) -> tuple[Path
                      key=lambda p: int(p.name[5:])) if root.is_dir() else []  # fmt: skip
     for folder in reversed(folders):
         try:
-            return folder, load_checkpoint(folder)
+            return folder, load(folder)
         except (OSError, ValueError) as e:
             log.warning("skipping checkpoint %s: %s", folder, e)
     if not folders:

@@ -13,7 +13,7 @@ InfiR2 recipe, docs/RECIPE.md section 2, can be written down)::
     schedule: name (wsd|cosine|constant), warmup_steps | warmup_fraction, decay_steps | decay_fraction,
               decay_style (cosine|linear), min_lr | min_lr_ratio
     train:    max_steps, eval_every, eval_batches, eval_fp8, save_every, keep_last, log_every,
-              max_nonfinite_in_row, loss_chunk_tokens (auto|0|N)
+              max_nonfinite_in_row, loss_chunk_tokens (auto|0|N), checkpoint_format (full|dcp), async_save
     load:     path, mode (resume|decay_only|weights_only), reset_step, reset_data, force, start_fresh,
               accept_config_changes
 
@@ -149,6 +149,11 @@ class TrainConfig:
     max_nonfinite_in_row: int = 3  # consecutive skipped (non-finite) steps that stop the run
     # chunked LM-head loss (chunked_loss.py): tokens per chunk; 0 = never; auto = 2048 once fp32 logits > 1 GiB
     loss_chunk_tokens: int | Literal["auto"] = "auto"
+    # full: gathered to rank 0, one state.pt (loads anywhere with torch.load; rank 0 holds ~12 bytes per
+    # parameter while saving). dcp: torch.distributed.checkpoint, every rank writes its own shards
+    # (what multi-GPU runs want). full stays the default: the single-process tools read state.pt.
+    checkpoint_format: Literal["full", "dcp"] = "full"
+    async_save: bool = False  # dcp only: write in a background thread, the loop does not wait for the disk
 
 
 @dataclass(frozen=True)
@@ -243,6 +248,8 @@ def _check(cfg: RunConfig, source: str) -> None:
     if cfg.fp8.param_gather and not supports_param_gather(get_recipe(cfg.fp8.recipe)):
         raise config_error(source, "fp8.param_gather", f"recipe {cfg.fp8.recipe} has no FP8 weight that serves both "
                    "fprop and dgrad; set fp8.param_gather to false or null")  # fmt: skip
+    if t.async_save and t.checkpoint_format != "dcp":
+        raise config_error(source, "train.async_save", "needs train.checkpoint_format: dcp")
     if cfg.load.mode != "resume" and cfg.load.path is None:
         raise config_error(source, "load.path", f"load.mode {cfg.load.mode!r} needs a checkpoint path")
 

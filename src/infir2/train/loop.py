@@ -13,7 +13,9 @@ One optimizer step, top to bottom (``train_step``):
 
 Around it: evaluation every ``train.eval_every`` steps (``evaluate``: the held-out loss of
 ``infir2.loss``, the definition ``infir2 eval --perplexity`` uses), a checkpoint every
-``train.save_every`` steps and at the end, auto-resume from the run folder's latest checkpoint, FP8
+``train.save_every`` steps and at the end (``train.checkpoint_format``: full state on rank 0 or DCP
+shards per rank; ``train.async_save`` lets the loop go on while a DCP save writes -- it is waited on
+before the next save and at the end), auto-resume from the run folder's latest checkpoint, FP8
 numerics telemetry every ``fp8.stats_every`` steps (``infir2.nn.telemetry``: per-layer keys ``fp8/...``
 in the metrics), and the final export as a Hugging Face folder ``<run>/hf`` (``checkpointing.py``).
 The model and the data come from ``setup.py``. The run folder also holds ``config.yaml`` (resolved),
@@ -41,7 +43,7 @@ from ..loss import heldout_loss, token_ce_sum
 from ..model import check_model_folder
 from ..nn import cache_fp8_weights, fp8_modules
 from ..nn.telemetry import Fp8Telemetry
-from .checkpointing import TrainState, export_final, restore, save
+from .checkpointing import PendingSave, TrainState, export_final, restore, save
 from .config import RunConfig
 from .config_changes import reconcile_saved_config
 from .distributed import DistEnv, all_reduce_sum, init_distributed
@@ -264,6 +266,7 @@ def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, 
     telemetry = Fp8Telemetry(model, cfg.fp8.stats_every)  # fp8.stats_every: 0 = off, no layer touched
     with MetricsLogger(run_dir, env.is_main, state.step, n_steps, cfg.train.log_every, progress) as logger:
         steps = iter(train_source)
+        pending: PendingSave | None = None  # the last periodic save (async: maybe still writing)
         while state.step < n_steps:
             t0 = time.perf_counter()
             micro_batches = next(steps, None)
@@ -285,15 +288,21 @@ def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, 
             logger.log(metrics)
             result.history.append(metrics)
             _count_nonfinite(state, out, cfg, logger, result.checkpoint or resumed_from)
+            if pending is not None and pending.ready(env):  # an async save is written: make it a checkpoint
+                result.checkpoint, pending = pending.wait(), None
             if state.nonfinite_in_row:  # never during a streak: keep_last would delete the healthy one
                 continue
             if cfg.train.save_every and state.step % cfg.train.save_every == 0 and not last:
-                result.checkpoint = save(cfg, env, model, optimizer, train_source, state)
+                if pending is not None:  # an async save still writing: finish it first
+                    result.checkpoint = pending.wait()
+                pending = save(cfg, env, model, optimizer, train_source, state)
         result.step = state.step
+        if pending is not None:
+            result.checkpoint = pending.wait()
         if state.nonfinite_in_row:
             logger.message(f"ending in a non-finite streak: no checkpoint for step {state.step}; the last one is "
                            f"{result.checkpoint or resumed_from}")  # fmt: skip
         else:
-            result.checkpoint = save(cfg, env, model, optimizer, train_source, state)
-        result.hf_dir = export_final(cfg, env, model, tokenizer)
+            result.checkpoint = save(cfg, env, model, optimizer, train_source, state).wait()
+        result.hf_dir = export_final(cfg, env, model, tokenizer, result.checkpoint)
     return result
