@@ -65,9 +65,11 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_tokens):
             rows = slice(start, start + chunk_tokens)
             z = _logits(hidden[rows], weight, compute_dtype)
-            lse[rows] = torch.logsumexp(z, dim=-1)
             valid = labels[rows] != ignore_index
             target = z.gather(1, labels[rows].clamp_min(0)[:, None])[:, 0]
+            # logsumexp in place of the logits (no second [c, V] temporary): max + log(sum(exp(z - max)))
+            zmax = z.amax(dim=-1)
+            lse[rows] = z.sub_(zmax[:, None]).exp_().sum(dim=-1).log_().add_(zmax)
             total += ((lse[rows] - target) * valid).sum()
             del z
         ctx.save_for_backward(hidden, weight, labels, lse)
