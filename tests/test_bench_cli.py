@@ -25,7 +25,7 @@ def test_bench_quick_writes_json_and_one_table(tmp_path, capsys):
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert {r["section"] for r in rows} == {"quantize", "linear", "step"}
-    assert result["meta"]["backends"] == ["emulated"] and result["meta"]["torch"] == torch.__version__
+    assert result["meta"]["backends"] == ["fast_emulated"] and result["meta"]["torch"] == torch.__version__
     for r in rows:
         if r["section"] == "step" and r["metric"] == "peak GiB":  # CUDA only
             assert r["ratio"] is None
@@ -36,7 +36,7 @@ def test_bench_quick_writes_json_and_one_table(tmp_path, capsys):
     assert ("linear", "fwd+bwd ms", "nn.Linear bf16") in metrics and (
         "step",
         "TFLOP/s",
-        "fp8[emulated]",
+        "fp8[fast_emulated]",
     ) in metrics
     saved = [r for r in rows if r["metric"] == "saved act. MB"]
     assert saved and all(r["ratio"] < 0.5 for r in saved)  # 1-byte FP8 (+ scales) vs 4-byte fp32

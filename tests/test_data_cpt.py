@@ -221,3 +221,31 @@ def test_command(corpus, tmp_path, capsys):
     (tmp_path / "bad.jsonl").write_text('{"txt": 1}\n')
     assert cli_main([*args, str(tmp_path / "bad.jsonl")]) == 2
     assert "bad.jsonl:1: missing field 'text'" in capsys.readouterr().err
+
+
+def test_bad_input_leaves_a_good_dataset_byte_identical(corpus, tmp_path, tiny_tokenizer):
+    out = tmp_path / "data"
+    prepare_cpt([corpus], out, tiny_tokenizer, val_fraction=0.25, progress=False)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2"):
+        prepare_cpt([tmp_path / "bad.jsonl"], out, tiny_tokenizer, progress=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "data", "src"]  # no temporary left
+    # a good rerun into the same folder replaces the dataset
+    meta = prepare_cpt([corpus], out, tiny_tokenizer, val_fraction=0.5, progress=False)
+    assert load_cpt_meta(out) == meta and meta["val_fraction"] == 0.5
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "match"),
+    [
+        ("t.txt", b"first line\nsecond \xff line\n", r"t\.txt:2: not valid UTF-8 \(byte 0xff\)"),
+        ("j.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n', r"j\.jsonl:2: not valid UTF-8 \(byte 0xe9\)"),
+    ],
+)
+def test_non_utf8_input_names_file_and_line(tmp_path, tiny_tokenizer, name, data, match):
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(ValueError, match=match):
+        prepare_cpt([tmp_path / name], tmp_path / "out", tiny_tokenizer, progress=False)
+    assert not (tmp_path / "out").exists()

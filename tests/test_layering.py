@@ -22,20 +22,24 @@ ALLOWED: dict[str, set[str]] = {
     "nn": {"fp8", "kernels"},
     "data": set(),
     "model": {"nn"},
-    "loss": {"data", "model", "nn"},  # the next-token loss shared by train and eval
+    "chunked_loss": set(),  # the chunked linear + cross-entropy (torch only)
+    "loss": {"chunked_loss", "data", "model", "nn"},  # the next-token loss shared by train and eval
     "checkpoint": set(),
     "export": {"data", "fp8", "nn"},
     "eval": {"data", "export", "loss", "nn"},
     "train": {"checkpoint", "data", "export", "fp8", "loss", "model", "nn"},
     "bench": {"data", "fp8", "kernels", "model", "nn", "train"},
     "demo": {"data", "eval", "fp8", "train"},
+    "memory": {"fp8", "nn"},
+    "plan": {"chunked_loss", "fp8", "memory"},
     "cli": set(),  # cli imports its subcommands lazily by name (importlib), never statically
     "__init__": {"fp8", "nn"},
     "_logging": set(),
+    "_files": set(),
 }
 
 #: Helpers every layer may import (they import nothing of infir2 themselves).
-UTILITIES = {"_logging"}
+UTILITIES = {"_files", "_logging"}
 
 
 def layer_of(path: Path) -> str:

@@ -120,3 +120,12 @@ def test_shape_limits_live_in_the_backends(caplog):
         out = kernels.gemm_nt(a, a, torch.float32)
     assert "scaled_mm does not take it; runs on emulated" in caplog.text
     assert torch.equal(out, a.dequantize() @ a.dequantize().t())
+
+
+def test_wrapping_non_fp32_parameters_warns(caplog):
+    """The recipe keeps fp32 masters: a bf16-loaded model gets a warning naming the dtype, fp32 none."""
+    caplog.set_level("WARNING", logger="infir2.nn.convert")
+    convert_to_fp8(make_tiny_model())
+    assert "will wrap" not in caplog.text
+    convert_to_fp8(make_tiny_model().to(torch.bfloat16))
+    assert "FP8 layers will wrap" in caplog.text and "bfloat16" in caplog.text

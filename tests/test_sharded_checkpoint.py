@@ -87,7 +87,7 @@ def test_interrupted_save_keeps_previous(tmp_path):
     with open(copy / "__0_0.distcp", "r+b") as f:
         f.truncate(10)
     assert list_sharded(tmp_path) == [good]
-    with pytest.raises(ValueError, match="not a complete sharded checkpoint"):
+    with pytest.raises(ValueError, match="truncated or incomplete"):
         load_sharded(copy, model, optimizer, ONE)
 
 

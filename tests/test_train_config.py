@@ -67,7 +67,13 @@ def _write(tmp_path, text: str) -> Path:
         ("fp8:\n  recipe: fp4\n", "fp8.recipe", "expected one of"),
         ("optim:\n  betas: [0.9]\n", "optim.betas", "list of 2"),
         ("optim:\n  lr: -1.0\n", "optim.lr", "> 0"),
+        ("optim:\n  lr: 0.0\n", "optim.lr", "> 0"),
+        ("optim:\n  lr: .nan\n", "optim.lr", "finite"),
+        ("optim:\n  lr: .inf\n", "optim.lr", "finite"),
+        ("optim:\n  lr: 1e39\n", "optim.lr", "overflows float32"),
         ("schedule:\n  warmup_steps: 5\n  warmup_fraction: 0.1\n", "schedule.warmup_steps", "not both"),
+        ("train:\n  checkpoint_format: sharded\n", "train.checkpoint_format", "expected one of"),
+        ("train:\n  async_save: true\n", "train.async_save", "checkpoint_format: dcp"),
     ],
 )
 def test_bad_config_names_key_and_file(tmp_path, text, key, what):

@@ -108,6 +108,21 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(tmp_path):
         train(cfg, model=model, train_source=source, progress=False)
 
 
+def test_no_checkpoint_during_a_nonfinite_streak_and_the_abort_names_the_last_healthy_one(tmp_path):
+    """A checkpoint every step, keep_last=1: the streak from step 3 on must not push out step 2's."""
+    source = SyntheticSource(seed=1)
+    model = make_tiny_model()
+    _poison_lm_head(model, lambda: source.step >= 3)  # steps 3, 4, ... are non-finite
+    cfg = tiny_run_config(tmp_path, "streak", train={"max_steps": 8, "save_every": 1, "keep_last": 1,
+                                                     "max_nonfinite_in_row": 3})  # fmt: skip
+    with pytest.raises(NonFiniteError) as e:
+        train(cfg, model=model, train_source=source, progress=False)
+    healthy = cfg.run_dir / "checkpoints" / "step_00000002"
+    assert [p.name for p in list_checkpoints(cfg.run_dir / "checkpoints")] == [healthy.name]
+    message = str(e.value)
+    assert str(healthy) in message and "\n" not in message and isinstance(e.value, ValueError)
+
+
 @pytest.mark.slow
 def test_fp8_blockwise_and_bf16_recipe_both_train_and_agree(tmp_path):
     losses = {}
@@ -182,3 +197,25 @@ def test_cpt_val_loss_is_the_number_eval_perplexity_prints(tmp_path):
     printed = evaluate_loss(exported, data, seq_len=16, batch_size=2)
     assert printed.tokens == 5 * 16 + 7 - 1  # every val token after the first, once
     assert result.final_val_loss == pytest.approx(printed.loss, rel=1e-5)
+
+
+def test_a_killed_exports_leftover_is_removed_by_the_next_run(tmp_path):
+    cfg = tiny_run_config(tmp_path, train={"max_steps": 2})
+    train(cfg, model=make_tiny_model(), train_source=SyntheticSource(seed=1), progress=False)
+    leftover = cfg.run_dir / ".tmp-hf-12345"  # what a kill -9 during export_model leaves
+    leftover.mkdir()
+    (leftover / "model-00001-of-00002.safetensors").write_bytes(b"partial")
+    again = train(cfg, model=make_tiny_model(), train_source=SyntheticSource(seed=1), progress=False)
+    assert not leftover.exists() and again.hf_dir.is_dir()
+
+
+def test_a_failed_start_leaves_no_run_folder_it_created(tmp_path):
+    cfg = tiny_run_config(tmp_path, "bad", data={"train_path": str(tmp_path / "no-such-data")})
+    with pytest.raises(FileNotFoundError, match="no-such-data"):
+        train(cfg, model=make_tiny_model(), progress=False)
+    assert not cfg.run_dir.exists()
+    cfg.run_dir.mkdir()
+    (cfg.run_dir / "mine.txt").write_text("x")  # a folder the user made is never removed
+    with pytest.raises(FileNotFoundError):
+        train(cfg, model=make_tiny_model(), progress=False)
+    assert (cfg.run_dir / "mine.txt").is_file()

@@ -15,7 +15,7 @@ LR, MIN_LR = 1e-4, 1e-5
 
 
 def test_wsd_authors_schedule_at_boundaries():
-    # 40k steps, 5k linear warmup, stable, final 5k steps cosine decay 1e-4 -> 1e-5 (RECIPE.md section 2)
+    # 40k steps, 5k linear warmup, stable, final 5k steps cosine decay 1e-4 -> 1e-5 (docs/RECIPE.md section 2)
     s = make_schedule(ScheduleConfig("wsd", warmup_steps=5000, decay_steps=5000, min_lr=MIN_LR), LR, 40_000)
     assert s(0) == pytest.approx(LR / 5000)  # first warmup step
     assert s(2499) == pytest.approx(LR / 2)  # middle of warmup

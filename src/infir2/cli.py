@@ -1,7 +1,14 @@
 """The ``infir2`` command: the only place that reads argv and the environment.
 
 Each subcommand lives in its own module, which provides ``add_arguments(parser)`` and ``run(args)``;
-this file only builds the parser, sets up logging, and dispatches.
+this file only builds the parser, sets up logging, and dispatches. Only the module of the command
+being run is imported (``infir2 --help`` and ``infir2 --version`` import no torch), and every
+option's default is shown in ``--help`` (``_HelpFormatter``).
+
+torchao is a test oracle, not a runtime dependency; when it is installed (the ``[test]`` extra),
+``transformers`` still imports it on every model load, which costs a second and prints warnings
+about its optional CUDA extensions. ``main`` hides it from ``transformers`` for the command's
+duration (``_without_torchao``).
 """
 
 from __future__ import annotations
@@ -11,8 +18,11 @@ import importlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from importlib import metadata
 
-__all__ = ["COMMANDS", "main"]
+__all__ = ["COMMANDS", "build_parser", "main"]
 
 #: subcommand -> (module, one-line help). Modules are imported lazily: `infir2 --help` stays fast.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -24,39 +34,101 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prepare-cpt": ("infir2.data.command", "tokenize text/JSONL/Parquet into memory-mapped token shards"),
     "eval": ("infir2.eval.command", "evaluate a checkpoint on reasoning benchmarks (JSONL) or held-out loss"),
     "export": ("infir2.export.command", "export a checkpoint as a BF16 or FP8 (128x128 blocks) HF folder"),
+    "numerics": (
+        "infir2.train.numerics",
+        "rank a run's layers by FP8 telemetry (SQNR, underflow); heatmap PNG",
+    ),
     "bench": ("infir2.bench.command", "time BF16 vs FP8 linears, quantization kernels and a training step"),
     "fidelity": (
         "infir2.bench.fidelity",
         "held-out loss of every FP8 recipe vs the baseline on real text, by width",
     ),
+    "memory": ("infir2.memory", "bytes one decoder layer keeps for backward, tensor by tensor, BF16 vs FP8"),
+    "plan": (
+        "infir2.plan",
+        "per-GPU memory and all-gather bytes of a run, BF16 vs FP8, before you launch it",
+    ),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the module docstrings' layout and appends ``(default: X)`` to options that have one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = action.help or ""
+        default = action.default
+        if ("%(default)" in help_text or "default" in help_text.lower() or default is argparse.SUPPRESS
+                or default in (None, False, []) or isinstance(action, argparse._VersionAction)):  # fmt: skip
+            return action.help
+        if action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+            help_text += " (default: %(default)s)"
+        return help_text
+
+
+def _version() -> str:
+    version = importlib.import_module("infir2").__version__  # the package itself: light (lazy __init__)
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = "not installed"
+    return f"infir2 {version} (torch {torch_version}, Python {sys.version.split()[0]})"
+
+
+def _requested_command(argv: list[str]) -> str | None:
+    """The subcommand named in ``argv`` (the first word that is not an option), if any."""
+    for word in argv:
+        if not word.startswith("-"):
+            return word if word in COMMANDS else None
+    return None
+
+
+def build_parser(argv: list[str] | None = None, full: bool = False) -> argparse.ArgumentParser:
+    """The ``infir2`` parser. Imports the module of the command named in ``argv`` (all with ``full``)."""
+    wanted = _requested_command(argv or [])
     parser = argparse.ArgumentParser(
         prog="infir2",
-        description="FP8 training recipe (InfiR2 / DeepSeek-V3 hybrid granularity) for reasoning LMs. "
-        "Run `infir2 demo` to see the whole pipeline on a laptop CPU.",
+        description="FP8 training recipe (InfiR2 / DeepSeek-V3 hybrid granularity) for reasoning LMs.\n"
+        "Run `infir2 demo` to see the whole pipeline on a laptop CPU; `infir2 COMMAND --help` for a command.",
+        formatter_class=_HelpFormatter,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if e.name and module_name.startswith(e.name):
-                continue  # subcommand not built yet
-            raise
+        if not full and name != wanted:  # listed in `infir2 --help`; its module is not imported
+            sub.add_parser(name, help=help_text, description=help_text, add_help=False)
+            continue
+        module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip(),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+                           formatter_class=_HelpFormatter)  # fmt: skip
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
     return parser
 
 
+@contextmanager
+def _without_torchao() -> Iterator[None]:
+    """Make ``import torchao`` fail (and ``transformers`` see no torchao) inside the block.
+
+    ``sys.modules[name] = None`` is Python's documented way to block an import; it is undone on exit
+    so that a caller in the same process (the test suite, which uses torchao as an oracle) keeps it.
+    Does nothing if torchao is already imported.
+    """
+    if "torchao" in sys.modules or os.environ.get("INFIR2_ALLOW_TORCHAO"):
+        yield
+        return
+    sys.modules["torchao"] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        if "torchao" in sys.modules and sys.modules["torchao"] is None:
+            del sys.modules["torchao"]
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
     level = logging.DEBUG if args.verbose or os.environ.get("INFIR2_DEBUG") else logging.INFO
     logging.basicConfig(
         level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
@@ -65,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args._run(args) or 0)
+        with _without_torchao():
+            return int(args._run(args) or 0)
     except (ValueError, FileNotFoundError) as e:  # user errors: one clear line, no traceback
         if args.verbose:
             raise

@@ -19,10 +19,10 @@ from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from .chunked_loss import lm_loss_sum, use_chunked_loss
 from .data.base import IGNORE_INDEX, MicroBatch, count_loss_tokens
 from .model import autocast
 from .nn import cache_fp8_weights, fp8_enabled
@@ -30,16 +30,27 @@ from .nn import cache_fp8_weights, fp8_enabled
 __all__ = ["heldout_loss", "token_ce_sum"]
 
 
-def token_ce_sum(model: nn.Module, mb: MicroBatch, precision: str, device: torch.device) -> torch.Tensor:
-    """Summed next-token cross-entropy of one micro-batch (labels shifted here, HF convention)."""
+def token_ce_sum(
+    model: nn.Module,
+    mb: MicroBatch,
+    precision: str,
+    device: torch.device,
+    loss_chunk_tokens: int | str = "auto",
+) -> torch.Tensor:
+    """Summed next-token cross-entropy of one micro-batch (labels shifted here, HF convention).
+
+    Above ``loss_chunk_tokens``' threshold (``chunked_loss.use_chunked_loss``) the LM head and the loss
+    run chunk by chunk: no full fp32 ``[tokens, vocab]`` logits in forward or backward.
+    """
     input_ids = mb["input_ids"].to(device, non_blocking=True)
     labels = mb["labels"].to(device, non_blocking=True)
     mask = mb.get("attention_mask")
+    head = model.get_output_embeddings()  # type: ignore[operator]
+    chunk = use_chunked_loss(loss_chunk_tokens, input_ids.numel(), head.weight.shape[0])
     with autocast(precision, device):
-        logits = model(input_ids=input_ids, attention_mask=None if mask is None else mask.to(device)).logits
-    logits = logits[:, :-1].float()  # [B, L-1, V]
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction="sum")  # fmt: skip
+        return lm_loss_sum(
+            model, input_ids, labels, None if mask is None else mask.to(device), chunk, IGNORE_INDEX
+        )
 
 
 @torch.no_grad()
@@ -52,6 +63,7 @@ def heldout_loss(
     max_steps: int | None = None,
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     progress: bool = False,
+    loss_chunk_tokens: int | str = "auto",
 ) -> tuple[float, int]:
     """``(loss per token, loss tokens)`` over the first ``max_steps`` of ``steps`` (all when None).
 
@@ -67,7 +79,7 @@ def heldout_loss(
             taken = steps if max_steps is None else (s for _, s in zip(range(max_steps), steps, strict=False))
             for micro_batches in tqdm(taken, desc="held-out loss", unit="step", disable=not progress):
                 for mb in micro_batches:
-                    totals[0] += token_ce_sum(model, mb, precision, device).double()
+                    totals[0] += token_ce_sum(model, mb, precision, device, loss_chunk_tokens).double()
                 totals[1] += count_loss_tokens(micro_batches)
     finally:
         model.train(was_training)

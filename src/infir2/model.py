@@ -27,8 +27,10 @@ from .nn import convert_to_fp8, recompute_swiglu
 
 __all__ = [
     "ARCHS",
+    "WEIGHT_PATTERNS",
     "autocast",
     "build_from_config",
+    "check_model_folder",
     "load_pretrained",
     "prepare_for_training",
 ]
@@ -40,7 +42,12 @@ ARCHS = {
 }
 
 
-def _check_folder(path: str | Path) -> Path:
+#: file names that hold a Hugging Face model's weights (transformers loads any of them)
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+
+
+def check_model_folder(path: str | Path) -> Path:
+    """``path`` if it is a loadable-looking HF model folder (config.json + weights); else FileNotFoundError."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model folder {path} does not exist")
@@ -48,6 +55,9 @@ def _check_folder(path: str | Path) -> Path:
         raise FileNotFoundError(
             f"model folder {path} has no config.json (expected a Hugging Face model folder)"
         )
+    if not any(any(path.glob(pattern)) for pattern in WEIGHT_PATTERNS):
+        raise FileNotFoundError(f"model folder {path} has a config.json but no weights (expected "
+                                f"{' or '.join(WEIGHT_PATTERNS)}); copy them there or point at another folder")  # fmt: skip
     return path
 
 
@@ -55,7 +65,7 @@ def load_pretrained(path: str | Path) -> nn.Module:
     """A causal LM from a local Hugging Face folder, with fp32 weights (the training masters)."""
     from transformers import AutoModelForCausalLM
 
-    path = _check_folder(path)
+    path = check_model_folder(path)
     return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
 
 

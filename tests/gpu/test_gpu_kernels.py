@@ -146,4 +146,4 @@ def _usable(backend: str, recipe: str) -> bool:
 
 def test_the_gpu_tests_are_collected_everywhere():
     """This file imports and collects on a CPU machine (its tests skip there): CI keeps it importable."""
-    assert bind(get_recipe("blockwise"), "cpu").name == "emulated"
+    assert bind(get_recipe("blockwise"), "cpu").name == "fast_emulated"

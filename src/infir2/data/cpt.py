@@ -20,8 +20,11 @@ i.e. exactly ``ceil(n f)`` documents, the first one included (so the split is ne
 
 The output folder holds ``train.bin`` and ``val.bin`` (raw little-endian token ids, ``uint16`` when the
 vocabulary has fewer than 65536 entries, else ``uint32``) and ``meta.json`` (dtype, vocabulary size,
-token and document counts, skipped documents, source files, tokenizer). ``meta.json`` is written last:
-a folder without it is an interrupted run.
+token and document counts, skipped documents, source files, tokenizer). Everything is written into a
+temporary folder beside ``out_dir`` (``.<name>.tmp-<pid>``) and moved into place only when the whole
+input has been read: bad input leaves an existing dataset in ``out_dir`` untouched. ``meta.json`` is
+moved last: a folder without it is an interrupted run. Input that is not UTF-8 is an error naming
+the file and the line.
 
 Reading the folder back (training windows, held-out windows, the token reader) is ``infir2.data.tokens``.
 """
@@ -31,6 +34,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import shutil
 from collections.abc import Iterable, Iterator, Sequence
 from fractions import Fraction
 from pathlib import Path
@@ -85,7 +90,12 @@ def find_input_files(inputs: Sequence[str | Path]) -> list[Path]:
 def iter_documents(path: Path, text_field: str = "text") -> Iterator[str]:
     """The documents of one file (empty ones included; the caller skips them)."""
     if path.suffix == ".txt":
-        yield path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
+        try:
+            yield raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            lineno = raw.count(b"\n", 0, e.start) + 1
+            raise ValueError(f"{path}:{lineno}: {_not_utf8(e)}") from None
     elif path.suffix == ".jsonl":
         yield from _iter_jsonl(path, text_field)
     elif path.suffix == ".parquet":
@@ -94,9 +104,17 @@ def iter_documents(path: Path, text_field: str = "text") -> Iterator[str]:
         raise ValueError(f"{path}: unsupported file type {path.suffix!r}; expected one of {CPT_SUFFIXES}")
 
 
+def _not_utf8(e: UnicodeDecodeError) -> str:
+    return f"not valid UTF-8 (byte 0x{e.object[e.start]:02x}); re-encode the file as UTF-8"
+
+
 def _iter_jsonl(path: Path, text_field: str) -> Iterator[str]:
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: {_not_utf8(e)}") from None
             if not line.strip():
                 continue
             try:
@@ -128,7 +146,7 @@ def _iter_parquet(path: Path, text_field: str) -> Iterator[str]:
             f"{path}: no column {text_field!r}; columns are {parquet.schema_arrow.names} (see --text-field)"
         )
     row = 0
-    for batch in parquet.iter_batches(columns=[text_field]):
+    for batch in _parquet_batches(parquet, path, text_field):
         for text in batch.column(0).to_pylist():
             row += 1
             if not isinstance(text, str):
@@ -136,6 +154,24 @@ def _iter_parquet(path: Path, text_field: str) -> Iterator[str]:
                     f"{path}: row {row}: column {text_field!r} must be a string, got {type(text).__name__}"
                 )
             yield text
+
+
+def _parquet_batches(parquet: Any, path: Path, text_field: str) -> Iterator[Any]:
+    """``parquet``'s record batches; a decoding error (e.g. invalid UTF-8) names the file and the row."""
+    import pyarrow as pa
+
+    batches, row = parquet.iter_batches(columns=[text_field]), 0
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (pa.ArrowException, UnicodeDecodeError) as e:
+            raise ValueError(
+                f"{path}: after row {row}: column {text_field!r} does not decode ({e})"
+            ) from None
+        row += batch.num_rows
+        yield batch
 
 
 # ----------------------------------------------------------------------------- preparing shards
@@ -167,15 +203,41 @@ def prepare_cpt(
         raise ValueError("the tokenizer has no eos token (needed as the document separator)")
     files = find_input_files(inputs)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / META_FILE).unlink(missing_ok=True)  # a folder without meta.json is incomplete
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: exists and is not a folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
     dtype = token_dtype(len(tokenizer))
     try:
-        counts = _write_shards(files, out, tokenizer, dtype, val_fraction, text_field, progress)
+        counts = _write_shards(files, tmp, tokenizer, dtype, val_fraction, text_field, progress)
+        meta = _meta(files, tokenizer, dtype, counts, val_fraction, text_field)
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        _move_into_place(tmp, out)
     finally:
-        for name in ("train", "val"):
-            (out / f"{name}.bin.tmp").unlink(missing_ok=True)
-    meta = {
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info(
+        "wrote %s: %d train / %d val tokens, %d / %d documents, %d empty skipped",
+        out, counts["train_tokens"], counts["val_tokens"], counts["train_documents"],
+        counts["val_documents"], counts["skipped_empty"],
+    )  # fmt: skip
+    return meta
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """``tmp`` becomes ``out`` (a rename), or its files replace those in an existing ``out``, meta.json last."""
+    if not out.exists():
+        tmp.rename(out)
+        return
+    (out / META_FILE).unlink(missing_ok=True)  # from here until the last rename: an incomplete folder
+    for name in ("train.bin", "val.bin", META_FILE):
+        (tmp / name).replace(out / name)
+
+
+def _meta(files: list[Path], tokenizer: PreTrainedTokenizerBase, dtype: np.dtype, counts: dict[str, int],
+          val_fraction: float, text_field: str) -> dict[str, Any]:  # fmt: skip
+    return {
         "format": "infir2-cpt-1",
         "dtype": dtype.name,
         "vocab_size": len(tokenizer),
@@ -186,13 +248,6 @@ def prepare_cpt(
         "sources": [str(f) for f in files],
         "tokenizer": {"name_or_path": str(tokenizer.name_or_path), "class": type(tokenizer).__name__},
     }
-    (out / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-    log.info(
-        "wrote %s: %d train / %d val tokens, %d / %d documents, %d empty skipped",
-        out, counts["train_tokens"], counts["val_tokens"], counts["train_documents"],
-        counts["val_documents"], counts["skipped_empty"],
-    )  # fmt: skip
-    return meta
 
 
 def _write_shards(

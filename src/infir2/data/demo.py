@@ -5,7 +5,7 @@ not derived from any dataset or text by anyone else -- so it carries no third-pa
 distributed under the project's licence (Apache-2.0), like the code that makes it.
 
 The task: multi-step integer arithmetic with worked steps, in the reasoning format of the eval protocol
-(RECIPE.md section 2). A problem and its SFT answer::
+(docs/RECIPE.md section 3). A problem and its SFT answer::
 
     Compute 7 + 5 - 3.
     <think>

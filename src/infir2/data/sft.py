@@ -59,8 +59,13 @@ def load_conversations(path: str | Path) -> list[Conversation]:
     if not path.is_file():
         raise FileNotFoundError(f"SFT data file not found: {path}")
     conversations = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x}); "
+                                 "re-encode the file as UTF-8") from None  # fmt: skip
             if line.strip():
                 conversations.append(_parse_line(line, f"{path}:{lineno}"))
     if not conversations:

@@ -94,7 +94,9 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"tokenizer folder not found: {path}")
+        raise FileNotFoundError(f"tokenizer folder not found: {path} (expected a local Hugging Face tokenizer "
+                                "or model folder; `infir2 demo --data-only --out DIR` writes a small one "
+                                "to DIR/tokenizer)")  # fmt: skip
     config_path = path / "tokenizer_config.json"
     config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
     if config.get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):

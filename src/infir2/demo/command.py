@@ -22,6 +22,8 @@ Examples:
   infir2 demo                         # the full demo into runs/demo (about 10 minutes on 2 cores)
   infir2 demo --quick --out /tmp/d    # a reduced run (about a minute), as in CI
   infir2 demo --recipes bf16,blockwise,rowwise
+  infir2 demo --data-only --out runs/tiny   # only tokenizer + CPT shards + SFT files: what the
+                                            # tiny configs (src/infir2/configs/tiny-*.yaml) read
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import os
 from pathlib import Path
 
 from ..fp8 import RECIPES
-from .pipeline import FULL, QUICK, run_demo
+from .pipeline import FULL, QUICK, data_only, run_demo
 
 __all__ = ["add_arguments", "run"]
 
@@ -39,6 +41,9 @@ __all__ = ["add_arguments", "run"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/demo", help="output folder (default: runs/demo)")
     parser.add_argument("--quick", action="store_true", help="a reduced run (about a minute), as in CI")
+    parser.add_argument("--data-only", action="store_true",
+                        help="only write the tokenizer (OUT/tokenizer), CPT shards (OUT/cpt_tokens) and SFT "
+                             "files (OUT/data/sft_*.jsonl); with --out runs/tiny, what the tiny configs read")  # fmt: skip
     parser.add_argument("--recipes", default="bf16,blockwise,tensorwise",
                         help="comma-separated recipes; the first is the baseline of the gaps "
                              "(default: bf16,blockwise,tensorwise)")  # fmt: skip
@@ -54,6 +59,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--recipes: unknown {unknown or 'empty list'}; known recipes: {', '.join(RECIPES)}")
     if args.jobs is not None and args.jobs < 1:
         raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
+    if args.data_only:
+        paths = data_only(Path(args.out), QUICK if args.quick else FULL)
+        for name in ("tokenizer", "cpt", "sft_train", "sft_val"):
+            print(f"{name}: {paths[name]}")
+        return 0
     jobs = args.jobs if args.jobs is not None else (os.cpu_count() or 1)
     run_demo(Path(args.out), QUICK if args.quick else FULL, recipes, jobs)
     return 0

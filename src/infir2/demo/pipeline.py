@@ -27,7 +27,16 @@ from ..data.tokenizer import train_bpe_tokenizer
 from ..train import parse_config, train
 from .report import write_report
 
-__all__ = ["FULL", "QUICK", "DemoSettings", "RecipeResult", "prepare_data", "run_demo", "run_recipe"]
+__all__ = [
+    "FULL",
+    "QUICK",
+    "DemoSettings",
+    "RecipeResult",
+    "data_only",
+    "prepare_data",
+    "run_demo",
+    "run_recipe",
+]
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +142,11 @@ def _split_sft(path: Path, val_count: int) -> tuple[Path, Path]:
 
 
 def prepare_data(out: Path, s: DemoSettings) -> tuple[dict[str, Path], Any]:
-    """Demo data, tokenizer (saved to ``out/tokenizer``) and CPT token shards (``out/cpt_tokens``)."""
+    """Demo data, tokenizer (saved to ``out/tokenizer``) and CPT token shards (``out/cpt_tokens``).
+
+    SFT conversations: ``out/data/sft_train_split.jsonl`` and ``out/data/sft_val.jsonl``. The tiny
+    configs (``configs/tiny-*.yaml``) read exactly these paths under ``runs/tiny``.
+    """
     data = make_demo_data(out / "data", seed=0, n_train=s.n_train, n_test=s.n_test, n_cpt_worked=s.n_cpt_worked,
                           n_cpt_tables=s.n_cpt_tables, max_operand=s.max_operand, num_ops=s.num_ops)  # fmt: skip
     tokenizer = train_bpe_tokenizer(tokenizer_training_texts(data), s.vocab_size)
@@ -229,6 +242,13 @@ def _recipe_worker(
         level=logging.INFO, format=f"%(asctime)s [{recipe}] %(message)s", datefmt="%H:%M:%S", force=True
     )  # a reused worker process logs under its new recipe
     return run_recipe(recipe, out, s, data, load_tokenizer(out / "tokenizer"), progress=False)
+
+
+def data_only(out: Path, settings: DemoSettings) -> dict[str, Path]:
+    """Only the data: tokenizer, CPT shards and SFT files in ``out`` (what the tiny configs need)."""
+    _fresh_output(out, settings, [])
+    data, _ = prepare_data(out, settings)
+    return {"tokenizer": out / "tokenizer", "cpt": out / "cpt_tokens", **data}
 
 
 def run_demo(out: Path, settings: DemoSettings, recipes: list[str], jobs: int = 1) -> list[RecipeResult]:

@@ -1,6 +1,6 @@
 """Answer checking for reasoning benchmarks: pull the final answer out of a completion and grade it.
 
-The protocol (RECIPE.md section 2) asks the model to "put your final answer within \\boxed{}", after
+The protocol (docs/RECIPE.md section 3) asks the model to "put your final answer within \\boxed{}", after
 its thinking. So, for a completion:
 
 1. ``final_part``: keep the text after the last ``</think>`` when there is one (the thinking may

@@ -6,10 +6,10 @@ final answer within \\boxed{}.", the assistant turn opened with "<think>\\n", sa
 It writes samples.jsonl (one line per sample), problems.jsonl (per problem), summary.json and
 summary.md (avg@n, pass@k, unparseable and truncated counts) under --out.
 
-  infir2 eval --model runs/sft/final --task math --data aime24.jsonl --n 32 --max-new-tokens 32768
-  infir2 eval --model runs/sft/final --task multiple_choice --data gpqa.jsonl --n 8 --out runs/eval/gpqa
+  infir2 eval --model runs/qwen2.5-7b-sft-stage2/hf --task math --data aime24.jsonl --n 32 --max-new-tokens 32768
+  infir2 eval --model runs/qwen2.5-7b-sft-stage2/hf --task multiple_choice --data gpqa.jsonl --n 8 --out runs/eval/gpqa
   infir2 eval --model out/fp8 --task math --greedy            # shipped sample benchmark, FP8 export
-  infir2 eval --model runs/cpt/final --perplexity data/cpt    # loss on data/cpt/val.bin
+  infir2 eval --model runs/qwen2.5-7b-cpt/hf --perplexity data/cpt    # loss on data/cpt/val.bin
 
 --model is a Hugging Face folder (BF16/FP32) or an FP8 folder written by `infir2 export` (dequantized
 on load). Math items: {"problem", "answer", "id"?}; multiple choice: {"question", "choices", "answer"
@@ -29,7 +29,9 @@ import torch
 from ..data.tokenizer import load_tokenizer
 from .tasks import TASKS, sample_path
 
-__all__ = ["add_arguments", "run", "sample_path"]
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "add_arguments", "run", "sample_path"]
+
+DEFAULT_MAX_NEW_TOKENS = 32768  # the InfiR2 evaluation budget (its 32k context): reasoning is long
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +41,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--model", required=True, help="checkpoint folder (HF BF16/FP32, or FP8 from `infir2 export`)"
     )
     p.add_argument("--tokenizer", help="tokenizer folder (default: --model)")
-    p.add_argument("--task", choices=list(TASKS), default="math")
+    p.add_argument(
+        "--task", choices=list(TASKS), default="math", help="answer format (a task of the registry)"
+    )
     p.add_argument("--data", help="benchmark JSONL (default: the shipped sample for --task)")
     p.add_argument("--n", type=int, default=1, help="samples per problem (avg@n, pass@k); default 1")
     p.add_argument("--greedy", action="store_true", help="greedy decoding (requires --n 1)")
-    p.add_argument("--temperature", type=float, default=0.65)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--max-new-tokens", type=int, default=1024)
+    p.add_argument("--temperature", type=float, default=0.65, help="sampling temperature")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling threshold")
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+                   help="generation budget per sample; reasoning traces need tens of thousands, generation "
+                        "stops earlier at the end-of-turn token, and samples cut here are counted as "
+                        "truncated (with a warning)")  # fmt: skip
     p.add_argument("--batch-size", type=int, default=8, help="sequences generated together")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--limit", type=int, help="only the first LIMIT problems")
     p.add_argument("--fp8", action="store_true", help="run the projections in FP8 (blockwise recipe)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
@@ -88,6 +95,10 @@ def run(args: argparse.Namespace) -> int:
     result.summary = {"model": str(args.model), "data": str(data), **result.summary}
     result.save(out)
     print(result.markdown(), end="")
+    truncated, samples = result.summary.get("truncated", 0), result.summary.get("samples", 0)
+    if truncated:
+        log.warning("%d of %d samples were cut at --max-new-tokens %d before finishing (scored as they stand); "
+                    "raise --max-new-tokens for reasoning models", truncated, samples, args.max_new_tokens)  # fmt: skip
     print(f"results: {out}/samples.jsonl, {out}/problems.jsonl, {out}/summary.md")
     return 0
 

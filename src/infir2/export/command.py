@@ -7,9 +7,9 @@ kept as they are; config.json gets quantization_config = {"quant_method": "fp8",
 "activation_scheme": "dynamic", "weight_block_size": [128, 128]}. The input is streamed shard by shard,
 so checkpoints larger than memory convert. An FP8 folder converts back to bf16 / fp32 (dequantized).
 
-  infir2 export --model runs/sft/final --out out/model-fp8 --format fp8
+  infir2 export --model runs/qwen2.5-7b-sft-stage2/hf --out out/model-fp8 --format fp8
   infir2 export --model Qwen2.5-7B-local --out out/qwen-fp8 --format fp8 --no-pow2-scale
-  infir2 export --model runs/sft/final --out out/model-bf16 --format bf16 --max-shard-size 2GB
+  infir2 export --model runs/qwen2.5-7b-sft-stage2/hf --out out/model-bf16 --format bf16 --max-shard-size 2GB
 
 --pow2-scale (default) rounds each block scale down to a power of two, as the training recipe does;
 --no-pow2-scale keeps exact fp32 scales (a little more accurate). Both load the same way.
@@ -29,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=["bf16", "fp32", "fp8"], default="fp8", help="default fp8")
     p.add_argument("--pow2-scale", action=argparse.BooleanOptionalAction, default=True,
                    help="power-of-two block scales for fp8 (default: on)")  # fmt: skip
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out even if it is not empty (otherwise a non-empty folder is refused)")  # fmt: skip
     p.add_argument(
         "--max-shard-size", default="5GB", help="largest output shard, e.g. 5GB, 500MB (default 5GB)"
     )
@@ -38,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from .convert import convert_checkpoint, describe
 
     out = convert_checkpoint(args.model, args.out, fmt=args.format, pow2_scale=args.pow2_scale,
-                             max_shard_size=args.max_shard_size)  # fmt: skip
+                             max_shard_size=args.max_shard_size, overwrite=args.overwrite)  # fmt: skip
     info = describe(out)
     print(f"wrote {args.format} checkpoint to {Path(out)}: {info['shards']} shard(s), tensors by dtype "
           f"{info['tensors_by_dtype']}")  # fmt: skip

@@ -2,7 +2,9 @@
 
 Two entry points share one per-tensor conversion:
 
-* ``export_model(model, tokenizer, out_dir, fmt)`` - an in-memory model (e.g. right after training);
+* ``export_model(model, tokenizer, out_dir, fmt)`` - an in-memory model (e.g. right after training), or
+  its config with a stream of ``(name, tensor)`` pairs (``tensors=``: a sharded training checkpoint read
+  one tensor at a time, so the whole model is never in one process's memory);
 * ``convert_checkpoint(src_dir, out_dir, fmt)`` - an existing HF folder (the authors' ``bf16_cast_fp8``),
   streamed shard by shard (``safe_open``), so a model larger than memory converts; an FP8 folder of
   this layout converts back to BF16 / FP32 the same way (dequantized).
@@ -85,17 +87,22 @@ def _patch_config(path: Path, fmt: str, dtype_name: str) -> None:
 # ------------------------------------------------------------------------------------ in-memory model
 
 
+def _tied_names(model: torch.nn.Module) -> dict[str, str]:
+    """``{tied name: the name it is tied to}`` when the model's config ties them, else empty."""
+    config: Any = getattr(model, "config", None)
+    tied_map = getattr(model, "_tied_weights_keys", None)
+    return (
+        dict(tied_map) if isinstance(tied_map, dict) and getattr(config, "tie_word_embeddings", False) else {}
+    )
+
+
 def _unique_state_dict(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` without the second name of tied tensors (e.g. ``lm_head.weight`` tied to the embedding).
 
     Ties are seen as shared storage (a live ``model.state_dict()``) or, for a gathered copy (FSDP's full
     state dict holds separate tensors), from the model's own map of tied keys when its config ties them.
     """
-    config: Any = getattr(model, "config", None)
-    tied_map = getattr(model, "_tied_weights_keys", None)
-    tied = (
-        dict(tied_map) if isinstance(tied_map, dict) and getattr(config, "tie_word_embeddings", False) else {}
-    )
+    tied = _tied_names(model)
     seen: set[tuple[int, tuple[int, ...]]] = set()
     out = {}
     for name, t in state.items():
@@ -120,11 +127,14 @@ def export_model(
     max_shard_size: int | str = "5GB",
     state_dict: Mapping[str, torch.Tensor] | None = None,
     overwrite: bool = False,
+    tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
 ) -> Path:
     """Save an in-memory HF causal LM as a ``fmt`` folder; for ``fp8`` the other tensors are in ``base_dtype``.
 
     ``state_dict`` (default: ``model.state_dict()``) is what is written -- the training loop passes the
-    full state dict gathered from FSDP shards; ``model`` supplies the config. The generation config
+    full state dict gathered from FSDP shards; ``model`` supplies the config. ``tensors`` (instead of
+    ``state_dict``) streams ``(name, tensor)`` pairs: each is converted and handed to the shard writer
+    before the next is read (a tied name of the config is skipped). The generation config
     stops at ``<|im_end|>`` and the eos token, so inference engines stop where ``infir2 eval`` does.
     ``tokenizer`` may be None (no tokenizer files are written then). A folder that already holds a
     checkpoint is an error unless ``overwrite`` (then it is replaced). The files are written next to
@@ -143,17 +153,21 @@ def export_model(
         raise ValueError(f"output folder {out} already holds a checkpoint; choose a new or empty folder")
     tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    state = _unique_state_dict(model, model.state_dict() if state_dict is None else state_dict)
+    if tensors is not None and state_dict is not None:
+        raise ValueError("export_model: give state_dict or tensors, not both")
     writer = ShardWriter(tmp, max_shard_size)
     cast = base_dtype if fmt == "fp8" else _DTYPES[fmt]
 
-    def get(name: str) -> torch.Tensor:
-        t = state[name].detach().cpu()
+    def prepared(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().cpu()
         return t.to(cast) if t.is_floating_point() else t
 
-    for name, tensor in tqdm(
-        _convert_tensors(state, get, fmt, pow2_scale), desc=f"export {fmt}", unit="tensor"
-    ):
+    if tensors is None:
+        state = _unique_state_dict(model, model.state_dict() if state_dict is None else state_dict)
+        stream = _convert_tensors(state, lambda name: prepared(state[name]), fmt, pow2_scale)
+    else:
+        stream = _convert_stream(tensors, _tied_names(model), prepared, fmt, pow2_scale)
+    for name, tensor in tqdm(stream, desc=f"export {fmt}", unit="tensor"):
         writer.add(name, tensor)
     writer.close()
     config.save_pretrained(tmp)
@@ -164,6 +178,18 @@ def export_model(
     _move_into_place(tmp, out, overwrite)
     log.info("exported %s checkpoint to %s", fmt, out)
     return out
+
+
+def _convert_stream(tensors: Iterable[tuple[str, torch.Tensor]], tied: Mapping[str, str],
+                    prepared: Callable[[torch.Tensor], torch.Tensor], fmt: str,
+                    pow2_scale: bool) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    """``_convert_tensors`` over a stream: one source tensor at a time (tied names skipped)."""
+    for name, tensor in tensors:
+        if name in tied:
+            log.info("export: %s is tied to %s; not stored twice", name, tied[name])
+            continue
+        one = prepared(tensor)
+        yield from _convert_tensors([name], lambda _, t=one: t, fmt, pow2_scale)  # type: ignore[misc]
 
 
 def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
@@ -205,23 +231,50 @@ def convert_checkpoint(
     fmt: str = "fp8",
     pow2_scale: bool = True,
     max_shard_size: int | str = "5GB",
+    overwrite: bool = False,
 ) -> Path:
     """Convert a safetensors HF folder to ``fmt``, one input shard in memory at a time.
 
     All other top-level files (tokenizer, generation config, chat template, README) are copied.
     An FP8 source (``quantization_config`` of this layout) can be converted to ``bf16`` / ``fp32``.
+    ``out_dir`` must be new or empty unless ``overwrite`` (then it is replaced); the files are
+    written beside it first and renamed into place, so a failed conversion leaves it untouched.
     """
     _check_format(fmt)
     src, out = Path(src_dir), Path(out_dir)
     config_path = src / "config.json"
+    if not src.is_dir():
+        raise FileNotFoundError(f"model folder {src} does not exist")
     if not config_path.is_file():
         raise FileNotFoundError(f"{src}: no config.json (expected a Hugging Face checkpoint folder)")
     if src.resolve() == out.resolve():
         raise ValueError(f"output folder {out} is the input folder; choose another")
+    if out.resolve() in src.resolve().parents:
+        raise ValueError(f"output folder {out} contains the input folder {src}; choose another")
+    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"output folder {out} is not empty; choose a new or empty folder, or pass --overwrite "
+                         "to replace it")  # fmt: skip
     config = json.loads(config_path.read_text(encoding="utf-8"))
     if fmt == "fp8" and is_fp8_config(config, str(config_path)):
         raise ValueError(f"{src} is already an FP8 checkpoint")
     reader = CheckpointReader(src)
+    final, out = out, out.with_name(f".tmp-{out.name}-{os.getpid()}")
+    shutil.rmtree(out, ignore_errors=True)
+    try:
+        _convert_into(reader, src, out, fmt, pow2_scale, max_shard_size)
+        if final.is_dir() and not final.is_symlink():
+            shutil.rmtree(final)  # empty, or replaced with overwrite (checked above)
+        elif final.exists():
+            final.unlink()
+        out.rename(final)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    log.info("converted %s -> %s (%s)", src, final, fmt)
+    return final
+
+
+def _convert_into(reader: CheckpointReader, src: Path, out: Path, fmt: str, pow2_scale: bool,
+                  max_shard_size: int | str) -> None:  # fmt: skip
     writer = ShardWriter(out, max_shard_size)
     float_dtypes: set[torch.dtype] = set()
     for _file, names in tqdm(
@@ -241,8 +294,6 @@ def convert_checkpoint(
         _DTYPE_NAMES.get(next(iter(float_dtypes)), "bfloat16") if len(float_dtypes) == 1 else "bfloat16"
     )
     _patch_config(out / "config.json", fmt, dtype_name if fmt == "fp8" else _DTYPE_NAMES[_DTYPES[fmt]])
-    log.info("converted %s -> %s (%s)", src, out, fmt)
-    return out
 
 
 def _copy_side_files(src: Path, out: Path) -> None:

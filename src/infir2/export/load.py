@@ -46,6 +46,10 @@ def load_checkpoint(folder: str | Path, dtype: torch.dtype | None = None, device
 
     folder = Path(folder)
     config_path = folder / "config.json"
+    if not folder.is_dir():
+        raise FileNotFoundError(f"model folder {folder} does not exist")
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("pytorch_model*.bin")):
+        raise FileNotFoundError(f"model folder {folder} has no weights (*.safetensors or pytorch_model*.bin)")
     if not config_path.is_file():
         raise FileNotFoundError(f"{folder}: no config.json (expected a Hugging Face checkpoint folder)")
     dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)

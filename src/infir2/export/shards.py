@@ -17,6 +17,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .._files import default_permissions
+
 __all__ = ["INDEX_NAME", "CheckpointReader", "ShardWriter", "parse_size"]
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -132,6 +134,7 @@ class ShardWriter:
             str(self.out_dir / f"shard-{len(self._written):05d}.tmp"),
             metadata={"format": "pt"},
         )
+        default_permissions(self.out_dir / f"shard-{len(self._written):05d}.tmp")  # save_file writes 0600
         self._written.append(list(self._pending))
         self._pending, self._pending_bytes = {}, 0
 

@@ -92,17 +92,17 @@ class Kernels:
         raise AssertionError(f"no backend takes {job}; the emulated backend ends every chain")
 
     def quantize(self, x: torch.Tensor, cast: Cast) -> Operand:
-        job = f"quantize {tuple(cast.block)} {cast.fmt}/{cast.scale} of {x.dtype} {tuple(x.shape)}"
+        job = f"quantize {tuple(cast.block)} {cast.fmt}/{cast.scale}"  # no shapes: logged once per kind
         backend = self._first(job, [b.supports_quantize(x, cast) for b in self.chain])
         return backend.quantize(x, cast)
 
     def quantize_pair(self, x: torch.Tensor, a: Cast, b: Cast) -> tuple[Operand, Operand]:
-        job = f"quantize {tuple(a.block)} + {tuple(b.block)} of {x.dtype} {tuple(x.shape)}"
+        job = f"quantize {tuple(a.block)} + {tuple(b.block)} {a.fmt}/{a.scale}"
         takes = [be.supports_quantize(x, a) and be.supports_quantize(x, b) for be in self.chain]
         return self._first(job, takes).quantize_pair(x, a, b)
 
     def gemm_nt(self, a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
-        job = f"GEMM {tuple(a.block)} x {tuple(b.block)} {tuple(a.shape)} x {tuple(b.shape)} -> {out_dtype}"
+        job = f"GEMM {tuple(a.block)} x {tuple(b.block)} -> {out_dtype}"
         takes = [be.supports_gemm(a, b, out_dtype) for be in self.chain]
         while True:
             backend = self._first(job, takes)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import weakref
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,9 @@ from torch import nn
 from ..fp8.recipe import Fp8Recipe, get_recipe
 from ..kernels import Kernels, Operand, bind
 from .fsdp import Fp8GatheredWeight
+
+if TYPE_CHECKING:
+    from .telemetry import LayerStats
 
 __all__ = ["Fp8Linear"]
 
@@ -53,6 +56,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         kernels: Kernels,
         w_fprop: Operand,
         x_ops: tuple[Operand, Operand] | None = None,
+        stats: LayerStats | None = None,
     ) -> torch.Tensor:
         with _no_autocast(x.device):
             if x_ops is None:
@@ -71,7 +75,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
             *((w_dgrad.data, w_dgrad.scale_inv) if w_dgrad is not None else ()),
         )  # fmt: skip
         ctx.recipe, ctx.kernels, ctx.x_dtype, ctx.has_bias = recipe, kernels, x.dtype, bias is not None
-        return y.to(x.dtype)
+        y = y.to(x.dtype)
+        # telemetry (infir2.nn.telemetry) on a stats step only: reads the operands, changes nothing
+        ctx.probe = stats.forward(x, weight, bias, x_ops, w_fprop, y) if stats is not None else None
+        return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -93,15 +100,19 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 else:
                     w_dgrad = kernels.quantize(weight, recipe.w_dgrad)
                 dx = kernels.gemm_nt(dyq, w_dgrad.t(), ctx.x_dtype)  # [T,N] @ [N,K] -> [T,K], fp32 accumulate
+                if ctx.probe is not None:
+                    ctx.probe.dgrad(dy, dyq, w_dgrad, weight, dx)
             if need_dw:
                 x_w = Operand(x_data, x_scale_inv, recipe.x_wgrad.block)  # [T,K]
                 dw = kernels.gemm_nt(
                     dy_w.t(), x_w.t(), torch.float32
                 )  # [N,T] @ [T,K] -> [N,K], fp32 accumulate
                 dw = dw.to(weight.dtype)
+                if ctx.probe is not None:
+                    ctx.probe.wgrad(dy, dy_w, dw)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 db = dy.float().sum(0).to(weight.dtype)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 class _InputCache:
@@ -168,6 +179,7 @@ class Fp8Linear(nn.Linear):
         self.fp8_enabled = self.recipe.enabled
         self.kernels: Kernels | None = None
         self.cache_weight = False
+        self.stats: LayerStats | None = None  # set by infir2.nn.telemetry on stats steps only
         self._weight_cache: tuple[tuple[Any, ...], Operand] | None = None
 
     @classmethod
@@ -221,5 +233,6 @@ class Fp8Linear(nn.Linear):
         kernels = self._kernels_on(x.device)
         w_fprop = self.quantized_weight(kernels)
         x_ops = _INPUT_CACHE.get(original, x2d, self.recipe, kernels)
-        y = _Fp8LinearFunction.apply(x2d, self.weight, self.bias, self.recipe, kernels, w_fprop, x_ops)
+        y = _Fp8LinearFunction.apply(x2d, self.weight, self.bias, self.recipe, kernels, w_fprop, x_ops,
+                                     self.stats)  # fmt: skip
         return y.reshape(*lead, self.out_features)

@@ -1,22 +1,39 @@
-"""A run's persistence: save the full training state, resume or start from a checkpoint, export the model.
+"""A run's persistence: save the training state, resume or start from a checkpoint, export the model.
 
-``save`` gathers model, optimizer, data positions and RNG states of every rank to rank 0 and writes
-them with ``checkpoint.save_checkpoint`` (the format is documented there). ``restore`` picks the run
-folder's latest checkpoint (auto-resume), else ``load.path``, and applies ``load.mode``:
+Two formats (``train.checkpoint_format``), the same ``step_<8 digits>`` folders with a checksummed
+``meta.json``:
 
-* ``resume``       -- everything, exactly (the same number of processes is required);
+* ``full`` (default) -- ``save`` gathers model, optimizer, data positions and RNG states of every rank
+  to rank 0 and writes them with ``checkpoint.save_checkpoint`` (one ``state.pt``, documented there);
+* ``dcp`` -- every rank writes its own shards (``sharded_checkpoint.save_sharded``, documented there),
+  nobody gathers the model; with ``train.async_save`` the write runs in the background and ``save``
+  returns before the disk is done. Either way ``save`` returns a ``PendingSave``: the loop waits on it
+  before the next save and at the end of the run.
+
+``restore`` picks the run folder's newest checkpoint that verifies (``checkpoint.load_latest_valid``:
+damaged ones are skipped with a warning; none loading is an error unless ``load.start_fresh``), of
+either format, else ``load.path``, and applies ``load.mode``:
+
+* ``resume``       -- everything; exactly (RNG states too) on the same number of processes. On another
+  number (a sharded checkpoint reshards, a full one is resharded on load) model and optimizer are
+  exact and the data continues at the same global sample count (``sharded_checkpoint.data_state_for``);
+  each rank's RNG is then seeded afresh (``run.seed + rank``);
 * ``decay_only``   -- model + optimizer (the config's hyperparameters win), the step counter unless
   ``load.reset_step``, the data position unless ``load.reset_data``: a WSD decay from a stable checkpoint;
 * ``weights_only`` -- the model only; a new run at step 0.
 
 ``export_final`` writes ``<run>/hf`` with ``export.export_model`` -- the code behind ``infir2 export``,
 so the run's Hugging Face folder has the same layout and generation config (stop tokens) as an export.
+It first removes ``<run>/.tmp-hf-*``: the partial folder of an export that was killed.
+From a ``dcp`` run it streams the final sharded checkpoint into the writer one tensor at a time
+(``iter_model_tensors``): rank 0 never holds the whole model.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,8 +53,16 @@ from ..data.base import StepSource
 from ..export import export_model
 from .config import RunConfig, config_to_dict
 from .distributed import DistEnv, broadcast_object, gather_objects
+from .sharded_checkpoint import (
+    PendingSave,
+    data_state_for,
+    is_sharded_folder,
+    iter_model_tensors,
+    load_sharded,
+    save_sharded,
+)
 
-__all__ = ["TrainState", "export_final", "restore", "save"]
+__all__ = ["PendingSave", "TrainState", "export_final", "restore", "save"]
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +92,19 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save(cfg: RunConfig, env: DistEnv, model: nn.Module, optimizer: torch.optim.Optimizer, source: StepSource,
-         state: TrainState) -> Path | None:  # fmt: skip
+         state: TrainState) -> PendingSave:  # fmt: skip
+    """Write a checkpoint of ``train.checkpoint_format`` atomically (all ranks call; all wait on the result)."""
+    if cfg.train.checkpoint_format == "dcp":
+        extra = {"scheduler": {"step": state.step}, "train_state": {**vars(state), "config": config_to_dict(cfg)},
+                 "data": source.state_dict(), "rng": _rng_state()}  # fmt: skip
+        return save_sharded(cfg.run_dir / "checkpoints", state.step, model, optimizer, extra, env,
+                            keep_last=cfg.train.keep_last, async_save=cfg.train.async_save)  # fmt: skip
+    written = _save_full(cfg, env, model, optimizer, source, state)
+    return PendingSave(None, lambda: written)
+
+
+def _save_full(cfg: RunConfig, env: DistEnv, model: nn.Module, optimizer: torch.optim.Optimizer,
+               source: StepSource, state: TrainState) -> Path:  # fmt: skip
     """Gather the full state on rank 0 and write it atomically (all ranks must call)."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
@@ -97,43 +134,66 @@ def _apply_optim_config(optimizer: torch.optim.Optimizer, cfg: RunConfig) -> Non
         )
 
 
+def _loader(env: DistEnv, model: nn.Module, optimizer: torch.optim.Optimizer, weights_only: bool) -> Any:
+    """``folder -> small state``: verify a checkpoint of either format, load it into model (and optimizer).
+
+    The small state is ``{"train_state", "data": [per rank], "rng": [per rank]}``; a damaged checkpoint
+    raises ``ValueError`` before anything is loaded (``load_latest_valid`` then tries the next older one).
+    """
+
+    def load(folder: Path) -> dict[str, Any]:
+        if is_sharded_folder(folder):
+            return load_sharded(folder, model, None if weights_only else optimizer, env)
+        full = ckpt.load_checkpoint(folder)
+        options = StateDictOptions(full_state_dict=True)
+        if weights_only:
+            set_model_state_dict(model, full["model"], options=options)
+        else:
+            set_state_dict(model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optimizer"],
+                           options=options)  # fmt: skip
+        return {
+            "train_state": full["train_state"],
+            "data": full["data"],
+            "rng": full["train_state"].get("rng"),
+        }
+
+    return load
+
+
 def restore(cfg: RunConfig, env: DistEnv, model: nn.Module, optimizer: torch.optim.Optimizer,
             source: StepSource) -> tuple[TrainState, Path | None]:  # fmt: skip
     """Resume from the run folder's latest checkpoint, else from ``load.path``; returns the counters."""
-    own = ckpt.latest_checkpoint(cfg.run_dir / "checkpoints")
-    if cfg.load.path and (cfg.load.force or own is None):
+    # every rank verifies its checkpoint (sizes and SHA-256) and reads its part; damaged ones are skipped
+    forced = cfg.load.force and cfg.load.path
+    own = None
+    if not forced:
+        own = ckpt.load_latest_valid(cfg.run_dir / "checkpoints", cfg.load.start_fresh,
+                                     load=_loader(env, model, optimizer, weights_only=False))  # fmt: skip
+    if own is not None:
+        (path, loaded), mode = own, "resume"
+    elif cfg.load.path:
         path, mode = Path(cfg.load.path), cfg.load.mode
-    elif own is not None:
-        path, mode = own, "resume"
+        loaded = _loader(env, model, optimizer, weights_only=mode == "weights_only")(path)
     else:
         return TrainState(), None
-    full = ckpt.load_checkpoint(path)  # every rank maps the file (mmap: the page cache is shared)
-    options = StateDictOptions(full_state_dict=True)
-    model_sd = full["model"]
     if mode == "weights_only":
-        set_model_state_dict(model, model_sd, options=options)
         log.info("loaded model weights from %s (fresh optimizer, step 0)", path)
         return TrainState(), path
-    set_state_dict(
-        model, optimizer, model_state_dict=model_sd, optim_state_dict=full["optimizer"], options=options
-    )
     _apply_optim_config(optimizer, cfg)
-    saved = full["train_state"]
+    saved = loaded["train_state"]
     state = TrainState(**{k: saved[k] for k in vars(TrainState())})
     same_world = saved["world_size"] == env.world_size
     if mode == "resume":
-        if not same_world:
-            raise ValueError(f"checkpoint {path} was written by {saved['world_size']} processes; resuming it exactly "
-                             f"needs the same number (got {env.world_size}); use load.mode=decay_only or weights_only")  # fmt: skip
-        source.load_state_dict(full["data"][env.rank])
-        _set_rng_state(saved["rng"][env.rank])
-        log.info("resumed from %s at step %d", path, state.step)
+        source.load_state_dict(data_state_for(loaded, env))
+        if same_world:
+            _set_rng_state(loaded["rng"][env.rank])
+            log.info("resumed from %s at step %d", path, state.step)
+        else:
+            log.info("resumed from %s at step %d on %d processes (saved by %d): the same global sample count, "
+                     "new RNG streams", path, state.step, env.world_size, saved["world_size"])  # fmt: skip
         return state, path
     if not cfg.load.reset_data:
-        if not same_world:
-            raise ValueError(f"load.reset_data: checkpoint {path} has the data position of {saved['world_size']} "
-                             f"processes, this run has {env.world_size}; set load.reset_data=true")  # fmt: skip
-        source.load_state_dict(full["data"][env.rank])
+        source.load_state_dict(data_state_for(loaded, env))
     if cfg.load.reset_step:
         state = TrainState()
     state.nonfinite_in_row = 0
@@ -141,13 +201,26 @@ def restore(cfg: RunConfig, env: DistEnv, model: nn.Module, optimizer: torch.opt
     return state, path
 
 
-def export_final(cfg: RunConfig, env: DistEnv, model: nn.Module, tokenizer: Any) -> Path | None:
-    """``<run>/hf``: the trained model as a Hugging Face folder (``model.export_dtype`` or ``precision``)."""
-    model_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    out = None
+def export_final(
+    cfg: RunConfig, env: DistEnv, model: nn.Module, tokenizer: Any, checkpoint: Path | None = None
+) -> Path | None:
+    """``<run>/hf``: the trained model as a Hugging Face folder (``model.export_dtype`` or ``precision``).
+
+    ``checkpoint``: the run's final sharded checkpoint (``dcp`` runs), streamed tensor by tensor;
+    otherwise the full state dict is gathered to rank 0.
+    """
+    fmt = cfg.model.export_dtype or cfg.model.precision  # "fp32" | "bf16": export formats of the same name
     if env.is_main:
-        fmt = (
-            cfg.model.export_dtype or cfg.model.precision
-        )  # "fp32" | "bf16": export formats of the same name
+        for stale in cfg.run_dir.glob(".tmp-hf-*"):  # a killed export's partial folder (we hold the run lock)
+            shutil.rmtree(stale, ignore_errors=True)
+            log.info("removed %s, left by an interrupted export", stale)
+    out = None
+    if checkpoint is not None and is_sharded_folder(checkpoint):
+        if env.is_main:  # one full tensor in memory at a time
+            out = export_model(model, tokenizer, cfg.run_dir / "hf", fmt=fmt, tensors=iter_model_tensors(checkpoint),
+                               overwrite=True)  # fmt: skip
+        return broadcast_object(out, env)  # type: ignore[return-value]
+    model_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if env.is_main:
         out = export_model(model, tokenizer, cfg.run_dir / "hf", fmt=fmt, state_dict=model_sd, overwrite=True)  # type: ignore[arg-type]
     return broadcast_object(out, env)  # type: ignore[return-value]

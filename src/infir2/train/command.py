@@ -8,18 +8,23 @@ at the end, hf/ (a Hugging Face folder that transformers loads).
 
 Re-running the same command resumes from the latest checkpoint in the run folder and continues
 exactly where it stopped (same losses step by step). `--load PATH` starts from PATH instead, every
-time it is given: drop it to resume the new run. Several processes (torchrun) shard the model with
+time it is given: drop it to resume the new run. Each checkpoint's SHA-256 is checked on load: a
+damaged one is skipped (with a warning) for the next older one; if none loads, the command refuses
+to start over them unless given --start-fresh. A rerun whose config changes the run's meaning
+(schedule, optim, data, model, fp8, run.seed, train.max_steps) is refused with the list of changes
+unless given --accept-config-changes (the old config.yaml is kept as config.<step>.yaml). One run folder takes one training at a time (a lock
+file, <run>/.lock, names the process holding it). Several processes (torchrun) shard the model with
 FSDP2; the run folder must be on a filesystem all nodes see (checkpoints are full state dicts
 gathered to rank 0, loadable on any number of processes; exact data resume needs the same number).
 
 examples:
   infir2 train src/infir2/configs/qwen2.5-1.5b-cpt.yaml
   infir2 train my.yaml --set optim.lr=3e-4 --set fp8.recipe=bf16 --set run.name=bf16-baseline
-  infir2 train my.yaml --load runs/cpt/checkpoints/step_00035000          # start from that checkpoint
+  infir2 train my.yaml --load runs/qwen2.5-1.5b-cpt/checkpoints/step_00035000         # start from that checkpoint
   infir2 train src/infir2/configs/qwen2.5-7b-decay-only.yaml              # WSD decay from a stable ckpt
   torchrun --nproc_per_node 8 -m infir2.cli train src/infir2/configs/qwen2.5-7b-sft-stage1.yaml
                                                    # data parallel, FSDP2 (NCCL on GPUs, gloo on CPUs)
-  torchrun --nnodes 4 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 \
+  torchrun --nnodes 4 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 \\
       -m infir2.cli train src/infir2/configs/qwen2.5-7b-cpt.yaml
 """
 
@@ -40,6 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load", metavar="PATH",
                         help="start from this checkpoint folder even if the run folder has its own "
                              "(sets load.path and load.force; load.mode stays as configured)")  # fmt: skip
+    parser.add_argument("--start-fresh", action="store_true",
+                        help="if the run folder has checkpoints but none loads (damaged), set them aside "
+                             "as damaged-step_* and start from step 0 instead of refusing")  # fmt: skip
+    parser.add_argument("--accept-config-changes", action="store_true",
+                        help="resume although fields that change the run's meaning (schedule, optim, data, "
+                             "model, fp8, run.seed, train.max_steps) differ from the run's config.yaml; "
+                             "the old one is kept as config.<step>.yaml")  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (log lines instead)")
 
 
@@ -50,6 +62,10 @@ def run(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.load:
         overrides += [f"load.path={args.load}", "load.force=true"]
+    if args.start_fresh:
+        overrides.append("load.start_fresh=true")
+    if args.accept_config_changes:
+        overrides.append("load.accept_config_changes=true")
     cfg = load_config(args.config, overrides)
     result = train(cfg, progress=not args.no_progress)
     if result.history:

@@ -1,20 +1,21 @@
 """Run configs: YAML files validated into nested dataclasses, with ``--set key=value`` overrides.
 
 A run config has eight sections (every field below, with its default; all hyperparameters of the
-InfiR2 recipe, RECIPE.md section 2, can be written down)::
+InfiR2 recipe, docs/RECIPE.md section 2, can be written down)::
 
     run:      name, out_dir, seed, device (auto|cpu|cuda)
     model:    path (local HF folder) | from_config ({arch: a name in infir2.model.ARCHS, hidden_size, ...}),
               tokenizer, precision (fp32|bf16), activation_checkpointing, recompute_mlp, export_dtype
-    fp8:      recipe (a name in infir2.fp8.RECIPES: bf16, blockwise, ...), backend, param_gather
+    fp8:      recipe (a name in infir2.fp8.RECIPES: bf16, blockwise, ...), backend, param_gather, stats_every
     data:     kind (cpt|sft), train_path, val_path, seq_len, global_batch_size, micro_batch_size,
               max_tokens_per_micro_batch, max_length, overlong (truncate|drop), epochs, shuffle, seed
-    optim:    lr, betas, eps, weight_decay, grad_clip, fused
+    optim:    lr, betas, eps, weight_decay, grad_clip, fused, state_dtype (fp32|bf16)
     schedule: name (wsd|cosine|constant), warmup_steps | warmup_fraction, decay_steps | decay_fraction,
               decay_style (cosine|linear), min_lr | min_lr_ratio
     train:    max_steps, eval_every, eval_batches, eval_fp8, save_every, keep_last, log_every,
-              max_nonfinite_in_row
-    load:     path, mode (resume|decay_only|weights_only), reset_step, reset_data, force
+              max_nonfinite_in_row, loss_chunk_tokens (auto|0|N), checkpoint_format (full|dcp), async_save
+    load:     path, mode (resume|decay_only|weights_only), reset_step, reset_data, force, start_fresh,
+              accept_config_changes
 
 Validation is strict: an unknown key, a value of the wrong type or outside its allowed set (for
 ``fp8.recipe`` and ``model.from_config.arch``: the names of their registries) is a ``ValueError``
@@ -26,6 +27,7 @@ field: ``--set optim.lr=3e-4 --set data.shuffle=false --set optim.betas=[0.9,0.9
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -37,6 +39,9 @@ from ..fp8.recipe import get_recipe
 from ..model import ARCHS
 from ..nn.fsdp import supports_param_gather
 from .typed_yaml import apply_overrides, build, config_error, to_plain
+
+#: the largest finite float32: optimizer hyperparameters above it become inf inside fp32 AdamW
+FP32_MAX = 3.4028234663852886e38
 
 __all__ = [
     "DataConfig",
@@ -87,6 +92,8 @@ class Fp8Config:
     # FSDP2: all-gather FP8 linears' weights as FP8 codes (1 byte/element); default (null): on for the
     # blockwise recipes; only recipes whose fprop and dgrad share the weight blocks can (not rowwise)
     param_gather: bool | None = None
+    # FP8 numerics telemetry (infir2.nn.telemetry, `infir2 numerics`) every N steps; 0 = off
+    stats_every: int = 0
 
 
 @dataclass(frozen=True)
@@ -115,6 +122,7 @@ class OptimConfig:
     weight_decay: float = 0.1  # on >=2-D weights (incl. embeddings); never on norms or biases
     grad_clip: float = 1.0  # max global grad norm; 0 = no clipping
     fused: bool | None = None  # AdamW implementation: None = fused on CUDA, foreach elsewhere
+    state_dtype: Literal["fp32", "bf16"] = "fp32"  # AdamW moments' storage (math is fp32): 16 vs 12 B/param
 
 
 @dataclass(frozen=True)
@@ -139,6 +147,13 @@ class TrainConfig:
     keep_last: int = 2
     log_every: int = 1  # steps between progress-bar / stdout updates (metrics.jsonl gets every step)
     max_nonfinite_in_row: int = 3  # consecutive skipped (non-finite) steps that stop the run
+    # chunked LM-head loss (chunked_loss.py): tokens per chunk; 0 = never; auto = 2048 once fp32 logits > 1 GiB
+    loss_chunk_tokens: int | Literal["auto"] = "auto"
+    # full: gathered to rank 0, one state.pt (loads anywhere with torch.load; rank 0 holds ~12 bytes per
+    # parameter while saving). dcp: torch.distributed.checkpoint, every rank writes its own shards
+    # (what multi-GPU runs want). full stays the default: the single-process tools read state.pt.
+    checkpoint_format: Literal["full", "dcp"] = "full"
+    async_save: bool = False  # dcp only: write in a background thread, the loop does not wait for the disk
 
 
 @dataclass(frozen=True)
@@ -148,6 +163,10 @@ class LoadConfig:
     reset_step: bool = False  # decay_only: restart the step counter at 0 (the new schedule starts fresh)
     reset_data: bool = False  # decay_only: start the data from the beginning instead of where it stopped
     force: bool = False  # use `path` even when the run folder has checkpoints (set by `--load`)
+    start_fresh: bool = False  # if none of the run's checkpoints loads: set them aside, start at step 0
+    accept_config_changes: bool = (
+        False  # resume although schedule/optim/data/model/fp8/seed/max_steps changed
+    )
 
 
 @dataclass(frozen=True)
@@ -174,6 +193,10 @@ def _check(cfg: RunConfig, source: str) -> None:
     """Cross-field rules that types alone cannot express."""
 
     def positive(key: str, value: float | None, allow_zero: bool = False) -> None:
+        if value is not None and not math.isfinite(value):
+            raise config_error(source, key, f"must be a finite number, got {value}")
+        if value is not None and abs(value) > FP32_MAX:
+            raise config_error(source, key, f"overflows float32 (max {FP32_MAX:.4g}), got {value}")
         if value is not None and (value < 0 or (value == 0 and not allow_zero)):
             raise config_error(source, key, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
@@ -215,6 +238,9 @@ def _check(cfg: RunConfig, source: str) -> None:
     positive("schedule.decay_steps", s.decay_steps, allow_zero=True)
     positive("schedule.min_lr", s.min_lr, allow_zero=True)
     positive("train.max_steps", t.max_steps)
+    if t.loss_chunk_tokens != "auto":
+        positive("train.loss_chunk_tokens", t.loss_chunk_tokens, allow_zero=True)
+    positive("fp8.stats_every", cfg.fp8.stats_every, allow_zero=True)
     for key in ("eval_every", "save_every"):
         positive(f"train.{key}", getattr(t, key), allow_zero=True)
     for key in ("eval_batches", "keep_last", "log_every", "max_nonfinite_in_row"):
@@ -222,6 +248,8 @@ def _check(cfg: RunConfig, source: str) -> None:
     if cfg.fp8.param_gather and not supports_param_gather(get_recipe(cfg.fp8.recipe)):
         raise config_error(source, "fp8.param_gather", f"recipe {cfg.fp8.recipe} has no FP8 weight that serves both "
                    "fprop and dgrad; set fp8.param_gather to false or null")  # fmt: skip
+    if t.async_save and t.checkpoint_format != "dcp":
+        raise config_error(source, "train.async_save", "needs train.checkpoint_format: dcp")
     if cfg.load.mode != "resume" and cfg.load.path is None:
         raise config_error(source, "load.path", f"load.mode {cfg.load.mode!r} needs a checkpoint path")
 

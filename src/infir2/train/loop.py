@@ -13,10 +13,13 @@ One optimizer step, top to bottom (``train_step``):
 
 Around it: evaluation every ``train.eval_every`` steps (``evaluate``: the held-out loss of
 ``infir2.loss``, the definition ``infir2 eval --perplexity`` uses), a checkpoint every
-``train.save_every`` steps and at the end, auto-resume from the run folder's latest checkpoint, and the
-final export as a Hugging Face folder ``<run>/hf`` (``checkpointing.py``). The model and the data come
-from ``setup.py``. The run folder also holds ``config.yaml`` (resolved), ``metrics.jsonl`` and
-``tensorboard/``.
+``train.save_every`` steps and at the end (``train.checkpoint_format``: full state on rank 0 or DCP
+shards per rank; ``train.async_save`` lets the loop go on while a DCP save writes -- it is waited on
+before the next save and at the end), auto-resume from the run folder's latest checkpoint, FP8
+numerics telemetry every ``fp8.stats_every`` steps (``infir2.nn.telemetry``: per-layer keys ``fp8/...``
+in the metrics), and the final export as a Hugging Face folder ``<run>/hf`` (``checkpointing.py``).
+The model and the data come from ``setup.py``. The run folder also holds ``config.yaml`` (resolved),
+``metrics.jsonl`` and ``tensorboard/``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import shutil
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -36,10 +40,14 @@ from torch import nn
 from ..data import load_tokenizer
 from ..data.base import MicroBatch, StepSource, count_loss_tokens
 from ..loss import heldout_loss, token_ce_sum
+from ..model import check_model_folder
 from ..nn import cache_fp8_weights, fp8_modules
-from .checkpointing import TrainState, export_final, restore, save
-from .config import RunConfig, save_config
+from ..nn.telemetry import Fp8Telemetry
+from .checkpointing import PendingSave, TrainState, export_final, restore, save
+from .config import RunConfig
+from .config_changes import reconcile_saved_config
 from .distributed import DistEnv, all_reduce_sum, init_distributed
+from .lock import run_lock
 from .metrics import MetricsLogger, peak_memory_gib
 from .optim import Schedule, build_optimizer, make_schedule
 from .setup import ValSteps, build_sources, rewinding, setup_model, total_steps
@@ -58,8 +66,12 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-class NonFiniteError(RuntimeError):
-    """Too many consecutive steps with a non-finite loss or gradient norm."""
+class NonFiniteError(ValueError):
+    """Too many consecutive steps with a non-finite loss or gradient norm.
+
+    A ``ValueError``: the CLI prints it as one line (exit code 2). It names the last checkpoint written
+    before the streak -- none is written during one, so ``train.keep_last`` never deletes it.
+    """
 
 
 @dataclass
@@ -118,6 +130,7 @@ def train_step(
     grad_clip: float,
     precision: str,
     env: DistEnv,
+    loss_chunk_tokens: int | str = "auto",
 ) -> dict[str, Any]:
     """Forward/backward over this rank's micro-batches, clip, and (unless non-finite) one AdamW step."""
     counts = torch.tensor(
@@ -128,7 +141,7 @@ def train_step(
     ce_total = torch.zeros((), dtype=torch.float64, device=env.device)
     with cache_fp8_weights(model):
         for mb in micro_batches:
-            ce_sum = token_ce_sum(model, mb, precision, env.device)
+            ce_sum = token_ce_sum(model, mb, precision, env.device, loss_chunk_tokens)
             (ce_sum * scale).backward()
             ce_total += ce_sum.detach().double()
     loss = float(all_reduce_sum(ce_total, env)) / max(n_loss_tokens, 1.0)
@@ -145,11 +158,12 @@ def train_step(
 
 def evaluate(
     model: nn.Module, steps: Iterable[list[MicroBatch]], batches: int, precision: str, env: DistEnv,
-    fp8: bool = False,
+    fp8: bool = False, loss_chunk_tokens: int | str = "auto",
 ) -> float:  # fmt: skip
     """Per-token loss over the first ``batches`` steps of ``steps``, all ranks (``infir2.loss.heldout_loss``)."""
     loss, _ = heldout_loss(model, steps, precision, env.device, fp8, max_steps=batches,
-                           reduce=lambda totals: all_reduce_sum(totals, env))  # fmt: skip
+                           reduce=lambda totals: all_reduce_sum(totals, env),
+                           loss_chunk_tokens=loss_chunk_tokens)  # fmt: skip
     return loss
 
 
@@ -165,7 +179,8 @@ def _step_metrics(
             "peak_mem_gib": peak_memory_gib(env.device)}  # fmt: skip
 
 
-def _count_nonfinite(state: TrainState, out: dict[str, Any], cfg: RunConfig, logger: MetricsLogger) -> None:
+def _count_nonfinite(state: TrainState, out: dict[str, Any], cfg: RunConfig, logger: MetricsLogger,
+                     last_checkpoint: Path | None) -> None:  # fmt: skip
     if not out["skipped"]:
         state.nonfinite_in_row = 0
         return
@@ -174,10 +189,12 @@ def _count_nonfinite(state: TrainState, out: dict[str, Any], cfg: RunConfig, log
     logger.message(f"step {state.step}: non-finite loss {out['loss']} or grad norm {out['grad_norm']}: update "
                    f"skipped ({state.nonfinite_in_row} in a row, {state.nonfinite_total} in total)")  # fmt: skip
     if state.nonfinite_in_row >= cfg.train.max_nonfinite_in_row:
+        where = (f"the last checkpoint written before the streak is {last_checkpoint}" if last_checkpoint
+                 else "no checkpoint was written before the streak")  # fmt: skip
         raise NonFiniteError(f"stopping at step {state.step}: {state.nonfinite_in_row} steps in a row had a "
                              f"non-finite loss or gradient norm (train.max_nonfinite_in_row="
-                             f"{cfg.train.max_nonfinite_in_row}); lower optim.lr, check the data, or try "
-                             f"another fp8.recipe. The last good checkpoint is in {cfg.run_dir / 'checkpoints'}")  # fmt: skip
+                             f"{cfg.train.max_nonfinite_in_row}); {where}. Lower optim.lr, check the data, or "
+                             f"try another fp8.recipe, then resume with --load that checkpoint")  # fmt: skip
 
 
 def _due(step: int, every: int, last: bool) -> bool:
@@ -201,18 +218,33 @@ def train(
     Under ``torchrun`` every rank calls this.
     """
     env = init_distributed(cfg.run.device)
+    created = env.is_main and not cfg.run_dir.exists()
     try:
-        return _run(cfg, env, model, tokenizer, train_source, val_source, progress)
+        with run_lock(cfg.run_dir, enabled=env.is_main):  # one process (group) per run folder
+            return _run(cfg, env, model, tokenizer, train_source, val_source, progress)
+    except Exception:
+        if created:
+            _remove_if_unstarted(cfg.run_dir)
+        raise
     finally:
         env.close()
+
+
+def _remove_if_unstarted(run_dir: Path) -> None:
+    """A run folder this call created, whose start failed (no step logged, no checkpoint): remove it."""
+    metrics = run_dir / "metrics.jsonl"
+    if any((run_dir / "checkpoints").glob("step_*")) or (metrics.exists() and metrics.stat().st_size):
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+    log.info("removed %s: the run did not start", run_dir)
 
 
 def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, train_source: StepSource | None,
          val_source: StepSource | ValSteps | None, progress: bool) -> TrainResult:  # fmt: skip
     run_dir = cfg.run_dir
-    if env.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
+    reconcile_saved_config(cfg, write=env.is_main)  # refuses meaningful changes on resume; keeps the old one
+    if cfg.model.path and model is None:
+        check_model_folder(cfg.model.path)  # before the tokenizer: a missing model is named as such
     tokenizer_path = cfg.model.tokenizer or cfg.model.path
     if tokenizer is None and tokenizer_path:
         tokenizer = load_tokenizer(tokenizer_path)
@@ -231,30 +263,46 @@ def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, 
     random.seed(cfg.run.seed + env.rank)
     state, resumed_from = restore(cfg, env, model, optimizer, train_source)
     result = TrainResult(run_dir, state.step, resumed_from=resumed_from)
+    telemetry = Fp8Telemetry(model, cfg.fp8.stats_every)  # fp8.stats_every: 0 = off, no layer touched
     with MetricsLogger(run_dir, env.is_main, state.step, n_steps, cfg.train.log_every, progress) as logger:
         steps = iter(train_source)
+        pending: PendingSave | None = None  # the last periodic save (async: maybe still writing)
         while state.step < n_steps:
             t0 = time.perf_counter()
             micro_batches = next(steps, None)
             if micro_batches is None:
                 logger.message(f"data exhausted after {state.step} steps (of {n_steps})")
                 break
-            out = train_step(model, optimizer, micro_batches, schedule(state.step), cfg.optim.grad_clip,
-                             cfg.model.precision, env)  # fmt: skip
+            with telemetry.record(state.step + 1) as fp8_stats:
+                out = train_step(model, optimizer, micro_batches, schedule(state.step), cfg.optim.grad_clip,
+                                 cfg.model.precision, env, cfg.train.loss_chunk_tokens)  # fmt: skip
             state.step += 1
             state.tokens_seen += out["tokens"]
             seconds = time.perf_counter() - t0
             last = state.step == n_steps
-            metrics = _step_metrics(state.step, out, seconds, state, env)
+            metrics = _step_metrics(state.step, out, seconds, state, env) | fp8_stats
             if val_steps is not None and _due(state.step, cfg.train.eval_every, last):
                 metrics["val_loss"] = evaluate(model, val_steps(), cfg.train.eval_batches,
-                                               cfg.model.precision, env, cfg.train.eval_fp8)  # fmt: skip
+                                               cfg.model.precision, env, cfg.train.eval_fp8,
+                                               cfg.train.loss_chunk_tokens)  # fmt: skip
             logger.log(metrics)
             result.history.append(metrics)
-            _count_nonfinite(state, out, cfg, logger)
+            _count_nonfinite(state, out, cfg, logger, result.checkpoint or resumed_from)
+            if pending is not None and pending.ready(env):  # an async save is written: make it a checkpoint
+                result.checkpoint, pending = pending.wait(), None
+            if state.nonfinite_in_row:  # never during a streak: keep_last would delete the healthy one
+                continue
             if cfg.train.save_every and state.step % cfg.train.save_every == 0 and not last:
-                result.checkpoint = save(cfg, env, model, optimizer, train_source, state)
+                if pending is not None:  # an async save still writing: finish it first
+                    result.checkpoint = pending.wait()
+                pending = save(cfg, env, model, optimizer, train_source, state)
         result.step = state.step
-        result.checkpoint = save(cfg, env, model, optimizer, train_source, state)
-        result.hf_dir = export_final(cfg, env, model, tokenizer)
+        if pending is not None:
+            result.checkpoint = pending.wait()
+        if state.nonfinite_in_row:
+            logger.message(f"ending in a non-finite streak: no checkpoint for step {state.step}; the last one is "
+                           f"{result.checkpoint or resumed_from}")  # fmt: skip
+        else:
+            result.checkpoint = save(cfg, env, model, optimizer, train_source, state).wait()
+        result.hf_dir = export_final(cfg, env, model, tokenizer, result.checkpoint)
     return result

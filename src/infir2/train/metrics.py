@@ -2,8 +2,9 @@
 
 Each line of ``metrics.jsonl`` is one JSON object: ``{"step": 12, "loss": ..., "lr": ..., "grad_norm": ...,
 "tokens": ..., "tokens_per_s": ..., "step_time_s": ..., "peak_mem_gib": ..., "skipped": false}``,
-plus ``"val_loss"`` on evaluation steps. On resume, lines beyond the checkpoint's step (written
-after it, before the interruption) are dropped, so the file always reads as one clean run.
+plus ``"val_loss"`` on evaluation steps and, every ``fp8.stats_every`` steps, the FP8 telemetry
+(``"fp8/<layer>/<gemm>.<operand>/<stat>"``, ``infir2.nn.telemetry``; TensorBoard tags of the same
+name). On resume, lines beyond the checkpoint's step (written after it, before the interruption) are dropped, so the file always reads as one clean run.
 """
 
 from __future__ import annotations
@@ -74,12 +75,12 @@ class MetricsLogger:
         self._file.flush()
         for key, value in metrics.items():
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._tb.add_scalar(f"train/{key}" if key != "val_loss" else "eval/loss", value, step)
-        self._bar.update(1)
+                self._tb.add_scalar(_tag(key), value, step)
         if step % self.log_every == 0 or "val_loss" in metrics:
-            self._bar.set_postfix(_short(metrics), refresh=False)
+            self._bar.set_postfix(_short(metrics), refresh=False)  # before update(), which redraws the bar
             if self._bar.disable:
                 log.info("step %d %s", step, " ".join(f"{k}={v}" for k, v in _short(metrics).items()))
+        self._bar.update(1)
 
     def message(self, text: str) -> None:
         if self.enabled:
@@ -97,6 +98,13 @@ class MetricsLogger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _tag(key: str) -> str:
+    """The TensorBoard tag of a metric; FP8 telemetry keeps its ``fp8/<layer>/...`` key."""
+    if key == "val_loss":
+        return "eval/loss"
+    return key if key.startswith("fp8/") else f"train/{key}"
 
 
 def _short(metrics: dict[str, Any]) -> dict[str, str]:

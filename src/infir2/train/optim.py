@@ -2,7 +2,12 @@
 
 Weight decay (Megatron's rule, which the InfiR2 authors trained with): every parameter with two or
 more dimensions decays -- projections, ``lm_head`` and the token embedding; one-dimensional
-parameters -- RMSNorm weights and biases -- never do. Moments and master weights are fp32.
+parameters -- RMSNorm weights and biases -- never do. Master weights are fp32; the two AdamW moments
+are fp32 (``optim.state_dtype: fp32``, torch's AdamW: 4 + 4 + 4 + 4 = 16 bytes per parameter with the
+gradient) or bf16 (``optim.state_dtype: bf16``, ``LowPrecisionAdamW``, as Megatron's
+``--exp-avg-dtype/--exp-avg-sq-dtype bf16``: 12 bytes per parameter). The bf16 moments are only
+storage: each step upcasts them to fp32, runs the same AdamW math as torch in fp32, and rounds the new
+moments back (round-to-nearest-even); the update itself never sees a bf16 value.
 
 Schedules map ``step`` (0-based index of the optimizer step about to be taken) to a learning rate;
 nothing is stored, so a resumed or decay-only run just evaluates the function at its step:
@@ -25,13 +30,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from .config import OptimConfig, ScheduleConfig
 
-__all__ = ["Schedule", "build_optimizer", "make_schedule", "param_groups"]
+__all__ = ["LowPrecisionAdamW", "Schedule", "build_optimizer", "make_schedule", "param_groups"]
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -47,9 +53,81 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over fp32 master weights; fused on CUDA unless ``cfg.fused`` says otherwise."""
+class LowPrecisionAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled decay, bias-corrected) with its moments stored in ``state_dtype``, math in fp32.
+
+    Per parameter ``p`` with gradient ``g`` at step ``t`` (torch's AdamW, ``amsgrad=False``)::
+
+        p *= 1 - lr * wd;   m = b1 m + (1 - b1) g;   v = b2 v + (1 - b2) g^2
+        p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+
+    with ``m``, ``v`` read from and written back to ``state_dtype`` tensors. The state dict has torch
+    AdamW's keys (``step``, ``exp_avg``, ``exp_avg_sq``), so checkpoints load either way round.
+    """
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2,
+                 state_dtype: torch.dtype = torch.bfloat16) -> None:  # fmt: skip
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self.state_dtype = state_dtype
+
+    def _moments(self, p: torch.Tensor) -> dict[str, Any]:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(
+                p, dtype=self.state_dtype, memory_format=torch.preserve_format
+            )
+            state["exp_avg_sq"] = torch.zeros_like(
+                p, dtype=self.state_dtype, memory_format=torch.preserve_format
+            )
+        return state
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self._moments(p)
+                state["step"] += 1
+                t = float(state["step"])
+                g = p.grad.float()
+                m = state["exp_avg"].float().lerp_(g, 1 - beta1)
+                v = state["exp_avg_sq"].float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                p.mul_(1 - lr * wd)
+                denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
+                p.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
+                state["exp_avg"].copy_(m)
+                state["exp_avg_sq"].copy_(v)
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's loader casts moments to the parameter dtype (fp32); store them back in ``state_dtype``."""
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    state[key] = state[key].to(self.state_dtype)
+
+
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW over fp32 master weights; fused on CUDA unless ``cfg.fused`` says otherwise.
+
+    ``cfg.state_dtype == "bf16"``: ``LowPrecisionAdamW`` (bf16 moments; ``fused`` does not apply).
+    """
     device = next(model.parameters()).device
+    if cfg.state_dtype != "fp32":
+        return LowPrecisionAdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas,
+                                 eps=cfg.eps, state_dtype=STATE_DTYPES[cfg.state_dtype])  # fmt: skip
     fused = cfg.fused if cfg.fused is not None else device.type == "cuda"
     return torch.optim.AdamW(
         param_groups(model, cfg.weight_decay),

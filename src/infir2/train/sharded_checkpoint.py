@@ -6,7 +6,8 @@ A sharded checkpoint is a folder ``<run>/checkpoints/step_<8 digits>/`` holding:
     .metadata            DCP's index: every tensor's global shape and which file holds which rows
     extra.pt             the small non-tensor state: scheduler, data positions and RNG states per rank,
                          train_state (step, tokens, world_size, config)
-    meta.json            {"format": "dcp", "step", "world_size", "files": {name: bytes}}; written last
+    meta.json            {"format": "dcp", "step", "world_size", "files": {name: {"bytes", "sha256"}}};
+                         written last, with the checksums of ``infir2.checkpoint`` (``sha256_file``)
 
 The tensor keys are those of the full-state format (``model.<HF name>``, ``optimizer.state.<HF
 name>.exp_avg`` ...), so a checkpoint does not depend on the sharding: DCP reshards on load, onto any
@@ -14,10 +15,16 @@ number of ranks including one process without a process group. Rank 0 saves ``ex
 ``meta.json``; the other ranks write only their own shards, and nobody gathers the model.
 
 Atomicity as in ``infir2.checkpoint``: every rank writes into ``checkpoints/.tmp-step_.../``; after
-all of them are done, rank 0 writes ``meta.json``, fsyncs, and renames the folder to its final name
-(a kill leaves the previous checkpoints usable). ``async_save=True`` stages the state in CPU memory
-and writes it in a background thread (``dcp.async_save``): training goes on, and the returned
-:class:`PendingSave` finalizes the folder when it is waited on (before the next save at the latest).
+all of them are done (a barrier), each rank fsyncs and hashes the files it wrote, rank 0 writes
+``meta.json`` with every file's size and SHA-256, fsyncs, and renames the folder to its final name
+(a kill leaves the previous checkpoints usable). ``load_sharded`` verifies every file against
+``meta.json`` (``checkpoint.verify_file``) before reading: a damaged checkpoint is a ``ValueError``,
+which ``checkpoint.load_latest_valid`` turns into "skip it, try the next older one".
+``async_save=True`` stages the state in CPU memory and writes it in a background thread (``dcp.async_save``): training goes on, and the returned
+:class:`PendingSave` finalizes the folder (``meta.json``, rename) when it is waited on: the loop does
+so at the first step after every rank's write is done (:meth:`PendingSave.ready`), before the next
+save and at the end of the run at the latest. Until then the folder is a ``.tmp-*``: a crash in that
+window falls back to the previous checkpoint (resumes stay exact, some steps are redone).
 
 Data position: the sources' states (``CptSource``, ``SftSource``) are positions in the *global*
 sample order (epoch, step in epoch, global batch size), the same on every rank. On the same world
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -46,17 +54,20 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.utils._pytree import tree_map_only
 
+from ..checkpoint import sha256_file, verify_file
 from ..nn.fsdp import Fp8ShardedWeight
-from .distributed import DistEnv, broadcast_object, gather_objects
+from .distributed import DistEnv, all_reduce_sum, broadcast_object, gather_objects
 
 __all__ = [
     "PendingSave",
     "data_state_for",
     "is_sharded_checkpoint",
+    "is_sharded_folder",
     "iter_model_tensors",
     "list_sharded",
     "load_sharded",
     "save_sharded",
+    "verify_sharded",
 ]
 
 EXTRA_FILE = "extra.pt"
@@ -83,6 +94,12 @@ def _barrier(env: DistEnv) -> None:
         dist.barrier()
 
 
+def _writer(name: str, env: DistEnv) -> int:
+    """The rank that wrote (and hashes) a checkpoint file: DCP names each rank's data ``__<rank>_<i>.distcp``."""
+    match = re.match(r"__(\d+)_", name)
+    return int(match.group(1)) if match and int(match.group(1)) < env.world_size else 0
+
+
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -91,12 +108,36 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+_ASYNC_GROUPS: dict[int, Any] = {}
+
+
+def _async_group() -> Any:
+    """A gloo group of its own for the background writer's collectives (as torchtitan does): on the
+    default group they would interleave with the training step's and deadlock. Created once per
+    default group (``new_group`` is collective: every rank reaches it in the same save)."""
+    key = id(dist.group.WORLD)
+    if key not in _ASYNC_GROUPS:
+        _ASYNC_GROUPS.clear()  # groups of a destroyed default group
+        _ASYNC_GROUPS[key] = dist.new_group(backend="gloo")
+    return _ASYNC_GROUPS[key]
+
+
 @dataclass
 class PendingSave:
     """A save in progress; :meth:`wait` (every rank) finishes it and returns the checkpoint folder."""
 
     future: Future[Any] | None
     finalize: Any  # () -> Path | None, run on every rank after the write
+
+    def ready(self, env: DistEnv) -> bool:
+        """True on every rank once every rank's write is done (one tiny all-reduce: all ranks call).
+
+        The loop asks after each step and finalizes a finished async save then, so that a crash
+        soon after loses nothing; :meth:`wait` would block instead."""
+        not_done = torch.tensor(
+            [0.0 if self.future is None or self.future.done() else 1.0], device=env.device
+        )
+        return float(all_reduce_sum(not_done, env)) == 0.0
 
     def wait(self) -> Path:
         if self.future is not None:
@@ -137,10 +178,18 @@ def save_sharded(
 
     def finalize() -> Path:
         _barrier(env)  # every rank's shards are on disk
+        # each rank fsyncs and hashes the files it wrote (__<rank>_*.distcp; rank 0 also the rest):
+        # the checksums cost one read of the checkpoint in all, spread over the ranks
+        mine = [
+            p.name for p in sorted(tmp.iterdir()) if p.name != META_FILE and _writer(p.name, env) == env.rank
+        ]
+        for name in mine:
+            _fsync(tmp / name)
+        records = gather_objects({n: {"bytes": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)}
+                                  for n in mine}, env)  # fmt: skip
         if env.is_main:
-            files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.name != META_FILE}
-            for name in files:
-                _fsync(tmp / name)
+            assert records is not None
+            files = dict(sorted(kv for r in records for kv in r.items()))  # type: ignore[attr-defined]
             meta = {"format": FORMAT, "step": step, "world_size": env.world_size, "files": files}
             (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
             _fsync(tmp / META_FILE)
@@ -156,23 +205,49 @@ def save_sharded(
 
     no_dist = not env.distributed
     if async_save:  # state staged (copied) to CPU memory here, written by a background thread
-        started = dcp.async_save(state, checkpoint_id=tmp, no_dist=no_dist)
+        group = _async_group() if env.distributed else None
+        started = dcp.async_save(state, checkpoint_id=tmp, no_dist=no_dist, process_group=group)
         done = started.upload_completion if isinstance(started, AsyncSaveResponse) else started
         return PendingSave(done, finalize)
     dcp.save(state, checkpoint_id=tmp, no_dist=no_dist)
-    return PendingSave(None, finalize)
+    written = finalize()  # a synchronous save is a checkpoint when it returns
+    return PendingSave(None, lambda: written)
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
-    """True for a complete DCP checkpoint folder (``meta.json`` matches the files on disk)."""
+    """True for a complete DCP checkpoint folder (the sizes in ``meta.json`` match the files on disk;
+    the cheap check used for listing, :func:`verify_sharded` is the full one)."""
     path = Path(path)
     try:
         meta = json.loads((path / META_FILE).read_text())
         return meta.get("format") == FORMAT and all(
-            (path / name).stat().st_size == size for name, size in meta["files"].items()
+            (path / name).stat().st_size == rec["bytes"] for name, rec in meta["files"].items()
         )
     except (OSError, ValueError, KeyError, TypeError):
         return False
+
+
+def is_sharded_folder(path: str | Path) -> bool:
+    """True when ``meta.json`` says the folder is a DCP checkpoint (complete or not)."""
+    try:
+        return bool(json.loads((Path(path) / META_FILE).read_text()).get("format") == FORMAT)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def verify_sharded(path: str | Path) -> None:
+    """Raise ValueError unless every file of the checkpoint has the size and SHA-256 of ``meta.json``."""
+    path = Path(path)
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"format {meta.get('format')!r}")
+        files = meta["files"]
+        records = [(name, rec["bytes"], rec.get("sha256")) for name, rec in files.items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path} is not a complete sharded checkpoint ({META_FILE}: {e})") from e
+    for name, size, sha in records:
+        verify_file(path, name, size, sha)
 
 
 def list_sharded(root: str | Path) -> list[Path]:
@@ -190,8 +265,7 @@ def load_sharded(
     """Load a sharded checkpoint into ``model`` (and ``optimizer``) on any number of ranks; returns
     the small state (``scheduler``, ``train_state``, ``data`` and ``rng`` lists by saving rank)."""
     path = Path(path)
-    if not is_sharded_checkpoint(path):
-        raise ValueError(f"{path} is not a complete sharded checkpoint ({META_FILE} missing or not matching)")
+    verify_sharded(path)
     if optimizer is None:
         model_sd, _ = get_state_dict(model, [])
         state: dict[str, Any] = {"model": model_sd}
@@ -204,7 +278,7 @@ def load_sharded(
         set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    extra: dict[str, Any] = torch.load(path / EXTRA_FILE, map_location="cpu", weights_only=False)
+    extra: dict[str, Any] = torch.load(path / EXTRA_FILE, map_location="cpu", weights_only=True)
     return extra
 
 

@@ -1,0 +1,262 @@
+"""Bytes one decoder layer keeps for backward, tensor by tensor: BF16 autocast vs each FP8 recipe.
+
+``infir2 memory`` builds ONE Qwen2 decoder layer with transformers' own classes (no download) at the
+real Qwen2.5-1.5B / 7B shapes, runs its forward on ``tokens`` tokens, and walks the autograd graph:
+every tensor a backward node holds (``node._saved_*`` attributes, ``saved_tensors`` of custom
+Functions such as ``Fp8Linear``'s) is listed once per storage (two views of one buffer cost once),
+with the node that keeps it, the module whose output it is, its shape, dtype and bytes.
+
+What counts as the layer's activation memory: tensors with the token dimension. Left out, and listed
+apart: parameters and their per-step copies (the bf16 casts autocast makes, ``Fp8Linear``'s quantized
+weights -- they do not grow with tokens), and the rotary ``cos``/``sin`` (made once per model forward
+and shared by all layers). The layer's input (the residual stream) is counted: the first RMSNorm keeps
+it, and nothing else in the model does.
+
+The baseline is what users run today: the Hugging Face layer under ``torch.autocast(bfloat16)`` with
+fp32 master weights. An FP8 recipe swaps the seven projections for ``Fp8Linear`` (``convert_to_fp8``)
+and runs under the same autocast. The SDPA kernel keeps ``q``, ``k``, ``v``, its output and a
+per-row logsumexp (no ``[T, T]`` matrix), so every saved tensor is linear in tokens: the figures at a
+CPU-sized token count scale linearly to 8k or 32k (``per_token`` is what ``infir2 plan`` uses).
+Only the forward runs (saved tensors are made there), but bf16 GEMMs are slow on CPUs without native
+bf16: keep ``--tokens`` small (256-1024).
+
+FP8 layers are measured as training runs them: with the SwiGLU recompute (``model.recompute_mlp``,
+on by default), which keeps the gate and up outputs and recomputes ``silu`` in backward, so the
+down projection's FP8 input is the only copy of the product. Two baselines are printed: the plain
+HF layer (what users run today: "vs bf16") and the same layer with the recompute ("vs bf16+rc",
+like for like, since the recompute is not FP8's own doing).
+
+    infir2 memory                              # 1.5B and 7B shapes, 384 tokens, all recipes
+    infir2 memory --models 1.5B --tokens 1024 --recipes blockwise --table
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .fp8 import RECIPES
+from .fp8.formats import BLOCK
+from .nn import cache_fp8_weights, convert_to_fp8, recompute_swiglu
+
+__all__ = [
+    "LAYER_SHAPES",
+    "LayerMemory",
+    "SavedTensor",
+    "add_arguments",
+    "build_layer",
+    "layer_memory",
+    "run",
+    "safe_tokens",
+    "saved_in_graph",
+]
+
+#: Qwen2.5 decoder layer shapes (config.json of the released models).
+LAYER_SHAPES: dict[str, dict[str, int]] = {
+    "1.5B": {
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+    },
+    "7B": {
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+    },
+}
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    kept_by: str  # autograd node and attribute, e.g. "MulBackward0.other"
+    made_by: str  # the module whose forward output it is ("" when made inside an op)
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int  # of the whole storage, counted once
+    kind: str  # "activation" | "weight" | "shared"
+
+
+@dataclass
+class LayerMemory:
+    model: str
+    recipe: str
+    tokens: int
+    tensors: list[SavedTensor] = field(default_factory=list)
+
+    def total(self, kind: str = "activation") -> int:
+        return sum(t.bytes for t in self.tensors if t.kind == kind)
+
+    @property
+    def per_token(self) -> float:
+        """Activation bytes per token of one layer (what ``infir2 plan`` scales by tokens x layers)."""
+        return self.total() / self.tokens
+
+
+def build_layer(model: str, layer_idx: int = 0, **overrides: int) -> tuple[nn.Module, nn.Module]:
+    """One Qwen2 decoder layer (fp32 masters, train mode) and its rotary embedding, at ``model``'s shape."""
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
+
+    shape: dict[str, Any] = {**LAYER_SHAPES[model], **overrides} if model in LAYER_SHAPES else dict(overrides)
+    config = Qwen2Config(**shape, num_hidden_layers=1, max_position_embeddings=32768, vocab_size=128)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return Qwen2DecoderLayer(config, layer_idx).float().train(), Qwen2RotaryEmbedding(config)
+
+
+def saved_in_graph(root: Any) -> list[tuple[str, torch.Tensor]]:
+    """(node.attribute, tensor) for every tensor each node reachable from ``root`` keeps."""
+    found: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        for attr in dir(node):
+            if attr.startswith("_saved_"):
+                value = getattr(node, attr)
+                values = value if isinstance(value, (tuple, list)) else (value,)
+                found += [(f"{node.name()}.{attr[7:]}", v) for v in values if isinstance(v, torch.Tensor)]
+        if hasattr(node, "saved_tensors"):  # custom autograd.Function (Fp8Linear)
+            found += [
+                (f"{node.name()}.saved[{i}]", t) for i, t in enumerate(node.saved_tensors) if t is not None
+            ]
+        stack += [next_node for next_node, _ in node.next_functions]
+    return found
+
+
+def _weight_shapes(layer: nn.Module) -> set[tuple[int, ...]]:
+    """Shapes of per-step weight copies: each 2-D parameter, its transpose, their 128x128 scale grids."""
+    shapes: set[tuple[int, ...]] = set()
+    for p in layer.parameters():
+        if p.ndim == 2:
+            n, k = p.shape
+            grid = (-(-n // BLOCK), -(-k // BLOCK))
+            shapes |= {(n, k), (k, n), grid, grid[::-1]}
+    return shapes
+
+
+def safe_tokens(dims: set[int], at_least: int = 256) -> int:
+    """The smallest multiple of BLOCK >= ``at_least`` that is none of ``dims`` (tokens tell activations apart)."""
+    tokens = -(-at_least // BLOCK) * BLOCK
+    while tokens in dims:
+        tokens += BLOCK
+    return tokens
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def layer_memory(
+    model: str, recipe: str, tokens: int, recompute_mlp: bool = False, **overrides: int
+) -> LayerMemory:
+    """Run one layer's forward on ``tokens`` tokens and list what it keeps for backward.
+
+    ``recompute_mlp``: the SwiGLU recompute training applies by default (``model.recompute_mlp``,
+    ``infir2.nn.recompute_swiglu``); off, the layer is the plain Hugging Face one.
+    """
+    layer, rotary = build_layer(model, **overrides)
+    if recompute_mlp:
+        recompute_swiglu(layer)
+    if recipe != "bf16":
+        convert_to_fp8(layer, recipe, module_filter_fn=lambda m, _fqn: isinstance(m, nn.Linear))
+    hidden = {**LAYER_SHAPES.get(model, {}), **overrides}["hidden_size"]
+    x = torch.randn(1, tokens, hidden).requires_grad_()
+    positions = torch.arange(tokens)[None]
+    made_by: dict[int, str] = {}
+
+    def record(name: str) -> Any:
+        def hook(_module: nn.Module, _inputs: Any, out: Any) -> None:
+            for t in out if isinstance(out, tuple) else (out,):
+                if isinstance(t, torch.Tensor):
+                    made_by.setdefault(_key(t), name)
+
+        return hook
+
+    hooks = [m.register_forward_hook(record(name)) for name, m in layer.named_modules() if name]
+    with torch.autocast("cpu", dtype=torch.bfloat16), cache_fp8_weights(layer):
+        cos_sin = rotary(x, positions)
+        out = layer(x, position_embeddings=cos_sin, position_ids=positions)
+        out = out[0] if isinstance(out, tuple) else out
+        params = {_key(p) for p in layer.parameters()}
+        shared = {_key(t) for t in cos_sin}
+        weight_shapes = _weight_shapes(layer)
+        if any(tokens in s for s in weight_shapes):
+            raise ValueError(f"--tokens {tokens} equals a dimension of the layer's weights; pick another")
+        result = LayerMemory(model, recipe, tokens)
+        counted: set[int] = set()
+        for kept_by, t in saved_in_graph(out.grad_fn):
+            key = _key(t)
+            if key in params or key in counted:
+                continue
+            counted.add(key)
+            weight_like = tuple(t.shape) in weight_shapes and tokens not in t.shape
+            kind = "shared" if key in shared else "weight" if weight_like else "activation"
+            name = "(layer input)" if key == _key(x) else made_by.get(key, "")
+            result.tensors.append(SavedTensor(kept_by, name, tuple(t.shape), str(t.dtype).replace("torch.", ""),
+                                              t.untyped_storage().nbytes(), kind))  # fmt: skip
+    for h in hooks:
+        h.remove()
+    return result
+
+
+def format_table(m: LayerMemory) -> str:
+    rows = [f"  {'kept by (node.attr)':<44}{'made by':<26}{'shape':<22}{'dtype':<14}{'MiB':>9}  kind"]
+    for t in sorted(m.tensors, key=lambda t: (t.kind, -t.bytes)):
+        rows.append(f"  {t.kept_by[:43]:<44}{t.made_by[:25]:<26}{list(t.shape)!s:<22}{t.dtype:<14}"
+                    f"{t.bytes / 2**20:>9.2f}  {t.kind}")  # fmt: skip
+    return "\n".join(rows)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", default="1.5B,7B", help=f"layer shapes: {', '.join(LAYER_SHAPES)}")
+    parser.add_argument(
+        "--tokens", type=int, default=384, help="tokens per forward (bf16 CPU GEMMs are slow)"
+    )
+    parser.add_argument("--recipes", default=",".join(r for r in RECIPES if r != "bf16"),
+                        help="FP8 recipes to compare with the bf16 baseline")  # fmt: skip
+    parser.add_argument("--table", action="store_true", help="print every saved tensor, per recipe")
+    parser.add_argument("--no-recompute-mlp", action="store_true",
+                        help="FP8 layers without the SwiGLU recompute training uses by default "
+                        "(model.recompute_mlp: true)")  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    for bad, known, what in ((set(models) - set(LAYER_SHAPES), LAYER_SHAPES, "--models"),
+                             (set(recipes) - set(RECIPES), RECIPES, "--recipes")):  # fmt: skip
+        if bad:
+            raise ValueError(f"{what}: unknown {sorted(bad)}; known: {', '.join(known)}")
+    torch.set_num_threads(max(torch.get_num_threads(), 1))
+    print(
+        f"saved for backward by ONE decoder layer, {args.tokens} tokens, bf16 autocast; MiB (per-token bytes)"
+    )
+    print(f"{'model':<7}{'recipe':<26}{'activations':>12}{'B/token':>10}{'vs bf16':>9}{'vs bf16+rc':>11}"
+          f"{'weight copies':>15}{'shared':>9}")  # fmt: skip
+    recompute = not args.no_recompute_mlp
+    for model in models:
+        # the baseline users run (plain HF MLP) and the like-for-like one (the same recompute)
+        base, base_rc = (
+            layer_memory(model, "bf16", args.tokens),
+            layer_memory(model, "bf16", args.tokens, True),
+        )
+        rows = [("bf16", base), ("bf16 + recompute_mlp", base_rc)]
+        rows += [(r + (" + recompute_mlp" if recompute else ""), layer_memory(model, r, args.tokens, recompute))
+                 for r in recipes]  # fmt: skip
+        for label, m in rows:
+            print(f"{model:<7}{label:<26}{m.total() / 2**20:>12.2f}{m.per_token:>10.0f}"
+                  f"{m.total() / base.total():>9.3f}{m.total() / base_rc.total():>11.3f}"
+                  f"{m.total('weight') / 2**20:>15.2f}{m.total('shared') / 2**20:>9.2f}")  # fmt: skip
+            if args.table:
+                print(format_table(m))
+    return 0

@@ -1,0 +1,307 @@
+"""Per-GPU memory and all-gather bytes of a training run, BF16 vs FP8, before you launch it.
+
+``infir2 plan qwen2.5-7b --gpus 8 --seq-len 32768`` (or a Hugging Face ``config.json``) prints, per
+GPU, what the run holds at its peak (the start of backward) for the BF16 baseline and the chosen FP8
+recipe side by side, next to InfiR2's published FP8/BF16 peak-memory ratios where they exist:
+
+* parameters   fp32 masters, FSDP-sharded: ``4 P / gpus``
+* gradients    fp32, sharded: ``4 P / gpus``
+* optimizer    AdamW moments: ``8 P / gpus`` (``--state-dtype fp32``) or ``4 P / gpus`` (``bf16``)
+* gathered     FSDP2 working copies (only with gpus > 1): the root module's parameters (embedding,
+               final norm, lm_head; the root is not resharded after forward) plus two decoder layers
+               (the current one and the prefetched next), and their unsharded gradients
+* weight copies what each layer's GEMMs keep for backward: autocast's bf16 casts (2 B/param; one
+               layer's worth under activation checkpointing) or the FP8 copies with their scales
+               (1 B/param + 1/128^2, every layer for the whole step: ``cache_fp8_weights``) -- measured
+               per layer by ``infir2 memory``
+* activations  per-layer bytes per token, measured by ``infir2 memory`` at the layer's shape, times
+               tokens per micro-batch times layers; with activation checkpointing, each layer's fp32
+               input plus one layer's full set (the one being recomputed); plus the final norm
+* logits       plain loss: the fp32 log-softmax kept for backward (4 T V) and, during backward, its
+               gradient and the logits' gradient (8 T V more); chunked: two ``[chunk, V]`` fp32 blocks
+* all-gather   bytes each GPU receives per optimizer step: fp32 parameters gathered in forward and
+               again for backward (the root once), per micro-batch; reduce-scatter of fp32 gradients
+
+Every term is an estimate of allocated tensor bytes (no allocator fragmentation, no CUDA context, no
+NCCL buffers); ``tests/test_plan.py`` checks the parameter, gradient, optimizer, activation and
+logits terms against bytes measured on tiny models.
+
+    infir2 plan qwen2.5-1.5b --gpus 8 --seq-len 8192
+    infir2 plan path/to/config.json --gpus 4 --seq-len 32768 --recipe blockwise --state-dtype bf16 \\
+        --activation-checkpointing --loss-chunk-tokens auto
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .fp8 import RECIPES
+from .fp8.formats import BLOCK
+
+__all__ = ["MODELS", "PUBLISHED", "ModelShape", "Plan", "add_arguments", "layer_figures", "plan", "run"]
+
+#: The shipped models' config.json fields that the plan needs (Qwen2.5 releases).
+MODELS: dict[str, dict[str, Any]] = {
+    "qwen2.5-1.5b": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+                     "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936,
+                     "tie_word_embeddings": True},
+    "qwen2.5-7b": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+                   "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+                   "tie_word_embeddings": False},
+}  # fmt: skip
+
+#: InfiR2's reported FP8 / BF16 peak memory: model -> {sequence length: ratio}.
+PUBLISHED: dict[str, dict[int, float]] = {
+    "qwen2.5-1.5b": {8192: 0.86, 32768: 0.89},
+    "qwen2.5-7b": {8192: 0.95, 32768: 0.86},
+}
+
+#: Per decoder layer (hidden, intermediate, heads, kv heads, SwiGLU recompute) -> recipe -> (activation bytes per token,
+#: weight-copy bytes), as printed by ``infir2 memory --tokens 384`` (BENCHMARKS.md); other shapes are
+#: measured on the fly by ``layer_figures``.
+MEASURED: dict[tuple[int, int, int, int, bool], dict[str, tuple[float, int]]] = {
+    (1536, 8960, 12, 2, False): {"bf16": (118840, 93585408), "blockwise": (99552, 46804128),
+                          "blockwise_fp32scale": (99552, 46804128), "rowwise": (99269, 0),
+                          "tensorwise": (99128, 46792732)},
+    (3584, 18944, 28, 4, False): {"bf16": (261240, 466092032), "blockwise": (218136, 233102912),
+                           "blockwise_fp32scale": (218136, 233102912), "rowwise": (217517, 0),
+                           "tensorwise": (217208, 233046044)},
+    # with the SwiGLU recompute training applies by default (``infir2 memory``, same command, 2026-11-30)
+    (1536, 8960, 12, 2, True): {"bf16": (100920, 93585408), "blockwise": (81632, 46804128),
+                                "blockwise_fp32scale": (81632, 46804128), "mxfp8": (81632, 0),
+                                "rowwise": (81349, 0), "tensorwise": (81208, 46792732)},
+    (3584, 18944, 28, 4, True): {"bf16": (223352, 466092032), "blockwise": (180248, 233102912),
+                                 "mxfp8": (180248, 0), "tensorwise": (179320, 233046044)},
+}  # fmt: skip
+
+FP32_BYTES, BF16_BYTES = 4, 2
+PLAIN_LOGITS_SAVED, PLAIN_LOGITS_BACKWARD = 4, 8  # bytes per logit: fp32 log-softmax; its + the logits' grads
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tied: bool
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], source: str) -> ModelShape:
+        keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+        missing = [k for k in keys if k not in config]
+        if missing:
+            raise ValueError(f"{source}: missing {', '.join(missing)}")
+        return cls(config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"],
+                   config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"]),
+                   config["vocab_size"], bool(config.get("tie_word_embeddings", False)))  # fmt: skip
+
+    @property
+    def layer_params(self) -> int:
+        h, kv = self.hidden, self.kv_heads * (self.hidden // self.heads)
+        attention = h * h + h + 2 * (h * kv + kv) + h * h  # q (+bias), k, v (+bias), o
+        return attention + 3 * h * self.intermediate + 2 * h  # gate, up, down; two RMSNorms
+
+    @property
+    def projection_weights(self) -> int:
+        """Elements of one layer's seven projection weights (what FP8 quantizes and FP8-gathers)."""
+        h, kv = self.hidden, self.kv_heads * (self.hidden // self.heads)
+        return 2 * h * h + 2 * h * kv + 3 * h * self.intermediate
+
+    @property
+    def root_params(self) -> int:
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden  # embed (+ lm_head), norm
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + self.root_params
+
+
+def load_shape(model: str) -> tuple[str, ModelShape]:
+    """A shipped model name or the path of a HF ``config.json`` (or its folder)."""
+    if model.lower() in MODELS:
+        return model.lower(), ModelShape.from_config(MODELS[model.lower()], model)
+    path = Path(model)
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        raise FileNotFoundError(f"{model}: not a shipped model ({', '.join(MODELS)}) nor a config.json")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: line {e.lineno}: {e.msg}") from e
+    return str(path), ModelShape.from_config(config, str(path))
+
+
+def layer_figures(shape: ModelShape, recipe: str, recompute_mlp: bool = True) -> tuple[float, int]:
+    """(activation bytes per token, weight-copy bytes) of one decoder layer: measured, cached."""
+    key = (shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, recompute_mlp)
+    if recipe not in MEASURED.get(key, {}):
+        from .memory import layer_memory, safe_tokens
+
+        kv = shape.kv_heads * (shape.hidden // shape.heads)
+        tokens = safe_tokens({shape.hidden, shape.intermediate, kv})
+
+        m = layer_memory("", recipe, tokens, recompute_mlp, hidden_size=shape.hidden,
+                         intermediate_size=shape.intermediate, num_attention_heads=shape.heads,
+                         num_key_value_heads=shape.kv_heads)  # fmt: skip
+        MEASURED.setdefault(key, {})[recipe] = (m.per_token, m.total("weight"))
+    return MEASURED[key][recipe]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Bytes per GPU (``all_gather``/``reduce_scatter``: bytes received/sent per optimizer step)."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    gathered: float
+    weight_copies: float
+    activations: float
+    logits_saved: float
+    logits_backward: float
+    all_gather: float
+    reduce_scatter: float
+
+    @property
+    def peak(self) -> float:
+        return (self.parameters + self.gradients + self.optimizer + self.gathered + self.weight_copies
+                + self.activations + self.logits_saved + self.logits_backward)  # fmt: skip
+
+
+def plan(shape: ModelShape, recipe: str, gpus: int = 1, seq_len: int = 8192, micro_batch: int = 1,
+         global_batch: int | None = None, activation_checkpointing: bool = False, state_dtype: str = "fp32",
+         loss_chunk_tokens: int | str = "auto", recompute_mlp: bool = True, precision: str = "bf16",
+         param_gather: bool | None = None) -> Plan:  # fmt: skip
+    """The memory and traffic of one GPU; ``recipe`` is ``bf16`` (baseline) or an FP8 recipe.
+
+    Under FSDP (``gpus > 1``) parameters travel in ``precision`` (bf16 mixed precision, or fp32), and
+    an FP8 recipe's projection weights as FP8 codes (1 byte) when ``param_gather`` (default: as
+    ``fp8.param_gather``, on for the block-scaled recipes); the gathered weight is then the GEMMs' copy,
+    so no per-step weight cache is kept.
+    """
+    from .chunked_loss import use_chunked_loss
+
+    tokens = seq_len * micro_batch
+    per_token, weight_copy = layer_figures(shape, recipe, recompute_mlp)
+    p, shard = shape.params, 1 / gpus
+    if activation_checkpointing:
+        activations = tokens * (shape.layers * shape.hidden * FP32_BYTES + per_token)
+    else:
+        activations = tokens * shape.layers * per_token
+    # outside the layers: final norm (input, normalized output), token ids, rotary cos/sin (once)
+    head_dim = shape.hidden // shape.heads
+    activations += tokens * (shape.hidden * 2 * FP32_BYTES + 8) + 2 * seq_len * head_dim * FP32_BYTES
+    chunk = use_chunked_loss(loss_chunk_tokens, tokens, shape.vocab)
+    if chunk is None:
+        saved, backward = (
+            tokens * shape.vocab * PLAIN_LOGITS_SAVED,
+            tokens * shape.vocab * PLAIN_LOGITS_BACKWARD,
+        )
+    else:
+        saved, backward = tokens * FP32_BYTES, 2 * min(chunk, tokens) * shape.vocab * FP32_BYTES
+    head_copy = shape.vocab * shape.hidden * BF16_BYTES  # the lm_head GEMM's bf16 weight
+    # autocast's bf16 copies live as long as a saved tensor holds them: one layer under activation
+    # checkpointing; the FP8 copies live for the whole step (cache_fp8_weights), checkpointing or not
+    copied_layers = 1 if activation_checkpointing and recipe == "bf16" else shape.layers
+    distributed = gpus > 1
+    r = RECIPES[recipe]
+    fp8_gather = distributed and r.enabled and r.reuses_weight and all(b > 0 for b in r.w.block)
+    fp8_gather = fp8_gather if param_gather is None else (param_gather and distributed and r.enabled)
+    wire = BF16_BYTES if precision == "bf16" else FP32_BYTES
+    layer_wire = float(wire * shape.layer_params)
+    if fp8_gather:  # projections as FP8 codes + one fp32 scale per 128x128 block, the rest in `wire`
+        proj = shape.projection_weights
+        layer_wire = (shape.layer_params - proj) * wire + proj * (1 + FP32_BYTES / BLOCK**2)
+    if distributed and (precision == "bf16" or fp8_gather):
+        copied_layers = 0  # the gathered weights are already what the GEMMs read
+    working = shape.root_params * wire + 2 * layer_wire  # unsharded while in use: root + 2 layers
+    micro_steps = max((global_batch or micro_batch * gpus) // (micro_batch * gpus), 1)
+    gather = (2 * shape.layers * layer_wire + shape.root_params * wire) * (1 - shard)
+    return Plan(
+        parameters=FP32_BYTES * p * shard,
+        gradients=FP32_BYTES * p * shard,
+        optimizer=(2 * FP32_BYTES if state_dtype == "fp32" else 2 * BF16_BYTES) * p * shard,
+        gathered=2 * working * (1 - shard) if distributed else 0.0,  # the weights and their gradients
+        weight_copies=copied_layers * weight_copy + head_copy,
+        activations=activations,
+        logits_saved=saved,
+        logits_backward=backward,
+        all_gather=gather * micro_steps,
+        reduce_scatter=FP32_BYTES * p * (1 - shard) * micro_steps,
+    )
+
+
+ROWS = ("parameters", "gradients", "optimizer", "gathered", "weight_copies", "activations", "logits_saved",
+        "logits_backward")  # fmt: skip
+
+
+def format_plan(name: str, base: Plan, fp8: Plan, recipe: str, seq_len: int) -> str:
+    gib = 2**30
+    lines = [f"{'per GPU (GiB)':<22}{'bf16':>10}{recipe:>22}{'fp8/bf16':>10}"]
+    for row in ROWS:
+        b, f = getattr(base, row), getattr(fp8, row)
+        lines.append(f"{row:<22}{b / gib:>10.2f}{f / gib:>22.2f}{(f / b if b else 1.0):>10.3f}")
+    lines.append(f"{'peak':<22}{base.peak / gib:>10.2f}{fp8.peak / gib:>22.2f}{fp8.peak / base.peak:>10.3f}")
+    for row in ("all_gather", "reduce_scatter"):
+        lines.append(f"{row + ' /step':<22}{getattr(base, row) / gib:>10.2f}{getattr(fp8, row) / gib:>22.2f}")
+    published = PUBLISHED.get(name, {})
+    if published:
+        rows = ", ".join(f"{ratio:.2f}x at {length // 1024}k" for length, ratio in sorted(published.items()))
+        lines.append(f"InfiR2 published FP8/BF16 peak memory ({name}): {rows}; this plan at "
+                     f"{seq_len // 1024}k: {fp8.peak / base.peak:.2f}x")  # fmt: skip
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help=f"a shipped model ({', '.join(MODELS)}) or a HF config.json / folder")
+    parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per forward")
+    parser.add_argument(
+        "--global-batch", type=int, default=None, help="sequences per step (default: one each)"
+    )
+    parser.add_argument("--recipe", default="blockwise", help=f"FP8 recipe: {', '.join(RECIPES)}")
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32", help="AdamW moments")
+    parser.add_argument(
+        "--loss-chunk-tokens", default="auto", help="auto | 0 (plain loss) | tokens per chunk"
+    )
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                        help="model.precision: the dtype parameters travel in under FSDP")  # fmt: skip
+    parser.add_argument("--no-recompute-mlp", action="store_true",
+                        help="without the SwiGLU recompute (model.recompute_mlp: false)")  # fmt: skip
+    parser.add_argument("--no-param-gather", action="store_true",
+                        help="FP8 projections gathered in --precision, not as FP8 (fp8.param_gather: false)")  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.recipe not in RECIPES:
+        raise ValueError(f"--recipe: unknown {args.recipe!r}; known: {', '.join(RECIPES)}")
+    for key in ("gpus", "seq_len", "micro_batch"):
+        if getattr(args, key) <= 0:
+            raise ValueError(f"--{key.replace('_', '-')}: must be > 0, got {getattr(args, key)}")
+    chunk: int | str = (
+        args.loss_chunk_tokens if args.loss_chunk_tokens == "auto" else int(args.loss_chunk_tokens)
+    )
+    name, shape = load_shape(args.model)
+    kw = {"gpus": args.gpus, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
+          "global_batch": args.global_batch, "activation_checkpointing": args.activation_checkpointing,
+          "state_dtype": args.state_dtype, "loss_chunk_tokens": chunk, "precision": args.precision,
+          "recompute_mlp": not args.no_recompute_mlp,
+          "param_gather": False if args.no_param_gather else None}  # fmt: skip
+    print(f"{name}: {shape.params / 1e9:.2f}B parameters, {args.gpus} GPUs, {args.seq_len} x {args.micro_batch} "
+          f"tokens per micro-batch, AC {'on' if args.activation_checkpointing else 'off'}, AdamW moments "
+          f"{args.state_dtype}, loss chunk {chunk}")  # fmt: skip
+    print(
+        format_plan(
+            name, plan(shape, "bf16", **kw), plan(shape, args.recipe, **kw), args.recipe, args.seq_len
+        )
+    )
+    return 0

@@ -1,0 +1,109 @@
+"""infir2 plan: its terms against bytes measured on tiny models (within 10%), and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import make_tiny_model
+from infir2.chunked_loss import lm_loss_sum
+from infir2.cli import main
+from infir2.memory import saved_in_graph
+from infir2.nn import cache_fp8_weights, convert_to_fp8, recompute_swiglu
+from infir2.plan import MODELS, ModelShape, load_shape, plan
+from infir2.train.config import parse_config
+from infir2.train.optim import build_optimizer
+from train_synthetic import one_thread
+
+_one_thread = pytest.fixture(autouse=True)(one_thread)
+
+BATCH, SEQ = 2, 128
+
+
+def _shape(model) -> ModelShape:
+    return ModelShape.from_config(model.config.to_dict(), "<tiny>")
+
+
+def _within(planned: float, measured: float, tol: float = 0.10) -> None:
+    assert abs(planned / measured - 1) <= tol, (planned, measured)
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_states_match_the_tensors_after_one_step(state_dtype: str) -> None:
+    model = make_tiny_model(hidden=128)
+    shape = _shape(model)
+    assert shape.params == sum(p.numel() for p in model.parameters())
+    opt = build_optimizer(model, parse_config({"optim": {"state_dtype": state_dtype}}, "<t>").optim)
+    ids = torch.randint(0, 300, (BATCH, SEQ))
+    lm_loss_sum(model, ids, ids, chunk_tokens=None).backward()
+    opt.step()
+    p = plan(shape, "bf16", gpus=1, seq_len=SEQ, micro_batch=BATCH, state_dtype=state_dtype)
+    _within(p.parameters, sum(t.numel() * t.element_size() for t in model.parameters()))
+    _within(p.gradients, sum(t.grad.numel() * t.grad.element_size() for t in model.parameters()))
+    moments = sum(
+        t.numel() * t.element_size() for s in opt.state.values() for k, t in s.items() if k != "step"
+    )
+    _within(p.optimizer, moments)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "chunk", "recompute"),
+    [("bf16", 0, True), ("blockwise", 0, True), ("blockwise", 64, True), ("blockwise", 0, False)],
+)
+def test_saved_bytes_match_a_whole_tiny_model(recipe: str, chunk: int, recompute: bool) -> None:
+    """Activations + logits + weight copies of the plan == what a whole model's forward keeps."""
+    model = make_tiny_model(hidden=128, layers=3)
+    if recompute:  # as training does by default (model.recompute_mlp)
+        recompute_swiglu(model)
+    if recipe != "bf16":
+        convert_to_fp8(model, recipe)
+    ids = torch.randint(0, 300, (BATCH, SEQ))
+    with torch.autocast("cpu", dtype=torch.bfloat16), cache_fp8_weights(model):
+        loss = lm_loss_sum(model, ids, ids, chunk_tokens=chunk or None)
+        params = {t.untyped_storage().data_ptr() for t in model.parameters()}
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for _, t in saved_in_graph(loss.grad_fn)}  # fmt: skip
+    measured = sum(n for ptr, n in storages.items() if ptr not in params)
+    p = plan(_shape(model), recipe, gpus=1, seq_len=SEQ, micro_batch=BATCH, loss_chunk_tokens=chunk,
+             recompute_mlp=recompute)  # fmt: skip
+    _within(p.activations + p.logits_saved + p.weight_copies, measured)
+
+
+def test_shipped_shapes_and_config_json(tmp_path) -> None:
+    name, shape = load_shape("Qwen2.5-1.5B")
+    assert name == "qwen2.5-1.5b" and 1.5e9 < shape.params < 1.6e9  # 1.54B, tied embeddings
+    assert 7.5e9 < load_shape("qwen2.5-7b")[1].params < 7.7e9  # 7.62B
+    (tmp_path / "config.json").write_text(json.dumps(MODELS["qwen2.5-7b"]))
+    assert load_shape(str(tmp_path))[1] == load_shape("qwen2.5-7b")[1]
+    (tmp_path / "bad.json").write_text("{\n  oops")
+    with pytest.raises(ValueError, match=r"bad\.json: line 2"):
+        load_shape(str(tmp_path / "bad.json"))
+
+
+def test_cli_prints_bf16_and_fp8_side_by_side(tmp_path, capsys) -> None:
+    config = make_tiny_model(hidden=128).config.to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(config, default=str))
+    assert main(["plan", str(tmp_path), "--gpus", "2", "--seq-len", "256", "--state-dtype", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "activations" in out and "all_gather /step" in out and "fp8/bf16" in out
+    assert main(["plan", str(tmp_path), "--recipe", "nope"]) == 2
+
+
+def test_embedded_figures_are_what_infir2_memory_measures() -> None:
+    """The shipped 1.5B row of MEASURED == a fresh measurement (small shape-preserving check: weights)."""
+    from infir2.plan import MEASURED
+
+    shape = load_shape("qwen2.5-1.5b")[1]
+    projections = shape.layer_params - 2 * shape.hidden - (shape.hidden + 2 * 256)  # minus norms and biases
+    assert projections == shape.projection_weights
+    for recompute in (False, True):
+        row = MEASURED[(shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, recompute)]
+        assert row["bf16"][1] == 2 * projections  # autocast's bf16 copies
+        assert projections < row["blockwise"][1] < projections * 1.001  # FP8 copies + 128x128 scales
+    # the recompute drops exactly silu(g): one bf16 [T, I] tensor, 2 I bytes per token
+    recomputed = MEASURED[(shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, True)]
+    plain = MEASURED[(shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, False)]
+    for recipe in recomputed.keys() & plain.keys():
+        assert plain[recipe][0] - recomputed[recipe][0] == 2 * shape.intermediate, recipe
