@@ -1,4 +1,4 @@
-"""Imports inside src/infir2 go one way (STYLE.md): a lower layer never imports a higher one.
+"""Imports inside src/infir2 go one way (docs/ARCHITECTURE.md): a lower layer never imports a higher one.
 
 The table below is the whole rule, and it is exact: each layer lists the layers it imports (besides
 itself and the utilities), no more, no less. The edges are computed from the source (``imported_layers``);
