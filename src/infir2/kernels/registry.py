@@ -15,6 +15,7 @@ on another device.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -83,37 +84,47 @@ class Kernels:
     def __deepcopy__(self, memo: dict[int, Any]) -> Kernels:
         return self  # backends are modules; a copied layer shares its binding
 
-    def _first(self, job: str, takes: list[bool]) -> Backend:
-        for backend, ok in zip(self.chain, takes, strict=True):
-            if ok and (backend.NAME, job) not in self._broken:
-                if backend is not self.chain[0]:
-                    log_once(log, f"FP8 {job}: {self.chain[0].NAME} does not take it; runs on {backend.NAME}")
-                return backend
-        raise AssertionError(f"no backend takes {job}; the emulated backend ends every chain")
+    def _first(self, takes: Callable[[Backend], bool], describe: Callable[[], str]) -> Backend:
+        """The first backend of the chain that ``takes`` the job. ``describe`` names the job without
+        shapes (a fallback is logged once per kind of job); it is only called off the fast path."""
+        for backend in self.chain:
+            if not takes(backend) or (self._broken and (backend.NAME, describe()) in self._broken):
+                continue
+            if backend is not self.chain[0]:
+                log_once(
+                    log, f"FP8 {describe()}: {self.chain[0].NAME} does not take it; runs on {backend.NAME}"
+                )
+            return backend
+        raise AssertionError("no backend takes the job; the emulated backend ends every chain")
 
     def quantize(self, x: torch.Tensor, cast: Cast) -> Operand:
-        job = f"quantize {tuple(cast.block)} {cast.fmt}/{cast.scale}"  # no shapes: logged once per kind
-        backend = self._first(job, [b.supports_quantize(x, cast) for b in self.chain])
+        backend = self._first(
+            lambda be: be.supports_quantize(x, cast),
+            lambda: f"quantize {tuple(cast.block)} {cast.fmt}/{cast.scale}",
+        )
         return backend.quantize(x, cast)
 
     def quantize_pair(self, x: torch.Tensor, a: Cast, b: Cast) -> tuple[Operand, Operand]:
-        job = f"quantize {tuple(a.block)} + {tuple(b.block)} {a.fmt}/{a.scale}"
-        takes = [be.supports_quantize(x, a) and be.supports_quantize(x, b) for be in self.chain]
-        return self._first(job, takes).quantize_pair(x, a, b)
+        backend = self._first(
+            lambda be: be.supports_quantize(x, a) and be.supports_quantize(x, b),
+            lambda: f"quantize {tuple(a.block)} + {tuple(b.block)} {a.fmt}/{a.scale}",
+        )
+        return backend.quantize_pair(x, a, b)
 
     def gemm_nt(self, a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
-        job = f"GEMM {tuple(a.block)} x {tuple(b.block)} -> {out_dtype}"
-        takes = [be.supports_gemm(a, b, out_dtype) for be in self.chain]
+        def describe() -> str:
+            return f"GEMM {tuple(a.block)} x {tuple(b.block)} -> {out_dtype}"
+
         while True:
-            backend = self._first(job, takes)
-            if backend.NAME == emulated.NAME:
+            backend = self._first(lambda be: be.supports_gemm(a, b, out_dtype), describe)
+            if backend.NAME == emulated.NAME:  # the reference: its errors are real errors
                 return backend.gemm_nt(a, b, out_dtype)
             try:
                 return backend.gemm_nt(a, b, out_dtype)
             except (RuntimeError, NotImplementedError) as e:  # e.g. a cuBLAS build that refuses the case
-                self._broken.add((backend.NAME, job))
+                self._broken.add((backend.NAME, describe()))
                 log.warning("FP8 %s failed on %s (%s); the next backend runs it from now on",
-                            job, backend.NAME, str(e).splitlines()[0] if str(e) else type(e).__name__)  # fmt: skip
+                            describe(), backend.NAME, str(e).splitlines()[0] if str(e) else type(e).__name__)  # fmt: skip
 
 
 def _resolve_device(device: torch.device | str) -> torch.device:
