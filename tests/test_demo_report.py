@@ -20,15 +20,20 @@ from infir2.demo.report import README_END, README_START, readme_table, update_re
 from infir2.demo.summary import summarize, verdict_sentence
 
 
-def _run(recipe: str, seed: int, cpt: float, sft: float, acc: float, seconds: float = 10.0) -> RecipeResult:
+def _run(recipe: str, seed: int, cpt: float, sft: float, acc: float, seconds: float = 10.0,
+         train_seconds: float = 5.0) -> RecipeResult:  # fmt: skip
     return RecipeResult(recipe=recipe, seed=seed, cpt_loss=cpt + 0.1, cpt_val_loss=cpt, sft_loss=sft,
                         sft_val_loss=sft, accuracy=acc, unparseable=0, tokens_per_s=1000.0, seconds=seconds,
-                        cpt_curve=[(1, 5.0), (2, cpt)], sft_curve=[(1, 1.0), (2, sft)])  # fmt: skip
+                        train_seconds=train_seconds, cpt_curve=[(1, 5.0), (2, cpt)],
+                        sft_curve=[(1, 1.0), (2, sft)])  # fmt: skip
 
 
-BASE = [_run("bf16", 0, 2.0, 0.05, 0.70, 10.0), _run("bf16", 1, 2.2, 0.06, 0.76, 12.0)]
+BASE = [_run("bf16", 0, 2.0, 0.05, 0.70, 10.0, 5.0), _run("bf16", 1, 2.2, 0.06, 0.76, 12.0, 7.0)]
 # blockwise: CPT gaps +1% and 0%, SFT gaps +10% and 0%, accuracy -4 and -2 points: all within the spread
-CLOSE = [_run("blockwise", 0, 2.02, 0.055, 0.66, 30.0), _run("blockwise", 1, 2.2, 0.06, 0.74, 36.0)]
+CLOSE = [
+    _run("blockwise", 0, 2.02, 0.055, 0.66, 30.0, 9.0),
+    _run("blockwise", 1, 2.2, 0.06, 0.74, 36.0, 15.0),
+]
 # tensorwise: accuracy -10 and -10 points, beyond the baseline's 6-point spread
 FAR = [_run("tensorwise", 0, 2.0, 0.05, 0.60), _run("tensorwise", 1, 2.2, 0.06, 0.66)]
 RECIPES = ["bf16", "blockwise", "tensorwise"]
@@ -49,6 +54,7 @@ def test_gaps_spreads_and_verdict_by_hand():
         0.70
     )
     assert close.seconds == pytest.approx(33.0) and close.time_ratio == pytest.approx(3.0)  # 33 s / 11 s
+    assert close.train_ratio == pytest.approx(2.0)  # steps alone: 12 s / 6 s
     assert [g.within_noise for g in far.gaps] == [True, True, False] and far.within_noise is False
     assert far.gaps[2].mean == pytest.approx(-10.0)
 
@@ -94,7 +100,7 @@ def test_readme_table_rows_and_verdicts():
     rows = [line for line in text.splitlines() if line.startswith("| ")]
     assert len(rows) == 4  # header + 3 recipes
     assert "seed spread 9.52%" in rows[1] and "seeds 70-76%" in rows[1]  # the baseline's own noise
-    assert "| 2.1100 | +0.50 +- 0.71% |" in rows[2] and "| 3.00x |" in rows[2]
+    assert "| 2.1100 | +0.50 +- 0.71% |" in rows[2] and "| 3.00x | 2.00x |" in rows[2]
     assert "guessing the most common answer scores 8%" in text.lower()
     assert text.count("- FP8 ") == 2 and "FP8 tensorwise is NOT within noise" in text
 

@@ -6,7 +6,7 @@ with a verdict computed from the runs.
 1. generates its data deterministically (``infir2.data.demo``: an arithmetic corpus for CPT, and a
    multi-step arithmetic reasoning task with worked steps for SFT, plus held-out test problems);
 2. trains a byte-level BPE tokenizer on it (digits split, ChatML specials) and packs the CPT corpus
-   (5% held out for the CPT held-out loss);
+   (a share held out: the CPT held-out loss);
 3. for each recipe -- the high-precision baseline (``bf16``; computed in fp32 on a CPU, which has no
    fast bf16), FP8 ``blockwise`` (the InfiR2 / DeepSeek-V3 recipe) and FP8 ``tensorwise`` (the naive
    FP8) -- and each seed (``--seeds``, default 0,1; a seed sets the initialization and the data order,
@@ -99,6 +99,9 @@ def run(args: argparse.Namespace) -> int:
     if args.seeds is not None:
         settings = dataclasses.replace(settings, seeds=parse_seeds(args.seeds))
     out = Path(args.out)
+    if args.data_only and (args.report_only or args.update_readme):
+        raise ValueError("--data-only trains nothing and writes no results; it does not go with --report-only "
+                         "or --update-readme")  # fmt: skip
     if args.report_only or args.update_readme:
         record = DemoRecord.load(out / "results.json")
         if args.report_only:

@@ -197,6 +197,7 @@ def run_recipe(
         unparseable=int(result.summary.get("unparseable", 0)),
         tokens_per_s=_median([m["tokens_per_s"] for m in cpt_metrics + sft_metrics if "tokens_per_s" in m]),
         seconds=time.perf_counter() - t0,
+        train_seconds=sum(m["step_time_s"] for m in cpt_metrics + sft_metrics if "step_time_s" in m),
         cpt_curve=_curve(cpt_metrics),
         sft_curve=_curve(sft_metrics),
     )

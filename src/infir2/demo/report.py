@@ -89,14 +89,15 @@ def readme_table(record: DemoRecord) -> str:
     head = ["recipe"]
     for m in METRICS:
         head += [m.label if m.relative else f"{m.label} ({s.n_test} held-out, greedy)", "gap"]
-    head += ["tokens/s", "time per run", "time vs baseline"]
+    head += ["tokens/s", "time per run", "vs baseline", "training steps vs baseline"]
     lines = [
         f"`infir2 demo` on {record.date} ({record.machine or 'machine not recorded'}; {record.jobs} run(s) side "
         f"by side, {record.seconds / 60:.1f} min wall clock). Seeds {seeds} for every recipe (a seed sets the "
         f"initialization and the data order); values are means over seeds. A gap is FP8 minus the baseline "
         f"at the same seed, mean +- sd over seeds (losses in %, accuracy in points); the baseline's row shows "
         f"its own seed-to-seed spread instead. Guessing the most common answer scores "
-        f"{100 * record.chance_accuracy:.0f}%. Time per run is CPT + SFT + evaluation, wall clock"
+        f"{100 * record.chance_accuracy:.0f}%. Time per run is CPT + SFT + evaluation, wall clock (the first "
+        f"run of a process also pays its one-off start-up); training steps: the optimizer steps alone"
         + (
             " (runs side by side share the cores, so times and tokens/s depend on what ran beside them)."
             if record.jobs > 1
@@ -112,7 +113,8 @@ def readme_table(record: DemoRecord) -> str:
             mean = summary.means[m.key]
             cells += [_num(mean) if m.relative else _pct(mean), gap]
         cells += [f"{summary.tokens_per_s:.0f}", f"{summary.seconds:.0f} s",
-                  "—" if summary is base else f"{summary.time_ratio:.2f}x"]  # fmt: skip
+                  "—" if summary is base else f"{summary.time_ratio:.2f}x",
+                  "—" if summary is base or summary.train_ratio is None else f"{summary.train_ratio:.2f}x"]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", *(f"- {verdict_sentence(summary)}" for summary in summaries[1:])]
     return "\n".join(lines) + "\n"

@@ -83,6 +83,7 @@ class RecipeResult:
     unparseable: int
     tokens_per_s: float  # median over the CPT and SFT steps
     seconds: float  # wall clock of CPT + SFT + evaluation
+    train_seconds: float | None = None  # the CPT and SFT optimizer steps alone (no setup, export, evaluation)
     cpt_curve: list[tuple[int, float]] = field(default_factory=list)
     sft_curve: list[tuple[int, float]] = field(default_factory=list)
 

@@ -90,6 +90,7 @@ class RecipeSummary:
     means: dict[str, float | None]  # metric key -> mean over seeds (None when no seed has it)
     seconds: float  # mean wall clock of one run (CPT + SFT + evaluation)
     time_ratio: float  # seconds / the baseline's seconds
+    train_ratio: float | None  # the same for the optimizer steps alone (None: not recorded)
     tokens_per_s: float  # mean over seeds
     gaps: tuple[MetricGap, ...]  # empty for the baseline
     within_noise: bool | None  # every metric within noise; None for the baseline or with one seed
@@ -131,6 +132,7 @@ def summarize(runs: list[RecipeResult], recipes: list[str]) -> list[RecipeSummar
         raise ValueError(f"no runs of recipe(s) {missing} among the results")
     base_runs = by_recipe[recipes[0]]
     base_seconds = statistics.fmean(r.seconds for r in base_runs)
+    base_train = _mean([r.train_seconds for r in base_runs if r.train_seconds is not None])
     summaries = []
     for recipe, mine in by_recipe.items():
         gaps: list[MetricGap] = []
@@ -141,12 +143,14 @@ def summarize(runs: list[RecipeResult], recipes: list[str]) -> list[RecipeSummar
                     gaps.append(gap)
         judged = [g.within_noise for g in gaps]
         seconds = statistics.fmean(r.seconds for r in mine)
+        train = _mean([r.train_seconds for r in mine if r.train_seconds is not None])
         summaries.append(RecipeSummary(
             recipe=recipe,
             seeds=tuple(sorted(r.seed for r in mine)),
             means={m.key: _mean(list(_values(mine, m.key).values())) for m in METRICS},
             seconds=seconds,
             time_ratio=seconds / base_seconds if base_seconds > 0 else math.nan,
+            train_ratio=train / base_train if train is not None and base_train else None,
             tokens_per_s=statistics.fmean(r.tokens_per_s for r in mine),
             gaps=tuple(gaps),
             within_noise=None if not judged or None in judged else all(judged),
