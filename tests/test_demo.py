@@ -1,4 +1,4 @@
-"""`infir2 demo --quick` end to end: data, tokenizer, CPT + SFT per recipe, evaluation, report and plot."""
+"""`infir2 demo --quick` end to end: data, tokenizer, CPT + SFT per recipe and seed, evaluation, report and plot."""
 
 from __future__ import annotations
 
@@ -16,19 +16,30 @@ def test_quick_demo_runs_end_to_end(tmp_path):
     assert main(["demo", "--quick", "--out", str(out), "--recipes", "bf16,blockwise,tensorwise"]) == 0
     report = (out / "report.md").read_text()
     results = json.loads((out / "results.json").read_text())
-    assert [r["recipe"] for r in results] == ["bf16", "blockwise", "tensorwise"]
-    for r in results:
+    runs = results["runs"]
+    assert [(r["recipe"], r["seed"]) for r in runs] == [
+        (recipe, seed) for recipe in ("bf16", "blockwise", "tensorwise") for seed in (0, 1)
+    ]  # every recipe at both of QUICK's seeds
+    for r in runs:
         assert math.isfinite(r["cpt_loss"]) and math.isfinite(r["sft_loss"])
+        assert math.isfinite(r["cpt_val_loss"]) and math.isfinite(r["sft_val_loss"])  # final held-out losses
         assert r["cpt_curve"][0][1] > r["cpt_curve"][-1][1]  # CPT loss falls
         assert 0.0 <= r["accuracy"] <= 1.0
-        assert (out / "runs" / r["recipe"] / "eval" / "samples.jsonl").is_file()
+        assert (out / "runs" / r["recipe"] / f"s{r['seed']}" / "eval" / "samples.jsonl").is_file()
         assert r["tokens_per_s"] > 0
-    base = results[0]["sft_val_loss"]
-    for r in results[1:]:  # FP8 tracks the baseline closely even in the reduced run
-        assert abs(r["sft_val_loss"] - base) / base < 0.05
+    base = {r["seed"]: r for r in runs if r["recipe"] == "bf16"}
+    assert base[0]["cpt_curve"] != base[1]["cpt_curve"]  # the seed changes the run
+    for r in runs:  # FP8 tracks the baseline of the same seed closely even in the reduced run
+        assert (
+            abs(r["sft_val_loss"] - base[r["seed"]]["sft_val_loss"]) / base[r["seed"]]["sft_val_loss"] < 0.05
+        )
     assert (out / "loss_curves.png").stat().st_size > 10_000
-    for label in ("baseline", "FP8 blockwise", "FP8 tensorwise", "accuracy", "tokens/s"):
+    for label in ("baseline", "FP8 blockwise", "FP8 tensorwise", "accuracy", "tokens/s", "seed spread"):
         assert label in report
+    assert report.count("within noise of the baseline") == 2  # a generated verdict per FP8 recipe
+    assert (out / "readme_table.md").read_text() in report
+    assert main(["demo", "--report-only", "--out", str(out)]) == 0  # re-rendered from results.json alone
+    assert (out / "report.md").read_text() == report
 
 
 def test_demo_refuses_a_foreign_non_empty_folder(tmp_path):

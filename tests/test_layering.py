@@ -36,10 +36,11 @@ ALLOWED: dict[str, set[str]] = {
     "__init__": {"fp8", "nn"},
     "_logging": set(),
     "_files": set(),
+    "_paired": set(),  # paired-seed statistics shared by demo and bench (floats only)
 }
 
 #: Helpers every layer may import (they import nothing of infir2 themselves).
-UTILITIES = {"_files", "_logging"}
+UTILITIES = {"_files", "_logging", "_paired"}
 
 
 def layer_of(path: Path) -> str:

@@ -9,6 +9,9 @@ tested on planted runs without training anything:
 * baseline seed spread per width: ``100 * (max - min) / mean`` of the baseline's losses over seeds;
 * within noise: ``|mean gap| <= seed spread``; shrinks with width: ``|mean gap|`` never grows from one
   width of the ladder to the next.
+
+The per-seed arithmetic (gap, mean +- sd, spread, the within-noise rule) is ``infir2._paired``, which
+``infir2 demo`` uses too.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from .._paired import gap_pct, mean_sd, spread_pct, within_noise
 
 __all__ = ["RunResult", "plot", "summarize", "table", "write_outputs"]
 
@@ -40,10 +45,6 @@ class RunResult:
     seconds: float
 
 
-def _pct(value: float, base: float) -> float:
-    return 100 * (value - base) / base
-
-
 def summarize(runs: list[RunResult]) -> dict[str, Any]:
     """Baseline spread per width, paired gap per (width, FP8 recipe), and a verdict per recipe."""
     base = {(r.width, r.seed): r.val_loss for r in runs if r.recipe == _BASELINE}
@@ -51,23 +52,21 @@ def summarize(runs: list[RunResult]) -> dict[str, Any]:
     baseline: list[dict[str, Any]] = []
     for w in widths:
         losses = [base[k] for k in sorted(base) if k[0] == w]
-        spread = 100 * (max(losses) - min(losses)) / statistics.fmean(losses) if losses else math.nan
         baseline.append({"width": w, "losses": losses, "mean": statistics.fmean(losses) if losses else math.nan,
-                         "spread_pct": spread})  # fmt: skip
+                         "spread_pct": spread_pct(losses)})  # fmt: skip
     spread_at = {b["width"]: b["spread_pct"] for b in baseline}
     gaps: list[dict[str, Any]] = []
     recipes = list(dict.fromkeys(r.recipe for r in runs if r.recipe != _BASELINE))
     for recipe in recipes:
         for w in widths:
-            paired = sorted((r.seed, _pct(r.val_loss, base[(w, r.seed)])) for r in runs
+            paired = sorted((r.seed, gap_pct(r.val_loss, base[(w, r.seed)])) for r in runs
                             if r.recipe == recipe and r.width == w and (w, r.seed) in base)  # fmt: skip
             if not paired:
                 continue
             values = [g for _, g in paired]
-            mean = statistics.fmean(values)
+            mean, sd = mean_sd(values)
             gaps.append({"width": w, "recipe": recipe, "seeds": [s for s, _ in paired], "gaps_pct": values,
-                         "mean_pct": mean, "sd_pct": statistics.stdev(values) if len(values) > 1 else None,
-                         "within_noise": abs(mean) <= spread_at[w]})  # fmt: skip
+                         "mean_pct": mean, "sd_pct": sd, "within_noise": within_noise(mean, spread_at[w])})  # fmt: skip
     verdict: dict[str, dict[str, bool | None]] = {}
     for recipe in recipes:
         rows = [g for g in gaps if g["recipe"] == recipe]

@@ -1,27 +1,35 @@
-"""The whole recipe on embedded data, on a laptop CPU: CPT then SFT, the baseline vs FP8, side by side.
+"""The whole recipe on embedded data, on a laptop CPU: CPT then SFT, the baseline vs FP8, over seeds,
+with a verdict computed from the runs.
 
-`infir2 demo` (no arguments, no network) does, in a few minutes on 2 CPU cores:
+`infir2 demo` (no arguments, no network) does, on 2 CPU cores:
 
 1. generates its data deterministically (``infir2.data.demo``: an arithmetic corpus for CPT, and a
    multi-step arithmetic reasoning task with worked steps for SFT, plus held-out test problems);
-2. trains a byte-level BPE tokenizer on it (digits split, ChatML specials) and packs the CPT corpus;
+2. trains a byte-level BPE tokenizer on it (digits split, ChatML specials) and packs the CPT corpus
+   (a share held out: the CPT held-out loss);
 3. for each recipe -- the high-precision baseline (``bf16``; computed in fp32 on a CPU, which has no
    fast bf16), FP8 ``blockwise`` (the InfiR2 / DeepSeek-V3 recipe) and FP8 ``tensorwise`` (the naive
-   FP8) -- builds the same seeded Qwen2-style model (~1M parameters), continually pre-trains it, then
-   fine-tunes it on the reasoning task;
+   FP8) -- and each seed (``--seeds``, default 0,1; a seed sets the initialization and the data order,
+   the same for every recipe) builds a Qwen2-style model (~1M parameters), continually pre-trains it,
+   then fine-tunes it on the reasoning task;
 4. evaluates each fine-tuned model on the held-out problems with the evaluation protocol of the
    recipe (system prompt, ``<think>`` opened, answer in the last ``\\boxed{}``; greedy decoding);
-5. writes ``report.md`` and ``loss_curves.png`` in the output folder: final losses, the gap to the
-   baseline in %, task accuracy, tokens/s.
+5. saves every run's numbers to ``results.json`` and renders from it ``report.md``,
+   ``readme_table.md`` and ``loss_curves.png``: per FP8 recipe the gap to the baseline at the same
+   seed (CPT held-out loss, SFT val loss, accuracy) as mean +- sd over seeds, next to the baseline's
+   own seed-to-seed spread, and a generated sentence saying whether FP8 is within that noise
+   (``|mean gap| <= spread`` for every metric).
 
-On a CPU the FP8 GEMMs are emulated exactly (FP8 values, fp32 products), so FP8 runs are *slower*
-here; the demo shows the numerics (FP8 tracks the baseline), not the speed. Speed is measured by
-`infir2 bench` on a GPU.
+The time grows with recipes x seeds. On a CPU the FP8 GEMMs are emulated exactly (FP8 values, fp32
+products), so FP8 runs are *slower* here; the demo shows the numerics, not the speed. Speed is
+measured by `infir2 bench` on a GPU.
 
 Examples:
-  infir2 demo                         # the full demo into runs/demo (about 10 minutes on 2 cores)
+  infir2 demo                         # the full demo into runs/demo
   infir2 demo --quick --out /tmp/d    # a reduced run (about a minute), as in CI
-  infir2 demo --recipes bf16,blockwise,rowwise
+  infir2 demo --recipes bf16,blockwise,rowwise --seeds 0,1,2
+  infir2 demo --report-only --out runs/demo              # report.md + plot again from results.json
+  infir2 demo --update-readme README.md --out runs/demo  # README's demo table from results.json
   infir2 demo --data-only --out runs/tiny   # only tokenizer + CPT shards + SFT files: what the
                                             # tiny configs (src/infir2/configs/tiny-*.yaml) read
 """
@@ -29,13 +37,16 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from pathlib import Path
 
 from ..fp8 import RECIPES
 from .pipeline import FULL, QUICK, data_only, run_demo
+from .report import README_END, README_START, render, update_readme
+from .results import DemoRecord
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "parse_seeds", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,9 +58,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipes", default="bf16,blockwise,tensorwise",
                         help="comma-separated recipes; the first is the baseline of the gaps "
                              "(default: bf16,blockwise,tensorwise)")  # fmt: skip
+    parser.add_argument("--seeds", default=None,
+                        help="comma-separated seeds, each run by every recipe (initialization and data "
+                             f"order; default: {','.join(map(str, FULL.seeds))}). The verdict needs two or "
+                             "more: it compares each gap with the baseline's spread over seeds")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=None,
-                        help="recipes trained side by side in worker processes (default: one per CPU "
-                             "core, at most one per recipe; 1 = one after the other, with progress bars)")  # fmt: skip
+                        help="(recipe, seed) runs trained side by side in worker processes (default: one per "
+                             "CPU core, at most one per run; 1 = one after the other, with progress bars)")  # fmt: skip
+    parser.add_argument("--report-only", action="store_true",
+                        help="train nothing: render OUT/report.md, OUT/readme_table.md and OUT/loss_curves.png "
+                             "again from OUT/results.json")  # fmt: skip
+    parser.add_argument("--update-readme", metavar="README", default=None,
+                        help=f"train nothing: replace the block between {README_START} and {README_END} in "
+                             "README with the table rendered from OUT/results.json")  # fmt: skip
+
+
+def parse_seeds(text: str) -> tuple[int, ...]:
+    """``"0,1"`` -> ``(0, 1)``; an empty list, a non-integer, a negative or a repeated seed is an error."""
+    words = [w.strip() for w in text.split(",") if w.strip()]
+    if not words:
+        raise ValueError(f"--seeds: expected comma-separated integers such as 0,1; got {text!r}")
+    bad = [w for w in words if not w.isdigit()]
+    if bad:
+        raise ValueError(f"--seeds: {', '.join(map(repr, bad))} is not a non-negative integer (in {text!r})")
+    seeds = tuple(int(w) for w in words)
+    repeated = sorted({s for s in seeds if seeds.count(s) > 1})
+    if repeated:
+        raise ValueError(f"--seeds: seed(s) {repeated} given twice (in {text!r})")
+    return seeds
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,11 +95,26 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--recipes: unknown {unknown or 'empty list'}; known recipes: {', '.join(RECIPES)}")
     if args.jobs is not None and args.jobs < 1:
         raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
+    settings = QUICK if args.quick else FULL
+    if args.seeds is not None:
+        settings = dataclasses.replace(settings, seeds=parse_seeds(args.seeds))
+    out = Path(args.out)
+    if args.data_only and (args.report_only or args.update_readme):
+        raise ValueError("--data-only trains nothing and writes no results; it does not go with --report-only "
+                         "or --update-readme")  # fmt: skip
+    if args.report_only or args.update_readme:
+        record = DemoRecord.load(out / "results.json")
+        if args.report_only:
+            print(render(out, record))
+        if args.update_readme:
+            update_readme(Path(args.update_readme), record)
+            print(f"updated the demo table in {args.update_readme} from {out / 'results.json'}")
+        return 0
     if args.data_only:
-        paths = data_only(Path(args.out), QUICK if args.quick else FULL)
+        paths = data_only(out, settings)
         for name in ("tokenizer", "cpt", "sft_train", "sft_val"):
             print(f"{name}: {paths[name]}")
         return 0
     jobs = args.jobs if args.jobs is not None else (os.cpu_count() or 1)
-    run_demo(Path(args.out), QUICK if args.quick else FULL, recipes, jobs)
+    run_demo(out, settings, recipes, jobs)
     return 0

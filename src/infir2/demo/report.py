@@ -1,111 +1,182 @@
-"""The demo's report: ``report.md`` (a table of losses, gaps to the baseline, accuracy, speed),
-``loss_curves.png`` and ``results.json`` in the output folder.
+"""The demo's report, rendered from ``results.json`` alone: ``report.md``, ``readme_table.md`` and
+``loss_curves.png`` in the output folder, and the README's demo table.
 
-Gaps are relative to the first recipe (the baseline). Chance accuracy is the share of the most
-common answer among the held-out problems.
+* ``readme_table(record)``: the README-ready table -- per recipe the means over seeds, each FP8 gap to
+  the baseline as mean +- sd over paired seeds (the baseline's row shows its own seed spread), speed
+  relative to the baseline -- and the generated verdict sentences (``summary.py``).
+* ``report(record)``: that table, plus the model and schedule, and every (recipe, seed) run.
+* ``update_readme(readme, record)``: replaces the block between ``README_START`` and ``README_END`` in a
+  README with ``readme_table(record)``; nothing else in the file changes.
 """
 
 from __future__ import annotations
 
-import json
-import math
-from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .pipeline import DemoSettings, RecipeResult
+from .results import DemoRecord, RecipeResult
+from .summary import (
+    METRICS,
+    RECIPE_LABELS,
+    RecipeSummary,
+    format_gap,
+    format_spread,
+    short_label,
+    summarize,
+    verdict_sentence,
+)
 
-__all__ = ["RECIPE_LABELS", "plot", "report", "write_report"]
+__all__ = ["README_END", "README_START", "plot", "readme_table", "render", "report", "update_readme"]
 
-RECIPE_LABELS = {
-    "bf16": "baseline (no FP8; fp32 on CPU)",
-    "blockwise": "FP8 blockwise (1x128 / 128x128, InfiR2)",
-    "blockwise_fp32scale": "FP8 blockwise, fp32 scales",
-    "rowwise": "FP8 rowwise",
-    "tensorwise": "FP8 tensorwise (naive)",
-}
+README_START = "<!-- demo-table:start -->"
+README_END = "<!-- demo-table:end -->"
+
+_BASELINE_COLOUR = "black"
+_FP8_COLOURS = ("tab:red", "tab:blue", "tab:green", "tab:purple", "tab:orange")
+_SEED_STYLES = ("-", "--", ":", "-.")
 
 
-def plot(results: list[RecipeResult], path: Path) -> None:
+def plot(record: DemoRecord, path: Path) -> None:
+    """CPT and SFT training loss of every run: a colour per recipe (the baseline black), a line style per seed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    colours = {r: _FP8_COLOURS[i % len(_FP8_COLOURS)] for i, r in enumerate(record.recipes[1:])}
+    colours[record.recipes[0]] = _BASELINE_COLOUR
+    seeds = sorted({r.seed for r in record.runs})
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, stage in zip(axes, ("cpt", "sft"), strict=True):
-        for r in results:
+        for r in record.runs:
             curve = getattr(r, f"{stage}_curve")
-            ax.plot([c[0] for c in curve], [c[1] for c in curve], label=RECIPE_LABELS.get(r.recipe, r.recipe))
+            ax.plot([c[0] for c in curve], [c[1] for c in curve], color=colours.get(r.recipe),
+                    linestyle=_SEED_STYLES[seeds.index(r.seed) % len(_SEED_STYLES)], linewidth=1,
+                    label=f"{short_label(r.recipe)}, seed {r.seed}")  # fmt: skip
         ax.set_title(f"{stage.upper()} training loss")
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("loss (per token)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def _gap(value: float | None, base: float | None) -> str:
-    if value is None or base is None or not base:
-        return "-"
-    return f"{100 * (value - base) / base:+.2f}%"
+def _num(value: float | None, digits: int = 4) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
 
 
-def _fmt(value: float | None) -> str:
-    return "-" if value is None or not math.isfinite(value) else f"{value:.4f}"
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.1f}%"
 
 
-def report(results: list[RecipeResult], s: DemoSettings, seconds: float, chance: float) -> str:
-    base = results[0]
+def _gap_cells(s: RecipeSummary, base: RecipeSummary, runs: list[RecipeResult]) -> list[str]:
+    """The gap cells of a row, one per metric: FP8 gaps (mean +- sd), or the baseline's own seed spread."""
+    if s is not base:
+        by_key = {g.metric.key: format_gap(g) for g in s.gaps}
+        return [by_key.get(m.key, "—") for m in METRICS]
+    values = {m.key: [v for r in runs if r.recipe == s.recipe and (v := getattr(r, m.key)) is not None]
+              for m in METRICS}  # fmt: skip
+    return [format_spread(m, values[m.key]) if values[m.key] else "—" for m in METRICS]
+
+
+def readme_table(record: DemoRecord) -> str:
+    """The README-ready markdown: caption, one row per recipe (means over seeds), verdict sentences."""
+    summaries = summarize(record.runs, record.recipes)
+    base = summaries[0]
+    seeds = ", ".join(str(s) for s in sorted({r.seed for r in record.runs}))
+    s = record.settings
+    head = ["recipe"]
+    for m in METRICS:
+        head += [m.label if m.relative else f"{m.label} ({s.n_test} held-out, greedy)", "gap"]
+    head += ["tokens/s", "time per run", "vs baseline", "training steps vs baseline"]
+    lines = [
+        f"`infir2 demo` on {record.date} ({record.machine or 'machine not recorded'}; {record.jobs} run(s) side "
+        f"by side, {record.seconds / 60:.1f} min wall clock). Seeds {seeds} for every recipe (a seed sets the "
+        f"initialization and the data order); values are means over seeds. A gap is FP8 minus the baseline "
+        f"at the same seed, mean +- sd over seeds (losses in %, accuracy in points); the baseline's row shows "
+        f"its own seed-to-seed spread instead. Guessing the most common answer scores "
+        f"{100 * record.chance_accuracy:.0f}%. Time per run: CPT + SFT + evaluation, wall clock (a process's "
+        f"first run also pays its start-up); training steps: the optimizer steps alone."
+        + (
+            " Runs side by side share the cores, so times and tokens/s depend on what ran beside them."
+            if record.jobs > 1
+            else ""
+        ),
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for summary in summaries:
+        cells = [RECIPE_LABELS.get(summary.recipe, summary.recipe)]
+        for m, gap in zip(METRICS, _gap_cells(summary, base, record.runs), strict=True):
+            mean = summary.means[m.key]
+            cells += [_num(mean) if m.relative else _pct(mean), gap]
+        cells += [f"{summary.tokens_per_s:.0f}", f"{summary.seconds:.0f} s",
+                  "—" if summary is base else f"{summary.time_ratio:.2f}x",
+                  "—" if summary is base or summary.train_ratio is None else f"{summary.train_ratio:.2f}x"]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", *(f"- {verdict_sentence(summary)}" for summary in summaries[1:])]
+    return "\n".join(lines) + "\n"
+
+
+def report(record: DemoRecord) -> str:
+    """``report.md``: the model and schedule, the README table with verdicts, every run, the plot."""
+    s = record.settings
     lines = [
         "# infir2 demo report",
         "",
         f"Model: Qwen2-style, hidden {s.hidden_size}, {s.num_layers} layers, vocab {s.vocab_size}; "
         f"CPT {s.cpt_steps} steps x {s.cpt_batch} x {s.seq_len} tokens, then SFT {s.sft_epochs} epochs on "
-        f"{s.n_train} arithmetic conversations; {s.n_test} held-out problems, greedy. "
-        f"Total time {seconds / 60:.1f} min.",
+        f"{s.n_train} arithmetic conversations; {s.n_test} held-out problems, greedy. Gaps are relative to "
+        f"`{record.recipes[0]}` (first row). SFT losses end near zero, so their relative gaps look large. "
+        "Held-out losses and accuracy are measured in high precision (FP8 GEMMs off, as the exported model "
+        "runs) on the weights each recipe trained. Within noise means: the mean gap is no larger than the "
+        "baseline's own spread over seeds.",
         "",
-        f"Gaps are relative to `{base.recipe}` (first row); SFT losses end near zero, so their relative "
-        f"gaps look large. Chance accuracy (guessing the most common answer) is {100 * chance:.1f}%. "
-        "One seed: the step at which this tiny model learns to copy the operands varies from run to run, "
-        "so one run's accuracy differences between recipes can be run-to-run variation, not precision.",
+        readme_table(record),
+        "## Every run",
         "",
-        "| recipe | CPT loss | CPT gap | SFT loss | SFT val loss | val gap | accuracy | unparseable | tokens/s | time |",
+        "| recipe | seed | CPT loss (last step) | CPT held-out loss | SFT loss | SFT val loss | accuracy "
+        "| unparseable | tokens/s | time |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in results:
+    for r in record.runs:
         lines.append(
-            f"| {RECIPE_LABELS.get(r.recipe, r.recipe)} | {_fmt(r.cpt_loss)} | {_gap(r.cpt_loss, base.cpt_loss)} | "
-            f"{_fmt(r.sft_loss)} | "
-            f"{_fmt(r.sft_val_loss)} | {_gap(r.sft_val_loss, base.sft_val_loss)} | {100 * r.accuracy:.1f}% | "
-            f"{r.unparseable} | {r.tokens_per_s:.0f} | {r.seconds:.0f} s |"
+            f"| {RECIPE_LABELS.get(r.recipe, r.recipe)} | {r.seed} | {_num(r.cpt_loss)} | {_num(r.cpt_val_loss)} | "
+            f"{_num(r.sft_loss)} | {_num(r.sft_val_loss)} | {_pct(r.accuracy)} | {r.unparseable} | "
+            f"{r.tokens_per_s:.0f} | {r.seconds:.0f} s |"
         )
     lines += [
         "",
         "![loss curves](loss_curves.png)",
         "",
-        "On a CPU the FP8 GEMMs are emulated (dequantize to fp32, multiply), so FP8 is slower here; the",
-        "point is the numerics. Per-step metrics: `runs/<recipe>/{cpt,sft}/metrics.jsonl`; per-problem",
-        "answers: `runs/<recipe>/eval/samples.jsonl`.",
+        "On a CPU the FP8 GEMMs are emulated (FP8 values, fp32 products), so FP8 is slower here; the",
+        "point is the numerics. Per-step metrics: `runs/<recipe>/s<seed>/{cpt,sft}/metrics.jsonl`;",
+        "per-problem answers: `runs/<recipe>/s<seed>/eval/samples.jsonl`; every figure above:",
+        "`results.json` (`infir2 demo --report-only` renders this report again from it).",
     ]
     return "\n".join(lines) + "\n"
 
 
-def chance_accuracy(test_path: Path) -> float:
-    answers = [json.loads(line)["answer"] for line in test_path.read_text(encoding="utf-8").splitlines()]
-    return max(answers.count(a) for a in set(answers)) / len(answers)
-
-
-def write_report(
-    out: Path, results: list[RecipeResult], s: DemoSettings, seconds: float, test_path: Path
-) -> str:
-    """Write ``loss_curves.png``, ``report.md`` and ``results.json`` under ``out``; print and return the report."""
-    plot(results, out / "loss_curves.png")
-    text = report(results, s, seconds, chance_accuracy(test_path))
+def render(out: Path, record: DemoRecord) -> str:
+    """Write ``loss_curves.png``, ``report.md`` and ``readme_table.md`` under ``out``; return the report."""
+    plot(record, out / "loss_curves.png")
+    (out / "readme_table.md").write_text(readme_table(record), encoding="utf-8")
+    text = report(record)
     (out / "report.md").write_text(text, encoding="utf-8")
-    (out / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=1), encoding="utf-8")
-    print(text)
     return text
+
+
+def update_readme(readme: Path, record: DemoRecord) -> None:
+    """Replace what lies between the demo-table markers of ``readme`` with ``readme_table(record)``."""
+    text = readme.read_text(encoding="utf-8")
+    for marker in (README_START, README_END):
+        count = text.count(marker)
+        if count != 1:
+            raise ValueError(f"{readme}: expected the marker {marker} once, found it {count} times; put "
+                             f"{README_START} and {README_END} on lines of their own around the demo table")  # fmt: skip
+    start, end = text.index(README_START) + len(README_START), text.index(README_END)
+    if end < start:
+        raise ValueError(f"{readme}: {README_END} comes before {README_START}")
+    readme.write_text(f"{text[:start]}\n{readme_table(record)}{text[end:]}", encoding="utf-8")

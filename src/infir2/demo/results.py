@@ -1,0 +1,151 @@
+"""What a demo run is made of and what it leaves behind: its sizes (``DemoSettings``), one trained
+model's numbers (``RecipeResult``, one per recipe and seed) and ``results.json`` (``DemoRecord``).
+
+``results.json`` is the source of every figure the demo shows: ``report.md``, ``loss_curves.png`` and
+the README table are rendered from it (``infir2 demo --report-only`` / ``--update-readme`` re-render
+them without training), so a table can always be traced back to the runs that made it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from dataclasses import asdict, dataclass, field, fields
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+__all__ = ["FULL", "QUICK", "DemoRecord", "DemoSettings", "RecipeResult", "machine_description"]
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """Sizes of one demo run. ``FULL`` is the README's demo; ``QUICK`` is for CI.
+
+    ``seeds``: every recipe is trained once per seed (``run.seed`` of its CPT and SFT: initialization
+    and data order); the same seed across recipes makes a paired comparison. The data and tokenizer
+    are generated once, with ``data_seed``, and shared by every run.
+    """
+
+    seeds: tuple[int, ...] = (0, 1)
+    data_seed: int = 0
+    max_operand: int = 9
+    num_ops: tuple[int, int] = (2, 2)
+    n_train: int = 1200
+    n_test: int = 100
+    n_cpt_worked: int = 3000
+    n_cpt_tables: int = 200
+    cpt_val_fraction: float = 0.05  # of the CPT corpus, held out for the CPT held-out loss
+    vocab_size: int = 400
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 512
+    seq_len: int = 64  # CPT window
+    sft_max_length: int = 256
+    cpt_steps: int = 900
+    cpt_batch: int = 8
+    sft_epochs: int = 2
+    sft_batch: int = 16
+    sft_tokens_per_micro_batch: int = 4096
+    cpt_lr: float = 3e-3
+    sft_lr: float = 1e-3
+    max_new_tokens: int = 64
+    eval_batch_size: int = 50
+
+
+# Tuned on the development CPU (see README): small batches and many steps teach this tiny model more
+# per second than large batches; the rendered conversations in the CPT corpus teach it to copy the
+# operands from the question, which SFT alone did not manage in the budget.
+FULL = DemoSettings()
+# CI: the whole pipeline, each stage a few steps long; the numbers it prints mean nothing, that it runs
+# end to end does. Two seeds, so that the paired statistics and the verdict run too; to keep CI as fast
+# as with one seed, each run is half as long as the one-seed quick run was (5 CPT steps instead of 10,
+# 96 SFT conversations instead of 160).
+QUICK = DemoSettings(n_train=96, n_test=20, n_cpt_worked=200, n_cpt_tables=20, num_layers=2,
+                     intermediate_size=256, cpt_steps=5, sft_epochs=1, max_new_tokens=48,
+                     eval_batch_size=20)  # fmt: skip
+
+
+@dataclass
+class RecipeResult:
+    """One trained model (a recipe at a seed): final losses, held-out accuracy, speed, loss curves."""
+
+    recipe: str
+    seed: int
+    cpt_loss: float  # the last CPT step's training loss (one batch)
+    cpt_val_loss: float | None  # CPT held-out loss after the last step (the whole held-out split)
+    sft_loss: float
+    sft_val_loss: float | None  # SFT loss on the held-out conversations after the last step
+    accuracy: float  # fraction of the held-out problems answered right (greedy)
+    unparseable: int
+    tokens_per_s: float  # median over the CPT and SFT steps
+    seconds: float  # wall clock of CPT + SFT + evaluation
+    train_seconds: float | None = None  # the CPT and SFT optimizer steps alone (no setup, export, evaluation)
+    cpt_curve: list[tuple[int, float]] = field(default_factory=list)
+    sft_curve: list[tuple[int, float]] = field(default_factory=list)
+
+
+def machine_description() -> str:
+    """``"<cpus> CPUs, <machine>, torch <version>"``: what a timing was measured on."""
+    import torch
+
+    return f"{os.cpu_count()} CPUs, {platform.machine()}, torch {torch.__version__}"
+
+
+@dataclass
+class DemoRecord:
+    """Everything ``results.json`` holds: the settings, the recipes (the first is the baseline), every
+    (recipe, seed) run, the chance accuracy of the held-out problems, and when / where it ran."""
+
+    settings: DemoSettings
+    recipes: list[str]
+    runs: list[RecipeResult]
+    chance_accuracy: float  # share of the most common answer among the held-out problems
+    seconds: float  # the whole demo's wall clock
+    jobs: int  # runs trained side by side
+    machine: str = ""
+    date: str = field(default_factory=lambda: datetime.now(timezone.utc).strftime("%Y-%m-%d"))
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=1) + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: Path) -> DemoRecord:
+        """Read ``results.json``; a missing file or key is an error that names the file and the key."""
+        if not path.is_file():
+            raise ValueError(f"{path}: not found; run `infir2 demo --out {path.parent}` first")
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: expected an object with 'settings' and 'runs' (an older demo's list?); "
+                             "rerun `infir2 demo`")  # fmt: skip
+        try:
+            settings = _build(DemoSettings, raw["settings"], f"{path}: settings")
+            runs = [_build(RecipeResult, r, f"{path}: runs[{i}]") for i, r in enumerate(raw["runs"])]
+            top = {k: raw[k] for k in ("recipes", "chance_accuracy", "seconds", "jobs")}
+        except KeyError as e:
+            raise ValueError(f"{path}: missing key {e.args[0]!r}") from None
+        settings = DemoSettings(**{**asdict(settings), "seeds": tuple(settings.seeds),
+                                   "num_ops": tuple(settings.num_ops)})  # fmt: skip  # JSON lists -> tuples
+        for r in runs:
+            r.cpt_curve = [(int(s), float(v)) for s, v in r.cpt_curve]
+            r.sft_curve = [(int(s), float(v)) for s, v in r.sft_curve]
+        return cls(
+            settings=settings, runs=runs, machine=raw.get("machine", ""), date=raw.get("date", ""), **top
+        )
+
+
+def _build(cls: Any, raw: dict[str, Any], where: str) -> Any:
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}")
+    try:
+        return cls(**raw)
+    except TypeError as e:  # a required field is missing
+        raise ValueError(f"{where}: {e}") from None
