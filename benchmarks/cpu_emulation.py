@@ -10,10 +10,11 @@ round, so a busy shared CPU slows them alike):
   on the kept fp32 operands (the wgrad copy of X is stored as FP8 and decoded, the weight's fp32
   copy is kept from fprop for dgrad);
 * **linear**: the same step through autograd: ``nn.Linear`` (fp32) vs ``Fp8Linear`` on the
-  ``emulated`` backend vs ``Fp8Linear`` on ``fast_emulated`` (registered here for the run; it
-  decodes the saved FP8 weight too);
+  ``emulated`` backend vs ``Fp8Linear`` on ``fast_emulated``;
 * **model**: forward + backward of the demo's 4-layer Qwen2-style model (``infir2 demo`` sizes),
-  fp32 vs blockwise FP8 on each backend.
+  fp32 vs blockwise FP8 on each backend;
+* **step**: the training loop's step on that model (``prepare_for_training``: the SwiGLU recompute;
+  weights quantized once per step by ``cache_fp8_weights``; forward, backward, AdamW).
 
 Run: ``nice python benchmarks/cpu_emulation.py`` (``--quick`` for a smoke run).
 """
@@ -34,7 +35,8 @@ from infir2.fp8.quantize import dequantize, quantize
 from infir2.fp8.recipe import Cast
 from infir2.kernels import Operand, emulated
 from infir2.kernels import fast_emulated as fe
-from infir2.nn import Fp8Linear, convert_to_fp8
+from infir2.model import prepare_for_training
+from infir2.nn import Fp8Linear, cache_fp8_weights, convert_to_fp8
 
 FAST = "fast_emulated"
 TOKENS = FULL.cpt_batch * FULL.seq_len  # tokens per CPT micro-batch of the demo
@@ -191,6 +193,26 @@ def bench_model(repeats: int, inner: int) -> None:
     times = fastest({name: step(m) for name, m in models.items()}, repeats, inner)
     label = f"demo {FULL.num_layers}L h{H} i{I} {FULL.cpt_batch}x{FULL.seq_len}"
     row("model", label, times, "fp32")
+
+    # the training loop's step: SwiGLU recompute, weights quantized once per step, AdamW
+    trained = {"fp32": prepare_for_training(Qwen2ForCausalLM(cfg), "bf16")}
+    for backend in ("emulated", FAST):
+        trained[f"fp8 {backend}"] = prepare_for_training(Qwen2ForCausalLM(cfg), "blockwise", backend)
+
+    def train_step(model: nn.Module) -> Callable[[], object]:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def run() -> object:
+            with cache_fp8_weights(model):
+                model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return None
+
+        return run
+
+    times = fastest({name: train_step(m) for name, m in trained.items()}, repeats, inner)
+    row("step", label, times, "fp32")
 
 
 def main() -> None:

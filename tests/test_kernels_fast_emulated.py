@@ -1,6 +1,7 @@
 """The fast CPU emulation (``infir2.kernels.fast_emulated``) against the reference quantizer, bit for bit.
 
-Oracles: ``infir2.fp8.quantize`` (quantize / dequantize), torch's own ``.to(float8)`` cast for the
+Every test runs twice: with the C kernel (``kernels.native``, built with the machine's C compiler)
+and with the eager torch code that runs without one. Oracles: ``infir2.fp8.quantize`` (quantize / dequantize), torch's own ``.to(float8)`` cast for the
 rounding of single values, torch's fp8 -> fp32 conversion for decoding, and the ``emulated``
 backend for GEMMs and a whole model's loss and gradients.
 """
@@ -16,11 +17,24 @@ from conftest import make_tiny_model
 from infir2.fp8.formats import get_format
 from infir2.fp8.quantize import dequantize, quantize
 from infir2.fp8.recipe import Cast
-from infir2.kernels import emulated
+from infir2.kernels import emulated, native
 from infir2.kernels import fast_emulated as fe
 from infir2.nn import convert_to_fp8
 
 FORMATS = ("e4m3", "e5m2")
+
+
+@pytest.fixture(autouse=True, params=["native", "eager"])
+def path(request, monkeypatch):
+    """Run the test on the C kernel, then on the eager torch code (the kernel switched off)."""
+    if request.param == "native":
+        if not native.available():
+            pytest.skip(f"the C kernel is not available here: {native.why_unavailable()}")
+    else:
+        monkeypatch.setitem(native._state, "error", "switched off by the test")
+    return request.param
+
+
 BLOCKS = [(1, 128), (128, 1), (128, 128), (1, -1), (-1, 1), (-1, -1), (1, 32), (32, 1)]
 SHAPES = [(256, 256), (130, 200), (1, 1), (3, 129)]
 
@@ -222,13 +236,46 @@ def test_whole_model_step_bit_identical_to_emulated():
 
 
 def test_operand_pair_and_kept_operand():
-    """quantize_operand_pair: the first tiling kept, the second FP8 only; both equal the reference."""
+    """quantize_pair: the first tiling kept, the second FP8 only (kept too where the C kernel wrote
+    its fp32 copy anyway); both equal the reference."""
     x = hard_tensor((256, 384), torch.float32, seed=3)
     first, second = fe.quantize_pair(x, Cast((1, 128)), Cast((128, 1)))
-    assert first.dequantized is not None and second.dequantized is None
+    assert first.dequantized is not None and (second.dequantized is None) == (not native.available())
     for op, block in ((first, (1, 128)), (second, (128, 1))):
         data, scale_inv = quantize(x, block)
         assert same_bits(op.data, data) and same_bits(op.scale_inv, scale_inv)
         assert same_bits(op.dequantize(), dequantize(data, scale_inv, block))
         assert same_bits(op.t().dequantize(), dequantize(data.t(), scale_inv.t(), block[::-1]))
     assert type(first.stored()) is not fe.KeptOperand and first.stored().data is first.data
+
+
+def test_the_c_kernel_is_what_runs(path, monkeypatch):
+    """Where a C compiler exists the kernel is built and used (not silently skipped); without it
+    (or with INFIR2_NATIVE=0) the reason is given and the eager code runs."""
+    if path == "eager":
+        assert not native.available() and native.why_unavailable() == "switched off by the test"
+        return
+    x = torch.randn(256, 256)
+    calls = []
+    monkeypatch.setattr(native, "quantize", lambda *a, **k: calls.append(a) or None)
+    fe.quantize_kept(x, (1, 128))  # the spy returns None: the eager code finishes the job
+    assert len(calls) == 1 and calls[0][1:3] == (1, 128)
+
+
+def test_native_off_by_environment(monkeypatch):
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("INFIR2_NATIVE", "0")
+    assert (
+        native.why_unavailable() == "INFIR2_NATIVE=0"
+        and native.quantize(
+            torch.ones(128, 128),
+            1,
+            128,
+            448.0,
+            True,
+            fe._grid_of(get_format("e4m3")),
+            torch.float8_e4m3fn,
+            True,
+        )
+        is None
+    )

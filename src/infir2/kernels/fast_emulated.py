@@ -53,6 +53,7 @@ from ..fp8.quantize import Block, amax_to_scale, resolve_block
 from ..fp8.quantize import dequantize as reference_dequantize
 from ..fp8.quantize import quantize as reference_quantize
 from ..fp8.recipe import Cast, Fp8Recipe
+from . import native
 from .operand import Operand
 
 __all__ = [
@@ -89,6 +90,8 @@ class _Grid:
     decode_factor: float  # 2 ** (127 - bias): turns the shifted pattern into the FP8 value
     magnitude: int  # the 7 bits of a code below its sign bit
     nonfinite_magnitude: int  # the smallest magnitude that is inf or NaN
+    mbits: int  # mantissa bits
+    bias: int  # exponent bias
 
 
 def _grid(f: Fp8Format) -> _Grid:
@@ -105,7 +108,7 @@ def _grid(f: Fp8Format) -> _Grid:
                  magic_offset=shift << _MANTISSA_BITS_FP32, shift=shift,
                  decode_mask=_SIGN_BIT | (magnitude << shift),
                  decode_factor=2.0 ** (_EXPONENT_BIAS_FP32 - bias), magnitude=magnitude,
-                 nonfinite_magnitude=nonfinite)  # fmt: skip
+                 nonfinite_magnitude=nonfinite, mbits=mbits, bias=bias)  # fmt: skip
 
 
 _GRIDS: dict[torch.dtype, _Grid] = {}
@@ -185,11 +188,26 @@ def _quantize_blocks(
     return b, codes, scale.reciprocal()
 
 
+def _native(
+    x: torch.Tensor, block: Block, f: Fp8Format, pow2_scale: bool, kept: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """The C kernel's result (``kernels.native``), or ``None`` where the eager code runs."""
+    _check_input(x)
+    if x.dtype != torch.float32:
+        return None
+    bm, bk = resolve_block(block, x.shape)
+    return native.quantize(x, bm, bk, f.max, pow2_scale, _grid_of(f), f.dtype, kept)
+
+
 def quantize_fp8(
     x: torch.Tensor, block: Block, fmt: str = "e4m3", pow2_scale: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(data [M,K] fp8, scale_inv [Mb,Kb] fp32)``, bit-identical to the reference ``quantize``."""
-    quantized = _quantize_blocks(x, block, get_format(fmt), pow2_scale)
+    f = get_format(fmt)
+    fast = _native(x, block, f, pow2_scale, kept=False)
+    if fast is not None:
+        return fast[0], fast[1]
+    quantized = _quantize_blocks(x, block, f, pow2_scale)
     if quantized is None:
         return reference_quantize(x, block, fmt, pow2_scale)
     b, codes, scale_inv = quantized
@@ -202,6 +220,9 @@ def quantize_kept(
     """``(data [M,K] fp8, scale_inv [Mb,Kb] fp32, dequantized [M,K] fp32)``, bit-identical to the
     reference ``quantize`` and to ``dequantize(data, scale_inv, block)``."""
     f = get_format(fmt)
+    fast = _native(x, block, f, pow2_scale, kept=True)
+    if fast is not None:
+        return fast  # type: ignore[return-value]  # kept=True: the dequantized copy is there
     quantized = _quantize_blocks(x, block, f, pow2_scale)
     if quantized is None:
         data, scale_inv = reference_quantize(x, block, fmt, pow2_scale)
@@ -218,12 +239,19 @@ def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, block: Block) -> tor
         raise ValueError(f"dequantize expects 2-D FP8 data, got {data.dtype} of shape {tuple(data.shape)}")
     f = get_format("e4m3" if data.dtype == torch.float8_e4m3fn else "e5m2")
     g = _grid_of(f)
-    b = _Blocks(data.view(torch.int8), block)  # a view of the bytes (reshape, as the reference does)
-    if scale_inv.shape != (b.mb, b.kb):
+    bm, bk = resolve_block(block, data.shape)
+    blocks = (-(-data.shape[0] // bm), -(-data.shape[1] // bk))
+    if scale_inv.shape != blocks:
         raise ValueError(
             f"scale_inv shape {tuple(scale_inv.shape)} does not match data {tuple(data.shape)} "
-            f"with block {tuple(block)}: expected {(b.mb, b.kb)}"
+            f"with block {tuple(block)}: expected {blocks}"
         )
+    if not data.is_contiguous() and data.t().is_contiguous():  # a transposed view: decode it in place
+        return dequantize(data.t(), scale_inv.t(), (block[1], block[0])).t()
+    fast = native.decode(data, scale_inv, bm, bk, g)
+    if fast is not None:
+        return fast
+    b = _Blocks(data.view(torch.int8), block)  # a view of the bytes (reshape, as the reference does)
     if data.numel() and int((data.view(torch.uint8) & g.magnitude).amax()) >= g.nonfinite_magnitude:
         return reference_dequantize(data, scale_inv, block)  # NaN/inf bytes: torch's own NaN payloads
     return b.unview(_decode(b.view, b.per_block(scale_inv), g))
@@ -283,10 +311,14 @@ def quantize(x: torch.Tensor, cast: Cast) -> KeptOperand:
 
 def quantize_pair(x: torch.Tensor, a: Cast, b: Cast) -> tuple[KeptOperand, KeptOperand]:
     """The first tiling kept dequantized (its GEMM runs now), the second as FP8 only, decoded when its
-    GEMM runs. For X the second is the wgrad copy saved for backward, so forward never decodes it;
-    for dY both GEMMs follow at once and it costs the same."""
+    GEMM runs. For X the second is the wgrad copy saved for backward (only its bytes are), so forward
+    never decodes it; for dY both GEMMs follow at once. With the C kernel (``kernels.native``) the
+    second keeps the fp32 copy the kernel writes anyway, so dY's wgrad GEMM decodes nothing."""
+    first = quantize(x, a)
+    if native.available():  # the C kernel writes the fp32 copy anyway: keep it for dY's wgrad GEMM
+        return first, quantize(x, b)
     data, scale_inv = quantize_fp8(x, b.block, b.fmt, b.scale == "pow2")
-    return quantize(x, a), KeptOperand(data, scale_inv, b.block)
+    return first, KeptOperand(data, scale_inv, b.block)
 
 
 def supports_gemm(a: Operand, b: Operand, out_dtype: torch.dtype) -> bool:

@@ -31,6 +31,7 @@ from torch import nn
 
 from ..fp8.recipe import Fp8Recipe, get_recipe
 from ..kernels import Kernels, Operand, bind
+from ..kernels.fast_emulated import KeptOperand
 from .fsdp import Fp8GatheredWeight
 
 if TYPE_CHECKING:
@@ -70,9 +71,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 y = y + bias.float()
             # The only activation kept for backward: X in FP8, tiled along tokens for wgrad (x_wgrad).
         w_dgrad = w_fprop if recipe.reuses_weight else None
+        # A CPU-emulation operand that carries its dequantized fp32 values (the weight cache holds it
+        # all step anyway) is kept whole for dgrad: backward then skips decoding the weight again.
+        ctx.w_kept = w_dgrad if isinstance(w_dgrad, KeptOperand) and w_dgrad.dequantized is not None else None
         ctx.save_for_backward(
             x_wgrad.data, x_wgrad.scale_inv, weight,
-            *((w_dgrad.data, w_dgrad.scale_inv) if w_dgrad is not None else ()),
+            *((w_dgrad.data, w_dgrad.scale_inv) if w_dgrad is not None and ctx.w_kept is None else ()),
         )  # fmt: skip
         ctx.recipe, ctx.kernels, ctx.x_dtype, ctx.has_bias = recipe, kernels, x.dtype, bias is not None
         y = y.to(x.dtype)
@@ -95,7 +99,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
             elif need_dw:
                 dy_w = kernels.quantize(dy, recipe.dy_wgrad)
             if need_dx:
-                if w_saved:
+                if ctx.w_kept is not None:
+                    w_dgrad = ctx.w_kept
+                elif w_saved:
                     w_dgrad = Operand(w_saved[0], w_saved[1], recipe.w_dgrad.block)
                 else:
                     w_dgrad = kernels.quantize(weight, recipe.w_dgrad)
