@@ -31,13 +31,17 @@ Non-finite inputs (a block whose ``amax`` is NaN or inf; one check of the small 
 FP8 bytes that encode NaN/inf take the reference path, so NaN stays NaN, inf becomes NaN in E4M3 and
 stays inf in E5M2, with the reference's exact bit patterns and NaN payloads.
 
-Cost (``benchmarks/cpu_emulation.py``): quantize is ~8 elementwise passes plus one fp32 -> fp8 cast,
-and no fp8 -> fp32 conversion; the GEMMs on kept operands are the fp32 GEMMs of ``nn.Linear``.
-Memory: ``dequantized`` is an fp32 copy of the operand. Keep it only while its GEMM needs it and
-save the FP8 ``data`` for backward: :func:`dequantize` brings it back at the cost of one decode.
-(Rounding in fp32 instead - ``(|y| + 2 ** (e + 23 - mbits)) - 2 ** (...)`` with a per-element
-exponent - is exact too, but measured 1.4-1.7x slower than cast + decode at the demo's sizes: it
-needs more passes, and the fp8 bytes still have to be produced.)
+**The C kernel.** Where a C compiler exists, steps 1-3 run as one call into ``kernels.native``
+(``csrc/fp8_emulation.c``): the same arithmetic in two vectorized loops, with the rounding done in
+fp32 by a magic-number addition (``(|y| + 2 ** (e + 23 - mbits)) - 2 ** (...)``, exact) instead of
+the cast, and the byte computed from the rounded value. The eager torch code above is what runs
+without a compiler (or with ``INFIR2_NATIVE=0``); both are tested against the reference.
+
+Cost (``benchmarks/cpu_emulation.py``): the C kernel quantizes 7-14x faster than the reference's
+quantize + dequantize; the eager code ~2x (~8 elementwise passes plus the fp32 -> fp8 cast); the
+GEMMs on kept operands are the fp32 GEMMs of ``nn.Linear``. Memory: ``dequantized`` is an fp32
+copy of the operand. Keep it only while its GEMM needs it and save the FP8 ``data`` for backward:
+:func:`dequantize` brings it back at the cost of one decode.
 """
 
 from __future__ import annotations
