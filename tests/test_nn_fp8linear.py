@@ -137,7 +137,8 @@ def test_backend_selection_and_errors(caplog):
     with caplog.at_level(logging.INFO):
         assert bind(get_recipe("blockwise"), "cpu").name == "fast_emulated"  # exact, integer-decoded
         assert bind(get_recipe("mxfp8"), "cpu").name == "emulated"  # E8M0 scales: the reference
-        assert bind(get_recipe("rowwise"), "cpu").name == "scaled_mm"
+        assert bind(get_recipe("rowwise"), "cpu").name == "fast_emulated"  # faster than CPU _scaled_mm
+        assert bind(get_recipe("rowwise"), "cpu", "scaled_mm").name == "scaled_mm"  # when asked for
     with pytest.raises(ValueError, match="unknown FP8 backend 'cutlass'"):
         bind(get_recipe("blockwise"), "cpu", "cutlass")
     with pytest.raises(ValueError, match="cannot run recipe 'blockwise'"):

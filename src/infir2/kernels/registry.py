@@ -63,7 +63,9 @@ BACKENDS: dict[str, Backend] = {
 #: no chain: it is faster per call on a CPU but costs compile time, so it runs only when asked for.
 ORDER: dict[str, tuple[str, ...]] = {
     "cuda": ("scaled_mm", "triton", "emulated"),  # cuBLAS (FP8 / block-scaled), Triton, reference
-    "cpu": ("scaled_mm", "fast_emulated", "emulated"),  # torch._scaled_mm, integer-decoded emulation
+    # On a CPU the exact emulation (C kernel) runs tensorwise / rowwise 2-3x faster than torch's CPU
+    # _scaled_mm, which converts FP8 back element by element; scaled_mm stays in the chain.
+    "cpu": ("fast_emulated", "scaled_mm", "emulated"),
 }
 
 
