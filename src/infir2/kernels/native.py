@@ -8,7 +8,7 @@ step is bit-identical to the reference (``infir2.fp8.quantize``), and the tests 
 the reference on every case ``fast_emulated``'s tests use.
 
 It is built on first use with the system C compiler (``cc``, ``gcc`` or ``clang``; ~0.5 s) into
-``$INFIR2_CACHE`` (default ``~/.cache/infir2``), once per machine and source version, and loaded
+``$INFIR2_CACHE`` (default ``~/.cache/infir2``), once per CPU type and source version, and loaded
 with ``ctypes``: no torch headers, no build step at install. Without a compiler, or with
 ``INFIR2_NATIVE=0``, :func:`available` is False and ``fast_emulated`` runs its eager torch code
 (same bits, slower); the reason is logged once.
@@ -52,12 +52,24 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("INFIR2_CACHE") or Path.home() / ".cache" / "infir2") / "native"
 
 
+def _cpu_id() -> bytes:
+    """What ``-march=native`` depends on: the CPU's feature flags (Linux), else the processor name, so
+    that a cache shared between different machines (a network home) never loads a foreign build."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "").encode()
+    except OSError:
+        return (platform.processor() or platform.machine()).encode()
+
+
 def _build() -> ctypes.CDLL:
     compiler = next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
     if compiler is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
     source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(_FLAGS + _NATIVE_ARCH).encode() + platform.machine().encode())
+    key = hashlib.sha256(
+        source + " ".join(_FLAGS + _NATIVE_ARCH).encode() + platform.machine().encode() + _cpu_id()
+    )
     target = _cache_dir() / f"fp8_emulation-{key.hexdigest()[:16]}.so"
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
