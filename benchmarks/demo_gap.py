@@ -11,16 +11,20 @@ script reruns exactly that stage (the demo's own ``_cpt_config`` and ``prepare_d
 * how noisy the last-batch training loss is (its spread over the last 100 steps);
 * the FP8 telemetry (``fp8.stats_every``): per GEMM result (fprop Y, dgrad dX, wgrad dW) the SQNR
   over layers, per operand the underflow, and the activation / gradient amax over steps;
-* **ablations** (``--ablations``) that put one GEMM of the blockwise recipe back in fp32 (its two
-  operands cast with 1x1 blocks and fp32 scales: every element is its own block, so the FP8 code is
-  +-448 and the value is kept to fp32 rounding, ~137 dB), E5M2 gradients, a lower lr and a wider model.
+* **ablations** (``--ablations`` groups, at ``--ablation-seeds``): ``exact``, the null control
+  ``fp8_exact`` (every operand cast with 1x1 blocks and fp32 scales: each element is its own block,
+  its FP8 code is +-448 and its value survives to fp32 rounding, ~140 dB, so the run differs from
+  the baseline by ~1e-7 per GEMM and nothing else); ``gemm``, blockwise with one GEMM's two operands
+  cast that way (wgrad, dgrad, fprop); ``e5m2`` gradients; ``scale``, fp32 instead of pow2 scales;
+  ``lr``, the learning rate / 3; ``wide``, hidden 256 (the recipes of ``--recipes``).
 
 Each run writes ``OUT/runs/<tag>/seed<k>/metrics.jsonl``; a finished run is reused on the next
 call, so the tables can be reprinted (``--tables-only``) or extended. Runs go ``--jobs`` at a time in
 worker processes of one thread each.
 
 Run: ``OMP_NUM_THREADS=1 nice python benchmarks/demo_gap.py --out /tmp/demo_gap`` (main grid),
-then ``--ablations`` for the attribution runs; ``--quick`` is a smoke run (2 layers, 30 steps).
+then e.g. ``--ablations exact,gemm --ablation-seeds 2``; ``--quick`` is a smoke run (2 layers, 30
+steps, ~1 minute). BENCHMARKS.md ("Why the demo's FP8 runs lost 4.3% CPT loss") has the figures.
 """
 
 from __future__ import annotations
