@@ -102,8 +102,8 @@ class Run:
 
 
 def _config(run: Run, out: Path, vocab: int, eval_every: int, stats_every: int) -> dict[str, Any]:
-    cfg = _cpt_config(run.settings, out / "data", run.recipe, vocab)
-    cfg["run"].update(name=f"{run.tag}/seed{run.seed}", out_dir=str(out / "runs"), seed=run.seed)
+    cfg = _cpt_config(run.settings, out / "data", run.recipe, run.seed, vocab)
+    cfg["run"].update(name=f"{run.tag}/seed{run.seed}", out_dir=str(out / "runs"))
     stats = stats_every if RECIPES[run.recipe].enabled else 0
     cfg["fp8"].update(stats_every=stats)
     cfg["train"].update(eval_every=eval_every, eval_batches=20, log_every=10**9, save_every=0)

@@ -36,7 +36,12 @@ def test_quick_demo_runs_end_to_end(tmp_path):
     assert (out / "loss_curves.png").stat().st_size > 10_000
     for label in ("baseline", "FP8 blockwise", "FP8 tensorwise", "accuracy", "tokens/s", "seed spread"):
         assert label in report
-    assert report.count("within noise of the baseline") == 2  # a generated verdict per FP8 recipe
+    # a generated verdict per FP8 recipe on the arithmetic task, and one on real text
+    assert report.count("within noise of the baseline") == 4 and report.count("baseline on real text") == 2
+    text = results["text"]
+    assert sorted((r["recipe"], r["seed"]) for r in text["runs"]) == sorted(
+        (recipe, seed) for recipe in ("bf16", "blockwise", "tensorwise") for seed in (0, 1)
+    ) and all(math.isfinite(r["val_loss"]) for r in text["runs"])
     assert (out / "readme_table.md").read_text() in report
     assert main(["demo", "--report-only", "--out", str(out)]) == 0  # re-rendered from results.json alone
     assert (out / "report.md").read_text() == report

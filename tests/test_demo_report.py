@@ -102,7 +102,32 @@ def test_readme_table_rows_and_verdicts():
     assert "seed spread 9.52%" in rows[1] and "seeds 70-76%" in rows[1]  # the baseline's own noise
     assert "| 2.1100 | +0.50 +- 0.71% |" in rows[2] and "| 3.00x | 2.00x |" in rows[2]
     assert "guessing the most common answer scores 8%" in text.lower()
-    assert text.count("- FP8 ") == 2 and "FP8 tensorwise is NOT within noise" in text
+    assert text.count("- On the arithmetic task: FP8 ") == 2 and "FP8 tensorwise is NOT within noise" in text
+    assert "Real-text verdict: not run" in text  # no real-text part in this record
+
+
+def test_real_text_verdict_is_computed_from_its_runs():
+    """The real-text part: paired gaps against the baseline's seed spread, one sentence per recipe."""
+    from infir2.bench.fidelity_report import RunResult as TextRun
+    from infir2.bench.fidelity_report import summarize as summarize_text
+    from infir2.demo.text import text_section
+
+    def run(recipe, seed, loss):
+        return TextRun(width=256, recipe=recipe, seed=seed, val_loss=loss, train_loss=loss, tail_drop=1.0,
+                       steps=100, seconds=1.0)  # fmt: skip
+
+    runs = [run("bf16", 0, 5.00), run("bf16", 1, 5.05), run("blockwise", 0, 5.01), run("blockwise", 1, 5.06),
+            run("tensorwise", 0, 5.20), run("tensorwise", 1, 5.25)]  # fmt: skip
+    settings = {"val_every": 20, "vocab_size": 4096, "widths": [256], "layers": 4, "steps": 100, "batch": 8,
+                "seq_len": 128, "lr": 2e-3}  # fmt: skip
+    text = {"settings": settings, "data": {"characters": 1000}, "runs": [vars(r) for r in runs],
+            "summary": summarize_text(runs)}  # fmt: skip
+    lines = "\n".join(text_section(text, {"blockwise": "FP8 blockwise", "tensorwise": "FP8 tensorwise"}))
+    spread = 100 * 0.05 / 5.025  # the baseline's (max - min) / mean, in %
+    assert f"FP8 blockwise is within noise of the baseline on real text: held-out loss +0.20% +- 0.00% " \
+           f"(baseline seed spread {spread:.2f}%)" in lines  # fmt: skip
+    assert "FP8 tensorwise is NOT within noise" in lines  # +4% against a 1% spread
+    assert "| 256 | blockwise | 5.0100 / 5.0600 |" in lines
 
 
 def test_update_readme_replaces_only_the_marked_block(tmp_path):

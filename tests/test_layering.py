@@ -29,7 +29,7 @@ ALLOWED: dict[str, set[str]] = {
     "eval": {"data", "export", "loss", "nn"},
     "train": {"checkpoint", "data", "export", "fp8", "loss", "model", "nn"},
     "bench": {"data", "fp8", "kernels", "model", "nn", "train"},
-    "demo": {"data", "eval", "fp8", "train"},
+    "demo": {"bench", "data", "eval", "fp8", "train"},
     "memory": {"fp8", "nn"},
     "plan": {"chunked_loss", "fp8", "memory"},
     "cli": set(),  # cli imports its subcommands lazily by name (importlib), never statically

@@ -54,6 +54,15 @@ class DemoSettings:
     sft_lr: float = 1e-3
     max_new_tokens: int = 64
     eval_batch_size: int = 50
+    # the real-text part (demo/text.py; infir2 fidelity's runs): 0 = skip it
+    text_width: int = 256
+    text_layers: int = 4
+    text_vocab_size: int = 4096
+    text_seq_len: int = 128
+    text_batch: int = 8
+    text_steps: int = 100
+    text_eval_batches: int = 16
+    text_max_chars: int | None = None  # the whole corpus
 
 
 # Tuned on the development CPU (see README): small batches and many steps teach this tiny model more
@@ -66,7 +75,9 @@ FULL = DemoSettings()
 # 96 SFT conversations instead of 160).
 QUICK = DemoSettings(n_train=96, n_test=20, n_cpt_worked=200, n_cpt_tables=20, num_layers=2,
                      intermediate_size=256, cpt_steps=5, sft_epochs=1, max_new_tokens=48,
-                     eval_batch_size=20)  # fmt: skip
+                     eval_batch_size=20, text_width=128, text_layers=1, text_vocab_size=320,
+                     text_seq_len=32, text_batch=4, text_steps=5, text_eval_batches=2,
+                     text_max_chars=60_000)  # fmt: skip
 
 
 @dataclass
@@ -107,6 +118,7 @@ class DemoRecord:
     seconds: float  # the whole demo's wall clock
     jobs: int  # runs trained side by side
     machine: str = ""
+    text: dict[str, Any] | None = None  # the real-text part: infir2 fidelity's result dict (demo/text.py)
     date: str = field(default_factory=lambda: datetime.now(timezone.utc).strftime("%Y-%m-%d"))
 
     def save(self, path: Path) -> None:
@@ -136,7 +148,12 @@ class DemoRecord:
             r.cpt_curve = [(int(s), float(v)) for s, v in r.cpt_curve]
             r.sft_curve = [(int(s), float(v)) for s, v in r.sft_curve]
         return cls(
-            settings=settings, runs=runs, machine=raw.get("machine", ""), date=raw.get("date", ""), **top
+            settings=settings,
+            runs=runs,
+            machine=raw.get("machine", ""),
+            date=raw.get("date", ""),
+            text=raw.get("text"),
+            **top,
         )
 
 
