@@ -1,7 +1,7 @@
 """Paired comparisons over seeds: is an FP8 run's gap to the baseline larger than the baseline's own noise?
 
 Two runs *pair* when they share a seed (same initialization, same data order) and differ only in the
-recipe. The arithmetic, shared by ``infir2 demo`` and ``infir2 bench --preset fidelity``:
+recipe. The arithmetic, shared by ``infir2 demo`` and ``infir2 fidelity``:
 
 * gap of a run: ``100 * (value - baseline value) / baseline value`` (%), against the baseline run of
   the same seed (``gap_pct``);
