@@ -1,5 +1,5 @@
-"""The whole recipe on embedded data, on a laptop CPU: CPT then SFT, the baseline vs FP8, over seeds,
-with a verdict computed from the runs.
+"""The whole recipe on a laptop CPU: the baseline vs FP8 over seeds, on real text (the verdict) and
+on a generated reasoning task (CPT then SFT then accuracy), every figure computed from the runs.
 
 `infir2 demo` (no arguments, no network) does, on 2 CPU cores:
 
@@ -9,8 +9,8 @@ with a verdict computed from the runs.
    (a share held out: the CPT held-out loss);
 3. for each recipe -- by default the high-precision baseline (``bf16``; computed in fp32 on a CPU,
    which has no fast bf16) and FP8 ``blockwise`` (the InfiR2 / DeepSeek-V3 recipe); add e.g. FP8
-   ``tensorwise`` (the naive FP8) with ``--recipes`` -- and each seed (``--seeds``, default 0,1; a seed sets the initialization and the data order,
-   the same for every recipe) builds a Qwen2-style model (~1M parameters), continually pre-trains it,
+   ``tensorwise`` (the naive FP8) with ``--recipes`` -- and each seed (``--seeds``, default 0,1; a
+   seed sets the initialization and the data order, the same for every recipe) builds a Qwen2-style model (~1M parameters), continually pre-trains it,
    then fine-tunes it on the reasoning task;
 4. evaluates each fine-tuned model on the held-out problems with the evaluation protocol of the
    recipe (system prompt, ``<think>`` opened, answer in the last ``\\boxed{}``; greedy decoding);
