@@ -25,12 +25,12 @@ def _run(width: int, recipe: str, seed: int, loss: float) -> RunResult:
 
 
 PLANTED = [
-    _run(128, "bf16", 0, 5.0), _run(128, "bf16", 1, 5.2),
-    _run(128, "blockwise", 0, 5.05), _run(128, "blockwise", 1, 5.2),  # gaps +1% and 0%
-    _run(128, "tensorwise", 0, 5.5), _run(128, "tensorwise", 1, 5.72),  # gaps +10% and +10%
-    _run(256, "bf16", 0, 4.0), _run(256, "bf16", 1, 4.1),
-    _run(256, "blockwise", 0, 4.02), _run(256, "blockwise", 1, 4.1),  # +0.5%, 0%
-    _run(256, "tensorwise", 0, 4.8), _run(256, "tensorwise", 1, 4.92),  # +20%, +20%
+    _run(128, "bf16", 0, 5.0), _run(128, "bf16", 1, 5.2), _run(128, "bf16", 2, 5.1),
+    _run(128, "blockwise", 0, 5.05), _run(128, "blockwise", 1, 5.2), _run(128, "blockwise", 2, 5.1),  # +1, 0, 0 %
+    _run(128, "tensorwise", 0, 5.5), _run(128, "tensorwise", 1, 5.72), _run(128, "tensorwise", 2, 5.61),  # +10 %
+    _run(256, "bf16", 0, 4.0), _run(256, "bf16", 1, 4.1), _run(256, "bf16", 2, 4.0),
+    _run(256, "blockwise", 0, 4.004), _run(256, "blockwise", 1, 4.1), _run(256, "blockwise", 2, 4.004),  # +0.1, 0, +0.1
+    _run(256, "tensorwise", 0, 4.8), _run(256, "tensorwise", 1, 4.92), _run(256, "tensorwise", 2, 4.8),  # +20 %
 ]  # fmt: skip
 
 
@@ -38,16 +38,20 @@ def test_summary_pairs_each_fp8_run_with_the_baseline_of_its_seed():
     s = summarize(PLANTED)
     base = {b["width"]: b for b in s["baseline"]}
     assert base[128]["spread_pct"] == pytest.approx(100 * 0.2 / 5.1)
-    assert base[256]["spread_pct"] == pytest.approx(100 * 0.1 / 4.05)
+    assert base[256]["spread_pct"] == pytest.approx(100 * 0.1 / (12.1 / 3))
     gaps = {(g["width"], g["recipe"]): g for g in s["gaps"]}
     assert set(gaps) == {(128, "blockwise"), (128, "tensorwise"), (256, "blockwise"), (256, "tensorwise")}
     g = gaps[128, "blockwise"]
-    assert g["gaps_pct"] == pytest.approx([1.0, 0.0]) and g["seeds"] == [0, 1]
-    assert g["mean_pct"] == pytest.approx(0.5) and g["sd_pct"] == pytest.approx(math.sqrt(0.5))
-    assert g["within_noise"] and not gaps[128, "tensorwise"]["within_noise"]
+    assert g["gaps_pct"] == pytest.approx([1.0, 0.0, 0.0]) and g["seeds"] == [0, 1, 2]
+    assert g["mean_pct"] == pytest.approx(1 / 3) and g["sd_pct"] == pytest.approx(math.sqrt(1 / 3))
+    half = 4.303 * math.sqrt(1 / 3) / math.sqrt(3)  # t(2) from a statistics table
+    assert (g["low_pct"], g["high_pct"]) == pytest.approx((1 / 3 - half, 1 / 3 + half), abs=1e-3)
+    assert g["verdict"] == "inconclusive: more seeds needed"  # [-1.10, +1.77] crosses the +-1% margin
+    assert gaps[256, "blockwise"]["verdict"] == "equivalent"  # [-0.08, +0.21]
+    assert gaps[128, "tensorwise"]["verdict"] == gaps[256, "tensorwise"]["verdict"] == "worse"
     assert gaps[256, "tensorwise"]["mean_pct"] == pytest.approx(20.0)
-    assert s["verdict"]["blockwise"] == {"within_noise_at_every_width": True, "shrinks_with_width": True}
-    assert s["verdict"]["tensorwise"] == {"within_noise_at_every_width": False, "shrinks_with_width": False}
+    assert s["verdict"]["blockwise"] == {"equivalent_at_every_width": False, "shrinks_with_width": True}
+    assert s["verdict"]["tensorwise"] == {"equivalent_at_every_width": False, "shrinks_with_width": False}
 
 
 def test_a_run_without_its_baseline_seed_is_not_paired():
@@ -62,9 +66,9 @@ def test_table_has_one_row_per_width_and_recipe():
     text = table(summarize(PLANTED), PLANTED)
     rows = [line for line in text.splitlines() if re.match(r"\| \d+ \|", line)]
     assert len(rows) == 6 and all(row.count("|") == 8 for row in rows)
-    assert "| 128 | blockwise | 5.0500 / 5.2000 | +0.50 +- 0.71 | 3.92 | yes |" in text
-    assert "| 256 | tensorwise | 4.8000 / 4.9200 | +20.00 +- 0.00 | 2.47 | NO |" in text
-    assert "- tensorwise: within the baseline's seed spread at every width: no" in text
+    assert "| 128 | blockwise | 5.0500 / 5.2000 / 5.1000 | +0.33 [-1.10, +1.77] | 3.92 | inconclusive" in text
+    assert "| 256 | tensorwise | 4.8000 / 4.9200 / 4.8000 | +20.00 [+20.00, +20.00] | 2.48 | worse |" in text
+    assert "- tensorwise: equivalent to the baseline (+-1%) at every width: no" in text
 
 
 def test_tail_drop_measures_the_last_fifth():
@@ -125,7 +129,7 @@ def test_report_mode_tabulates_finished_runs_without_training(tmp_path, capsys):
     assert cli.main(["fidelity", "--report", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "fidelity.json").read_text())
     assert result["partial"] and result["summary"] == json.loads(json.dumps(summarize(PLANTED)))
-    assert "| 256 | blockwise | 4.0200 / 4.1000 |" in capsys.readouterr().out
+    assert "| 256 | blockwise | 4.0040 / 4.1000 / 4.0040 |" in capsys.readouterr().out
 
 
 def test_report_mode_without_runs_is_a_clear_error(tmp_path, capsys):

@@ -1,9 +1,10 @@
-"""The demo's computed verdict, on planted runs (no training): paired gaps, seed spread, the rule, the
-README block, ``results.json`` and the CLI options that re-render from it.
+"""The demo's computed verdict, on planted runs (no training): paired gaps, their t-intervals against
+the margins, the README block, ``results.json`` and the CLI options that re-render from it.
 
 Expected values are worked out by hand from the definitions (gap = FP8 minus the baseline at the same
-seed; losses in % of the baseline, accuracy in points; spread = (max - min) / mean for losses, max - min
-for accuracy; within noise iff |mean gap| <= spread), not by calling the code under test.
+seed; losses in % of the baseline, accuracy in points; interval = mean +- t(n-1) sd / sqrt(n) with the
+table value t(2) = 4.303; margins +-2% CPT, +-10% SFT, +-3 points accuracy), not by calling the code
+under test.
 """
 
 from __future__ import annotations
@@ -28,61 +29,68 @@ def _run(recipe: str, seed: int, cpt: float, sft: float, acc: float, seconds: fl
                         sft_curve=[(1, 1.0), (2, sft)])  # fmt: skip
 
 
-BASE = [_run("bf16", 0, 2.0, 0.05, 0.70, 10.0, 5.0), _run("bf16", 1, 2.2, 0.06, 0.76, 12.0, 7.0)]
-# blockwise: CPT gaps +1% and 0%, SFT gaps +10% and 0%, accuracy -4 and -2 points: all within the spread
+BASE = [_run("bf16", 0, 2.0, 0.05, 0.90, 10.0, 5.0), _run("bf16", 1, 2.2, 0.06, 0.96, 12.0, 7.0),
+        _run("bf16", 2, 2.1, 0.05, 0.93, 11.0, 6.0)]  # fmt: skip
+# blockwise: CPT gaps +0.5, 0, +0.5 %; SFT +1, 0, +1 %; accuracy -1, 0, 0 points: every interval inside its margin
 CLOSE = [
-    _run("blockwise", 0, 2.02, 0.055, 0.66, 30.0, 9.0),
-    _run("blockwise", 1, 2.2, 0.06, 0.74, 36.0, 15.0),
+    _run("blockwise", 0, 2.01, 0.0505, 0.89, 30.0, 9.0),
+    _run("blockwise", 1, 2.2, 0.06, 0.96, 36.0, 15.0),
+    _run("blockwise", 2, 2.1105, 0.0505, 0.93, 33.0, 12.0),
 ]
-# tensorwise: accuracy -10 and -10 points, beyond the baseline's 6-point spread
-FAR = [_run("tensorwise", 0, 2.0, 0.05, 0.60), _run("tensorwise", 1, 2.2, 0.06, 0.66)]
+# tensorwise: losses equal to the baseline's, accuracy -10 points at every seed: resolved, worse
+FAR = [_run("tensorwise", 0, 2.0, 0.05, 0.80), _run("tensorwise", 1, 2.2, 0.06, 0.86),
+       _run("tensorwise", 2, 2.1, 0.05, 0.83)]  # fmt: skip
 RECIPES = ["bf16", "blockwise", "tensorwise"]
+T2 = 4.303  # two-sided 95% t quantile, 2 degrees of freedom (statistics table)
 
 
-def test_gaps_spreads_and_verdict_by_hand():
+def test_gaps_intervals_and_verdict_by_hand():
     base, close, far = summarize(BASE + CLOSE + FAR, RECIPES)
-    assert base.gaps == () and base.within_noise is None
+    assert base.gaps == () and base.verdict is None
     cpt, sft, acc = close.gaps
-    assert cpt.seeds == (0, 1) and cpt.gaps == pytest.approx((1.0, 0.0))
-    assert cpt.mean == pytest.approx(0.5) and cpt.sd == pytest.approx(math.sqrt(0.5))  # sample sd of (1, 0)
-    assert cpt.spread == pytest.approx(100 * 0.2 / 2.1)  # 9.52%
-    assert sft.gaps == pytest.approx((10.0, 0.0)) and sft.spread == pytest.approx(100 * 0.01 / 0.055)
-    assert acc.gaps == pytest.approx((-4.0, -2.0)) and acc.mean == pytest.approx(-3.0)
-    assert acc.sd == pytest.approx(math.sqrt(2)) and acc.spread == pytest.approx(6.0)
-    assert all(g.within_noise for g in close.gaps) and close.within_noise is True
-    assert close.means["cpt_val_loss"] == pytest.approx(2.11) and close.means["accuracy"] == pytest.approx(
-        0.70
-    )
+    assert cpt.seeds == (0, 1, 2) and cpt.gaps == pytest.approx((0.5, 0.0, 0.5))
+    assert cpt.mean == pytest.approx(1 / 3) and cpt.sd == pytest.approx(math.sqrt(1 / 12))
+    half = T2 * math.sqrt(1 / 12) / math.sqrt(3)
+    assert (cpt.verdict.low, cpt.verdict.high) == pytest.approx((1 / 3 - half, 1 / 3 + half), abs=1e-3)
+    assert cpt.spread == pytest.approx(100 * 0.2 / 2.1)  # the baseline's own seed spread, 9.52%
+    assert sft.gaps == pytest.approx((1.0, 0.0, 1.0)) and acc.gaps == pytest.approx((-1.0, 0.0, 0.0))
+    assert [g.verdict.label for g in close.gaps] == ["equivalent"] * 3 and close.verdict == "equivalent"
+    assert close.means["cpt_val_loss"] == pytest.approx(6.3205 / 3)
     assert close.seconds == pytest.approx(33.0) and close.time_ratio == pytest.approx(3.0)  # 33 s / 11 s
     assert close.train_ratio == pytest.approx(2.0)  # steps alone: 12 s / 6 s
-    assert [g.within_noise for g in far.gaps] == [True, True, False] and far.within_noise is False
-    assert far.gaps[2].mean == pytest.approx(-10.0)
+    assert [g.verdict.label for g in far.gaps] == ["equivalent", "equivalent", "worse"]
+    assert far.verdict == "worse" and far.gaps[2].mean == pytest.approx(-10.0)
 
 
-def test_the_verdict_flips_where_the_gap_crosses_the_spread():
-    """Accuracy gap -6 points against a 6-point spread is within (<=); -6.2 is not."""
-    at_edge = [_run("blockwise", 0, 2.0, 0.05, 0.64), _run("blockwise", 1, 2.2, 0.06, 0.70)]
-    beyond = [_run("blockwise", 0, 2.0, 0.05, 0.638), _run("blockwise", 1, 2.2, 0.06, 0.698)]
-    assert summarize(BASE + at_edge, ["bf16", "blockwise"])[1].within_noise is True
-    assert summarize(BASE + beyond, ["bf16", "blockwise"])[1].within_noise is False
+def test_the_verdict_moves_with_the_interval_not_the_mean():
+    """The same mean accuracy gap (-1 point) is equivalent when the seeds agree and inconclusive when
+    they scatter; a clear gap beyond the margin is worse; two seeds rarely resolve anything (t(1) = 12.7)."""
+    tight = [
+        _run("blockwise", k, b.cpt_val_loss, b.sft_val_loss, b.accuracy - 0.01) for k, b in enumerate(BASE)
+    ]
+    loose = [_run("blockwise", k, b.cpt_val_loss, b.sft_val_loss, b.accuracy + d)
+             for k, (b, d) in enumerate(zip(BASE, (-0.06, 0.05, -0.02), strict=True))]  # fmt: skip
+    assert summarize(BASE + tight, ["bf16", "blockwise"])[1].verdict == "equivalent"
+    assert summarize(BASE + loose, ["bf16", "blockwise"])[1].verdict == "inconclusive: more seeds needed"
+    two = summarize(BASE[:2] + CLOSE[:2], ["bf16", "blockwise"])[1]
+    assert two.verdict == "inconclusive: more seeds needed"  # CPT gaps +0.5, 0: [-3.9, +4.4] exceeds +-2%
 
 
-def test_verdict_sentences_state_gap_sd_and_spread():
-    _, close, far = summarize(BASE + CLOSE + FAR, RECIPES)
-    assert verdict_sentence(close) == (
-        "FP8 blockwise is within noise of the baseline: CPT held-out loss +0.50 +- 0.71% (baseline seed spread "
-        "9.52%), SFT val loss +5.00 +- 7.07% (baseline seed spread 18.18%), accuracy -3.0 +- 1.4 points "
-        "(baseline seeds 70-76%)."
-    )
-    sentence = verdict_sentence(far)
-    assert sentence.startswith("FP8 tensorwise is NOT within noise of the baseline (accuracy beyond")
-    assert "accuracy -10.0 +- 0.0 points (baseline seeds 70-76%)" in sentence
+def test_verdict_sentences_state_gap_interval_margin_and_null_control():
+    summaries = summarize(BASE + CLOSE + FAR, RECIPES)
+    _, close, far = summaries
+    sentence = verdict_sentence(close, null=far)  # far stands in for the null control here
+    assert sentence.startswith("FP8 blockwise: equivalent to the baseline (mean paired gap over 3 seed(s)")
+    assert "accuracy -0.3 points [-1.8, +1.1] against +-3 points: equivalent (null control -10.0 points " \
+           "[-10.0, -10.0], baseline seeds 90-96%)" in sentence  # fmt: skip
+    assert "CPT held-out loss +0.33% [-0.38, +1.05] against +-2%: equivalent" in sentence
+    assert verdict_sentence(far).startswith("FP8 tensorwise: WORSE than the baseline")
 
 
 def test_one_seed_is_not_judged():
     _, fp8 = summarize(BASE[:1] + CLOSE[:1], ["bf16", "blockwise"])
-    assert fp8.within_noise is None and fp8.gaps[0].sd is None
-    assert "cannot be judged" in verdict_sentence(fp8) and "+1.00% (1 seed)" in verdict_sentence(fp8)
+    assert fp8.verdict == "inconclusive: more seeds needed" and fp8.gaps[0].sd is None
+    assert "+0.50% (1 seed)" in verdict_sentence(fp8)
 
 
 def test_a_recipe_without_runs_is_an_error():
@@ -99,15 +107,17 @@ def test_readme_table_rows_and_verdicts():
     text = readme_table(_record())
     rows = [line for line in text.splitlines() if line.startswith("| ")]
     assert len(rows) == 4  # header + 3 recipes
-    assert "seed spread 9.52%" in rows[1] and "seeds 70-76%" in rows[1]  # the baseline's own noise
-    assert "| 2.1100 | +0.50 +- 0.71% |" in rows[2] and "| 3.00x | 2.00x |" in rows[2]
+    assert "seed spread 9.52%" in rows[1] and "seeds 90-96%" in rows[1]  # the baseline's own noise
+    assert "| 2.1068 | +0.33% [-0.38, +1.05] |" in rows[2] and "| 3.00x | 2.00x |" in rows[2]
     assert "guessing the most common answer scores 8%" in text.lower()
-    assert text.count("- On the arithmetic task: FP8 ") == 2 and "FP8 tensorwise is NOT within noise" in text
+    assert (
+        text.count("- On the reasoning task: FP8 ") == 2 and "FP8 tensorwise: WORSE than the baseline" in text
+    )
     assert "Real-text verdict: not run" in text  # no real-text part in this record
 
 
 def test_real_text_verdict_is_computed_from_its_runs():
-    """The real-text part: paired gaps against the baseline's seed spread, one sentence per recipe."""
+    """The real-text part: paired gaps with their intervals against +-1%, one sentence per recipe."""
     from infir2.bench.fidelity_report import RunResult as TextRun
     from infir2.bench.fidelity_report import summarize as summarize_text
     from infir2.demo.text import text_section
@@ -116,18 +126,20 @@ def test_real_text_verdict_is_computed_from_its_runs():
         return TextRun(width=256, recipe=recipe, seed=seed, val_loss=loss, train_loss=loss, tail_drop=1.0,
                        steps=100, seconds=1.0)  # fmt: skip
 
-    runs = [run("bf16", 0, 5.00), run("bf16", 1, 5.05), run("blockwise", 0, 5.01), run("blockwise", 1, 5.06),
-            run("tensorwise", 0, 5.20), run("tensorwise", 1, 5.25)]  # fmt: skip
+    runs = [run("bf16", 0, 5.00), run("bf16", 1, 5.05), run("bf16", 2, 5.10), run("blockwise", 0, 5.01),
+            run("blockwise", 1, 5.0601), run("blockwise", 2, 5.1102), run("tensorwise", 0, 5.20),
+            run("tensorwise", 1, 5.252), run("tensorwise", 2, 5.304)]  # fmt: skip
     settings = {"val_every": 20, "vocab_size": 4096, "widths": [256], "layers": 4, "steps": 100, "batch": 8,
                 "seq_len": 128, "lr": 2e-3}  # fmt: skip
     text = {"settings": settings, "data": {"characters": 1000}, "runs": [vars(r) for r in runs],
             "summary": summarize_text(runs)}  # fmt: skip
     lines = "\n".join(text_section(text, {"blockwise": "FP8 blockwise", "tensorwise": "FP8 tensorwise"}))
-    spread = 100 * 0.05 / 5.025  # the baseline's (max - min) / mean, in %
-    assert f"FP8 blockwise is within noise of the baseline on real text: held-out loss +0.20% +- 0.00% " \
+    spread = 100 * 0.10 / 5.05  # the baseline's (max - min) / mean, in %
+    # blockwise gaps +0.2% at each seed (to rounding): a tight interval inside +-1%
+    assert "FP8 blockwise on real text: held-out loss +0.20% [+0.20, +0.20] against +-1%: **equivalent** " \
            f"(baseline seed spread {spread:.2f}%)" in lines  # fmt: skip
-    assert "FP8 tensorwise is NOT within noise" in lines  # +4% against a 1% spread
-    assert "| 256 | blockwise | 5.0100 / 5.0600 |" in lines
+    assert "FP8 tensorwise on real text: held-out loss +4.00% [+4.00, +4.00] against +-1%: **worse**" in lines
+    assert "| 256 | blockwise | 5.0100 / 5.0601 / 5.1102 |" in lines
 
 
 def test_update_readme_replaces_only_the_marked_block(tmp_path):
@@ -136,7 +148,7 @@ def test_update_readme_replaces_only_the_marked_block(tmp_path):
     update_readme(readme, _record())
     text = readme.read_text()
     assert text.startswith("# title\n\nbefore\n") and text.endswith(f"{README_END}\nafter\n")
-    assert "old table" not in text and "FP8 blockwise is within noise" in text
+    assert "old table" not in text and "FP8 blockwise: equivalent to the baseline" in text
     update_readme(readme, _record())
     assert readme.read_text() == text  # idempotent
 
@@ -187,7 +199,7 @@ def test_report_only_and_update_readme_from_the_cli(tmp_path, capsys):
     readme = tmp_path / "README.md"
     readme.write_text(f"x\n{README_START}\n{README_END}\n")
     assert main(["demo", "--report-only", "--update-readme", str(readme), "--out", str(out)]) == 0
-    assert "FP8 tensorwise is NOT within noise" in (out / "report.md").read_text()
+    assert "FP8 tensorwise: WORSE than the baseline" in (out / "report.md").read_text()
     assert (out / "readme_table.md").read_text() in readme.read_text()
     assert (out / "loss_curves.png").stat().st_size > 10_000
     assert main(["demo", "--report-only", "--out", str(tmp_path / "empty")]) == 2

@@ -1,15 +1,23 @@
-"""Paired comparisons over seeds: is an FP8 run's gap to the baseline larger than the baseline's own noise?
+"""Paired comparisons over seeds: the gap of a run to the baseline of the same seed, and the verdict.
 
 Two runs *pair* when they share a seed (same initialization, same data order) and differ only in the
 recipe. The arithmetic, shared by ``infir2 demo`` and ``infir2 fidelity``:
 
-* gap of a run: ``100 * (value - baseline value) / baseline value`` (%), against the baseline run of
-  the same seed (``gap_pct``);
+* gap of a run: ``100 * (value - baseline value) / baseline value`` (%) for a loss (``gap_pct``), or
+  ``value - baseline value`` in the metric's own unit (accuracy points);
 * over seeds: the gaps' mean and sample standard deviation, ``None`` for one seed (``mean_sd``);
-* the baseline's seed spread: ``100 * (max - min) / mean`` of its values over seeds (``spread_pct``):
-  how far two runs of the *same* recipe land apart when only the seed changes;
-* within noise: ``|mean gap| <= seed spread`` (``within_noise``). A gap the baseline itself shows
-  between seeds is no evidence that FP8 changed anything.
+* the baseline's seed spread: ``100 * (max - min) / mean`` of its values over seeds (``spread_pct``),
+  shown beside the gaps as how far two runs of the *same* recipe land apart;
+* **the verdict** (``paired_verdict``): a two-sided 95% Student t-interval of the mean paired gap
+  (``n - 1`` degrees of freedom; ``mean +- t * sd / sqrt(n)``), compared with an equivalence margin
+  ``m`` stated per metric:
+
+  - ``equivalent``: the whole interval lies inside ``[-m, +m]`` (checked first: a difference the
+    seeds resolve but that is smaller than the margin does not matter);
+  - ``worse`` / ``better``: the interval excludes 0, on the side where the metric gets worse /
+    better (higher loss, lower accuracy is worse);
+  - otherwise ``inconclusive: more seeds needed`` -- and always with fewer than two paired seeds,
+    which have no interval.
 
 Pure functions of floats (no torch, no infir2 imports), so any layer may use them.
 """
@@ -18,8 +26,24 @@ from __future__ import annotations
 
 import math
 import statistics
+from dataclasses import dataclass
 
-__all__ = ["gap_pct", "mean_sd", "spread_pct", "within_noise"]
+__all__ = [
+    "CONFIDENCE",
+    "EQUIVALENT",
+    "INCONCLUSIVE",
+    "Verdict",
+    "gap_pct",
+    "mean_sd",
+    "paired_gaps",
+    "paired_verdict",
+    "spread_pct",
+    "t_quantile",
+]
+
+CONFIDENCE = 0.95  # two-sided coverage of the interval
+EQUIVALENT = "equivalent"
+INCONCLUSIVE = "inconclusive: more seeds needed"
 
 
 def gap_pct(value: float, base: float) -> float:
@@ -39,6 +63,76 @@ def spread_pct(values: list[float]) -> float:
     return 100 * (max(values) - min(values)) / statistics.fmean(values) if values else math.nan
 
 
-def within_noise(mean_gap: float, spread: float) -> bool:
-    """The rule: a mean gap no larger in size than the baseline's seed spread (NaN is never within)."""
-    return abs(mean_gap) <= spread
+def _t_central(t: float, df: int) -> float:
+    """``P(|T| < t)`` for Student's t with integer ``df`` (closed form, Abramowitz & Stegun 26.7.3-4)."""
+    theta = math.atan(t / math.sqrt(df))
+    c2, s = math.cos(theta) ** 2, math.sin(theta)
+    if df % 2 == 0:  # sin(theta) * (1 + 1/2 c^2 + 1*3/(2*4) c^4 + ... up to c^(df-2))
+        term, total = 1.0, 1.0
+        for k in range(1, df // 2):
+            term *= c2 * (2 * k - 1) / (2 * k)
+            total += term
+        return s * total
+    if df == 1:
+        return 2 * theta / math.pi
+    term, total = 1.0, 1.0  # (2/pi) (theta + sin cos (1 + 2/3 c^2 + 2*4/(3*5) c^4 + ... up to c^(df-3)))
+    for k in range(1, (df - 1) // 2):
+        term *= c2 * (2 * k) / (2 * k + 1)
+        total += term
+    return 2 / math.pi * (theta + s * math.cos(theta) * total)
+
+
+def t_quantile(df: int, confidence: float = CONFIDENCE) -> float:
+    """The ``t`` with ``P(|T| < t) = confidence`` for Student's t with ``df >= 1`` degrees of freedom."""
+    if df < 1 or not 0 < confidence < 1:
+        raise ValueError(f"t_quantile needs df >= 1 and 0 < confidence < 1, got df={df}, {confidence}")
+    lo, hi = 0.0, 1.0
+    while _t_central(hi, df) < confidence:
+        hi *= 2
+    for _ in range(200):  # bisection to float precision
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _t_central(mid, df) < confidence else (lo, mid)
+    return (lo + hi) / 2
+
+
+def paired_gaps(values: dict[int, float], base: dict[int, float], relative: bool) -> dict[int, float]:
+    """Per seed both have: the gap in % of the baseline (``relative``) or as a plain difference."""
+    return {
+        s: gap_pct(values[s], base[s]) if relative else values[s] - base[s]
+        for s in sorted(set(values) & set(base))
+    }
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The mean paired gap with its t-interval, and what it says against ``margin``."""
+
+    gaps: tuple[float, ...]
+    mean: float
+    sd: float | None  # None: one paired seed
+    low: float  # the interval (NaN with fewer than two gaps)
+    high: float
+    margin: float
+    label: str  # EQUIVALENT, "worse", "better" or INCONCLUSIVE
+
+    @property
+    def n(self) -> int:
+        return len(self.gaps)
+
+
+def paired_verdict(gaps: list[float], margin: float, higher_is_better: bool) -> Verdict:
+    """The rule of the module docstring for one metric's paired gaps (same unit as ``margin``)."""
+    if margin <= 0:
+        raise ValueError(f"the equivalence margin must be positive, got {margin}")
+    mean, sd = mean_sd(list(gaps))
+    if sd is None or not math.isfinite(mean):
+        return Verdict(tuple(gaps), mean, sd, math.nan, math.nan, margin, INCONCLUSIVE)
+    half = t_quantile(len(gaps) - 1) * sd / math.sqrt(len(gaps))
+    low, high = mean - half, mean + half
+    if -margin <= low and high <= margin:
+        label = EQUIVALENT
+    elif low > 0 or high < 0:
+        label = "better" if (low > 0) == higher_is_better else "worse"
+    else:
+        label = INCONCLUSIVE
+    return Verdict(tuple(gaps), mean, sd, low, high, margin, label)

@@ -6,11 +6,15 @@ tested on planted runs without training anything:
 * paired gap of an FP8 run: ``100 * (loss - baseline loss) / baseline loss`` (%), the baseline run of
   the same width *and seed* (same initialization, same data order);
 * per (width, recipe): the gaps' mean and sample standard deviation over seeds (none with one seed);
-* baseline seed spread per width: ``100 * (max - min) / mean`` of the baseline's losses over seeds;
-* within noise: ``|mean gap| <= seed spread``; shrinks with width: ``|mean gap|`` never grows from one
-  width of the ladder to the next.
+* baseline seed spread per width: ``100 * (max - min) / mean`` of the baseline's losses over seeds
+  (shown beside the gaps: how far two baseline runs land apart);
+* the verdict per (width, recipe): the mean gap's two-sided 95% Student t-interval against an
+  equivalence margin of ``MARGIN_PCT`` (+-1% held-out loss): ``equivalent`` (interval inside the
+  margin), ``worse`` / ``better`` (interval excludes 0 above / below), else ``inconclusive: more seeds
+  needed`` (always with one seed); shrinks with width: ``|mean gap|`` never grows from one width of
+  the ladder to the next.
 
-The per-seed arithmetic (gap, mean +- sd, spread, the within-noise rule) is ``infir2._paired``, which
+The per-seed arithmetic (gap, mean +- sd, spread, the verdict rule) is ``infir2._paired``, which
 ``infir2 demo`` uses too.
 """
 
@@ -24,11 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._paired import gap_pct, mean_sd, spread_pct, within_noise
+from .._paired import EQUIVALENT, gap_pct, paired_verdict, spread_pct
 
-__all__ = ["RunResult", "plot", "summarize", "table", "write_outputs"]
+__all__ = ["MARGIN_PCT", "RunResult", "plot", "summarize", "table", "write_outputs"]
 
 _BASELINE = "bf16"
+MARGIN_PCT = 1.0  # equivalence margin of the held-out loss gap, in % of the baseline
 
 
 @dataclass(frozen=True)
@@ -64,15 +69,16 @@ def summarize(runs: list[RunResult]) -> dict[str, Any]:
             if not paired:
                 continue
             values = [g for _, g in paired]
-            mean, sd = mean_sd(values)
+            v = paired_verdict(values, MARGIN_PCT, higher_is_better=False)
             gaps.append({"width": w, "recipe": recipe, "seeds": [s for s, _ in paired], "gaps_pct": values,
-                         "mean_pct": mean, "sd_pct": sd, "within_noise": within_noise(mean, spread_at[w])})  # fmt: skip
+                         "mean_pct": v.mean, "sd_pct": v.sd, "low_pct": _finite(v.low), "high_pct": _finite(v.high),
+                         "margin_pct": MARGIN_PCT, "verdict": v.label, "spread_pct": spread_at[w]})  # fmt: skip
     verdict: dict[str, dict[str, bool | None]] = {}
     for recipe in recipes:
         rows = [g for g in gaps if g["recipe"] == recipe]
         sizes = [abs(g["mean_pct"]) for g in rows]
         verdict[recipe] = {
-            "within_noise_at_every_width": all(g["within_noise"] for g in rows),
+            "equivalent_at_every_width": all(g["verdict"] == EQUIVALENT for g in rows),
             # None: a single width says nothing about the trend
             "shrinks_with_width": all(b <= a for a, b in itertools.pairwise(sizes))
             if len(sizes) > 1
@@ -81,14 +87,16 @@ def summarize(runs: list[RunResult]) -> dict[str, Any]:
     return {"baseline": baseline, "gaps": gaps, "verdict": verdict}
 
 
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None  # JSON has no NaN
+
+
 def _gap(g: dict[str, Any] | None) -> str:
     if g is None:
         return "(baseline)"
-    return (
-        f"{g['mean_pct']:+.2f} (1 seed)"
-        if g["sd_pct"] is None
-        else f"{g['mean_pct']:+.2f} +- {g['sd_pct']:.2f}"
-    )
+    if g["low_pct"] is None:
+        return f"{g['mean_pct']:+.2f} (1 seed)"
+    return f"{g['mean_pct']:+.2f} [{g['low_pct']:+.2f}, {g['high_pct']:+.2f}]"
 
 
 def _yes(flag: bool | None) -> str:
@@ -100,8 +108,8 @@ def table(summary: dict[str, Any], runs: list[dict[str, Any]] | list[RunResult])
     rows = [r if isinstance(r, RunResult) else RunResult(**r) for r in runs]
     spread = {b["width"]: b["spread_pct"] for b in summary["baseline"]}
     gap = {(g["width"], g["recipe"]): g for g in summary["gaps"]}
-    head = ["width", "recipe", "held-out loss by seed", "paired gap % (mean +- sd)", "baseline seed spread %",
-            "within noise", "tail drop %"]  # fmt: skip
+    head = ["width", "recipe", "held-out loss by seed", "paired gap % (mean, 95% t-interval)",
+            "baseline seed spread %", f"verdict (margin +-{MARGIN_PCT:g}%)", "tail drop %"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for w in sorted(spread):
         for recipe in dict.fromkeys(r.recipe for r in rows):
@@ -112,16 +120,16 @@ def table(summary: dict[str, Any], runs: list[dict[str, Any]] | list[RunResult])
             drops = " / ".join(f"{r.tail_drop:.1f}" for r in mine)
             g = gap.get((w, recipe))
             cells = [str(w), recipe, losses, _gap(g),
-                     f"{spread[w]:.2f}", ("yes" if g["within_noise"] else "NO") if g else "", drops]  # fmt: skip
+                     f"{spread[w]:.2f}", g["verdict"] if g else "", drops]  # fmt: skip
             lines.append("| " + " | ".join(cells) + " |")
-    verdict = [f"- {recipe}: within the baseline's seed spread at every width: "
-               f"{_yes(v['within_noise_at_every_width'])}; |gap| shrinks with width: "
+    verdict = [f"- {recipe}: equivalent to the baseline (+-{MARGIN_PCT:g}%) at every width: "
+               f"{_yes(v['equivalent_at_every_width'])}; |gap| shrinks with width: "
                f"{_yes(v['shrinks_with_width'])}" for recipe, v in summary["verdict"].items()]  # fmt: skip
     return "\n".join([*lines, "", *verdict])
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:
-    """Paired gap vs width, one line per FP8 recipe (error bars: sd over seeds), seed spread shaded."""
+    """Paired gap vs width, one line per FP8 recipe (error bars: 95% t-interval), margin and spread shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -131,10 +139,15 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     widths = [b["width"] for b in summary["baseline"]]
     spreads = [b["spread_pct"] for b in summary["baseline"]]
     ax.fill_between(widths, [-s for s in spreads], spreads, color="0.85", label="baseline seed spread (+-)")
+    ax.axhspan(
+        -MARGIN_PCT, MARGIN_PCT, color="tab:green", alpha=0.08, label=f"equivalence margin +-{MARGIN_PCT:g}%"
+    )
     for recipe in dict.fromkeys(g["recipe"] for g in summary["gaps"]):
         rows = [g for g in summary["gaps"] if g["recipe"] == recipe]
-        ax.errorbar([g["width"] for g in rows], [g["mean_pct"] for g in rows], yerr=[g["sd_pct"] or 0.0 for g in rows],
-                    marker="o", capsize=3, label=recipe)  # fmt: skip
+        low = [g["mean_pct"] - g["low_pct"] if g["low_pct"] is not None else 0.0 for g in rows]
+        high = [g["high_pct"] - g["mean_pct"] if g["high_pct"] is not None else 0.0 for g in rows]
+        ax.errorbar([g["width"] for g in rows], [g["mean_pct"] for g in rows], yerr=[low, high],
+                    marker="o", capsize=3, label=f"{recipe} (95% t-interval)")  # fmt: skip
     ax.axhline(0, color="k", linewidth=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xticks(widths, [str(w) for w in widths])

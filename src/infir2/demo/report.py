@@ -16,6 +16,7 @@ from pathlib import Path
 from .results import DemoRecord, RecipeResult
 from .summary import (
     METRICS,
+    NULL_CONTROL,
     RECIPE_LABELS,
     RecipeSummary,
     format_gap,
@@ -123,7 +124,8 @@ def readme_table(record: DemoRecord) -> str:
                   "—" if summary is base else f"{summary.time_ratio:.2f}x",
                   "—" if summary is base or summary.train_ratio is None else f"{summary.train_ratio:.2f}x"]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", *(f"- On the arithmetic task: {verdict_sentence(summary)}" for summary in summaries[1:])]
+    null = next((x for x in summaries if x.recipe == NULL_CONTROL), None)
+    lines += ["", *(f"- On the reasoning task: {verdict_sentence(x, null)}" for x in summaries[1:])]
     return "\n".join(lines) + "\n"
 
 

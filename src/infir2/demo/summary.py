@@ -1,19 +1,24 @@
-"""The demo's verdict, computed: is each FP8 recipe within the baseline's seed-to-seed noise?
+"""The demo's verdict, computed: is each FP8 recipe equivalent to the baseline, metric by metric?
 
 For each FP8 recipe and each metric, the gap to the baseline run *of the same seed* (same
-initialization, same data order), then over seeds its mean +- sample sd, next to the baseline's own
-seed spread (``infir2._paired``, the arithmetic ``infir2 fidelity`` uses too):
+initialization, same data order), then over seeds its mean with a two-sided 95% Student t-interval,
+compared with the metric's equivalence margin (``infir2._paired.paired_verdict``, the rule ``infir2
+fidelity`` uses too):
 
-==================  ===========================================  ======================================
-metric              gap                                          baseline seed spread
-==================  ===========================================  ======================================
-CPT held-out loss   ``100 * (loss - base) / base`` (%)           ``100 * (max - min) / mean`` (%)
-SFT val loss        ``100 * (loss - base) / base`` (%)           ``100 * (max - min) / mean`` (%)
-accuracy            ``100 * (acc - base)`` (percentage points)   ``100 * (max - min)`` (points)
-==================  ===========================================  ======================================
+==================  ===========================================  ============  ======================
+metric              gap                                          margin        worse when
+==================  ===========================================  ============  ======================
+CPT held-out loss   ``100 * (loss - base) / base`` (%)           +-2%          higher
+SFT val loss        ``100 * (loss - base) / base`` (%)           +-10%         higher
+accuracy            ``100 * (acc - base)`` (percentage points)   +-3 points    lower
+==================  ===========================================  ============  ======================
 
-A metric is within noise iff ``|mean gap| <= spread``; a recipe is within noise iff every metric is.
-With one seed there is no spread to judge against: the verdict is ``None`` and the sentence says so.
+Per metric: ``equivalent`` (the interval inside the margin), ``worse`` / ``better`` (the interval
+excludes 0), else ``inconclusive: more seeds needed`` (always so with one paired seed). A recipe's
+verdict: ``worse`` if any metric is, ``equivalent`` if every metric is, ``better`` if some are and the
+rest equivalent, else inconclusive. The baseline's own seed spread is shown beside the gaps, and the
+null control ``fp8_exact`` (the FP8 code path with exact casts) is judged like any recipe: its gap is
+the noise floor that an FP8 recipe's gap is read against.
 """
 
 from __future__ import annotations
@@ -22,15 +27,17 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from .._paired import gap_pct, mean_sd, spread_pct, within_noise
+from .._paired import EQUIVALENT, INCONCLUSIVE, Verdict, paired_gaps, paired_verdict, spread_pct
 from .results import RecipeResult
 
 __all__ = [
     "METRICS",
+    "NULL_CONTROL",
     "RECIPE_LABELS",
     "Metric",
     "MetricGap",
     "RecipeSummary",
+    "combine",
     "format_gap",
     "format_spread",
     "seed_spread",
@@ -39,12 +46,15 @@ __all__ = [
     "verdict_sentence",
 ]
 
+NULL_CONTROL = "fp8_exact"
+
 RECIPE_LABELS = {
     "bf16": "baseline (no FP8; fp32 on CPU)",
     "blockwise": "FP8 blockwise (1x128 / 128x128, InfiR2)",
     "blockwise_fp32scale": "FP8 blockwise, fp32 scales",
     "rowwise": "FP8 rowwise",
     "tensorwise": "FP8 tensorwise (naive)",
+    NULL_CONTROL: "null control (FP8 code path, exact casts)",
 }
 
 
@@ -58,12 +68,14 @@ class Metric:
     key: str  # a RecipeResult field
     label: str
     relative: bool  # True: a loss, gaps in % of the baseline; False: a fraction, gaps in percentage points
+    margin: float  # the equivalence margin, in the unit of the gaps
+    higher_is_better: bool
 
 
 METRICS = (
-    Metric("cpt_val_loss", "CPT held-out loss", relative=True),
-    Metric("sft_val_loss", "SFT val loss", relative=True),
-    Metric("accuracy", "accuracy", relative=False),
+    Metric("cpt_val_loss", "CPT held-out loss", relative=True, margin=2.0, higher_is_better=False),
+    Metric("sft_val_loss", "SFT val loss", relative=True, margin=10.0, higher_is_better=False),
+    Metric("accuracy", "accuracy", relative=False, margin=3.0, higher_is_better=True),
 )
 
 
@@ -73,12 +85,21 @@ class MetricGap:
 
     metric: Metric
     seeds: tuple[int, ...]  # the paired seeds
-    gaps: tuple[float, ...]  # per paired seed: % (losses) or points (accuracy)
-    mean: float
-    sd: float | None  # None: one paired seed
+    verdict: Verdict  # per-seed gaps (% for losses, points for accuracy), mean, t-interval, label
     base_values: tuple[float, ...]  # the baseline's values at all its seeds
     spread: float  # the baseline's seed spread, in the unit of the gaps
-    within_noise: bool | None  # None: fewer than two baseline seeds, so no spread to judge against
+
+    @property
+    def gaps(self) -> tuple[float, ...]:
+        return self.verdict.gaps
+
+    @property
+    def mean(self) -> float:
+        return self.verdict.mean
+
+    @property
+    def sd(self) -> float | None:
+        return self.verdict.sd
 
 
 @dataclass(frozen=True)
@@ -93,7 +114,7 @@ class RecipeSummary:
     train_ratio: float | None  # the same for the optimizer steps alone (None: not recorded)
     tokens_per_s: float  # mean over seeds
     gaps: tuple[MetricGap, ...]  # empty for the baseline
-    within_noise: bool | None  # every metric within noise; None for the baseline or with one seed
+    verdict: str | None  # ``combine`` of the metrics' labels; None for the baseline
 
 
 def _values(runs: list[RecipeResult], key: str) -> dict[int, float]:
@@ -110,14 +131,23 @@ def _metric_gap(metric: Metric, mine: dict[int, float], base: dict[int, float]) 
     if not seeds:
         return None
     base_values = tuple(base[s] for s in sorted(base))
-    if metric.relative:
-        gaps = tuple(gap_pct(mine[s], base[s]) for s in seeds)
-    else:
-        gaps = tuple(100 * (mine[s] - base[s]) for s in seeds)
-    mean, sd = mean_sd(list(gaps))
-    spread = seed_spread(metric, list(base_values))
-    judged = within_noise(mean, spread) if len(base_values) > 1 else None
-    return MetricGap(metric, seeds, gaps, mean, sd, base_values, spread, judged)
+    scale = 1.0 if metric.relative else 100.0  # accuracy: fractions -> percentage points
+    gaps = paired_gaps({s: scale * v for s, v in mine.items()}, {s: scale * v for s, v in base.items()},
+                       relative=metric.relative)  # fmt: skip
+    verdict = paired_verdict(list(gaps.values()), metric.margin, metric.higher_is_better)
+    return MetricGap(metric, seeds, verdict, base_values, seed_spread(metric, list(base_values)))
+
+
+def combine(labels: list[str]) -> str:
+    """One verdict from the metrics' labels: any worse -> worse; all equivalent -> equivalent; some
+    better and the rest equivalent -> better; otherwise inconclusive."""
+    if "worse" in labels:
+        return "worse"
+    if labels and all(label == EQUIVALENT for label in labels):
+        return EQUIVALENT
+    if "better" in labels and all(label in (EQUIVALENT, "better") for label in labels):
+        return "better"
+    return INCONCLUSIVE
 
 
 def _mean(values: list[float]) -> float | None:
@@ -141,7 +171,6 @@ def summarize(runs: list[RecipeResult], recipes: list[str]) -> list[RecipeSummar
                 gap = _metric_gap(metric, _values(mine, metric.key), _values(base_runs, metric.key))
                 if gap is not None:
                     gaps.append(gap)
-        judged = [g.within_noise for g in gaps]
         seconds = statistics.fmean(r.seconds for r in mine)
         train = _mean([r.train_seconds for r in mine if r.train_seconds is not None])
         summaries.append(RecipeSummary(
@@ -153,17 +182,19 @@ def summarize(runs: list[RecipeResult], recipes: list[str]) -> list[RecipeSummar
             train_ratio=train / base_train if train is not None and base_train else None,
             tokens_per_s=statistics.fmean(r.tokens_per_s for r in mine),
             gaps=tuple(gaps),
-            within_noise=None if not judged or None in judged else all(judged),
+            verdict=combine([g.verdict.label for g in gaps]) if gaps else None,
         ))  # fmt: skip
     return summaries
 
 
 def format_gap(gap: MetricGap) -> str:
-    """``"+0.30 +- 0.20%"`` / ``"-2.0 +- 3.0 points"``; ``"(1 seed)"`` in place of the sd."""
+    """``"+0.30% [-0.10, +0.70]"`` / ``"-2.0 points [-4.1, +0.1]"``: the mean gap and its 95% t-interval;
+    ``"(1 seed)"`` in place of the interval."""
+    v = gap.verdict
     digits, unit = (2, "%") if gap.metric.relative else (1, " points")
-    if gap.sd is None:
-        return f"{gap.mean:+.{digits}f}{unit} (1 seed)"
-    return f"{gap.mean:+.{digits}f} +- {gap.sd:.{digits}f}{unit}"
+    if v.sd is None:
+        return f"{v.mean:+.{digits}f}{unit} (1 seed)"
+    return f"{v.mean:+.{digits}f}{unit} [{v.low:+.{digits}f}, {v.high:+.{digits}f}]"
 
 
 def format_spread(metric: Metric, values: tuple[float, ...] | list[float]) -> str:
@@ -175,22 +206,26 @@ def format_spread(metric: Metric, values: tuple[float, ...] | list[float]) -> st
     return f"seeds {100 * min(values):.0f}-{100 * max(values):.0f}%"
 
 
-def verdict_sentence(summary: RecipeSummary) -> str:
-    """The generated verdict of one FP8 recipe, e.g. ``"FP8 blockwise is within noise of the baseline:
-    CPT held-out loss +0.30 +- 0.20% (baseline seed spread 1.10%), ..."``."""
-    parts = ", ".join(
-        f"{g.metric.label} {format_gap(g)} (baseline {format_spread(g.metric, g.base_values)})"
-        for g in summary.gaps
-    )
+def _margin(metric: Metric) -> str:
+    return f"+-{metric.margin:g}%" if metric.relative else f"+-{metric.margin:g} points"
+
+
+def verdict_sentence(summary: RecipeSummary, null: RecipeSummary | None = None) -> str:
+    """The generated verdict of one FP8 recipe, e.g. ``"FP8 blockwise: equivalent to the baseline.
+    accuracy -0.5 points [-1.9, +0.9] (margin +-3 points): equivalent; ..."``; with ``null`` (the
+    null control's summary) each metric also shows the null control's gap, the noise floor."""
     name = short_label(summary.recipe)
     if not summary.gaps:
         return f"{name}: no run pairs with the baseline at the same seed, so no gap to judge."
-    if summary.within_noise is None:
-        return (f"{name} cannot be judged against noise: the baseline ran one seed, so it has no seed "
-                f"spread (run two or more with --seeds): {parts}.")  # fmt: skip
-    if summary.within_noise:
-        return f"{name} is within noise of the baseline: {parts}."
-    outside = ", ".join(g.metric.label for g in summary.gaps if not g.within_noise)
-    return (
-        f"{name} is NOT within noise of the baseline ({outside} beyond the baseline's seed spread): {parts}."
-    )
+    floor = {g.metric.key: g for g in null.gaps} if null is not None and null is not summary else {}
+    parts = []
+    for g in summary.gaps:
+        notes = [f"null control {format_gap(floor[g.metric.key])}"] if g.metric.key in floor else []
+        notes.append(f"baseline {format_spread(g.metric, g.base_values)}")
+        parts.append(f"{g.metric.label} {format_gap(g)} against {_margin(g.metric)}: {g.verdict.label} "
+                     f"({', '.join(notes)})")  # fmt: skip
+    n = max(g.verdict.n for g in summary.gaps)
+    head = {EQUIVALENT: "equivalent to the baseline", "worse": "WORSE than the baseline",
+            "better": "better than the baseline"}.get(summary.verdict or "", INCONCLUSIVE)  # fmt: skip
+    return (f"{name}: {head} (mean paired gap over {n} seed(s) with its 95% t-interval, against an "
+            f"equivalence margin): " + "; ".join(parts) + ".")  # fmt: skip

@@ -96,13 +96,13 @@ def run_text(out: Path, s: DemoSettings, recipes: list[str], jobs: int) -> dict[
     }
 
 
-def _sentence(recipe: str, gap: dict[str, Any], spread: float, label: str) -> str:
-    verdict = "is within noise of" if gap["within_noise"] else "is NOT within noise of"
+def _sentence(gap: dict[str, Any], label: str) -> str:
+    low = gap.get("low_pct")
     size = f"{gap['mean_pct']:+.2f}%" + (
-        f" +- {gap['sd_pct']:.2f}%" if gap["sd_pct"] is not None else " (1 seed)"
+        f" [{low:+.2f}, {gap['high_pct']:+.2f}]" if low is not None else " (1 seed)"
     )
-    return (f"- {label} {verdict} the baseline on real text: held-out loss {size} "
-            f"(baseline seed spread {spread:.2f}%).")  # fmt: skip
+    return (f"- {label} on real text: held-out loss {size} against +-{gap['margin_pct']:g}%: "
+            f"**{gap['verdict']}** (baseline seed spread {gap['spread_pct']:.2f}%).")  # fmt: skip
 
 
 def text_section(text: dict[str, Any] | None, labels: dict[str, str]) -> list[str]:
@@ -113,16 +113,15 @@ def text_section(text: dict[str, Any] | None, labels: dict[str, str]) -> list[st
             "",
         ]
     ts, summary = text["settings"], text["summary"]
-    spread = {b["width"]: b["spread_pct"] for b in summary["baseline"]}
     lines = [
         f"**FP8 fidelity on real text (the verdict).** King James Bible ({text['data']['characters']:,} "
         f"characters, every {ts['val_every']}th chapter held out), byte-level BPE {ts['vocab_size']}, "
         f"Qwen2-style, hidden {ts['widths'][0]}, {ts['layers']} layers; {ts['steps']} steps x {ts['batch']} x "
-        f"{ts['seq_len']} tokens, lr {ts['lr']:g}; held-out loss in fp32, paired by seed. Within noise: "
-        "|mean gap| no larger than the baseline's seed spread.",
+        f"{ts['seq_len']} tokens, lr {ts['lr']:g}; held-out loss in fp32, paired by seed: the mean gap with "
+        "its 95% t-interval against an equivalence margin (equivalent: the interval inside it; worse / "
+        "better: the interval excludes 0; else inconclusive: more seeds needed).",
         "",
     ]
-    lines += [_sentence(g["recipe"], g, spread[g["width"]], labels.get(g["recipe"], g["recipe"]))
-              for g in summary["gaps"]]  # fmt: skip
+    lines += [_sentence(g, labels.get(g["recipe"], g["recipe"])) for g in summary["gaps"]]
     lines += ["", table(summary, text["runs"]).split("\n\n")[0], ""]
     return lines

@@ -111,6 +111,10 @@ RECIPES: dict[str, Fp8Recipe] = {
         "rowwise", Cast(ROW), Cast(ROW), Cast(ROW), Cast(COLUMN), Cast(COLUMN), Cast(COLUMN)
     ),
     "tensorwise": _uniform("tensorwise", TENSOR, "fp32"),
+    # the null control: the FP8 code path with exact casts -- every element its own block with an fp32
+    # scale, so its E4M3 code is +-448 and the value survives to fp32 rounding (~1e-7 per GEMM). A run
+    # of it is the baseline perturbed by rounding alone: the noise floor an FP8 gap must beat.
+    "fp8_exact": _uniform("fp8_exact", (1, 1), "fp32"),
 }  # fmt: skip
 
 
