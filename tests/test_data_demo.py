@@ -11,6 +11,14 @@ from infir2.data import SYSTEM_PROMPT, load_conversations, make_demo_data, rende
 
 SMALL = dict(n_train=400, n_test=100, n_cpt_worked=200, n_cpt_tables=50)
 EXPR = re.compile(r"^Compute (\d+(?: [+-] \d+)+)\.$")
+STEP = re.compile(r"^(\d+) ([+-]) (\d+) = (\d+)\.$")
+
+
+def check_step(line: str) -> tuple[int, int]:
+    """A worked line ``7 + 5 = 12.``: its format and arithmetic; returns (first operand, result)."""
+    a, op, b, c = STEP.match(line).groups()
+    assert eval(f"{int(a)} {op} {int(b)}") == int(c) >= 0  # independent: Python's arithmetic
+    return int(a), int(c)
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +49,12 @@ def test_answers_and_steps_are_correct(demo):
         expr = EXPR.match(user["content"]).group(1)
         think, answer = assistant["content"].split("\n</think>\n\n")
         assert think.startswith("<think>\n") and answer == f"The answer is \\boxed{{{eval(expr)}}}."
+        value = int(expr.split()[0])
         for line in think.removeprefix("<think>\n").split("\n"):
-            lhs, rhs = line.removesuffix(".").split(" = ")
-            assert eval(lhs) == int(rhs) >= 0
+            start, result = check_step(line)
+            assert start == value, f"{line!r} does not start from the previous result {value}"
+            value = result
+        assert value == eval(expr)
 
 
 def test_train_test_disjoint(demo):
@@ -65,8 +76,7 @@ def test_cpt_corpus(demo):
     tables = [t for t in cpt if t.startswith("Arithmetic facts:\n")]
     assert len(tables) == 50 and len(cpt) == 250
     for line in "\n".join(t.split("\n", 1)[1] for t in tables).split("\n"):
-        lhs, rhs = line.removesuffix(".").split(" = ")
-        assert eval(lhs) == int(rhs) >= 0
+        check_step(line)
 
 
 def test_cpt_conversations_read_as_the_chat_template_renders_them(demo, tiny_tokenizer):
@@ -85,13 +95,12 @@ def test_cpt_conversations_read_as_the_chat_template_renders_them(demo, tiny_tok
         assert tiny_tokenizer.apply_chat_template(messages, tokenize=False).rstrip("\n") == text
         lines = answer.split("\n")[1:-3]  # between <think> and </think>
         for line in lines:
-            lhs, rhs = line.removesuffix(".").split(" = ")
-            assert eval(lhs) == int(rhs) >= 0
+            check_step(line)
 
 
 def test_sizes_fit_the_demo(demo, tiny_tokenizer, tmp_path):
     full = make_demo_data(tmp_path)  # the defaults: a few hundred KB at most
-    assert full["cpt"].stat().st_size < 400_000 and full["sft_train"].stat().st_size < 400_000
+    assert full["cpt"].stat().st_size < 500_000 and full["sft_train"].stat().st_size < 500_000
     conv = load_conversations(demo["sft_train"])[0]
     ids, mask = render_conversation(tiny_tokenizer, conv)
     assert sum(mask) < len(ids) < 200  # short samples: tens of thousands of tokens per epoch
@@ -114,3 +123,35 @@ def test_tokenizer_texts_train_a_tokenizer(demo):
     conv = load_conversations(demo["sft_train"])[0]
     ids, mask = render_conversation(tok, conv)
     assert tok.decode([i for i, m in zip(ids, mask, strict=True) if m]) == conv[2]["content"] + "<|im_end|>"
+
+
+def test_harder_split_and_the_task_generator(demo, tmp_path):
+    from infir2.data.demo import harder, make_problems
+
+    hard = read_jsonl(demo["test_hard"])
+    assert len(hard) == 100 and harder((2, 2)) == (3, 3)
+    for row in hard:
+        expr = EXPR.match(row["problem"]).group(1)
+        assert len(expr.split()) == 7 and row["answer"] == str(eval(expr))  # 3 operations
+    test = [r["problem"] for r in read_jsonl(demo["test"])]
+    fresh = make_problems(300, seed=5, exclude=test)
+    assert make_problems(300, seed=5, exclude=test) == fresh  # deterministic
+    assert len({r["problem"] for r in fresh}) == 300 and not {r["problem"] for r in fresh} & set(test)
+    assert all(r["answer"] == str(eval(EXPR.match(r["problem"]).group(1))) for r in fresh)
+    with pytest.raises(ValueError, match="results below 100"):
+        make_problems(10, max_operand=30, num_ops=(3, 3))
+
+
+def test_every_number_of_the_task_is_one_token(demo):
+    """With ``whole_numbers``, a worked line has the same token count whatever its numbers' digits."""
+    from infir2.data import tokenizer_training_texts, train_bpe_tokenizer
+    from infir2.data.demo import NUMBERS
+
+    tok = train_bpe_tokenizer(tokenizer_training_texts(demo), vocab_size=400, whole_numbers=NUMBERS)
+    lengths = {
+        len(tok(line)["input_ids"]) for line in ("1 + 2 = 3.", "9 + 9 = 18.", "18 - 9 = 9.", "27 - 10 = 17.")
+    }
+    assert len(lengths) == 1
+    assert tok.convert_ids_to_tokens(tok("= 18.")["input_ids"])[-2] == "18"
+    text = load_conversations(demo["sft_train"])[0][2]["content"]
+    assert tok.decode(tok(text)["input_ids"]) == text  # decodes back exactly

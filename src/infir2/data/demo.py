@@ -54,8 +54,11 @@ from typing import Any
 from .chat import SYSTEM_PROMPT
 
 __all__ = [
+    "NUMBERS",
     "Problem",
+    "harder",
     "make_demo_data",
+    "make_problems",
     "random_problem",
     "solution_text",
     "tokenizer_training_texts",
@@ -66,6 +69,11 @@ __all__ = [
 Problem = tuple[int, tuple[tuple[str, int], ...]]
 
 _WORDS = {"+": "plus", "-": "minus"}
+#: Every number of the task is below this, so the demo tokenizer makes each a token of its own
+#: (``train_bpe_tokenizer(whole_numbers=NUMBERS)``): each line of an answer then has the same length in
+#: tokens, and each number the model copies (an operand from the question, the previous result) sits
+#: at the same distance in every problem.
+NUMBERS = 100
 _FACTS_PER_TABLE = 8  # problems whose steps make one fact-table document
 _MAX_MISSES = 20_000  # draws in a row that find no new problem: the space is (nearly) exhausted
 
@@ -214,6 +222,70 @@ def _write_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> None:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
+def _test_record(problem: Problem, i: int, prefix: str) -> dict[str, Any]:
+    return {
+        "problem": problem_text(problem),
+        "answer": str(worked_steps(problem)[1]),
+        "id": f"{prefix}-{i:04d}",
+    }
+
+
+def harder(num_ops: tuple[int, int]) -> tuple[int, int]:
+    """The harder split's operations per problem: one more than the most the training data has."""
+    return (num_ops[1] + 1, num_ops[1] + 1)
+
+
+def make_problems(
+    n: int,
+    seed: int = 0,
+    max_operand: int = 9,
+    num_ops: tuple[int, int] = (2, 2),
+    exclude: Iterable[str] = (),
+    prefix: str = "arith",
+) -> list[dict[str, Any]]:
+    """The task generator: ``n`` distinct problems as records of the math schema ``{"problem", "answer",
+    "id"}`` (what ``test.jsonl`` holds, what ``infir2 eval --task math`` reads), none whose text is in
+    ``exclude`` (e.g. the problems of ``test.jsonl``). Same arguments, same problems.
+
+    ``num_ops=harder(num_ops)`` gives problems one operation longer than the training data's: the
+    harder split, where a fine-tuned model has headroom (``test_hard.jsonl``)."""
+    _check(max_operand, num_ops)
+    rng = random.Random(seed)
+    texts = set(exclude)
+    skip = {p for p in _all_problems(max_operand, num_ops) if problem_text(p) in texts} if texts else set()
+    return [
+        _test_record(p, i, prefix)
+        for i, p in enumerate(_distinct_problems(rng, n, max_operand, num_ops, skip))
+    ]
+
+
+def _all_problems(max_operand: int, num_ops: tuple[int, int]) -> set[Problem]:
+    """Every problem of the space (small: ~2,000 at 2 operations of 1..9); for exclusions by text."""
+    out: set[Problem] = set()
+
+    def grow(first: int, value: int, steps: tuple[tuple[str, int], ...]) -> None:
+        if len(steps) >= num_ops[0]:
+            out.add((first, steps))
+        if len(steps) == num_ops[1]:
+            return
+        for b in range(1, max_operand + 1):
+            grow(first, value + b, (*steps, ("+", b)))
+            if b <= value:
+                grow(first, value - b, (*steps, ("-", b)))
+
+    for a in range(1, max_operand + 1):
+        grow(a, a, ())
+    return out
+
+
+def _check(max_operand: int, num_ops: tuple[int, int]) -> None:
+    if not 1 <= num_ops[0] <= num_ops[1]:
+        raise ValueError(f"num_ops must be (min, max) with 1 <= min <= max, got {num_ops}")
+    if max_operand < 1 or max_operand * (num_ops[1] + 1) >= NUMBERS:
+        raise ValueError(f"max_operand={max_operand} with up to {num_ops[1]} operations can reach "
+                         f"{NUMBERS} or more; expected 1 <= max_operand and results below {NUMBERS}")  # fmt: skip
+
+
 def make_demo_data(
     out_dir: str | Path,
     seed: int = 0,
@@ -223,31 +295,29 @@ def make_demo_data(
     n_cpt_tables: int = 500,
     max_operand: int = 9,
     num_ops: tuple[int, int] = (2, 2),
+    n_test_hard: int | None = None,
 ) -> dict[str, Path]:
     """Write the demo's CPT corpus, SFT conversations and test problems; returns their paths.
 
     Same arguments, same bytes. The CPT corpus holds ``n_cpt_worked`` worked examples and
     ``n_cpt_tables`` fact tables (the steps of 8 random problems each); they may repeat SFT problems but
-    never test problems.
+    never test problems. ``test_hard.jsonl`` holds ``n_test_hard`` (default ``n_test``) problems of the
+    harder split (``harder(num_ops)`` operations), which no training file has.
     """
-    if not 1 <= num_ops[0] <= num_ops[1]:
-        raise ValueError(f"num_ops must be (min, max) with 1 <= min <= max, got {num_ops}")
+    _check(max_operand, harder(num_ops))
     rng = random.Random(seed)
     test = _distinct_problems(rng, n_test, max_operand, num_ops, exclude=set())
     train = _distinct_problems(rng, n_train, max_operand, num_ops, exclude=set(test))
     cpt = _cpt_documents(rng, n_cpt_worked, n_cpt_tables, max_operand, num_ops, exclude=set(test))
+    hard = _distinct_problems(rng, n_test if n_test_hard is None else n_test_hard, max_operand, harder(num_ops),
+                              exclude=set())  # fmt: skip
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {name: out / f"{name}.jsonl" for name in ("cpt", "sft_train", "test")}
+    paths = {name: out / f"{name}.jsonl" for name in ("cpt", "sft_train", "test", "test_hard")}
     _write_jsonl(paths["cpt"], ({"text": doc} for doc in cpt))
     _write_jsonl(paths["sft_train"], map(_conversation, train))
-    _write_jsonl(
-        paths["test"],
-        (
-            {"problem": problem_text(p), "answer": str(worked_steps(p)[1]), "id": f"arith-{i:04d}"}
-            for i, p in enumerate(test)
-        ),
-    )
+    _write_jsonl(paths["test"], (_test_record(p, i, "arith") for i, p in enumerate(test)))
+    _write_jsonl(paths["test_hard"], (_test_record(p, i, "arith-hard") for i, p in enumerate(hard)))
     paths["readme"] = out / "README.md"
     paths["readme"].write_text(_readme(seed, n_train, n_test, len(cpt), max_operand, num_ops))
     return paths
@@ -263,7 +333,8 @@ def _readme(
         '- `cpt.jsonl`: continual pre-training corpus, {"text"} per line '
         f"({n_cpt} documents: arithmetic fact tables, worked examples).\n"
         '- `sft_train.jsonl`: SFT conversations, {"messages": [system, user, assistant]}.\n'
-        '- `test.jsonl`: held-out problems, {"problem", "answer", "id"}; none appears in the files above.\n\n'
+        '- `test.jsonl`: held-out problems, {"problem", "answer", "id"}; none appears in the files above.\n'
+        f"- `test_hard.jsonl`: the harder split, problems with {harder(num_ops)[0]} operations (same schema).\n\n"
         "Licence: synthetic data generated by code from a random seed; no third-party content. "
         "Apache-2.0, as the infir2 code.\n"
     )

@@ -40,10 +40,15 @@ def train_bpe_tokenizer(
     min_frequency: int = 2,
     special_tokens: list[str] | None = None,
     model_max_length: int = 32768,
+    whole_numbers: int = 0,
 ) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer on ``texts`` (digits split individually, ChatML specials).
 
     ``vocab_size`` counts the 256 byte symbols and the special tokens; it must leave room for them.
+    ``whole_numbers=N`` adds the numbers ``10 .. N-1`` as tokens of their own (on top of
+    ``vocab_size``; matched before BPE, so ``"12"`` is one token and ``"123"`` is ``"12"`` + ``"3"``):
+    for a synthetic arithmetic task, each number is then one token, so each copy of a number sits at
+    the same distance whatever its digits.
     Returns a ``PreTrainedTokenizerFast``; ``save_pretrained(dir)`` writes a folder that
     ``load_tokenizer`` / ``AutoTokenizer`` load back.
     """
@@ -79,6 +84,8 @@ def train_bpe_tokenizer(
         model_max_length=model_max_length,
     )
     fast.chat_template = DEFAULT_CHAT_TEMPLATE
+    if whole_numbers > 10:
+        fast.add_tokens([str(n) for n in range(10, whole_numbers)])
     return fast
 
 
