@@ -1,29 +1,30 @@
-"""The whole recipe on a laptop CPU: the baseline vs FP8 over seeds, on real text (the verdict) and
-on a generated reasoning task (CPT then SFT then accuracy), every figure computed from the runs.
+"""The whole recipe on a laptop CPU: the baseline vs FP8 over seeds, on a generated reasoning task
+(CPT then SFT then accuracy) and on real text, every figure and verdict computed from the runs.
 
 `infir2 demo` (no arguments, no network) does, on 2 CPU cores:
 
 1. generates its data deterministically (``infir2.data.demo``: an arithmetic corpus for CPT, and a
    multi-step arithmetic reasoning task with worked steps for SFT, plus held-out test problems);
-2. trains a byte-level BPE tokenizer on it (digits split, ChatML specials) and packs the CPT corpus
-   (a share held out: the CPT held-out loss);
-3. for each recipe -- by default the high-precision baseline (``bf16``; computed in fp32 on a CPU,
-   which has no fast bf16) and FP8 ``blockwise`` (the InfiR2 / DeepSeek-V3 recipe); add e.g. FP8
-   ``tensorwise`` (the naive FP8) with ``--recipes`` -- and each seed (``--seeds``, default 0,1; a
-   seed sets the initialization and the data order, the same for every recipe) builds a Qwen2-style model (~1M parameters), continually pre-trains it,
-   then fine-tunes it on the reasoning task;
+2. trains a byte-level BPE tokenizer on it (digits split, every number below 100 one token, ChatML
+   specials) and packs the CPT corpus (a share held out: the CPT held-out loss);
+3. for each recipe -- by default the high-precision baseline (``bf16``; computed in fp32 on a CPU),
+   FP8 ``blockwise`` (the InfiR2 / DeepSeek-V3 recipe) and the null control ``fp8_exact`` (the FP8
+   code path with exact casts: the baseline perturbed by fp32 rounding alone); add e.g. FP8
+   ``tensorwise`` (the naive FP8) with ``--recipes`` -- and each seed (``--seeds``, default 0,1,2; a
+   seed sets the initialization and the data order, the same for every recipe) builds a Qwen2-style
+   model (~0.6M parameters), continually pre-trains it, then fine-tunes it on the reasoning task;
 4. evaluates each fine-tuned model on the held-out problems with the evaluation protocol of the
    recipe (system prompt, ``<think>`` opened, answer in the last ``\\boxed{}``; greedy decoding);
-5. **the verdict, on real text** (``demo/text.py``): the same recipes and seeds train a Qwen2-style
-   model of width 256 (a 1x128 tile is half a row) for 100 steps on the King James Bible with a
-   locally trained BPE, and the held-out losses are compared, paired by seed (``infir2 fidelity``'s
-   runs). The arithmetic task above is a chaotic regime for such a comparison (runs differing only
-   by fp32 rounding end several % apart), real text is quiet (seed spread ~1%, gaps ~0.2%);
+5. trains the same recipes and seeds on real text (``demo/text.py``): a Qwen2-style model of width
+   256 (a 1x128 tile is half a row), 100 steps on the King James Bible with a locally trained BPE,
+   held-out losses paired by seed (``infir2 fidelity``'s runs);
 6. saves every run's numbers to ``results.json`` and renders from it ``report.md``,
-   ``readme_table.md`` and ``loss_curves.png``: per FP8 recipe the gap to the baseline at the same
-   seed (CPT held-out loss, SFT val loss, accuracy) as mean +- sd over seeds, next to the baseline's
-   own seed-to-seed spread, and a generated sentence saying whether FP8 is within that noise
-   (``|mean gap| <= spread`` for every metric).
+   ``readme_table.md`` and ``loss_curves.png``: per FP8 recipe and metric the gap to the baseline at
+   the same seed (held-out losses in %, accuracy in points) as its mean over seeds with a two-sided
+   95% Student t-interval, and a verdict against the metric's equivalence margin (+-1% real-text
+   loss, +-2% CPT held-out loss, +-10% SFT val loss, +-3 accuracy points): equivalent (the interval
+   inside the margin), worse / better (it excludes 0), else inconclusive: more seeds needed. The null
+   control's gap is shown beside each FP8 gap, as the noise floor.
 
 The time grows with recipes x seeds. On a CPU the FP8 GEMMs are emulated exactly (FP8 values, fp32
 products), so FP8 runs are *slower* here; the demo shows the numerics, not the speed. Speed is
@@ -32,8 +33,8 @@ measured by `infir2 bench` on a GPU.
 Examples:
   infir2 demo                         # the full demo into runs/demo
   infir2 demo --quick --out /tmp/d    # a reduced run (about a minute), as in CI
-  infir2 demo --recipes bf16,blockwise,tensorwise         # + the naive FP8 (about 4 minutes more)
-  infir2 demo --recipes bf16,blockwise,rowwise --seeds 0,1,2
+  infir2 demo --recipes bf16,blockwise,fp8_exact,tensorwise   # + the naive FP8
+  infir2 demo --seeds 0,1,2,3,4       # more seeds: narrower intervals
   infir2 demo --report-only --out runs/demo              # report.md + plot again from results.json
   infir2 demo --update-readme README.md --out runs/demo  # README's demo table from results.json
   infir2 demo --data-only --out runs/tiny   # only tokenizer + CPT shards + SFT files: what the
@@ -52,7 +53,10 @@ from .pipeline import FULL, QUICK, data_only, run_demo
 from .report import README_END, README_START, render, update_readme
 from .results import DemoRecord
 
-__all__ = ["add_arguments", "parse_seeds", "run"]
+__all__ = ["DEFAULT_RECIPES", "QUICK_RECIPES", "add_arguments", "parse_seeds", "run"]
+
+DEFAULT_RECIPES = ("bf16", "blockwise", "fp8_exact")
+QUICK_RECIPES = ("bf16", "blockwise")  # CI: the pipeline end to end, kept short
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,13 +65,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-only", action="store_true",
                         help="only write the tokenizer (OUT/tokenizer), CPT shards (OUT/cpt_tokens) and SFT "
                              "files (OUT/data/sft_*.jsonl); with --out runs/tiny, what the tiny configs read")  # fmt: skip
-    parser.add_argument("--recipes", default="bf16,blockwise",
-                        help="comma-separated recipes; the first is the baseline of the gaps "
-                             "(default: bf16,blockwise; each added recipe adds its runs to the time)")  # fmt: skip
+    parser.add_argument("--recipes", default=None,
+                        help="comma-separated recipes; the first is the baseline of the gaps (default: "
+                             f"{','.join(DEFAULT_RECIPES)}, the last being the null control, the FP8 code path "
+                             f"with exact casts; with --quick: {','.join(QUICK_RECIPES)}; each added recipe adds "
+                             "its runs to the time)")  # fmt: skip
     parser.add_argument("--seeds", default=None,
                         help="comma-separated seeds, each run by every recipe (initialization and data "
                              f"order; default: {','.join(map(str, FULL.seeds))}). The verdict needs two or "
-                             "more: it compares each gap with the baseline's spread over seeds")  # fmt: skip
+                             "more, and resolves more with more: it is a t-interval over the paired gaps")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=None,
                         help="(recipe, seed) runs trained side by side in worker processes (default: one per "
                              "CPU core, at most one per run; 1 = one after the other, with progress bars)")  # fmt: skip
@@ -95,7 +101,9 @@ def parse_seeds(text: str) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    default = QUICK_RECIPES if args.quick else DEFAULT_RECIPES
+    text = args.recipes if args.recipes is not None else ",".join(default)
+    recipes = [r.strip() for r in text.split(",") if r.strip()]
     unknown = [r for r in recipes if r not in RECIPES]
     if unknown or not recipes:
         raise ValueError(f"--recipes: unknown {unknown or 'empty list'}; known recipes: {', '.join(RECIPES)}")

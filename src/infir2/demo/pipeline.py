@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..data.cpt import prepare_cpt
-from ..data.demo import make_demo_data, tokenizer_training_texts
+from ..data.demo import NUMBERS, make_demo_data, tokenizer_training_texts
 from ..data.tokenizer import train_bpe_tokenizer
 from ..data.tokens import heldout_windows, load_tokens
 from ..train import parse_config, train
@@ -77,12 +77,12 @@ def _cpt_config(s: DemoSettings, out: Path, recipe: str, seed: int, vocab_size: 
         "run": {"name": _run_name(recipe, seed, "cpt"), "out_dir": str(out / "runs"), "seed": seed,
                 "device": "cpu"},
         "model": {"from_config": _model_config(s, vocab_size), "tokenizer": str(out / "tokenizer"),
-                  "precision": "fp32"},
+                  "precision": "fp32", "recompute_mlp": False},  # a tiny model: memory is no concern
         "fp8": {"recipe": recipe},
         "data": {"kind": "cpt", "train_path": str(out / "cpt_tokens"), "seq_len": s.seq_len,
                  "global_batch_size": s.cpt_batch, "micro_batch_size": s.cpt_batch},
         "optim": {"lr": s.cpt_lr, "weight_decay": 0.1, "grad_clip": 1.0},
-        "schedule": {"name": "wsd", "warmup_fraction": 0.1, "decay_fraction": 0.25, "min_lr_ratio": 0.1},
+        "schedule": {"name": "wsd", "warmup_fraction": 0.1, "decay_fraction": 0.25, "min_lr_ratio": s.min_lr_ratio},
         # eval_every 0: no periodic evaluation, but the last step is evaluated (the CPT held-out loss)
         "train": {"max_steps": s.cpt_steps, "eval_every": 0, "eval_batches": _cpt_eval_batches(out, s),
                   "save_every": 0, "keep_last": 1, "log_every": _LOG_EVERY},
@@ -100,13 +100,14 @@ def _sft_config(
     return {
         "run": {"name": _run_name(recipe, seed, "sft"), "out_dir": str(out / "runs"), "seed": seed,
                 "device": "cpu"},
-        "model": {"path": str(cpt_model), "tokenizer": str(out / "tokenizer"), "precision": "fp32"},
+        "model": {"path": str(cpt_model), "tokenizer": str(out / "tokenizer"), "precision": "fp32",
+                  "recompute_mlp": False},
         "fp8": {"recipe": recipe},
         "data": {"kind": "sft", "train_path": str(data["sft_train"]), "val_path": str(data["sft_val"]),
                  "global_batch_size": s.sft_batch, "max_tokens_per_micro_batch": s.sft_tokens_per_micro_batch,
                  "max_length": s.sft_max_length, "overlong": "drop", "epochs": s.sft_epochs},
         "optim": {"lr": s.sft_lr, "weight_decay": 0.0, "grad_clip": 1.0},
-        "schedule": {"name": "cosine", "warmup_fraction": 0.05, "min_lr_ratio": 0.1},
+        "schedule": {"name": "cosine", "warmup_fraction": 0.05, "min_lr_ratio": s.min_lr_ratio},
         # the last step evaluates every held-out conversation
         "train": {"eval_every": 0, "eval_batches": math.ceil(_sft_val_count(s) / s.sft_batch), "save_every": 0,
                   "keep_last": 1, "log_every": _LOG_EVERY},
@@ -129,8 +130,9 @@ def prepare_data(out: Path, s: DemoSettings) -> tuple[dict[str, Path], Any]:
     configs (``configs/tiny-*.yaml``) read exactly these paths under ``runs/tiny``.
     """
     data = make_demo_data(out / "data", seed=s.data_seed, n_train=s.n_train, n_test=s.n_test, n_cpt_worked=s.n_cpt_worked,
-                          n_cpt_tables=s.n_cpt_tables, max_operand=s.max_operand, num_ops=s.num_ops)  # fmt: skip
-    tokenizer = train_bpe_tokenizer(tokenizer_training_texts(data), s.vocab_size)
+                          n_cpt_tables=s.n_cpt_tables, max_operand=s.max_operand, num_ops=s.num_ops,
+                          n_test_hard=s.n_test_hard)  # fmt: skip
+    tokenizer = train_bpe_tokenizer(tokenizer_training_texts(data), s.vocab_size, whole_numbers=NUMBERS)
     data["sft_train"], data["sft_val"] = _split_sft(data["sft_train"], _sft_val_count(s))
     tokenizer.save_pretrained(out / "tokenizer")
     prepare_cpt([data["cpt"]], out / "cpt_tokens", tokenizer, val_fraction=s.cpt_val_fraction, progress=False)
@@ -186,6 +188,12 @@ def run_recipe(
     log.info("demo: %s seed %d: accuracy %.1f%% on %d held-out problems", recipe, seed,
              100 * result.summary["avg@n"], len(problems))  # fmt: skip
     result.save(out / "runs" / _run_name(recipe, seed, "eval"))
+    hard = None
+    if s.n_test_hard:
+        hard_result = evaluate(model, tokenizer, load_problems(data["test_hard"], "math"), task="math", greedy=True,
+                               max_new_tokens=s.max_new_tokens, batch_size=s.eval_batch_size, progress=progress)  # fmt: skip
+        hard_result.save(out / "runs" / _run_name(recipe, seed, "eval_hard"))
+        hard = float(hard_result.summary["avg@n"])
     cpt_metrics, sft_metrics = _read_metrics(cpt.run_dir), _read_metrics(sft.run_dir)
     return RecipeResult(
         recipe=recipe,
@@ -201,6 +209,7 @@ def run_recipe(
         train_seconds=sum(m["step_time_s"] for m in cpt_metrics + sft_metrics if "step_time_s" in m),
         cpt_curve=_curve(cpt_metrics),
         sft_curve=_curve(sft_metrics),
+        hard_accuracy=hard,
     )
 
 
@@ -250,6 +259,12 @@ def data_only(out: Path, settings: DemoSettings) -> dict[str, Path]:
     return {"tokenizer": out / "tokenizer", "cpt": out / "cpt_tokens", **data}
 
 
+def _torch_threads() -> int:
+    import torch
+
+    return int(torch.get_num_threads())
+
+
 def run_demo(out: Path, settings: DemoSettings, recipes: list[str], jobs: int = 1) -> DemoRecord:
     """The whole demo: every recipe at every seed of ``settings.seeds``, then ``results.json`` and the report.
 
@@ -262,13 +277,13 @@ def run_demo(out: Path, settings: DemoSettings, recipes: list[str], jobs: int = 
     data, tokenizer = prepare_data(out, settings)
     pairs = [(recipe, seed) for recipe in recipes for seed in settings.seeds]
     jobs = max(1, min(jobs, len(pairs)))
+    threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else _torch_threads()
     if jobs == 1:
         results = []
         for i, (recipe, seed) in enumerate(pairs, 1):
             log.info("demo: run %d/%d: %s, seed %d", i, len(pairs), recipe, seed)
             results.append(run_recipe(recipe, seed, out, settings, data, tokenizer))
     else:
-        threads = max(1, (os.cpu_count() or 1) // jobs)
         log.info("demo: %d runs (%d recipes x %d seeds), %d at a time (%d thread(s) each); progress is logged "
                  "every %d steps", len(pairs), len(recipes), len(settings.seeds), jobs, threads, _LOG_EVERY)  # fmt: skip
         context = multiprocessing.get_context("spawn")
@@ -278,7 +293,7 @@ def run_demo(out: Path, settings: DemoSettings, recipes: list[str], jobs: int = 
     text = run_text(out / "text", settings, recipes, jobs)  # the verdict's part: real text (demo/text.py)
     record = DemoRecord(settings=settings, recipes=recipes, runs=results,
                         chance_accuracy=chance_accuracy(data["test"]), seconds=time.perf_counter() - t0,
-                        jobs=jobs, machine=machine_description(), text=text)  # fmt: skip
+                        jobs=jobs, machine=machine_description(threads), text=text)  # fmt: skip
     record.save(out / "results.json")
     print(render(out, record))
     return record

@@ -16,7 +16,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FULL", "QUICK", "DemoRecord", "DemoSettings", "RecipeResult", "machine_description"]
+__all__ = [
+    "FULL",
+    "QUICK",
+    "DemoRecord",
+    "DemoSettings",
+    "RecipeResult",
+    "cpu_description",
+    "machine_description",
+]
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,7 @@ class DemoSettings:
     num_ops: tuple[int, int] = (2, 2)
     n_train: int = 1200
     n_test: int = 100
+    n_test_hard: int = 0  # problems of the harder split (one operation more) also evaluated; 0 = none
     n_cpt_worked: int = 3000
     n_cpt_tables: int = 200
     cpt_val_fraction: float = 0.05  # of the CPT corpus, held out for the CPT held-out loss
@@ -52,6 +61,7 @@ class DemoSettings:
     sft_tokens_per_micro_batch: int = 4096
     cpt_lr: float = 3e-3
     sft_lr: float = 1e-3
+    min_lr_ratio: float = 0.1  # both schedules end at this fraction of their peak learning rate
     max_new_tokens: int = 64
     eval_batch_size: int = 50
     # the real-text part (demo/text.py; infir2 fidelity's runs): 0 = skip it
@@ -63,6 +73,7 @@ class DemoSettings:
     text_steps: int = 100
     text_eval_batches: int = 16
     text_max_chars: int | None = None  # the whole corpus
+    text_null_control: bool = False  # the null control on real text too (off: time; real text is quiet)
 
 
 # Tuned on the development CPU (see README): small batches and many steps teach this tiny model more
@@ -97,13 +108,36 @@ class RecipeResult:
     train_seconds: float | None = None  # the CPT and SFT optimizer steps alone (no setup, export, evaluation)
     cpt_curve: list[tuple[int, float]] = field(default_factory=list)
     sft_curve: list[tuple[int, float]] = field(default_factory=list)
+    hard_accuracy: float | None = None  # on the harder split (``n_test_hard`` problems); None: not evaluated
 
 
-def machine_description() -> str:
-    """``"<cpus> CPUs, <machine>, torch <version>"``: what a timing was measured on."""
+# what the speed and the rounding of a CPU GEMM depend on
+_ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_description(cpuinfo: str | None = None) -> str:
+    """``"AMD EPYC (avx2, avx512f, avx512_bf16; no amx_bf16)"``: the CPU model and its vector extensions,
+    from ``/proc/cpuinfo`` (Linux); the platform's processor name elsewhere."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return platform.processor() or platform.machine()
+    fields_ = dict(line.split(":", 1) for line in cpuinfo.splitlines() if ":" in line)
+    fields_ = {k.strip(): v.strip() for k, v in fields_.items()}
+    model = fields_.get("model name") or platform.processor() or platform.machine()
+    flags = set(fields_.get("flags", "").split())
+    have = [f for f in _ISA_FLAGS if f in flags]
+    lack = [f for f in _ISA_FLAGS if f not in flags]
+    return f"{model} ({', '.join(have) or 'none of ' + '/'.join(_ISA_FLAGS)}{'; no ' + ', '.join(lack) if lack else ''})"
+
+
+def machine_description(threads_per_run: int | None = None) -> str:
+    """``"2 CPUs, AMD EPYC (avx2, ...), 1 thread per run, torch <version>"``: what a run was measured on."""
     import torch
 
-    return f"{os.cpu_count()} CPUs, {platform.machine()}, torch {torch.__version__}"
+    threads = f", {threads_per_run} thread(s) per run" if threads_per_run else ""
+    return f"{os.cpu_count()} CPUs, {cpu_description()}{threads}, torch {torch.__version__}"
 
 
 @dataclass

@@ -29,6 +29,7 @@ from typing import Any
 from ..bench.fidelity import BASELINE, EXTRA, FidelitySettings, prepare, run_one
 from ..bench.fidelity_report import RunResult, summarize, table
 from .results import DemoSettings
+from .summary import NULL_CONTROL
 
 __all__ = ["corpus_available", "run_text", "text_section", "text_settings"]
 
@@ -73,6 +74,8 @@ def run_text(out: Path, s: DemoSettings, recipes: list[str], jobs: int) -> dict[
     if recipes[0] != BASELINE:
         log.warning("demo: the real-text verdict needs the baseline %r first in --recipes; skipped", BASELINE)
         return None
+    if not s.text_null_control:  # the null control is the reasoning part's noise floor; real text is quiet
+        recipes = [r for r in recipes if r != NULL_CONTROL]
     ts = text_settings(s, recipes)
     out.mkdir(parents=True, exist_ok=True)
     log.info("demo: real text: preparing the corpus and tokenizer in %s", out)
