@@ -36,7 +36,7 @@ class DemoSettings:
     are generated once, with ``data_seed``, and shared by every run.
     """
 
-    seeds: tuple[int, ...] = (0, 1)
+    seeds: tuple[int, ...] = (0, 1, 2)
     data_seed: int = 0
     max_operand: int = 9
     num_ops: tuple[int, int] = (2, 2)
@@ -44,24 +44,24 @@ class DemoSettings:
     n_test: int = 100
     n_test_hard: int = 0  # problems of the harder split (one operation more) also evaluated; 0 = none
     n_cpt_worked: int = 3000
-    n_cpt_tables: int = 200
+    n_cpt_tables: int = 600
     cpt_val_fraction: float = 0.05  # of the CPT corpus, held out for the CPT held-out loss
     vocab_size: int = 400
     hidden_size: int = 128
-    num_layers: int = 4
+    num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 512
     seq_len: int = 64  # CPT window
     sft_max_length: int = 256
-    cpt_steps: int = 900
+    cpt_steps: int = 700
     cpt_batch: int = 8
-    sft_epochs: int = 2
+    sft_epochs: int = 3
     sft_batch: int = 16
     sft_tokens_per_micro_batch: int = 4096
     cpt_lr: float = 3e-3
-    sft_lr: float = 1e-3
-    min_lr_ratio: float = 0.1  # both schedules end at this fraction of their peak learning rate
+    sft_lr: float = 2e-3
+    min_lr_ratio: float = 0.0  # both schedules end at this fraction of their peak lr (0: training ends settled)
     max_new_tokens: int = 64
     eval_batch_size: int = 50
     # the real-text part (demo/text.py; infir2 fidelity's runs): 0 = skip it
@@ -76,15 +76,17 @@ class DemoSettings:
     text_null_control: bool = False  # the null control on real text too (off: time; real text is quiet)
 
 
-# Tuned on the development CPU (see README): small batches and many steps teach this tiny model more
-# per second than large batches; the rendered conversations in the CPT corpus teach it to copy the
-# operands from the question, which SFT alone did not manage in the budget.
+# Chosen by the seed study on the development CPU (BENCHMARKS.md, "The reasoning task, seed by seed"):
+# every number one token, so each copy from the question sits at a fixed distance (the previous
+# setting's runs that failed had not learned the copy); two layers, twice the steps per second of four;
+# three times the fact tables (the errors left were single-step facts); both schedules decayed to 0,
+# so training ends settled rather than mid-step at full learning rate.
 FULL = DemoSettings()
 # CI: the whole pipeline, each stage a few steps long; the numbers it prints mean nothing, that it runs
 # end to end does. Two seeds, so that the paired statistics and the verdict run too; to keep CI as fast
 # as with one seed, each run is half as long as the one-seed quick run was (5 CPT steps instead of 10,
 # 96 SFT conversations instead of 160).
-QUICK = DemoSettings(n_train=96, n_test=20, n_cpt_worked=200, n_cpt_tables=20, num_layers=2,
+QUICK = DemoSettings(seeds=(0, 1), n_train=96, n_test=20, n_cpt_worked=200, n_cpt_tables=20, num_layers=2,
                      intermediate_size=256, cpt_steps=5, sft_epochs=1, max_new_tokens=48,
                      eval_batch_size=20, text_width=128, text_layers=1, text_vocab_size=320,
                      text_seq_len=32, text_batch=4, text_steps=5, text_eval_batches=2,
