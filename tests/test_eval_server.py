@@ -262,3 +262,15 @@ def test_base_url_forms() -> None:
     assert {normalize_base_url(u) for u in ("http://h:8000", "http://h:8000/", "http://h:8000/v1/")} == {
         "http://h:8000/v1"
     }
+
+
+def test_a_changed_problem_text_is_refused(
+    server, tok_dir: Path, problems: Path, tmp_path: Path, capsys
+) -> None:
+    url, _ = server
+    out = tmp_path / "o"
+    assert main(_argv(url, tok_dir, problems, out, "--limit", "2")) == 0
+    problems.write_text(problems.read_text().replace('"hello"', '"hullo"'))
+    capsys.readouterr()
+    assert main(_argv(url, tok_dir, problems, out)) == 2
+    assert "prompts of problem(s) ['q1'] differ" in capsys.readouterr().err
