@@ -57,7 +57,11 @@ needs_serving = pytest.mark.skipif(
 
 @contextmanager
 def transformers_serve(
-    model_dir: Path, log: Path, port: int | None = None, startup_s: float = 240
+    model_dir: Path,
+    log: Path,
+    port: int | None = None,
+    startup_s: float = 240,
+    extra: list[str] | None = None,
 ) -> Iterator[Served]:
     """A running `transformers serve MODEL_DIR`; fails with the server's log tail when it does not come up."""
     port = port or free_port()
@@ -68,7 +72,7 @@ def transformers_serve(
         "TOKENIZERS_PARALLELISM": "false",
     }
     cmd = [sys.executable, "-c", _CLI, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-           "--device", "cpu", "--dtype", "float32", "--log-level", "warning"]  # fmt: skip
+           "--device", "cpu", "--dtype", "float32", "--log-level", "warning", *(extra or [])]  # fmt: skip
     with log.open("ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     served = Served(f"http://127.0.0.1:{port}", port, proc, log)
