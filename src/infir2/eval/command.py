@@ -64,14 +64,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=list(PRESETS),
                    help="the authors' protocol for a benchmark: task, --n, --max-new-tokens, sampling "
                         "(needs --data: your local copy of its problems)")  # fmt: skip
-    p.add_argument("--task", choices=list(TASKS), help="answer format (a task of the registry; default math)")
+    p.add_argument(
+        "--task",
+        choices=list(TASKS),
+        help="answer format, a task of the registry, unless a preset sets it (default: math)",
+    )
     p.add_argument("--data", help="benchmark JSONL (default: the shipped sample for --task)")
-    p.add_argument("--n", type=int, help="samples per problem (avg@n, pass@k); default 1")
+    p.add_argument(
+        "--n", type=int, help="samples per problem (avg@n, pass@k), unless a preset sets it (default: 1)"
+    )
     p.add_argument("--greedy", action="store_true", help="greedy decoding (requires --n 1)")
-    p.add_argument("--temperature", type=float, help="sampling temperature (default 0.65)")
-    p.add_argument("--top-p", type=float, help="nucleus sampling threshold (default 0.95)")
+    p.add_argument(
+        "--temperature", type=float, help="sampling temperature, unless a preset sets it (default: 0.65)"
+    )
+    p.add_argument(
+        "--top-p", type=float, help="nucleus sampling threshold, unless a preset sets it (default: 0.95)"
+    )
     p.add_argument("--max-new-tokens", type=int,
-                   help=f"generation budget per sample (default {DEFAULT_MAX_NEW_TOKENS}); reasoning traces need "
+                   help=f"generation budget per sample, unless a preset sets it (default: {DEFAULT_MAX_NEW_TOKENS}); reasoning traces need "
                         "tens of thousands, generation stops earlier at the end-of-turn token, and samples cut "
                         "here are counted as truncated (with a warning)")  # fmt: skip
     prompt = p.add_mutually_exclusive_group()
