@@ -10,6 +10,11 @@ In-process use (the demo does this)::
 
 By default the model runs in high precision; ``fp8=True`` runs the model's ``Fp8Linear`` layers in
 FP8 (convert it first with ``infir2.convert_to_fp8``). Both through ``infir2.nn.fp8_enabled``.
+
+``infir2 eval`` calls ``run_evaluation(engine, ...)``: the prompts are rendered once, the engine
+(``LocalEngine``: transformers ``generate`` in this process; ``ServerEngine``: an OpenAI-compatible
+server) produces only the samples a ``CompletionLog`` lacks, and the grading, avg@n / pass@k and
+the report below are the same code whichever engine produced the samples.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ than asked (``transformers serve`` ignores ``n`` and returns one): the rest is a
 token count of a sample is the server's ``usage.completion_tokens`` when the response holds one
 choice, else the local tokenizer's count of its text (plus the stop token when it finished).
 
-Transport: at most ``concurrency`` requests in flight (a thread pool; the server batches them), a
+Transport: at most ``concurrency`` requests in flight (daemon worker threads; the server batches them), a
 timeout per request, and retries with exponential backoff (1, 2, 4 ... s, at most 60 s) on
 connection errors, timeouts, 429 and 5xx. Other 4xx answers (a wrong model name, a rejected field)
 are not retried. Every failure ends as a one-line ``ServerError``. Built on ``urllib`` (no client
@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import http.client
 import json
+import queue
 import random
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -220,6 +221,35 @@ def complete(
 # ------------------------------------------------------------------------------------ many requests
 
 
+class _DaemonPool:
+    """A fixed set of daemon worker threads: unlike ``ThreadPoolExecutor``'s, a request still in flight
+    does not hold the interpreter open at exit (Ctrl-C, or an error in another request)."""
+
+    def __init__(self, workers: int) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(workers):
+            threading.Thread(target=self._work, name=f"infir2-eval-{i}", daemon=True).start()
+        self._workers = workers
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            fn, args, fut = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as e:  # handed to the caller through the future
+                    fut.set_exception(e)
+
+    def submit(self, fn: Callable, *args: Any) -> Future:
+        fut: Future = Future()
+        self._queue.put((fn, args, fut))
+        return fut
+
+    def shutdown(self) -> None:
+        for _ in range(self._workers):
+            self._queue.put(None)
+
+
 @dataclass(frozen=True)
 class Job:
     """Samples ``samples`` (their indices) of one prompt, still to be generated."""
@@ -254,7 +284,7 @@ def server_generate(
     per_request = cfg.samples_per_request
     todo: list[tuple[Job, tuple[int, ...]]] = [(j, j.samples) for j in jobs if j.samples]
     total = sum(len(s) for _, s in todo)
-    pool = ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix="infir2-eval")
+    pool = _DaemonPool(cfg.concurrency)
     running: dict[Future, tuple[Job, tuple[int, ...]]] = {}
     abort = threading.Event()
 
@@ -282,4 +312,6 @@ def server_generate(
                         todo.insert(0, (job, rest))
     finally:
         abort.set()  # workers still retrying give up; a request in flight ends with its timeout
-        pool.shutdown(wait=False, cancel_futures=True)
+        for fut in running:
+            fut.cancel()
+        pool.shutdown()
