@@ -6,9 +6,9 @@ See ``runner.evaluate`` for the in-process API, ``runner.run_evaluation`` with a
 """
 
 from .answers import Graded, extract_boxed, extract_choice, final_part, grade_choice, grade_math, math_equal
+from .completions import CompletionLog
 from .generate import SYSTEM_PROMPT, THINK_PREFIX, SamplingConfig, render_prompt
 from .metrics import avg_at_n, pass_at_k
-from .completions import CompletionLog
 from .perplexity import LossResult, evaluate_loss
 from .presets import PRESETS, Preset
 from .runner import EvalResult, LocalEngine, ServerEngine, evaluate, run_evaluation
