@@ -21,7 +21,7 @@ ALLOWED: dict[str, set[str]] = {
     "kernels": {"fp8"},
     "nn": {"fp8", "kernels"},
     "data": set(),
-    "model": {"nn"},
+    "model": {"fp8", "nn"},
     "chunked_loss": set(),  # the chunked linear + cross-entropy (torch only)
     "loss": {"chunked_loss", "data", "model", "nn"},  # the next-token loss shared by train and eval
     "checkpoint": set(),
@@ -109,6 +109,60 @@ def test_the_table_has_no_cycle():
     except CycleError as e:
         raise AssertionError(f"ALLOWED has a cycle: {e.args[1]}") from None
     assert order.index("fp8") < order.index("nn") < order.index("train") < order.index("demo")
+
+
+def module_name(path: Path, root: Path = PACKAGE.parent) -> str:
+    """``infir2.nn.linear`` for ``nn/linear.py``, ``infir2.nn`` for ``nn/__init__.py``."""
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path, modules: set[str], root: Path = PACKAGE.parent) -> set[str]:
+    """The infir2 modules (files) that a module imports, anywhere in it (inside functions and
+    ``TYPE_CHECKING`` blocks too): ``from .x import y`` names module ``x``, or ``x.y`` when that is a
+    module. Its own parent packages are left out (Python imports them before the module anyway)."""
+    name = module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            candidates = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(
+                    [*parts[: len(parts) - node.level + 1], *([node.module] if node.module else [])]
+                )
+            candidates = [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        for candidate in candidates:
+            parts = candidate.split(".")
+            for end in range(len(parts), 0, -1):  # the longest prefix that is a module of the package
+                if ".".join(parts[:end]) in modules:
+                    found.add(".".join(parts[:end]))
+                    break
+    return {m for m in found if m != name and not name.startswith(m + ".")}
+
+
+def test_no_import_cycle_between_files():
+    """Not only the layers: no two files of infir2 import each other, directly or around a circle."""
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {name: imported_modules(path, set(paths)) for name, path in paths.items()}
+    try:
+        list(TopologicalSorter(graph).static_order())
+    except CycleError as e:
+        raise AssertionError(f"files import each other in a circle: {' -> '.join(e.args[1])}") from None
+
+
+def test_the_file_checker_sees_a_planted_cycle(tmp_path):
+    """A function-level import back is still an edge (the checker itself, so the test cannot pass vacuously)."""
+    (tmp_path / "infir2" / "nn").mkdir(parents=True)
+    planted = tmp_path / "infir2" / "nn" / "fsdp.py"
+    planted.write_text("def f():\n    from .linear import Fp8Linear\n    from infir2 import kernels\n")
+    modules = {"infir2.nn.linear", "infir2.nn.fsdp", "infir2.nn", "infir2.kernels"}
+    assert imported_modules(planted, modules, root=tmp_path) == {"infir2.nn.linear", "infir2.kernels"}
 
 
 def test_utilities_import_no_layer():

@@ -212,7 +212,7 @@ def plan(shape: ModelShape, recipe: str, gpus: int = 1, seq_len: int = 8192, mic
     copied_layers = 1 if activation_checkpointing and recipe == "bf16" else shape.layers
     distributed = gpus > 1
     r = RECIPES[recipe]
-    fp8_gather = distributed and r.enabled and r.reuses_weight and all(b > 0 for b in r.w.block)
+    fp8_gather = distributed and r.param_gather_default
     fp8_gather = fp8_gather if param_gather is None else (param_gather and distributed and r.enabled)
     wire = BF16_BYTES if precision == "bf16" else FP32_BYTES
     layer_wire = float(wire * shape.layer_params)

@@ -34,7 +34,6 @@ __all__ = [
     "broadcast_object",
     "gather_objects",
     "init_distributed",
-    "param_gather_enabled",
     "shard_model",
 ]
 
@@ -89,16 +88,6 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
-def param_gather_enabled(setting: bool | None, recipe: str) -> bool:
-    """``fp8.param_gather``: None (the default) means on for the blockwise recipes."""
-    from ..fp8.recipe import get_recipe
-    from ..nn.fsdp import supports_param_gather
-
-    r = get_recipe(recipe)
-    block_scaled = all(b > 0 for b in r.w.block)  # 128x128 blocks, not one scale for the tensor
-    return supports_param_gather(r) and (setting if setting is not None else block_scaled)
-
-
 def shard_model(model: nn.Module, precision: str = "fp32", fp8_param_gather: bool = False) -> nn.Module:
     """FSDP2: shard each decoder layer, then the root (embedding, final norm, lm_head).
 
@@ -107,7 +96,7 @@ def shard_model(model: nn.Module, precision: str = "fp32", fp8_param_gather: boo
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from ..nn.fsdp import enable_fp8_param_gather, link_fsdp_params
+    from ..nn.convert import enable_fp8_param_gather, link_fsdp_params
 
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"model.precision must be fp32 or bf16, got {precision!r}")
