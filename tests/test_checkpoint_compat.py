@@ -3,7 +3,7 @@
 ``tests/fixtures/checkpoints_v1/`` holds one ``full`` and one ``dcp`` checkpoint of the same tiny run
 (a 1-layer Qwen2 of width 32, recipe ``bf16``, fp32 masters, 2 of 4 optimizer steps done), written by
 the code before the checkpoint package (``infir2.checkpoint`` as one module, its ``meta.json`` with
-``state_bytes`` / ``state_sha256``; ``train.sharded_checkpoint``), and ``expected.json`` with the
+``state_bytes`` / ``state_sha256``; ``infir2.train.sharded_checkpoint``), and ``expected.json`` with the
 losses of steps 3 and 4 that this code computed after resuming from them. The fixture is data from
 the past: do not regenerate it with today's code (``python tests/test_checkpoint_compat.py --write``
 is how it was written, and writes today's format).
@@ -69,8 +69,7 @@ def test_an_old_checkpoint_resumes_where_it_left_off(tmp_path, fmt):
 
 def test_old_full_and_dcp_checkpoints_hold_the_same_model():
     """Both formats of the same run read back to the same tensors (the dcp one through the streamed export)."""
-    from infir2.checkpoint import load_checkpoint
-    from infir2.train.sharded_checkpoint import iter_model_tensors
+    from infir2.checkpoint import iter_model_tensors, load_checkpoint
 
     full = load_checkpoint(_step_folder("full"))["model"]
     streamed = dict(iter_model_tensors(_step_folder("dcp")))

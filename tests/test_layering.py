@@ -24,7 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     "model": {"fp8", "nn"},
     "chunked_loss": set(),  # the chunked linear + cross-entropy (torch only)
     "loss": {"chunked_loss", "data", "model", "nn"},  # the next-token loss shared by train and eval
-    "checkpoint": set(),
+    "checkpoint": {"nn"},  # the folder, the full and the sharded format (FP8 gather wrappers unwrapped)
     "export": {"data", "fp8", "nn"},
     "eval": {"data", "export", "loss", "nn"},
     "train": {"checkpoint", "data", "export", "fp8", "loss", "model", "nn"},
@@ -37,10 +37,11 @@ ALLOWED: dict[str, set[str]] = {
     "_logging": set(),
     "_files": set(),
     "_paired": set(),  # paired-seed statistics shared by demo and bench (floats only)
+    "_dist": set(),  # DistEnv and the collectives (torch.distributed only)
 }
 
 #: Helpers every layer may import (they import nothing of infir2 themselves).
-UTILITIES = {"_files", "_logging", "_paired"}
+UTILITIES = {"_dist", "_files", "_logging", "_paired"}
 
 
 def layer_of(path: Path) -> str:

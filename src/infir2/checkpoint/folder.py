@@ -1,38 +1,28 @@
-"""Training checkpoints: one dict with fixed keys, written atomically, listed, loaded.
+"""The checkpoint folder, whatever the format inside: atomic write, ``meta.json``, list, verify, prune.
 
 A checkpoint is a folder ``<run>/checkpoints/step_<8 digits>/`` (the number of optimizer steps done)
-holding ``state.pt`` -- a ``torch.save`` of::
+holding the files of its format (``full``: one ``state.pt``; ``dcp``: every rank's shards) and
+``meta.json``, written last::
 
-    {"model":       full (unsharded) model state dict, fp32 masters, nn.Linear keys,
-     "optimizer":   full optimizer state dict keyed by parameter name (AdamW moments, fp32),
-     "scheduler":   {"step": steps done} -- schedules are pure functions of the step,
-     "data":        [StepSource.state_dict() of rank 0, rank 1, ...],
-     "train_state": {"step", "tokens_seen", "nonfinite_total", "nonfinite_in_row", "world_size",
-                     "rng": [per-rank RNG states], "config": resolved run config}}
+    {"format": "full" | "dcp", "step": 12, "world_size": 2,
+     "files": {"<name>": {"bytes": 1234, "sha256": "<hex>"}, ...}}
 
-and ``meta.json`` (step, world size, size and SHA-256 of ``state.pt``). Full state dicts (gathered
-to rank 0 by ``torch.distributed.checkpoint.state_dict``) make a checkpoint independent of the
-sharding: it loads on any number of ranks (the data position needs the same world size) and in a plain
-single-process ``torch.load``. The cost is that rank 0 holds the whole state in CPU memory while
-saving (about 12 bytes per parameter) -- fine up to a few billion parameters; beyond that use the
-sharded format (``train.checkpoint_format: dcp``, ``infir2.train.sharded_checkpoint``), which keeps
-this folder layout, ``meta.json`` checksums (``sha256_file`` / ``verify_file``) and ``load_latest_valid``.
-
-Atomicity: everything is written into ``checkpoints/.tmp-step_.../``, each file is fsynced, then the
-folder is renamed to its final name (``rename`` is atomic on POSIX) and the parent fsynced. A kill
-at any moment leaves either the old set of checkpoints or the old set plus the new one; leftover
-``.tmp-*`` folders are ignored and removed by the next save.
-
-The Hugging Face folder at the end of a run is not written here: ``train.checkpointing.export_final``
-calls ``export.export_model``, the code behind ``infir2 export``.
+Atomicity: everything is written into ``checkpoints/.tmp-step_.../`` (:func:`begin`), each file is
+fsynced and hashed, then :func:`finish` writes ``meta.json``, fsyncs the folder and renames it to its
+final name (``rename`` is atomic on POSIX) and fsyncs the parent. A kill at any moment leaves
+either the old set of checkpoints or the old set plus the new one; leftover ``.tmp-*`` folders are
+ignored and removed by the next save.
 
 Damage: a disk, a copy or a hand can still damage a finished checkpoint (same-size garbage, random
-bytes, a truncated file). ``load_checkpoint`` verifies the size and SHA-256 recorded in ``meta.json``
-before unpickling, and unpickles with ``weights_only=True`` (tensors, dicts, lists, numbers and
-strings only: a crafted file cannot run code). ``load_latest_valid`` walks the run's checkpoints from
-the newest down, skips each one that fails with a WARNING naming it, and refuses
-(``NoLoadableCheckpointError``) when there are ``step_*`` folders but none loads -- silently
-starting again from step 0 would overwrite them.
+bytes, a truncated file). :func:`verify` checks every file's size and SHA-256 against ``meta.json``
+before a format reads it; ``load_latest_valid`` walks the run's checkpoints from the newest down,
+skips each one that fails with a WARNING naming it (:func:`newest_loadable`), and refuses (``NoLoadableCheckpointError``) when
+there are ``step_*`` folders but none loads -- silently starting again from step 0 would overwrite
+them.
+
+Older checkpoints: a ``meta.json`` without ``format`` is a ``full`` one, and its ``state_bytes`` /
+``state_sha256`` (the layout before the ``files`` map) are read as the ``files`` entry of
+``state.pt``; a file without a checksum loads with a warning (:func:`read_meta`).
 """
 
 from __future__ import annotations
@@ -45,35 +35,61 @@ import os
 import re
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 __all__ = [
-    "CHECKPOINT_KEYS",
+    "DAMAGED_PREFIX",
+    "META_FILE",
+    "FileRecord",
+    "Meta",
     "NoLoadableCheckpointError",
+    "begin",
+    "finish",
+    "fsync",
+    "is_complete",
     "latest_checkpoint",
     "list_checkpoints",
-    "load_checkpoint",
-    "load_latest_valid",
-    "save_checkpoint",
+    "newest_loadable",
+    "read_meta",
+    "record_file",
     "sha256_file",
+    "verify",
     "verify_file",
 ]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("infir2.checkpoint")
 
-CHECKPOINT_KEYS = ("model", "optimizer", "scheduler", "data", "train_state")
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
-STATE_FILE = "state.pt"
 META_FILE = "meta.json"
 DAMAGED_PREFIX = "damaged-"  # checkpoints set aside by load_latest_valid(start_fresh=True)
 _HASH_CHUNK_BYTES = 8 << 20  # read size while hashing: large enough to run at disk speed
+#: the format of a meta.json that names none (written before there were two)
+_DEFAULT_FORMAT = "full"
+_LEGACY_STATE_FILE = "state.pt"
 
 
 class NoLoadableCheckpointError(ValueError):
     """``step_*`` folders exist but none verifies and loads (a ValueError: the CLI's one-line user error)."""
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """What ``meta.json`` records of one file (``sha256`` None: written before checksums were)."""
+
+    bytes: int
+    sha256: str | None
+
+
+@dataclass(frozen=True)
+class Meta:
+    """A checkpoint's ``meta.json``."""
+
+    format: str
+    step: int
+    world_size: int
+    files: dict[str, FileRecord]
 
 
 def sha256_file(path: Path) -> str:
@@ -85,12 +101,8 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
+def fsync(path: Path) -> None:
+    """Flush a file or a folder (its entries) to the disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -98,58 +110,74 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_state(state: dict[str, Any], path: Path) -> None:
-    torch.save(state, path)
+def record_file(path: Path) -> FileRecord:
+    """fsync a written file and record its size and SHA-256."""
+    fsync(path)
+    return FileRecord(path.stat().st_size, sha256_file(path))
 
 
-def save_checkpoint(
-    root: str | Path,
-    step: int,
-    state: dict[str, Any],
-    keep_last: int | None = None,
-    writer: Callable[[dict[str, Any], Path], None] = _write_state,
-) -> Path:
-    """Write ``state`` (keys ``CHECKPOINT_KEYS``) as ``root/step_<step>`` atomically; prune to ``keep_last``.
-
-    Call on one process only (rank 0). ``writer`` writes ``state.pt`` (a hook for tests).
-    """
-    missing = [k for k in CHECKPOINT_KEYS if k not in state]
-    if missing:
-        raise ValueError(f"checkpoint state lacks keys {missing}; expected {CHECKPOINT_KEYS}")
+def begin(root: str | Path, step: int) -> tuple[Path, Path]:
+    """Make the temporary folder of checkpoint ``step`` under ``root`` (removing a killed save's):
+    returns ``(tmp, final)``. Call on one process (rank 0)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
     final = root / f"step_{step:08d}"
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    tmp = root / f".tmp-{final.name}"
     tmp.mkdir()
-    writer(state, tmp / STATE_FILE)
-    _fsync_file(tmp / STATE_FILE)
-    meta = {"step": step, "world_size": state["train_state"].get("world_size", 1),
-            "state_bytes": (tmp / STATE_FILE).stat().st_size, "state_sha256": sha256_file(tmp / STATE_FILE)}  # fmt: skip
-    (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
-    _fsync_file(tmp / META_FILE)
-    _fsync_dir(tmp)
+    return tmp, final
+
+
+def finish(tmp: Path, final: Path, meta: Meta, keep_last: int | None = None) -> Path:
+    """Write ``meta.json`` into ``tmp``, rename it to ``final`` (replacing a checkpoint of the same step)
+    and keep the newest ``keep_last`` checkpoints. Call on one process, after every file is recorded."""
+    files = {name: {"bytes": r.bytes, "sha256": r.sha256} for name, r in sorted(meta.files.items())}
+    data = {"format": meta.format, "step": meta.step, "world_size": meta.world_size, "files": files}
+    (tmp / META_FILE).write_text(json.dumps(data, indent=1))
+    fsync(tmp / META_FILE)
+    fsync(tmp)
+    root = final.parent
     if final.exists():  # the same step saved again (e.g. the end of a resumed run): replace it
-        old = root / f".tmp-old-{final.name}-{os.getpid()}"
+        old = root / f".tmp-old-{final.name}"
         final.rename(old)
         tmp.rename(final)
         shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(final)
-    _fsync_dir(root)
+    fsync(root)
     if keep_last:
         for old_ckpt in list_checkpoints(root)[:-keep_last]:
             shutil.rmtree(old_ckpt, ignore_errors=True)
     return final
 
 
-def _is_valid(path: Path) -> bool:
-    """Cheap completeness check (sizes only) used to list checkpoints; ``_verify`` is the full one."""
+def read_meta(folder: str | Path) -> Meta:
+    """A checkpoint's ``meta.json`` (older layouts included, module docstring); ValueError naming the
+    folder when it is missing or malformed."""
+    folder = Path(folder)
     try:
-        meta = json.loads((path / META_FILE).read_text())
-        return (path / STATE_FILE).stat().st_size == meta["state_bytes"]
-    except (OSError, ValueError, KeyError, TypeError):
+        data = json.loads((folder / META_FILE).read_text())
+        if "files" in data:
+            files = {name: FileRecord(int(r["bytes"]), r.get("sha256")) for name, r in data["files"].items()}
+        else:  # before the files map: the one state.pt
+            files = {_LEGACY_STATE_FILE: FileRecord(int(data["state_bytes"]), data.get("state_sha256"))}
+        return Meta(str(data.get("format", _DEFAULT_FORMAT)), int(data["step"]), int(data.get("world_size", 1)),
+                    files)  # fmt: skip
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"checkpoint {folder}: unreadable {META_FILE} ({type(e).__name__}: {e})") from e
+
+
+def is_complete(folder: str | Path, fmt: str | None = None) -> bool:
+    """Cheap completeness check (sizes only, used for listing): every file ``meta.json`` records is
+    there with its size (and the format is ``fmt`` when given). :func:`verify` is the full check."""
+    folder = Path(folder)
+    try:
+        meta = read_meta(folder)
+        return (fmt is None or meta.format == fmt) and all(
+            (folder / name).stat().st_size == r.bytes for name, r in meta.files.items()
+        )
+    except (OSError, ValueError):
         return False
 
 
@@ -171,23 +199,26 @@ def verify_file(folder: Path, name: str, expected_bytes: int, expected_sha: str 
         raise ValueError(f"checkpoint {folder}: {name} does not match the SHA-256 in {META_FILE} (damaged)")
 
 
-def _verify(folder: Path) -> None:
-    """Raise ValueError unless ``state.pt`` has the size and SHA-256 that ``meta.json`` records."""
-    try:
-        meta = json.loads((folder / META_FILE).read_text())
-        expected_bytes, expected_sha = meta["state_bytes"], meta.get("state_sha256")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"checkpoint {folder}: unreadable {META_FILE} ({e})") from e
-    verify_file(folder, STATE_FILE, expected_bytes, expected_sha)
+def verify(folder: str | Path, fmt: str | None = None) -> Meta:
+    """Raise ValueError unless every file has the size and SHA-256 of ``meta.json`` (and the folder is
+    of format ``fmt`` when given); returns the meta."""
+    folder = Path(folder)
+    meta = read_meta(folder)
+    if fmt is not None and meta.format != fmt:
+        raise ValueError(f"checkpoint {folder}: {META_FILE} says format {meta.format!r}, expected {fmt!r}")
+    for name, record in meta.files.items():
+        verify_file(folder, name, record.bytes, record.sha256)
+    return meta
 
 
-def list_checkpoints(root: str | Path) -> list[Path]:
-    """Complete checkpoint folders under ``root``, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name) and _is_valid(p)]
+def _step_folders(root: Path) -> list[Path]:
+    found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)] if root.is_dir() else []
     return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def list_checkpoints(root: str | Path, fmt: str | None = None) -> list[Path]:
+    """Complete checkpoint folders under ``root`` (of format ``fmt``, default any), oldest first."""
+    return [p for p in _step_folders(Path(root)) if is_complete(p, fmt)]
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
@@ -195,36 +226,14 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Verify a checkpoint folder (or its ``state.pt``) against ``meta.json`` and read it into CPU memory.
-
-    Raises ``FileNotFoundError`` (no ``state.pt``) or ``ValueError`` (size or checksum mismatch, a file
-    that does not unpickle with ``weights_only=True`` -- including one that would run code -- or
-    missing keys), each naming the folder.
-    """
-    path = Path(path)
-    folder = path.parent if path.name == STATE_FILE else path
-    if not (folder / STATE_FILE).is_file():
-        raise FileNotFoundError(f"{folder} is not a checkpoint folder (no {STATE_FILE})")
-    _verify(folder)
-    try:
-        state = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # UnpicklingError (refused globals), RuntimeError/EOFError (bad zip), ...
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"checkpoint {folder}: {STATE_FILE} does not load safely: {first_line}") from e
-    missing = [k for k in CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]
-    if missing:
-        raise ValueError(f"checkpoint {folder} lacks keys {missing}")
-    return state
-
-
-def load_latest_valid(
-    root: str | Path, start_fresh: bool = False, load: Callable[[Path], Any] = load_checkpoint
+def newest_loadable(
+    root: str | Path, load: Callable[[Path], Any], start_fresh: bool = False
 ) -> tuple[Path, Any] | None:
     """The newest checkpoint under ``root`` that verifies and loads, as ``(folder, load(folder))``.
 
-    ``load`` (default ``load_checkpoint``) verifies and reads one folder, raising ``OSError`` or
-    ``ValueError`` when it cannot: the training loop passes one that also reads sharded checkpoints.
+    ``load`` verifies and reads one folder, raising ``OSError`` or ``ValueError`` when it cannot (the
+    full format's ``load_checkpoint``; the training loop passes one that reads either format into
+    its model).
 
     Each ``step_*`` folder that fails is skipped with a WARNING naming it and the reason; ``None``
     when ``root`` holds no ``step_*`` folder. When some exist but none loads, raises
@@ -232,8 +241,7 @@ def load_latest_valid(
     (kept for inspection, ignored from then on) and returns ``None``.
     """
     root = Path(root)
-    folders = sorted((p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)),
-                     key=lambda p: int(p.name[5:])) if root.is_dir() else []  # fmt: skip
+    folders = _step_folders(root)
     for folder in reversed(folders):
         try:
             return folder, load(folder)

@@ -20,12 +20,13 @@ What travels per step (each layer is all-gathered before its forward and again b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from .._dist import DistEnv, all_reduce_sum, broadcast_object, gather_objects
 
 __all__ = [
     "DistEnv",
@@ -36,26 +37,6 @@ __all__ = [
     "init_distributed",
     "shard_model",
 ]
-
-
-@dataclass(frozen=True)
-class DistEnv:
-    rank: int
-    world_size: int
-    device: torch.device
-    owns_group: bool  # True when init_distributed created the process group (and must destroy it)
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-    def close(self) -> None:
-        if self.owns_group and dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _pick_device(preference: str) -> torch.device:
@@ -146,28 +127,3 @@ class WireBytes:
             if isinstance(m, FSDPModule):
                 m.set_custom_all_gather(_Counting())
         return counter
-
-
-def all_reduce_sum(values: torch.Tensor, env: DistEnv) -> torch.Tensor:
-    """Sum a tensor over ranks (identity in a single process)."""
-    if env.distributed:
-        dist.all_reduce(values, op=dist.ReduceOp.SUM)
-    return values
-
-
-def gather_objects(obj: object, env: DistEnv) -> list[object] | None:
-    """Every rank's ``obj`` on rank 0 (list by rank); None on the other ranks."""
-    if not env.distributed:
-        return [obj]
-    out: list[object] | None = [None] * env.world_size if env.is_main else None
-    dist.gather_object(obj, out, dst=0)
-    return out
-
-
-def broadcast_object(obj: object, env: DistEnv) -> object:
-    """Rank 0's ``obj`` on every rank."""
-    if not env.distributed:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
