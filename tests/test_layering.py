@@ -28,25 +28,37 @@ ALLOWED: dict[str, set[str]] = {
     "export": {"data", "fp8", "nn"},
     "eval": {"data", "export", "loss", "nn"},
     "train": {"checkpoint", "data", "export", "fp8", "loss", "model", "nn"},
-    "bench": {"data", "fp8", "kernels", "model", "nn", "train"},
-    "demo": {"bench", "data", "eval", "fp8", "train"},
-    "memory": {"fp8", "nn"},
-    "plan": {"chunked_loss", "fp8", "memory"},
+    # tools/: each subpackage or module is a layer of its own (tools.<name>), above the library
+    "tools": set(),
+    "tools.paired": set(),  # paired-seed statistics shared by demo and bench (floats only)
+    "tools.bench": {"data", "fp8", "kernels", "model", "nn", "train", "tools.paired"},
+    "tools.demo": {"data", "eval", "fp8", "tools.bench", "tools.paired", "train"},
+    "tools.memory": {"fp8", "nn"},
+    "tools.plan": {"chunked_loss", "fp8", "tools.memory"},
+    "tools.numerics": {"nn"},  # infir2 numerics: reads a run's telemetry keys
+    "tools.wire_bytes": {"nn"},  # FSDP2 byte counters for benchmarks
     "cli": set(),  # cli imports its subcommands lazily by name (importlib), never statically
     "__init__": {"fp8", "nn"},
     "_logging": set(),
-    "_files": set(),
-    "_paired": set(),  # paired-seed statistics shared by demo and bench (floats only)
     "_dist": set(),  # DistEnv and the collectives (torch.distributed only)
 }
 
 #: Helpers every layer may import (they import nothing of infir2 themselves).
-UTILITIES = {"_dist", "_files", "_logging", "_paired"}
+UTILITIES = {"_dist", "_logging"}
+#: the folder of the tools beside the library: its modules and subpackages are layers ``tools.<name>``
+TOOLS = "tools"
+
+
+def _layer(parts: tuple[str, ...]) -> str:
+    """The layer of a module path inside infir2: ``('nn', 'linear')`` -> nn, ``('tools', 'demo', 'x')``
+    -> tools.demo, ``('model',)`` -> model."""
+    if parts[0] == TOOLS and len(parts) > 1 and parts[1] != "__init__":
+        return f"{TOOLS}.{parts[1]}"
+    return parts[0]
 
 
 def layer_of(path: Path) -> str:
-    rel = path.relative_to(PACKAGE)
-    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+    return _layer(path.relative_to(PACKAGE).with_suffix("").parts)
 
 
 def imported_layers(path: Path, source: str | None = None) -> set[str]:
@@ -68,7 +80,7 @@ def imported_layers(path: Path, source: str | None = None) -> set[str]:
         for name in names:
             parts = name.split(".")
             if parts[0] == "infir2" and len(parts) > 1:
-                found.add(parts[1])
+                found.add(_layer(tuple(parts[1:])))
     return found
 
 
@@ -109,7 +121,7 @@ def test_the_table_has_no_cycle():
         order = list(TopologicalSorter(ALLOWED).static_order())
     except CycleError as e:
         raise AssertionError(f"ALLOWED has a cycle: {e.args[1]}") from None
-    assert order.index("fp8") < order.index("nn") < order.index("train") < order.index("demo")
+    assert order.index("fp8") < order.index("nn") < order.index("train") < order.index("tools.demo")
 
 
 def module_name(path: Path, root: Path = PACKAGE.parent) -> str:
@@ -177,3 +189,7 @@ def test_the_checker_sees_relative_and_absolute_imports():
     assert imported_layers(PACKAGE / "nn" / "linear.py") >= {"fp8", "kernels"}
     source = "from ..nn import Fp8Linear\nfrom . import emulated\nimport infir2.train.loop\nfrom infir2 import eval\n"
     assert imported_layers(PACKAGE / "kernels" / "planted.py", source) == {"nn", "kernels", "train", "eval"}
+    tools = "from ..paired import gap_pct\nfrom ...train import train\nfrom .data import make_demo_data\n"
+    assert layer_of(PACKAGE / "tools" / "demo" / "planted.py") == "tools.demo"
+    planted = PACKAGE / "tools" / "demo" / "planted.py"
+    assert imported_layers(planted, tools) == {"tools.paired", "train", "tools.demo"}

@@ -38,7 +38,8 @@ live with the other model switches in ``infir2.nn.convert``.
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,9 +52,13 @@ from ..fp8.quantize import Block, expand_blocks, quantize_with_amax, resolve_blo
 from ..fp8.recipe import Fp8Recipe
 from ..kernels import Operand
 
-__all__ = ["Fp8GatheredWeight", "Fp8ShardedWeight", "partial_block_amax"]
+__all__ = ["AMAX_ALL_REDUCE_HOOKS", "Fp8GatheredWeight", "Fp8ShardedWeight", "partial_block_amax"]
 
 aten = torch.ops.aten
+
+#: Instrumentation: functions called with each block-amax tensor this process all-reduces for an FP8
+#: weight all-gather (``infir2.tools.wire_bytes.AmaxBytes`` counts its bytes). Empty in training.
+AMAX_ALL_REDUCE_HOOKS: list[Callable[[torch.Tensor], None]] = []
 
 
 def _row_block_index(row_offset: int, rows: int, bm: int, device: torch.device) -> torch.Tensor:
@@ -126,8 +131,6 @@ class Fp8ShardedWeight(torch.Tensor):
     """
 
     _tensor: torch.Tensor
-    #: bytes of block amaxes this process has all-reduced (a statistic for the wire-bytes benchmark)
-    amax_bytes: ClassVar[int] = 0
 
     @staticmethod
     def __new__(cls, tensor: torch.Tensor) -> Fp8ShardedWeight:
@@ -191,7 +194,8 @@ class Fp8ShardedWeight(torch.Tensor):
         offset = rank * padded
         amax = partial_block_amax(shard, offset, n_rows, recipe.w.block)
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
-        Fp8ShardedWeight.amax_bytes += amax.numel() * amax.element_size()
+        for hook in AMAX_ALL_REDUCE_HOOKS:  # instrumentation only (empty unless a benchmark counts)
+            hook(amax)
         codes, scale_inv = quantize_with_amax(
             shard, amax, recipe.w.block, recipe.w.fmt, recipe.w.scale, row_offset=offset, n_rows=n_rows
         )

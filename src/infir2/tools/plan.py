@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .fp8 import RECIPES
-from .fp8.formats import BLOCK
+from ..fp8 import RECIPES
+from ..fp8.formats import BLOCK
 
 __all__ = ["MODELS", "PUBLISHED", "ModelShape", "Plan", "add_arguments", "layer_figures", "plan", "run"]
 
@@ -186,7 +186,7 @@ def plan(shape: ModelShape, recipe: str, gpus: int = 1, seq_len: int = 8192, mic
     ``fp8.param_gather``, on for the block-scaled recipes); the gathered weight is then the GEMMs' copy,
     so no per-step weight cache is kept.
     """
-    from .chunked_loss import use_chunked_loss
+    from ..chunked_loss import use_chunked_loss
 
     tokens = seq_len * micro_batch
     per_token, weight_copy = layer_figures(shape, recipe, recompute_mlp)

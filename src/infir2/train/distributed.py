@@ -20,8 +20,6 @@ What travels per step (each layer is all-gathered before its forward and again b
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -30,7 +28,6 @@ from .._dist import DistEnv, all_reduce_sum, broadcast_object, gather_objects
 
 __all__ = [
     "DistEnv",
-    "WireBytes",
     "all_reduce_sum",
     "broadcast_object",
     "gather_objects",
@@ -92,38 +89,3 @@ def shard_model(model: nn.Module, precision: str = "fp32", fp8_param_gather: boo
             link_fsdp_params(layer)
     fully_shard(model, mp_policy=mp)
     return model
-
-
-class WireBytes:
-    """Bytes that FSDP2's parameter all-gathers deliver to this rank (every shard, its own included).
-
-    Installed with :meth:`install` through FSDP2's ``set_custom_all_gather`` on every FSDP module of a
-    model; each all-gather still runs ``dist.all_gather_single``. ``bytes`` is what the
-    benchmark and the docs call "all-gather bytes per rank".
-    """
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self.calls = 0
-
-    @classmethod
-    def install(cls, model: nn.Module) -> WireBytes:
-        from torch.distributed.fsdp import FSDPModule
-        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
-
-        counter = cls()
-
-        class _Counting(AllGather):
-            def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-                return torch.empty(*size, dtype=dtype, device=device)
-
-            def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                         group: dist.ProcessGroup, async_op: bool = False) -> Any:  # fmt: skip
-                counter.bytes += output_tensor.numel() * output_tensor.element_size()
-                counter.calls += 1
-                return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
-
-        for m in model.modules():
-            if isinstance(m, FSDPModule):
-                m.set_custom_all_gather(_Counting())
-        return counter
