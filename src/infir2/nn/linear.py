@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import weakref
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -31,13 +31,19 @@ from torch import nn
 
 from ..fp8.recipe import Fp8Recipe, get_recipe
 from ..kernels import Kernels, Operand, bind
-from ..kernels.fast_emulated import KeptOperand
 from .fsdp import Fp8GatheredWeight
 
-if TYPE_CHECKING:
-    from .telemetry import LayerStats
+__all__ = ["Fp8Linear", "StatsRecorder"]
 
-__all__ = ["Fp8Linear"]
+
+class StatsRecorder(Protocol):
+    """What a layer reports its operands to on a stats step (``infir2.nn.telemetry.LayerStats``).
+
+    ``forward`` returns the probe that backward calls with the dgrad / wgrad operands.
+    """
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                x_ops: tuple[Operand, Operand], w_fprop: Operand, y: torch.Tensor) -> Any: ...  # fmt: skip
 
 
 def _no_autocast(device: torch.device) -> AbstractContextManager[Any]:
@@ -57,7 +63,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         kernels: Kernels,
         w_fprop: Operand,
         x_ops: tuple[Operand, Operand] | None = None,
-        stats: LayerStats | None = None,
+        stats: StatsRecorder | None = None,
     ) -> torch.Tensor:
         with _no_autocast(x.device):
             if x_ops is None:
@@ -71,9 +77,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 y = y + bias.to(out_dtype)
             # The only activation kept for backward: X in FP8, tiled along tokens for wgrad (x_wgrad).
         w_dgrad = w_fprop if recipe.reuses_weight else None
-        # A CPU-emulation operand that carries its dequantized fp32 values (the weight cache holds it
-        # all step anyway) is kept whole for dgrad: backward then skips decoding the weight again.
-        ctx.w_kept = w_dgrad if isinstance(w_dgrad, KeptOperand) and w_dgrad.dequantized is not None else None
+        # the backend's operand says whether backward keeps it whole (a CPU emulation's decoded copy) or
+        # only its FP8 bytes and scales (Operand.keep_for_backward)
+        ctx.w_kept = w_dgrad if w_dgrad is not None and w_dgrad.keep_for_backward else None
         ctx.save_for_backward(
             x_wgrad.data, x_wgrad.scale_inv, weight,
             *((w_dgrad.data, w_dgrad.scale_inv) if w_dgrad is not None and ctx.w_kept is None else ()),
@@ -190,7 +196,7 @@ class Fp8Linear(nn.Linear):
         self.fp8_enabled = self.recipe.enabled
         self.kernels: Kernels | None = None
         self.cache_weight = False
-        self.stats: LayerStats | None = None  # set by infir2.nn.telemetry on stats steps only
+        self.stats: StatsRecorder | None = None  # set by infir2.nn.telemetry on stats steps only
         self._weight_cache: tuple[tuple[Any, ...], Operand] | None = None
 
     @classmethod
