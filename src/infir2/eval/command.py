@@ -187,9 +187,7 @@ def _engine(args: argparse.Namespace):
                        retries=args.retries, samples_per_request=args.samples_per_request, api_key=args.api_key,
                        extra_body=extra)  # fmt: skip
     check_server(cfg)
-    engine = ServerEngine(cfg, seed=args.seed)
-    engine.extra_body = extra  # type: ignore[attr-defined]
-    return engine
+    return ServerEngine(cfg, seed=args.seed)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -136,6 +136,7 @@ class ServerEngine:
 
     def __init__(self, server: ServerConfig, seed: int = 0) -> None:
         self.server, self.seed = server, seed
+        self.extra_body = dict(server.extra_body)  # part of the settings a resumed run must match
 
     def generate(self, tokenizer, jobs: Sequence[tuple[str, int, str]], cfg: SamplingConfig,
                  record: Callable[[str, int, Completion], None], progress: bool) -> None:  # fmt: skip
