@@ -274,3 +274,14 @@ def test_a_changed_problem_text_is_refused(
     capsys.readouterr()
     assert main(_argv(url, tok_dir, problems, out)) == 2
     assert "prompts of problem(s) ['q1'] differ" in capsys.readouterr().err
+
+
+def test_settings_bind_only_once_a_sample_is_saved(
+    server, tok_dir: Path, problems: Path, tmp_path: Path
+) -> None:
+    url, script = server
+    out = tmp_path / "o"
+    script.fail = [400]  # the first run fails before any sample is saved
+    assert main(_argv(url, tok_dir, problems, out, "--limit", "1")) == 1
+    assert main(_argv(url, tok_dir, problems, out, "--limit", "1", "--temperature", "0.7")) == 0
+    assert json.loads((out / "eval_config.json").read_text())["settings"]["temperature"] == 0.7

@@ -63,7 +63,9 @@ class CompletionLog:
 
     def _check_settings(self) -> None:
         path = self.out / CONFIG_FILE
-        if not path.is_file():
+        if not path.is_file() or not (
+            self.path.is_file() and self.path.stat().st_size
+        ):  # no sample saved yet
             tmp = path.with_name(f".{path.name}.tmp")
             tmp.write_text(json.dumps({"settings": self.settings}, indent=2) + "\n", encoding="utf-8")
             os.replace(tmp, path)
