@@ -52,13 +52,17 @@ def _read(path: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_server_greedy_equals_local(folders: dict[str, Path], tmp_path: Path, fmt: str) -> None:
+def test_server_greedy_equals_local(folders: dict[str, Path], tmp_path: Path, fmt: str, capsys) -> None:
     folder = folders[fmt]
     common = ["--model", str(folder), "--greedy", "--max-new-tokens", "24"]
     assert main(["eval", *common, "--out", str(tmp_path / "local")]) == 0
     with transformers_serve(folder, tmp_path / "serve.log") as server:
         assert main(["eval", *common, "--engine", "server", "--base-url", server.url, "--concurrency", "2",
                      "--out", str(tmp_path / "server")]) == 0  # fmt: skip
+        # the real server's model list: another name is refused before any request, in one line
+        assert main(["eval", *common, "--engine", "server", "--base-url", server.url, "--model", "other",
+                     "--tokenizer", str(folder), "--out", str(tmp_path / "other")]) == 1  # fmt: skip
+        assert f"serves '{folder}', not 'other'" in capsys.readouterr().err
     local, served = (_read(tmp_path / d / "samples.jsonl") for d in ("local", "server"))
     assert len(local) == 8 and served == local  # text, token count, finished, extracted answer, verdict
     assert _read(tmp_path / "server" / "problems.jsonl") == _read(tmp_path / "local" / "problems.jsonl")
