@@ -1,10 +1,10 @@
 """Seed study of the demo's reasoning part: accuracy per seed per recipe, for settings you choose.
 
-Runs the demo's own pipeline (``infir2.demo.pipeline``: ``prepare_data`` then ``run_recipe``: CPT ->
+Runs the demo's own pipeline (``infir2.tools.demo.pipeline``: ``prepare_data`` then ``run_recipe``: CPT ->
 SFT -> greedy evaluation) for each recipe at each seed, with ``DemoSettings`` overridden by ``--set
 key=value`` (e.g. ``--set cpt_steps=400 --set sft_lr=2e-3``), and prints the accuracy of every run,
 per recipe the min / mean over seeds, and the paired gap to the baseline with the verdict rule of
-``infir2._paired``. ``fp8_exact`` is the null control: the FP8 code path with exact casts (1x1 blocks,
+``infir2.tools.paired``. ``fp8_exact`` is the null control: the FP8 code path with exact casts (1x1 blocks,
 fp32 scales), a ~1e-7 perturbation per GEMM; a setting is reliable when it sits within a few points
 of the baseline at every seed.
 
@@ -28,10 +28,10 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from infir2._paired import paired_gaps, paired_verdict
-from infir2.demo import FULL, QUICK, DemoSettings
-from infir2.demo.pipeline import prepare_data, run_recipe
-from infir2.demo.summary import METRICS
+from infir2.tools.demo import FULL, QUICK, DemoSettings
+from infir2.tools.demo.pipeline import prepare_data, run_recipe
+from infir2.tools.demo.summary import METRICS
+from infir2.tools.paired import paired_gaps, paired_verdict
 
 ACCURACY = next(m for m in METRICS if m.key == "accuracy")
 

@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from infir2.data import SYSTEM_PROMPT, load_conversations, make_demo_data, render_conversation
+from infir2.data import SYSTEM_PROMPT, load_conversations, render_conversation
+from infir2.tools.demo.data import make_demo_data, tokenizer_training_texts
 
 SMALL = dict(n_train=400, n_test=100, n_cpt_worked=200, n_cpt_tables=50)
 EXPR = re.compile(r"^Compute (\d+(?: [+-] \d+)+)\.$")
@@ -113,7 +114,7 @@ def test_too_many_problems_is_an_error(tmp_path):
 
 
 def test_tokenizer_texts_train_a_tokenizer(demo):
-    from infir2.data import tokenizer_training_texts, train_bpe_tokenizer
+    from infir2.data import train_bpe_tokenizer
 
     texts = tokenizer_training_texts(demo)
     assert any(t.startswith("assistant\n<think>\n") for t in texts) and any(
@@ -126,7 +127,7 @@ def test_tokenizer_texts_train_a_tokenizer(demo):
 
 
 def test_harder_split_and_the_task_generator(demo, tmp_path):
-    from infir2.data.demo import harder, make_problems
+    from infir2.tools.demo.data import harder, make_problems
 
     hard = read_jsonl(demo["test_hard"])
     assert len(hard) == 100 and harder((2, 2)) == (3, 3)
@@ -144,8 +145,8 @@ def test_harder_split_and_the_task_generator(demo, tmp_path):
 
 def test_every_number_of_the_task_is_one_token(demo):
     """With ``whole_numbers``, a worked line has the same token count whatever its numbers' digits."""
-    from infir2.data import tokenizer_training_texts, train_bpe_tokenizer
-    from infir2.data.demo import NUMBERS
+    from infir2.data import train_bpe_tokenizer
+    from infir2.tools.demo.data import NUMBERS, tokenizer_training_texts
 
     tok = train_bpe_tokenizer(tokenizer_training_texts(demo), vocab_size=400, whole_numbers=NUMBERS)
     lengths = {

@@ -36,8 +36,12 @@ def test_quick_demo_runs_end_to_end(tmp_path):
     assert (out / "loss_curves.png").stat().st_size > 10_000
     for label in ("baseline", "FP8 blockwise", "FP8 tensorwise", "accuracy", "tokens/s", "seed spread"):
         assert label in report
-    # a generated verdict per FP8 recipe on the arithmetic task, and one on real text
-    assert report.count("within noise of the baseline") == 4 and report.count("baseline on real text") == 2
+    # a generated verdict per FP8 recipe on the reasoning task, and one on real text
+    assert (
+        report.count("- On the reasoning task: FP8 ") == 2
+        and report.count(" on real text: held-out loss ") == 2
+    )
+    assert "95% t-interval" in report and "thread(s) per run" in report  # the verdict rule; the machine
     text = results["text"]
     assert sorted((r["recipe"], r["seed"]) for r in text["runs"]) == sorted(
         (recipe, seed) for recipe in ("bf16", "blockwise", "tensorwise") for seed in (0, 1)

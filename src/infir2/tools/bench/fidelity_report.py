@@ -14,7 +14,7 @@ tested on planted runs without training anything:
   needed`` (always with one seed); shrinks with width: ``|mean gap|`` never grows from one width of
   the ladder to the next.
 
-The per-seed arithmetic (gap, mean +- sd, spread, the verdict rule) is ``infir2._paired``, which
+The per-seed arithmetic (gap, mean +- sd, spread, the verdict rule) is ``infir2.tools.paired``, which
 ``infir2 demo`` uses too.
 """
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._paired import EQUIVALENT, gap_pct, paired_verdict, spread_pct
+from ..paired import EQUIVALENT, gap_pct, paired_verdict, spread_pct
 
 __all__ = ["MARGIN_PCT", "RunResult", "plot", "summarize", "table", "write_outputs"]
 

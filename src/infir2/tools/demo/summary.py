@@ -2,7 +2,7 @@
 
 For each FP8 recipe and each metric, the gap to the baseline run *of the same seed* (same
 initialization, same data order), then over seeds its mean with a two-sided 95% Student t-interval,
-compared with the metric's equivalence margin (``infir2._paired.paired_verdict``, the rule ``infir2
+compared with the metric's equivalence margin (``infir2.tools.paired.paired_verdict``, the rule ``infir2
 fidelity`` uses too):
 
 ==================  ===========================================  ============  ======================
@@ -27,7 +27,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from .._paired import EQUIVALENT, INCONCLUSIVE, Verdict, paired_gaps, paired_verdict, spread_pct
+from ..paired import EQUIVALENT, INCONCLUSIVE, Verdict, paired_gaps, paired_verdict, spread_pct
 from .results import RecipeResult
 
 __all__ = [

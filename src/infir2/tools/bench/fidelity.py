@@ -14,9 +14,12 @@ with the optional extra ``pip install 'infir2[fidelity]'``; nothing is downloade
 4. report   - the final held-out loss of every run (high-precision evaluation on the same held-out
               windows, as the exported model runs), the *paired gap* of each FP8 run to the baseline
               run of the same width and seed ``100 * (fp8 - base) / base`` (%), summarized over seeds
-              as mean +- sample standard deviation, and the baseline's own *seed spread*
-              ``100 * (max - min) / mean`` over seeds. A recipe is "within noise" at a width when
-              ``|mean gap| <= seed spread``: FP8 moves the loss less than changing the seed does.
+              with its two-sided 95% Student t-interval, and the baseline's own *seed spread*
+              ``100 * (max - min) / mean`` over seeds. Verdict per (width, recipe), the rule of
+              ``tools.paired`` that ``infir2 demo`` uses too: ``equivalent`` when the interval lies
+              inside +-1%, ``worse`` / ``better`` when it excludes 0, else ``inconclusive: more
+              seeds needed`` (always with one seed). The default recipes include the null control
+              ``fp8_exact`` (the FP8 code path with exact casts): the noise floor of a gap.
 
 ``tail drop`` is how much the training loss still fell over the last fifth of the run (mean of the
 last fifth vs the fifth before, relative %): a run whose curve has flattened shows ~0.
@@ -48,10 +51,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..data.cpt import is_val_document, prepare_cpt
-from ..data.tokenizer import train_bpe_tokenizer
-from ..fp8 import RECIPES
-from ..train import parse_config, train
+from ...data.cpt import is_val_document, prepare_cpt
+from ...data.tokenizer import train_bpe_tokenizer
+from ...fp8 import RECIPES
+from ...train import parse_config, train
 from .fidelity_report import RunResult, summarize, table, write_outputs
 
 __all__ = [
