@@ -23,12 +23,18 @@ learn faster but have few problems (``max_operand=4``: 174) and a higher chance 
 majority-answer baseline of the test file next to the accuracy.
 
 A from-scratch model needs two skills: the single-step facts (``8 + 5 = 13.``) and copying the
-operands from the question into the first step. Facts alone (tables, plain worked lines) taught a
-tiny model the facts but not the copy: its answers ignored the question. Half of the worked examples
-are therefore the rendered conversation itself (ChatML, system prompt included), so the copy is
-learned at the distance the model sees in SFT and evaluation. With those, ``infir2 demo`` (a 1M
-parameter model, 900 CPT steps of 8 x 64 tokens, 2 SFT epochs) reaches about 80% on held-out
-problems against 8% for the majority answer (README has the figures of a full run).
+operands from the question into the steps. Facts alone (tables, plain worked lines) taught a tiny
+model the facts but not the copy: its answers ignored the question. Half of the worked examples are
+therefore the rendered conversation itself (ChatML, system prompt included), so the copy is learned
+at the distance the model sees in SFT and evaluation; and the demo tokenizer makes every number below
+``NUMBERS`` one token, so that distance is the same in every problem (with digits split, a two-digit
+intermediate result shifts everything after it). Where the demo's accuracy stands per seed:
+BENCHMARKS.md, "The reasoning task, seed by seed".
+
+The task generator for other stages (an RL stage, a benchmark): ``make_problems(n, seed, ...)``
+returns records of the math schema, optionally excluding given problems; ``harder(num_ops)`` is the
+harder split's operation count (one more than trained on), which a fine-tuned model leaves headroom
+on (``test_hard.jsonl``).
 
 Files written by ``make_demo_data(out_dir)``:
 
@@ -40,6 +46,7 @@ Files written by ``make_demo_data(out_dir)``:
   system prompt.
 * ``test.jsonl`` -- held-out problems in the math benchmark schema ``{"problem", "answer", "id"}``.
   No test expression appears in the SFT data or in the worked examples of the CPT corpus.
+* ``test_hard.jsonl`` -- the harder split, same schema: problems one operation longer.
 * ``README.md`` -- what the files are and their licence.
 """
 
