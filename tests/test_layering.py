@@ -28,6 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "export": {"data", "fp8", "nn"},
     "eval": {"data", "export", "loss", "nn"},
     "train": {"checkpoint", "data", "export", "fp8", "loss", "model", "nn"},
+    "rl": {"checkpoint", "data", "eval", "export", "fp8", "kernels", "model", "nn", "train"},
     "bench": {"data", "fp8", "kernels", "model", "nn", "train"},
     "demo": {"bench", "data", "eval", "fp8", "train"},
     "memory": {"fp8", "nn"},

@@ -1,0 +1,140 @@
+"""`infir2 rl` end to end on a tiny model: run folder and metrics, dynamic sampling, bit-identical
+resume after a crash, clear errors for bad configs and prompts files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import make_tiny_model
+from infir2.cli import main
+from infir2.rl import REWARDS, parse_rl_config, rl
+from infir2.rl import loop as rl_loop
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def parity_reward(monkeypatch):
+    """A reward with variance for an untrained model: 1 for an odd number of characters."""
+    monkeypatch.setitem(REWARDS, "parity", lambda text, gold: float(len(text) % 2))
+
+
+def _prompts(path, n=6):
+    with path.open("w") as f:
+        for i in range(n):
+            f.write(json.dumps({"problem": f"Compute {i} + {i + 1}.", "answer": str(2 * i + 1)}) + "\n")
+    return path
+
+
+def _config(tmp_path, name, **sections):
+    data = {
+        "run": {"name": name, "out_dir": str(tmp_path), "device": "cpu"},
+        "model": {"precision": "fp32"},
+        "fp8": {"recipe": "blockwise"},
+        "optim": {"lr": 1e-3},
+        "data": {"prompts_path": str(_prompts(tmp_path / "prompts.jsonl"))},
+        "rollout": {"precision": "fp8", "prompts_per_step": 2, "group_size": 3, "oversample_prompts": 3,
+                    "max_new_tokens": 8, "batch_size": 9, "carry_over": True},
+        "algo": {"reward": "parity", "updates_per_batch": 2, "micro_batch_size": 4},
+        "train": {"max_steps": 3, "save_every": 1},
+    }  # fmt: skip
+    for section, values in sections.items():
+        data[section] = {**data.get(section, {}), **values}
+    return parse_rl_config(data, "test")
+
+
+def _run(cfg, tok):
+    return rl(cfg, model=make_tiny_model(seed=1), tokenizer=tok, progress=False)
+
+
+def test_rl_run_writes_the_train_conventions(tmp_path, tiny_tokenizer, parity_reward):
+    result = _run(_config(tmp_path, "a"), tiny_tokenizer)
+    run_dir = tmp_path / "a"
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "tensorboard").is_dir()
+    assert (run_dir / "hf" / "config.json").is_file()
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    m = lines[0]
+    for key in ("reward_mean", "reward_std", "accuracy", "response_len_mean", "truncated_frac", "filtered_frac",
+                "entropy", "clip_low_frac", "clip_high_frac", "grad_norm", "loss", "mismatch/abs_dlogp_mean",
+                "mismatch/abs_dlogp_max", "mismatch/k3_kl", "mismatch/prob_error", "mismatch/tis_clip_frac",
+                "mismatch/tis_ess"):  # fmt: skip
+        assert key in m and isinstance(m[key], (int, float)), key
+    assert m["tis_mode"] == "off"  # fp8 rollouts + blockwise training quantize identically
+    assert m["mismatch/abs_dlogp_max"] < 1e-4  # ... so the trainer and the engine agree
+    assert all(x["updates"] == 2 for x in lines)  # two optimizer steps per rollout batch
+    assert result.checkpoint is not None and result.checkpoint.name == "step_00000003"
+
+
+def test_dynamic_sampling_drops_groups_that_agree(tmp_path, tiny_tokenizer, monkeypatch):
+    monkeypatch.setitem(REWARDS, "constant", lambda text, gold: 1.0)
+    cfg = _config(tmp_path, "flat", algo={"reward": "constant"}, rollout={"max_rounds": 2},
+                  train={"max_steps": 1, "save_every": 0})  # fmt: skip
+    m = _run(cfg, tiny_tokenizer).history[0]
+    assert m["filtered_frac"] == 1.0 and m["groups_trained"] == 0 and m["rounds"] == 2 and m["updates"] == 0
+
+
+def test_resume_after_a_crash_is_bit_identical(tmp_path, tiny_tokenizer, parity_reward, monkeypatch):
+    whole = _run(_config(tmp_path, "whole"), tiny_tokenizer)
+    calls = {"n": 0}
+    update = rl_loop._update
+
+    def crash_on_third(run, samples):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("killed")
+        return update(run, samples)
+
+    monkeypatch.setattr(rl_loop, "_update", crash_on_third)
+    with pytest.raises(RuntimeError, match="killed"):
+        _run(_config(tmp_path, "crashed"), tiny_tokenizer)
+    monkeypatch.setattr(rl_loop, "_update", update)
+    resumed = _run(_config(tmp_path, "crashed"), tiny_tokenizer)
+    assert resumed.resumed_from is not None and resumed.resumed_from.name == "step_00000002"
+
+    def lines(name):
+        out = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return [
+            {k: v for k, v in m.items() if not k.endswith("_time_s") and k != "peak_mem_gib"} for m in out
+        ]
+
+    assert lines("crashed") == lines("whole")
+    a = torch.load(whole.checkpoint / "state.pt", weights_only=True)
+    b = torch.load(resumed.checkpoint / "state.pt", weights_only=True)
+    saved = [
+        torch.load(c / "state.pt", weights_only=True)
+        for c in sorted((tmp_path / "whole" / "checkpoints").glob("step_*"))
+    ]
+    assert any(s["data"]["buffer"] for s in saved)  # a dynamic-sampling buffer was carried over a checkpoint
+    assert a["data"]["buffer"] == b["data"]["buffer"] and a["data"]["prompts"] == b["data"]["prompts"]
+    for name, t in a["model"].items():
+        assert torch.equal(t, b["model"][name]), name
+
+
+def test_bad_configs_and_prompts_are_clear_errors(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout:\n  group_sise: 4\n")
+    assert main(["rl", str(bad)]) == 2
+    assert "rollout.group_sise: unknown key" in capsys.readouterr().err
+    bad.write_text("rollout:\n  group_size: 1\n")
+    assert main(["rl", str(bad)]) == 2
+    assert "rollout.group_size" in capsys.readouterr().err
+    bad.write_text("algo:\n  reward: nope\n")
+    assert main(["rl", str(bad)]) == 2
+    assert "algo.reward" in capsys.readouterr().err
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"problem": "1 + 1", "anwser": "2"}\n')
+    cfg = tmp_path / "ok.yaml"
+    cfg.write_text(f"run: {{out_dir: {tmp_path}, device: cpu}}\ndata: {{prompts_path: {prompts}}}\n")
+    assert main(["rl", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "p.jsonl:1" in err and "anwser" in err
