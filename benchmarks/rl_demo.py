@@ -1,11 +1,11 @@
 """RL after the demo's SFT: held-out accuracy of the SFT model vs the same model after `infir2 rl`.
 
-    python benchmarks/rl_demo.py --out /tmp/rl-demo --seeds 0 --pairs fp8:blockwise,bf16:bf16
+    python benchmarks/rl_demo.py --out /tmp/rl-demo --sft-seed 0 --seeds 0,1 --pairs fp8:blockwise,bf16:bf16
 
-For each seed: the demo's data, tokenizer, CPT and SFT (``infir2.demo.pipeline.run_recipe`` with the
+The demo's data, tokenizer, CPT and SFT at ``--sft-seed`` (``infir2.demo.pipeline.run_recipe`` with the
 full demo settings, baseline recipe; reused when ``--out`` already holds them), the SFT model's greedy
-accuracy on the held-out test problems (the demo's own evaluation), then per precision pair
-``ROLLOUT:TRAINING`` an RL run from the SFT model (``infir2.rl.rl``; prompts: the SFT training
+accuracy on the held-out test problems (the demo's own evaluation), then per RL seed (``run.seed``:
+the sampler and the prompt order) and precision pair ``ROLLOUT:TRAINING`` an RL run from the SFT model (``infir2.rl.rl``; prompts: the SFT training
 problems as ``{"problem", "answer"}``; test problems are never trained on) and the same evaluation of
 its ``hf/`` export. Prints one table: accuracy before and after, the gain in points, the mismatch
 the run measured, and the RL run's wall-clock time.
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import time
 from pathlib import Path
 
 import torch
@@ -65,7 +64,10 @@ def _rl_config(out: Path, sft_hf: Path, prompts: Path, rollout: str, recipe: str
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--seeds", default="0")
+    p.add_argument(
+        "--sft-seed", type=int, default=0, help="seed of the CPT + SFT start (shared by every RL run)"
+    )
+    p.add_argument("--seeds", default="0", help="RL seeds")
     p.add_argument("--pairs", default="fp8:blockwise,bf16:bf16", help="ROLLOUT:TRAINING precision pairs")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--prompts", type=int, default=16, help="prompts per step")
@@ -78,27 +80,30 @@ def main() -> None:
     data, tokenizer = prepare_data(args.out, FULL)
     prompts = _prompts(data["sft_train"], args.out / "rl_prompts.jsonl")
     rows = []
+    sft_hf = args.out / "runs" / "bf16" / f"s{args.sft_seed}" / "sft" / "hf"
+    if not (sft_hf / "config.json").is_file():
+        run_recipe("bf16", args.sft_seed, args.out, FULL, data, tokenizer, progress=False)
+    before = _accuracy(sft_hf, tokenizer, data["test"])
+    print(f"SFT (seed {args.sft_seed}): {100 * before:.1f}% on {FULL.n_test} held-out problems", flush=True)
     for seed in (int(s) for s in args.seeds.split(",")):
-        sft_hf = args.out / "runs" / "bf16" / f"s{seed}" / "sft" / "hf"
-        if not (sft_hf / "config.json").is_file():
-            run_recipe("bf16", seed, args.out, FULL, data, tokenizer, progress=False)
-        before = _accuracy(sft_hf, tokenizer, data["test"])
         for pair in args.pairs.split(","):
             rollout, recipe = pair.split(":")
-            t0 = time.perf_counter()
             cfg = parse_rl_config(
                 _rl_config(args.out, sft_hf, prompts, rollout, recipe, seed, args), "rl_demo"
             )
             result = rl(cfg, progress=False)
-            seconds = time.perf_counter() - t0
             assert result.hf_dir is not None
             after = _accuracy(result.hf_dir, tokenizer, data["test"])
-            dlogp = sum(m.get("mismatch/abs_dlogp_mean", 0.0) for m in result.history) / len(result.history)
+            history = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+            dlogp = sum(m.get("mismatch/abs_dlogp_mean", 0.0) for m in history) / len(history)
+            seconds = sum(
+                m["step_time_s"] for m in history
+            )  # the RL steps (a rerun of a finished run: theirs)
             rows.append((seed, pair, before, after, dlogp, seconds))
             print(f"seed {seed} {pair}: SFT {100 * before:.1f}% -> RL {100 * after:.1f}% "
                   f"({100 * (after - before):+.1f} points), mean |dlogp| {dlogp:.2e}, {seconds:.0f} s", flush=True)  # fmt: skip
     print(
-        "\n| seed | rollout:training | SFT accuracy | after RL | gain (points) | mean abs dlogp | RL time |"
+        "\n| RL seed | rollout:training | SFT accuracy | after RL | gain (points) | mean abs dlogp | RL time |"
     )
     print("|---|---|---|---|---|---|---|")
     for seed, pair, before, after, dlogp, seconds in rows:
