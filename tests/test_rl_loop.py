@@ -138,3 +138,31 @@ def test_bad_configs_and_prompts_are_clear_errors(tmp_path, capsys):
     assert main(["rl", str(cfg)]) == 2
     err = capsys.readouterr().err
     assert "p.jsonl:1" in err and "anwser" in err
+
+
+def test_a_damaged_checkpoint_is_skipped_for_the_previous_one(tmp_path, tiny_tokenizer, parity_reward):
+    _run(_config(tmp_path, "d", train={"max_steps": 2}), tiny_tokenizer)
+    state = tmp_path / "d" / "checkpoints" / "step_00000002" / "state.pt"
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, one byte flipped: only the checksum can tell
+    state.write_bytes(bytes(data))
+    resumed = _run(_config(tmp_path, "d", train={"max_steps": 3}), tiny_tokenizer)
+    assert resumed.resumed_from is not None and resumed.resumed_from.name == "step_00000001"
+    assert [m["step"] for m in resumed.history] == [2, 3]
+
+
+def test_non_finite_updates_are_skipped_then_stop_the_run(
+    tmp_path, tiny_tokenizer, parity_reward, monkeypatch
+):
+    real = rl_loop.policy_loss
+
+    def nan_loss(*args, **kwargs):
+        total, stats = real(*args, **kwargs)
+        return total * float("nan"), stats
+
+    monkeypatch.setattr(rl_loop, "policy_loss", nan_loss)
+    cfg = _config(tmp_path, "nan", train={"max_steps": 4, "max_nonfinite_in_row": 2})
+    with pytest.raises(ValueError, match="2 steps in a row had a non-finite"):
+        _run(cfg, tiny_tokenizer)
+    lines = [json.loads(x) for x in (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["skipped_updates"] for m in lines] == [2, 2]
