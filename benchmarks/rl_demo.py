@@ -48,13 +48,13 @@ def _prompts(sft_train: Path, out: Path) -> Path:
 
 def _rl_config(out: Path, sft_hf: Path, prompts: Path, rollout: str, recipe: str, seed: int, args) -> dict:
     return {
-        "run": {"name": f"rl-{rollout}-{recipe}-s{seed}", "out_dir": str(out / "runs"), "seed": seed, "device": "cpu"},
+        "run": {"name": f"rl-{rollout}-{recipe}-s{seed}{args.name}", "out_dir": str(out / "runs"), "seed": seed, "device": "cpu"},
         "model": {"path": str(sft_hf), "precision": "fp32"},
         "fp8": {"recipe": recipe},
         "optim": {"lr": args.lr},
         "data": {"prompts_path": str(prompts)},
         "rollout": {"precision": rollout, "prompts_per_step": args.prompts, "group_size": args.group,
-                    "oversample_prompts": 2 * args.prompts, "max_new_tokens": FULL.max_new_tokens,
+                    "oversample_prompts": 2 * args.prompts, "max_new_tokens": FULL.max_new_tokens, "temperature": args.temperature,
                     "batch_size": 128},
         "algo": {"updates_per_batch": args.updates, "micro_batch_size": 64},
         "train": {"max_steps": args.steps, "save_every": 0, "log_every": 5},
@@ -75,6 +75,10 @@ def main() -> None:
     p.add_argument("--updates", type=int, default=2, help="optimizer steps per rollout batch")
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--temperature", type=float, default=1.0, help="rollout temperature (the policy is logits / T)"
+    )
+    p.add_argument("--name", default="", help="suffix of the RL run folders (several settings side by side)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)  # one thread: tiny GEMMs on a shared CPU (more only spin)
     data, tokenizer = prepare_data(args.out, FULL)

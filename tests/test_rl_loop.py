@@ -166,3 +166,15 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(
         _run(cfg, tiny_tokenizer)
     lines = [json.loads(x) for x in (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()]
     assert [m["skipped_updates"] for m in lines] == [2, 2]
+
+
+@pytest.mark.slow
+def test_rl_raises_the_reward_it_is_given(tmp_path, tiny_tokenizer, monkeypatch):
+    """The objective points the right way: rewarded for short answers, an untrained model learns to stop."""
+    monkeypatch.setitem(REWARDS, "short", lambda text, gold: float(len(text) < 12))
+    cfg = _config(tmp_path, "short", optim={"lr": 1e-3}, algo={"reward": "short", "micro_batch_size": 32},
+                  rollout={"prompts_per_step": 4, "group_size": 8, "oversample_prompts": 4, "max_new_tokens": 16,
+                           "batch_size": 32, "carry_over": False},
+                  train={"max_steps": 10, "save_every": 0})  # fmt: skip
+    rewards = [m["reward_mean"] for m in _run(cfg, tiny_tokenizer).history]
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2, rewards
