@@ -2,7 +2,7 @@
 
     python benchmarks/rl_demo.py --out /tmp/rl-demo --sft-seed 0 --seeds 0,1 --pairs fp8:blockwise,bf16:bf16
 
-The demo's data, tokenizer, CPT and SFT at ``--sft-seed`` (``infir2.demo.pipeline.run_recipe`` with the
+The demo's data, tokenizer, CPT and SFT at ``--sft-seed`` (``infir2.tools.demo.pipeline.run_recipe`` with the
 full demo settings, baseline recipe; reused when ``--out`` already holds them), the SFT model's greedy
 accuracy on the held-out test problems (the demo's own evaluation), then per RL seed (``run.seed``:
 the sampler and the prompt order) and precision pair ``ROLLOUT:TRAINING`` an RL run from the SFT model (``infir2.rl.rl``; prompts: the SFT training
@@ -20,18 +20,24 @@ from pathlib import Path
 
 import torch
 
-from infir2.demo.pipeline import FULL, prepare_data, run_recipe
 from infir2.eval import evaluate, load_problems
 from infir2.rl import parse_rl_config, rl
+from infir2.tools.demo.pipeline import FULL, prepare_data, run_recipe
 
 
-def _accuracy(model_dir: Path, tokenizer, test: Path) -> float:
+def _accuracy(model_dir: Path, tokenizer, test: Path, sampled: bool = False) -> float:
+    """Greedy accuracy, or (``sampled``) avg@4 at the protocol's temperature 0.65 / top-p 0.95 (seed 0)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).float().eval()
     problems = load_problems(test, "math")
-    result = evaluate(model, tokenizer, problems, task="math", greedy=True, max_new_tokens=FULL.max_new_tokens,
-                      batch_size=FULL.eval_batch_size, progress=False)  # fmt: skip
+    how = (
+        {"n": 4, "greedy": False, "temperature": 0.65, "top_p": 0.95, "seed": 0}
+        if sampled
+        else {"greedy": True}
+    )
+    result = evaluate(model, tokenizer, problems, task="math", max_new_tokens=FULL.max_new_tokens,
+                      batch_size=FULL.eval_batch_size, progress=False, **how)  # fmt: skip
     return float(result.summary["avg@n"])
 
 
@@ -87,8 +93,12 @@ def main() -> None:
     sft_hf = args.out / "runs" / "bf16" / f"s{args.sft_seed}" / "sft" / "hf"
     if not (sft_hf / "config.json").is_file():
         run_recipe("bf16", args.sft_seed, args.out, FULL, data, tokenizer, progress=False)
-    before = _accuracy(sft_hf, tokenizer, data["test"])
-    print(f"SFT (seed {args.sft_seed}): {100 * before:.1f}% on {FULL.n_test} held-out problems", flush=True)
+    before = (
+        _accuracy(sft_hf, tokenizer, data["test"]),
+        _accuracy(sft_hf, tokenizer, data["test"], sampled=True),
+    )
+    print(f"SFT (seed {args.sft_seed}): greedy {100 * before[0]:.1f}%, avg@4 {100 * before[1]:.1f}% on "
+          f"{FULL.n_test} held-out problems", flush=True)  # fmt: skip
     for seed in (int(s) for s in args.seeds.split(",")):
         for pair in args.pairs.split(","):
             rollout, recipe = pair.split(":")
@@ -97,22 +107,31 @@ def main() -> None:
             )
             result = rl(cfg, progress=False)
             assert result.hf_dir is not None
-            after = _accuracy(result.hf_dir, tokenizer, data["test"])
+            after = (_accuracy(result.hf_dir, tokenizer, data["test"]),
+                     _accuracy(result.hf_dir, tokenizer, data["test"], sampled=True))  # fmt: skip
             history = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
             dlogp = sum(m.get("mismatch/abs_dlogp_mean", 0.0) for m in history) / len(history)
             seconds = sum(
                 m["step_time_s"] for m in history
             )  # the RL steps (a rerun of a finished run: theirs)
-            rows.append((seed, pair, before, after, dlogp, seconds))
-            print(f"seed {seed} {pair}: SFT {100 * before:.1f}% -> RL {100 * after:.1f}% "
-                  f"({100 * (after - before):+.1f} points), mean |dlogp| {dlogp:.2e}, {seconds:.0f} s", flush=True)  # fmt: skip
-    print(
-        "\n| RL seed | rollout:training | SFT accuracy | after RL | gain (points) | mean abs dlogp | RL time |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for seed, pair, before, after, dlogp, seconds in rows:
-        print(f"| {seed} | {pair} | {100 * before:.1f}% | {100 * after:.1f}% | {100 * (after - before):+.1f} | "
-              f"{dlogp:.2e} | {seconds:.0f} s |")  # fmt: skip
+            first, last = (
+                sum(m["accuracy"] for m in part) / len(part) for part in (history[:5], history[-5:])
+            )
+            row = (seed, pair, before, after, first, last, dlogp, seconds)
+            rows.append(row)
+            print(_row(row), flush=True)
+    print("\n| RL seed | rollout:training | greedy: SFT -> RL | gain | avg@4 (T 0.65): SFT -> RL | gain | "
+          f"rollout accuracy (T {args.temperature}), steps 1-5 -> last 5 | mean abs dlogp | RL steps time |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        print(_row(row))
+
+
+def _row(row: tuple) -> str:
+    seed, pair, before, after, first, last, dlogp, seconds = row
+    return (f"| {seed} | {pair} | {100 * before[0]:.0f}% -> {100 * after[0]:.0f}% | {100 * (after[0] - before[0]):+.0f} | "
+            f"{100 * before[1]:.1f}% -> {100 * after[1]:.1f}% | {100 * (after[1] - before[1]):+.1f} | "
+            f"{100 * first:.1f}% -> {100 * last:.1f}% | {dlogp:.1e} | {seconds:.0f} s |")  # fmt: skip
 
 
 if __name__ == "__main__":
