@@ -178,3 +178,24 @@ def test_rl_raises_the_reward_it_is_given(tmp_path, tiny_tokenizer, monkeypatch)
                   train={"max_steps": 10, "save_every": 0})  # fmt: skip
     rewards = [m["reward_mean"] for m in _run(cfg, tiny_tokenizer).history]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2, rewards
+
+
+def test_infir2_rl_from_a_model_folder(tmp_path, tiny_tokenizer, capsys):
+    """The command line path: a model folder with its tokenizer, the `math` reward, resume on rerun."""
+    model_dir = tmp_path / "sft-hf"
+    make_tiny_model(seed=2).save_pretrained(model_dir)
+    tiny_tokenizer.save_pretrained(model_dir)
+    cfg = tmp_path / "rl.yaml"
+    cfg.write_text(
+        f"run: {{name: cli, out_dir: {tmp_path}, device: cpu}}\nmodel: {{path: {model_dir}, precision: fp32}}\n"
+        f"data: {{prompts_path: {_prompts(tmp_path / 'p.jsonl')}, val_path: {tmp_path / 'p.jsonl'}}}\n"
+        "rollout: {prompts_per_step: 2, group_size: 2, oversample_prompts: 2, max_new_tokens: 4, max_rounds: 1}\n"
+        "train: {max_steps: 1}\n"
+    )
+    assert main(["rl", str(cfg), "--no-progress"]) == 0
+    line = json.loads((tmp_path / "cli" / "metrics.jsonl").read_text())
+    assert line["step"] == 1 and 0 <= line["val_accuracy"] <= 1 and line["tis_mode"] == "off"
+    assert (tmp_path / "cli" / "hf" / "config.json").is_file()
+    assert main(["rl", str(cfg), "--no-progress", "--set", "train.max_steps=2"]) == 0  # resumes at step 1
+    steps = [json.loads(x)["step"] for x in (tmp_path / "cli" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
