@@ -181,7 +181,8 @@ def test_rl_raises_the_reward_it_is_given(tmp_path, tiny_tokenizer, monkeypatch)
 
 
 def test_infir2_rl_from_a_model_folder(tmp_path, tiny_tokenizer, capsys):
-    """The command line path: a model folder with its tokenizer, the `math` reward, resume on rerun."""
+    """The command line path: a model folder with its tokenizer, the `math` reward, resume on rerun,
+    config changes refused unless accepted."""
     model_dir = tmp_path / "sft-hf"
     make_tiny_model(seed=2).save_pretrained(model_dir)
     tiny_tokenizer.save_pretrained(model_dir)
@@ -199,3 +200,11 @@ def test_infir2_rl_from_a_model_folder(tmp_path, tiny_tokenizer, capsys):
     assert main(["rl", str(cfg), "--no-progress", "--set", "train.max_steps=2"]) == 0  # resumes at step 1
     steps = [json.loads(x)["step"] for x in (tmp_path / "cli" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
+    capsys.readouterr()
+    changed = ["--set", "train.max_steps=3", "--set", "algo.clip_high=0.3"]
+    assert main(["rl", str(cfg), "--no-progress", *changed]) == 2  # a change of meaning is refused...
+    assert "algo.clip_high: 0.28 -> 0.3" in capsys.readouterr().err
+    assert (
+        main(["rl", str(cfg), "--no-progress", *changed, "--accept-config-changes"]) == 0
+    )  # ... unless accepted
+    assert (tmp_path / "cli" / "config.2.yaml").is_file()  # the old config is kept

@@ -8,7 +8,9 @@ recipe, and the algorithm's knobs (group size, clip-higher 0.2 / 0.28, dynamic s
 masking, truncated importance sampling); docs/RL.md explains each and the mismatch metrics logged
 every step. The run folder <run.out_dir>/<run.name> gets config.yaml, metrics.jsonl, tensorboard/,
 checkpoints/ and, at the end, hf/. Re-running the same command resumes from the newest checkpoint
-and continues bit for bit (prompt order, sampler, dynamic-sampling buffer included).
+and continues bit for bit (prompt order, sampler, dynamic-sampling buffer included); a rerun whose
+config changes the run (optim, data, model, fp8, rollout, algo, run.seed) is refused unless given
+--accept-config-changes.
 
 examples:
   infir2 rl my-rl.yaml
@@ -30,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="YAML RL run config")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config field, e.g. --set rollout.group_size=8 (repeatable)")  # fmt: skip
+    parser.add_argument("--accept-config-changes", action="store_true",
+                        help="resume although optim, data, model, fp8, rollout, algo or run.seed differ from the "
+                             "run's config.yaml (the old one is kept as config.<step>.yaml)")  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (log lines instead)")
 
 
@@ -37,7 +42,10 @@ def run(args: argparse.Namespace) -> int:
     from .config import load_rl_config
     from .loop import rl
 
-    cfg = load_rl_config(args.config, args.overrides)
+    overrides = list(args.overrides) + (
+        ["train.accept_config_changes=true"] if args.accept_config_changes else []
+    )
+    cfg = load_rl_config(args.config, overrides)
     result = rl(cfg, progress=not args.no_progress)
     last = result.history[-1] if result.history else {}
     if "val_accuracy" in last:

@@ -13,7 +13,8 @@ where they published one, docs/RL.md)::
     algo:     reward, clip_low, clip_high, kl_coef, tis (auto|truncate|mask|off), tis_cap,
               overlong (none|mask|penalty), overlong_buffer, overlong_penalty, updates_per_batch,
               micro_batch_size, adv_eps
-    train:    max_steps, save_every, keep_last, log_every, eval_every, eval_problems, max_nonfinite_in_row
+    train:    max_steps, save_every, keep_last, log_every, eval_every, eval_problems, max_nonfinite_in_row,
+              accept_config_changes
 
 Validation is strict (an unknown key or a bad value is a ``ValueError`` naming the dotted key and the
 file); ``--set key=value`` overrides use the same dotted keys.
@@ -97,6 +98,8 @@ class RLTrain:
     eval_every: int = 0  # held-out accuracy (greedy) every N steps and at the end, when data.val_path is set
     eval_problems: int | None = None  # the first N of data.val_path; None: all
     max_nonfinite_in_row: int = 3
+    # resume although optim/data/model/fp8/rollout/algo/run.seed differ from the run's config.yaml
+    accept_config_changes: bool = False
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from ..data.chat import render_prompt, stop_token_ids
 from ..eval.tasks import Problem, load_problems
 from ..export import export_model
 from ..model import autocast, build_from_config, check_model_folder, load_pretrained, prepare_for_training
+from ..train.config_changes import config_changes
 from ..train.distributed import DistEnv, init_distributed
 from ..train.lock import run_lock
 from ..train.metrics import MetricsLogger, peak_memory_gib
@@ -323,11 +324,32 @@ def _save(run: Run, state: RLState) -> Path:
     )
 
 
+#: config keys (or section prefixes) whose change on resume alters what the run computes
+MEANINGFUL = ("optim.", "data.", "model.", "fp8.", "rollout.", "algo.", "run.seed")
+
+
+def _check_config_changes(cfg: RLConfig, saved: dict[str, Any], step: int) -> None:
+    """Refuse a resume whose config changes the run's meaning (unless accepted); keep the old config.yaml."""
+    meaningful, harmless = config_changes(saved, to_plain(cfg))
+    changes = meaningful + harmless
+    refused = [c for c in changes if any(c.startswith(m) for m in MEANINGFUL)]
+    if refused and not cfg.train.accept_config_changes:
+        raise ValueError(f"{cfg.run_dir}: resuming at step {step} with a config that changes the run: "
+                         f"{'; '.join(refused)}. Use another run.name, restore the config, or pass "
+                         "--accept-config-changes")  # fmt: skip
+    if changes:
+        log.info("resuming with config changes: %s", "; ".join(changes))
+        old = cfg.run_dir / "config.yaml"
+        if old.is_file():
+            old.replace(cfg.run_dir / f"config.{step}.yaml")
+
+
 def _restore(run: Run) -> tuple[RLState, Path | None]:
     found = ckpt.load_latest_valid(run.cfg.run_dir / "checkpoints")
     if found is None:
         return RLState(), None
     path, full = found
+    _check_config_changes(run.cfg, full["train_state"]["config"], int(full["train_state"]["step"]))
     set_state_dict(run.model, run.optimizer, model_state_dict=full["model"], optim_state_dict=full["optimizer"],
                    options=StateDictOptions(full_state_dict=True))  # fmt: skip
     run.stream.load_state_dict(full["data"]["prompts"])
