@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.distributed as dist
@@ -294,17 +294,19 @@ def _reduced_block_amax(module: nn.Module, shard: torch.Tensor, n_rows: int, mes
     if stash is not None:
         return stash
     world, rank = mesh.size(), mesh.get_local_rank()
-    jobs = [(module, shard, n_rows)]
+    jobs: list[tuple[nn.Module, torch.Tensor, int]] = [(module, shard, n_rows)]
     peers, index = getattr(module, "_fp8_amax_peers", ((), 0))
     for ref in peers[index + 1 :]:  # the unit's FP8 weights that FSDP2 all-gathers after this one
         fsdp_param = ref()
-        local = getattr(fsdp_param, "_sharded_local_tensor", None)
-        peer = fsdp_param._module_info.module if fsdp_param is not None else None
+        if fsdp_param is None:
+            continue
+        local, peer = fsdp_param._sharded_local_tensor, fsdp_param._module_info.module
         if isinstance(local, Fp8ShardedWeight) and getattr(peer, "fp8_enabled", False):
-            jobs.append((peer, local._tensor, fsdp_param._orig_size[0]))
+            jobs.append((peer, local._tensor, int(fsdp_param._orig_size[0])))
+    blocks = [cast(Fp8Recipe, m.recipe).w.block for m, _, _ in jobs]
     partials = [
-        partial_block_amax(t, rank * math.ceil(rows / world), rows, m.recipe.w.block)  # type: ignore[union-attr]
-        for m, t, rows in jobs
+        partial_block_amax(t, rank * math.ceil(rows / world), rows, block)
+        for (_, t, rows), block in zip(jobs, blocks, strict=True)
     ]
     flat = torch.cat([p.reshape(-1) for p in partials]) if len(partials) > 1 else partials[0].reshape(-1)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=mesh.get_group())
