@@ -1,6 +1,7 @@
 """The first thing to run on a CUDA GPU: correctness checks, then the FP8 fast path's timings.
 
-One call, about 3-5 minutes on an H100 / H200 (every phase prints its own elapsed time)::
+One call, estimated at 3-5 minutes on an H100 / H200 (not timed yet: every phase prints its own
+elapsed time)::
 
     python benchmarks/gpu_bench.py --out bench-gpu
 
