@@ -38,10 +38,10 @@ from pathlib import Path
 
 import torch
 
-from infir2.bench import PRESETS, main_table, run_bench
 from infir2.fp8 import get_recipe
 from infir2.fp8.recipe import Cast
 from infir2.kernels import BACKENDS, Operand, emulated
+from infir2.tools.bench import PRESETS, main_table, run_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 #: dgrad shapes (tokens, N = out_features, K = in_features): dX [T, K] = dY [T, N] @ W [N, K]

@@ -21,9 +21,10 @@ import torch.distributed as dist
 from infir2.fp8.quantize import quantize
 from infir2.model import prepare_for_training
 from infir2.nn import Fp8Linear
-from infir2.nn.fsdp import Fp8GatheredWeight, Fp8ShardedWeight
+from infir2.nn.fsdp import Fp8GatheredWeight
+from infir2.tools.wire_bytes import AmaxBytes, WireBytes
 from infir2.train.config import OptimConfig
-from infir2.train.distributed import WireBytes, init_distributed, shard_model
+from infir2.train.distributed import init_distributed, shard_model
 from infir2.train.loop import evaluate, train_step
 from infir2.train.optim import build_optimizer
 from train_synthetic import SyntheticSource
@@ -64,11 +65,12 @@ def run(mode: str, rank: int, world: int, env) -> dict:
     wire_bytes = wire.bytes
     full = {k: v.full_tensor() for k, v in model.state_dict().items()}
     layers = list(model.model.layers)
-    collectives = Fp8ShardedWeight.amax_collectives
+    amax = AmaxBytes.install()
     for layer in layers:  # all-gather every decoder layer once more, outside a forward
         layer.unshard()
+    amax.remove()
     # one block-amax all-reduce per FSDP unit (decoder layer), not one per FP8 weight
-    assert Fp8ShardedWeight.amax_collectives - collectives == (len(layers) if fp8_gather else 0)
+    assert amax.collectives == (len(layers) if fp8_gather else 0), amax.collectives
     gathered = 0
     for name, m in model.named_modules():
         if isinstance(m, Fp8Linear) and isinstance(m.weight, Fp8GatheredWeight):

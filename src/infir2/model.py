@@ -20,12 +20,15 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from .nn import convert_to_fp8, recompute_swiglu
+
+if TYPE_CHECKING:
+    from .fp8.recipe import Fp8Recipe
 
 __all__ = [
     "ARCHS",
@@ -103,7 +106,7 @@ def build_from_config(
 
 def prepare_for_training(
     model: nn.Module,
-    recipe: str = "blockwise",
+    recipe: str | Fp8Recipe = "blockwise",
     backend: str | None = None,
     activation_checkpointing: bool = False,
     recompute_mlp: bool = True,

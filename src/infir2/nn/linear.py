@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import weakref
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -38,13 +38,19 @@ from torch import nn
 
 from ..fp8.recipe import Fp8Recipe, get_recipe
 from ..kernels import Kernels, Operand, bind
-from ..kernels.fast_emulated import KeptOperand
 from .fsdp import Fp8GatheredWeight
 
-if TYPE_CHECKING:
-    from .telemetry import LayerStats
+__all__ = ["Fp8Linear", "StatsRecorder"]
 
-__all__ = ["Fp8Linear"]
+
+class StatsRecorder(Protocol):
+    """What a layer reports its operands to on a stats step (``infir2.nn.telemetry.LayerStats``).
+
+    ``forward`` returns the probe that backward calls with the dgrad / wgrad operands.
+    """
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                x_ops: tuple[Operand, Operand], w_fprop: Operand, y: torch.Tensor) -> Any: ...  # fmt: skip
 
 
 def _no_autocast(device: torch.device) -> AbstractContextManager[Any]:
@@ -64,7 +70,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         kernels: Kernels,
         w_fprop: Operand,
         x_ops: tuple[Operand, Operand] | None = None,
-        stats: LayerStats | None = None,
+        stats: StatsRecorder | None = None,
         w_dgrad_t: Operand | None = None,
     ) -> torch.Tensor:
         with _no_autocast(x.device):
@@ -79,9 +85,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 y = y + bias.to(out_dtype)
             # The only activation kept for backward: X in FP8, tiled along tokens for wgrad (x_wgrad).
         w_dgrad = w_fprop if recipe.reuses_weight else None
-        # A CPU-emulation operand that carries its dequantized fp32 values (the weight cache holds it
-        # all step anyway) is kept whole for dgrad: backward then skips decoding the weight again.
-        ctx.w_kept = w_dgrad if isinstance(w_dgrad, KeptOperand) and w_dgrad.dequantized is not None else None
+        # the backend's operand says whether backward keeps it whole (a CPU emulation's decoded copy) or
+        # only its FP8 bytes and scales (Operand.keep_for_backward)
+        ctx.w_kept = w_dgrad if w_dgrad is not None and w_dgrad.keep_for_backward else None
         # The K-major transposed copy (module doc) replaces the forward weight as the saved dgrad operand.
         ctx.w_transposed = w_dgrad is not None and w_dgrad_t is not None
         saved_w = w_dgrad_t if ctx.w_transposed else w_dgrad
@@ -204,7 +210,7 @@ class Fp8Linear(nn.Linear):
         self.fp8_enabled = self.recipe.enabled
         self.kernels: Kernels | None = None
         self.cache_weight = False
-        self.stats: LayerStats | None = None  # set by infir2.nn.telemetry on stats steps only
+        self.stats: StatsRecorder | None = None  # set by infir2.nn.telemetry on stats steps only
         # (key, forward weight, its K-major transpose for dgrad or None): see quantized_weight
         self._weight_cache: tuple[tuple[Any, ...], Operand, Operand | None] | None = None
 
@@ -257,7 +263,7 @@ class Fp8Linear(nn.Linear):
             or not self.recipe.reuses_weight
             or cache is None
             or cache[1] is not w_fprop
-            or isinstance(w_fprop, KeptOperand)
+            or w_fprop.keep_for_backward  # a CPU emulation's decoded operand, kept whole
         ):
             return None
         if cache[2] is None:

@@ -35,9 +35,7 @@ from typing import Any, Literal
 import yaml
 
 from ..fp8 import RECIPES
-from ..fp8.recipe import get_recipe
 from ..model import ARCHS
-from ..nn.fsdp import supports_param_gather
 from .typed_yaml import apply_overrides, build, config_error, to_plain
 
 #: the largest finite float32: optimizer hyperparameters above it become inf inside fp32 AdamW
@@ -246,7 +244,7 @@ def _check(cfg: RunConfig, source: str) -> None:
         positive(f"train.{key}", getattr(t, key), allow_zero=True)
     for key in ("eval_batches", "keep_last", "log_every", "max_nonfinite_in_row"):
         positive(f"train.{key}", getattr(t, key))
-    if cfg.fp8.param_gather and not supports_param_gather(get_recipe(cfg.fp8.recipe)):
+    if cfg.fp8.param_gather and not RECIPES[cfg.fp8.recipe].gathers_fp8_weight:
         raise config_error(source, "fp8.param_gather", f"recipe {cfg.fp8.recipe} has no FP8 weight that serves both "
                    "fprop and dgrad; set fp8.param_gather to false or null")  # fmt: skip
     if t.async_save and t.checkpoint_format != "dcp":
