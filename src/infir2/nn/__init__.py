@@ -8,6 +8,7 @@ from .convert import (
     disable_fp8,
     fp8_enabled,
     fp8_modules,
+    why_high_precision,
 )
 from .linear import Fp8Linear
 from .swiglu import recompute_swiglu
@@ -22,4 +23,5 @@ __all__ = [
     "fp8_enabled",
     "fp8_modules",
     "recompute_swiglu",
+    "why_high_precision",
 ]
