@@ -1,5 +1,6 @@
 """FP8 modules: ``Fp8Linear`` and the model conversion around it."""
 
+from . import custom_ops as _custom_ops  # noqa: F401  (registers the torch.compile custom ops)
 from .convert import (
     DECODER_PROJECTIONS,
     cache_fp8_weights,
