@@ -31,7 +31,7 @@ import torch
 from ..fp8.formats import get_format
 from ..fp8.quantize import Block
 from ..fp8.recipe import Cast
-from ..kernels.fast_emulated import KeptOperand
+from ..kernels import Operand
 from .linear import _INPUT_CACHE, _Fp8LinearFunction, layer_by_key
 
 __all__ = ["fp8_linear", "fp8_linear_backward"]
@@ -45,7 +45,7 @@ class _Context:
     def __init__(self, needs_input_grad: tuple[bool, ...] = ()) -> None:
         self.needs_input_grad = needs_input_grad
         self.saved_tensors: tuple[torch.Tensor, ...] = ()
-        self.w_kept: KeptOperand | None = None  # the attributes _Fp8LinearFunction sets and reads
+        self.w_kept: Operand | None = None  # the attributes _Fp8LinearFunction sets and reads
         self.recipe: Any = None
         self.kernels: Any = None
         self.x_dtype: torch.dtype | None = None
@@ -133,9 +133,10 @@ def fp8_linear_backward(
     recipe, kernels = module.recipe, module._kernels_on(dy.device)
     ctx = _Context(tuple(needs))
     ctx.recipe, ctx.kernels, ctx.x_dtype, ctx.has_bias = recipe, kernels, compute_dtype, needs[2]
-    # the weight the cache holds dequantized (CPU emulation) is the one forward used: no second decode
+    # a weight operand kept whole (the CPU emulation's decoded copy) that the weight cache still holds is
+    # the one forward used: backward takes it as eager backward does, with no second decode
     cached = module._weight_cache[1] if module._weight_cache is not None else None
-    if isinstance(cached, KeptOperand) and cached.dequantized is not None and cached.data is w_data:
+    if cached is not None and cached.keep_for_backward and cached.data is w_data:
         ctx.w_kept = cached
     w_saved = (w_data, w_scale_inv) if w_data.numel() and ctx.w_kept is None else ()
     ctx.saved_tensors = (x_data, x_scale_inv, weight, *w_saved)
