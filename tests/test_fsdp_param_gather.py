@@ -129,8 +129,7 @@ def test_param_gather_setting():
 
 @pytest.mark.slow
 def test_fp8_param_gather_two_processes(tmp_path):
-    from fsdp_param_gather_worker import tiny_qwen2, train_and_eval
-    from infir2.model import prepare_for_training
+    from fsdp_param_gather_worker import fp8_model, train_and_eval
     from infir2.train.distributed import DistEnv
 
     modes = ["fp32", "fp32-fp8gather", "bf16", "bf16-fp8gather"]
@@ -151,7 +150,7 @@ def test_fp8_param_gather_two_processes(tmp_path):
 
     # and the same run as one process, up to the order of fp32 gradient sums (see test_train_fsdp)
     torch.set_num_threads(1)
-    model = prepare_for_training(tiny_qwen2(), "blockwise")
+    model = fp8_model()
     one = train_and_eval(model, "fp32", DistEnv(0, 1, torch.device("cpu"), False), 0, 1)
     assert one[0] == pytest.approx(r["fp32"]["losses"][0], rel=1e-6)
     assert one == pytest.approx(r["fp32"]["losses"], rel=1e-4)

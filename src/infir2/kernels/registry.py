@@ -132,6 +132,11 @@ class Kernels:
     def __deepcopy__(self, memo: dict[int, Any]) -> Kernels:
         return self  # backends are shared: a copied layer shares its binding
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled by backend name (modules cannot be pickled): ``torch.save(model)`` and spawned
+        worker processes get the same chain back."""
+        return _unpickle_kernels, (self.recipe, self.device, tuple(b.NAME for b in self.chain))
+
     def _first(self, takes: Callable[[Backend], bool], describe: Callable[[], str]) -> Backend:
         """The first backend of the chain that ``takes`` the job. ``describe`` names the job without
         shapes (a fallback is logged once per kind of job); it is only called off the fast path."""
@@ -189,6 +194,10 @@ class Kernels:
             lambda: f"GEMM {tuple(a.block)} x {tuple(b.block)} {a.data.dtype}/{b.data.dtype} -> {out_dtype}",
             lambda be: be.gemm_nt(a, b, out_dtype),
         )
+
+
+def _unpickle_kernels(recipe: Fp8Recipe, device: torch.device, names: tuple[str, ...]) -> Kernels:
+    return Kernels(recipe, device, tuple(BACKENDS[n] for n in names))
 
 
 def _resolve_device(device: torch.device | str) -> torch.device:

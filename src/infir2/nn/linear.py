@@ -28,6 +28,7 @@ all-gathered by FSDP2 and freed between forward and backward) backward uses ``Q(
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
@@ -179,6 +180,19 @@ class _InputCache:
 
 _INPUT_CACHE = _InputCache()
 
+# Every Fp8Linear by key, for the custom ops of torch.compile (infir2.nn.custom_ops), which take plain
+# values only. A copy or an unpickled layer registers itself again under a new key.
+_LAYERS: weakref.WeakValueDictionary[int, Fp8Linear] = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+
+def layer_by_key(key: int) -> Fp8Linear:
+    """The ``Fp8Linear`` registered under ``key`` (its ``op_key``)."""
+    layer = _LAYERS.get(key)
+    if layer is None:
+        raise RuntimeError(f"no Fp8Linear with key {key}: the layer was freed")
+    return layer
+
 
 class Fp8Linear(nn.Linear):
     """Drop-in ``nn.Linear`` (same parameters and state_dict keys) computing its GEMMs in FP8.
@@ -213,6 +227,15 @@ class Fp8Linear(nn.Linear):
         self.stats: StatsRecorder | None = None  # set by infir2.nn.telemetry on stats steps only
         # (key, forward weight, its K-major transpose for dgrad or None): see quantized_weight
         self._weight_cache: tuple[tuple[Any, ...], Operand, Operand | None] | None = None
+        self._register()
+
+    def _register(self) -> None:
+        self.op_key = next(_KEYS)
+        _LAYERS[self.op_key] = self
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._register()  # a copy (deepcopy, pickle) is another layer: its own key
 
     @classmethod
     def from_linear(
@@ -276,6 +299,10 @@ class Fp8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fp8_enabled:
             return F.linear(x, self.weight, self.bias)
+        if torch.compiler.is_compiling():  # one custom op: caches and kernels stay outside the graph
+            device = x.device.type
+            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+            return torch.ops.infir2.fp8_linear(x, self.weight, self.bias, self.op_key, dtype)[0]
         original = x
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
