@@ -92,8 +92,9 @@ def test_identical_quantization_has_no_mismatch(tiny_tokenizer, recipe, rollout)
     assert m["mismatch/prob_error"] < 1 + 1e-5 and m["mismatch/tis_clip_frac"] == 0
 
 
-def test_different_quantization_is_measured(tiny_tokenizer):
-    m = _mismatch("bf16", "fp8", tiny_tokenizer)  # BF16 training, FP8 rollouts
+@pytest.mark.parametrize("recipe, rollout", [("bf16", "fp8"), ("blockwise", "bf16")])
+def test_different_quantization_is_measured(tiny_tokenizer, recipe, rollout):
+    m = _mismatch(recipe, rollout, tiny_tokenizer)  # FP8 on one side only
     assert m["mismatch/abs_dlogp_mean"] > 1e-3
     assert 1.0 < m["mismatch/prob_error"] < 1.2 and m["mismatch/k3_kl"] > 0
 

@@ -37,11 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..export.layout import WEIGHT_BLOCK, quantize_weight
+from ..export.layout import WEIGHT_BLOCK, is_projection_weight, quantize_weight
 from ..fp8.recipe import TILE, Cast, get_recipe
 from ..kernels import Operand, bind
 from ..model import autocast
-from ..nn.convert import default_module_filter
 
 __all__ = ["BuiltinEngine", "Rollout", "RolloutEngine", "ServingFp8Linear", "left_pad"]
 
@@ -147,12 +146,12 @@ class BuiltinEngine:
         self.model = copy.deepcopy(policy).eval().requires_grad_(False)
         self.fp8_layers: dict[str, ServingFp8Linear] = {}
         for fqn, module in list(self.model.named_modules()):
-            if not default_module_filter(module, fqn):
+            # the layers whose weights the FP8 export quantizes (the same key pattern, by construction)
+            if not isinstance(module, nn.Linear) or not is_projection_weight(f"{fqn}.weight", module.weight):
                 continue
             if hasattr(module, "fp8_enabled"):
-                module.fp8_enabled = False  # an Fp8Linear copy runs as a plain linear for bf16 rollouts
+                setattr(module, "fp8_enabled", False)  # noqa: B010 - an Fp8Linear copy runs as a plain linear
             if precision == "fp8":
-                assert isinstance(module, nn.Linear)
                 layer = ServingFp8Linear(module.in_features, module.out_features, module.bias is not None,
                                          scale, self.device)  # fmt: skip
                 parent, _, child = fqn.rpartition(".")
