@@ -63,17 +63,17 @@ def test_triton_quantize_is_bit_exact(dtype, shape):
 
     x = _hard_input(shape, dtype)
     for block in ((1, 128), (128, 1), (128, 128)):
-        for pow2 in (True, False):
+        for encoding in ("pow2", "fp32"):
             for fmt in ("e4m3", "e5m2"):
-                data, scale_inv = triton_quant.quantize(x, block, fmt, pow2)
-                ref_data, ref_scale_inv = quantize(x, block, fmt, pow2)
-                assert torch.equal(scale_inv, ref_scale_inv), (block, pow2, fmt)
-                assert _same_bits(data, ref_data), (block, pow2, fmt)
-    for pow2 in (True, False):  # the fused kernel: both activation tilings from one read
-        pair = triton_quant.quantize_both(x, "e4m3", pow2)
+                data, scale_inv = triton_quant.quantize(x, block, fmt, encoding)
+                ref_data, ref_scale_inv = quantize(x, block, fmt, encoding)
+                assert torch.equal(scale_inv, ref_scale_inv), (block, encoding, fmt)
+                assert _same_bits(data, ref_data), (block, encoding, fmt)
+    for encoding in ("pow2", "fp32"):  # the fused kernel: both activation tilings from one read
+        pair = triton_quant.quantize_both(x, "e4m3", encoding)
         for (data, scale_inv), block in zip(pair, ((1, 128), (128, 1)), strict=True):
-            ref_data, ref_scale_inv = quantize(x, block, "e4m3", pow2)
-            assert torch.equal(scale_inv, ref_scale_inv) and _same_bits(data, ref_data), (block, pow2)
+            ref_data, ref_scale_inv = quantize(x, block, "e4m3", encoding)
+            assert torch.equal(scale_inv, ref_scale_inv) and _same_bits(data, ref_data), (block, encoding)
 
 
 def _gemm_operands(m: int, n: int, k: int) -> dict[str, tuple[Operand, Operand]]:

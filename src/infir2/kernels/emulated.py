@@ -35,7 +35,7 @@ def supports_quantize(x: torch.Tensor, cast: Cast) -> bool:
 
 
 def quantize(x: torch.Tensor, cast: Cast) -> Operand:
-    data, scale_inv = reference_quantize(x, cast.block, cast.fmt, cast.scale)
+    data, scale_inv = reference_quantize(x, cast.block, cast.fmt, cast.scale_encoding)
     return Operand(data, scale_inv, cast.block)
 
 

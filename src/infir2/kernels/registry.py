@@ -102,14 +102,14 @@ class Kernels:
     def quantize(self, x: torch.Tensor, cast: Cast) -> Operand:
         backend = self._first(
             lambda be: be.supports_quantize(x, cast),
-            lambda: f"quantize {tuple(cast.block)} {cast.fmt}/{cast.scale}",
+            lambda: f"quantize {tuple(cast.block)} {cast.fmt}/{cast.scale_encoding}",
         )
         return backend.quantize(x, cast)
 
     def quantize_pair(self, x: torch.Tensor, a: Cast, b: Cast) -> tuple[Operand, Operand]:
         backend = self._first(
             lambda be: be.supports_quantize(x, a) and be.supports_quantize(x, b),
-            lambda: f"quantize {tuple(a.block)} + {tuple(b.block)} {a.fmt}/{a.scale}",
+            lambda: f"quantize {tuple(a.block)} + {tuple(b.block)} {a.fmt}/{a.scale_encoding}",
         )
         return backend.quantize_pair(x, a, b)
 

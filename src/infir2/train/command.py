@@ -14,8 +14,10 @@ to start over them unless given --start-fresh. A rerun whose config changes the 
 (schedule, optim, data, model, fp8, run.seed, train.max_steps) is refused with the list of changes
 unless given --accept-config-changes (the old config.yaml is kept as config.<step>.yaml). One run folder takes one training at a time (a lock
 file, <run>/.lock, names the process holding it). Several processes (torchrun) shard the model with
-FSDP2; the run folder must be on a filesystem all nodes see (checkpoints are full state dicts
-gathered to rank 0, loadable on any number of processes; exact data resume needs the same number).
+FSDP2; the run folder must be on a filesystem all nodes see. Checkpoints (train.checkpoint_format):
+full (default) gathers the state to rank 0 into one state.pt; dcp has every rank write its own
+shards (train.async_save: in the background). Both load on any number of processes (exact data
+resume needs the same number), and a run resumes from either kind.
 
 examples:
   infir2 train src/infir2/configs/qwen2.5-1.5b-cpt.yaml
