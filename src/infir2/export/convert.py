@@ -75,8 +75,10 @@ def _convert_tensors(names: Iterable[str], get: Callable[[str], torch.Tensor], f
             yield name, tensor.to(_DTYPES[fmt]) if tensor.is_floating_point() else tensor
 
 
-def _patch_config(path: Path, fmt: str, dtype_name: str) -> None:
+def _patch_config(path: Path, fmt: str, dtype_name: str, architecture: str | None = None) -> None:
     config = json.loads(path.read_text(encoding="utf-8"))
+    if architecture and not config.get("architectures"):  # a model built from a config has none
+        config["architectures"] = [architecture]  # serving engines (vLLM, transformers serve) need it
     config.pop("quantization_config", None)
     if fmt == "fp8":
         config["quantization_config"] = copy.deepcopy(QUANTIZATION_CONFIG)
@@ -87,6 +89,11 @@ def _patch_config(path: Path, fmt: str, dtype_name: str) -> None:
 
 
 # ------------------------------------------------------------------------------------ in-memory model
+
+
+def _architecture(model: torch.nn.Module) -> str | None:
+    """The transformers class name of ``model`` (FSDP2 wraps it in a subclass ``FSDP<name>``)."""
+    return next((c.__name__ for c in type(model).__mro__ if c.__module__.startswith("transformers.")), None)
 
 
 def _tied_names(model: torch.nn.Module) -> dict[str, str]:
@@ -178,7 +185,7 @@ def export_model(
         writer.add(name, tensor)
     writer.close()
     config.save_pretrained(tmp)
-    _patch_config(tmp / "config.json", fmt, _DTYPE_NAMES[cast])
+    _patch_config(tmp / "config.json", fmt, _DTYPE_NAMES[cast], _architecture(model))
     _save_generation_config(model, tokenizer, tmp)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)

@@ -77,7 +77,7 @@ def convert_to_fp8(
         {
             str(m.weight.dtype)
             for fqn in chosen
-            if (m := model.get_submodule(fqn)).weight.dtype != torch.float32
+            if (m := model.get_submodule(fqn)).weight.dtype not in (torch.float32, torch.float64)
         }
     )
     if low:

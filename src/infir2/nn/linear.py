@@ -71,10 +71,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
             xq, x_wgrad = x_ops
             # Without a bias the GEMM writes the input's dtype directly (no fp32 [T,N] round trip);
             # with one, the bias is added to the fp32 result before the single rounding.
-            out_dtype = x.dtype if bias is None else torch.float32
+            out_dtype = x.dtype if bias is None else _accumulation_dtype(x.dtype)
             y = kernels.gemm_nt(xq, w_fprop, out_dtype)  # [T,K] @ [K,N] -> [T,N], fp32 accumulate
             if bias is not None:
-                y = y + bias.float()
+                y = y + bias.to(out_dtype)
             # The only activation kept for backward: X in FP8, tiled along tokens for wgrad (x_wgrad).
         w_dgrad = w_fprop if recipe.reuses_weight else None
         # the backend's operand says whether backward keeps it whole (a CPU emulation's decoded copy) or
@@ -117,14 +117,19 @@ class _Fp8LinearFunction(torch.autograd.Function):
             if need_dw:
                 x_w = Operand(x_data, x_scale_inv, recipe.x_wgrad.block)  # [T,K]
                 dw = kernels.gemm_nt(
-                    dy_w.t(), x_w.t(), torch.float32
+                    dy_w.t(), x_w.t(), _accumulation_dtype(weight.dtype)
                 )  # [N,T] @ [T,K] -> [N,K], fp32 accumulate
                 dw = dw.to(weight.dtype)
                 if ctx.probe is not None:
                     ctx.probe.wgrad(dy, dy_w, dw)
             if ctx.has_bias and ctx.needs_input_grad[2]:
-                db = dy.float().sum(0).to(weight.dtype)
+                db = dy.to(_accumulation_dtype(weight.dtype)).sum(0).to(weight.dtype)
         return dx, dw, db, None, None, None, None, None
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32, or fp64 for fp64 tensors (``model.precision: fp64``, the CPU-independent reference)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 class _InputCache:

@@ -203,7 +203,8 @@ def export_final(
     ``checkpoint``: the run's final sharded checkpoint (``dcp`` runs), streamed tensor by tensor;
     otherwise the full state dict is gathered to rank 0.
     """
-    fmt = cfg.model.export_dtype or cfg.model.precision  # "fp32" | "bf16": export formats of the same name
+    # "fp32" | "bf16": export formats of the same name (an fp64 reference run exports fp32)
+    fmt = cfg.model.export_dtype or {"fp64": "fp32"}.get(cfg.model.precision, cfg.model.precision)
     if env.is_main:
         for stale in cfg.run_dir.glob(".tmp-hf-*"):  # a killed export's partial folder (we hold the run lock)
             shutil.rmtree(stale, ignore_errors=True)

@@ -5,7 +5,7 @@ InfiR2 recipe, docs/RECIPE.md section 2, can be written down)::
 
     run:      name, out_dir, seed, device (auto|cpu|cuda)
     model:    path (local HF folder) | from_config ({arch: a name in infir2.model.ARCHS, hidden_size, ...}),
-              tokenizer, precision (fp32|bf16), activation_checkpointing, recompute_mlp, export_dtype
+              tokenizer, precision (fp32|bf16|fp64), activation_checkpointing, recompute_mlp, export_dtype
     fp8:      recipe (a name in infir2.fp8.RECIPES: bf16, blockwise, ...), backend, param_gather, stats_every
     data:     kind (cpt|sft), train_path, val_path, seq_len, global_batch_size, micro_batch_size,
               max_tokens_per_micro_batch, max_length, overlong (truncate|drop), epochs, shuffle, seed
@@ -74,13 +74,14 @@ class ModelConfig:
         None  # {arch: qwen2|llama, hidden_size: ..., ...}: a seeded new model
     )
     tokenizer: str | None = None  # tokenizer folder; default: `path`
-    precision: Literal["fp32", "bf16"] = (
-        "bf16"  # autocast dtype of the high-precision parts (masters stay fp32)
-    )
+    # autocast dtype of the high-precision parts (masters stay fp32); "fp64": masters, high-precision
+    # parts and the emulated GEMMs' accumulation in float64 (a CPU-independent reference for tests; slow)
+    precision: Literal["fp32", "bf16", "fp64"] = "bf16"
     activation_checkpointing: bool = False  # recompute each decoder layer in backward (long contexts)
     # SwiGLU MLPs keep gate and up outputs and recompute silu in backward (exact; saves 2 [T, I] tensors)
     recompute_mlp: bool = True
-    export_dtype: Literal["fp32", "bf16"] | None = None  # dtype of the final HF export; default: precision
+    # dtype of the final HF export; default: precision (fp32 for an fp64 run)
+    export_dtype: Literal["fp32", "bf16"] | None = None
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..data import CptSource, SftSource, load_conversations, load_tokens, val_batches
@@ -46,8 +47,9 @@ def setup_model(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer
                     "fp32 is the CPU baseline (--set model.precision=fp32)")  # fmt: skip
     model = model if model is not None else build_model(cfg, tokenizer)
     recipe = get_recipe(cfg.fp8.recipe)  # the config's name, resolved once (validated by train.config)
+    master_dtype = torch.float64 if cfg.model.precision == "fp64" else torch.float32
     model = prepare_for_training(model, recipe, cfg.fp8.backend, cfg.model.activation_checkpointing,
-                                 cfg.model.recompute_mlp)  # fmt: skip
+                                 cfg.model.recompute_mlp, master_dtype)  # fmt: skip
     model.to(env.device)
     if not env.distributed:
         return model
