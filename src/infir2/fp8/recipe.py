@@ -28,6 +28,7 @@ never a name.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, fields, replace
 
 from .formats import BLOCK, MX_BLOCK, get_format
@@ -135,7 +136,15 @@ RECIPES: dict[str, Fp8Recipe] = {
 
 
 def get_recipe(recipe: str | Fp8Recipe, **cast_overrides: object) -> Fp8Recipe:
-    """A named recipe; ``cast_overrides`` (``fmt=``, ``scale_encoding=``) replace that field in every cast."""
+    """A named recipe; ``cast_overrides`` (``fmt=``, ``scale_encoding=``) replace that field in every cast.
+
+    ``scale=`` is the older name of ``scale_encoding=`` (deprecated: it warns).
+    """
+    if "scale" in cast_overrides:
+        warnings.warn(
+            "get_recipe(scale=...) is deprecated: use scale_encoding=", DeprecationWarning, stacklevel=2
+        )
+        cast_overrides["scale_encoding"] = cast_overrides.pop("scale")
     if isinstance(recipe, Fp8Recipe):
         base = recipe
     elif recipe in RECIPES:
