@@ -38,6 +38,7 @@ __all__ = [
     "META_FILE",
     "TOKEN_DTYPES",
     "CptSource",
+    "check_tokenized_by",
     "heldout_windows",
     "load_cpt_meta",
     "load_tokens",
@@ -77,6 +78,33 @@ def load_tokens(data_dir: str | Path, split: str = "train") -> np.ndarray:
     if path.stat().st_size == 0:
         return np.zeros(0, dtype=np.dtype(meta["dtype"]).newbyteorder("<"))
     return np.memmap(path, dtype=np.dtype(meta["dtype"]).newbyteorder("<"), mode="r")
+
+
+def check_tokenized_by(
+    tokenizer: Any, data_dir: str | Path, documents: int = 8, max_tokens: int = 65536
+) -> None:
+    """Refuse shards that ``tokenizer`` would not have produced: its export would tokenize differently.
+
+    The first ``documents`` documents of ``train.bin`` (eos-separated, at most ``max_tokens`` tokens)
+    are decoded and re-encoded with ``tokenizer``; byte-level BPE round-trips exactly, so any
+    difference means ``prepare-cpt`` used another tokenizer (or another reading of the same folder).
+    """
+    eos = tokenizer.eos_token_id
+    tokens = load_tokens(data_dir, "train")[:max_tokens]
+    ends = np.flatnonzero(tokens == eos)[:documents] if eos is not None else np.zeros(0, dtype=np.int64)
+    start = 0
+    for index, end in enumerate(ends.tolist()):
+        ids = tokens[start:end].tolist()
+        start = end + 1
+        again = tokenizer(tokenizer.decode(ids), add_special_tokens=False)["input_ids"]
+        if again != ids:
+            raise ValueError(
+                f"data.train_path: {data_dir}/train.bin was not tokenized the way this run's tokenizer "
+                f"({type(tokenizer).__name__}, {tokenizer.name_or_path}) tokenizes: document {index} "
+                f"({len(ids)} tokens) re-encodes to {len(again)} tokens. The exported model would read text "
+                "differently from what it trained on; re-run `infir2 prepare-cpt` with the model's folder as "
+                "--tokenizer (or --model-type of the model)"
+            )
 
 
 def _window_batch(tokens: np.ndarray, windows: np.ndarray, seq_len: int) -> MicroBatch:

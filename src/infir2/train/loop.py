@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..data import load_tokenizer
+from ..data import first_difference, load_tokenizer
 from ..data.base import MicroBatch, StepSource, count_loss_tokens
 from ..loss import heldout_loss, token_ce_sum
 from ..model import check_model_folder
@@ -50,7 +50,7 @@ from .distributed import DistEnv, all_reduce_sum, init_distributed
 from .lock import run_lock
 from .metrics import MetricsLogger, peak_memory_gib
 from .optim import Schedule, build_optimizer, make_schedule
-from .setup import ValSteps, build_sources, rewinding, setup_model, total_steps
+from .setup import ValSteps, build_sources, load_run_tokenizer, rewinding, setup_model, total_steps
 
 __all__ = [
     "NonFiniteError",
@@ -245,9 +245,8 @@ def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, 
     reconcile_saved_config(cfg, write=env.is_main)  # refuses meaningful changes on resume; keeps the old one
     if cfg.model.path and model is None:
         check_model_folder(cfg.model.path)  # before the tokenizer: a missing model is named as such
-    tokenizer_path = cfg.model.tokenizer or cfg.model.path
-    if tokenizer is None and tokenizer_path:
-        tokenizer = load_tokenizer(tokenizer_path)
+    if tokenizer is None:
+        tokenizer = load_run_tokenizer(cfg)
     model = setup_model(cfg, env, model, tokenizer)
     optimizer = build_optimizer(model, cfg.optim)
     if train_source is None:
@@ -305,4 +304,15 @@ def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, 
         else:
             result.checkpoint = save(cfg, env, model, optimizer, train_source, state).wait()
         result.hf_dir = export_final(cfg, env, model, tokenizer, result.checkpoint)
+        if env.is_main and result.hf_dir is not None and tokenizer is not None:
+            _check_export_tokenizer(tokenizer, result.hf_dir, logger)
     return result
+
+
+def _check_export_tokenizer(tokenizer: Any, hf_dir: Path, logger: MetricsLogger) -> None:
+    """Warn if ``AutoTokenizer`` on the export splits text otherwise than the run did (a passed-in tokenizer)."""
+    difference = first_difference(tokenizer, load_tokenizer(hf_dir))
+    if difference is not None:
+        logger.message(f"warning: AutoTokenizer on {hf_dir} tokenizes {difference[0]!r} into {len(difference[2])} "
+                       f"tokens, the run's tokenizer into {len(difference[1])}: load the export's tokenizer "
+                       "with infir2.data.load_tokenizer(<tokenizer folder>, model_type=...) before training")  # fmt: skip

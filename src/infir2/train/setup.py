@@ -14,18 +14,48 @@ from typing import Any
 
 from torch import nn
 
-from ..data import CptSource, SftSource, load_conversations, load_tokens, val_batches
+from ..data import (
+    CptSource,
+    SftSource,
+    check_tokenized_by,
+    folder_model_type,
+    load_conversations,
+    load_tokenizer,
+    load_tokens,
+    val_batches,
+)
 from ..data.base import MicroBatch, StepSource
 from ..model import build_from_config, load_pretrained, prepare_for_training
 from .config import RunConfig
 from .distributed import DistEnv, param_gather_enabled, shard_model
 
-__all__ = ["ValSteps", "build_model", "build_sources", "rewinding", "setup_model", "total_steps"]
+__all__ = [
+    "ValSteps",
+    "build_model",
+    "build_sources",
+    "load_run_tokenizer",
+    "rewinding",
+    "setup_model",
+    "total_steps",
+]
 
 log = logging.getLogger(__name__)
 
 #: A function returning fresh validation steps (called before every evaluation).
 ValSteps = Callable[[], Iterable[list[MicroBatch]]]
+
+
+def load_run_tokenizer(cfg: RunConfig) -> Any:
+    """The run's tokenizer (``model.tokenizer`` or ``model.path``), read as ``AutoTokenizer`` will read the
+    export: for the model's type (``from_config.arch``, or ``model_type`` in ``model.path/config.json``)."""
+    path = cfg.model.tokenizer or cfg.model.path
+    if not path:
+        return None
+    if cfg.model.from_config is not None:
+        model_type = cfg.model.from_config.get("arch")
+    else:
+        model_type = folder_model_type(cfg.model.path) if cfg.model.path else None
+    return load_tokenizer(path, model_type=model_type)
 
 
 def build_model(cfg: RunConfig, tokenizer: Any) -> nn.Module:
@@ -69,6 +99,8 @@ def build_sources(cfg: RunConfig, tokenizer: Any, env: DistEnv) -> tuple[StepSou
         cpt_source = CptSource(
             d.train_path, d.seq_len, d.global_batch_size, d.micro_batch_size, seed=seed, **ranks
         )
+        if tokenizer is not None:  # the shards must hold the ids the exported tokenizer produces
+            check_tokenized_by(tokenizer, d.train_path)
         val_dir = d.val_path or d.train_path
         if len(load_tokens(val_dir, "val")) < 2:
             log.warning("%s/val.bin holds fewer than 2 tokens: no evaluation", val_dir)
