@@ -38,6 +38,7 @@ __all__ = [
     "META_FILE",
     "TOKEN_DTYPES",
     "CptSource",
+    "check_batch_sizes",
     "check_tokenized_by",
     "heldout_windows",
     "load_cpt_meta",
@@ -131,7 +132,7 @@ class CptSource:
         world_size: int = 1,
         seed: int = 0,
     ) -> None:
-        _check_batch_sizes(global_batch_size, micro_batch_size, rank, world_size)
+        check_batch_sizes(global_batch_size, micro_batch_size, rank, world_size)
         self.tokens = load_tokens(data_dir, "train")
         self.seq_len = seq_len
         self.num_windows = len(self.tokens) // seq_len
@@ -191,7 +192,7 @@ class CptSource:
         self.seed, self.epoch, self.step_in_epoch = state["seed"], state["epoch"], state["step_in_epoch"]
 
 
-def _check_batch_sizes(global_batch_size: int, micro_batch_size: int, rank: int, world_size: int) -> None:
+def check_batch_sizes(global_batch_size: int, micro_batch_size: int, rank: int, world_size: int) -> None:
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
     if global_batch_size <= 0 or micro_batch_size <= 0:

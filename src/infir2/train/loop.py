@@ -40,7 +40,6 @@ from torch import nn
 from ..data import first_difference, load_tokenizer
 from ..data.base import MicroBatch, StepSource, count_loss_tokens
 from ..loss import heldout_loss, token_ce_sum
-from ..model import check_model_folder
 from ..nn import cache_fp8_weights, fp8_modules
 from ..nn.telemetry import Fp8Telemetry
 from .checkpointing import PendingSave, TrainState, export_final, restore, save
@@ -50,7 +49,15 @@ from .distributed import DistEnv, all_reduce_sum, init_distributed
 from .lock import run_lock
 from .metrics import MetricsLogger, peak_memory_gib
 from .optim import Schedule, build_optimizer, make_schedule
-from .setup import ValSteps, build_sources, load_run_tokenizer, rewinding, setup_model, total_steps
+from .setup import (
+    ValSteps,
+    build_sources,
+    check_inputs,
+    load_run_tokenizer,
+    rewinding,
+    setup_model,
+    total_steps,
+)
 
 __all__ = [
     "NonFiniteError",
@@ -220,6 +227,7 @@ def train(
     env = init_distributed(cfg.run.device)
     created = env.is_main and not cfg.run_dir.exists()
     try:
+        check_inputs(cfg, env.world_size, data=train_source is None)  # before any folder, model or data
         with run_lock(cfg.run_dir, enabled=env.is_main):  # one process (group) per run folder
             return _run(cfg, env, model, tokenizer, train_source, val_source, progress)
     except Exception:
@@ -243,8 +251,6 @@ def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, 
          val_source: StepSource | ValSteps | None, progress: bool) -> TrainResult:  # fmt: skip
     run_dir = cfg.run_dir
     reconcile_saved_config(cfg, write=env.is_main)  # refuses meaningful changes on resume; keeps the old one
-    if cfg.model.path and model is None:
-        check_model_folder(cfg.model.path)  # before the tokenizer: a missing model is named as such
     if tokenizer is None:
         tokenizer = load_run_tokenizer(cfg)
     model = setup_model(cfg, env, model, tokenizer)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -20,12 +21,14 @@ from ..data import (
     check_tokenized_by,
     folder_model_type,
     load_conversations,
+    load_cpt_meta,
     load_tokenizer,
     load_tokens,
     val_batches,
 )
 from ..data.base import MicroBatch, StepSource
-from ..model import build_from_config, load_pretrained, prepare_for_training
+from ..data.tokens import check_batch_sizes
+from ..model import build_from_config, check_model_folder, load_pretrained, prepare_for_training
 from .config import RunConfig
 from .distributed import DistEnv, param_gather_enabled, shard_model
 
@@ -33,6 +36,7 @@ __all__ = [
     "ValSteps",
     "build_model",
     "build_sources",
+    "check_inputs",
     "load_run_tokenizer",
     "rewinding",
     "setup_model",
@@ -43,6 +47,43 @@ log = logging.getLogger(__name__)
 
 #: A function returning fresh validation steps (called before every evaluation).
 ValSteps = Callable[[], Iterable[list[MicroBatch]]]
+
+
+def check_inputs(cfg: RunConfig, world_size: int = 1, data: bool = True) -> None:
+    """Check what the config names before anything is built: a clear error naming the key, in seconds.
+
+    The model and tokenizer folders exist; with ``data`` (the run builds its own sources): the data
+    files exist, SFT has its token budget, CPT's batch sizes divide over ``world_size`` ranks.
+    """
+    m, d = cfg.model, cfg.data
+    if m.path:
+        check_model_folder(m.path)
+    if m.tokenizer and not Path(m.tokenizer).is_dir():
+        raise FileNotFoundError(f"model.tokenizer: tokenizer folder not found: {m.tokenizer} (`infir2 demo "
+                                "--data-only --out DIR` writes a small one to DIR/tokenizer)")  # fmt: skip
+    if not data:
+        return
+    if not d.train_path:
+        raise ValueError(
+            "data.train_path: is required (cpt: a `infir2 prepare-cpt` folder; sft: a JSONL file)"
+        )
+    if d.kind == "cpt":
+        for key, folder in (("data.train_path", d.train_path), ("data.val_path", d.val_path)):
+            if folder:
+                try:
+                    load_cpt_meta(folder)
+                except (FileNotFoundError, ValueError) as e:
+                    raise type(e)(f"{key}: {e}") from None
+        try:
+            check_batch_sizes(d.global_batch_size, d.micro_batch_size, 0, world_size)
+        except ValueError as e:
+            raise ValueError(f"data.global_batch_size: {e}") from None
+        return
+    if d.max_tokens_per_micro_batch is None:
+        raise ValueError("data.max_tokens_per_micro_batch: required for SFT (the token budget per forward)")
+    for key, file in (("data.train_path", d.train_path), ("data.val_path", d.val_path)):
+        if file and not Path(file).is_file():
+            raise FileNotFoundError(f"{key}: SFT data file {file} does not exist")
 
 
 def load_run_tokenizer(cfg: RunConfig) -> Any:
