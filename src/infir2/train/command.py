@@ -16,8 +16,13 @@ to start over them unless given --start-fresh. A rerun whose config changes the 
 (schedule, optim, data, model, fp8, run.seed, train.max_steps) is refused with the list of changes
 unless given --accept-config-changes (the old config.yaml is kept as config.<step>.yaml). One run folder takes one training at a time (a lock
 file, <run>/.lock, names the process holding it). Several processes (torchrun) shard the model with
-FSDP2; the run folder must be on a filesystem all nodes see (checkpoints are full state dicts
-gathered to rank 0, loadable on any number of processes; exact data resume needs the same number).
+FSDP2; the run folder must be on a filesystem all nodes see.
+
+Checkpoints (train.checkpoint_format): the default, auto, writes DCP shards (torch.distributed.checkpoint:
+every rank writes its own part, nothing is gathered to rank 0; with train.async_save the loop does not
+wait for the disk) whenever the run has several processes, and one full state.pt (a plain torch.load
+reads it) for a single process; set full or dcp to choose. Both load on any number of processes;
+an exact data resume needs the same number (docs/DISTRIBUTED.md).
 
 examples:
   infir2 train qwen2.5-1.5b-cpt

@@ -14,7 +14,7 @@ docs/RECIPE.md section 2, can be written down)::
     schedule: name (wsd|cosine|constant), warmup_steps | warmup_fraction, decay_steps | decay_fraction,
               decay_style (cosine|linear), min_lr | min_lr_ratio
     train:    max_steps, eval_every, eval_batches, eval_fp8, save_every, keep_last, log_every,
-              max_nonfinite_in_row, loss_chunk_tokens (auto|0|N), checkpoint_format (full|dcp), async_save
+              max_nonfinite_in_row, loss_chunk_tokens (auto|0|N), checkpoint_format (auto|full|dcp), async_save
     load:     path, mode (resume|decay_only|weights_only), reset_step, reset_data, force, start_fresh,
               accept_config_changes
 
@@ -29,7 +29,7 @@ field: ``--set optim.lr=3e-4 --set data.shuffle=false --set optim.betas=[0.9,0.9
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -60,6 +60,7 @@ __all__ = [
     "key_reference",
     "load_config",
     "parse_config",
+    "resolve_checkpoint_format",
     "resolve_config_path",
     "save_config",
     "shipped_configs",
@@ -179,10 +180,10 @@ class TrainConfig:
     loss_chunk_tokens: int | Literal["auto"] = _key(
         "auto", "chunked LM-head loss: tokens per chunk; 0 = never; auto = 2048 once fp32 logits > 1 GiB"
     )
-    checkpoint_format: Literal["full", "dcp"] = _key(
-        "full", "full: gathered to rank 0, one state.pt (rank 0 holds ~12 bytes per parameter while saving); "
-        "dcp: torch.distributed.checkpoint, every rank writes its own shards (what multi-GPU runs want)"
-    )  # fmt: skip
+    checkpoint_format: Literal["auto", "full", "dcp"] = field(default="auto", metadata={"help": (
+        "auto: dcp when the run has several processes (or async_save), else full. full: gathered to rank 0, "
+        "one state.pt (rank 0 holds ~12 bytes per parameter while saving). dcp: torch.distributed.checkpoint, "
+        "every rank writes its own shards (what multi-GPU runs want; loads on any number of processes)")})  # fmt: skip
     async_save: bool = _key(
         False, "dcp only: write in a background thread, the loop does not wait for the disk"
     )
@@ -287,10 +288,23 @@ def _check(cfg: RunConfig, source: str) -> None:
     if cfg.fp8.param_gather and not supports_param_gather(get_recipe(cfg.fp8.recipe)):
         raise config_error(source, "fp8.param_gather", f"recipe {cfg.fp8.recipe} has no FP8 weight that serves both "
                    "fprop and dgrad; set fp8.param_gather to false or null")  # fmt: skip
-    if t.async_save and t.checkpoint_format != "dcp":
-        raise config_error(source, "train.async_save", "needs train.checkpoint_format: dcp")
+    if t.async_save and t.checkpoint_format == "full":
+        raise config_error(source, "train.async_save", "needs train.checkpoint_format: dcp (or auto)")
     if cfg.load.mode != "resume" and cfg.load.path is None:
         raise config_error(source, "load.path", f"load.mode {cfg.load.mode!r} needs a checkpoint path")
+
+
+def resolve_checkpoint_format(cfg: RunConfig, world_size: int) -> RunConfig:
+    """``cfg`` with ``train.checkpoint_format: auto`` resolved for ``world_size`` processes.
+
+    auto is ``dcp`` (every rank writes its shards) when there are several processes or ``async_save``
+    is on, else ``full`` (one ``state.pt``, which the single-process tools read).
+    """
+    t = cfg.train
+    if t.checkpoint_format != "auto":
+        return cfg
+    several = world_size > 1 or t.async_save
+    return replace(cfg, train=replace(t, checkpoint_format="dcp" if several else "full"))
 
 
 def parse_config(data: dict[str, Any], source: str = "<dict>") -> RunConfig:

@@ -43,7 +43,7 @@ from ..loss import heldout_loss, token_ce_sum
 from ..nn import cache_fp8_weights, fp8_modules
 from ..nn.telemetry import Fp8Telemetry
 from .checkpointing import PendingSave, TrainState, export_final, restore, save
-from .config import RunConfig
+from .config import RunConfig, resolve_checkpoint_format
 from .config_changes import reconcile_saved_config
 from .distributed import DistEnv, all_reduce_sum, init_distributed
 from .lock import run_lock
@@ -225,6 +225,7 @@ def train(
     Under ``torchrun`` every rank calls this.
     """
     env = init_distributed(cfg.run.device)
+    cfg = resolve_checkpoint_format(cfg, env.world_size)  # auto: dcp on several processes
     created = env.is_main and not cfg.run_dir.exists()
     try:
         check_inputs(cfg, env.world_size, data=train_source is None)  # before any folder, model or data
