@@ -14,7 +14,8 @@ docs/RECIPE.md section 2, can be written down)::
     schedule: name (wsd|cosine|constant), warmup_steps | warmup_fraction, decay_steps | decay_fraction,
               decay_style (cosine|linear), min_lr | min_lr_ratio
     train:    max_steps, eval_every, eval_batches, eval_fp8, save_every, keep_last, log_every,
-              max_nonfinite_in_row, loss_chunk_tokens (auto|0|N), checkpoint_format (auto|full|dcp), async_save
+              max_nonfinite_in_row, loss_spike_nats, loss_spike_window, loss_chunk_tokens (auto|0|N),
+              checkpoint_format (auto|full|dcp), async_save
     load:     path, mode (resume|decay_only|weights_only), reset_step, reset_data, force, start_fresh,
               accept_config_changes
 
@@ -44,6 +45,9 @@ from .typed_yaml import apply_overrides, build, config_error, to_plain
 
 #: the largest finite float32: optimizer hyperparameters above it become inf inside fp32 AdamW
 FP32_MAX = 3.4028234663852886e38
+#: the largest peak learning rate accepted: AdamW's update is about lr per element, so lr > 1 moves every
+#: weight by more than its typical size (~0.02) fifty times over in one step
+MAX_LR = 1.0
 
 __all__ = [
     "DataConfig",
@@ -176,7 +180,14 @@ class TrainConfig:
     save_every: int = _key(0, "steps between checkpoints; 0 = only at the end")
     keep_last: int = _key(2, "checkpoints kept in <run>/checkpoints")
     log_every: int = _key(1, "steps between progress-bar / stdout updates (metrics.jsonl gets every step)")
-    max_nonfinite_in_row: int = _key(3, "consecutive skipped (non-finite) steps that stop the run")
+    max_nonfinite_in_row: int = _key(
+        3, "consecutive skipped steps (non-finite loss or grad norm, or a loss spike) that stop the run"
+    )
+    loss_spike_nats: float | None = _key(
+        3.0, "skip the update of a step whose loss is this many nats above the median of the last "
+        "loss_spike_window steps (its tokens e^3 = 20x less likely: divergence, not noise); null = off"
+    )  # fmt: skip
+    loss_spike_window: int = _key(32, "updated steps whose median loss is the spike guard's reference")
     loss_chunk_tokens: int | Literal["auto"] = _key(
         "auto", "chunked LM-head loss: tokens per chunk; 0 = never; auto = 2048 once fp32 logits > 1 GiB"
     )
@@ -258,6 +269,9 @@ def _check(cfg: RunConfig, source: str) -> None:
         positive(f"data.{key}", getattr(d, key))
     positive("data.max_tokens_per_micro_batch", d.max_tokens_per_micro_batch)
     positive("optim.lr", o.lr)
+    if o.lr > MAX_LR:
+        raise config_error(source, "optim.lr", f"{o.lr:g} is above {MAX_LR:g}: no AdamW run uses such a learning "
+                           "rate (LM pre-training and SFT peak at 1e-5 .. 1e-2); the weights would diverge")  # fmt: skip
     positive("optim.eps", o.eps)
     positive("optim.weight_decay", o.weight_decay, allow_zero=True)
     positive("optim.grad_clip", o.grad_clip, allow_zero=True)
@@ -283,7 +297,9 @@ def _check(cfg: RunConfig, source: str) -> None:
     positive("fp8.stats_every", cfg.fp8.stats_every, allow_zero=True)
     for key in ("eval_every", "save_every"):
         positive(f"train.{key}", getattr(t, key), allow_zero=True)
-    for key in ("eval_batches", "keep_last", "log_every", "max_nonfinite_in_row"):
+    if t.loss_spike_nats is not None:
+        positive("train.loss_spike_nats", t.loss_spike_nats)
+    for key in ("eval_batches", "keep_last", "log_every", "max_nonfinite_in_row", "loss_spike_window"):
         positive(f"train.{key}", getattr(t, key))
     if cfg.fp8.param_gather and not supports_param_gather(get_recipe(cfg.fp8.recipe)):
         raise config_error(source, "fp8.param_gather", f"recipe {cfg.fp8.recipe} has no FP8 weight that serves both "

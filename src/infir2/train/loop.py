@@ -7,8 +7,11 @@ One optimizer step, top to bottom (``train_step``):
    the projections, each weight quantized once per step by ``cache_fp8_weights``), summed token
    cross-entropy, backward of ``sum_ce * world_size / n_loss_tokens`` -- so that after FSDP averages
    gradients over ranks the step's gradient is that of the per-token mean over the global batch;
-3. clip the global gradient norm; if the loss or the norm is not finite, skip the update (counted,
-   logged; ``train.max_nonfinite_in_row`` such steps in a row stop the run);
+3. clip the global gradient norm; if the loss or the norm is not finite, or the loss spikes (more than
+   ``train.loss_spike_nats`` above the median loss of the last ``train.loss_spike_window`` updated
+   steps, the guard against a diverging run whose loss stays finite), skip the update (counted,
+   logged; ``train.max_nonfinite_in_row`` such steps in a row stop the run, and no checkpoint is
+   written during a streak);
 4. AdamW at the schedule's learning rate for this step.
 
 Around it: evaluation every ``train.eval_every`` steps (``evaluate``: the held-out loss of
@@ -28,7 +31,9 @@ import logging
 import math
 import random
 import shutil
+import statistics
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,8 +143,10 @@ def train_step(
     precision: str,
     env: DistEnv,
     loss_chunk_tokens: int | str = "auto",
+    max_loss: float = math.inf,
 ) -> dict[str, Any]:
-    """Forward/backward over this rank's micro-batches, clip, and (unless non-finite) one AdamW step."""
+    """Forward/backward over this rank's micro-batches, clip, and one AdamW step -- skipped when the loss
+    or the gradient norm is not finite, or the loss is above ``max_loss`` (a spike, ``out["spike"]``)."""
     counts = torch.tensor(
         [count_loss_tokens(micro_batches), sum(map(_num_tokens, micro_batches))], dtype=torch.float64
     )
@@ -154,13 +161,14 @@ def train_step(
     loss = float(all_reduce_sum(ce_total, env)) / max(n_loss_tokens, 1.0)
     grad_norm = _grad_norm(model, grad_clip)
     finite = math.isfinite(loss) and math.isfinite(grad_norm)
-    if finite:
+    spike = finite and loss > max_loss
+    if finite and not spike:
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "loss_tokens": int(n_loss_tokens),
-            "tokens": int(n_tokens), "skipped": not finite}  # fmt: skip
+            "tokens": int(n_tokens), "skipped": not finite or spike, "spike": spike}  # fmt: skip
 
 
 def evaluate(
@@ -193,15 +201,25 @@ def _count_nonfinite(state: TrainState, out: dict[str, Any], cfg: RunConfig, log
         return
     state.nonfinite_total += 1
     state.nonfinite_in_row += 1
-    logger.message(f"step {state.step}: non-finite loss {out['loss']} or grad norm {out['grad_norm']}: update "
-                   f"skipped ({state.nonfinite_in_row} in a row, {state.nonfinite_total} in total)")  # fmt: skip
+    why = (f"loss spike {out['loss']:.4g}, more than train.loss_spike_nats={cfg.train.loss_spike_nats} above the "
+           f"median {out['spike_reference']:.4g} of the last steps" if out.get("spike")
+           else f"non-finite loss {out['loss']} or grad norm {out['grad_norm']}")  # fmt: skip
+    logger.message(f"step {state.step}: {why}: update skipped ({state.nonfinite_in_row} in a row, "
+                   f"{state.nonfinite_total} in total)")  # fmt: skip
     if state.nonfinite_in_row >= cfg.train.max_nonfinite_in_row:
         where = (f"the last checkpoint written before the streak is {last_checkpoint}" if last_checkpoint
                  else "no checkpoint was written before the streak")  # fmt: skip
         raise NonFiniteError(f"stopping at step {state.step}: {state.nonfinite_in_row} steps in a row had a "
-                             f"non-finite loss or gradient norm (train.max_nonfinite_in_row="
-                             f"{cfg.train.max_nonfinite_in_row}); {where}. Lower optim.lr, check the data, or "
-                             f"try another fp8.recipe, then resume with --load that checkpoint")  # fmt: skip
+                             f"non-finite loss or gradient norm or a loss spike (train.max_nonfinite_in_row="
+                             f"{cfg.train.max_nonfinite_in_row}; last: {why}); {where}. Lower optim.lr, check the "
+                             f"data, or try another fp8.recipe, then resume with --load that checkpoint")  # fmt: skip
+
+
+def _spike_limit(recent: deque[float], nats: float | None) -> float:
+    """The loss above which a step is a spike: ``nats`` above the median of ``recent`` (inf without history)."""
+    if nats is None or not recent:
+        return math.inf
+    return statistics.median(recent) + nats
 
 
 def _due(step: int, every: int, last: bool) -> bool:
@@ -273,15 +291,21 @@ def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, 
     with MetricsLogger(run_dir, env.is_main, state.step, n_steps, cfg.train.log_every, progress) as logger:
         steps = iter(train_source)
         pending: PendingSave | None = None  # the last periodic save (async: maybe still writing)
+        recent: deque[float] = deque(maxlen=cfg.train.loss_spike_window)  # losses of updated steps
         while state.step < n_steps:
             t0 = time.perf_counter()
             micro_batches = next(steps, None)
             if micro_batches is None:
                 logger.message(f"data exhausted after {state.step} steps (of {n_steps})")
                 break
+            limit = _spike_limit(recent, cfg.train.loss_spike_nats)
             with telemetry.record(state.step + 1) as fp8_stats:
                 out = train_step(model, optimizer, micro_batches, schedule(state.step), cfg.optim.grad_clip,
-                                 cfg.model.precision, env, cfg.train.loss_chunk_tokens)  # fmt: skip
+                                 cfg.model.precision, env, cfg.train.loss_chunk_tokens, limit)  # fmt: skip
+            if out["spike"]:
+                out["spike_reference"] = limit - (cfg.train.loss_spike_nats or 0.0)
+            elif not out["skipped"]:
+                recent.append(out["loss"])
             state.step += 1
             state.tokens_seen += out["tokens"]
             seconds = time.perf_counter() - t0
