@@ -59,7 +59,7 @@ def test_the_whole_config_is_checked_before_a_model_is_built(tmp_path, monkeypat
     assert main(["train", str(tmp_path / "sft.yaml"), "--no-progress"]) == 2
     assert "data.max_tokens_per_micro_batch: required for SFT" in capsys.readouterr().err
     assert main(["train", str(tmp_path / "sft.yaml"), "--set", "data.max_tokens_per_micro_batch=64",
-                 "--set", "data.val_path=missing.jsonl"]) == 2  # fmt: skip
+                 "--set", "data.max_length=64", "--set", "data.val_path=missing.jsonl"]) == 2  # fmt: skip
     assert "data.val_path: SFT data file missing.jsonl does not exist" in capsys.readouterr().err
     cfg["data"] = {"kind": "cpt", "train_path": str(tmp_path / "nowhere")}
     (tmp_path / "cpt.yaml").write_text(yaml.safe_dump(cfg))
@@ -67,3 +67,23 @@ def test_the_whole_config_is_checked_before_a_model_is_built(tmp_path, monkeypat
     assert "data.train_path: " in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
     assert config_module.key_reference()[0] == ("run.name", "run", "the run folder is <out_dir>/<name>")
+
+
+def test_an_sft_validation_file_smaller_than_one_batch_is_refused(tmp_path, capsys):
+    """It would give no validation step (val_loss nan); said before the first training step."""
+    from conftest import make_tiny_model, make_tokenizer
+
+    folder = tmp_path / "model"
+    make_tiny_model("llama").save_pretrained(folder)
+    make_tokenizer().save_pretrained(folder)
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    (tmp_path / "train.jsonl").write_text(json.dumps(chat) + "\n" * 1 + json.dumps(chat) + "\n")
+    (tmp_path / "val.jsonl").write_text(json.dumps(chat) + "\n")
+    cfg = {"run": {"out_dir": str(tmp_path / "runs"), "device": "cpu"}, "model": {"path": str(folder)},
+           "data": {"kind": "sft", "train_path": str(tmp_path / "train.jsonl"), "val_path": str(tmp_path / "val.jsonl"),
+                    "global_batch_size": 2, "max_tokens_per_micro_batch": 64, "max_length": 64}}  # fmt: skip
+    (tmp_path / "sft.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["train", str(tmp_path / "sft.yaml"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"data.val_path: {tmp_path / 'val.jsonl'}: " in err and "fewer than global_batch_size=2" in err
+    assert not (tmp_path / "runs" / "run" / "metrics.jsonl").exists()

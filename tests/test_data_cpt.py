@@ -195,8 +195,13 @@ def test_val_batches(prepared):
     assert all(b["input_ids"].shape[1] <= 9 for b in batches)
     assert all(((b["labels"] == IGNORE_INDEX) == (b["attention_mask"] == 0)).all() for b in batches)
     assert len(list(val_batches(prepared, 8, batch_size=3, max_batches=2))) == 2
-    per_rank = [list(val_batches(prepared, 8, 1, rank=r, world_size=2)) for r in (0, 1)]
-    assert len(per_rank[0]) == len(per_rank[1]) == len(starts) // 2
+    for world in (2, 3, len(starts) + 1):  # uneven counts, and more ranks than batches
+        per_rank = [list(val_batches(prepared, 8, 1, rank=r, world_size=world)) for r in range(world)]
+        assert len({len(b) for b in per_rank}) == 1  # the same number of forwards on every rank
+        scored = [b["labels"] for rank in per_rank for b in rank if (b["labels"] != IGNORE_INDEX).any()]
+        assert sorted(t.tolist() for t in scored) == sorted(
+            b["labels"].tolist() for b in val_batches(prepared, 8, 1)
+        )
     (prepared.parent / "one").mkdir()
     (prepared.parent / "one" / "meta.json").write_text((prepared / "meta.json").read_text())
     tokens[:1].tofile(prepared.parent / "one" / "val.bin")

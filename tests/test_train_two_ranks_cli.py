@@ -1,6 +1,6 @@
 """`torchrun -m infir2.cli train` on two CPU processes (gloo) with the defaults a user gets: DCP
 checkpoints (train.checkpoint_format: auto) and a tiny validation split (prepare-cpt's default
---val-fraction 0.01: one validation batch for two ranks)."""
+--val-fraction 0.01: one validation batch for two ranks), whose loss is the one-process number."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ def two_rank_run(tmp_path_factory):
     config = {"run": {"name": "two", "out_dir": str(root / "runs"), "device": "cpu"},
               "model": {"from_config": TINY, "tokenizer": str(root / "tok"), "precision": "fp32"},
               "fp8": {"recipe": "blockwise"},
-              "data": {"kind": "cpt", "train_path": str(root / "cpt"), "seq_len": 64, "global_batch_size": 4,
-                       "micro_batch_size": 2},
+              "data": {"kind": "cpt", "train_path": str(root / "cpt"), "seq_len": 64, "global_batch_size": 8,
+                       "micro_batch_size": 4},
               "train": {"max_steps": 2}}  # fmt: skip
     (root / "two.yaml").write_text(yaml.safe_dump(config))
     env = {**os.environ, "PYTHONPATH": f"{TESTS.parent / 'src'}{os.pathsep}{TESTS}", "OMP_NUM_THREADS": "1"}
@@ -55,3 +55,22 @@ def test_several_processes_write_dcp_checkpoints_by_default(two_rank_run):
     assert not (final / "state.pt").exists()  # nothing gathered to rank 0
     assert yaml.safe_load((run / "config.yaml").read_text())["train"]["checkpoint_format"] == "dcp"
     assert (run / "hf" / "model.safetensors").is_file()  # the export streams from the shards
+
+
+@pytest.mark.slow
+def test_a_tiny_validation_split_gives_the_one_process_loss_on_two_ranks(two_rank_run):
+    """6 held-out documents = 3 windows = one batch of 4: rank 1 has no window of its own."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from infir2.data import val_batches
+    from infir2.loss import heldout_loss
+
+    root, run = two_rank_run
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    two_ranks = rows[-1]["val_loss"]  # the last step is evaluated
+    assert len(list(val_batches(root / "cpt", 64, 4))) == 1
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(run / "hf", dtype=torch.float32)  # the final weights
+    one_process, tokens = heldout_loss(model, ([mb] for mb in val_batches(root / "cpt", 64, 4)))
+    assert tokens > 0 and two_ranks == pytest.approx(one_process, rel=1e-5)

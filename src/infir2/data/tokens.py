@@ -236,8 +236,9 @@ def val_batches(
     """The held-out windows of ``<data_dir>/<split>.bin`` in order, ``batch_size`` at a time.
 
     ``max_windows`` / ``max_batches`` keep only the first ones. With several ranks, batch ``i`` goes to
-    rank ``i % world_size`` and the count is cut to a multiple of ``world_size`` so that every rank runs
-    the same number of forwards.
+    rank ``i % world_size``; where the count is not a multiple of ``world_size`` the last ranks get one
+    empty batch each (the first window with no loss token), so that every rank runs the same number of
+    forwards (FSDP's collectives) and the ranks together score exactly the windows one process scores.
     """
     if seq_len < 1 or batch_size < 1:
         raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len}, {batch_size}")
@@ -249,7 +250,10 @@ def val_batches(
         )
     spans = heldout_windows(len(tokens), seq_len)[:max_windows]
     starts = list(range(0, len(spans), batch_size))[:max_batches]
-    starts = starts[: len(starts) - len(starts) % world_size] if world_size > 1 else starts
-    for i, start in enumerate(starts):
-        if i % world_size == rank:
-            yield _span_batch(tokens, spans[start : start + batch_size])
+    padded = -(-len(starts) // world_size) * world_size
+    for i in range(rank, padded, world_size):
+        if i < len(starts):
+            yield _span_batch(tokens, spans[starts[i] : starts[i] + batch_size])
+        else:  # same forward as a real batch, no loss token: the totals are those of the real ones
+            empty = _span_batch(tokens, spans[:1])
+            yield {**empty, "labels": torch.full_like(empty["labels"], IGNORE_INDEX)}

@@ -173,7 +173,9 @@ class TrainConfig:
     eval_every: int = _key(
         0, "steps between evaluations; 0 = none (the last step is still evaluated when val data exists)"
     )
-    eval_batches: int = _key(8, "validation steps per evaluation")
+    eval_batches: int = _key(
+        8, "validation batches per evaluation, all ranks together (the same held-out data on any world size)"
+    )
     eval_fp8: bool = _key(
         False, "evaluate with FP8 GEMMs (default: high precision, as the exported model runs)"
     )
@@ -268,6 +270,10 @@ def _check(cfg: RunConfig, source: str) -> None:
     for key in ("seq_len", "global_batch_size", "micro_batch_size", "max_length", "epochs"):
         positive(f"data.{key}", getattr(d, key))
     positive("data.max_tokens_per_micro_batch", d.max_tokens_per_micro_batch)
+    if d.kind == "sft" and d.max_tokens_per_micro_batch is not None and d.max_length > d.max_tokens_per_micro_batch:
+        raise config_error(source, "data.max_length", f"{d.max_length} exceeds data.max_tokens_per_micro_batch="
+                           f"{d.max_tokens_per_micro_batch}: a sample of max_length tokens must fit in one "
+                           "micro-batch")  # fmt: skip
     positive("optim.lr", o.lr)
     if o.lr > MAX_LR:
         raise config_error(source, "optim.lr", f"{o.lr:g} is above {MAX_LR:g}: no AdamW run uses such a learning "

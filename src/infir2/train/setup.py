@@ -146,7 +146,7 @@ def build_sources(cfg: RunConfig, tokenizer: Any, env: DistEnv) -> tuple[StepSou
         if len(load_tokens(val_dir, "val")) < 2:
             log.warning("%s/val.bin holds fewer than 2 tokens: no evaluation", val_dir)
             return cpt_source, None
-        max_batches = cfg.train.eval_batches * env.world_size
+        max_batches = cfg.train.eval_batches  # all ranks together: the same windows on any world size
 
         def cpt_val() -> Iterable[list[MicroBatch]]:
             batches = val_batches(
@@ -165,7 +165,10 @@ def build_sources(cfg: RunConfig, tokenizer: Any, env: DistEnv) -> tuple[StepSou
     train_source = SftSource(load_conversations(d.train_path), epochs=d.epochs, shuffle=d.shuffle, **sft)
     if not d.val_path:
         return train_source, None
-    val_source = SftSource(load_conversations(d.val_path), epochs=1, shuffle=False, **sft)
+    try:  # a file smaller than one batch would give no validation step: named here, before training
+        val_source = SftSource(load_conversations(d.val_path), epochs=1, shuffle=False, **sft)
+    except ValueError as e:
+        raise ValueError(f"data.val_path: {d.val_path}: {e}") from None
     return train_source, rewinding(val_source)
 
 
