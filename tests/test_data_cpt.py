@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections import Counter
 
@@ -254,3 +255,22 @@ def test_non_utf8_input_names_file_and_line(tmp_path, tiny_tokenizer, name, data
     with pytest.raises(ValueError, match=match):
         prepare_cpt([tmp_path / name], tmp_path / "out", tiny_tokenizer, progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_folder_parquet_without_the_text_column_is_skipped(tmp_path, tiny_tokenizer, caplog):
+    """A dataset folder often holds other tables beside the text; a file named explicitly still fails."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "data").mkdir()
+    pq.write_table(pa.table({"text": ["one document", "another one"]}), tmp_path / "data" / "text.parquet")
+    pq.write_table(pa.table({"id": [1, 2], "label": ["a", "b"]}), tmp_path / "data" / "labels.parquet")
+    with caplog.at_level(logging.WARNING):
+        meta = prepare_cpt(
+            [tmp_path / "data"], tmp_path / "out", tiny_tokenizer, val_fraction=0, progress=False
+        )
+    assert meta["train_documents"] == 2
+    assert [s.rsplit("/", 1)[-1] for s in meta["sources"]] == ["text.parquet"]
+    assert "skipping" in caplog.text and "labels.parquet" in caplog.text and "['id', 'label']" in caplog.text
+    with pytest.raises(ValueError, match=r"labels\.parquet: no column 'text'"):
+        prepare_cpt([tmp_path / "data" / "labels.parquet"], tmp_path / "o2", tiny_tokenizer, progress=False)

@@ -170,7 +170,7 @@ def export_model(
     for name, tensor in tqdm(stream, desc=f"export {fmt}", unit="tensor"):
         writer.add(name, tensor)
     writer.close()
-    config.save_pretrained(tmp)
+    _inference_config(model, config, tokenizer).save_pretrained(tmp)
     _patch_config(tmp / "config.json", fmt, _DTYPE_NAMES[cast])
     _save_generation_config(model, tokenizer, tmp)
     if tokenizer is not None:
@@ -207,6 +207,20 @@ def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
     tmp.rmdir()
 
 
+def _inference_config(model: torch.nn.Module, config: Any, tokenizer) -> Any:
+    """``config`` as an inference engine reads it: ``architectures`` named (a model built from a config
+    has none), the KV cache on (training turns it off), and the tokenizer's own bos token (or none)."""
+    config = copy.deepcopy(config)
+    if not getattr(config, "architectures", None):  # FSDP2 subclasses the model as FSDP<name>: skip those
+        names = [c.__name__ for c in type(model).__mro__ if not c.__name__.startswith("FSDP")]
+        config.architectures = [next((n for n in names if n.endswith("ForCausalLM")), type(model).__name__)]
+    if hasattr(config, "use_cache"):
+        config.use_cache = True
+    if tokenizer is not None:
+        config.bos_token_id = tokenizer.bos_token_id
+    return config
+
+
 def _save_generation_config(model: torch.nn.Module, tokenizer, out: Path) -> None:
     from transformers import GenerationConfig
 
@@ -217,6 +231,7 @@ def _save_generation_config(model: torch.nn.Module, tokenizer, out: Path) -> Non
             gen.eos_token_id = stops
         if tokenizer.pad_token_id is not None:
             gen.pad_token_id = tokenizer.pad_token_id
+        gen.bos_token_id = tokenizer.bos_token_id
     gen.save_pretrained(out)
 
 
