@@ -191,7 +191,9 @@ class TrainConfig:
     )  # fmt: skip
     loss_spike_window: int = _key(32, "updated steps whose median loss is the spike guard's reference")
     loss_chunk_tokens: int | Literal["auto"] = _key(
-        "auto", "chunked LM-head loss: tokens per chunk; 0 = never; auto = 2048 once fp32 logits > 1 GiB"
+        "auto",
+        "chunked LM-head loss: tokens per chunk; 0 = never; auto = chunks whose fp32 logits stay under "
+        "256 MiB whatever the vocabulary (441 tokens at 151,936 words), when the whole logits would not",
     )
     checkpoint_format: Literal["auto", "full", "dcp"] = field(default="auto", metadata={"help": (
         "auto: dcp when the run has several processes (or async_save), else full. full: gathered to rank 0, "
@@ -270,7 +272,11 @@ def _check(cfg: RunConfig, source: str) -> None:
     for key in ("seq_len", "global_batch_size", "micro_batch_size", "max_length", "epochs"):
         positive(f"data.{key}", getattr(d, key))
     positive("data.max_tokens_per_micro_batch", d.max_tokens_per_micro_batch)
-    if d.kind == "sft" and d.max_tokens_per_micro_batch is not None and d.max_length > d.max_tokens_per_micro_batch:
+    if (
+        d.kind == "sft"
+        and d.max_tokens_per_micro_batch is not None
+        and d.max_length > d.max_tokens_per_micro_batch
+    ):
         raise config_error(source, "data.max_length", f"{d.max_length} exceeds data.max_tokens_per_micro_batch="
                            f"{d.max_tokens_per_micro_batch}: a sample of max_length tokens must fit in one "
                            "micro-batch")  # fmt: skip
