@@ -4,7 +4,7 @@
 
 Builds a ~100M-parameter Qwen2 (FSDP2, FP8 all-gather on), takes one training step so that AdamW has
 its state, then saves it each way: ``full`` gathers model and optimizer on rank 0 (CPU) and writes
-``state.pt``; ``dcp`` writes each rank's shards (``infir2.train.sharded_checkpoint``); ``dcp-async``
+``state.pt``; ``dcp`` writes each rank's shards (``infir2.checkpoint.sharded``); ``dcp-async``
 is the time until training could go on (the state is staged in memory, the write continues in a
 thread), then the time until the folder is complete. Memory: rank 0's resident-set peak during the
 save minus its size before (``/proc/self/clear_refs`` resets the peak; Linux only). Memory freed by an
@@ -27,7 +27,6 @@ from infir2.train.config import OptimConfig
 from infir2.train.distributed import gather_objects, init_distributed, shard_model
 from infir2.train.loop import train_step
 from infir2.train.optim import build_optimizer
-from infir2.train.sharded_checkpoint import save_sharded
 
 
 def rss_kib(field: str) -> int:
@@ -88,7 +87,7 @@ def main() -> None:
             if mode == "full":
                 save_full(root, model, optimizer, env)
             else:
-                pending = save_sharded(
+                pending = ckpt.save_sharded(
                     root, 1, model, optimizer, {"train_state": {}}, env, async_save=mode == "dcp-async"
                 )
                 returned = time.perf_counter() - start

@@ -30,13 +30,13 @@ from datetime import datetime, timezone
 import torch
 from torch import nn
 
-from infir2.demo import FULL
 from infir2.fp8.quantize import dequantize, quantize
 from infir2.fp8.recipe import Cast
 from infir2.kernels import Operand, emulated
 from infir2.kernels import fast_emulated as fe
 from infir2.model import prepare_for_training
 from infir2.nn import Fp8Linear, cache_fp8_weights, convert_to_fp8
+from infir2.tools.demo import FULL
 
 FAST = "fast_emulated"
 TOKENS = FULL.cpt_batch * FULL.seq_len  # tokens per CPT micro-batch of the demo

@@ -44,10 +44,10 @@ from typing import Any
 
 import torch
 
-from infir2.demo import FULL, QUICK, DemoSettings
-from infir2.demo.pipeline import _cpt_config, prepare_data
 from infir2.fp8 import RECIPES
 from infir2.fp8.recipe import Cast, Fp8Recipe, get_recipe
+from infir2.tools.demo import FULL, QUICK, DemoSettings
+from infir2.tools.demo.pipeline import _cpt_config, prepare_data
 
 EXACT = Cast((1, 1), scale="fp32")  # one element per block, fp32 scale: the value survives to fp32 rounding
 GEMMS = ("fprop.y", "dgrad.dx", "wgrad.dw")

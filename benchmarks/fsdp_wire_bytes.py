@@ -21,9 +21,9 @@ import argparse
 import torch
 
 from infir2.model import prepare_for_training
-from infir2.nn.fsdp import Fp8ShardedWeight
+from infir2.tools.wire_bytes import AmaxBytes, WireBytes
 from infir2.train.config import OptimConfig
-from infir2.train.distributed import WireBytes, init_distributed, shard_model
+from infir2.train.distributed import init_distributed, shard_model
 from infir2.train.loop import train_step
 from infir2.train.optim import build_optimizer
 
@@ -45,15 +45,14 @@ def measure(mode: str, args: argparse.Namespace, env) -> tuple[float, float, int
     model = prepare_for_training(tiny_qwen2(args), "blockwise")
     n_params = sum(p.numel() for p in model.parameters())
     shard_model(model, precision, fp8_gather)
-    counter = WireBytes.install(model)
+    counter, amax = WireBytes.install(model), AmaxBytes.install()
     optimizer = build_optimizer(model, OptimConfig(lr=1e-3))
     g = torch.Generator().manual_seed(env.rank)
     for _ in range(args.steps):
         ids = torch.randint(0, args.vocab, (1, args.seq_len), generator=g)
         train_step(model, optimizer, [{"input_ids": ids, "labels": ids}], 1e-3, 1.0, precision, env)
-    amax = Fp8ShardedWeight.amax_bytes
-    Fp8ShardedWeight.amax_bytes = 0
-    return counter.bytes / args.steps, amax / args.steps, n_params
+    amax.remove()
+    return counter.bytes / args.steps, amax.bytes / args.steps, n_params
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from infir2.bench import PRESETS, main_table, run_bench
+from infir2.tools.bench import PRESETS, main_table, run_bench
 
 
 def main(argv: list[str] | None = None) -> int:

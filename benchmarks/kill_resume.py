@@ -28,8 +28,8 @@ import yaml
 
 from infir2.checkpoint import latest_checkpoint, load_checkpoint
 from infir2.data.cpt import prepare_cpt
-from infir2.data.demo import make_demo_data, tokenizer_training_texts
 from infir2.data.tokenizer import train_bpe_tokenizer
+from infir2.tools.demo.data import make_demo_data, tokenizer_training_texts
 
 TINY = {"arch": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}  # fmt: skip

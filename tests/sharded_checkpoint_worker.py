@@ -16,12 +16,12 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from fsdp_param_gather_worker import SOURCE, tiny_qwen2
+from infir2.checkpoint import load_sharded, save_sharded
 from infir2.model import prepare_for_training
 from infir2.train.config import OptimConfig
 from infir2.train.distributed import init_distributed, shard_model
 from infir2.train.loop import train_step
 from infir2.train.optim import build_optimizer
-from infir2.train.sharded_checkpoint import load_sharded, save_sharded
 from train_synthetic import SyntheticSource
 
 

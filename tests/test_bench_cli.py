@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from infir2 import cli
-from infir2.bench import StepModel, saved_bytes, step_flops
+from infir2.tools.bench import StepModel, saved_bytes, step_flops
 
 
 @pytest.mark.slow

@@ -15,8 +15,8 @@ from dataclasses import asdict
 import pytest
 
 from infir2 import cli
-from infir2.bench import fidelity
-from infir2.bench.fidelity_report import RunResult, summarize, table
+from infir2.tools.bench import fidelity
+from infir2.tools.bench.fidelity_report import RunResult, summarize, table
 
 
 def _run(width: int, recipe: str, seed: int, loss: float) -> RunResult:

@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from infir2.data import SYSTEM_PROMPT, load_conversations, make_demo_data, render_conversation
+from infir2.data import SYSTEM_PROMPT, load_conversations, render_conversation
+from infir2.tools.demo.data import make_demo_data, tokenizer_training_texts
 
 SMALL = dict(n_train=400, n_test=100, n_cpt_worked=200, n_cpt_tables=50)
 EXPR = re.compile(r"^Compute (\d+(?: [+-] \d+)+)\.$")
@@ -104,7 +105,7 @@ def test_too_many_problems_is_an_error(tmp_path):
 
 
 def test_tokenizer_texts_train_a_tokenizer(demo):
-    from infir2.data import tokenizer_training_texts, train_bpe_tokenizer
+    from infir2.data import train_bpe_tokenizer
 
     texts = tokenizer_training_texts(demo)
     assert any(t.startswith("assistant\n<think>\n") for t in texts) and any(

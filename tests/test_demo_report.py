@@ -14,10 +14,10 @@ import math
 import pytest
 
 from infir2.cli import main
-from infir2.demo import QUICK, DemoRecord, RecipeResult
-from infir2.demo.command import parse_seeds
-from infir2.demo.report import README_END, README_START, readme_table, update_readme
-from infir2.demo.summary import summarize, verdict_sentence
+from infir2.tools.demo import QUICK, DemoRecord, RecipeResult
+from infir2.tools.demo.command import parse_seeds
+from infir2.tools.demo.report import README_END, README_START, readme_table, update_readme
+from infir2.tools.demo.summary import summarize, verdict_sentence
 
 
 def _run(recipe: str, seed: int, cpt: float, sft: float, acc: float, seconds: float = 10.0,
@@ -108,9 +108,9 @@ def test_readme_table_rows_and_verdicts():
 
 def test_real_text_verdict_is_computed_from_its_runs():
     """The real-text part: paired gaps against the baseline's seed spread, one sentence per recipe."""
-    from infir2.bench.fidelity_report import RunResult as TextRun
-    from infir2.bench.fidelity_report import summarize as summarize_text
-    from infir2.demo.text import text_section
+    from infir2.tools.bench.fidelity_report import RunResult as TextRun
+    from infir2.tools.bench.fidelity_report import summarize as summarize_text
+    from infir2.tools.demo.text import text_section
 
     def run(recipe, seed, loss):
         return TextRun(width=256, recipe=recipe, seed=seed, val_loss=loss, train_loss=loss, tail_drop=1.0,

@@ -130,3 +130,19 @@ def test_eval_cli_on_a_plain_save_pretrained_folder(tmp_path: Path, tiny_tokeniz
     assert main(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["problems"] == 2 and summary["decoding"] == "greedy"
+
+
+def test_eval_cli_resumes_with_the_local_engine(model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    argv = ["eval", "--model", str(model_dir), "--greedy", "--max-new-tokens", "3", "--out", str(out)]
+    assert main([*argv, "--limit", "3"]) == 0
+    first = (out / "completions.jsonl").read_text().splitlines()
+    assert main(argv) == 0  # the rest of the sample benchmark only
+    lines = (out / "completions.jsonl").read_text().splitlines()
+    summary = json.loads((out / "summary.json").read_text())
+    assert lines[:3] == first and len(lines) == summary["samples"] == summary["problems"]
+    assert summary["generated_now"] == summary["samples"] - 3
+    # the same samples as one uninterrupted run
+    assert main([*argv[:-1], str(tmp_path / "whole")]) == 0
+    whole = [json.loads(line) for line in (tmp_path / "whole" / "samples.jsonl").read_text().splitlines()]
+    assert whole == [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]

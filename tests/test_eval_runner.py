@@ -46,7 +46,7 @@ def test_batched_greedy_matches_unbatched_argmax_loop(tiny_tokenizer) -> None:
     for prompt, completion in zip(prompts, got, strict=True):
         ref = _argmax_loop(model, tiny_tokenizer, prompt, steps)
         stopped = ref[-1] in {tiny_tokenizer.convert_tokens_to_ids("<|im_end|>"), tiny_tokenizer.eos_token_id}
-        text = tiny_tokenizer.decode(ref[:-1] if stopped else ref, skip_special_tokens=False)
+        text = tiny_tokenizer.decode(ref[:-1] if stopped else ref, skip_special_tokens=True)
         assert (completion.text, completion.n_tokens, completion.finished) == (text, len(ref), stopped)
 
 
@@ -59,9 +59,12 @@ def test_scores_match_hand_counts(monkeypatch: pytest.MonkeyPatch, tiny_tokenize
                 r"\boxed{0.5}", r"\boxed{2}", "<think> still going"]  # fmt: skip
     finished = [True, True, True, True, True, False]
 
-    def fake_generate(model, tokenizer, prompts, cfg, desc="", progress=True):
+    def fake_generate(model, tokenizer, prompts, cfg, desc="", progress=True, on_done=None):
         assert len(prompts) == 6 and prompts[0] == prompts[2] != prompts[3]
-        return [Completion(t, 5, f) for t, f in zip(scripted, finished, strict=True)]
+        out = [Completion(t, 5, f) for t, f in zip(scripted, finished, strict=True)]
+        for i, c in enumerate(out):
+            on_done(i, c)
+        return out
 
     monkeypatch.setattr(runner, "generate", fake_generate)
     result = evaluate(make_tiny_model(), tiny_tokenizer, problems, n=3)

@@ -53,6 +53,7 @@ def test_fp8_export_layout_and_round_trip(model, tiny_tokenizer, tmp_path: Path,
     saved, original = _read_folder(out), model.state_dict()
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"] == QUANTIZATION_CONFIG
+    assert config["architectures"] == [type(model).__name__]  # serving engines pick the model class from it
     assert QUANTIZATION_CONFIG == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                    "weight_block_size": [128, 128]}  # fmt: skip
     projections = [k for k in original if _is_projection(k)]

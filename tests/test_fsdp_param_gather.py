@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from infir2.fp8.quantize import quantize
+from infir2.fp8.quantize import quantize, quantize_with_amax
+from infir2.fp8.recipe import get_recipe
 from infir2.nn import Fp8Linear
-from infir2.nn.fsdp import Fp8GatheredWeight, partial_block_amax, quantize_rows, supports_param_gather
-from infir2.train.distributed import param_gather_enabled
+from infir2.nn.fsdp import Fp8GatheredWeight, partial_block_amax
 
 TESTS = Path(__file__).parent
 
@@ -40,7 +40,10 @@ def test_sharded_quantization_matches_one_process(rows, cols, world, block):
     shards = [(r * per_rank, w[r * per_rank : (r + 1) * per_rank]) for r in range(world)]
     # all_reduce(MAX) over ranks, done here by stacking the partial amaxes
     amax = torch.stack([partial_block_amax(s, offset, rows, block) for offset, s in shards]).amax(0)
-    out = [quantize_rows(s, offset, rows, amax, block, "e4m3", "pow2") for offset, s in shards]
+    out = [
+        quantize_with_amax(s, amax, block, "e4m3", "pow2", row_offset=offset, n_rows=rows)
+        for offset, s in shards
+    ]
     data, scale_inv = quantize(w, block, "e4m3", True)
     assert torch.equal(torch.cat([codes for codes, _ in out]).view(torch.uint8), data.view(torch.uint8))
     for _, shard_scale_inv in out:
@@ -86,13 +89,15 @@ def test_gathered_weight_runs_the_same_gemms():
 
 
 def test_param_gather_setting():
-    from infir2.fp8.recipe import get_recipe
     from infir2.train.config import parse_config
 
-    assert param_gather_enabled(None, "blockwise") and param_gather_enabled(None, "blockwise_fp32scale")
-    assert not param_gather_enabled(None, "tensorwise") and param_gather_enabled(True, "tensorwise")
-    assert not param_gather_enabled(False, "blockwise") and not param_gather_enabled(None, "bf16")
-    assert not supports_param_gather(get_recipe("rowwise"))  # dgrad needs the weight in columns
+    def on(setting, name):
+        return get_recipe(name).param_gather(setting)
+
+    assert on(None, "blockwise") and on(None, "blockwise_fp32scale")
+    assert not on(None, "tensorwise") and on(True, "tensorwise")
+    assert not on(False, "blockwise") and not on(None, "bf16")
+    assert not get_recipe("rowwise").gathers_fp8_weight  # dgrad needs the weight in columns
     with pytest.raises(ValueError, match=r"fp8\.param_gather"):
         parse_config({"fp8": {"recipe": "rowwise", "param_gather": True}}, "run.yaml")
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_model
-from infir2.fp8.formats import get_format
+from infir2.fp8.formats import bit_layout, get_format
 from infir2.fp8.quantize import dequantize, quantize
 from infir2.fp8.recipe import Cast
 from infir2.kernels import emulated, native
@@ -273,7 +273,7 @@ def test_native_off_by_environment(monkeypatch):
             128,
             448.0,
             True,
-            fe._grid_of(get_format("e4m3")),
+            bit_layout("e4m3"),
             torch.float8_e4m3fn,
             True,
         )

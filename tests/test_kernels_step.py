@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from infir2.bench import saved_bytes
 from infir2.kernels import BACKENDS
 from infir2.nn import Fp8Linear, cache_fp8_weights
+from infir2.tools.bench import saved_bytes
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "infir2"
 

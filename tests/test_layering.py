@@ -21,31 +21,44 @@ ALLOWED: dict[str, set[str]] = {
     "kernels": {"fp8"},
     "nn": {"fp8", "kernels"},
     "data": set(),
-    "model": {"nn"},
+    "model": {"fp8", "nn"},
     "chunked_loss": set(),  # the chunked linear + cross-entropy (torch only)
     "loss": {"chunked_loss", "data", "model", "nn"},  # the next-token loss shared by train and eval
-    "checkpoint": set(),
+    "checkpoint": {"nn"},  # the folder, the full and the sharded format (FP8 gather wrappers unwrapped)
     "export": {"data", "fp8", "nn"},
     "eval": {"data", "export", "loss", "nn"},
     "train": {"checkpoint", "data", "export", "fp8", "loss", "model", "nn"},
-    "bench": {"data", "fp8", "kernels", "model", "nn", "train"},
-    "demo": {"bench", "data", "eval", "fp8", "train"},
-    "memory": {"fp8", "nn"},
-    "plan": {"chunked_loss", "fp8", "memory"},
+    # tools/: each subpackage or module is a layer of its own (tools.<name>), above the library
+    "tools": set(),
+    "tools.paired": set(),  # paired-seed statistics shared by demo and bench (floats only)
+    "tools.bench": {"data", "fp8", "kernels", "model", "nn", "train", "tools.paired"},
+    "tools.demo": {"data", "eval", "fp8", "tools.bench", "tools.paired", "train"},
+    "tools.memory": {"fp8", "nn"},
+    "tools.plan": {"chunked_loss", "fp8", "tools.memory"},
+    "tools.numerics": {"nn"},  # infir2 numerics: reads a run's telemetry keys
+    "tools.wire_bytes": {"nn"},  # FSDP2 byte counters for benchmarks
     "cli": set(),  # cli imports its subcommands lazily by name (importlib), never statically
     "__init__": {"fp8", "nn"},
     "_logging": set(),
-    "_files": set(),
-    "_paired": set(),  # paired-seed statistics shared by demo and bench (floats only)
+    "_dist": set(),  # DistEnv and the collectives (torch.distributed only)
 }
 
 #: Helpers every layer may import (they import nothing of infir2 themselves).
-UTILITIES = {"_files", "_logging", "_paired"}
+UTILITIES = {"_dist", "_logging"}
+#: the folder of the tools beside the library: its modules and subpackages are layers ``tools.<name>``
+TOOLS = "tools"
+
+
+def _layer(parts: tuple[str, ...]) -> str:
+    """The layer of a module path inside infir2: ``('nn', 'linear')`` -> nn, ``('tools', 'demo', 'x')``
+    -> tools.demo, ``('model',)`` -> model."""
+    if parts[0] == TOOLS and len(parts) > 1 and parts[1] != "__init__":
+        return f"{TOOLS}.{parts[1]}"
+    return parts[0]
 
 
 def layer_of(path: Path) -> str:
-    rel = path.relative_to(PACKAGE)
-    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+    return _layer(path.relative_to(PACKAGE).with_suffix("").parts)
 
 
 def imported_layers(path: Path, source: str | None = None) -> set[str]:
@@ -67,7 +80,7 @@ def imported_layers(path: Path, source: str | None = None) -> set[str]:
         for name in names:
             parts = name.split(".")
             if parts[0] == "infir2" and len(parts) > 1:
-                found.add(parts[1])
+                found.add(_layer(tuple(parts[1:])))
     return found
 
 
@@ -108,7 +121,61 @@ def test_the_table_has_no_cycle():
         order = list(TopologicalSorter(ALLOWED).static_order())
     except CycleError as e:
         raise AssertionError(f"ALLOWED has a cycle: {e.args[1]}") from None
-    assert order.index("fp8") < order.index("nn") < order.index("train") < order.index("demo")
+    assert order.index("fp8") < order.index("nn") < order.index("train") < order.index("tools.demo")
+
+
+def module_name(path: Path, root: Path = PACKAGE.parent) -> str:
+    """``infir2.nn.linear`` for ``nn/linear.py``, ``infir2.nn`` for ``nn/__init__.py``."""
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path, modules: set[str], root: Path = PACKAGE.parent) -> set[str]:
+    """The infir2 modules (files) that a module imports, anywhere in it (inside functions and
+    ``TYPE_CHECKING`` blocks too): ``from .x import y`` names module ``x``, or ``x.y`` when that is a
+    module. Its own parent packages are left out (Python imports them before the module anyway)."""
+    name = module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            candidates = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(
+                    [*parts[: len(parts) - node.level + 1], *([node.module] if node.module else [])]
+                )
+            candidates = [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        for candidate in candidates:
+            parts = candidate.split(".")
+            for end in range(len(parts), 0, -1):  # the longest prefix that is a module of the package
+                if ".".join(parts[:end]) in modules:
+                    found.add(".".join(parts[:end]))
+                    break
+    return {m for m in found if m != name and not name.startswith(m + ".")}
+
+
+def test_no_import_cycle_between_files():
+    """Not only the layers: no two files of infir2 import each other, directly or around a circle."""
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {name: imported_modules(path, set(paths)) for name, path in paths.items()}
+    try:
+        list(TopologicalSorter(graph).static_order())
+    except CycleError as e:
+        raise AssertionError(f"files import each other in a circle: {' -> '.join(e.args[1])}") from None
+
+
+def test_the_file_checker_sees_a_planted_cycle(tmp_path):
+    """A function-level import back is still an edge (the checker itself, so the test cannot pass vacuously)."""
+    (tmp_path / "infir2" / "nn").mkdir(parents=True)
+    planted = tmp_path / "infir2" / "nn" / "fsdp.py"
+    planted.write_text("def f():\n    from .linear import Fp8Linear\n    from infir2 import kernels\n")
+    modules = {"infir2.nn.linear", "infir2.nn.fsdp", "infir2.nn", "infir2.kernels"}
+    assert imported_modules(planted, modules, root=tmp_path) == {"infir2.nn.linear", "infir2.kernels"}
 
 
 def test_utilities_import_no_layer():
@@ -122,3 +189,7 @@ def test_the_checker_sees_relative_and_absolute_imports():
     assert imported_layers(PACKAGE / "nn" / "linear.py") >= {"fp8", "kernels"}
     source = "from ..nn import Fp8Linear\nfrom . import emulated\nimport infir2.train.loop\nfrom infir2 import eval\n"
     assert imported_layers(PACKAGE / "kernels" / "planted.py", source) == {"nn", "kernels", "train", "eval"}
+    tools = "from ..paired import gap_pct\nfrom ...train import train\nfrom .data import make_demo_data\n"
+    assert layer_of(PACKAGE / "tools" / "demo" / "planted.py") == "tools.demo"
+    planted = PACKAGE / "tools" / "demo" / "planted.py"
+    assert imported_layers(planted, tools) == {"tools.paired", "train", "tools.demo"}

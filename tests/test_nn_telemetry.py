@@ -138,7 +138,7 @@ def massive_token_into(model: nn.Module, fqn: str):
 
 def test_numerics_report_ranks_the_planted_layer_worst(tmp_path):
     from infir2.cli import main
-    from infir2.train.numerics import load_telemetry, worst
+    from infir2.tools.numerics import load_telemetry, worst
 
     planted = "model.layers.0.self_attn.o_proj"
     run, _ = tiny_run(tmp_path, "planted", stats_every=1, recipe="tensorwise", plant=planted)
@@ -169,7 +169,7 @@ def test_telemetry_off_records_nothing_and_training_is_bit_identical(tmp_path):
 
 
 def test_numerics_errors_name_the_file(tmp_path):
-    from infir2.train.numerics import load_telemetry
+    from infir2.tools.numerics import load_telemetry
 
     with pytest.raises(FileNotFoundError, match=r"metrics\.jsonl"):
         load_telemetry(tmp_path)

@@ -13,18 +13,18 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from conftest import make_tiny_model
-from infir2.model import prepare_for_training
-from infir2.train.config import OptimConfig
-from infir2.train.distributed import DistEnv
-from infir2.train.optim import build_optimizer
-from infir2.train.sharded_checkpoint import (
-    data_state_for,
+from infir2.checkpoint import (
     is_sharded_checkpoint,
     iter_model_tensors,
     list_sharded,
     load_sharded,
     save_sharded,
 )
+from infir2.model import prepare_for_training
+from infir2.train.checkpointing import data_state_for
+from infir2.train.config import OptimConfig
+from infir2.train.distributed import DistEnv
+from infir2.train.optim import build_optimizer
 
 TESTS = Path(__file__).parent
 ONE = DistEnv(0, 1, torch.device("cpu"), False)

@@ -45,7 +45,7 @@ def _rewrite_meta_to_match(folder):
 
     meta = json.loads((folder / "meta.json").read_text())
     blob = (folder / "state.pt").read_bytes()
-    meta.update(state_bytes=len(blob), state_sha256=hashlib.sha256(blob).hexdigest())
+    meta["files"]["state.pt"] = {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
     (folder / "meta.json").write_text(json.dumps(meta))
 
 
@@ -53,7 +53,9 @@ def test_meta_records_an_independent_sha256(tmp_path):
 
     folder = save_checkpoint(tmp_path, 1, _state(1))
     meta = json.loads((folder / "meta.json").read_text())
-    assert meta["state_sha256"] == hashlib.sha256((folder / "state.pt").read_bytes()).hexdigest()
+    assert meta["format"] == "full" and meta["step"] == 1
+    recorded = meta["files"]["state.pt"]["sha256"]
+    assert recorded == hashlib.sha256((folder / "state.pt").read_bytes()).hexdigest()
 
 
 @pytest.mark.parametrize("damage", ["same_size_garbage", "random_bytes", "truncated", "no_meta"])

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from conftest import make_tiny_model
 from infir2.checkpoint import NoLoadableCheckpointError, load_checkpoint
-from infir2.train import sharded_checkpoint as sc
+from infir2.checkpoint import sharded as sc
 from infir2.train import train
 from train_synthetic import SyntheticSource, one_thread, tiny_run_config
 

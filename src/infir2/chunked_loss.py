@@ -176,7 +176,8 @@ def lm_loss_sum(
 ) -> torch.Tensor:
     """Summed next-token CE of a HF causal LM (labels shifted here), chunked unless ``chunk_tokens`` is None."""
     if chunk_tokens is None:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32, or fp64 as it is
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
                                ignore_index=ignore_index, reduction="sum")  # fmt: skip
     decoder = getattr(model, "model", None)

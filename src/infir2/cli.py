@@ -27,7 +27,7 @@ __all__ = ["COMMANDS", "build_parser", "main"]
 #: subcommand -> (module, one-line help). Modules are imported lazily: `infir2 --help` stays fast.
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": (
-        "infir2.demo.command",
+        "infir2.tools.demo.command",
         "the whole recipe on embedded data: CPT then SFT, BF16 vs FP8, report + plot",
     ),
     "train": ("infir2.train.command", "train (CPT or SFT) from a YAML run config or a shipped config's name"),
@@ -36,17 +36,23 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("infir2.eval.command", "evaluate a checkpoint on reasoning benchmarks (JSONL) or held-out loss"),
     "export": ("infir2.export.command", "export a checkpoint as a BF16 or FP8 (128x128 blocks) HF folder"),
     "numerics": (
-        "infir2.train.numerics",
+        "infir2.tools.numerics",
         "rank a run's layers by FP8 telemetry (SQNR, underflow); heatmap PNG",
     ),
-    "bench": ("infir2.bench.command", "time BF16 vs FP8 linears, quantization kernels and a training step"),
+    "bench": (
+        "infir2.tools.bench.command",
+        "time BF16 vs FP8 linears, quantization kernels and a training step",
+    ),
     "fidelity": (
-        "infir2.bench.fidelity",
+        "infir2.tools.bench.fidelity",
         "held-out loss of every FP8 recipe vs the baseline on real text, by width",
     ),
-    "memory": ("infir2.memory", "bytes one decoder layer keeps for backward, tensor by tensor, BF16 vs FP8"),
+    "memory": (
+        "infir2.tools.memory",
+        "bytes one decoder layer keeps for backward, tensor by tensor, BF16 vs FP8",
+    ),
     "plan": (
-        "infir2.plan",
+        "infir2.tools.plan",
         "per-GPU memory and all-gather bytes of a run, BF16 vs FP8, before you launch it",
     ),
 }

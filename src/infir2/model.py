@@ -6,7 +6,9 @@ Precision layout of a training model:
 * ``precision="bf16"`` runs the high-precision parts (embedding, attention core, norms, ``lm_head``,
   and the projections under the ``bf16`` recipe) in bf16 autocast on top of the fp32 masters;
   ``precision="fp32"`` runs them in fp32 (the CPU baseline: CPUs without native bf16 are 7-300x
-  slower in bf16);
+  slower in bf16); ``precision="fp64"`` keeps masters and every high-precision part in float64 and
+  the emulated FP8 GEMMs accumulate in fp64: results that do not depend on a CPU's summation order
+  (the golden-loss tests' reference), at several times the cost;
 * the seven decoder projections run in FP8 through ``infir2.convert_to_fp8`` unless the recipe is
   ``bf16``. ``Fp8Linear`` keeps ``nn.Linear``'s parameters, so state dicts and ``save_pretrained``
   see an ordinary model.
@@ -18,12 +20,15 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from .nn import convert_to_fp8, recompute_swiglu
+
+if TYPE_CHECKING:
+    from .fp8.recipe import Fp8Recipe
 
 __all__ = [
     "ARCHS",
@@ -101,15 +106,16 @@ def build_from_config(
 
 def prepare_for_training(
     model: nn.Module,
-    recipe: str = "blockwise",
+    recipe: str | Fp8Recipe = "blockwise",
     backend: str | None = None,
     activation_checkpointing: bool = False,
     recompute_mlp: bool = True,
+    master_dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
-    """fp32 masters, train mode, optional activation checkpointing, the SwiGLU recompute
+    """fp32 (or ``master_dtype``) masters, train mode, optional activation checkpointing, the SwiGLU recompute
     (``infir2.nn.recompute_swiglu``: exact, keeps two fewer ``[T, I]`` tensors), then the FP8 swap
     (none for a recipe without FP8, ``bf16``)."""
-    model.float().train()
+    model.to(master_dtype).train()
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
     if activation_checkpointing:
@@ -122,9 +128,9 @@ def prepare_for_training(
 
 
 def autocast(precision: str, device: torch.device) -> AbstractContextManager[Any]:
-    """The autocast context of the high-precision parts: bf16 autocast, or nothing for fp32."""
+    """The autocast context of the high-precision parts: bf16 autocast, or nothing for fp32 / fp64."""
     if precision == "bf16":
         return torch.autocast(device.type, dtype=torch.bfloat16)
-    if precision == "fp32":
+    if precision in ("fp32", "fp64"):
         return nullcontext()
-    raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
+    raise ValueError(f"precision must be fp32, bf16 or fp64, got {precision!r}")

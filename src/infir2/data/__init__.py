@@ -1,10 +1,9 @@
-"""Data: CPT token files (prepare, read), chat rendering, SFT batching, tokenizers, the demo data."""
+"""Data: CPT token files (prepare, read), chat rendering, SFT batching, tokenizers."""
 
 from .base import IGNORE_INDEX, MicroBatch, StepSource, count_loss_tokens
 from .chat import SYSTEM_PROMPT, assistant_spans, render_conversation, render_prompt, stop_token_ids
 from .chat_template import CHATML_SPECIAL_TOKENS, DEFAULT_CHAT_TEMPLATE
 from .cpt import prepare_cpt
-from .demo import make_demo_data, tokenizer_training_texts
 from .sft import SftSource, load_conversations
 from .tokenizer import first_difference, folder_model_type, load_tokenizer, train_bpe_tokenizer
 from .tokens import CptSource, check_tokenized_by, load_cpt_meta, load_tokens, val_batches
@@ -27,12 +26,10 @@ __all__ = [
     "load_cpt_meta",
     "load_tokenizer",
     "load_tokens",
-    "make_demo_data",
     "prepare_cpt",
     "render_conversation",
     "render_prompt",
     "stop_token_ids",
-    "tokenizer_training_texts",
     "train_bpe_tokenizer",
     "val_batches",
 ]

@@ -3,18 +3,31 @@
 Benchmark mode follows the InfiR2 protocol: system prompt "Please reason step by step, and put your
 final answer within \\boxed{}.", the assistant turn opened with "<think>\\n", sampling at temperature
 0.65 / top-p 0.95, N samples per problem, the answer taken from the last \\boxed{} after </think>.
-It writes samples.jsonl (one line per sample), problems.jsonl (per problem), summary.json and
-summary.md (avg@n, pass@k, unparseable and truncated counts) under --out.
 
   infir2 eval --model runs/qwen2.5-7b-sft-stage2/hf --task math --data aime24.jsonl --n 32 --max-new-tokens 32768
-  infir2 eval --model runs/qwen2.5-7b-sft-stage2/hf --task multiple_choice --data gpqa.jsonl --n 8 --out runs/eval/gpqa
   infir2 eval --model out/fp8 --task math --greedy            # shipped sample benchmark, FP8 export
   infir2 eval --model runs/qwen2.5-7b-cpt/hf --perplexity data/cpt    # loss on data/cpt/val.bin
 
+The protocol at scale, through a serving engine (vLLM, SGLang, `transformers serve`) that serves the
+model under the name infir2, with infir2 rendering the prompts and grading the answers:
+
+  vllm serve out/fp8 --served-model-name infir2 --max-model-len 32768
+  infir2 eval --engine server --base-url http://127.0.0.1:8000 --model infir2 --tokenizer out/fp8 \\
+      --preset aime24 --data aime24.jsonl --out runs/eval/aime24
+
+Presets (--preset): aime24 / aime25 (math, n 32, 31000 new tokens), gpqa-diamond (multiple choice,
+n 8, 26000), sampling 0.65 / 0.95; explicit flags override them.
+
+Every finished sample is appended to <out>/completions.jsonl as it arrives: rerunning the same command
+after an interruption generates only the missing samples; other settings in the same --out are refused.
+The report: samples.jsonl (one line per sample), problems.jsonl (per problem), summary.json and
+summary.md (avg@n, pass@k, unparseable and truncated counts) under --out.
+
 --model is a Hugging Face folder (BF16/FP32) or an FP8 folder written by `infir2 export` (dequantized
-on load). Math items: {"problem", "answer", "id"?}; multiple choice: {"question", "choices", "answer"
-letter, "id"?}. Without --data the small sample benchmark shipped with infir2 is used. FP8 is off during
-evaluation unless --fp8 (which converts the projections with the blockwise recipe).
+on load); with --engine server, the served model name. Math items: {"problem", "answer", "id"?};
+multiple choice: {"question", "choices", "answer" letter, "id"?}. Without --data the small sample
+benchmark shipped with infir2 is used. FP8 is off during local evaluation unless --fp8 (which converts
+the projections with the blockwise recipe).
 """
 
 from __future__ import annotations
@@ -22,48 +35,110 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from ..data.chat import SYSTEM_PROMPT, THINK_PREFIX
 from ..data.tokenizer import load_tokenizer
+from .presets import PRESETS
 from .tasks import TASKS, sample_path
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "add_arguments", "run", "sample_path"]
 
 DEFAULT_MAX_NEW_TOKENS = 32768  # the InfiR2 evaluation budget (its 32k context): reasoning is long
+#: values used when neither the flag nor a preset sets them
+DEFAULTS: dict[str, Any] = {"task": "math", "n": 1, "temperature": 0.65, "top_p": 0.95,
+                            "max_new_tokens": DEFAULT_MAX_NEW_TOKENS}  # fmt: skip
 
 log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True,
+                   help="checkpoint folder (HF BF16/FP32, or FP8 from `infir2 export`); with --engine server, "
+                        "the model name the server serves")  # fmt: skip
+    p.add_argument("--tokenizer", help="tokenizer folder that renders the prompts (default: --model)")
+    p.add_argument("--preset", choices=list(PRESETS),
+                   help="the authors' protocol for a benchmark: task, --n, --max-new-tokens, sampling "
+                        "(needs --data: your local copy of its problems)")  # fmt: skip
     p.add_argument(
-        "--model", required=True, help="checkpoint folder (HF BF16/FP32, or FP8 from `infir2 export`)"
-    )
-    p.add_argument("--tokenizer", help="tokenizer folder (default: --model)")
-    p.add_argument(
-        "--task", choices=list(TASKS), default="math", help="answer format (a task of the registry)"
+        "--task",
+        choices=list(TASKS),
+        help="answer format, a task of the registry, unless a preset sets it (default: math)",
     )
     p.add_argument("--data", help="benchmark JSONL (default: the shipped sample for --task)")
-    p.add_argument("--n", type=int, default=1, help="samples per problem (avg@n, pass@k); default 1")
+    p.add_argument(
+        "--n", type=int, help="samples per problem (avg@n, pass@k), unless a preset sets it (default: 1)"
+    )
     p.add_argument("--greedy", action="store_true", help="greedy decoding (requires --n 1)")
-    p.add_argument("--temperature", type=float, default=0.65, help="sampling temperature")
-    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling threshold")
-    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
-                   help="generation budget per sample; reasoning traces need tens of thousands, generation "
-                        "stops earlier at the end-of-turn token, and samples cut here are counted as "
-                        "truncated (with a warning)")  # fmt: skip
-    p.add_argument("--batch-size", type=int, default=8, help="sequences generated together")
+    p.add_argument(
+        "--temperature", type=float, help="sampling temperature, unless a preset sets it (default: 0.65)"
+    )
+    p.add_argument(
+        "--top-p", type=float, help="nucleus sampling threshold, unless a preset sets it (default: 0.95)"
+    )
+    p.add_argument("--max-new-tokens", type=int,
+                   help=f"generation budget per sample, unless a preset sets it (default: {DEFAULT_MAX_NEW_TOKENS}); reasoning traces need "
+                        "tens of thousands, generation stops earlier at the end-of-turn token, and samples cut "
+                        "here are counted as truncated (with a warning)")  # fmt: skip
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("--system-prompt", help="system turn of every prompt (default: the protocol's)")
+    prompt.add_argument("--no-system-prompt", action="store_true", help="prompts without a system turn")
+    think = p.add_mutually_exclusive_group()
+    think.add_argument("--think-prefix", help="text that opens the assistant turn (default: '<think>\\n')")
+    think.add_argument("--no-think-prefix", action="store_true", help="leave the assistant turn empty")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--limit", type=int, help="only the first LIMIT problems")
-    p.add_argument("--fp8", action="store_true", help="run the projections in FP8 (blockwise recipe)")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--out", default="eval_out", help="output folder (default: eval_out)")
+    p.add_argument("--out", default="eval_out",
+                   help="output folder; a rerun into the same folder resumes (default: eval_out)")  # fmt: skip
+    p.add_argument("--engine", choices=["local", "server"], default="local",
+                   help="local: transformers generate in this process; server: an OpenAI-compatible "
+                        "/v1/completions endpoint (vLLM, SGLang, transformers serve)")  # fmt: skip
+    g = p.add_argument_group("local engine")
+    g.add_argument("--batch-size", type=int, default=8, help="sequences generated together")
+    g.add_argument("--fp8", action="store_true", help="run the projections in FP8 (blockwise recipe)")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    s = p.add_argument_group("server engine")
+    s.add_argument("--base-url", help="the server, e.g. http://127.0.0.1:8000 (the /v1 is added)")
+    s.add_argument("--concurrency", type=int, default=8, help="requests in flight (the server batches them)")
+    s.add_argument("--request-timeout", type=float, default=3600.0, help="seconds one request may take")
+    s.add_argument("--retries", type=int, default=8,
+                   help="retries of a request after a connection error, timeout, 429 or 5xx (backoff 1, 2, 4 "
+                        "... s, at most 60)")  # fmt: skip
+    s.add_argument("--samples-per-request", type=int,
+                   help="samples asked for in one request (the API's n; default: all of a problem's)")  # fmt: skip
+    s.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    s.add_argument("--extra-body", default="{}",
+                   help="JSON merged into every request, for engine extensions, e.g. "
+                        "'{\"top_k\": -1}' (default: {})")  # fmt: skip
     g = p.add_argument_group("held-out loss (instead of a benchmark)")
     g.add_argument("--perplexity", metavar="TOKEN_DIR", help="folder with val.bin + meta.json")
     g.add_argument("--split", default="val", help="token file name without .bin (default: val)")
     g.add_argument("--seq-len", type=int, default=1024, help="context per window (default 1024)")
     g.add_argument("--max-windows", type=int, help="score only the first N windows")
+
+
+def _resolve(args: argparse.Namespace) -> None:
+    """Fill the protocol flags: explicit flag > preset > default."""
+    preset = PRESETS[args.preset] if args.preset else None
+    for key, default in DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, getattr(preset, key) if preset else default)
+    if preset and args.task != preset.task:
+        raise ValueError(f"--preset {args.preset} is a {preset.task} benchmark, not --task {args.task}")
+    if preset and not args.data:
+        raise ValueError(f"--preset {args.preset} needs --data: your local copy of its problems "
+                         f"(docs/EVAL_EXPORT.md says where to get it)")  # fmt: skip
+    if args.no_system_prompt:
+        args.system_prompt = None
+    elif args.system_prompt is None:
+        args.system_prompt = SYSTEM_PROMPT
+    args.think_prefix = (
+        "" if args.no_think_prefix else THINK_PREFIX if args.think_prefix is None else args.think_prefix
+    )
 
 
 def _load(args: argparse.Namespace):
@@ -78,20 +153,83 @@ def _load(args: argparse.Namespace):
     return model
 
 
+def _settings(args: argparse.Namespace, engine) -> dict[str, Any]:
+    """What the samples depend on: a resumed run must match these (``completions.CompletionLog``)."""
+    return {"engine": engine.name, "model": str(args.model), "precision": engine.precision, "task": args.task,
+            "system_prompt": args.system_prompt, "think_prefix": args.think_prefix, "greedy": args.greedy,
+            "temperature": None if args.greedy else args.temperature, "top_p": None if args.greedy else args.top_p,
+            "max_new_tokens": args.max_new_tokens, "extra_body": getattr(engine, "extra_body", {})}  # fmt: skip
+
+
+def _engine(args: argparse.Namespace):
+    from .runner import LocalEngine, ServerEngine
+
+    if args.engine == "local":
+        if args.base_url:
+            raise ValueError("--base-url is for --engine server")
+        return LocalEngine(_load(args), fp8=args.fp8, seed=args.seed)
+    from .server import ServerConfig, check_server
+
+    if not args.base_url:
+        raise ValueError("--engine server needs --base-url (e.g. http://127.0.0.1:8000)")
+    if args.fp8:
+        raise ValueError("--fp8 is for the local engine (a server runs the precision it loaded)")
+    if args.tokenizer is None and not Path(args.model).is_dir():
+        raise ValueError(f"--engine server needs --tokenizer FOLDER to render the prompts (--model {args.model!r} "
+                         f"is the served name, not a folder)")  # fmt: skip
+    try:
+        extra = json.loads(args.extra_body)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--extra-body is not JSON ({e.msg}): {args.extra_body!r}") from None
+    if not isinstance(extra, dict):
+        raise ValueError(f"--extra-body must be a JSON object, got {args.extra_body!r}")
+    cfg = ServerConfig(args.base_url, args.model, concurrency=args.concurrency, timeout_s=args.request_timeout,
+                       retries=args.retries, samples_per_request=args.samples_per_request, api_key=args.api_key,
+                       extra_body=extra)  # fmt: skip
+    check_server(cfg)
+    return ServerEngine(cfg, seed=args.seed)
+
+
 def run(args: argparse.Namespace) -> int:
-    model = _load(args)
-    out = Path(args.out)
+    from .server import ServerError
+
     if args.perplexity:
-        return _run_perplexity(model, args, out)
-    from .runner import evaluate
+        if args.engine != "local":
+            raise ValueError("--perplexity runs the model in this process: use --engine local")
+        return _run_perplexity(_load(args), args, Path(args.out))
+    _resolve(args)
+    try:
+        return _run_benchmark(args)
+    except ServerError as e:
+        print(f"infir2 eval: error: {e}", file=sys.stderr, flush=True)
+        return 1
+
+
+def _run_benchmark(args: argparse.Namespace) -> int:
+    from .completions import CompletionLog
+    from .generate import SamplingConfig
+    from .runner import run_evaluation
     from .tasks import load_problems
 
-    tokenizer = load_tokenizer(args.tokenizer or args.model)
+    out = Path(args.out)
     data = Path(args.data) if args.data else sample_path(args.task)
     problems = load_problems(data, args.task)[: args.limit]
-    result = evaluate(model, tokenizer, problems, task=args.task, n=args.n, greedy=args.greedy,
-                      temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-                      batch_size=args.batch_size, fp8=args.fp8, seed=args.seed)  # fmt: skip
+    if args.preset and args.limit is None and len(problems) != PRESETS[args.preset].problems:
+        log.warning("%s holds %d problems; the public %s set has %d", data, len(problems), args.preset,
+                    PRESETS[args.preset].problems)  # fmt: skip
+    cfg = SamplingConfig(args.greedy, args.temperature, args.top_p, args.max_new_tokens, args.batch_size)
+    engine = _engine(args)
+    tokenizer = load_tokenizer(args.tokenizer or args.model)
+    with CompletionLog(out, _settings(args, engine)) as completions:
+        if done := len(completions.done):
+            log.info("resuming %s: %d samples already in %s", out, done, completions.path)
+        try:
+            result = run_evaluation(engine, tokenizer, problems, args.task, args.n, cfg, args.system_prompt,
+                                    args.think_prefix, log=completions)  # fmt: skip
+        except Exception:
+            log.error("%d samples are saved in %s; rerun the same command to generate only the rest",
+                      len(completions.done), completions.path)  # fmt: skip
+            raise
     result.summary = {"model": str(args.model), "data": str(data), **result.summary}
     result.save(out)
     print(result.markdown(), end="")

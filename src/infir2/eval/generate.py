@@ -9,7 +9,7 @@ continuations start at the same column), sorted by length to waste little paddin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -81,8 +81,12 @@ def generate(
     cfg: SamplingConfig,
     desc: str = "generate",
     progress: bool = True,
+    on_done: Callable[[int, Completion], None] | None = None,
 ) -> list[Completion]:
-    """Complete each prompt once (repeat a prompt for several samples); results in input order."""
+    """Complete each prompt once (repeat a prompt for several samples); results in input order.
+
+    ``on_done(index, completion)`` is called for every prompt as soon as its batch is finished.
+    """
     stop_ids = _stop_ids(tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
@@ -98,7 +102,9 @@ def generate(
                 input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=gen_cfg
             )
             for row, i in enumerate(batch):
-                out[i] = _completion(seqs[row, ids.shape[1] :].tolist(), stop_ids, pad_id, tokenizer)
+                out[i] = c = _completion(seqs[row, ids.shape[1] :].tolist(), stop_ids, pad_id, tokenizer)
+                if on_done is not None:
+                    on_done(i, c)
             bar.update(len(batch))
     return [c for c in out if c is not None]
 
@@ -106,5 +112,5 @@ def generate(
 def _completion(new_ids: list[int], stop_ids: list[int], pad_id: int, tokenizer) -> Completion:
     stop_at = next((j for j, t in enumerate(new_ids) if t in stop_ids), None)
     kept = new_ids if stop_at is None else new_ids[:stop_at]
-    text = tokenizer.decode(kept, skip_special_tokens=False)
+    text = tokenizer.decode(kept, skip_special_tokens=True)  # as serving engines return it
     return Completion(text=text, n_tokens=len(kept) + (stop_at is not None), finished=stop_at is not None)

@@ -73,8 +73,10 @@ def _convert_tensors(names: Iterable[str], get: Callable[[str], torch.Tensor], f
             yield name, tensor.to(_DTYPES[fmt]) if tensor.is_floating_point() else tensor
 
 
-def _patch_config(path: Path, fmt: str, dtype_name: str) -> None:
+def _patch_config(path: Path, fmt: str, dtype_name: str, architecture: str | None = None) -> None:
     config = json.loads(path.read_text(encoding="utf-8"))
+    if architecture and not config.get("architectures"):  # a model built from a config has none
+        config["architectures"] = [architecture]  # serving engines (vLLM, transformers serve) need it
     config.pop("quantization_config", None)
     if fmt == "fp8":
         config["quantization_config"] = copy.deepcopy(QUANTIZATION_CONFIG)
@@ -85,6 +87,11 @@ def _patch_config(path: Path, fmt: str, dtype_name: str) -> None:
 
 
 # ------------------------------------------------------------------------------------ in-memory model
+
+
+def _architecture(model: torch.nn.Module) -> str | None:
+    """The transformers class name of ``model`` (FSDP2 wraps it in a subclass ``FSDP<name>``)."""
+    return next((c.__name__ for c in type(model).__mro__ if c.__module__.startswith("transformers.")), None)
 
 
 def _tied_names(model: torch.nn.Module) -> dict[str, str]:
@@ -170,8 +177,8 @@ def export_model(
     for name, tensor in tqdm(stream, desc=f"export {fmt}", unit="tensor"):
         writer.add(name, tensor)
     writer.close()
-    _inference_config(model, config, tokenizer).save_pretrained(tmp)
-    _patch_config(tmp / "config.json", fmt, _DTYPE_NAMES[cast])
+    _inference_config(config, tokenizer).save_pretrained(tmp)
+    _patch_config(tmp / "config.json", fmt, _DTYPE_NAMES[cast], _architecture(model))
     _save_generation_config(model, tokenizer, tmp)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
@@ -207,13 +214,10 @@ def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
     tmp.rmdir()
 
 
-def _inference_config(model: torch.nn.Module, config: Any, tokenizer) -> Any:
-    """``config`` as an inference engine reads it: ``architectures`` named (a model built from a config
-    has none), the KV cache on (training turns it off), and the tokenizer's own bos token (or none)."""
+def _inference_config(config: Any, tokenizer) -> Any:
+    """``config`` as an inference engine reads it: the KV cache on (training turns it off) and the
+    tokenizer's own bos token (or none); ``_patch_config`` adds ``architectures``."""
     config = copy.deepcopy(config)
-    if not getattr(config, "architectures", None):  # FSDP2 subclasses the model as FSDP<name>: skip those
-        names = [c.__name__ for c in type(model).__mro__ if not c.__name__.startswith("FSDP")]
-        config.architectures = [next((n for n in names if n.endswith("ForCausalLM")), type(model).__name__)]
     if hasattr(config, "use_cache"):
         config.use_cache = True
     if tokenizer is not None:

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .._files import default_permissions
+from ._files import default_permissions
 
 __all__ = ["INDEX_NAME", "CheckpointReader", "ShardWriter", "parse_size"]
 

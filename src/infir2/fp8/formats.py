@@ -7,12 +7,14 @@ DeepSeek-V3 recipe uses E4M3 for every tensor, gradients included; E5M2 is kept 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
-__all__ = ["BLOCK", "E8M0_BIAS", "E8M0_MAX_EXP", "EXPONENT_MASK", "FLT_MAX", "FORMATS", "MX_BLOCK", "Fp8Format",
-           "get_format"]  # fmt: skip
+__all__ = ["BLOCK", "E8M0_BIAS", "E8M0_MAX_EXP", "EXPONENT_MASK", "FLT_MAX", "FORMATS", "MX_BLOCK", "BitLayout",
+           "Fp8Format", "bit_layout", "get_format"]  # fmt: skip
 
 #: Edge of the quantization tiles of the blockwise recipe (1x128 activations, 128x128 weights).
 BLOCK = 128
@@ -57,3 +59,48 @@ def get_format(fmt: str | Fp8Format) -> Fp8Format:
         return FORMATS[fmt]
     except (KeyError, TypeError):
         raise ValueError(f"unknown FP8 format {fmt!r}; expected one of {sorted(FORMATS)}") from None
+
+
+_MANTISSA_BITS_FP32 = 23
+_EXPONENT_BIAS_FP32 = 127
+_SIGN_BIT = -(2**31)  # 0x80000000 as int32
+
+
+@dataclass(frozen=True)
+class BitLayout:
+    """The integer constants of one FP8 format's bit layout, as integer kernels use them (the CPU
+    backend ``fast_emulated`` and its C loop): derived from ``torch.finfo``."""
+
+    exponent_floor: int  # fp32 exponent bits of the smallest normal, 2 ** emin
+    magic_offset: int  # (23 - mbits) << 23: adds 23 - mbits to an fp32 exponent
+    shift: int  # 23 - mbits: where the FP8 exponent+mantissa bits sit in an fp32 pattern
+    decode_mask: int  # sign | exponent+mantissa field, after shifting the byte left by 23 - mbits
+    decode_factor: float  # 2 ** (127 - bias): turns the shifted pattern into the FP8 value
+    magnitude: int  # the 7 bits of a code below its sign bit
+    nonfinite_magnitude: int  # the smallest magnitude that is inf or NaN
+    mbits: int  # mantissa bits
+    bias: int  # exponent bias
+
+
+@cache
+def _bit_layout(dtype: torch.dtype, has_inf: bool) -> BitLayout:
+    info = torch.finfo(dtype)
+    mbits = -int(math.log2(info.eps))
+    emin = int(math.log2(info.smallest_normal))
+    shift = _MANTISSA_BITS_FP32 - mbits
+    ebits = info.bits - 1 - mbits
+    bias = 2 ** (ebits - 1) - 1
+    magnitude = 2 ** (info.bits - 1) - 1  # the 7 bits below the sign
+    # E4M3 (fn): only the all-ones magnitude is NaN; E5M2: the all-ones exponent is inf/NaN
+    nonfinite = magnitude if not has_inf else ((2**ebits - 1) << mbits)
+    return BitLayout(exponent_floor=(emin + _EXPONENT_BIAS_FP32) << _MANTISSA_BITS_FP32,
+                     magic_offset=shift << _MANTISSA_BITS_FP32, shift=shift,
+                     decode_mask=_SIGN_BIT | (magnitude << shift),
+                     decode_factor=2.0 ** (_EXPONENT_BIAS_FP32 - bias), magnitude=magnitude,
+                     nonfinite_magnitude=nonfinite, mbits=mbits, bias=bias)  # fmt: skip
+
+
+def bit_layout(fmt: str | Fp8Format) -> BitLayout:
+    """The :class:`BitLayout` of a format (computed once per format)."""
+    f = get_format(fmt)
+    return _bit_layout(f.dtype, f.has_inf)

@@ -42,8 +42,9 @@ import torch.nn.functional as F
 
 from .formats import E8M0_BIAS, E8M0_MAX_EXP, EXPONENT_MASK, FLT_MAX, Fp8Format, get_format
 
-__all__ = ["SCALE_ENCODINGS", "Block", "ScaleEncoding", "amax_to_scale", "dequantize", "expand_blocks",
-           "quantize", "resolve_block", "resolve_encoding", "saturating_cast", "to_e8m0"]  # fmt: skip
+__all__ = ["SCALE_ENCODINGS", "Block", "ScaleEncoding", "amax_to_scale", "block_amax", "dequantize", "expand_blocks",
+           "quantize", "quantize_with_amax", "resolve_block", "resolve_encoding", "saturating_cast",
+           "to_e8m0"]  # fmt: skip
 
 Block = tuple[int, int]
 ScaleEncoding = Literal["fp32", "pow2", "e8m0"]
@@ -135,27 +136,65 @@ def saturating_cast(y: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     return y.clamp(-fmt.max, fmt.max).sub_(not_finite).to(fmt.dtype)
 
 
+def block_amax(x: torch.Tensor, block: Block) -> torch.Tensor:
+    """fp32 ``max |x|`` per block of ``x [M, K]``: ``[ceil(M/bm), ceil(K/bk)]`` (0 for an empty ``x``)."""
+    blocks = expand_blocks(x.float(), block)  # [Mb, bm, Kb, bk]
+    if not blocks.numel():
+        return blocks.new_zeros(blocks.shape[0], blocks.shape[2])
+    return blocks.abs().amax(dim=(1, 3))
+
+
+def quantize_with_amax(
+    x: torch.Tensor,
+    amax: torch.Tensor,
+    block: Block,
+    fmt: str = "e4m3",
+    scale_encoding: ScaleEncoding = "pow2",
+    row_offset: int = 0,
+    n_rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x [M, K]`` with block scales from a given block ``amax``: the scale rule and the cast.
+
+    ``x`` is rows ``row_offset .. row_offset + M`` of an ``[n_rows, K]`` matrix (default: the whole
+    matrix) and ``amax [ceil(n_rows/bm), ceil(K/bk)]`` that matrix's block amax, so a shard of a
+    matrix gets exactly the codes of those rows of :func:`quantize` of the whole (FSDP2's FP8 weight
+    all-gather, ``infir2.nn.fsdp``). Returns ``(data [M, K] fp8, scale_inv)`` with the full
+    ``scale_inv`` (fp32, or E8M0 for ``scale_encoding="e8m0"``).
+    """
+    encoding = resolve_encoding(scale_encoding)
+    f = get_format(fmt)
+    m, k = x.shape
+    n_rows = m if n_rows is None else n_rows
+    bm, bk = resolve_block(block, (n_rows, k))
+    scale = amax_to_scale(amax, f, encoding)  # [Nb, Kb]
+    scale_inv = scale.reciprocal()
+    scale_inv = to_e8m0(scale_inv) if encoding == "e8m0" else scale_inv
+    if row_offset == 0 and n_rows == m:  # the whole matrix: block scales broadcast over each block
+        blocks = expand_blocks(x.float(), (bm, bk))  # [Mb, bm, Kb, bk]
+        scaled = blocks * scale[:, None, :, None]
+        data = saturating_cast(scaled, f).reshape(blocks.shape[0] * bm, -1)[:m, :k]
+        return data.contiguous(), scale_inv
+    if m == 0:
+        return torch.empty(0, k, dtype=f.dtype, device=x.device), scale_inv
+    rows = torch.arange(row_offset, row_offset + m, device=x.device)
+    row_scale = scale[torch.div(rows, bm, rounding_mode="floor")]  # [M, Kb]: each row's block scales
+    blocks = expand_blocks(x.float(), (1, bk))  # [M, 1, Kb, bk]
+    data = saturating_cast(blocks * row_scale[:, None, :, None], f).reshape(m, -1)[:, :k]
+    return data.contiguous(), scale_inv
+
+
 def quantize(
     x: torch.Tensor, block: Block, fmt: str = "e4m3", scale_encoding: ScaleEncoding | bool = "pow2"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x [M, K]`` per block; returns ``(data [M, K] fp8, scale_inv [ceil(M/bm), ceil(K/bk)])``.
 
     ``scale_inv`` is fp32, or ``float8_e8m0fnu`` for ``scale_encoding="e8m0"`` (``.float()`` reads it).
+    The block amax (:func:`block_amax`), then :func:`quantize_with_amax`.
     """
     _check_input(x)
     encoding = resolve_encoding(scale_encoding)
-    f = get_format(fmt)
-    m, k = x.shape
-    blocks = expand_blocks(x.float(), block)  # [Mb, bm, Kb, bk]
-    if blocks.numel():
-        amax = blocks.abs().amax(dim=(1, 3))
-    else:
-        amax = blocks.new_zeros(blocks.shape[0], blocks.shape[2])
-    scale = amax_to_scale(amax, f, encoding)  # [Mb, Kb]
-    scaled = blocks * scale[:, None, :, None]
-    data = saturating_cast(scaled, f).reshape(blocks.shape[0] * blocks.shape[1], -1)[:m, :k]
-    scale_inv = scale.reciprocal()
-    return data.contiguous(), to_e8m0(scale_inv) if encoding == "e8m0" else scale_inv
+    get_format(fmt)
+    return quantize_with_amax(x, block_amax(x, block), block, fmt, encoding)
 
 
 def dequantize(

@@ -86,6 +86,23 @@ class Fp8Recipe:
         """True when dgrad can reuse the fprop-quantized weight (same cast)."""
         return self.w == self.w_dgrad
 
+    @property
+    def gathers_fp8_weight(self) -> bool:
+        """True when the weight can be all-gathered as FP8 codes under FSDP2 (``fp8.param_gather``):
+        the GEMMs read it only through one quantized copy (fprop and dgrad use the same cast)."""
+        return self.enabled and self.reuses_weight
+
+    @property
+    def param_gather_default(self) -> bool:
+        """What ``fp8.param_gather: null`` means: on where the weight is gathered in blocks (128x128),
+        off for one scale per tensor (the gather would need the whole tensor's amax first) and where
+        :attr:`gathers_fp8_weight` is False."""
+        return self.gathers_fp8_weight and all(b > 0 for b in self.w.block)
+
+    def param_gather(self, setting: bool | None) -> bool:
+        """Whether FSDP2 all-gathers the weights as FP8 codes for a ``fp8.param_gather`` setting."""
+        return self.gathers_fp8_weight and (self.param_gather_default if setting is None else setting)
+
 
 def _uniform(name: str, block: Block, scale: ScaleEncoding) -> Fp8Recipe:
     cast = Cast(block, scale=scale)

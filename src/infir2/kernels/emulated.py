@@ -48,6 +48,10 @@ def supports_gemm(a: Operand, b: Operand, out_dtype: torch.dtype) -> bool:
 
 
 def gemm_nt(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
-    """``a [M, K] @ b[N, K].T -> [M, N]``: fp32 products and accumulation, cast to ``out_dtype``."""
+    """``a [M, K] @ b[N, K].T -> [M, N]``: fp32 products and accumulation, cast to ``out_dtype``.
+
+    An fp64 ``out_dtype`` accumulates in fp64 (``model.precision: fp64``, the CPU-independent
+    reference): the products are exact either way, and fp64 sums them exactly or within 1e-16."""
     assert a.shape[1] == b.shape[1], f"reduction dims differ: {tuple(a.shape)} vs {tuple(b.shape)}"
-    return (a.dequantize() @ b.dequantize().t()).to(out_dtype)  # [M,K] @ [K,N] -> [M,N], fp32
+    acc = torch.float64 if out_dtype == torch.float64 else torch.float32
+    return (a.dequantize(acc) @ b.dequantize(acc).t()).to(out_dtype)  # [M,K] @ [K,N] -> [M,N], acc

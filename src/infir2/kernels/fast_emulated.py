@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..fp8.formats import Fp8Format, get_format
+from ..fp8.formats import BitLayout, Fp8Format, bit_layout, get_format
 from ..fp8.quantize import Block, amax_to_scale, resolve_block
 from ..fp8.quantize import dequantize as reference_dequantize
 from ..fp8.quantize import quantize as reference_quantize
@@ -77,54 +77,8 @@ __all__ = [
 
 NAME = "fast_emulated"
 
-_MANTISSA_BITS_FP32 = 23
-_EXPONENT_BIAS_FP32 = 127
-_EXPONENT_FIELD = 0x7F800000  # exponent bits of an fp32 pattern
-_SIGN_BIT = -(2**31)  # 0x80000000 as int32
 
-
-@dataclass(frozen=True)
-class _Grid:
-    """The integer constants of one FP8 format's grid, derived from ``torch.finfo``."""
-
-    exponent_floor: int  # fp32 exponent bits of the smallest normal, 2 ** emin
-    magic_offset: int  # (23 - mbits) << 23: adds 23 - mbits to an fp32 exponent
-    shift: int  # 23 - mbits: where the FP8 exponent+mantissa bits sit in an fp32 pattern
-    decode_mask: int  # sign | exponent+mantissa field, after shifting the byte left by 23 - mbits
-    decode_factor: float  # 2 ** (127 - bias): turns the shifted pattern into the FP8 value
-    magnitude: int  # the 7 bits of a code below its sign bit
-    nonfinite_magnitude: int  # the smallest magnitude that is inf or NaN
-    mbits: int  # mantissa bits
-    bias: int  # exponent bias
-
-
-def _grid(f: Fp8Format) -> _Grid:
-    info = torch.finfo(f.dtype)
-    mbits = -int(math.log2(info.eps))
-    emin = int(math.log2(info.smallest_normal))
-    shift = _MANTISSA_BITS_FP32 - mbits
-    ebits = info.bits - 1 - mbits
-    bias = 2 ** (ebits - 1) - 1
-    magnitude = 2 ** (info.bits - 1) - 1  # the 7 bits below the sign
-    # E4M3 (fn): only the all-ones magnitude is NaN; E5M2: the all-ones exponent is inf/NaN
-    nonfinite = magnitude if not f.has_inf else ((2**ebits - 1) << mbits)
-    return _Grid(exponent_floor=(emin + _EXPONENT_BIAS_FP32) << _MANTISSA_BITS_FP32,
-                 magic_offset=shift << _MANTISSA_BITS_FP32, shift=shift,
-                 decode_mask=_SIGN_BIT | (magnitude << shift),
-                 decode_factor=2.0 ** (_EXPONENT_BIAS_FP32 - bias), magnitude=magnitude,
-                 nonfinite_magnitude=nonfinite, mbits=mbits, bias=bias)  # fmt: skip
-
-
-_GRIDS: dict[torch.dtype, _Grid] = {}
-
-
-def _grid_of(f: Fp8Format) -> _Grid:
-    if f.dtype not in _GRIDS:
-        _GRIDS[f.dtype] = _grid(f)
-    return _GRIDS[f.dtype]
-
-
-def _decode(codes: torch.Tensor, scale_inv: torch.Tensor, g: _Grid) -> torch.Tensor:
+def _decode(codes: torch.Tensor, scale_inv: torch.Tensor, g: BitLayout) -> torch.Tensor:
     """fp32 ``codes * scale_inv`` (``scale_inv`` broadcast to ``codes``) for finite FP8 ``codes``."""
     bits = codes.view(torch.int8).to(torch.int32).bitwise_left_shift_(g.shift).bitwise_and_(g.decode_mask)
     raw = bits.view(torch.float32)  # the FP8 value times 2 ** -(127 - bias), exact
@@ -200,7 +154,7 @@ def _native(
     if x.dtype != torch.float32:
         return None
     bm, bk = resolve_block(block, x.shape)
-    return native.quantize(x, bm, bk, f.max, pow2_scale, _grid_of(f), f.dtype, kept)
+    return native.quantize(x, bm, bk, f.max, pow2_scale, bit_layout(f), f.dtype, kept)
 
 
 def quantize_fp8(
@@ -232,7 +186,7 @@ def quantize_kept(
         data, scale_inv = reference_quantize(x, block, fmt, pow2_scale)
         return data, scale_inv, reference_dequantize(data, scale_inv, block)
     b, codes, scale_inv = quantized  # codes are finite: decode them directly
-    dequantized = b.unview(_decode(codes, b.per_block(scale_inv), _grid_of(f)))
+    dequantized = b.unview(_decode(codes, b.per_block(scale_inv), bit_layout(f)))
     return b.unview(codes).contiguous(), scale_inv, dequantized
 
 
@@ -242,7 +196,7 @@ def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, block: Block) -> tor
     if data.dim() != 2 or data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise ValueError(f"dequantize expects 2-D FP8 data, got {data.dtype} of shape {tuple(data.shape)}")
     f = get_format("e4m3" if data.dtype == torch.float8_e4m3fn else "e5m2")
-    g = _grid_of(f)
+    g = bit_layout(f)
     bm, bk = resolve_block(block, data.shape)
     blocks = (-(-data.shape[0] // bm), -(-data.shape[1] // bk))
     if scale_inv.shape != blocks:
@@ -281,6 +235,12 @@ class KeptOperand(Operand):
         if self.dequantized is not None:
             return self.dequantized.to(dtype)
         return dequantize(self.data, self.scale_inv, self.block).to(dtype)
+
+    @property
+    def keep_for_backward(self) -> bool:
+        """Kept whole when it carries its fp32 values (the weight cache holds them all step anyway):
+        backward then skips decoding the weight again."""
+        return self.dequantized is not None
 
     def stored(self) -> Operand:
         """The FP8 bytes and scales only (what to save for backward)."""
@@ -328,7 +288,9 @@ def quantize_pair(x: torch.Tensor, a: Cast, b: Cast) -> tuple[KeptOperand, KeptO
 def supports_gemm(a: Operand, b: Operand, out_dtype: torch.dtype) -> bool:
     fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
     fp32_scales = a.scale_inv.dtype == torch.float32 and b.scale_inv.dtype == torch.float32
-    return fp32_scales and a.data.dtype in fp8 and b.data.dtype in fp8 and a.data.device.type == "cpu"
+    on_cpu = a.data.device.type == "cpu"
+    fp32_gemm = out_dtype != torch.float64  # fp64 outputs accumulate in fp64: the reference (emulated)
+    return fp32_gemm and fp32_scales and a.data.dtype in fp8 and b.data.dtype in fp8 and on_cpu
 
 
 def gemm_nt(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:

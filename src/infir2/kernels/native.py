@@ -34,7 +34,7 @@ import torch
 from .._logging import log_once
 
 if TYPE_CHECKING:
-    from .fast_emulated import _Grid
+    from ..fp8.formats import BitLayout
 
 __all__ = ["available", "decode", "quantize", "why_unavailable"]
 
@@ -121,7 +121,7 @@ def _takes(x: torch.Tensor) -> bool:
 
 
 def quantize(
-    x: torch.Tensor, bm: int, bk: int, fmax: float, pow2: bool, g: _Grid, dtype: torch.dtype, kept: bool
+    x: torch.Tensor, bm: int, bk: int, fmax: float, pow2: bool, g: BitLayout, dtype: torch.dtype, kept: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """``(data [M,K] fp8, scale_inv [Mb,Kb] fp32, dequantized [M,K] fp32 or None)`` of fp32 ``x``
     with ``bm x bk`` blocks (resolved); ``None`` where the caller's eager path must run (not
@@ -158,7 +158,7 @@ def quantize(
     return data.view(dtype), scales[0], deq if kept else None
 
 
-def decode(data: torch.Tensor, scale_inv: torch.Tensor, bm: int, bk: int, g: _Grid) -> torch.Tensor | None:
+def decode(data: torch.Tensor, scale_inv: torch.Tensor, bm: int, bk: int, g: BitLayout) -> torch.Tensor | None:
     """fp32 ``data * scale_inv`` of FP8 ``data`` with ``bm x bk`` blocks; ``None`` where the caller's
     eager path must run (including NaN/inf codes)."""
     if not _takes(data) or scale_inv.dtype != torch.float32 or not available():

@@ -33,6 +33,14 @@ class Operand:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self.data, self.scale_inv, self.block, dtype)
 
+    @property
+    def keep_for_backward(self) -> bool:
+        """What backward keeps of this operand: ``False`` (here) saves only ``data`` and ``scale_inv``
+        (``save_for_backward``) and rebuilds the operand from them; ``True`` keeps this object whole.
+        A backend whose operands carry more than the FP8 bytes (a decoded copy that backward reuses)
+        overrides it."""
+        return False
+
     def nbytes(self) -> int:
         return (
             self.data.numel() * self.data.element_size()

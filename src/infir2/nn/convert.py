@@ -1,4 +1,8 @@
-"""Swap a model's projections for ``Fp8Linear`` in place, and switch FP8 off for evaluation.
+"""Swap a model's projections for ``Fp8Linear`` in place, and the other whole-model switches.
+
+FP8 on / off for evaluation (``fp8_enabled``, ``disable_fp8``), one quantized weight per step
+(``cache_fp8_weights``), and the FP8 weight all-gather under FSDP2 (``enable_fp8_param_gather``
+before ``fully_shard``, ``link_fsdp_params`` after; the tensor subclasses are ``infir2.nn.fsdp``).
 
 The recipe puts the seven projections of every decoder layer in FP8 (q, k, v, o, gate, up, down)
 and keeps the token embedding, ``lm_head``, norms, RoPE and the attention core in high precision.
@@ -9,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 
@@ -16,10 +21,11 @@ import torch
 from torch import nn
 
 from ..fp8.recipe import Fp8Recipe, get_recipe
+from .fsdp import Fp8ShardedWeight
 from .linear import Fp8Linear
 
 __all__ = ["DECODER_PROJECTIONS", "cache_fp8_weights", "convert_to_fp8", "default_module_filter",
-           "disable_fp8", "fp8_enabled", "fp8_modules"]  # fmt: skip
+           "disable_fp8", "enable_fp8_param_gather", "fp8_enabled", "fp8_modules", "link_fsdp_params"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +77,7 @@ def convert_to_fp8(
         {
             str(m.weight.dtype)
             for fqn in chosen
-            if (m := model.get_submodule(fqn)).weight.dtype != torch.float32
+            if (m := model.get_submodule(fqn)).weight.dtype not in (torch.float32, torch.float64)
         }
     )
     if low:
@@ -135,3 +141,30 @@ def cache_fp8_weights(model: nn.Module) -> Iterator[nn.Module]:
     finally:
         for m in modules:
             m.cache_weight, m._weight_cache = False, None
+
+
+def enable_fp8_param_gather(module: nn.Module) -> list[str]:
+    """Before ``fully_shard``: make the weights of ``module``'s FP8 linears all-gather as FP8 codes.
+
+    Only layers whose recipe :attr:`~infir2.fp8.recipe.Fp8Recipe.gathers_fp8_weight` are changed (their
+    weight becomes an ``infir2.nn.fsdp.Fp8ShardedWeight``); returns their names.
+    """
+    changed = []
+    for name, m in fp8_modules(module):
+        if m.fp8_enabled and m.recipe.gathers_fp8_weight:
+            if not isinstance(m.weight.data, Fp8ShardedWeight):
+                m.weight = nn.Parameter(Fp8ShardedWeight(m.weight.data), requires_grad=m.weight.requires_grad)
+            changed.append(name)
+    return changed
+
+
+def link_fsdp_params(fsdp_module: nn.Module) -> None:
+    """After ``fully_shard(fsdp_module)``: let its FP8 all-gather weights find their FSDP2 parameter.
+
+    Needed only to switch a weight between FP8 and high-precision all-gather (``disable_fp8``).
+    """
+    states = fsdp_module._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
+    for group in states:
+        for fsdp_param in group.fsdp_params:
+            if isinstance(fsdp_param._sharded_local_tensor, Fp8ShardedWeight):
+                setattr(fsdp_param._module_info.module, "_fp8_fsdp_param", weakref.ref(fsdp_param))  # noqa: B010

@@ -3,7 +3,7 @@
 FSDP2 keeps each rank's rows of every weight (the fp32 master shard, dim 0 cut evenly: rank ``r`` of
 ``W`` holds rows ``[r * P, r * P + P)`` with ``P = ceil(N / W)``) and all-gathers the whole weight
 before a layer runs. For an ``Fp8Linear`` whose GEMMs only ever read the weight quantized with
-128x128 blocks (``recipe.reuses_weight``: fprop and dgrad use the same blocks), the high-precision
+128x128 blocks (``recipe.gathers_fp8_weight``: fprop and dgrad use the same blocks), the high-precision
 weight is never needed on the other ranks, so the all-gather can carry the FP8 codes (1 byte per
 element instead of 2 for bf16, 4 for fp32). The codes must be exactly those the GEMMs see in one
 process, ``quantize(W_full, 128x128)``; the only thing a rank cannot compute alone is the block
@@ -30,14 +30,16 @@ both use it, so no high-precision copy of an FP8 weight is ever gathered. The gr
 gathered weight is an ordinary tensor of the parameter dtype, reduce-scattered as usual. A module
 whose FP8 is off (``disable_fp8``: the high-precision evaluation) gathers its weight in the parameter
 dtype as without ``param_gather``; FSDP2 sizes its all-gather buffers once, so on such a switch
-the weight drops them (``link_fsdp_params`` gives it access; a few lines on FSDP2 internals).
+the weight drops them (``infir2.nn.convert.link_fsdp_params`` gives it access; a few lines on
+FSDP2 internals). The model walks that install the wrapper (``enable_fp8_param_gather``) and link it
+live with the other model switches in ``infir2.nn.convert``.
 """
 
 from __future__ import annotations
 
 import math
-import weakref
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,34 +48,17 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from ..fp8.formats import get_format
-from ..fp8.quantize import (
-    Block,
-    ScaleEncoding,
-    amax_to_scale,
-    expand_blocks,
-    resolve_block,
-    saturating_cast,
-    to_e8m0,
-)
+from ..fp8.quantize import Block, expand_blocks, quantize_with_amax, resolve_block
 from ..fp8.recipe import Fp8Recipe
 from ..kernels import Operand
 
-__all__ = [
-    "Fp8GatheredWeight",
-    "Fp8ShardedWeight",
-    "enable_fp8_param_gather",
-    "link_fsdp_params",
-    "partial_block_amax",
-    "quantize_rows",
-    "supports_param_gather",
-]
+__all__ = ["AMAX_ALL_REDUCE_HOOKS", "Fp8GatheredWeight", "Fp8ShardedWeight", "partial_block_amax"]
 
 aten = torch.ops.aten
 
-
-def supports_param_gather(recipe: Fp8Recipe) -> bool:
-    """True when the GEMMs read the weight only through one quantized copy (fprop blocks == dgrad blocks)."""
-    return recipe.enabled and recipe.reuses_weight
+#: Instrumentation: functions called with each block-amax tensor this process all-reduces for an FP8
+#: weight all-gather (``infir2.tools.wire_bytes.AmaxBytes`` counts its bytes). Empty in training.
+AMAX_ALL_REDUCE_HOOKS: list[Callable[[torch.Tensor], None]] = []
 
 
 def _row_block_index(row_offset: int, rows: int, bm: int, device: torch.device) -> torch.Tensor:
@@ -96,33 +81,6 @@ def partial_block_amax(shard: torch.Tensor, row_offset: int, n_rows: int, block:
     row_amax = torch.where(row_amax.isnan(), math.inf, row_amax)
     index = _row_block_index(row_offset, shard.shape[0], bm, shard.device)
     return amax.scatter_reduce_(0, index[:, None].expand_as(row_amax), row_amax, "amax")
-
-
-def quantize_rows(
-    shard: torch.Tensor,
-    row_offset: int,
-    n_rows: int,
-    amax: torch.Tensor,
-    block: Block,
-    fmt: str,
-    scale_encoding: ScaleEncoding,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """This shard's FP8 codes ``[rows, K]`` and the full ``scale_inv [Nb, Kb]``, given the full block ``amax``.
-
-    Element for element the arithmetic of ``infir2.fp8.quantize.quantize`` (fp32 ``x * scale``, the
-    same saturating cast), so the codes are bit-identical to those rows of ``quantize(full)``.
-    """
-    f = get_format(fmt)
-    rows, k = shard.shape
-    scale = amax_to_scale(amax, f, scale_encoding)  # [Nb, Kb]
-    scale_inv = to_e8m0(scale.reciprocal()) if scale_encoding == "e8m0" else scale.reciprocal()
-    bm, bk = resolve_block(block, (n_rows, k))
-    if rows == 0:
-        return torch.empty(0, k, dtype=f.dtype, device=shard.device), scale_inv
-    row_scale = scale[_row_block_index(row_offset, rows, bm, shard.device)]  # [rows, Kb]
-    blocks = expand_blocks(shard.float(), (1, bk))  # [rows, 1, Kb, bk]
-    codes = saturating_cast(blocks * row_scale[:, None, :, None], f).reshape(rows, -1)[:, :k]
-    return codes.contiguous(), scale_inv
 
 
 class Fp8GatheredWeight(torch.Tensor):
@@ -173,8 +131,6 @@ class Fp8ShardedWeight(torch.Tensor):
     """
 
     _tensor: torch.Tensor
-    #: bytes of block amaxes this process has all-reduced (a statistic for the wire-bytes benchmark)
-    amax_bytes: ClassVar[int] = 0
 
     @staticmethod
     def __new__(cls, tensor: torch.Tensor) -> Fp8ShardedWeight:
@@ -238,9 +194,10 @@ class Fp8ShardedWeight(torch.Tensor):
         offset = rank * padded
         amax = partial_block_amax(shard, offset, n_rows, recipe.w.block)
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
-        Fp8ShardedWeight.amax_bytes += amax.numel() * amax.element_size()
-        codes, scale_inv = quantize_rows(
-            shard, offset, n_rows, amax, recipe.w.block, recipe.w.fmt, recipe.w.scale
+        for hook in AMAX_ALL_REDUCE_HOOKS:  # instrumentation only (empty unless a benchmark counts)
+            hook(amax)
+        codes, scale_inv = quantize_with_amax(
+            shard, amax, recipe.w.block, recipe.w.fmt, recipe.w.scale, row_offset=offset, n_rows=n_rows
         )
         codes_u8 = F.pad(codes.view(torch.uint8), (0, 0, 0, padded - shard.shape[0]))  # [P, K]
         return (codes_u8,), (scale_inv, recipe.w.block, recipe.w.fmt, n_rows)
@@ -279,36 +236,8 @@ def _switch_format(module: nn.Module, fp8: bool) -> None:
     fsdp_param = ref() if ref is not None else None
     if fsdp_param is None:
         raise RuntimeError("switching an FP8 all-gather weight between FP8 and high precision needs "
-                           "infir2.nn.fsdp.link_fsdp_params(module) after fully_shard (shard_model does it)")  # fmt: skip
+                           "infir2.nn.convert.link_fsdp_params(module) after fully_shard (shard_model does it)")  # fmt: skip
     fsdp_param.all_gather_outputs = []  # FSDP2 internals (torch 2.13): reallocated by the next all-gather
     fsdp_param._unsharded_inner_tensors = []
     if hasattr(fsdp_param, "_unsharded_param"):
         del fsdp_param._unsharded_param  # rebuilt by the next all-gather
-
-
-def link_fsdp_params(fsdp_module: nn.Module) -> None:
-    """After ``fully_shard(fsdp_module)``: let its FP8 all-gather weights find their FSDP2 parameter.
-
-    Needed only to switch a weight between FP8 and high-precision all-gather (``disable_fp8``).
-    """
-    states = fsdp_module._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
-    for group in states:
-        for fsdp_param in group.fsdp_params:
-            if isinstance(fsdp_param._sharded_local_tensor, Fp8ShardedWeight):
-                setattr(fsdp_param._module_info.module, "_fp8_fsdp_param", weakref.ref(fsdp_param))  # noqa: B010
-
-
-def enable_fp8_param_gather(module: nn.Module) -> list[str]:
-    """Before ``fully_shard``: make the weights of ``module``'s FP8 linears all-gather as FP8 codes.
-
-    Only layers whose recipe :func:`supports_param_gather` are changed; returns their names.
-    """
-    from .linear import Fp8Linear
-
-    changed = []
-    for name, m in module.named_modules():
-        if isinstance(m, Fp8Linear) and m.fp8_enabled and supports_param_gather(m.recipe):
-            if not isinstance(m.weight.data, Fp8ShardedWeight):
-                m.weight = nn.Parameter(Fp8ShardedWeight(m.weight.data), requires_grad=m.weight.requires_grad)
-            changed.append(name)
-    return changed

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import weakref
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -31,13 +31,19 @@ from torch import nn
 
 from ..fp8.recipe import Fp8Recipe, get_recipe
 from ..kernels import Kernels, Operand, bind
-from ..kernels.fast_emulated import KeptOperand
 from .fsdp import Fp8GatheredWeight
 
-if TYPE_CHECKING:
-    from .telemetry import LayerStats
+__all__ = ["Fp8Linear", "StatsRecorder"]
 
-__all__ = ["Fp8Linear"]
+
+class StatsRecorder(Protocol):
+    """What a layer reports its operands to on a stats step (``infir2.nn.telemetry.LayerStats``).
+
+    ``forward`` returns the probe that backward calls with the dgrad / wgrad operands.
+    """
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                x_ops: tuple[Operand, Operand], w_fprop: Operand, y: torch.Tensor) -> Any: ...  # fmt: skip
 
 
 def _no_autocast(device: torch.device) -> AbstractContextManager[Any]:
@@ -57,7 +63,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         kernels: Kernels,
         w_fprop: Operand,
         x_ops: tuple[Operand, Operand] | None = None,
-        stats: LayerStats | None = None,
+        stats: StatsRecorder | None = None,
     ) -> torch.Tensor:
         with _no_autocast(x.device):
             if x_ops is None:
@@ -65,15 +71,15 @@ class _Fp8LinearFunction(torch.autograd.Function):
             xq, x_wgrad = x_ops
             # Without a bias the GEMM writes the input's dtype directly (no fp32 [T,N] round trip);
             # with one, the bias is added to the fp32 result before the single rounding.
-            out_dtype = x.dtype if bias is None else torch.float32
+            out_dtype = x.dtype if bias is None else _accumulation_dtype(x.dtype)
             y = kernels.gemm_nt(xq, w_fprop, out_dtype)  # [T,K] @ [K,N] -> [T,N], fp32 accumulate
             if bias is not None:
-                y = y + bias.float()
+                y = y + bias.to(out_dtype)
             # The only activation kept for backward: X in FP8, tiled along tokens for wgrad (x_wgrad).
         w_dgrad = w_fprop if recipe.reuses_weight else None
-        # A CPU-emulation operand that carries its dequantized fp32 values (the weight cache holds it
-        # all step anyway) is kept whole for dgrad: backward then skips decoding the weight again.
-        ctx.w_kept = w_dgrad if isinstance(w_dgrad, KeptOperand) and w_dgrad.dequantized is not None else None
+        # the backend's operand says whether backward keeps it whole (a CPU emulation's decoded copy) or
+        # only its FP8 bytes and scales (Operand.keep_for_backward)
+        ctx.w_kept = w_dgrad if w_dgrad is not None and w_dgrad.keep_for_backward else None
         ctx.save_for_backward(
             x_wgrad.data, x_wgrad.scale_inv, weight,
             *((w_dgrad.data, w_dgrad.scale_inv) if w_dgrad is not None and ctx.w_kept is None else ()),
@@ -111,14 +117,19 @@ class _Fp8LinearFunction(torch.autograd.Function):
             if need_dw:
                 x_w = Operand(x_data, x_scale_inv, recipe.x_wgrad.block)  # [T,K]
                 dw = kernels.gemm_nt(
-                    dy_w.t(), x_w.t(), torch.float32
+                    dy_w.t(), x_w.t(), _accumulation_dtype(weight.dtype)
                 )  # [N,T] @ [T,K] -> [N,K], fp32 accumulate
                 dw = dw.to(weight.dtype)
                 if ctx.probe is not None:
                     ctx.probe.wgrad(dy, dy_w, dw)
             if ctx.has_bias and ctx.needs_input_grad[2]:
-                db = dy.float().sum(0).to(weight.dtype)
+                db = dy.to(_accumulation_dtype(weight.dtype)).sum(0).to(weight.dtype)
         return dx, dw, db, None, None, None, None, None
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32, or fp64 for fp64 tensors (``model.precision: fp64``, the CPU-independent reference)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 class _InputCache:
@@ -185,7 +196,7 @@ class Fp8Linear(nn.Linear):
         self.fp8_enabled = self.recipe.enabled
         self.kernels: Kernels | None = None
         self.cache_weight = False
-        self.stats: LayerStats | None = None  # set by infir2.nn.telemetry on stats steps only
+        self.stats: StatsRecorder | None = None  # set by infir2.nn.telemetry on stats steps only
         self._weight_cache: tuple[tuple[Any, ...], Operand] | None = None
 
     @classmethod

@@ -4,8 +4,8 @@ Two formats (``train.checkpoint_format``), the same ``step_<8 digits>`` folders 
 ``meta.json``:
 
 * ``full`` (default) -- ``save`` gathers model, optimizer, data positions and RNG states of every rank
-  to rank 0 and writes them with ``checkpoint.save_checkpoint`` (one ``state.pt``, documented there);
-* ``dcp`` -- every rank writes its own shards (``sharded_checkpoint.save_sharded``, documented there),
+  to rank 0 and writes them with ``checkpoint.save_checkpoint`` (one ``state.pt``, ``checkpoint/full.py``);
+* ``dcp`` -- every rank writes its own shards (``checkpoint.save_sharded``, ``checkpoint/sharded.py``),
   nobody gathers the model; with ``train.async_save`` the write runs in the background and ``save``
   returns before the disk is done. Either way ``save`` returns a ``PendingSave``: the loop waits on it
   before the next save and at the end of the run.
@@ -16,7 +16,7 @@ either format, else ``load.path``, and applies ``load.mode``:
 
 * ``resume``       -- everything; exactly (RNG states too) on the same number of processes. On another
   number (a sharded checkpoint reshards, a full one is resharded on load) model and optimizer are
-  exact and the data continues at the same global sample count (``sharded_checkpoint.data_state_for``);
+  exact and the data continues at the same global sample count (:func:`data_state_for`);
   each rank's RNG is then seeded afresh (``run.seed + rank``);
 * ``decay_only``   -- model + optimizer (the config's hyperparameters win), the step counter unless
   ``load.reset_step``, the data position unless ``load.reset_data``: a WSD decay from a stable checkpoint;
@@ -40,29 +40,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
 from .. import checkpoint as ckpt
+from ..checkpoint import PendingSave, is_sharded_folder, iter_model_tensors, save_sharded
 from ..data.base import StepSource
 from ..export import export_model
 from .config import RunConfig, config_to_dict
 from .distributed import DistEnv, broadcast_object, gather_objects
-from .sharded_checkpoint import (
-    PendingSave,
-    data_state_for,
-    is_sharded_folder,
-    iter_model_tensors,
-    load_sharded,
-    save_sharded,
-)
 
-__all__ = ["PendingSave", "TrainState", "export_final", "restore", "save"]
+__all__ = ["PendingSave", "TrainState", "data_state_for", "export_final", "restore", "save"]
 
 log = logging.getLogger(__name__)
 
@@ -137,27 +124,34 @@ def _apply_optim_config(optimizer: torch.optim.Optimizer, cfg: RunConfig) -> Non
 def _loader(env: DistEnv, model: nn.Module, optimizer: torch.optim.Optimizer, weights_only: bool) -> Any:
     """``folder -> small state``: verify a checkpoint of either format, load it into model (and optimizer).
 
-    The small state is ``{"train_state", "data": [per rank], "rng": [per rank]}``; a damaged checkpoint
-    raises ``ValueError`` before anything is loaded (``load_latest_valid`` then tries the next older one).
+    The small state is ``{"scheduler", "train_state", "data": [per rank], "rng": [per rank]}``; a damaged
+    checkpoint raises ``ValueError`` before anything is loaded (``load_latest_valid`` then tries the
+    next older one).
     """
 
     def load(folder: Path) -> dict[str, Any]:
-        if is_sharded_folder(folder):
-            return load_sharded(folder, model, None if weights_only else optimizer, env)
-        full = ckpt.load_checkpoint(folder)
-        options = StateDictOptions(full_state_dict=True)
-        if weights_only:
-            set_model_state_dict(model, full["model"], options=options)
-        else:
-            set_state_dict(model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optimizer"],
-                           options=options)  # fmt: skip
-        return {
-            "train_state": full["train_state"],
-            "data": full["data"],
-            "rng": full["train_state"].get("rng"),
-        }
+        return ckpt.load_into(folder, model, None if weights_only else optimizer, env)
 
     return load
+
+
+def data_state_for(loaded: dict[str, Any], env: DistEnv) -> Any:
+    """This rank's data-source state from a checkpoint's small state.
+
+    The sources' states (``CptSource``, ``SftSource``) are positions in the *global* sample order
+    (epoch, step in epoch, global batch size), the same on every rank. On the same world size each
+    rank gets its own state back; on another world size they are valid too when all ranks saved the
+    same state: the run continues at the same global sample count (step x global batch size), each
+    rank now reading its new share of every global batch. A source whose per-rank states differ
+    cannot be resumed on another world size (a ``ValueError`` says so).
+    """
+    states, saved_world = loaded["data"], loaded["train_state"]["world_size"]
+    if saved_world == env.world_size:
+        return states[env.rank]
+    if all(s == states[0] for s in states):
+        return states[0]
+    raise ValueError(f"the data positions were saved by {saved_world} processes and differ by rank; they "
+                     f"cannot be resumed on {env.world_size} processes")  # fmt: skip
 
 
 def restore(cfg: RunConfig, env: DistEnv, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -209,7 +203,8 @@ def export_final(
     ``checkpoint``: the run's final sharded checkpoint (``dcp`` runs), streamed tensor by tensor;
     otherwise the full state dict is gathered to rank 0.
     """
-    fmt = cfg.model.export_dtype or cfg.model.precision  # "fp32" | "bf16": export formats of the same name
+    # "fp32" | "bf16": export formats of the same name (an fp64 reference run exports fp32)
+    fmt = cfg.model.export_dtype or {"fp64": "fp32"}.get(cfg.model.precision, cfg.model.precision)
     if env.is_main:
         for stale in cfg.run_dir.glob(".tmp-hf-*"):  # a killed export's partial folder (we hold the run lock)
             shutil.rmtree(stale, ignore_errors=True)

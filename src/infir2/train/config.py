@@ -6,7 +6,7 @@ docs/RECIPE.md section 2, can be written down)::
 
     run:      name, out_dir, seed, device (auto|cpu|cuda)
     model:    path (local HF folder) | from_config ({arch: a name in infir2.model.ARCHS, hidden_size, ...}),
-              tokenizer, precision (fp32|bf16), activation_checkpointing, recompute_mlp, export_dtype
+              tokenizer, precision (fp32|bf16|fp64), activation_checkpointing, recompute_mlp, export_dtype
     fp8:      recipe (a name in infir2.fp8.RECIPES: bf16, blockwise, ...), backend, param_gather, stats_every
     data:     kind (cpt|sft), train_path, val_path, seq_len, global_batch_size, micro_batch_size,
               max_tokens_per_micro_batch, max_length, overlong (truncate|drop), epochs, shuffle, seed
@@ -38,9 +38,7 @@ from typing import Any, Literal
 import yaml
 
 from ..fp8 import RECIPES
-from ..fp8.recipe import get_recipe
 from ..model import ARCHS
-from ..nn.fsdp import supports_param_gather
 from .typed_yaml import apply_overrides, build, config_error, to_plain
 
 #: the largest finite float32: optimizer hyperparameters above it become inf inside fp32 AdamW
@@ -93,15 +91,17 @@ class ModelConfig:
         "a seeded new model instead: {arch: qwen2|llama, hidden_size: ..., num_hidden_layers: ...} "
         "(any field of the architecture's transformers config)")})  # fmt: skip
     tokenizer: str | None = _key(None, "tokenizer folder; default: model.path (required with from_config)")
-    precision: Literal["fp32", "bf16"] = _key(
-        "bf16", "autocast dtype of the high-precision parts (masters stay fp32); fp32 on CPUs"
-    )
+    precision: Literal["fp32", "bf16", "fp64"] = _key(
+        "bf16", "autocast dtype of the high-precision parts (masters stay fp32); fp32 on CPUs; fp64: masters, "
+        "high-precision parts and the emulated GEMMs' accumulation in float64 (a CPU-independent reference "
+        "for tests; slow)"
+    )  # fmt: skip
     activation_checkpointing: bool = _key(False, "recompute each decoder layer in backward (long contexts)")
     recompute_mlp: bool = _key(
         True, "SwiGLU MLPs keep gate and up outputs and recompute silu in backward (exact; saves 2 [T, I] tensors)"
     )  # fmt: skip
     export_dtype: Literal["fp32", "bf16"] | None = _key(
-        None, "dtype of the final <run>/hf export; default: precision"
+        None, "dtype of the final <run>/hf export; default: precision (fp32 for an fp64 run)"
     )
 
 
@@ -313,7 +313,7 @@ def _check(cfg: RunConfig, source: str) -> None:
         positive("train.loss_spike_nats", t.loss_spike_nats)
     for key in ("eval_batches", "keep_last", "log_every", "max_nonfinite_in_row", "loss_spike_window"):
         positive(f"train.{key}", getattr(t, key))
-    if cfg.fp8.param_gather and not supports_param_gather(get_recipe(cfg.fp8.recipe)):
+    if cfg.fp8.param_gather and not RECIPES[cfg.fp8.recipe].gathers_fp8_weight:
         raise config_error(source, "fp8.param_gather", f"recipe {cfg.fp8.recipe} has no FP8 weight that serves both "
                    "fprop and dgrad; set fp8.param_gather to false or null")  # fmt: skip
     if t.async_save and t.checkpoint_format == "full":

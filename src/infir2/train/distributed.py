@@ -20,43 +20,20 @@ What travels per step (each layer is all-gathered before its forward and again b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._dist import DistEnv, all_reduce_sum, broadcast_object, gather_objects
+
 __all__ = [
     "DistEnv",
-    "WireBytes",
     "all_reduce_sum",
     "broadcast_object",
     "gather_objects",
     "init_distributed",
-    "param_gather_enabled",
     "shard_model",
 ]
-
-
-@dataclass(frozen=True)
-class DistEnv:
-    rank: int
-    world_size: int
-    device: torch.device
-    owns_group: bool  # True when init_distributed created the process group (and must destroy it)
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-    def close(self) -> None:
-        if self.owns_group and dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _pick_device(preference: str) -> torch.device:
@@ -89,16 +66,6 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
-def param_gather_enabled(setting: bool | None, recipe: str) -> bool:
-    """``fp8.param_gather``: None (the default) means on for the blockwise recipes."""
-    from ..fp8.recipe import get_recipe
-    from ..nn.fsdp import supports_param_gather
-
-    r = get_recipe(recipe)
-    block_scaled = all(b > 0 for b in r.w.block)  # 128x128 blocks, not one scale for the tensor
-    return supports_param_gather(r) and (setting if setting is not None else block_scaled)
-
-
 def shard_model(model: nn.Module, precision: str = "fp32", fp8_param_gather: bool = False) -> nn.Module:
     """FSDP2: shard each decoder layer, then the root (embedding, final norm, lm_head).
 
@@ -107,7 +74,7 @@ def shard_model(model: nn.Module, precision: str = "fp32", fp8_param_gather: boo
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from ..nn.fsdp import enable_fp8_param_gather, link_fsdp_params
+    from ..nn.convert import enable_fp8_param_gather, link_fsdp_params
 
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"model.precision must be fp32 or bf16, got {precision!r}")
@@ -122,63 +89,3 @@ def shard_model(model: nn.Module, precision: str = "fp32", fp8_param_gather: boo
             link_fsdp_params(layer)
     fully_shard(model, mp_policy=mp)
     return model
-
-
-class WireBytes:
-    """Bytes that FSDP2's parameter all-gathers deliver to this rank (every shard, its own included).
-
-    Installed with :meth:`install` through FSDP2's ``set_custom_all_gather`` on every FSDP module of a
-    model; each all-gather still runs ``dist.all_gather_single``. ``bytes`` is what the
-    benchmark and the docs call "all-gather bytes per rank".
-    """
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self.calls = 0
-
-    @classmethod
-    def install(cls, model: nn.Module) -> WireBytes:
-        from torch.distributed.fsdp import FSDPModule
-        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
-
-        counter = cls()
-
-        class _Counting(AllGather):
-            def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-                return torch.empty(*size, dtype=dtype, device=device)
-
-            def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                         group: dist.ProcessGroup, async_op: bool = False) -> Any:  # fmt: skip
-                counter.bytes += output_tensor.numel() * output_tensor.element_size()
-                counter.calls += 1
-                return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
-
-        for m in model.modules():
-            if isinstance(m, FSDPModule):
-                m.set_custom_all_gather(_Counting())
-        return counter
-
-
-def all_reduce_sum(values: torch.Tensor, env: DistEnv) -> torch.Tensor:
-    """Sum a tensor over ranks (identity in a single process)."""
-    if env.distributed:
-        dist.all_reduce(values, op=dist.ReduceOp.SUM)
-    return values
-
-
-def gather_objects(obj: object, env: DistEnv) -> list[object] | None:
-    """Every rank's ``obj`` on rank 0 (list by rank); None on the other ranks."""
-    if not env.distributed:
-        return [obj]
-    out: list[object] | None = [None] * env.world_size if env.is_main else None
-    dist.gather_object(obj, out, dst=0)
-    return out
-
-
-def broadcast_object(obj: object, env: DistEnv) -> object:
-    """Rank 0's ``obj`` on every rank."""
-    if not env.distributed:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..data import (
@@ -28,9 +29,10 @@ from ..data import (
 )
 from ..data.base import MicroBatch, StepSource
 from ..data.tokens import check_batch_sizes
+from ..fp8 import get_recipe
 from ..model import build_from_config, check_model_folder, load_pretrained, prepare_for_training
 from .config import RunConfig
-from .distributed import DistEnv, param_gather_enabled, shard_model
+from .distributed import DistEnv, shard_model
 
 __all__ = [
     "ValSteps",
@@ -115,12 +117,14 @@ def setup_model(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer
         log.warning("model.precision=bf16 on a CPU: most CPUs have no fast bf16 (often 10-100x slower); "
                     "fp32 is the CPU baseline (--set model.precision=fp32)")  # fmt: skip
     model = model if model is not None else build_model(cfg, tokenizer)
-    model = prepare_for_training(model, cfg.fp8.recipe, cfg.fp8.backend, cfg.model.activation_checkpointing,
-                                 cfg.model.recompute_mlp)  # fmt: skip
+    recipe = get_recipe(cfg.fp8.recipe)  # the config's name, resolved once (validated by train.config)
+    master_dtype = torch.float64 if cfg.model.precision == "fp64" else torch.float32
+    model = prepare_for_training(model, recipe, cfg.fp8.backend, cfg.model.activation_checkpointing,
+                                 cfg.model.recompute_mlp, master_dtype)  # fmt: skip
     model.to(env.device)
     if not env.distributed:
         return model
-    return shard_model(model, cfg.model.precision, param_gather_enabled(cfg.fp8.param_gather, cfg.fp8.recipe))
+    return shard_model(model, cfg.model.precision, recipe.param_gather(cfg.fp8.param_gather))
 
 
 def build_sources(cfg: RunConfig, tokenizer: Any, env: DistEnv) -> tuple[StepSource, ValSteps | None]:

@@ -51,7 +51,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .chat import SYSTEM_PROMPT
+from ...data.chat import SYSTEM_PROMPT
 
 __all__ = [
     "Problem",
@@ -258,7 +258,7 @@ def _readme(
 ) -> str:
     return (
         "# infir2 demo data (generated)\n\n"
-        f"Written by `infir2.data.demo.make_demo_data(seed={seed}, n_train={n_train}, n_test={n_test}, "
+        f"Written by `infir2.tools.demo.data.make_demo_data(seed={seed}, n_train={n_train}, n_test={n_test}, "
         f"max_operand={max_operand}, num_ops={num_ops})`.\n\n"
         '- `cpt.jsonl`: continual pre-training corpus, {"text"} per line '
         f"({n_cpt} documents: arithmetic fact tables, worked examples).\n"

@@ -10,7 +10,7 @@ tested on planted runs without training anything:
 * within noise: ``|mean gap| <= seed spread``; shrinks with width: ``|mean gap|`` never grows from one
   width of the ladder to the next.
 
-The per-seed arithmetic (gap, mean +- sd, spread, the within-noise rule) is ``infir2._paired``, which
+The per-seed arithmetic (gap, mean +- sd, spread, the within-noise rule) is ``infir2.tools.paired``, which
 ``infir2 demo`` uses too.
 """
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._paired import gap_pct, mean_sd, spread_pct, within_noise
+from ..paired import gap_pct, mean_sd, spread_pct, within_noise
 
 __all__ = ["RunResult", "plot", "summarize", "table", "write_outputs"]
 

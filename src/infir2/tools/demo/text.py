@@ -52,7 +52,7 @@ def text_settings(s: DemoSettings, recipes: list[str]) -> FidelitySettings:
 def _worker(out: Path, ts: FidelitySettings, recipe: str, seed: int, threads: int) -> RunResult:
     import torch
 
-    from ..data.tokenizer import load_tokenizer
+    from ...data.tokenizer import load_tokenizer
 
     torch.set_num_threads(threads)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [text {recipe} s{seed}] %(message)s",

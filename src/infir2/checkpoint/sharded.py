@@ -7,39 +7,32 @@ A sharded checkpoint is a folder ``<run>/checkpoints/step_<8 digits>/`` holding:
     extra.pt             the small non-tensor state: scheduler, data positions and RNG states per rank,
                          train_state (step, tokens, world_size, config)
     meta.json            {"format": "dcp", "step", "world_size", "files": {name: {"bytes", "sha256"}}};
-                         written last, with the checksums of ``infir2.checkpoint`` (``sha256_file``)
+                         written last (``infir2.checkpoint.folder``: the layout of every format)
 
 The tensor keys are those of the full-state format (``model.<HF name>``, ``optimizer.state.<HF
 name>.exp_avg`` ...), so a checkpoint does not depend on the sharding: DCP reshards on load, onto any
 number of ranks including one process without a process group. Rank 0 saves ``extra.pt`` and
 ``meta.json``; the other ranks write only their own shards, and nobody gathers the model.
 
-Atomicity as in ``infir2.checkpoint``: every rank writes into ``checkpoints/.tmp-step_.../``; after
-all of them are done (a barrier), each rank fsyncs and hashes the files it wrote, rank 0 writes
-``meta.json`` with every file's size and SHA-256, fsyncs, and renames the folder to its final name
-(a kill leaves the previous checkpoints usable). ``load_sharded`` verifies every file against
-``meta.json`` (``checkpoint.verify_file``) before reading: a damaged checkpoint is a ``ValueError``,
-which ``checkpoint.load_latest_valid`` turns into "skip it, try the next older one".
+Atomicity as in ``infir2.checkpoint.folder``: every rank writes into ``checkpoints/.tmp-step_.../``;
+after all of them are done (a barrier), each rank fsyncs and hashes the files it wrote, rank 0
+writes ``meta.json`` with every file's size and SHA-256, fsyncs, and renames the folder to its final
+name (a kill leaves the previous checkpoints usable). ``load_sharded`` verifies every file against
+``meta.json`` before reading: a damaged checkpoint is a ``ValueError``, which
+``checkpoint.load_latest_valid`` turns into "skip it, try the next older one".
 ``async_save=True`` stages the state in CPU memory and writes it in a background thread (``dcp.async_save``): training goes on, and the returned
 :class:`PendingSave` finalizes the folder (``meta.json``, rename) when it is waited on: the loop does
 so at the first step after every rank's write is done (:meth:`PendingSave.ready`), before the next
 save and at the end of the run at the latest. Until then the folder is a ``.tmp-*``: a crash in that
 window falls back to the previous checkpoint (resumes stay exact, some steps are redone).
 
-Data position: the sources' states (``CptSource``, ``SftSource``) are positions in the *global*
-sample order (epoch, step in epoch, global batch size), the same on every rank. On the same world
-size each rank gets its own state back; on another world size they are valid too when all ranks
-saved the same state: the run continues at the same global sample count (step x global batch size),
-each rank now reading its new share of every global batch. A source whose per-rank states differ
-cannot be resumed on another world size (:func:`data_state_for` says so).
+``load_sharded`` returns the small state of every format: ``scheduler``, ``train_state``, and
+``data`` and ``rng`` as lists by saving rank (``train.checkpointing.data_state_for`` picks a rank's).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import shutil
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -54,13 +47,23 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.utils._pytree import tree_map_only
 
-from ..checkpoint import sha256_file, verify_file
+from .._dist import DistEnv, all_reduce_sum, broadcast_object, gather_objects
 from ..nn.fsdp import Fp8ShardedWeight
-from .distributed import DistEnv, all_reduce_sum, broadcast_object, gather_objects
+from .folder import (
+    FileRecord,
+    Meta,
+    begin,
+    finish,
+    is_complete,
+    list_checkpoints,
+    read_meta,
+    record_file,
+    verify,
+)
 
 __all__ = [
+    "FORMAT",
     "PendingSave",
-    "data_state_for",
     "is_sharded_checkpoint",
     "is_sharded_folder",
     "iter_model_tensors",
@@ -71,7 +74,6 @@ __all__ = [
 ]
 
 EXTRA_FILE = "extra.pt"
-META_FILE = "meta.json"
 FORMAT = "dcp"
 
 
@@ -98,14 +100,6 @@ def _writer(name: str, env: DistEnv) -> int:
     """The rank that wrote (and hashes) a checkpoint file: DCP names each rank's data ``__<rank>_<i>.distcp``."""
     match = re.match(r"__(\d+)_", name)
     return int(match.group(1)) if match and int(match.group(1)) < env.world_size else 0
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 _ASYNC_GROUPS: dict[int, Any] = {}
@@ -157,15 +151,9 @@ def save_sharded(
 ) -> PendingSave:
     """Write ``root/step_<step>`` (every rank calls). ``extra``: this rank's small state; rank 0's
     ``scheduler`` and ``train_state``, every rank's ``data`` and ``rng`` are kept."""
-    root = Path(root)
-    final = root / f"step_{step:08d}"
-    tmp = root / f".tmp-{final.name}"
-    if env.is_main:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
-    _barrier(env)
+    tmp, final = begin(root, step) if env.is_main else (None, None)
+    tmp, final = broadcast_object((tmp, final), env)  # type: ignore[misc]
+    assert isinstance(tmp, Path) and isinstance(final, Path)
     model_sd, optim_sd = get_state_dict(model, optimizer)  # this rank's shards (DTensors), no gather
     state = _plain({"model": model_sd, "optimizer": optim_sd})
     per_rank = gather_objects({"data": extra.get("data"), "rng": extra.get("rng")}, env)
@@ -180,27 +168,12 @@ def save_sharded(
         _barrier(env)  # every rank's shards are on disk
         # each rank fsyncs and hashes the files it wrote (__<rank>_*.distcp; rank 0 also the rest):
         # the checksums cost one read of the checkpoint in all, spread over the ranks
-        mine = [
-            p.name for p in sorted(tmp.iterdir()) if p.name != META_FILE and _writer(p.name, env) == env.rank
-        ]
-        for name in mine:
-            _fsync(tmp / name)
-        records = gather_objects({n: {"bytes": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)}
-                                  for n in mine}, env)  # fmt: skip
+        mine = [p.name for p in sorted(tmp.iterdir()) if _writer(p.name, env) == env.rank]
+        records = gather_objects({name: record_file(tmp / name) for name in mine}, env)
         if env.is_main:
             assert records is not None
-            files = dict(sorted(kv for r in records for kv in r.items()))  # type: ignore[attr-defined]
-            meta = {"format": FORMAT, "step": step, "world_size": env.world_size, "files": files}
-            (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
-            _fsync(tmp / META_FILE)
-            _fsync(tmp)
-            if final.exists():  # the same step saved again: replace it
-                shutil.rmtree(final)
-            tmp.rename(final)
-            _fsync(root)
-            if keep_last:
-                for old in list_sharded(root)[:-keep_last]:
-                    shutil.rmtree(old, ignore_errors=True)
+            files: dict[str, FileRecord] = {k: v for r in records for k, v in r.items()}  # type: ignore[attr-defined]
+            finish(tmp, final, Meta(FORMAT, step, env.world_size, files), keep_last)
         return broadcast_object(final, env)  # type: ignore[return-value]
 
     no_dist = not env.distributed
@@ -217,46 +190,25 @@ def save_sharded(
 def is_sharded_checkpoint(path: str | Path) -> bool:
     """True for a complete DCP checkpoint folder (the sizes in ``meta.json`` match the files on disk;
     the cheap check used for listing, :func:`verify_sharded` is the full one)."""
-    path = Path(path)
-    try:
-        meta = json.loads((path / META_FILE).read_text())
-        return meta.get("format") == FORMAT and all(
-            (path / name).stat().st_size == rec["bytes"] for name, rec in meta["files"].items()
-        )
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
+    return is_complete(path, FORMAT)
 
 
 def is_sharded_folder(path: str | Path) -> bool:
     """True when ``meta.json`` says the folder is a DCP checkpoint (complete or not)."""
     try:
-        return bool(json.loads((Path(path) / META_FILE).read_text()).get("format") == FORMAT)
-    except (OSError, ValueError, AttributeError):
+        return read_meta(path).format == FORMAT
+    except ValueError:
         return False
 
 
 def verify_sharded(path: str | Path) -> None:
     """Raise ValueError unless every file of the checkpoint has the size and SHA-256 of ``meta.json``."""
-    path = Path(path)
-    try:
-        meta = json.loads((path / META_FILE).read_text())
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"format {meta.get('format')!r}")
-        files = meta["files"]
-        records = [(name, rec["bytes"], rec.get("sha256")) for name, rec in files.items()]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{path} is not a complete sharded checkpoint ({META_FILE}: {e})") from e
-    for name, size, sha in records:
-        verify_file(path, name, size, sha)
+    verify(path, FORMAT)
 
 
 def list_sharded(root: str | Path) -> list[Path]:
     """Complete sharded checkpoints under ``root``, oldest first."""
-    root = Path(root)
-    found = (
-        [p for p in root.glob("step_*") if p.is_dir() and is_sharded_checkpoint(p)] if root.is_dir() else []
-    )
-    return sorted(found, key=lambda p: int(p.name[5:]))
+    return list_checkpoints(root, FORMAT)
 
 
 def load_sharded(
@@ -280,17 +232,6 @@ def load_sharded(
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     extra: dict[str, Any] = torch.load(path / EXTRA_FILE, map_location="cpu", weights_only=True)
     return extra
-
-
-def data_state_for(extra: dict[str, Any], env: DistEnv) -> Any:
-    """This rank's data-source state from a checkpoint's ``extra`` (module docstring: other world sizes)."""
-    states, saved_world = extra["data"], extra["train_state"]["world_size"]
-    if saved_world == env.world_size:
-        return states[env.rank]
-    if all(s == states[0] for s in states):
-        return states[0]
-    raise ValueError(f"the data positions were saved by {saved_world} processes and differ by rank; they "
-                     f"cannot be resumed on {env.world_size} processes")  # fmt: skip
 
 
 def iter_model_tensors(

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .fp8 import RECIPES
-from .fp8.formats import BLOCK
+from ..fp8 import RECIPES
+from ..fp8.formats import BLOCK
 
 __all__ = ["MODELS", "PUBLISHED", "ModelShape", "Plan", "add_arguments", "layer_figures", "plan", "run"]
 
@@ -186,7 +186,7 @@ def plan(shape: ModelShape, recipe: str, gpus: int = 1, seq_len: int = 8192, mic
     ``fp8.param_gather``, on for the block-scaled recipes); the gathered weight is then the GEMMs' copy,
     so no per-step weight cache is kept.
     """
-    from .chunked_loss import use_chunked_loss
+    from ..chunked_loss import use_chunked_loss
 
     tokens = seq_len * micro_batch
     per_token, weight_copy = layer_figures(shape, recipe, recompute_mlp)
@@ -212,7 +212,7 @@ def plan(shape: ModelShape, recipe: str, gpus: int = 1, seq_len: int = 8192, mic
     copied_layers = 1 if activation_checkpointing and recipe == "bf16" else shape.layers
     distributed = gpus > 1
     r = RECIPES[recipe]
-    fp8_gather = distributed and r.enabled and r.reuses_weight and all(b > 0 for b in r.w.block)
+    fp8_gather = distributed and r.param_gather_default
     fp8_gather = fp8_gather if param_gather is None else (param_gather and distributed and r.enabled)
     wire = BF16_BYTES if precision == "bf16" else FP32_BYTES
     layer_wire = float(wire * shape.layer_params)

@@ -1,4 +1,4 @@
-"""File helpers shared by every layer (they import nothing of infir2).
+"""File permissions for what export writes (the one caller: ``export.shards``).
 
 ``safetensors.torch.save_file`` (and so ``save_pretrained``) creates its files with mode ``0600``,
 while everything else we write gets the usual ``0666 & ~umask`` (``0644`` under the common umask

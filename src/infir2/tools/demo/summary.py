@@ -2,7 +2,7 @@
 
 For each FP8 recipe and each metric, the gap to the baseline run *of the same seed* (same
 initialization, same data order), then over seeds its mean +- sample sd, next to the baseline's own
-seed spread (``infir2._paired``, the arithmetic ``infir2 fidelity`` uses too):
+seed spread (``infir2.tools.paired``, the arithmetic ``infir2 fidelity`` uses too):
 
 ==================  ===========================================  ======================================
 metric              gap                                          baseline seed spread
@@ -22,7 +22,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from .._paired import gap_pct, mean_sd, spread_pct, within_noise
+from ..paired import gap_pct, mean_sd, spread_pct, within_noise
 from .results import RecipeResult
 
 __all__ = [

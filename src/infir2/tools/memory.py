@@ -39,9 +39,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .fp8 import RECIPES
-from .fp8.formats import BLOCK
-from .nn import cache_fp8_weights, convert_to_fp8, recompute_swiglu
+from ..fp8 import RECIPES
+from ..fp8.formats import BLOCK
+from ..nn import cache_fp8_weights, convert_to_fp8, recompute_swiglu
 
 __all__ = [
     "LAYER_SHAPES",

@@ -1,6 +1,6 @@
 """The demo's pipeline: data, tokenizer, then per recipe and seed CPT -> SFT -> evaluation, side by side.
 
-``run_demo(out, settings, recipes, jobs)`` generates the data (``data.demo``, seed
+``run_demo(out, settings, recipes, jobs)`` generates the data (``data.py``, seed
 ``settings.data_seed``), trains the tokenizer, packs the CPT corpus -- all shared by every run -- then
 runs ``run_recipe`` for each (recipe, seed) pair of ``recipes`` x ``settings.seeds`` (in worker
 processes when ``jobs > 1``: each with its own threads, logging instead of progress bars) into
@@ -25,11 +25,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ..data.cpt import prepare_cpt
-from ..data.demo import make_demo_data, tokenizer_training_texts
-from ..data.tokenizer import train_bpe_tokenizer
-from ..data.tokens import heldout_windows, load_tokens
-from ..train import parse_config, train
+from ...data.cpt import prepare_cpt
+from ...data.tokenizer import train_bpe_tokenizer
+from ...data.tokens import heldout_windows, load_tokens
+from ...train import parse_config, train
+from .data import make_demo_data, tokenizer_training_texts
 from .report import render
 from .results import FULL, QUICK, DemoRecord, DemoSettings, RecipeResult, machine_description
 from .text import run_text
@@ -169,7 +169,7 @@ def run_recipe(
     """CPT, then SFT, then the reasoning evaluation, for one recipe at one seed."""
     from transformers import AutoModelForCausalLM
 
-    from ..eval import evaluate, load_problems
+    from ...eval import evaluate, load_problems
 
     t0 = time.perf_counter()
     cpt_name, sft_name = _run_name(recipe, seed, "cpt"), _run_name(recipe, seed, "sft")
@@ -231,7 +231,7 @@ def _run_worker(
     """One (recipe, seed) run in a worker process: its own threads, log lines instead of progress bars."""
     import torch
 
-    from ..data.tokenizer import load_tokenizer
+    from ...data.tokenizer import load_tokenizer
 
     torch.set_num_threads(threads)
     logging.basicConfig(

@@ -3,7 +3,7 @@ on a generated reasoning task (CPT then SFT then accuracy), every figure compute
 
 `infir2 demo` (no arguments, no network) does, on 2 CPU cores:
 
-1. generates its data deterministically (``infir2.data.demo``: an arithmetic corpus for CPT, and a
+1. generates its data deterministically (``infir2.tools.demo.data``: an arithmetic corpus for CPT, and a
    multi-step arithmetic reasoning task with worked steps for SFT, plus held-out test problems);
 2. trains a byte-level BPE tokenizer on it (digits split, ChatML specials) and packs the CPT corpus
    (a share held out: the CPT held-out loss);
@@ -47,7 +47,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from ..fp8 import RECIPES
+from ...fp8 import RECIPES
 from .pipeline import FULL, QUICK, data_only, run_demo
 from .report import README_END, README_START, render, update_readme
 from .results import DemoRecord

@@ -1,6 +1,6 @@
 """Time FP8 against high precision, side by side in one process: linears, quantizers, a training step.
 
-Three sections (measured by ``infir2.bench.measure``), each printed as rows of one table at the end
+Three sections (measured by ``infir2.tools.bench.measure``), each printed as rows of one table at the end
 (and written as JSON with --json):
 
 1. quantize  - GB/s of each quantization (1x128 activations, 128x1 wgrad tiles, 128x128 weights)
@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from ..fp8 import RECIPES, get_recipe
-from ..kernels import BACKENDS, bind
+from ...fp8 import RECIPES, get_recipe
+from ...kernels import BACKENDS, bind
 from .measure import BenchConfig, StepModel, bench_linear, bench_quantize, bench_step
 
 __all__ = ["PRESETS", "SECTIONS", "add_arguments", "main_table", "run", "run_bench"]

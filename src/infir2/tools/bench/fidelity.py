@@ -48,10 +48,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..data.cpt import is_val_document, prepare_cpt
-from ..data.tokenizer import train_bpe_tokenizer
-from ..fp8 import RECIPES
-from ..train import parse_config, train
+from ...data.cpt import is_val_document, prepare_cpt
+from ...data.tokenizer import train_bpe_tokenizer
+from ...fp8 import RECIPES
+from ...train import parse_config, train
 from .fidelity_report import RunResult, summarize, table, write_outputs
 
 __all__ = [

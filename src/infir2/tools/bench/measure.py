@@ -32,12 +32,12 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from ..fp8 import get_recipe
-from ..fp8.quantize import quantize as reference_quantize
-from ..fp8.recipe import Cast
-from ..kernels import bind
-from ..model import build_from_config
-from ..nn import Fp8Linear, convert_to_fp8
+from ...fp8 import get_recipe
+from ...fp8.quantize import quantize as reference_quantize
+from ...fp8.recipe import Cast
+from ...kernels import bind
+from ...model import build_from_config
+from ...nn import Fp8Linear, convert_to_fp8
 
 __all__ = [
     "QWEN25_LAYERS",
