@@ -260,6 +260,8 @@ def train(
 def _remove_if_unstarted(run_dir: Path) -> None:
     """A run folder this call created, whose start failed (no step logged, no checkpoint): remove it."""
     metrics = run_dir / "metrics.jsonl"
+    if not run_dir.exists():  # the inputs were refused before the folder was made
+        return
     if any((run_dir / "checkpoints").glob("step_*")) or (metrics.exists() and metrics.stat().st_size):
         return
     shutil.rmtree(run_dir, ignore_errors=True)
