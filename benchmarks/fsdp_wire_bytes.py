@@ -7,7 +7,8 @@ Run on CPU (gloo) or GPUs (NCCL), 2 processes:
 For each mode it builds the same tiny Qwen2 (untied embeddings), shards it with
 ``infir2.train.distributed.shard_model``, runs ``--steps`` training steps on random tokens and
 counts, on rank 0, the bytes every FSDP2 all-gather delivers to the rank (``WireBytes``, installed
-through FSDP2's ``set_custom_all_gather``) and the block-amax all-reduce bytes of the FP8 gather.
+through FSDP2's ``set_custom_all_gather``) and the block-amax all-reduces of the FP8 gather (bytes
+and number of collectives: one per FSDP unit and all-gather, latency-bound, so the count matters).
 Modes: ``fp32`` (no mixed-precision policy), ``bf16`` (``MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)``), ``bf16+fp8`` (bf16 policy and ``fp8.param_gather``: FP8 linears' weights
 as FP8 codes). Prints bytes per step and the ratios to bf16; the FP8/bf16 ratio depends on the
@@ -40,7 +41,7 @@ def tiny_qwen2(args: argparse.Namespace) -> torch.nn.Module:
     return Qwen2ForCausalLM(cfg).float()
 
 
-def measure(mode: str, args: argparse.Namespace, env) -> tuple[float, float, int]:
+def measure(mode: str, args: argparse.Namespace, env) -> tuple[float, float, float, int]:
     precision, fp8_gather = MODES[mode]
     model = prepare_for_training(tiny_qwen2(args), "blockwise")
     n_params = sum(p.numel() for p in model.parameters())
@@ -52,7 +53,7 @@ def measure(mode: str, args: argparse.Namespace, env) -> tuple[float, float, int
         ids = torch.randint(0, args.vocab, (1, args.seq_len), generator=g)
         train_step(model, optimizer, [{"input_ids": ids, "labels": ids}], 1e-3, 1.0, precision, env)
     amax.remove()
-    return counter.bytes / args.steps, amax.bytes / args.steps, n_params
+    return counter.bytes / args.steps, amax.bytes / args.steps, amax.collectives / args.steps, n_params
 
 
 def main() -> None:
@@ -74,14 +75,12 @@ def main() -> None:
         base = rows[1][1]
         print(f"FSDP2 all-gather bytes per step and rank, world size {env.world_size}, tiny Qwen2 "
               f"(hidden {args.hidden}, intermediate {args.intermediate}, {args.layers} layers, vocab {args.vocab}, "
-              f"{rows[0][3] / 1e6:.2f}M parameters), torch {torch.__version__}")  # fmt: skip
-        print(
-            f"{'mode':<10} {'all-gather MB':>14} {'amax all-reduce KB':>19} {'bytes/param':>12} {'ratio to bf16':>14}"
-        )
-        for mode, wire, amax, n_params in rows:
-            print(
-                f"{mode:<10} {wire / 1e6:>14.3f} {amax / 1e3:>19.1f} {wire / n_params:>12.3f} {wire / base:>14.3f}"
-            )
+              f"{rows[0][4] / 1e6:.2f}M parameters), torch {torch.__version__}")  # fmt: skip
+        print(f"{'mode':<10} {'all-gather MB':>14} {'amax all-reduce KB':>19} {'amax all-reduces':>17} "
+              f"{'bytes/param':>12} {'ratio to bf16':>14}")  # fmt: skip
+        for mode, wire, amax, collectives, n_params in rows:
+            print(f"{mode:<10} {wire / 1e6:>14.3f} {amax / 1e3:>19.1f} {collectives:>17.1f} "
+                  f"{wire / n_params:>12.3f} {wire / base:>14.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 from infir2.fp8.quantize import quantize
 from infir2.model import prepare_for_training
-from infir2.nn import Fp8Linear
+from infir2.nn import Fp8Linear, convert_to_fp8
 from infir2.nn.fsdp import Fp8GatheredWeight
-from infir2.tools.wire_bytes import WireBytes
+from infir2.tools.wire_bytes import AmaxBytes, WireBytes
 from infir2.train.config import OptimConfig
 from infir2.train.distributed import init_distributed, shard_model
 from infir2.train.loop import evaluate, train_step
@@ -56,17 +56,28 @@ def train_and_eval(model: torch.nn.Module, precision: str, env, rank: int, world
     return losses
 
 
+def fp8_model():
+    """The tiny Qwen2 prepared for training with every decoder projection in FP8, the odd 201-row ones
+    too (the default filter keeps dims that are not multiples of 16 high precision; CPU backends take any)."""
+    model = prepare_for_training(tiny_qwen2(), "bf16")
+    return convert_to_fp8(model, "blockwise", module_filter_fn=lambda m, fqn: ".layers." in fqn)
+
+
 def run(mode: str, rank: int, world: int, env) -> dict:
     precision, fp8_gather = mode.split("-")[0], mode.endswith("fp8gather")
-    model = prepare_for_training(tiny_qwen2(), "blockwise")
+    model = fp8_model()
     shard_model(model, precision, fp8_gather)
     wire = WireBytes.install(model)
     losses = train_and_eval(model, precision, env, rank, world)
     wire_bytes = wire.bytes
     full = {k: v.full_tensor() for k, v in model.state_dict().items()}
     layers = list(model.model.layers)
+    amax = AmaxBytes.install()
     for layer in layers:  # all-gather every decoder layer once more, outside a forward
         layer.unshard()
+    amax.remove()
+    # one block-amax all-reduce per FSDP unit (decoder layer), not one per FP8 weight
+    assert amax.collectives == (len(layers) if fp8_gather else 0), amax.collectives
     gathered = 0
     for name, m in model.named_modules():
         if isinstance(m, Fp8Linear) and isinstance(m.weight, Fp8GatheredWeight):

@@ -88,6 +88,31 @@ def test_gathered_weight_runs_the_same_gemms():
     )
 
 
+def test_gathered_scales_are_recorded_on_the_compute_stream(monkeypatch):
+    """``scale_inv`` comes from FSDP2's copy-in stream; the gathered weight records it on the current
+    (compute) stream so its memory is not reused while forward / backward may still read it. The
+    CUDA tensor and stream are stand-ins here (the GPU run is ``tests/gpu``, under the sanitizer)."""
+    from infir2.nn.fsdp import Fp8ShardedWeight
+
+    class CudaScales:  # what post_all_gather needs of a CUDA scale_inv
+        is_cuda, device = True, torch.device("cuda", 0)
+
+        def __init__(self) -> None:
+            self.recorded: list[object] = []
+
+        def record_stream(self, stream):
+            self.recorded.append(stream)
+
+    compute_stream = object()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute_stream)
+    scales = CudaScales()
+    shard = Fp8ShardedWeight(torch.zeros(2, 128))
+    codes = torch.zeros(256, 128, dtype=torch.uint8)
+    gathered, _ = shard.fsdp_post_all_gather((codes,), (scales, (128, 128), "e4m3", 200), torch.float32)
+    assert scales.recorded == [compute_stream]
+    assert gathered.operand.scale_inv is scales and gathered.shape == (200, 128)
+
+
 def test_param_gather_setting():
     from infir2.train.config import parse_config
 
@@ -104,8 +129,7 @@ def test_param_gather_setting():
 
 @pytest.mark.slow
 def test_fp8_param_gather_two_processes(tmp_path):
-    from fsdp_param_gather_worker import tiny_qwen2, train_and_eval
-    from infir2.model import prepare_for_training
+    from fsdp_param_gather_worker import fp8_model, train_and_eval
     from infir2.train.distributed import DistEnv
 
     modes = ["fp32", "fp32-fp8gather", "bf16", "bf16-fp8gather"]
@@ -126,7 +150,7 @@ def test_fp8_param_gather_two_processes(tmp_path):
 
     # and the same run as one process, up to the order of fp32 gradient sums (see test_train_fsdp)
     torch.set_num_threads(1)
-    model = prepare_for_training(tiny_qwen2(), "blockwise")
+    model = fp8_model()
     one = train_and_eval(model, "fp32", DistEnv(0, 1, torch.device("cpu"), False), 0, 1)
     assert one[0] == pytest.approx(r["fp32"]["losses"][0], rel=1e-6)
     assert one == pytest.approx(r["fp32"]["losses"], rel=1e-4)

@@ -60,3 +60,25 @@ def test_gpu_backends_decline_cpu_with_a_reason():
     for name in ("scaled_mm", "triton"):
         assert "CUDA" in BACKENDS[name].why_unavailable(blockwise, torch.device("cpu"))
     assert "blockwise" in BACKENDS["triton"].why_unavailable(get_recipe("rowwise"), torch.device("cpu"))
+
+
+def test_blockwise_gate_checks_the_block_scaling_kinds(monkeypatch):
+    """A torch whose ``F.ScalingType`` lacks the BlockWise members is refused by name; with them, an
+    SM90 device and CUDA 12.9 pass (device queries faked: no GPU here)."""
+    import enum
+
+    import torch.nn.functional as F
+
+    gate = scaled_mm.blockwise_unavailable.__wrapped__  # the uncached function
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.version, "cuda", "12.9")
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(F, "scaled_mm", getattr(F, "scaled_mm", lambda *a, **k: None), raising=False)
+    old = enum.Enum("ScalingType", ["TensorWise", "RowWise"])
+    monkeypatch.setattr(F, "ScalingType", old, raising=False)
+    assert "BlockWise1x128" in gate(torch.device("cuda", 0))
+    new = enum.Enum("ScalingType", ["TensorWise", "RowWise", "BlockWise1x128", "BlockWise128x128"])
+    monkeypatch.setattr(F, "ScalingType", new)
+    assert gate(torch.device("cuda", 0)) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    assert "SM90" in gate(torch.device("cuda", 0))

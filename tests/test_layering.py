@@ -28,6 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "export": {"data", "fp8", "nn"},
     "eval": {"data", "export", "loss", "nn"},
     "train": {"checkpoint", "data", "export", "fp8", "loss", "model", "nn"},
+    "rl": {"checkpoint", "data", "eval", "export", "fp8", "kernels", "model", "train"},
     # tools/: each subpackage or module is a layer of its own (tools.<name>), above the library
     "tools": set(),
     "tools.paired": set(),  # paired-seed statistics shared by demo and bench (floats only)

@@ -215,3 +215,36 @@ def test_disabled_fp8_is_plain_linear():
     assert torch.equal(layer(x), base(x))
     assert layer.weight is base.weight
     assert set(layer.state_dict()) == set(base.state_dict())
+
+
+def test_dgrad_weight_is_kept_k_major_once_per_step():
+    """On CUDA inside ``cache_fp8_weights`` the dgrad operand ``Q(W).T`` is stored K-major once per step
+    (same values, reduction dimension contiguous) and backward gives the same gradients bit for bit.
+    The device is only a label of the binding here: the emulated backend runs the GEMMs on CPU."""
+    from infir2.kernels import Kernels
+    from infir2.nn.linear import _Fp8LinearFunction
+
+    torch.manual_seed(4)
+    layer = Fp8Linear(256, 384, bias=False, backend="emulated")
+    cuda_like = Kernels(layer.recipe, torch.device("cuda", 0), (BACKENDS["emulated"],))
+    x, dy = torch.randn(64, 256), torch.randn(64, 384)
+    grads = []
+    with cache_fp8_weights(layer):
+        w = layer.quantized_weight(cuda_like)
+        wt = layer.dgrad_weight(w, cuda_like)
+        assert wt is not None and wt.shape == (256, 384) and wt.data.is_contiguous()
+        assert torch.equal(wt.dequantize(), w.dequantize().t())
+        assert layer.dgrad_weight(w, cuda_like) is wt  # once per step
+        for transposed in (None, wt):
+            xi = x.clone().requires_grad_()
+            layer.weight.grad = None
+            args = (layer.weight, None, layer.recipe, cuda_like, w, None, None, transposed)
+            y = _Fp8LinearFunction.apply(xi, *args)
+            y.backward(dy)
+            grads.append((y.detach(), xi.grad, layer.weight.grad.clone()))
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+    assert layer.dgrad_weight(w, cuda_like) is None  # outside the cache: backward uses the view
+    with cache_fp8_weights(layer):
+        cpu = layer.bind_kernels("cpu")
+        assert layer.dgrad_weight(layer.quantized_weight(cpu), cpu) is None  # CPU: no copy

@@ -244,3 +244,108 @@ def test_fp8_linear_through_triton_backend(tq, tg):
         outs[name] = (y.detach(), x.grad.clone(), w.grad.clone())
     for ref, got in zip(outs["emulated"], outs["triton"], strict=True):
         assert calc_diff(got, ref) < 1e-6 and sqnr(ref, got) > 100
+
+
+def _special_positions(precast: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Where the pre-cast value is +-inf, NaN, +-max or 0: bytes the interpreter's cast cannot misround."""
+    return precast.isinf() | precast.isnan() | (precast.abs() == get_format(fmt).max) | (precast == 0)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_bytes_of_special_values(tq, fmt):
+    """The kernel's own FP8 output (the interpreter's cast, then the explicit selects) has the reference's
+    bytes for inf, NaN, saturated and zero values: E5M2 keeps +-inf as 0x7C / 0xFC (the GPU cast would
+    give +-max), E4M3 turns inf into NaN."""
+    x = _hard_input((130, 260), seed=3)
+    x[4, :3] = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    x[6, 200] = 1e38  # a huge finite value: its block's amax
+    for block in BLOCKS:
+        ref_data, _ = quantize(x, block, fmt, True)
+        data, _ = tq.quantize(x, block, fmt, True)
+        where = _special_positions(_reference_precast(x, block, fmt, True), fmt)
+        assert int(where.sum()) > 100, block  # zeros, the saturated outlier channel, the specials
+        assert _same_bits(data[where], ref_data[where]), (block, fmt)
+        if fmt == "e5m2":
+            ref_inf = ref_data.float().isinf()
+            assert ref_inf.any() and bool((data.view(torch.uint8)[ref_inf] & 0x7F == 0x7C).all())
+    pair = tq.quantize_both(x, fmt, True)
+    for (data, _), block in zip(pair, [(1, 128), (128, 1)], strict=True):
+        ref_data, _ = quantize(x, block, fmt, True)
+        where = _special_positions(_reference_precast(x, block, fmt, True), fmt)
+        assert _same_bits(data[where], ref_data[where]), ("fused", block, fmt)
+
+
+def _far_apart_rows(rows: int, cols: int, row_stride: int, dtype: torch.dtype) -> torch.Tensor:
+    """A ``[rows, cols]`` view whose last row starts ``(rows - 1) * row_stride`` elements in: offsets past
+    2**31 without 2**31 elements in memory (the storage is allocated, never touched but for these rows)."""
+    storage = torch.empty((rows - 1) * row_stride + cols, dtype=dtype)
+    view = storage.as_strided((rows, cols), (row_stride, 1))
+    g = torch.Generator().manual_seed(rows)
+    view.copy_((torch.randn(rows, cols, generator=g) * 3).to(dtype))
+    return view
+
+
+def test_offsets_past_int32_quantize(tq):
+    """Element offsets of 2**31 and more (row 2 at 2 * 2**30): int32 offsets would wrap to a negative
+    address; the kernels widen them and read the right rows."""
+    x = _far_apart_rows(3, 256, 2**30, torch.bfloat16)
+    dense = x.contiguous()
+    for block in BLOCKS:
+        data, scale_inv = tq._quantize(x, block, "e4m3", True, data_dtype=torch.float32)
+        assert torch.equal(scale_inv, quantize(dense, block)[1]), block
+        torch.testing.assert_close(data, _reference_precast(dense, block, "e4m3", True), rtol=0, atol=0)
+    row, col = tq._quantize_both(x, "e4m3", True, data_dtype=torch.float32)
+    assert torch.equal(row[1], quantize(dense, (1, 128))[1])
+    assert torch.equal(col[1], quantize(dense, (128, 1))[1])
+    torch.testing.assert_close(row[0], _reference_precast(dense, (1, 128), "e4m3", True), rtol=0, atol=0)
+
+
+def test_offsets_past_int32_gemm(tg):
+    """The GEMM reads A rows 2**31 bytes apart (a strided FP8 view) and matches the emulated GEMM."""
+    codes = _far_apart_rows(3, 256, 2**30, torch.float32).to(torch.float8_e4m3fn)
+    a_data = torch.empty(2 * 2**30 + 256, dtype=torch.float8_e4m3fn).as_strided((3, 256), (2**30, 1))
+    a_data.copy_(codes)
+    a = Operand(a_data, torch.rand(3, 2) + 0.5, (1, 128))
+    b = emulated.quantize(torch.randn(136, 256), Cast((128, 128)))
+    dense = Operand(a_data.contiguous(), a.scale_inv, (1, 128))
+    out = tg.gemm_nt(a, b, torch.float32)
+    torch.testing.assert_close(out, emulated.gemm_nt(dense, b, torch.float32), rtol=1e-5, atol=1e-4)
+
+
+def test_launches_enter_the_tensors_device(tq, tg, monkeypatch):
+    """Each launch runs inside ``launch_guard`` of its tensor, which enters that tensor's CUDA device."""
+    entered = []
+
+    class Recorder:
+        def __init__(self, device):
+            entered.append(torch.device(device))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "device", Recorder)
+    from types import SimpleNamespace
+
+    with tq.launch_guard(SimpleNamespace(device=torch.device("cuda", 1))):  # type: ignore[arg-type]
+        pass
+    assert entered == [torch.device("cuda", 1)]
+    guarded = []
+    real_guard = tq.launch_guard
+    monkeypatch.setattr(tq, "launch_guard", lambda t: guarded.append(t.device) or real_guard(t))
+    monkeypatch.setattr(tg, "launch_guard", lambda t: guarded.append(t.device) or real_guard(t))
+    x = torch.randn(128, 256)
+    tq.quantize(x, (1, 128))
+    tq.quantize_both(x)
+    ops = emulated.quantize(x, Cast((1, 128))), emulated.quantize(x, Cast((128, 128)))
+    tg.gemm_nt(*ops, torch.float32)
+    assert guarded == [torch.device("cpu")] * 3 and len(entered) == 1  # CPU tensors: no CUDA device entered
+
+
+def test_pipeline_stages_follow_shared_memory(tg):
+    assert tg.stages_for(232448) == 3  # H100 / H200: 227 KiB per block
+    assert tg.stages_for(101376) == 2  # Ada (SM89): 99 KiB, 3 stages of 32 KiB would not fit
+    assert tg.stages_for(49152) == 1
+    assert tg.num_stages(torch.device("cpu")) == 3

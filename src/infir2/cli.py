@@ -32,6 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "train": ("infir2.train.command", "train (CPT or SFT) from a YAML run config or a shipped config's name"),
     "config": ("infir2.train.config_command", "every run-config key: default and meaning; check a config"),
+    "rl": ("infir2.rl.command", "reinforcement learning (GRPO / DAPO) on verifiable math with FP8 rollouts"),
     "prepare-cpt": ("infir2.data.command", "tokenize text/JSONL/Parquet into memory-mapped token shards"),
     "eval": ("infir2.eval.command", "evaluate a checkpoint on reasoning benchmarks (JSONL) or held-out loss"),
     "export": ("infir2.export.command", "export a checkpoint as a BF16 or FP8 (128x128 blocks) HF folder"),

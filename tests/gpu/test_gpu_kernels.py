@@ -12,12 +12,24 @@ block-scaled GEMM also needs SM90 and CUDA >= 12.9). On an H100/H200::
 - the block-scaled GEMMs (cuBLAS through the ``scaled_mm`` backend, Triton) against the emulated
   backend, ``calc_diff < 1e-3``, for fprop, dgrad and wgrad;
 - an ``Fp8Linear`` forward + backward on each GPU backend against the emulated backend, every recipe;
-- no host synchronization inside an ``Fp8Linear`` step (``torch.cuda.set_sync_debug_mode("error")``).
+- no host synchronization inside an ``Fp8Linear`` step (``torch.cuda.set_sync_debug_mode("error")``);
+- the FP8 bytes of every special value (E5M2 +-inf as 0x7C / 0xFC: the GPU cast alone saturates it);
+- offsets past 2**31: a ``[131072, 18944]`` bf16 quantize and a GEMM whose output has 2.5e9
+  elements, their last blocks against the reference;
+- a layer on ``cuda:1`` while the current device is 0 (skipped with one GPU);
+- the K-major transposed weight of dgrad (``cache_fp8_weights``) gives the view's gradients;
+- a world-size-1 NCCL FSDP2 run (FP8 all-gather, fused AdamW) under ``TORCH_CUDA_SANITIZER=1``
+  (``fsdp_sanitizer_worker.py``).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -142,6 +154,139 @@ def test_fp8_linear_on_gpu_matches_emulated_and_never_syncs(recipe):
 
 def _usable(backend: str, recipe: str) -> bool:
     return BACKENDS[backend].why_unavailable(get_recipe(recipe), torch.device("cuda")) is None
+
+
+SPECIALS = [float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 1e-45, -1e-45, 3.4e38, -3.4e38, 1.0]
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_special_values_have_the_reference_bytes(fmt):
+    """Each special value alone in its block and beside ordinary values, every block shape, both scale
+    rules; the E5M2 infinities must come out as 0x7C / 0xFC, not +-57344 (0x7B / 0xFB)."""
+    from infir2.kernels import triton_quant
+
+    x = torch.randn(256, 384, generator=torch.Generator().manual_seed(5))
+    for i, v in enumerate(SPECIALS):
+        x[i, 0] = v  # beside ordinary values in its 1x128 block
+        x[128 + i, 128 + 10 * i : 138 + 10 * i] = v  # a run of it
+    x = x.cuda()
+    for block in ((1, 128), (128, 1), (128, 128)):
+        for pow2 in (True, False):
+            data, scale_inv = triton_quant.quantize(x, block, fmt, pow2)
+            ref_data, ref_scale_inv = quantize(x, block, fmt, pow2)
+            assert torch.equal(scale_inv, ref_scale_inv), (block, pow2)
+            assert _same_bits(data, ref_data), (block, pow2)
+            if fmt == "e5m2":
+                codes = data.view(torch.uint8)[x.isinf()]
+                assert set(codes.tolist()) <= {0x7C, 0xFC} and len(codes), (block, pow2)
+    for (data, _), block in zip(triton_quant.quantize_both(x, fmt), ((1, 128), (128, 1)), strict=True):
+        assert _same_bits(data, quantize(x, block, fmt)[0]), ("fused", block)
+
+
+def _bits_of_last_block(data: torch.Tensor, ref: torch.Tensor) -> bool:
+    return _same_bits(data[-128:, -128:], ref)
+
+
+@needs_triton
+def test_quantize_past_int32_offsets():
+    """``[131072, 18944]`` bf16 (2.48e9 elements, Qwen2.5-7B's MLP at 128k tokens): the last 128x128
+    corner of every output equals the reference quantization of that corner (blocks are aligned)."""
+    from infir2.kernels import triton_quant
+
+    x = torch.randn(131072, 18944, device="cuda", dtype=torch.bfloat16)
+    corner = x[-128:, -128:].clone()
+    for block in ((1, 128), (128, 1), (128, 128)):
+        data, scale_inv = triton_quant.quantize(x, block)
+        ref_data, ref_scale_inv = quantize(corner, block)
+        assert _bits_of_last_block(data, ref_data), block
+        rows, cols = ref_scale_inv.shape
+        assert torch.equal(scale_inv[-rows:, -cols:], ref_scale_inv), block
+        del data, scale_inv
+    (row, _), (col, _) = triton_quant.quantize_both(x)
+    assert _bits_of_last_block(row, quantize(corner, (1, 128))[0])
+    assert _bits_of_last_block(col, quantize(corner, (128, 1))[0])
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [pytest.param("scaled_mm", marks=needs_cublas_blockwise), pytest.param("triton", marks=needs_triton)],
+)
+def test_gemm_output_past_int32_offsets(backend):
+    """fprop ``[131072, 3584] @ [18944, 3584].T``: a 2.48e9-element output; its last tile against the
+    emulated GEMM of the last rows and columns."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(131072, 3584, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(18944, 3584, device="cuda", generator=g)
+    a, b = emulated.quantize(x, Cast((1, 128))), emulated.quantize(w, Cast((128, 128)))
+    del x
+    out = BACKENDS[backend].gemm_nt(a, b, torch.bfloat16)
+    a_tail = Operand(a.data[-128:], a.scale_inv[-128:], a.block)
+    b_tail = Operand(b.data[-128:], b.scale_inv[-1:], b.block)
+    ref = emulated.gemm_nt(a_tail, b_tail, torch.float32)
+    assert calc_diff(out[-128:, -128:].float(), ref) < 1e-3
+
+
+@pytest.mark.skipif(not SM89 or torch.cuda.device_count() < 2, reason="needs two SM89+ GPUs")
+@pytest.mark.parametrize("backend", ["triton", "scaled_mm"])
+def test_layer_on_the_second_gpu(backend):
+    """A layer on cuda:1 while the current device is cuda:0: the kernels launch on the tensors' device."""
+    from infir2.nn import Fp8Linear
+
+    if not _usable(backend, "blockwise"):
+        pytest.skip(f"{backend} cannot run blockwise here")
+    torch.cuda.set_device(0)
+    outs = {}
+    for name in ("emulated", backend):
+        torch.manual_seed(0)
+        layer = Fp8Linear(1536, 1024, bias=False, device="cuda:1", backend=name)
+        x = torch.randn(512, 1536, device="cuda:1", requires_grad=True)
+        y = layer(x)
+        y.float().sum().backward()
+        outs[name] = (y, x.grad, layer.weight.grad)
+    assert torch.cuda.current_device() == 0
+    for ref, got in zip(outs["emulated"], outs[backend], strict=True):
+        assert calc_diff(got.float(), ref.float()) < 1e-3
+
+
+@pytest.mark.skipif(not SM89, reason="needs an SM89+ GPU")
+@pytest.mark.parametrize("backend", ["scaled_mm", "triton"])
+def test_k_major_dgrad_weight_gives_the_views_gradients(backend):
+    from infir2.nn import Fp8Linear, cache_fp8_weights
+
+    if not _usable(backend, "blockwise"):
+        pytest.skip(f"{backend} cannot run blockwise here")
+    torch.manual_seed(0)
+    layer = Fp8Linear(1536, 8960, bias=False, device="cuda", dtype=torch.bfloat16, backend=backend)
+    x = torch.randn(4096, 1536, device="cuda", dtype=torch.bfloat16)
+    grads = []
+    for cached in (False, True):
+        xi = x.clone().requires_grad_()
+        if cached:
+            with cache_fp8_weights(layer):
+                layer(xi).float().sum().backward()
+                assert layer._weight_cache is not None and layer._weight_cache[2] is not None
+        else:
+            layer(xi).float().sum().backward()
+        grads.append(xi.grad)
+    assert calc_diff(grads[0].float(), grads[1].float()) < 1e-6  # same products; sums may reorder
+
+
+@pytest.mark.skipif(not CUDA or not torch.distributed.is_nccl_available(), reason="needs CUDA and NCCL")
+def test_fsdp_fp8_gather_under_the_cuda_sanitizer(tmp_path):
+    here = Path(__file__).resolve().parent
+    src = here.parents[1] / "src"
+    env = {**os.environ, "TORCH_CUDA_SANITIZER": "1", "PYTHONPATH": f"{src}{os.pathsep}{here}",
+           "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}  # fmt: skip
+    out = tmp_path / "fsdp.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+           str(here / "fsdp_sanitizer_worker.py"), str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    result = json.loads(out.read_text())
+    assert all(torch.isfinite(torch.tensor(result["losses"])))
+    assert result["adamw_max_error"] < 1e-6, result
+    assert result["fp8_weights_exact"] == result["fp8_weights"], result
 
 
 def test_the_gpu_tests_are_collected_everywhere():

@@ -31,15 +31,7 @@ from ..fp8.quantize import quantize as _reference_quantize
 from ..fp8.recipe import Cast, Fp8Recipe
 from .operand import Operand
 
-__all__ = [
-    "NAME",
-    "gemm_nt",
-    "quantize",
-    "quantize_pair",
-    "supports_gemm",
-    "supports_quantize",
-    "why_unavailable",
-]
+__all__ = ["NAME", "gemm_nt", "quantize", "supports_gemm", "why_unavailable"]
 
 NAME = "compiled"
 
@@ -70,18 +62,10 @@ def why_unavailable(recipe: Fp8Recipe, device: torch.device) -> str | None:
     return None
 
 
-def supports_quantize(x: torch.Tensor, cast: Cast) -> bool:
-    return True
-
-
 def quantize(x: torch.Tensor, cast: Cast) -> Operand:
     compiled_quantize = _compiled("quantize", _reference_quantize, x.shape, cast.block)
     data, scale_inv = compiled_quantize(x, tuple(cast.block), cast.fmt, cast.scale)
     return Operand(data, scale_inv, cast.block)
-
-
-def quantize_pair(x: torch.Tensor, a: Cast, b: Cast) -> tuple[Operand, Operand]:
-    return quantize(x, a), quantize(x, b)
 
 
 def supports_gemm(a: Operand, b: Operand, out_dtype: torch.dtype) -> bool:

@@ -2,7 +2,8 @@
 
 Every product of two E4M3 values with power-of-two scales is exact in fp32, so this backend differs
 from a hardware FP8 GEMM only by the order of fp32 accumulation. It runs on any device, any cast and
-any shape, ends every fallback chain, and every other backend is tested against it.
+any shape (the registry's defaults say so: available everywhere, every job
+taken), ends every fallback chain, and every other backend is tested against it.
 """
 
 from __future__ import annotations
@@ -10,41 +11,17 @@ from __future__ import annotations
 import torch
 
 from ..fp8.quantize import quantize as reference_quantize
-from ..fp8.recipe import Cast, Fp8Recipe
+from ..fp8.recipe import Cast
 from .operand import Operand
 
-__all__ = [
-    "NAME",
-    "gemm_nt",
-    "quantize",
-    "quantize_pair",
-    "supports_gemm",
-    "supports_quantize",
-    "why_unavailable",
-]
+__all__ = ["NAME", "gemm_nt", "quantize"]
 
 NAME = "emulated"
-
-
-def why_unavailable(recipe: Fp8Recipe, device: torch.device) -> str | None:
-    return None
-
-
-def supports_quantize(x: torch.Tensor, cast: Cast) -> bool:
-    return True
 
 
 def quantize(x: torch.Tensor, cast: Cast) -> Operand:
     data, scale_inv = reference_quantize(x, cast.block, cast.fmt, cast.scale)
     return Operand(data, scale_inv, cast.block)
-
-
-def quantize_pair(x: torch.Tensor, a: Cast, b: Cast) -> tuple[Operand, Operand]:
-    return quantize(x, a), quantize(x, b)
-
-
-def supports_gemm(a: Operand, b: Operand, out_dtype: torch.dtype) -> bool:
-    return True
 
 
 def gemm_nt(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:

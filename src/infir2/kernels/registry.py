@@ -1,12 +1,21 @@
 """The backends, their one fallback order, and the dispatcher an ``Fp8Linear`` is bound to.
 
-Every backend is a module implementing :class:`Backend` (a handful of functions: can it run here,
-which casts and operand pairs it takes, quantize, GEMM). ``emulated`` takes everything and ends
-every chain. ``bind(recipe, device, override)`` returns :class:`Kernels`: the backends usable for
-that recipe on that device, in the order of ``ORDER`` (a requested backend first). Each quantization and each GEMM goes to the
-first backend of the chain that supports it; a job that skips the first backend is logged once
-(which job, which backend took it), and a backend that raises on a job it claimed is logged as a
-warning and passed over for that kind of job from then on. There is no other fallback anywhere.
+A backend is a module with a ``NAME`` and the functions of the jobs it does: ``quantize`` (and
+``quantize_pair`` where it can fuse two tilings of one read), ``gemm_nt``, their ``supports_*``
+tests and ``why_unavailable``. :class:`Backend` adapts a module to the full interface and supplies
+what it leaves out: available everywhere, ``supports_quantize`` / ``supports_gemm`` true exactly when
+the module has the job, and ``quantize_pair`` as two ``quantize`` calls. ``emulated`` takes every
+job and ends every chain. ``bind(recipe, device, override)`` returns :class:`Kernels`: the backends
+usable for that recipe on that device, in the order of ``ORDER`` (a requested backend first).
+
+Each quantization and each GEMM goes to the first backend of the chain that supports it; a job that
+skips the first backend is logged once (which job, which backend took it). A backend that raises on
+a job it claimed (a cuBLAS or PyTorch check: ``RuntimeError`` / ``ValueError``; a Triton compile or
+resource error: ``TritonError``) is logged as a warning and passed over for that kind of job from
+then on. Three failures are never fallen back from, and are re-raised with the job and backend named:
+a CUDA fault (``torch.AcceleratorError``, or a sticky error that would resurface in an unrelated
+later call: detected by synchronizing the device after the failure), an out-of-memory error (the fallbacks need more memory,
+not less), and errors of the emulated reference itself. There is no other fallback anywhere.
 
 ``convert_to_fp8`` binds each ``Fp8Linear`` once; the layer binds again only when its input arrives
 on another device.
@@ -15,9 +24,11 @@ on another device.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from types import ModuleType
+from typing import Any, TypeVar
 
 import torch
 
@@ -29,44 +40,79 @@ from .operand import Operand
 __all__ = ["BACKENDS", "ORDER", "Backend", "Kernels", "bind"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_JOBS = ("why_unavailable", "supports_quantize", "quantize", "quantize_pair", "supports_gemm", "gemm_nt")
 
 
-class Backend(Protocol):
-    """What a backend module provides (see ``kernels/emulated.py`` for the reference one)."""
+class Backend:
+    """A backend module seen through the whole interface, with the registry's defaults for the rest.
 
-    NAME: str
+    The module's own functions become attributes of the instance (so a test can swap one); the
+    methods below are the defaults for what the module does not define.
+    """
+
+    def __init__(self, module: ModuleType | Any) -> None:
+        self.NAME: str = module.NAME
+        self._has_quantize = hasattr(module, "quantize")
+        self._has_gemm = hasattr(module, "gemm_nt")
+        for job in _JOBS:
+            if hasattr(module, job):
+                setattr(self, job, getattr(module, job))
+
+    def __repr__(self) -> str:
+        return f"Backend({self.NAME!r})"
 
     def why_unavailable(self, recipe: Fp8Recipe, device: torch.device) -> str | None:
         """None when the backend can serve ``recipe`` on ``device``, else the reason it cannot."""
-        ...
+        return None
 
-    def supports_quantize(self, x: torch.Tensor, cast: Cast) -> bool: ...
+    def supports_quantize(self, x: torch.Tensor, cast: Cast) -> bool:
+        return self._has_quantize
 
-    def quantize(self, x: torch.Tensor, cast: Cast) -> Operand: ...
+    def quantize(self, x: torch.Tensor, cast: Cast) -> Operand:
+        raise NotImplementedError(f"the {self.NAME} backend has no quantize")  # never claimed: see above
 
     def quantize_pair(self, x: torch.Tensor, a: Cast, b: Cast) -> tuple[Operand, Operand]:
-        """``(quantize(x, a), quantize(x, b))``, from one read of ``x`` where the backend can fuse it."""
-        ...
+        """``(quantize(x, a), quantize(x, b))``; a backend that fuses the two reads defines its own."""
+        return self.quantize(x, a), self.quantize(x, b)
 
-    def supports_gemm(self, a: Operand, b: Operand, out_dtype: torch.dtype) -> bool: ...
+    def supports_gemm(self, a: Operand, b: Operand, out_dtype: torch.dtype) -> bool:
+        return self._has_gemm
 
     def gemm_nt(self, a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
         """``a [M, K] @ b [N, K].T -> [M, N]``, fp32 accumulation, in ``out_dtype``."""
-        ...
+        raise NotImplementedError(f"the {self.NAME} backend has no GEMM")  # never claimed: see above
 
 
 BACKENDS: dict[str, Backend] = {
-    m.NAME: m for m in (emulated, fast_emulated, scaled_mm, triton_backend, compiled)
+    m.NAME: Backend(m) for m in (emulated, fast_emulated, scaled_mm, triton_backend, compiled)
 }
 
 #: The fallback order per device type; the first backend that takes a job runs it. ``compiled`` is in
 #: no chain: it is faster per call on a CPU but costs compile time, so it runs only when asked for.
+#: ``scaled_mm`` is not in the CPU chain: ``fast_emulated`` takes every GEMM it would (FP8 data, fp32
+#: scales) 2-3x faster than torch's CPU ``_scaled_mm``; ``backend="scaled_mm"`` still runs it.
 ORDER: dict[str, tuple[str, ...]] = {
     "cuda": ("scaled_mm", "triton", "emulated"),  # cuBLAS (FP8 / block-scaled), Triton, reference
-    # On a CPU the exact emulation (C kernel) runs tensorwise / rowwise 2-3x faster than torch's CPU
-    # _scaled_mm, which converts FP8 back element by element; scaled_mm stays in the chain.
-    "cpu": ("fast_emulated", "scaled_mm", "emulated"),
+    "cpu": ("fast_emulated", "emulated"),  # the exact emulation (C kernel where it builds), reference
 }
+
+
+def _is_triton_error(e: BaseException) -> bool:
+    errors = sys.modules.get("triton.errors")  # imported whenever Triton can have raised
+    return errors is not None and isinstance(e, errors.TritonError)
+
+
+def _device_fault(device: torch.device) -> BaseException | None:
+    """The sticky CUDA error the device is in, if any (a host sync: only called after a failure)."""
+    if device.type != "cuda":
+        return None
+    try:
+        torch.cuda.synchronize(device)  # off the hot path: only after a backend raised
+    except RuntimeError as fault:
+        return fault
+    return None
 
 
 @dataclass
@@ -84,7 +130,12 @@ class Kernels:
         return self.chain[0].NAME
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Kernels:
-        return self  # backends are modules; a copied layer shares its binding
+        return self  # backends are shared: a copied layer shares its binding
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled by backend name (modules cannot be pickled): ``torch.save(model)`` and spawned
+        worker processes get the same chain back."""
+        return _unpickle_kernels, (self.recipe, self.device, tuple(b.NAME for b in self.chain))
 
     def _first(self, takes: Callable[[Backend], bool], describe: Callable[[], str]) -> Backend:
         """The first backend of the chain that ``takes`` the job. ``describe`` names the job without
@@ -99,34 +150,54 @@ class Kernels:
             return backend
         raise AssertionError("no backend takes the job; the emulated backend ends every chain")
 
+    def _run(
+        self, takes: Callable[[Backend], bool], describe: Callable[[], str], job: Callable[[Backend], T]
+    ) -> T:
+        """``job`` on the first backend that takes it; on a backend error, on the next one (module doc)."""
+        while True:
+            backend = self._first(takes, describe)
+            if backend.NAME == emulated.NAME:  # the reference: its errors are real errors
+                return job(backend)
+            try:
+                return job(backend)
+            except Exception as e:
+                if not isinstance(e, RuntimeError | ValueError) and not _is_triton_error(e):
+                    raise  # a TypeError, an assertion...: a bug, not a case the backend declines
+                where = f"FP8 {describe()} on the {backend.NAME} backend ({self.device})"
+                fault = _device_fault(self.device)
+                if fault is not None or isinstance(e, torch.OutOfMemoryError | torch.AcceleratorError):
+                    e.add_note(f"{where} failed; not retried on another backend"
+                               + (f": the device is in a CUDA error state ({fault})" if fault else ""))  # fmt: skip
+                    raise
+                self._broken.add((backend.NAME, describe()))
+                first_line = str(e).splitlines()[0] if str(e) else ""
+                log.warning("%s failed (%s: %s); the next backend runs it from now on",
+                            where, type(e).__name__, first_line)  # fmt: skip
+
     def quantize(self, x: torch.Tensor, cast: Cast) -> Operand:
-        backend = self._first(
+        return self._run(
             lambda be: be.supports_quantize(x, cast),
             lambda: f"quantize {tuple(cast.block)} {cast.fmt}/{cast.scale}",
+            lambda be: be.quantize(x, cast),
         )
-        return backend.quantize(x, cast)
 
     def quantize_pair(self, x: torch.Tensor, a: Cast, b: Cast) -> tuple[Operand, Operand]:
-        backend = self._first(
+        return self._run(
             lambda be: be.supports_quantize(x, a) and be.supports_quantize(x, b),
             lambda: f"quantize {tuple(a.block)} + {tuple(b.block)} {a.fmt}/{a.scale}",
+            lambda be: be.quantize_pair(x, a, b),
         )
-        return backend.quantize_pair(x, a, b)
 
     def gemm_nt(self, a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
-        def describe() -> str:
-            return f"GEMM {tuple(a.block)} x {tuple(b.block)} -> {out_dtype}"
+        return self._run(
+            lambda be: be.supports_gemm(a, b, out_dtype),
+            lambda: f"GEMM {tuple(a.block)} x {tuple(b.block)} {a.data.dtype}/{b.data.dtype} -> {out_dtype}",
+            lambda be: be.gemm_nt(a, b, out_dtype),
+        )
 
-        while True:
-            backend = self._first(lambda be: be.supports_gemm(a, b, out_dtype), describe)
-            if backend.NAME == emulated.NAME:  # the reference: its errors are real errors
-                return backend.gemm_nt(a, b, out_dtype)
-            try:
-                return backend.gemm_nt(a, b, out_dtype)
-            except (RuntimeError, NotImplementedError) as e:  # e.g. a cuBLAS build that refuses the case
-                self._broken.add((backend.NAME, describe()))
-                log.warning("FP8 %s failed on %s (%s); the next backend runs it from now on",
-                            describe(), backend.NAME, str(e).splitlines()[0] if str(e) else type(e).__name__)  # fmt: skip
+
+def _unpickle_kernels(recipe: Fp8Recipe, device: torch.device, names: tuple[str, ...]) -> Kernels:
+    return Kernels(recipe, device, tuple(BACKENDS[n] for n in names))
 
 
 def _resolve_device(device: torch.device | str) -> torch.device:

@@ -1,6 +1,7 @@
 """The ``scaled_mm`` backend: PyTorch's own FP8 GEMMs (cuBLAS on CUDA, a reference kernel on CPU).
 
-It quantizes nothing (the next backend of the chain does) and takes three kinds of GEMM:
+It quantizes nothing (it has no ``quantize``: the next backend of the chain does) and takes three
+kinds of GEMM (never E5M2 x E5M2, which cuBLAS refuses):
 
 * tensorwise and rowwise fp32 scales through ``torch._scaled_mm`` (CPU; CUDA SM89+, dims % 16);
 * block-scaled 1x128 / 128x128 fp32 scales through ``torch.nn.functional.scaled_mm`` (CUDA SM90,
@@ -36,9 +37,8 @@ from ..fp8.formats import BLOCK
 from ..fp8.recipe import Cast, Fp8Recipe
 from .operand import Operand
 
-__all__ = ["NAME", "blockwise_unavailable", "gemm_nt", "gemm_nt_blockwise", "quantize", "quantize_pair",
-           "supports_blockwise", "supports_gemm", "supports_operands", "supports_quantize",
-           "why_unavailable"]  # fmt: skip
+__all__ = ["NAME", "blockwise_unavailable", "gemm_nt", "gemm_nt_blockwise", "supports_blockwise",
+           "supports_gemm", "supports_operands", "why_unavailable"]  # fmt: skip
 
 NAME = "scaled_mm"
 
@@ -57,18 +57,6 @@ def why_unavailable(recipe: Fp8Recipe, device: torch.device) -> str | None:
         if reason:
             return f"recipe {recipe.name!r} has no tensorwise or rowwise cast and {reason}"
     return None
-
-
-def supports_quantize(x: torch.Tensor, cast: Cast) -> bool:
-    return False  # the chain's next backend quantizes
-
-
-def quantize(x: torch.Tensor, cast: Cast) -> Operand:
-    raise NotImplementedError("the scaled_mm backend has GEMMs only")
-
-
-def quantize_pair(x: torch.Tensor, a: Cast, b: Cast) -> tuple[Operand, Operand]:
-    raise NotImplementedError("the scaled_mm backend has GEMMs only")
 
 
 def supports_gemm(a: Operand, b: Operand, out_dtype: torch.dtype) -> bool:
@@ -90,10 +78,15 @@ def _is_rowwise(op: Operand) -> bool:
     return tuple(op.block) == (1, -1) and op.scale_inv.shape == (op.shape[0], 1)
 
 
+def _both_e5m2(a: Operand, b: Operand) -> bool:
+    """E5M2 x E5M2: no cuBLAS FP8 GEMM takes it (one operand at least must be E4M3)."""
+    return a.data.dtype == torch.float8_e5m2 and b.data.dtype == torch.float8_e5m2
+
+
 def supports_operands(a: Operand, b: Operand) -> bool:
     both_tensor = _is_tensorwise(a) and _is_tensorwise(b)
     both_row = _is_rowwise(a) and _is_rowwise(b)
-    if not (both_tensor or both_row):
+    if not (both_tensor or both_row) or _both_e5m2(a, b):
         return False
     if a.data.is_cuda:
         k = a.shape[1]
@@ -126,8 +119,10 @@ def blockwise_unavailable(device: torch.device) -> str | None:
     """Why ``gemm_nt_blockwise`` cannot run on ``device`` (None when it can); asked once per device."""
     if device.type != "cuda":
         return "block-scaled scaled_mm needs CUDA"
-    if not hasattr(F, "ScalingType"):
-        return f"torch {torch.__version__} has no torch.nn.functional.scaled_mm block scaling"
+    if not hasattr(F, "scaled_mm") or not all(
+        hasattr(getattr(F, "ScalingType", None), kind) for kind in ("BlockWise1x128", "BlockWise128x128")
+    ):
+        return f"torch {torch.__version__} has no F.scaled_mm with BlockWise1x128 / 128x128 scales"
     if torch.version.hip is not None:
         return "block-scaled scaled_mm is not available on ROCm"
     major, _ = torch.cuda.get_device_capability(device)

@@ -12,11 +12,19 @@ GEMMs of the blockwise recipe (fprop 1x128 x 128x128, dgrad 1x128 x 128x128 tran
 a transposed view costs no copy (it is fastest when K is the contiguous dimension of both).
 Edge tiles of M, N and K are masked (partial blocks load zeros).
 
+Offsets are int64 (an ``[M, K]`` operand of 2**31 elements or more would wrap in Triton's int32),
+the launch enters the operands' device, and the software-pipelining depth follows the device's
+shared memory: one stage holds an A and a B tile, ``2 * 128 * 128`` bytes of FP8 (32 KiB), so
+Hopper (227 KiB per block) gets the 3 stages this was written for and Ada (99 KiB) gets 2
+(:func:`num_stages`).
+
 This is the portable fallback; on SM90 with CUDA >= 12.9 ``scaled_mm.gemm_nt_blockwise`` (cuBLAS) is
 preferred. Plain-torch reference with the same signature: :func:`infir2.kernels.emulated.gemm_nt`.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -24,12 +32,16 @@ import triton.language as tl
 
 from ..fp8.formats import BLOCK
 from .operand import Operand
+from .triton_quant import launch_guard
 
-__all__ = ["gemm_nt", "supports_operands"]
+__all__ = ["gemm_nt", "num_stages", "supports_operands"]
 
 _BLOCK_M = 128
 _BLOCK_N = 128
 _GROUP_M = 8  # programs that share a band of A rows (L2 reuse)
+_MAX_STAGES = 3  # the depth written for Hopper (not tuned on a GPU yet)
+_STAGE_BYTES = (_BLOCK_M + _BLOCK_N) * BLOCK  # one FP8 A tile and one B tile
+_EPILOGUE_BYTES = 16 * 1024  # scales, layout conversions and Triton's own scratch, an allowance
 
 
 @triton.jit
@@ -51,9 +63,9 @@ def _gemm_nt_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: no Pyth
     pid_m = first_m + (pid % group_size)
     pid_n = (pid % (GROUP_M * num_n)) // group_size
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: see the module doc
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
     mask_m = offs_m < M
     mask_n = offs_n < N
     a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
@@ -93,6 +105,23 @@ def supports_operands(a: Operand, b: Operand) -> bool:
     )
 
 
+def stages_for(shared_memory_bytes: int) -> int:
+    """Pipelining stages that fit ``shared_memory_bytes`` per block (at least 1, at most 3)."""
+    return max(1, min(_MAX_STAGES, (shared_memory_bytes - _EPILOGUE_BYTES) // _STAGE_BYTES))
+
+
+@functools.cache
+def num_stages(device: torch.device) -> int:
+    """:func:`stages_for` the opt-in shared memory per block of ``device`` (3 off CUDA: the interpreter)."""
+    if device.type != "cuda":
+        return _MAX_STAGES
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    smem = getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", 0)
+    if not smem:  # a torch without the field: Triton's driver knows it
+        smem = triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+    return stages_for(int(smem))
+
+
 def gemm_nt(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
     """``a [M, K] @ b [N, K].T -> [M, N]`` in ``out_dtype``, fp32 accumulation per 128-K block."""
     if not supports_operands(a, b):
@@ -107,12 +136,13 @@ def gemm_nt(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
         return c.zero_()
     grid = (triton.cdiv(m, _BLOCK_M) * triton.cdiv(n, _BLOCK_N),)
     sa, sb = a.scale_inv, b.scale_inv
-    _gemm_nt_kernel[grid](
-        a.data, b.data, sa, sb, c, m, n, k,
-        a.data.stride(0), a.data.stride(1), b.data.stride(0), b.data.stride(1),
-        sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1), c.stride(0), c.stride(1),
-        A_BM=_row_block(a), B_BN=_row_block(b),
-        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=BLOCK, GROUP_M=_GROUP_M,
-        num_warps=8, num_stages=3,
-    )  # fmt: skip
+    with launch_guard(c):
+        _gemm_nt_kernel[grid](
+            a.data, b.data, sa, sb, c, m, n, k,
+            a.data.stride(0), a.data.stride(1), b.data.stride(0), b.data.stride(1),
+            sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1), c.stride(0), c.stride(1),
+            A_BM=_row_block(a), B_BN=_row_block(b),
+            BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=BLOCK, GROUP_M=_GROUP_M,
+            num_warps=8, num_stages=num_stages(c.device),
+        )  # fmt: skip
     return c

@@ -20,10 +20,20 @@ reference's whatever the strides; ``Operand`` and ``dequantize`` accept any stri
 * ``(1, 128)``: ``scale_inv [M, K/128]`` is written "outer-dim-major" (physically ``[K/128, M]``),
   the layout ``torch.nn.functional.scaled_mm`` requires for ``BlockWise1x128`` scales.
 
+The FP8 bytes are chosen, not left to the conversion instruction, where the two could differ: on
+SM89 / SM90 Triton lowers ``fp32 -> fp8`` to ``cvt.rn.satfinite``, which turns +-inf into +-max, so
+E5M2 infinities (kept by the reference) and NaNs are selected after the cast (:func:`_fp8_codes`).
+Offsets are computed in int64 (the program index is widened before it is multiplied): Triton keeps
+``offs * stride`` in int32, which wraps for a 2-D tensor of 2**31 elements or more (a
+``[131072, 18944]`` MLP activation). Kernels launch on the input's device, not the current one.
+
 Plain-torch reference with the same signature: :func:`infir2.fp8.quantize`.
 """
 
 from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 import triton
@@ -32,7 +42,7 @@ import triton.language as tl
 from ..fp8.formats import BLOCK, EXPONENT_MASK, FLT_MAX, get_format
 from ..fp8.quantize import Block, resolve_block
 
-__all__ = ["SUPPORTED_BLOCKS", "quantize", "quantize_both", "supports_block"]
+__all__ = ["SUPPORTED_BLOCKS", "launch_guard", "quantize", "quantize_both", "supports_block"]
 
 #: The block shapes these kernels implement; others go to the reference.
 SUPPORTED_BLOCKS: tuple[Block, ...] = ((1, BLOCK), (BLOCK, 1), (BLOCK, BLOCK))
@@ -43,6 +53,16 @@ _COLS_PER_PROGRAM = 32  # (128, 1) tiles: columns per program
 
 #: sign + exponent bits of an fp32 (a global of a Triton kernel must be a constexpr)
 _EXPONENT_MASK = tl.constexpr(EXPONENT_MASK)
+
+
+#: FP8 bytes the kernels select explicitly (sign bit 0x80): E5M2 +inf, and the NaN both formats share
+_E5M2_INF = tl.constexpr(0x7C)
+_FP8_NAN = tl.constexpr(0x7F)
+
+
+def launch_guard(t: torch.Tensor) -> AbstractContextManager[Any]:
+    """Enter ``t``'s CUDA device for a launch (Triton launches on the current device, not the tensor's)."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else nullcontext()
 
 
 @triton.jit
@@ -67,16 +87,39 @@ def _saturate(y, FMAX: tl.constexpr, HAS_INF: tl.constexpr):  # type: ignore[no-
 
 
 @triton.jit
+def _fp8_codes(y, HAS_INF: tl.constexpr):  # type: ignore[no-untyped-def]  # a Triton kernel
+    """The FP8 byte of each saturated value ``y``: the conversion for finite values; +-inf (E5M2) and NaN
+    selected after it, since the GPU's ``cvt.rn.satfinite`` would turn inf into +-max."""
+    if HAS_INF:
+        codes = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
+        sign = tl.where(y < 0, 0x80, 0).to(tl.uint8)
+        codes = tl.where(tl.abs(y) == float("inf"), sign | _E5M2_INF, codes)
+    else:
+        codes = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return tl.where(y != y, _FP8_NAN, codes).to(tl.uint8)
+
+
+@triton.jit
+def _store_data(ptrs, y, mask, CODES: tl.constexpr, HAS_INF: tl.constexpr):  # type: ignore[no-untyped-def]  # a Triton kernel
+    """Store FP8 bytes (``CODES``: ``ptrs`` are uint8) or, for the tests, the fp32 values before the cast."""
+    if CODES:
+        tl.store(ptrs, _fp8_codes(y, HAS_INF), mask=mask)
+    else:
+        tl.store(ptrs, y.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _quantize_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: no Python annotations
     x_ptr, data_ptr, scale_inv_ptr,
     M, K,
     stride_xm, stride_xk, stride_dm, stride_dk, stride_sm, stride_sk,
     BM: tl.constexpr, BK: tl.constexpr, TILE_M: tl.constexpr, TILE_K: tl.constexpr,
     FMAX: tl.constexpr, FLT_MAX: tl.constexpr, POW2: tl.constexpr, HAS_INF: tl.constexpr,
+    CODES: tl.constexpr,
 ):  # fmt: skip
     """One program quantizes the tile ``x[TILE_M rows, TILE_K cols]`` made of ``(BM, BK)`` blocks."""
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(0).to(tl.int64)  # int64 offsets from here on (module doc)
+    pid_k = tl.program_id(1).to(tl.int64)
     offs_m = pid_m * TILE_M + tl.arange(0, TILE_M)
     offs_k = pid_k * TILE_K + tl.arange(0, TILE_K)
     mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
@@ -94,8 +137,7 @@ def _quantize_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: no Pyt
         nonfinite = (tl.zeros((1, 1), tl.int32) + tl.max(tl.max(bad, axis=1), axis=0)) > 0
     scale = _scale_from_amax(amax, nonfinite, FMAX, FLT_MAX, POW2)
     y = _saturate(x.to(tl.float32) * scale, FMAX, HAS_INF)
-    tl.store(data_ptr + offs_m[:, None] * stride_dm + offs_k[None, :] * stride_dk,
-             y.to(data_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+    _store_data(data_ptr + offs_m[:, None] * stride_dm + offs_k[None, :] * stride_dk, y, mask, CODES, HAS_INF)
     scale_inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
     if BM == 1:
         tl.store(scale_inv_ptr + offs_m[:, None] * stride_sm + pid_k * stride_sk, scale_inv,
@@ -105,7 +147,7 @@ def _quantize_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: no Pyt
                  mask=offs_k[None, :] < K)  # fmt: skip
     else:
         tl.store(
-            scale_inv_ptr + pid_m * stride_sm + pid_k * stride_sk + tl.zeros((1, 1), tl.int32), scale_inv
+            scale_inv_ptr + pid_m * stride_sm + pid_k * stride_sk + tl.zeros((1, 1), tl.int64), scale_inv
         )
 
 
@@ -117,11 +159,12 @@ def _quantize_both_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: n
     stride_cdm, stride_cdk, stride_csm, stride_csk,
     TILE: tl.constexpr,
     FMAX: tl.constexpr, FLT_MAX: tl.constexpr, POW2: tl.constexpr, HAS_INF: tl.constexpr,
+    CODES: tl.constexpr,
 ):  # fmt: skip
     """One read of a ``[TILE, TILE]`` tile, two quantizations: 1x``TILE`` tiles (one scale per row) and
     ``TILE``x1 tiles (one scale per column), for the fprop/dgrad and the wgrad copy of the same tensor."""
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(0).to(tl.int64)  # int64 offsets from here on (module doc)
+    pid_k = tl.program_id(1).to(tl.int64)
     offs_m = pid_m * TILE + tl.arange(0, TILE)
     offs_k = pid_k * TILE + tl.arange(0, TILE)
     mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
@@ -134,8 +177,8 @@ def _quantize_both_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: n
         tl.max(xa, axis=1)[:, None], tl.max(bad, axis=1)[:, None] > 0, FMAX, FLT_MAX, POW2
     )
     row = _saturate(x * row_scale, FMAX, HAS_INF)
-    tl.store(row_data_ptr + offs_m[:, None] * stride_rdm + offs_k[None, :] * stride_rdk,
-             row.to(row_data_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+    _store_data(row_data_ptr + offs_m[:, None] * stride_rdm + offs_k[None, :] * stride_rdk, row, mask,
+                CODES, HAS_INF)  # fmt: skip
     row_scale_inv = tl.math.div_rn(tl.full(row_scale.shape, 1.0, tl.float32), row_scale)
     tl.store(row_scale_inv_ptr + offs_m[:, None] * stride_rsm + pid_k * stride_rsk, row_scale_inv,
              mask=offs_m[:, None] < M)  # fmt: skip
@@ -144,8 +187,8 @@ def _quantize_both_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: n
         tl.max(xa, axis=0)[None, :], tl.max(bad, axis=0)[None, :] > 0, FMAX, FLT_MAX, POW2
     )
     col = _saturate(x * col_scale, FMAX, HAS_INF)
-    tl.store(col_data_ptr + offs_m[:, None] * stride_cdm + offs_k[None, :] * stride_cdk,
-             col.to(col_data_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+    _store_data(col_data_ptr + offs_m[:, None] * stride_cdm + offs_k[None, :] * stride_cdk, col, mask,
+                CODES, HAS_INF)  # fmt: skip
     col_scale_inv = tl.math.div_rn(tl.full(col_scale.shape, 1.0, tl.float32), col_scale)
     tl.store(col_scale_inv_ptr + pid_m * stride_csm + offs_k[None, :] * stride_csk, col_scale_inv,
              mask=offs_k[None, :] < K)  # fmt: skip
@@ -191,14 +234,21 @@ def _quantize(
     tile_m = _ROWS_PER_PROGRAM if bm == 1 else bm
     tile_k = _COLS_PER_PROGRAM if bk == 1 else bk
     grid = (triton.cdiv(m, tile_m), triton.cdiv(k, tile_k))
-    _quantize_kernel[grid](
-        x, data, scale_inv, m, k,
-        x.stride(0), x.stride(1), data.stride(0), data.stride(1), scale_inv.stride(0), scale_inv.stride(1),
-        BM=bm, BK=bk, TILE_M=tile_m, TILE_K=tile_k,
-        FMAX=f.max, FLT_MAX=FLT_MAX, POW2=pow2_scale, HAS_INF=f.has_inf,
-        num_warps=8 if tile_m * tile_k >= 128 * 128 else 4,  # a 128x128 fp32 tile: 64 values per thread
-    )  # fmt: skip
+    codes = data_dtype is None  # FP8 output: written as bytes (the module doc)
+    with launch_guard(x):
+        _quantize_kernel[grid](
+            x, _bytes(data) if codes else data, scale_inv, m, k,
+            x.stride(0), x.stride(1), data.stride(0), data.stride(1), scale_inv.stride(0), scale_inv.stride(1),
+            BM=bm, BK=bk, TILE_M=tile_m, TILE_K=tile_k,
+            FMAX=f.max, FLT_MAX=FLT_MAX, POW2=pow2_scale, HAS_INF=f.has_inf, CODES=codes,
+            num_warps=8 if tile_m * tile_k >= 128 * 128 else 4,  # a 128x128 fp32 tile: 64 values per thread
+        )  # fmt: skip
     return data, scale_inv
+
+
+def _bytes(data: torch.Tensor) -> torch.Tensor:
+    """An FP8 tensor viewed as its bytes (same shape and strides)."""
+    return data.view(torch.uint8)
 
 
 def quantize_both(
@@ -224,12 +274,15 @@ def _quantize_both(
     col_scale_inv = torch.empty((mb, k), dtype=torch.float32, device=x.device)
     if x.numel() == 0:
         return (row_data, row_scale_inv.fill_(1.0)), (col_data, col_scale_inv.fill_(1.0))
-    _quantize_both_kernel[(mb, kb)](
-        x, row_data, row_scale_inv, col_data, col_scale_inv, m, k,
-        x.stride(0), x.stride(1), row_data.stride(0), row_data.stride(1),
-        row_scale_inv.stride(0), row_scale_inv.stride(1), col_data.stride(0), col_data.stride(1),
-        col_scale_inv.stride(0), col_scale_inv.stride(1),
-        TILE=BLOCK, FMAX=f.max, FLT_MAX=FLT_MAX, POW2=pow2_scale, HAS_INF=f.has_inf,
-        num_warps=8,
-    )  # fmt: skip
+    codes = data_dtype is None
+    row_out, col_out = (_bytes(row_data), _bytes(col_data)) if codes else (row_data, col_data)
+    with launch_guard(x):
+        _quantize_both_kernel[(mb, kb)](
+            x, row_out, row_scale_inv, col_out, col_scale_inv, m, k,
+            x.stride(0), x.stride(1), row_data.stride(0), row_data.stride(1),
+            row_scale_inv.stride(0), row_scale_inv.stride(1), col_data.stride(0), col_data.stride(1),
+            col_scale_inv.stride(0), col_scale_inv.stride(1),
+            TILE=BLOCK, FMAX=f.max, FLT_MAX=FLT_MAX, POW2=pow2_scale, HAS_INF=f.has_inf, CODES=codes,
+            num_warps=8,
+        )  # fmt: skip
     return (row_data, row_scale_inv), (col_data, col_scale_inv)

@@ -1,5 +1,6 @@
 """FP8 modules: ``Fp8Linear`` and the model conversion around it."""
 
+from . import custom_ops as _custom_ops  # noqa: F401  (registers the torch.compile custom ops)
 from .convert import (
     DECODER_PROJECTIONS,
     cache_fp8_weights,
@@ -8,6 +9,7 @@ from .convert import (
     disable_fp8,
     fp8_enabled,
     fp8_modules,
+    why_high_precision,
 )
 from .linear import Fp8Linear
 from .swiglu import recompute_swiglu
@@ -22,4 +24,5 @@ __all__ = [
     "fp8_enabled",
     "fp8_modules",
     "recompute_swiglu",
+    "why_high_precision",
 ]

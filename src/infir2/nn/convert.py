@@ -1,12 +1,21 @@
-"""Swap a model's projections for ``Fp8Linear`` in place, and the other whole-model switches.
+"""Swap a model's decoder linears for ``Fp8Linear`` in place, and the other whole-model switches.
 
 FP8 on / off for evaluation (``fp8_enabled``, ``disable_fp8``), one quantized weight per step
 (``cache_fp8_weights``), and the FP8 weight all-gather under FSDP2 (``enable_fp8_param_gather``
 before ``fully_shard``, ``link_fsdp_params`` after; the tensor subclasses are ``infir2.nn.fsdp``).
 
-The recipe puts the seven projections of every decoder layer in FP8 (q, k, v, o, gate, up, down)
-and keeps the token embedding, ``lm_head``, norms, RoPE and the attention core in high precision.
-``convert_to_fp8`` follows torchao's signature, ``module_filter_fn(module, fqn) -> bool``.
+The recipe runs every ``nn.Linear`` inside the decoder layers in FP8 (Qwen2 / Llama / Mistral: q, k,
+v, o, gate, up, down; Phi-3: the fused qkv and gate_up too) and keeps the token embedding,
+``lm_head``, norms, RoPE, the attention core and MoE routers in high precision (DeepSeek-V3 keeps
+its gating in high precision). ``convert_to_fp8`` follows torchao's signature,
+``module_filter_fn(module, fqn) -> bool``, and torchao's shape rule: a layer whose dimensions are not
+multiples of 16 (what FP8 tensor-core GEMMs need) stays high precision. After converting it logs one
+summary of what stayed high precision and why; a warning when any of it looks like it was meant to
+be converted (a decoder linear of an odd shape, a GPT-2 style ``Conv1D``, an ``nn.Linear`` subclass).
+
+PEFT LoRA works in both orders: convert then ``get_peft_model`` (LoRA wraps the ``Fp8Linear``), or
+LoRA first (the default filter converts each LoRA layer's ``base_layer``; the adapters ``lora_A`` /
+``lora_B`` stay high precision, as in QLoRA).
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from __future__ import annotations
 import logging
 import re
 import weakref
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 
@@ -25,20 +35,87 @@ from .fsdp import Fp8ShardedWeight
 from .linear import Fp8Linear
 
 __all__ = ["DECODER_PROJECTIONS", "cache_fp8_weights", "convert_to_fp8", "default_module_filter",
-           "disable_fp8", "enable_fp8_param_gather", "fp8_enabled", "fp8_modules", "link_fsdp_params"]  # fmt: skip
+           "disable_fp8", "enable_fp8_param_gather", "fp8_enabled", "fp8_modules", "link_fsdp_params",
+           "why_high_precision"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
-#: The seven projections of a Qwen2 / Llama decoder layer that run in FP8.
+#: The seven projections of a Qwen2 / Llama decoder layer (the layers the FP8 export stores in FP8).
 DECODER_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_DECODER_FQN = re.compile(r"(^|\.)layers\.\d+\.(self_attn|mlp)\.(" + "|".join(DECODER_PROJECTIONS) + r")$")
+
+#: FP8 tensor-core GEMMs (cuBLAS ``_scaled_mm``, torchao's filter) need both dimensions multiples of 16.
+SHAPE_MULTIPLE = 16
+
+_IN_BLOCK = re.compile(r"(^|\.)\d+\.")  # a numbered child on the path: an element of ``layers`` / ``h``
+_OUTPUT_HEADS = ("lm_head", "embed_out", "output")
+_ROUTERS = ("gate", "router")  # Mixtral ``block_sparse_moe.gate``, Qwen2-MoE / DeepSeek ``mlp.gate``
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 
 
+def _is_conv1d(module: nn.Module) -> bool:
+    """A GPT-2 style ``transformers.pytorch_utils.Conv1D`` (a linear with its weight stored [in, out])."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def why_high_precision(module: nn.Module, fqn: str) -> str | None:
+    """Why the default filter keeps ``module`` (at ``fqn``) in high precision; ``None``: it runs in FP8."""
+    if _is_conv1d(module):
+        return "GPT-2 style Conv1D (weight stored [in, out]), not nn.Linear"
+    if type(module) is not nn.Linear:
+        return f"{type(module).__name__}, not nn.Linear"
+    names = fqn.split(".")
+    if names[-1] in _OUTPUT_HEADS:
+        return "output head"
+    if any(n.startswith("lora_") for n in names):
+        return "LoRA adapter"
+    if names[-1] in _ROUTERS or names[-1].endswith(("_gate", "_router")):
+        return "MoE router"
+    if _IN_BLOCK.search(fqn) is None:
+        return "outside the decoder layers"
+    n, k = module.weight.shape
+    if n % SHAPE_MULTIPLE or k % SHAPE_MULTIPLE:
+        return f"shape [{n}, {k}] not a multiple of {SHAPE_MULTIPLE}"
+    return None
+
+
 def default_module_filter(module: nn.Module, fqn: str) -> bool:
-    """True for the q/k/v/o/gate/up/down projections of decoder layers (``...layers.<i>.self_attn.q_proj``)."""
-    return isinstance(module, nn.Linear) and _DECODER_FQN.search(fqn) is not None
+    """True for every ``nn.Linear`` inside a decoder layer (a numbered child such as ``layers.3``) whose
+    dimensions are multiples of 16, except output heads, MoE routers and LoRA adapters."""
+    return why_high_precision(module, fqn) is None
+
+
+def _looks_convertible(module: nn.Module, fqn: str, reason: str) -> bool:
+    """A layer left in high precision that a user would expect in FP8 (worth a warning)."""
+    if _is_conv1d(module):
+        return True
+    in_block = _IN_BLOCK.search(fqn) is not None
+    if isinstance(module, nn.Linear) and not isinstance(module, Fp8Linear) and type(module) is not nn.Linear:
+        return in_block  # e.g. a quantized or custom Linear subclass
+    return reason.startswith("shape")
+
+
+def _summary(kept: dict[str, list[str]]) -> str:
+    parts = []
+    for reason, fqns in kept.items():
+        names = ", ".join(fqns[:3]) + (f", ... ({len(fqns)} layers)" if len(fqns) > 3 else "")
+        parts.append(f"{names} ({reason})")
+    return "; ".join(parts)
+
+
+def _no_layer_error(model: nn.Module) -> ValueError:
+    n_linear = sum(type(m) is nn.Linear for m in model.modules())
+    conv1d = [fqn for fqn, m in model.named_modules() if _is_conv1d(m)]
+    if conv1d:
+        return ValueError(
+            f"no layer to convert to FP8: the model's projections are {len(conv1d)} GPT-2 style Conv1D "
+            f"layers (e.g. {conv1d[0]!r}; transformers.pytorch_utils.Conv1D stores its weight [in, out]), "
+            f"which Fp8Linear does not wrap; it converts nn.Linear only. Use an architecture with nn.Linear "
+            f"projections (Qwen2, Llama, Mistral, Phi-3), or replace each Conv1D with an nn.Linear "
+            f"(weight = conv.weight.t()) before converting"
+        )
+    return ValueError(f"no layer to convert to FP8: the model has {n_linear} nn.Linear modules and the "
+                      f"module filter selected none")  # fmt: skip
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -55,9 +132,11 @@ def convert_to_fp8(
 ) -> nn.Module:
     """Replace every ``nn.Linear`` that ``module_filter_fn`` selects with an ``Fp8Linear`` (in place).
 
-    Parameters are shared, not copied, so state_dict keys, tied weights and existing optimizers are
-    unaffected. Returns ``model``. Raises ``ValueError`` when the model was already converted or
-    when no layer qualifies; recipe ``bf16`` converts nothing.
+    The default filter is :func:`default_module_filter`. Parameters are shared, not copied, so
+    state_dict keys, tied weights and existing optimizers are unaffected. Returns ``model``. Logs
+    what stayed high precision and why (a warning when a layer of it looks convertible). Raises
+    ``ValueError`` when the model was already converted or when no layer qualifies; recipe ``bf16``
+    converts nothing.
     """
     recipe = get_recipe(recipe)
     existing = [fqn for fqn, m in model.named_modules() if isinstance(m, Fp8Linear)]
@@ -67,12 +146,21 @@ def convert_to_fp8(
     if not recipe.enabled:
         log.info("recipe %r runs without FP8: no layer converted", recipe.name)
         return model
-    filter_fn = module_filter_fn or default_module_filter
-    chosen = [fqn for fqn, m in model.named_modules() if type(m) is nn.Linear and filter_fn(m, fqn)]
+    chosen, kept, notable = [], defaultdict(list), False
+    for fqn, m in model.named_modules():
+        if not (isinstance(m, nn.Linear) or _is_conv1d(m)):
+            continue
+        if type(m) is nn.Linear and (module_filter_fn or default_module_filter)(m, fqn):
+            chosen.append(fqn)
+            continue
+        if module_filter_fn is not None and type(m) is nn.Linear:
+            reason = "excluded by module_filter_fn"
+        else:
+            reason = why_high_precision(m, fqn) or "excluded by module_filter_fn"
+        kept[reason].append(fqn)
+        notable = notable or _looks_convertible(m, fqn, reason)
     if not chosen:
-        n_linear = sum(type(m) is nn.Linear for m in model.modules())
-        raise ValueError(f"no layer to convert to FP8: the model has {n_linear} nn.Linear modules and the "
-                         f"module filter selected none")  # fmt: skip
+        raise _no_layer_error(model)
     low = sorted(
         {
             str(m.weight.dtype)
@@ -90,7 +178,10 @@ def convert_to_fp8(
         layer = Fp8Linear.from_linear(getattr(parent, child), recipe, backend)
         layer.bind_kernels(device)  # an unusable backend override fails here, before any training
         setattr(parent, child, layer)
-    log.info("FP8 recipe %r: converted %d linear layers", recipe.name, len(chosen))
+    message = f"FP8 recipe {recipe.name!r}: converted {len(chosen)} linear layers"
+    if kept:
+        message += f"; high precision: {_summary(kept)}"
+    log.log(logging.WARNING if notable else logging.INFO, message)
     return model
 
 
@@ -161,10 +252,14 @@ def enable_fp8_param_gather(module: nn.Module) -> list[str]:
 def link_fsdp_params(fsdp_module: nn.Module) -> None:
     """After ``fully_shard(fsdp_module)``: let its FP8 all-gather weights find their FSDP2 parameter.
 
-    Needed only to switch a weight between FP8 and high-precision all-gather (``disable_fp8``).
+    Needed to switch a weight between FP8 and high-precision all-gather (``disable_fp8``), and for
+    the one block-amax all-reduce per FSDP unit (``infir2.nn.fsdp``: each weight knows the unit's FP8
+    weights in FSDP2's all-gather order).
     """
     states = fsdp_module._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
     for group in states:
-        for fsdp_param in group.fsdp_params:
-            if isinstance(fsdp_param._sharded_local_tensor, Fp8ShardedWeight):
-                setattr(fsdp_param._module_info.module, "_fp8_fsdp_param", weakref.ref(fsdp_param))  # noqa: B010
+        fp8_params = [p for p in group.fsdp_params if isinstance(p._sharded_local_tensor, Fp8ShardedWeight)]
+        peers = tuple(weakref.ref(p) for p in fp8_params)
+        for index, fsdp_param in enumerate(fp8_params):
+            setattr(fsdp_param._module_info.module, "_fp8_fsdp_param", weakref.ref(fsdp_param))  # noqa: B010
+            setattr(fsdp_param._module_info.module, "_fp8_amax_peers", (peers, index))  # noqa: B010

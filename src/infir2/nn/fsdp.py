@@ -10,7 +10,8 @@ process, ``quantize(W_full, 128x128)``; the only thing a rank cannot compute alo
 amax, because a 128-row block straddles ranks whenever ``P`` is not a multiple of 128::
 
     partial  = amax of |w| over this rank's rows of every block      [ceil(N/128), ceil(K/128)] fp32
-    amax     = all_reduce(partial, MAX) over the shard group          (a few KB per weight)
+    amax     = all_reduce(partial, MAX) over the shard group          (a few KB per weight; one
+                                                                       all-reduce per FSDP unit)
     scale    = amax_to_scale(amax)                                    the rule of infir2.fp8.quantize
     codes_r  = saturating_cast(w_r * scale[block of each row])        this rank's rows, FP8
     codes    = all_gather(codes_r as uint8)                           [N, K]; scale_inv = 1 / scale
@@ -19,6 +20,18 @@ The maximum is exact in any order, so ``amax`` is bit-identical to the one-proce
 the scales and codes (a NaN in a block is sent as +inf: both give scale 1, and MAX keeps +inf in
 any order, which it does not promise for NaN). Codes go as ``uint8`` because some backends (gloo)
 cannot send FP8 dtypes.
+
+The block amaxes of all FP8 weights of one FSDP unit (a decoder layer: seven projections) travel in
+one all-reduce: the unit's first FP8 weight to be all-gathered computes the partial amaxes of the
+unit's FP8 weights, all-reduces them as one flat tensor and leaves each later weight its slice,
+which that weight's all-gather (next in the same loop of FSDP2) takes. Without the link to FSDP2's
+parameter groups (``infir2.nn.convert.link_fsdp_params``) each weight all-reduces its own.
+
+Streams: FSDP2 runs ``fsdp_pre_all_gather`` on its all-gather copy-in stream, so ``scale_inv`` is
+allocated from that stream's memory pool, but forward and backward (the saved dgrad weight) read it
+on the compute stream. ``fsdp_post_all_gather`` (on the compute stream) records it there
+(``record_stream``), so the allocator does not hand its block to the next prefetch while compute
+may still read it.
 
 Mechanism: FSDP2's all-gather extension (the one torchao's float8 uses). The sharded parameter's
 local tensor is an :class:`Fp8ShardedWeight`, a thin wrapper that behaves as the fp32 shard for
@@ -39,7 +52,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -57,7 +70,8 @@ __all__ = ["AMAX_ALL_REDUCE_HOOKS", "Fp8GatheredWeight", "Fp8ShardedWeight", "pa
 aten = torch.ops.aten
 
 #: Instrumentation: functions called with each block-amax tensor this process all-reduces for an FP8
-#: weight all-gather (``infir2.tools.wire_bytes.AmaxBytes`` counts its bytes). Empty in training.
+#: weight all-gather, one call per all-reduce (``infir2.tools.wire_bytes.AmaxBytes`` counts bytes and
+#: collectives). Empty in training.
 AMAX_ALL_REDUCE_HOOKS: list[Callable[[torch.Tensor], None]] = []
 
 
@@ -192,10 +206,7 @@ class Fp8ShardedWeight(torch.Tensor):
             return (F.pad(shard.to(param_dtype), (0, 0, 0, padded - shard.shape[0])),), None
         recipe: Fp8Recipe = module.recipe  # type: ignore[assignment]
         offset = rank * padded
-        amax = partial_block_amax(shard, offset, n_rows, recipe.w.block)
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
-        for hook in AMAX_ALL_REDUCE_HOOKS:  # instrumentation only (empty unless a benchmark counts)
-            hook(amax)
+        amax = _reduced_block_amax(module, shard, n_rows, mesh)
         codes, scale_inv = quantize_with_amax(
             shard, amax, recipe.w.block, recipe.w.fmt, recipe.w.scale, row_offset=offset, n_rows=n_rows
         )
@@ -215,6 +226,8 @@ class Fp8ShardedWeight(torch.Tensor):
             return None if out is not None else (all_gather_outputs[0], ())
         (codes_u8,) = all_gather_outputs
         scale_inv, block, fmt, n_rows = metadata
+        if scale_inv.is_cuda:  # made on FSDP's copy-in stream, read on this (compute) one: module doc
+            scale_inv.record_stream(torch.cuda.current_stream(scale_inv.device))
         operand = Operand(codes_u8.view(get_format(fmt).dtype)[:n_rows], scale_inv, block)
         if out is not None:  # later steps: same buffers, new scales
             if not isinstance(out, Fp8GatheredWeight):
@@ -224,6 +237,41 @@ class Fp8ShardedWeight(torch.Tensor):
             out.operand = operand
             return None
         return Fp8GatheredWeight(operand, param_dtype), ()  # the codes live in FSDP's own buffer
+
+
+def _reduced_block_amax(module: nn.Module, shard: torch.Tensor, n_rows: int, mesh: Any) -> torch.Tensor:
+    """The block amax of the full weight of ``module``, all-reduced over the shard group.
+
+    Left by an earlier weight of the same FSDP unit when there is one (module docstring); otherwise
+    this weight's partial amaxes and those of the unit's later FP8 weights go in one all-reduce.
+    """
+    stash = module.__dict__.pop("_fp8_amax_stash", None)
+    if stash is not None:
+        return stash
+    world, rank = mesh.size(), mesh.get_local_rank()
+    jobs: list[tuple[nn.Module, torch.Tensor, int]] = [(module, shard, n_rows)]
+    peers, index = getattr(module, "_fp8_amax_peers", ((), 0))
+    for ref in peers[index + 1 :]:  # the unit's FP8 weights that FSDP2 all-gathers after this one
+        fsdp_param = ref()
+        if fsdp_param is None:
+            continue
+        local, peer = fsdp_param._sharded_local_tensor, fsdp_param._module_info.module
+        if isinstance(local, Fp8ShardedWeight) and getattr(peer, "fp8_enabled", False):
+            jobs.append((peer, local._tensor, int(fsdp_param._orig_size[0])))
+    blocks = [cast(Fp8Recipe, m.recipe).w.block for m, _, _ in jobs]
+    partials = [
+        partial_block_amax(t, rank * math.ceil(rows / world), rows, block)
+        for (_, t, rows), block in zip(jobs, blocks, strict=True)
+    ]
+    flat = torch.cat([p.reshape(-1) for p in partials]) if len(partials) > 1 else partials[0].reshape(-1)
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=mesh.get_group())
+    for hook in AMAX_ALL_REDUCE_HOOKS:  # instrumentation only (empty unless a benchmark counts)
+        hook(flat)
+    sizes = [p.numel() for p in partials]
+    pieces = [piece.view_as(p) for piece, p in zip(flat.split(sizes), partials, strict=True)]
+    for (peer, _, _), piece in zip(jobs[1:], pieces[1:], strict=True):
+        peer.__dict__["_fp8_amax_stash"] = piece
+    return pieces[0]
 
 
 def _switch_format(module: nn.Module, fp8: bool) -> None:

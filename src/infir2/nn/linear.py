@@ -17,10 +17,18 @@ per 128x128 block lets the same quantized weight serve fprop and dgrad (its tran
 
 Memory: the only activation saved for backward is the FP8 wgrad copy of X (``Q(X, 128x1)``, one
 byte per element plus scales), not X itself, which is what makes FP8 save memory at all.
+
+The dgrad B operand is ``Q(W).T [K, N]``, whose reduction dimension (N) is the slow one of the
+quantized weight; FP8 tensor-core GEMMs want it contiguous (cuBLAS copies it, Triton transposes in
+registers, every call). On CUDA inside ``cache_fp8_weights`` the layer therefore keeps one K-major
+copy of the transposed FP8 weight per step beside the forward one (as torchao and DeepSeek-V3 do):
+one more byte per weight element for the step, no copy per micro-batch. Elsewhere (CPU, a weight
+all-gathered by FSDP2 and freed between forward and backward) backward uses ``Q(W).T`` as a view.
 """
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
@@ -64,6 +72,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         w_fprop: Operand,
         x_ops: tuple[Operand, Operand] | None = None,
         stats: StatsRecorder | None = None,
+        w_dgrad_t: Operand | None = None,
     ) -> torch.Tensor:
         with _no_autocast(x.device):
             if x_ops is None:
@@ -80,9 +89,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
         # the backend's operand says whether backward keeps it whole (a CPU emulation's decoded copy) or
         # only its FP8 bytes and scales (Operand.keep_for_backward)
         ctx.w_kept = w_dgrad if w_dgrad is not None and w_dgrad.keep_for_backward else None
+        # The K-major transposed copy (module doc) replaces the forward weight as the saved dgrad operand.
+        ctx.w_transposed = w_dgrad is not None and w_dgrad_t is not None
+        saved_w = w_dgrad_t if ctx.w_transposed else w_dgrad
         ctx.save_for_backward(
             x_wgrad.data, x_wgrad.scale_inv, weight,
-            *((w_dgrad.data, w_dgrad.scale_inv) if w_dgrad is not None and ctx.w_kept is None else ()),
+            *((saved_w.data, saved_w.scale_inv) if saved_w is not None and ctx.w_kept is None else ()),
         )  # fmt: skip
         ctx.recipe, ctx.kernels, ctx.x_dtype, ctx.has_bias = recipe, kernels, x.dtype, bias is not None
         y = y.to(x.dtype)
@@ -107,6 +119,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
             if need_dx:
                 if ctx.w_kept is not None:
                     w_dgrad = ctx.w_kept
+                elif ctx.w_transposed:  # saved as W.T [K, N], N contiguous: view it back as [N, K]
+                    bm, bk = recipe.w_dgrad.block
+                    w_dgrad = Operand(w_saved[0], w_saved[1], (bk, bm)).t()
                 elif w_saved:
                     w_dgrad = Operand(w_saved[0], w_saved[1], recipe.w_dgrad.block)
                 else:
@@ -124,7 +139,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                     ctx.probe.wgrad(dy, dy_w, dw)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 db = dy.to(_accumulation_dtype(weight.dtype)).sum(0).to(weight.dtype)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -165,6 +180,19 @@ class _InputCache:
 
 _INPUT_CACHE = _InputCache()
 
+# Every Fp8Linear by key, for the custom ops of torch.compile (infir2.nn.custom_ops), which take plain
+# values only. A copy or an unpickled layer registers itself again under a new key.
+_LAYERS: weakref.WeakValueDictionary[int, Fp8Linear] = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+
+def layer_by_key(key: int) -> Fp8Linear:
+    """The ``Fp8Linear`` registered under ``key`` (its ``op_key``)."""
+    layer = _LAYERS.get(key)
+    if layer is None:
+        raise RuntimeError(f"no Fp8Linear with key {key}: the layer was freed")
+    return layer
+
 
 class Fp8Linear(nn.Linear):
     """Drop-in ``nn.Linear`` (same parameters and state_dict keys) computing its GEMMs in FP8.
@@ -197,7 +225,17 @@ class Fp8Linear(nn.Linear):
         self.kernels: Kernels | None = None
         self.cache_weight = False
         self.stats: StatsRecorder | None = None  # set by infir2.nn.telemetry on stats steps only
-        self._weight_cache: tuple[tuple[Any, ...], Operand] | None = None
+        # (key, forward weight, its K-major transpose for dgrad or None): see quantized_weight
+        self._weight_cache: tuple[tuple[Any, ...], Operand, Operand | None] | None = None
+        self._register()
+
+    def _register(self) -> None:
+        self.op_key = next(_KEYS)
+        _LAYERS[self.op_key] = self
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._register()  # a copy (deepcopy, pickle) is another layer: its own key
 
     @classmethod
     def from_linear(
@@ -236,12 +274,35 @@ class Fp8Linear(nn.Linear):
             return self._weight_cache[1]
         with torch.no_grad():
             wq = kernels.quantize(w.detach(), self.recipe.w)
-        self._weight_cache = (key, wq) if self.cache_weight else None
+        self._weight_cache = (key, wq, None) if self.cache_weight else None
         return wq
+
+    def dgrad_weight(self, w_fprop: Operand, kernels: Kernels) -> Operand | None:
+        """``w_fprop.t()`` stored K-major (``[K, N]``, N contiguous), kept with the weight cache; or None
+        off CUDA, outside ``cache_fp8_weights`` and for an FSDP2-gathered weight (module doc)."""
+        cache = self._weight_cache
+        if (
+            kernels.device.type != "cuda"
+            or not self.recipe.reuses_weight
+            or cache is None
+            or cache[1] is not w_fprop
+            or w_fprop.keep_for_backward  # a CPU emulation's decoded operand, kept whole
+        ):
+            return None
+        if cache[2] is None:
+            t = w_fprop.t()  # [K, N] view, N the slow dimension
+            with torch.no_grad():
+                k_major = Operand(t.data.contiguous(), t.scale_inv.contiguous(), t.block)  # one copy per step
+            self._weight_cache = cache = (cache[0], w_fprop, k_major)
+        return cache[2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fp8_enabled:
             return F.linear(x, self.weight, self.bias)
+        if torch.compiler.is_compiling():  # one custom op: caches and kernels stay outside the graph
+            device = x.device.type
+            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+            return torch.ops.infir2.fp8_linear(x, self.weight, self.bias, self.op_key, dtype)[0]
         original = x
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
@@ -250,6 +311,7 @@ class Fp8Linear(nn.Linear):
         kernels = self._kernels_on(x.device)
         w_fprop = self.quantized_weight(kernels)
         x_ops = _INPUT_CACHE.get(original, x2d, self.recipe, kernels)
+        w_dgrad_t = self.dgrad_weight(w_fprop, kernels)
         y = _Fp8LinearFunction.apply(x2d, self.weight, self.bias, self.recipe, kernels, w_fprop, x_ops,
-                                     self.stats)  # fmt: skip
+                                     self.stats, w_dgrad_t)  # fmt: skip
         return y.reshape(*lead, self.out_features)

@@ -54,13 +54,16 @@ class WireBytes:
 
 
 class AmaxBytes:
-    """Bytes of block amaxes this process all-reduces for FP8 weight all-gathers, while installed."""
+    """Bytes of block amaxes this process all-reduces for FP8 weight all-gathers, and the number of
+    those all-reduces (latency-bound: one per FSDP unit and all-gather), while installed."""
 
     def __init__(self) -> None:
         self.bytes = 0
+        self.collectives = 0
 
     def __call__(self, amax: torch.Tensor) -> None:
         self.bytes += amax.numel() * amax.element_size()
+        self.collectives += 1
 
     @classmethod
     def install(cls) -> AmaxBytes:

@@ -1,0 +1,59 @@
+"""Reinforcement learning on verifiable math (GRPO / DAPO) with FP8 rollouts, from a YAML run config.
+
+The config names the policy (typically the SFT run's <run>/hf), the prompts (JSONL with "problem" and
+"answer" per line, the format `infir2 eval --task math` reads), the reward (the math grader: the last
+\\boxed{} after </think>, checked with math-verify), the rollout engine and its precision (fp8: the
+weights quantized 128x128 by the FP8 export's own function, activations 1x128), the training FP8
+recipe, and the algorithm's knobs (group size, clip-higher 0.2 / 0.28, dynamic sampling, overlong
+masking, truncated importance sampling); docs/RL.md explains each and the mismatch metrics logged
+every step. The run folder <run.out_dir>/<run.name> gets config.yaml, metrics.jsonl, tensorboard/,
+checkpoints/ and, at the end, hf/. Re-running the same command resumes from the newest checkpoint
+and continues bit for bit (prompt order, sampler, dynamic-sampling buffer included); a rerun whose
+config changes the run (optim, data, model, fp8, rollout, algo, run.seed) is refused unless given
+--accept-config-changes.
+
+examples:
+  infir2 rl my-rl.yaml
+  infir2 rl my-rl.yaml --set rollout.precision=bf16 --set fp8.recipe=bf16 --set run.name=bf16-pair
+  infir2 rl my-rl.yaml --set rollout.group_size=8 --set algo.tis=mask
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+__all__ = ["add_arguments", "run"]
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="YAML RL run config")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config field, e.g. --set rollout.group_size=8 (repeatable)")  # fmt: skip
+    parser.add_argument("--accept-config-changes", action="store_true",
+                        help="resume although optim, data, model, fp8, rollout, algo or run.seed differ from the "
+                             "run's config.yaml (the old one is kept as config.<step>.yaml)")  # fmt: skip
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (log lines instead)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .config import load_rl_config
+    from .loop import rl
+
+    overrides = list(args.overrides) + (
+        ["train.accept_config_changes=true"] if args.accept_config_changes else []
+    )
+    cfg = load_rl_config(args.config, overrides)
+    result = rl(cfg, progress=not args.no_progress)
+    last = result.history[-1] if result.history else {}
+    if "val_accuracy" in last:
+        log.info("done: step %d, held-out accuracy %.3f", result.step, last["val_accuracy"])
+    log.info(
+        "run folder %s; checkpoint %s; Hugging Face export %s",
+        result.run_dir,
+        result.checkpoint,
+        result.hf_dir,
+    )
+    return 0

@@ -1,0 +1,200 @@
+"""RL run configs: YAML validated into nested dataclasses, the same system as ``infir2 train``'s.
+
+Sections (every field below, with its default; the defaults are the InfiR2 authors' RL settings
+where they published one, docs/RL.md)::
+
+    run:      name, out_dir, seed, device                      (as in `infir2 train`)
+    model:    path | from_config, tokenizer, precision, ...    (as in `infir2 train`)
+    fp8:      recipe, backend, ...                             (the *training* precision, as in `infir2 train`)
+    optim:    lr 1e-6, betas (0.9, 0.98), eps, weight_decay 0.1, grad_clip 1.0   (constant lr)
+    data:     prompts_path (JSONL problem/answer, the `infir2 eval` math format), val_path, shuffle, seed
+    rollout:  engine, precision (bf16|fp8), scale (pow2|fp32), prompts_per_step, group_size,
+              oversample_prompts, max_rounds, carry_over, max_new_tokens, temperature, batch_size
+    algo:     reward, clip_low, clip_high, kl_coef, tis (auto|truncate|mask|off), tis_cap,
+              overlong (none|mask|penalty), overlong_buffer, overlong_penalty, updates_per_batch,
+              micro_batch_size, adv_eps
+    train:    max_steps, save_every, keep_last, log_every, eval_every, eval_problems, max_nonfinite_in_row,
+              accept_config_changes
+
+Validation is strict (an unknown key or a bad value is a ``ValueError`` naming the dotted key and the
+file); ``--set key=value`` overrides use the same dotted keys.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from ..train.config import Fp8Config, ModelConfig, OptimConfig, RunSection
+from ..train.config import parse_config as parse_train_config
+from ..train.typed_yaml import apply_overrides, build, config_error, to_plain
+
+__all__ = ["AlgoConfig", "RLConfig", "RLData", "RLTrain", "RolloutConfig", "load_rl_config", "parse_rl_config",
+           "save_rl_config", "tis_mode"]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RLOptim(OptimConfig):
+    lr: float = 1e-6  # the authors' constant RL learning rate
+    betas: tuple[float, float] = (0.9, 0.98)
+    weight_decay: float = 0.1
+
+
+@dataclass(frozen=True)
+class RLData:
+    prompts_path: str = (
+        ""  # JSONL: {"problem", "answer", "id"?} per line (what `infir2 eval --task math` reads)
+    )
+    val_path: str | None = None  # held-out problems, scored greedily every train.eval_every steps
+    shuffle: bool = True  # a new prompt order every pass over the file
+    seed: int | None = None  # prompt-order seed; default: run.seed
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    engine: Literal["builtin"] = "builtin"  # in-process generation with a KV cache (rl/engine.py)
+    # the projections' GEMMs while generating: fp8 = the FP8 export's 128x128 weights + 1x128 activations
+    precision: Literal["bf16", "fp8"] = "fp8"
+    scale: Literal["pow2", "fp32"] = "pow2"  # fp8 block scales (weights as `infir2 export --pow2-scale`)
+    prompts_per_step: int = 128  # groups trained on per step
+    group_size: int = 16  # samples per prompt
+    oversample_prompts: int | None = (
+        384  # prompts drawn per generation round (dynamic sampling); None: prompts_per_step
+    )
+    max_rounds: int = 4  # generation rounds per step before training on fewer groups
+    carry_over: bool = False  # keep valid groups beyond prompts_per_step for the next step (else drop them)
+    max_new_tokens: int = 8192
+    temperature: float = 1.0
+    batch_size: int = 64  # sequences generated together
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    reward: str = "math"  # a name in infir2.rl.REWARDS
+    dynamic_sampling: bool = True  # drop groups whose rewards all agree and refill (DAPO)
+    clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high] (clip-higher)
+    clip_high: float = 0.28
+    kl_coef: float = 0.0  # k3 KL to the initial model in the loss; 0 = only logged (no reference kept)
+    tis: Literal["auto", "truncate", "mask", "off"] = "auto"  # auto: truncate when precisions differ
+    tis_cap: float = 2.0  # per-token pi_train / pi_rollout cap
+    overlong: Literal["none", "mask", "penalty"] = "mask"  # truncated responses: no loss, or a length penalty
+    overlong_buffer: int = 0  # penalty: the last N tokens before max_new_tokens are penalised linearly
+    overlong_penalty: float = 1.0  # penalty at max_new_tokens
+    updates_per_batch: int = 1  # optimizer steps per rollout batch (mini-batches; >1 is off-policy)
+    micro_batch_size: int = 16  # sequences per forward/backward
+    adv_eps: float = 1e-6  # advantage = (r - mean) / (std + adv_eps) within the group
+
+
+@dataclass(frozen=True)
+class RLTrain:
+    max_steps: int = 100  # RL steps (rollout batches)
+    save_every: int = 0  # 0 = only at the end
+    keep_last: int = 2
+    log_every: int = 1
+    eval_every: int = 0  # held-out accuracy (greedy) every N steps and at the end, when data.val_path is set
+    eval_problems: int | None = None  # the first N of data.val_path; None: all
+    max_nonfinite_in_row: int = 3
+    # resume although optim/data/model/fp8/rollout/algo/run.seed differ from the run's config.yaml
+    accept_config_changes: bool = False
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    fp8: Fp8Config = field(default_factory=Fp8Config)
+    optim: RLOptim = field(default_factory=RLOptim)
+    data: RLData = field(default_factory=RLData)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    train: RLTrain = field(default_factory=RLTrain)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.out_dir) / self.run.name
+
+
+def tis_mode(cfg: RLConfig) -> str:
+    """``truncate`` / ``mask`` / ``off``: ``auto`` truncates when rollout and training quantize differently."""
+    if cfg.algo.tis != "auto":
+        return cfg.algo.tis
+    same = (cfg.rollout.precision == "fp8") == (cfg.fp8.recipe != "bf16")
+    if same and cfg.rollout.precision == "fp8":
+        same = cfg.fp8.recipe == {"pow2": "blockwise", "fp32": "blockwise_fp32scale"}[cfg.rollout.scale]
+    return "off" if same else "truncate"
+
+
+def _check(cfg: RLConfig, source: str) -> None:
+    # the shared sections follow `infir2 train`'s rules (recipe and arch names, optim ranges, ...)
+    parse_train_config({"run": to_plain(cfg.run), "model": to_plain(cfg.model), "fp8": to_plain(cfg.fp8),
+                        "optim": to_plain(cfg.optim)}, source)  # fmt: skip
+    r, a, t = cfg.rollout, cfg.algo, cfg.train
+
+    def positive(key: str, value: float | None, allow_zero: bool = False) -> None:
+        if value is not None and (not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero)):
+            raise config_error(
+                source, key, f"must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value}"
+            )
+
+    for key in ("prompts_per_step", "group_size", "oversample_prompts", "max_rounds", "max_new_tokens",
+                "temperature", "batch_size"):  # fmt: skip
+        positive(f"rollout.{key}", getattr(r, key))
+    if r.group_size < 2:
+        raise config_error(
+            source, "rollout.group_size", f"needs >= 2 samples per prompt to compare, got {r.group_size}"
+        )
+    for key in ("clip_low", "clip_high", "kl_coef", "overlong_penalty", "adv_eps"):
+        positive(f"algo.{key}", getattr(a, key), allow_zero=True)
+    if a.clip_low >= 1:
+        raise config_error(
+            source, "algo.clip_low", f"must be < 1 (the ratio floor is 1 - clip_low), got {a.clip_low}"
+        )
+    positive("algo.tis_cap", a.tis_cap)
+    positive("algo.overlong_buffer", a.overlong_buffer, allow_zero=True)
+    if a.overlong == "penalty" and not 0 < a.overlong_buffer <= r.max_new_tokens:
+        raise config_error(source, "algo.overlong_buffer",
+                           f"overlong: penalty needs 0 < overlong_buffer <= rollout.max_new_tokens, got {a.overlong_buffer}")  # fmt: skip
+    positive("algo.updates_per_batch", a.updates_per_batch)
+    positive("algo.micro_batch_size", a.micro_batch_size)
+    for key in ("max_steps", "keep_last", "log_every", "max_nonfinite_in_row", "eval_problems"):
+        positive(f"train.{key}", getattr(t, key))
+    for key in ("save_every", "eval_every"):
+        positive(f"train.{key}", getattr(t, key), allow_zero=True)
+    from .rewards import REWARDS
+
+    if a.reward not in REWARDS:
+        raise config_error(source, "algo.reward", f"got {a.reward!r}, expected one of {', '.join(REWARDS)}")
+
+
+def parse_rl_config(data: dict[str, Any], source: str = "<dict>") -> RLConfig:
+    """Validate a nested dict (parsed YAML) into an ``RLConfig``; ``source`` names it in errors."""
+    cfg = build(RLConfig, data, "", source)
+    _check(cfg, source)
+    return cfg
+
+
+def load_rl_config(path: str | Path, overrides: list[str] | None = None) -> RLConfig:
+    """Read a YAML RL config, apply ``--set`` overrides, validate. Errors name the key and the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"RL config {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of sections (run, model, data, rollout, algo, ...)")
+    source = str(path)
+    if overrides:
+        data = apply_overrides(data, overrides, f"{path} with --set")
+        source = f"{path} with --set {' '.join(overrides)}"
+    return parse_rl_config(data, source)
+
+
+def save_rl_config(cfg: RLConfig, path: str | Path) -> None:
+    """The resolved config (every field) as YAML; it loads back unchanged."""
+    Path(path).write_text(yaml.safe_dump(to_plain(cfg), sort_keys=False))

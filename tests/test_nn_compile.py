@@ -1,0 +1,99 @@
+"""``torch.compile`` of a converted model: one graph forward, one backward, and the eager numerics bit for bit.
+
+Every ``Fp8Linear`` is one ``infir2::fp8_linear`` custom op in the forward graph and one
+``infir2::fp8_linear_backward`` in the backward graph (``infir2.nn.custom_ops``); the C kernel and
+the caches run inside them. ``fullgraph=True`` turns any graph break into an error, and dynamo's
+graph-break counter must stay empty. The backend is AOTAutograd with pass-through compilers
+(``aot_eager``, counting the graphs it gets), so compiled and eager run the same kernels: on a CPU losses and gradients are
+equal bit for bit. The same test runs on CUDA where there is one, bounded there by the unconverted
+model's own compiled-vs-eager difference.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import ExitStack
+
+import pytest
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.utils import counters
+
+from conftest import make_tiny_model
+from infir2 import convert_to_fp8
+from infir2.nn import cache_fp8_weights
+
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")),
+]
+
+
+def _counting_backend() -> tuple[object, dict[str, list[torch.fx.GraphModule]]]:
+    graphs: dict[str, list[torch.fx.GraphModule]] = {"forward": [], "backward": []}
+
+    def keep(kind: str):
+        def compiler(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
+            graphs[kind].append(gm)
+            return torch._functorch.aot_autograd.make_boxed_func(gm.forward)
+
+        return compiler
+
+    return aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward")), graphs
+
+
+def _ops(gm: torch.fx.GraphModule, name: str) -> int:
+    return sum(
+        1 for n in gm.graph.nodes if n.op == "call_function" and str(n.target).startswith(f"infir2.{name}.")
+    )
+
+
+def _step(
+    model: torch.nn.Module, ids: torch.Tensor, trainer: bool
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model.zero_grad()
+    with ExitStack() as stack:
+        if trainer:  # as the training loop runs it: the weight cache, bf16 autocast
+            stack.enter_context(cache_fp8_weights(model))
+        with torch.autocast(ids.device.type, torch.bfloat16, enabled=trainer):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def _compiled_vs_eager(model: torch.nn.Module, ids_list: list[torch.Tensor], trainer: bool):
+    """(largest |compiled - eager| over losses and gradients, the graphs, the graph-break counter)."""
+    torch._dynamo.reset()
+    counters.clear()
+    backend, graphs = _counting_backend()
+    compiled = torch.compile(copy.deepcopy(model), backend=backend, fullgraph=True)
+    worst = 0.0
+    for ids in ids_list:
+        eager_loss, eager_grads = _step(model, ids, trainer)
+        loss, grads = _step(compiled, ids, trainer)
+        for a, b in zip([eager_loss, *eager_grads], [loss, *grads], strict=True):
+            worst = max(worst, (a.float() - b.float()).abs().max().item())
+    return worst, graphs, dict(counters["graph_break"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("recipe", "trainer"), [("blockwise", True), ("mxfp8", False)])
+def test_compiled_fp8_model_has_no_graph_break_and_eager_numerics(device, recipe, trainer):
+    """blockwise under bf16 autocast and the weight cache (how the trainer runs it), mxfp8 in fp32 (its
+    weight is quantized again for dgrad); two sequence lengths, the second traced with dynamic shapes."""
+    gen = torch.Generator().manual_seed(0)
+    ids_list = [torch.randint(0, 300, (2, t), generator=gen).to(device) for t in (64, 40)]
+    model = convert_to_fp8(make_tiny_model().to(device), recipe)
+    worst, graphs, breaks = _compiled_vs_eager(model, ids_list, trainer)
+    assert breaks == {}
+    assert 1 <= len(graphs["forward"]) <= len(ids_list)  # one graph per shape at most (a recompile)
+    assert len(graphs["backward"]) == len(graphs["forward"])
+    assert all(_ops(gm, "fp8_linear") == 14 for gm in graphs["forward"])  # 2 layers x 7 projections
+    assert all(_ops(gm, "fp8_linear_backward") == 14 for gm in graphs["backward"])
+    if device == "cpu":
+        assert worst == 0.0  # the same kernels compiled and eager: the same bits
+    else:  # cuBLAS / Triton may pick other algorithms inside a graph: no larger than the unconverted model's
+        reference, _, ref_breaks = _compiled_vs_eager(make_tiny_model().to(device), ids_list, trainer)
+        assert ref_breaks == {}
+        assert worst <= max(reference, 1e-6)

@@ -1,0 +1,124 @@
+"""The built-in rollout engine: FP8 weights bit-identical to `infir2 export --format fp8`, log-probabilities
+equal to the trainer's when both quantize identically, greedy decoding equal to transformers' generate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import make_tiny_model
+from infir2.cli import main
+from infir2.data.chat import stop_token_ids
+from infir2.eval.generate import SamplingConfig, generate
+from infir2.export import export_model
+from infir2.model import prepare_for_training
+from infir2.rl.algorithm import mismatch_metrics
+from infir2.rl.engine import BuiltinEngine
+from infir2.rl.loop import sequence_logprobs
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny GEMMs run fastest, and reproducibly, on one thread (the CPU is shared)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+PROMPTS = ["Compute 7 + 5 - 3.", "The quick brown fox", "12 + 30 = "]
+
+
+def _engine(policy, tok, precision, scale="pow2", max_new_tokens=12):
+    return BuiltinEngine(policy, precision, scale, "fp32", 1.0, max_new_tokens, 4, stop_token_ids(tok),
+                         tok.pad_token_id)  # fmt: skip
+
+
+def _exported_fp8(policy, tok, tmp_path, name, pow2=True) -> dict[str, torch.Tensor]:
+    """What `infir2 export --format fp8` writes for the policy's current (fp32) weights."""
+    src = export_model(policy, tok, tmp_path / f"{name}-fp32", fmt="fp32")
+    out = tmp_path / f"{name}-fp8"
+    assert main(["export", "--model", str(src), "--out", str(out), "--format", "fp8",
+                 *([] if pow2 else ["--no-pow2-scale"])]) == 0  # fmt: skip
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(out.glob("*.safetensors")):
+        tensors |= load_file(f)
+    return tensors
+
+
+def _assert_bit_identical(engine: BuiltinEngine, exported: dict[str, torch.Tensor]) -> None:
+    mine = engine.quantized_weights()
+    assert len(mine) == 2 * 7 * 2  # 7 projections x 2 layers, codes + scale_inv
+    for name, t in mine.items():
+        ref = exported[name]
+        assert ref.dtype == t.dtype and ref.shape == t.shape, name
+        assert torch.equal(ref.view(torch.uint8) if ref.dtype == torch.float8_e4m3fn else ref.view(torch.int32),
+                           t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t.view(torch.int32)), name  # fmt: skip
+
+
+def test_fp8_rollout_weights_are_the_fp8_export_bit_for_bit(tmp_path, tiny_tokenizer):
+    policy = prepare_for_training(make_tiny_model(), "blockwise")
+    engine = _engine(policy, tiny_tokenizer, "fp8")
+    _assert_bit_identical(engine, _exported_fp8(policy, tiny_tokenizer, tmp_path, "step0"))
+    with torch.no_grad():  # an update, then the engine takes the new weights
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    engine.load_weights(policy)
+    _assert_bit_identical(engine, _exported_fp8(policy, tiny_tokenizer, tmp_path, "step1"))
+    fp32_engine = _engine(policy, tiny_tokenizer, "fp8", scale="fp32")
+    _assert_bit_identical(fp32_engine, _exported_fp8(policy, tiny_tokenizer, tmp_path, "fp32s", pow2=False))
+
+
+def _mismatch(recipe: str, rollout: str, tok) -> dict[str, float]:
+    policy = prepare_for_training(make_tiny_model(), recipe)
+    engine = _engine(policy, tok, rollout)
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    groups = engine.generate(prompts, 3, seed=1)
+    flat = [(prompts[i], r) for i, g in enumerate(groups) for r in g]
+    with torch.no_grad():
+        logp, mask, _ = sequence_logprobs(policy, [p for p, _ in flat], [r.response_ids for _, r in flat],
+                                          tok.pad_token_id, 1.0, "fp32")  # fmt: skip
+    roll = torch.zeros_like(logp)
+    for i, (_, r) in enumerate(flat):
+        roll[i, : len(r.logprobs)] = torch.tensor(r.logprobs)
+    return mismatch_metrics(logp, roll, mask, 2.0)
+
+
+@pytest.mark.parametrize("recipe, rollout", [("blockwise", "fp8"), ("bf16", "bf16")])
+def test_identical_quantization_has_no_mismatch(tiny_tokenizer, recipe, rollout):
+    m = _mismatch(recipe, rollout, tiny_tokenizer)
+    assert m["mismatch/abs_dlogp_max"] < 1e-4  # only the KV-cache decoding's float rounding differs
+    assert m["mismatch/prob_error"] < 1 + 1e-5 and m["mismatch/tis_clip_frac"] == 0
+
+
+@pytest.mark.parametrize("recipe, rollout", [("bf16", "fp8"), ("blockwise", "bf16")])
+def test_different_quantization_is_measured(tiny_tokenizer, recipe, rollout):
+    m = _mismatch(recipe, rollout, tiny_tokenizer)  # FP8 on one side only
+    assert m["mismatch/abs_dlogp_mean"] > 1e-3
+    assert 1.0 < m["mismatch/prob_error"] < 1.2 and m["mismatch/k3_kl"] > 0
+
+
+def test_sampling_is_reproducible_from_the_seed(tiny_tokenizer):
+    engine = _engine(prepare_for_training(make_tiny_model(), "blockwise"), tiny_tokenizer, "fp8")
+    prompts = [tiny_tokenizer(p)["input_ids"] for p in PROMPTS]
+    a, b, c = (engine.generate(prompts, 2, seed=s) for s in (5, 5, 6))
+    ids = [[r.response_ids for r in g] for g in a]
+    assert ids == [[r.response_ids for r in g] for g in b]
+    assert ids != [[r.response_ids for r in g] for g in c]
+    assert all(len(r.response_ids) == len(r.logprobs) <= 12 for g in a for r in g)
+    assert all(r.finished == (r.response_ids[-1] in stop_token_ids(tiny_tokenizer)) for g in a for r in g)
+
+
+def test_greedy_decoding_matches_transformers_generate(tiny_tokenizer):
+    model = make_tiny_model(seed=3)
+    engine = _engine(prepare_for_training(make_tiny_model(seed=3), "bf16"), tiny_tokenizer, "bf16")
+    prompts = [tiny_tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    mine = [g[0].response_ids for g in engine.generate(prompts, 1, seed=0, greedy=True)]
+    ref = generate(
+        model.eval(), tiny_tokenizer, PROMPTS, SamplingConfig(greedy=True, max_new_tokens=12), progress=False
+    )
+    for ids, completion in zip(mine, ref, strict=True):
+        assert len(ids) == completion.n_tokens
+        stripped = ids[:-1] if completion.finished else ids
+        assert tiny_tokenizer.decode(stripped, skip_special_tokens=False) == completion.text
