@@ -98,17 +98,19 @@ def test_index_json_is_consistent(model, tiny_tokenizer, tmp_path: Path) -> None
 def test_fp32_export_reloads_in_transformers_with_identical_logits(
     model, tiny_tokenizer, tmp_path: Path
 ) -> None:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from infir2.data.tokenizer import load_tokenizer
 
-    out = export_model(model, tiny_tokenizer, tmp_path / "fp32", fmt="fp32", max_shard_size="200KB")
+    tiny_tokenizer.save_pretrained(tmp_path / "tok")
+    run_tokenizer = load_tokenizer(tmp_path / "tok", model_type="qwen2")  # as a qwen2 run reads it
+    out = export_model(model, run_tokenizer, tmp_path / "fp32", fmt="fp32", max_shard_size="200KB")
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
     ids = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, model.eval()(ids).logits)
-    tok = load_tokenizer(out)
-    assert tok.encode("12 + 30 = 42") == tiny_tokenizer.encode("12 + 30 = 42")
+    for tok in (load_tokenizer(out), AutoTokenizer.from_pretrained(out)):
+        assert tok.encode("12 + 30 = 42. DON'T") == run_tokenizer.encode("12 + 30 = 42. DON'T")
     gen = json.loads((out / "generation_config.json").read_text())
     assert gen["eos_token_id"] == [
         tiny_tokenizer.convert_tokens_to_ids("<|im_end|>"),

@@ -19,7 +19,7 @@ from infir2.train import train
 from train_synthetic import CrashAfter, SyntheticSource, tiny_run_config
 
 SOURCE = {"seed": 1, "global_batch_size": 8, "micro_batch_size": 2}
-CONFIG = {"train": {"max_steps": 4, "save_every": 2}}
+CONFIG = {"train": {"max_steps": 4, "save_every": 2, "checkpoint_format": "full"}}  # auto would pick dcp
 
 
 def main(out_dir: str, phase: str) -> None:

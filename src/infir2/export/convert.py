@@ -184,7 +184,7 @@ def export_model(
     for name, tensor in tqdm(stream, desc=f"export {fmt}", unit="tensor"):
         writer.add(name, tensor)
     writer.close()
-    config.save_pretrained(tmp)
+    _inference_config(config, tokenizer).save_pretrained(tmp)
     _patch_config(tmp / "config.json", fmt, _DTYPE_NAMES[cast], _architecture(model))
     _save_generation_config(model, tokenizer, tmp)
     if tokenizer is not None:
@@ -221,6 +221,17 @@ def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
     tmp.rmdir()
 
 
+def _inference_config(config: Any, tokenizer) -> Any:
+    """``config`` as an inference engine reads it: the KV cache on (training turns it off) and the
+    tokenizer's own bos token (or none); ``_patch_config`` adds ``architectures``."""
+    config = copy.deepcopy(config)
+    if hasattr(config, "use_cache"):
+        config.use_cache = True
+    if tokenizer is not None:
+        config.bos_token_id = tokenizer.bos_token_id
+    return config
+
+
 def _save_generation_config(model: torch.nn.Module, tokenizer, out: Path) -> None:
     from transformers import GenerationConfig
 
@@ -231,6 +242,7 @@ def _save_generation_config(model: torch.nn.Module, tokenizer, out: Path) -> Non
             gen.eos_token_id = stops
         if tokenizer.pad_token_id is not None:
             gen.pad_token_id = tokenizer.pad_token_id
+        gen.bos_token_id = tokenizer.bos_token_id
     gen.save_pretrained(out)
 
 
