@@ -49,7 +49,8 @@ from infir2.fp8.recipe import Cast, Fp8Recipe, get_recipe
 from infir2.tools.demo import FULL, QUICK, DemoSettings
 from infir2.tools.demo.pipeline import _cpt_config, prepare_data
 
-EXACT = Cast((1, 1), scale="fp32")  # one element per block, fp32 scale: the value survives to fp32 rounding
+# one element per block, fp32 scale: the value survives to fp32 rounding
+EXACT = Cast((1, 1), scale_encoding="fp32")
 GEMMS = ("fprop.y", "dgrad.dx", "wgrad.dw")
 OPERANDS = ("fprop.x", "fprop.w", "dgrad.dy", "dgrad.w", "wgrad.dy", "wgrad.x")
 TRAIN_NOISE_WINDOW = 100  # last steps over which the training loss's spread is measured
@@ -65,7 +66,7 @@ def _ablation_recipes() -> dict[str, Fp8Recipe]:
         "bw_e5m2_grads": replace(
             bw, name="bw_e5m2_grads", dy=replace(bw.dy, fmt="e5m2"), dy_wgrad=replace(bw.dy_wgrad, fmt="e5m2")
         ),
-        "bw_e4m3_fp32scale": get_recipe("blockwise", scale="fp32"),
+        "bw_e4m3_fp32scale": get_recipe("blockwise", scale_encoding="fp32"),
         # every operand exact: the FP8 path's arithmetic with ~fp32 values, a ~1e-7 perturbation
         "fp8_exact": Fp8Recipe("fp8_exact", EXACT, EXACT, EXACT, EXACT, EXACT, EXACT),
     }

@@ -82,7 +82,7 @@ def run(mode: str, rank: int, world: int, env) -> dict:
     for name, m in model.named_modules():
         if isinstance(m, Fp8Linear) and isinstance(m.weight, Fp8GatheredWeight):
             data, scale_inv = quantize(
-                full[f"{name}.weight"], m.recipe.w.block, m.recipe.w.fmt, m.recipe.w.scale
+                full[f"{name}.weight"], m.recipe.w.block, m.recipe.w.fmt, m.recipe.w.scale_encoding
             )
             assert torch.equal(m.weight.operand.data.view(torch.uint8), data.view(torch.uint8)), name
             assert torch.equal(m.weight.operand.scale_inv, scale_inv), name

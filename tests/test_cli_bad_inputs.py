@@ -95,16 +95,19 @@ def test_train_bad_inputs_leave_no_run_folder(world, tmp_path, capsys):
            f"model folder {no_weights}", "no weights")  # fmt: skip
     sft = tmp_path / "chat.jsonl"
     sft.write_bytes(b'{"messages": [{"role": "user", "content": "h\xffi"}]}\n')
-    _fails(capsys, _train(world, "data.kind=sft", f"data.train_path={sft}", "data.max_tokens_per_micro_batch=64"),
-           f"{sft}:1", "UTF-8")  # fmt: skip
+    _fails(capsys, _train(world, "data.kind=sft", f"data.train_path={sft}", "data.max_tokens_per_micro_batch=64",
+                          "data.max_length=64"), f"{sft}:1", "UTF-8")  # fmt: skip
     _fails(capsys, _train(world, f"data.train_path={tmp_path / 'no-data'}"), "no-data")
     assert not runs.exists() or not any(runs.iterdir())  # no run folder left behind by a failed start
 
 
 def test_train_divergence_and_changed_config(world, capsys):
     runs = world / "runs"
-    # lr 1e30 fits fp32 (so config validation accepts it) and blows the weights up in one step
-    line = _fails(capsys, _train(world, "run.name=diverge", "optim.lr=1e30", "train.max_steps=8",
+    # lr 1e30 fits fp32 but no AdamW run uses a learning rate above 1: refused with the config
+    _fails(capsys, _train(world, "run.name=refused", "optim.lr=1e30"), "optim.lr: 1e+30 is above 1")
+    assert not (runs / "refused").exists()
+    # lr 1 (accepted) diverges within a few steps: non-finite losses or loss spikes, a streak stops it
+    line = _fails(capsys, _train(world, "run.name=diverge", "optim.lr=1", "train.max_steps=8",
                                  "train.save_every=1", "train.keep_last=1", "train.max_nonfinite_in_row=2"),
                   "steps in a row had a non-finite loss")  # fmt: skip
     kept = sorted(p.name for p in (runs / "diverge" / "checkpoints").glob("step_*"))

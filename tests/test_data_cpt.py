@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections import Counter
 
@@ -195,8 +196,13 @@ def test_val_batches(prepared):
     assert all(b["input_ids"].shape[1] <= 9 for b in batches)
     assert all(((b["labels"] == IGNORE_INDEX) == (b["attention_mask"] == 0)).all() for b in batches)
     assert len(list(val_batches(prepared, 8, batch_size=3, max_batches=2))) == 2
-    per_rank = [list(val_batches(prepared, 8, 1, rank=r, world_size=2)) for r in (0, 1)]
-    assert len(per_rank[0]) == len(per_rank[1]) == len(starts) // 2
+    for world in (2, 3, len(starts) + 1):  # uneven counts, and more ranks than batches
+        per_rank = [list(val_batches(prepared, 8, 1, rank=r, world_size=world)) for r in range(world)]
+        assert len({len(b) for b in per_rank}) == 1  # the same number of forwards on every rank
+        scored = [b["labels"] for rank in per_rank for b in rank if (b["labels"] != IGNORE_INDEX).any()]
+        assert sorted(t.tolist() for t in scored) == sorted(
+            b["labels"].tolist() for b in val_batches(prepared, 8, 1)
+        )
     (prepared.parent / "one").mkdir()
     (prepared.parent / "one" / "meta.json").write_text((prepared / "meta.json").read_text())
     tokens[:1].tofile(prepared.parent / "one" / "val.bin")
@@ -249,3 +255,22 @@ def test_non_utf8_input_names_file_and_line(tmp_path, tiny_tokenizer, name, data
     with pytest.raises(ValueError, match=match):
         prepare_cpt([tmp_path / name], tmp_path / "out", tiny_tokenizer, progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_folder_parquet_without_the_text_column_is_skipped(tmp_path, tiny_tokenizer, caplog):
+    """A dataset folder often holds other tables beside the text; a file named explicitly still fails."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "data").mkdir()
+    pq.write_table(pa.table({"text": ["one document", "another one"]}), tmp_path / "data" / "text.parquet")
+    pq.write_table(pa.table({"id": [1, 2], "label": ["a", "b"]}), tmp_path / "data" / "labels.parquet")
+    with caplog.at_level(logging.WARNING):
+        meta = prepare_cpt(
+            [tmp_path / "data"], tmp_path / "out", tiny_tokenizer, val_fraction=0, progress=False
+        )
+    assert meta["train_documents"] == 2
+    assert [s.rsplit("/", 1)[-1] for s in meta["sources"]] == ["text.parquet"]
+    assert "skipping" in caplog.text and "labels.parquet" in caplog.text and "['id', 'label']" in caplog.text
+    with pytest.raises(ValueError, match=r"labels\.parquet: no column 'text'"):
+        prepare_cpt([tmp_path / "data" / "labels.parquet"], tmp_path / "o2", tiny_tokenizer, progress=False)

@@ -252,3 +252,24 @@ def test_non_utf8_conversations_name_file_and_line(tmp_path):
     path.write_bytes(good.encode() + b"\n" + good.encode().replace(b"hi", b"h\xffi") + b"\n")
     with pytest.raises(ValueError, match=r"chat\.jsonl:2: not valid UTF-8 \(byte 0xff\)"):
         load_conversations(path)
+
+
+def test_conversations_load_from_parquet(tmp_path):
+    """A `messages` column, as `datasets` writes chat data (it was read as JSONL: "not valid UTF-8")."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [[{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
+            [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+             {"role": "assistant", "content": "hello"}]]  # fmt: skip
+    pq.write_table(pa.table({"messages": rows, "id": [7, 8]}), tmp_path / "chat.parquet")
+    jsonl = tmp_path / "chat.jsonl"
+    jsonl.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+    assert load_conversations(tmp_path / "chat.parquet") == load_conversations(jsonl)
+    pq.write_table(pa.table({"chat": rows}), tmp_path / "other.parquet")
+    with pytest.raises(ValueError, match=r"other\.parquet: no column 'messages'.*\['chat'\]"):
+        load_conversations(tmp_path / "other.parquet")
+    bad = [[{"role": "user", "content": "hi"}]]
+    pq.write_table(pa.table({"messages": bad}), tmp_path / "bad.parquet")
+    with pytest.raises(ValueError, match=r"bad\.parquet: row 1: conversation has no assistant turn"):
+        load_conversations(tmp_path / "bad.parquet")

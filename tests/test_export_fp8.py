@@ -46,9 +46,10 @@ def model() -> torch.nn.Module:
     return make_tiny_model(hidden=HIDDEN)
 
 
-@pytest.mark.parametrize("pow2_scale", [True, False])
-def test_fp8_export_layout_and_round_trip(model, tiny_tokenizer, tmp_path: Path, pow2_scale: bool) -> None:
-    out = export_model(model, tiny_tokenizer, tmp_path / "fp8", fmt="fp8", pow2_scale=pow2_scale,
+@pytest.mark.parametrize("encoding", ["pow2", "fp32"])
+def test_fp8_export_layout_and_round_trip(model, tiny_tokenizer, tmp_path: Path, encoding: str) -> None:
+    pow2_scale = encoding == "pow2"
+    out = export_model(model, tiny_tokenizer, tmp_path / "fp8", fmt="fp8", scale_encoding=encoding,
                        base_dtype=torch.float32, max_shard_size="150KB")  # fmt: skip
     saved, original = _read_folder(out), model.state_dict()
     config = json.loads((out / "config.json").read_text())
@@ -97,17 +98,19 @@ def test_index_json_is_consistent(model, tiny_tokenizer, tmp_path: Path) -> None
 def test_fp32_export_reloads_in_transformers_with_identical_logits(
     model, tiny_tokenizer, tmp_path: Path
 ) -> None:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from infir2.data.tokenizer import load_tokenizer
 
-    out = export_model(model, tiny_tokenizer, tmp_path / "fp32", fmt="fp32", max_shard_size="200KB")
+    tiny_tokenizer.save_pretrained(tmp_path / "tok")
+    run_tokenizer = load_tokenizer(tmp_path / "tok", model_type="qwen2")  # as a qwen2 run reads it
+    out = export_model(model, run_tokenizer, tmp_path / "fp32", fmt="fp32", max_shard_size="200KB")
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
     ids = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, model.eval()(ids).logits)
-    tok = load_tokenizer(out)
-    assert tok.encode("12 + 30 = 42") == tiny_tokenizer.encode("12 + 30 = 42")
+    for tok in (load_tokenizer(out), AutoTokenizer.from_pretrained(out)):
+        assert tok.encode("12 + 30 = 42. DON'T") == run_tokenizer.encode("12 + 30 = 42. DON'T")
     gen = json.loads((out / "generation_config.json").read_text())
     assert gen["eos_token_id"] == [
         tiny_tokenizer.convert_tokens_to_ids("<|im_end|>"),
@@ -186,14 +189,37 @@ def test_fp8_folder_loads_back_and_converts_back(model, tiny_tokenizer, tmp_path
     assert "quantization_config" not in json.loads((back / "config.json").read_text())
 
 
-@pytest.mark.parametrize(("flag", "pow2"), [("--pow2-scale", True), ("--no-pow2-scale", False), (None, True)])
-def test_cli_pow2_flag_parses_both_ways(model, tmp_path: Path, flag: str | None, pow2: bool) -> None:
+@pytest.mark.parametrize(
+    ("flags", "pow2"),
+    [(["--scale-encoding", "pow2"], True), (["--scale-encoding", "fp32"], False), ([], True),
+     (["--pow2-scale"], True), (["--no-pow2-scale"], False)],
+)  # fmt: skip
+def test_cli_scale_encoding_parses_both_ways(
+    model, tmp_path: Path, caplog, flags: list[str], pow2: bool
+) -> None:
     src = tmp_path / "hf"
     model.save_pretrained(src)
     argv = ["export", "--model", str(src), "--out", str(tmp_path / "out"), "--format", "fp8"]
-    assert main(argv + ([flag] if flag else [])) == 0
+    assert main(argv + flags) == 0
     scales = [t for k, t in _read_folder(tmp_path / "out").items() if k.endswith("_scale_inv")]
     assert scales and all(bool((torch.frexp(s).mantissa == 0.5).all()) is pow2 for s in scales)
+    deprecated = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert bool(deprecated) == ("pow2-scale" in " ".join(flags)), deprecated
+
+
+def test_cli_contradicting_scale_flags_are_an_error(model, tmp_path: Path, capsys) -> None:
+    src = tmp_path / "hf"
+    model.save_pretrained(src)
+    argv = ["export", "--model", str(src), "--out", str(tmp_path / "out"), "--format", "fp8"]
+    assert main([*argv, "--no-pow2-scale", "--scale-encoding", "pow2"]) == 2
+    assert "contradicts --scale-encoding pow2" in capsys.readouterr().err
+
+
+def test_the_old_python_keyword_still_works_and_warns(model, tmp_path: Path) -> None:
+    with pytest.warns(DeprecationWarning, match="scale_encoding"):
+        out = export_model(model, None, tmp_path / "fp8", fmt="fp8", pow2_scale=False)
+    scales = [t for k, t in _read_folder(out).items() if k.endswith("_scale_inv")]
+    assert scales and not all(bool((torch.frexp(s).mantissa == 0.5).all()) for s in scales)
 
 
 def test_cli_errors_are_one_line(tmp_path: Path, capsys) -> None:
@@ -246,8 +272,8 @@ def test_export_of_an_fp8_converted_model_and_existing_output(tiny_tokenizer, tm
         export_model(converted, tiny_tokenizer, out, fmt="fp32")
 
 
-@pytest.mark.parametrize("pow2_scale", [True, False])
-def test_transformers_reads_our_fp8_layout(tiny_tokenizer, tmp_path: Path, pow2_scale: bool) -> None:
+@pytest.mark.parametrize("encoding", ["pow2", "fp32"])
+def test_transformers_reads_our_fp8_layout(tiny_tokenizer, tmp_path: Path, encoding: str) -> None:
     """Independent reader: transformers' fine-grained FP8 loader (dequantizing on a machine without a GPU).
 
     Its CPU dequantizer derives the block size from the scale grid, so it needs dimensions that are
@@ -257,7 +283,7 @@ def test_transformers_reads_our_fp8_layout(tiny_tokenizer, tmp_path: Path, pow2_
     from transformers import AutoModelForCausalLM
 
     out = export_model(make_tiny_model(hidden=128), tiny_tokenizer, tmp_path / "fp8", fmt="fp8",
-                       pow2_scale=pow2_scale, base_dtype=torch.float32)  # fmt: skip
+                       scale_encoding=encoding, base_dtype=torch.float32)  # fmt: skip
     theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
     ours = load_fp8_state_dict(out)
     assert set(theirs) == set(ours)

@@ -15,10 +15,10 @@ NP_DTYPES = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
 FLT_MAX = np.float32(np.finfo(np.float32).max)
 
 
-def reference_quantize(x: np.ndarray, block, fmt: str, pow2: bool | str):
+def reference_quantize(x: np.ndarray, block, fmt: str, encoding: str):
     """Plain loops over blocks, fp32 scale, floor(log2) in fp64, saturating cast with ml_dtypes.
 
-    ``pow2="e8m0"``: the MX rule, ``scale_inv = 2 ** ceil(log2(amax / fmax))`` in fp64, clamped to
+    ``encoding="e8m0"``: the MX rule, ``scale_inv = 2 ** ceil(log2(amax / fmax))`` in fp64, clamped to
     2**-127 .. 2**127, 1 for a zero or non-finite block."""
     dt = NP_DTYPES[fmt]
     fmax = np.float32(float(ml_dtypes.finfo(dt).max))
@@ -34,7 +34,7 @@ def reference_quantize(x: np.ndarray, block, fmt: str, pow2: bool | str):
             amax = np.float32(np.max(np.abs(blk)))
             if amax == 0 or not np.isfinite(amax):
                 scale = np.float32(1.0)
-            elif pow2 == "e8m0":
+            elif encoding == "e8m0":
                 exp = int(np.clip(np.ceil(np.log2(np.float64(amax) / np.float64(fmax))), -127, 127))
                 scale = np.float32(2.0**-exp)
             else:
@@ -42,7 +42,7 @@ def reference_quantize(x: np.ndarray, block, fmt: str, pow2: bool | str):
                     scale = np.float32(fmax / amax)
                 if np.isinf(scale):
                     scale = FLT_MAX
-                if pow2 is True:
+                if encoding == "pow2":
                     scale = np.float32(2.0 ** np.floor(np.log2(np.float64(scale))))
             with np.errstate(invalid="ignore", over="ignore"):
                 y = blk * scale
@@ -88,11 +88,11 @@ SHAPES = [(256, 384), (200, 300), (1, 5), (130, 129)]
 
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("pow2", [True, False])
-def test_quantize_matches_reference_bit_exact(block, shape, pow2):
+@pytest.mark.parametrize("encoding", ["pow2", "fp32"])
+def test_quantize_matches_reference_bit_exact(block, shape, encoding):
     x = special_input(shape, seed=hash((block, shape)) % 1000)
-    data, scale_inv = quantize(x, block, "e4m3", pow2)
-    ref_data, ref_scale_inv = reference_quantize(x.numpy(), block, "e4m3", pow2)
+    data, scale_inv = quantize(x, block, "e4m3", encoding)
+    ref_data, ref_scale_inv = reference_quantize(x.numpy(), block, "e4m3", encoding)
     assert data.dtype == torch.float8_e4m3fn and data.shape == x.shape
     assert scale_inv.dtype == torch.float32 and scale_inv.shape == ref_scale_inv.shape
     assert np.array_equal(scale_inv.numpy(), ref_scale_inv)
@@ -105,11 +105,11 @@ def test_quantize_matches_reference_bit_exact(block, shape, pow2):
     assert np.array_equal(deq.numpy(), ref_data.astype(np.float32) * full_scale, equal_nan=True)
 
 
-@pytest.mark.parametrize("pow2", [True, False])
-def test_e5m2_matches_reference(pow2):
+@pytest.mark.parametrize("encoding", ["pow2", "fp32"])
+def test_e5m2_matches_reference(encoding):
     x = special_input((130, 260), seed=3)
-    data, scale_inv = quantize(x, (1, 128), "e5m2", pow2)
-    ref_data, ref_scale_inv = reference_quantize(x.numpy(), (1, 128), "e5m2", pow2)
+    data, scale_inv = quantize(x, (1, 128), "e5m2", encoding)
+    ref_data, ref_scale_inv = reference_quantize(x.numpy(), (1, 128), "e5m2", encoding)
     assert data.dtype == torch.float8_e5m2
     assert np.array_equal(scale_inv.numpy(), ref_scale_inv)
     assert_same_fp8(data, ref_data)
@@ -118,7 +118,7 @@ def test_e5m2_matches_reference(pow2):
 def test_bf16_input_is_quantized_from_its_exact_fp32_value():
     x = torch.randn(64, 256).bfloat16()
     data, scale_inv = quantize(x, (1, 128))
-    ref_data, ref_scale_inv = reference_quantize(x.float().numpy(), (1, 128), "e4m3", True)
+    ref_data, ref_scale_inv = reference_quantize(x.float().numpy(), (1, 128), "e4m3", "pow2")
     assert np.array_equal(scale_inv.numpy(), ref_scale_inv)
     assert_same_fp8(data, ref_data)
 
@@ -129,7 +129,7 @@ def test_scale_rules():
     x[1, 0] = 3.0  # 448 / 3 = 149.33 -> pow2 128
     _, s = quantize(x, (1, 128))
     assert s.tolist() == [[1.0], [1 / 128]]
-    _, s = quantize(x, (1, 128), scale_encoding=False)
+    _, s = quantize(x, (1, 128), scale_encoding="fp32")
     assert s[1, 0].item() == pytest.approx(3.0 / fmax, rel=1e-6)
     # an amax that is exactly representable keeps the exact max: 448 maps to 448
     y = torch.tensor([[448.0, 1.0]])
@@ -151,10 +151,10 @@ def test_non_finite_values_are_not_hidden():
 
 
 @pytest.mark.parametrize("block", [(1, 128), (128, 128), (128, 1), (1, -1), (-1, -1)])
-@pytest.mark.parametrize("pow2", [True, False])
-def test_round_trip_sqnr_gaussian(block, pow2):
+@pytest.mark.parametrize("encoding", ["pow2", "fp32"])
+def test_round_trip_sqnr_gaussian(block, encoding):
     x = torch.randn(512, 640, generator=torch.Generator().manual_seed(0))
-    d, s = quantize(x, block, scale_encoding=pow2)
+    d, s = quantize(x, block, scale_encoding=encoding)
     assert sqnr(x, dequantize(d, s, block)) >= 25.0
 
 
@@ -195,8 +195,11 @@ def test_dequantize_checks_scale_shape():
 def test_unknown_recipe_lists_known_ones():
     with pytest.raises(ValueError, match=r"known recipes: .*blockwise.*tensorwise"):
         get_recipe("fp4")
-    assert {c.scale for c in get_recipe("blockwise_fp32scale").casts.values()} == {"fp32"}
-    assert {c.scale for c in get_recipe("blockwise", scale="fp32").casts.values()} == {"fp32"}
+    assert {c.scale_encoding for c in get_recipe("blockwise_fp32scale").casts.values()} == {"fp32"}
+    overridden = get_recipe("blockwise", scale_encoding="fp32")
+    assert {c.scale_encoding for c in overridden.casts.values()} == {"fp32"}
+    with pytest.warns(DeprecationWarning, match="scale_encoding"):
+        assert get_recipe("blockwise", scale="fp32") == overridden  # the older keyword
 
 
 MX_BLOCKS = [(1, 32), (32, 1), (1, 128), (-1, -1)]

@@ -9,7 +9,6 @@ two torchrun launches' worth of start-up) train bit-identically with the FP8 all
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from infir2.fp8.quantize import quantize, quantize_with_amax
 from infir2.fp8.recipe import get_recipe
 from infir2.nn import Fp8Linear
 from infir2.nn.fsdp import Fp8GatheredWeight, partial_block_amax
+from train_synthetic import subprocess_env
 
 TESTS = Path(__file__).parent
 
@@ -44,7 +44,7 @@ def test_sharded_quantization_matches_one_process(rows, cols, world, block):
         quantize_with_amax(s, amax, block, "e4m3", "pow2", row_offset=offset, n_rows=rows)
         for offset, s in shards
     ]
-    data, scale_inv = quantize(w, block, "e4m3", True)
+    data, scale_inv = quantize(w, block, "e4m3", "pow2")
     assert torch.equal(torch.cat([codes for codes, _ in out]).view(torch.uint8), data.view(torch.uint8))
     for _, shard_scale_inv in out:
         assert torch.equal(shard_scale_inv, scale_inv)
@@ -133,7 +133,7 @@ def test_fp8_param_gather_two_processes(tmp_path):
     from infir2.train.distributed import DistEnv
 
     modes = ["fp32", "fp32-fp8gather", "bf16", "bf16-fp8gather"]
-    env = {**os.environ, "PYTHONPATH": f"{TESTS.parent / 'src'}{os.pathsep}{TESTS}", "OMP_NUM_THREADS": "1"}
+    env = subprocess_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(TESTS / "fsdp_param_gather_worker.py"), str(tmp_path), *modes]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)

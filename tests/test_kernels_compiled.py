@@ -32,9 +32,9 @@ def test_compiled_quantize_is_bit_exact():
     # reference on [260, 300] with (1, 128) blocks wrote wrong FP8 data in the partial block (torch 2.13 CPU).
     for shape in [(256, 384), (260, 300)]:
         x = _hard_input(shape)
-        for block, pow2 in [((1, 128), True), ((128, 1), False), ((128, 128), True)]:
-            op = compiled.quantize(x, Cast(block, scale="pow2" if pow2 else "fp32"))
-            data, scale_inv = quantize(x, block, "e4m3", pow2)
+        for block, encoding in [((1, 128), "pow2"), ((128, 1), "fp32"), ((128, 128), "pow2")]:
+            op = compiled.quantize(x, Cast(block, scale_encoding=encoding))
+            data, scale_inv = quantize(x, block, "e4m3", encoding)
             assert torch.equal(op.scale_inv, scale_inv), (shape, block)
             nan = op.data.float().isnan() & data.float().isnan()
             assert bool(((op.data.view(torch.uint8) == data.view(torch.uint8)) | nan).all()), (shape, block)

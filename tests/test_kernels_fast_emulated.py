@@ -47,10 +47,10 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(int_type), b.contiguous().view(int_type))
 
 
-def assert_matches_reference(x: torch.Tensor, block, fmt: str, pow2: bool) -> None:
-    data, scale_inv = quantize(x, block, fmt, pow2)
-    fast_data, fast_scale_inv, fast_deq = fe.quantize_kept(x, block, fmt, pow2)
-    where = f"{fmt} pow2={pow2} block={block} shape={tuple(x.shape)} {x.dtype}"
+def assert_matches_reference(x: torch.Tensor, block, fmt: str, encoding: str) -> None:
+    data, scale_inv = quantize(x, block, fmt, encoding)
+    fast_data, fast_scale_inv, fast_deq = fe.quantize_kept(x, block, fmt, encoding)
+    where = f"{fmt} {encoding} block={block} shape={tuple(x.shape)} {x.dtype}"
     assert same_bits(fast_data, data), f"data differs: {where}"
     assert same_bits(fast_scale_inv, scale_inv), f"scale_inv differs: {where}"
     assert same_bits(fast_deq, dequantize(data, scale_inv, block)), f"dequantized differs: {where}"
@@ -74,12 +74,12 @@ def hard_tensor(shape: tuple[int, int], dtype: torch.dtype, seed: int) -> torch.
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("pow2", [True, False])
+@pytest.mark.parametrize("encoding", ["pow2", "fp32"])
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantize_bit_identical_to_reference(fmt, pow2, block, dtype):
+def test_quantize_bit_identical_to_reference(fmt, encoding, block, dtype):
     for i, shape in enumerate(SHAPES):
-        assert_matches_reference(hard_tensor(shape, dtype, seed=i), block, fmt, pow2)
+        assert_matches_reference(hard_tensor(shape, dtype, seed=i), block, fmt, encoding)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -89,9 +89,9 @@ def test_zero_blocks_and_subnormal_results(fmt, block):
     x[0, 0] = 1.0  # one block whose other elements are far below its scale: FP8 subnormals and zeros
     x[0, 1:200] = torch.logspace(-12, 0, 199)
     x[130:, 130:] = torch.logspace(-44, -38, 126 * 126).view(126, 126)  # fp32 subnormals only
-    for pow2 in (True, False):
-        assert_matches_reference(x, block, fmt, pow2)
-        assert_matches_reference(-x, block, fmt, pow2)
+    for encoding in ("pow2", "fp32"):
+        assert_matches_reference(x, block, fmt, encoding)
+        assert_matches_reference(-x, block, fmt, encoding)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -99,8 +99,8 @@ def test_zero_blocks_and_subnormal_results(fmt, block):
 def test_nonfinite_like_reference(fmt, block):
     x = hard_tensor((130, 200), torch.float32, seed=7)
     x[0, 5], x[4, 64], x[129, 199], x[60, 3] = float("inf"), float("-inf"), float("nan"), -float("nan")
-    assert_matches_reference(x, block, fmt, True)
-    data = fe.quantize_kept(x, block, fmt, True)[0].float()
+    assert_matches_reference(x, block, fmt, "pow2")
+    data = fe.quantize_kept(x, block, fmt, "pow2")[0].float()
     assert torch.isnan(data[129, 199]) and torch.isnan(data[60, 3])
     assert torch.isinf(data[0, 5]) == get_format(fmt).has_inf  # inf -> NaN in E4M3, stays in E5M2
 
@@ -122,21 +122,21 @@ def boundary_sweep(fmt: str, ulps: int = 6) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("pow2", [True, False])
-def test_rounding_boundaries_exhaustive(fmt, pow2):
+@pytest.mark.parametrize("encoding", ["pow2", "fp32"])
+def test_rounding_boundaries_exhaustive(fmt, encoding):
     """Each value of the sweep, alone in a block with fmax (so the scale is exactly 1), quantizes
     and dequantizes as torch's own cast of it; past fmax, the scale shrinks and both paths agree."""
     f = get_format(fmt)
     v = boundary_sweep(fmt)
     within = v[v.abs() <= f.max]
     rows = torch.stack([within, torch.full_like(within, f.max)], dim=1)  # [n, 2]: one block per row
-    data, scale_inv, deq = fe.quantize_kept(rows, (1, -1), fmt, pow2)
+    data, scale_inv, deq = fe.quantize_kept(rows, (1, -1), fmt, encoding)
     assert torch.all(scale_inv == 1.0)
     assert same_bits(data, rows.to(f.dtype))  # torch's round-to-nearest-even cast
     assert same_bits(deq, rows.to(f.dtype).float())
     past = v[v.abs() > f.max]
-    assert_matches_reference(torch.stack([past, within[: past.numel()]], dim=1), (1, -1), fmt, pow2)
-    assert_matches_reference(v[None, :], (1, 128), fmt, pow2)
+    assert_matches_reference(torch.stack([past, within[: past.numel()]], dim=1), (1, -1), fmt, encoding)
+    assert_matches_reference(v[None, :], (1, 128), fmt, encoding)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -176,22 +176,22 @@ def test_three_gemms_bit_identical_to_emulated(shape, recipe_blocks):
         torch.randn(t, n, generator=g),
     )
 
-    def ref(x, block, fmt, pow2):
-        return emulated.quantize(x, Cast(block, fmt, "pow2" if pow2 else "fp32"))
+    def ref(x, block, fmt, encoding):
+        return emulated.quantize(x, Cast(block, fmt, encoding))
 
-    def fast(x, block, fmt, pow2):
-        return fe.quantize(x, Cast(block, fmt, "pow2" if pow2 else "fp32"))
+    def fast(x, block, fmt, encoding):
+        return fe.quantize(x, Cast(block, fmt, encoding))
 
     cases = [((x, act), (w, weight), False), ((dy, act), (w, dgrad_weight), True)]
     for (a, a_block), (b, b_block), transpose_b in cases:  # fprop [T,K]@[K,N], dgrad [T,N]@[N,K]
-        ra, rb = ref(a, a_block, "e4m3", True), ref(b, b_block, "e4m3", True)
-        fa, fb = fast(a, a_block, "e4m3", True), fast(b, b_block, "e4m3", True)
+        ra, rb = ref(a, a_block, "e4m3", "pow2"), ref(b, b_block, "e4m3", "pow2")
+        fa, fb = fast(a, a_block, "e4m3", "pow2"), fast(b, b_block, "e4m3", "pow2")
         expected = emulated.gemm_nt(ra, rb.t() if transpose_b else rb, torch.float32)
         assert same_bits(fe.gemm_nt(fa, fb.t() if transpose_b else fb, torch.float32), expected)
     # wgrad [N,T] @ [T,K]: dY kept, X from its stored FP8 bytes (what backward has)
-    dy_w, x_w = fast(dy, token, "e4m3", True), fast(x, token, "e4m3", True)
+    dy_w, x_w = fast(dy, token, "e4m3", "pow2"), fast(x, token, "e4m3", "pow2")
     expected = emulated.gemm_nt(
-        ref(dy, token, "e4m3", True).t(), ref(x, token, "e4m3", True).t(), torch.float32
+        ref(dy, token, "e4m3", "pow2").t(), ref(x, token, "e4m3", "pow2").t(), torch.float32
     )
     assert same_bits(fe.gemm_nt(dy_w.t(), x_w.stored().t(), torch.float32), expected)
     assert same_bits(fe.gemm_nt(dy_w.t(), x_w.t(), torch.float32), expected)
@@ -217,9 +217,9 @@ def test_real_activations_and_gradients():
     ids = torch.randint(0, 300, (2, 80), generator=torch.Generator().manual_seed(0))
     tensors = _activations_and_grads(model, ids)  # 7 projections + lm_head, inputs and output grads
     assert len(tensors) == 2 * 8
-    cases = [((1, 128), "e4m3", True), ((128, 1), "e4m3", True), ((1, -1), "e5m2", False)]
-    for i, (x, (block, fmt, pow2)) in enumerate(itertools.product(tensors, cases)):
-        assert_matches_reference(x if i % 2 else x.bfloat16(), block, fmt, pow2)
+    cases = [((1, 128), "e4m3", "pow2"), ((128, 1), "e4m3", "pow2"), ((1, -1), "e5m2", "fp32")]
+    for i, (x, (block, fmt, encoding)) in enumerate(itertools.product(tensors, cases)):
+        assert_matches_reference(x if i % 2 else x.bfloat16(), block, fmt, encoding)
 
 
 @pytest.mark.slow
@@ -272,7 +272,7 @@ def test_native_off_by_environment(monkeypatch):
             1,
             128,
             448.0,
-            True,
+            "pow2",
             bit_layout("e4m3"),
             torch.float8_e4m3fn,
             True,

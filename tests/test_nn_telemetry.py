@@ -5,19 +5,16 @@ from __future__ import annotations
 
 import contextlib
 import io
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from conftest import make_tiny_model
 from infir2 import Fp8Linear, sqnr
 from infir2.fp8 import dequantize, get_recipe, quantize
 from infir2.nn.telemetry import OPERAND_STATS, SQNR_STAT, Fp8Telemetry, parse_key
-
-sys.path.insert(0, str(Path(__file__).parent))
-from conftest import make_tiny_model
 from train_synthetic import SyntheticSource, one_thread, tiny_run_config
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
@@ -58,15 +55,15 @@ def test_operand_stats_and_sqnr_match_an_independent_computation():
     for op, tensor, cast in (("fprop.x", x, recipe.x), ("fprop.w", layer.weight, recipe.w),
                              ("dgrad.dy", grad, recipe.dy), ("wgrad.x", x, recipe.x_wgrad)):  # fmt: skip
         t = tensor.detach()
-        data, scale_inv = quantize(t, cast.block, cast.fmt, cast.scale)  # the reference quantizer
+        data, scale_inv = quantize(t, cast.block, cast.fmt, cast.scale_encoding)  # the reference quantizer
         back = dequantize(data, scale_inv, cast.block)
         nonzero = t != 0
         assert stats[f"{op}/amax"] == pytest.approx(float(t.abs().max()))
         assert stats[f"{op}/underflow"] == pytest.approx(float((nonzero & (back == 0)).sum() / nonzero.sum()))
         saturated = float((data.float().abs() == torch.finfo(torch.float8_e4m3fn).max).sum()) / t.numel()
         assert stats[f"{op}/saturation"] == pytest.approx(saturated)
-        assert stats[f"{op}/scale_exp_max"] == float(torch.log2(scale_inv).max())
-        assert stats[f"{op}/scale_exp_min"] == float(torch.log2(scale_inv).min())
+        assert stats[f"{op}/log2_scale_inv_max"] == float(torch.log2(scale_inv).max())
+        assert stats[f"{op}/log2_scale_inv_min"] == float(torch.log2(scale_inv).min())
     # SQNR against fp64, computed here from the unquantized operands
     x64, w64, g64 = x.double(), layer.weight.detach().double(), grad.double()
     y = layer(x).detach()
@@ -87,10 +84,11 @@ def test_pow2_scales_follow_a_small_weight_until_the_scale_is_clamped():
     small = record_one_step(make_layer(weight_scale=1e-12, bias=False), x, grad)
     tiny = record_one_step(make_layer(weight_scale=1e-41, bias=False), x, grad)
     assert small["fprop.w/underflow"] <= base["fprop.w/underflow"] + 1e-3 < 0.01
-    assert small["fprop.w/scale_exp_max"] < base["fprop.w/scale_exp_min"] - 30  # scales follow the weight
+    # the scales follow the weight
+    assert small["fprop.w/log2_scale_inv_max"] < base["fprop.w/log2_scale_inv_min"] - 30
     assert abs(small[f"fprop.y/{SQNR_STAT}"] - base[f"fprop.y/{SQNR_STAT}"]) < 3
     assert tiny["fprop.w/underflow"] > 0.99
-    assert tiny["fprop.w/scale_exp_max"] == -127  # scale = 2**127, clamped
+    assert tiny["fprop.w/log2_scale_inv_max"] == -127  # scale = 2**127, clamped
     assert tiny[f"fprop.y/{SQNR_STAT}"] < 1
 
 

@@ -40,7 +40,7 @@ def _exported_fp8(policy, tok, tmp_path, name, pow2=True) -> dict[str, torch.Ten
     src = export_model(policy, tok, tmp_path / f"{name}-fp32", fmt="fp32")
     out = tmp_path / f"{name}-fp8"
     assert main(["export", "--model", str(src), "--out", str(out), "--format", "fp8",
-                 *([] if pow2 else ["--no-pow2-scale"])]) == 0  # fmt: skip
+                 *([] if pow2 else ["--scale-encoding", "fp32"])]) == 0  # fmt: skip
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(out.glob("*.safetensors")):
         tensors |= load_file(f)

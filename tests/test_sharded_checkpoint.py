@@ -3,7 +3,6 @@ number of ranks; atomic folders; per-tensor reading for the export; data positio
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from infir2.train.checkpointing import data_state_for
 from infir2.train.config import OptimConfig
 from infir2.train.distributed import DistEnv
 from infir2.train.optim import build_optimizer
+from train_synthetic import subprocess_env
 
 TESTS = Path(__file__).parent
 ONE = DistEnv(0, 1, torch.device("cpu"), False)
@@ -107,7 +107,7 @@ def test_two_ranks_save_one_process_loads(tmp_path):
     worker); one process then loads the same folder: model and optimizer exactly as gathered at save."""
     from fsdp_param_gather_worker import tiny_qwen2
 
-    env = {**os.environ, "PYTHONPATH": f"{TESTS.parent / 'src'}{os.pathsep}{TESTS}", "OMP_NUM_THREADS": "1"}
+    env = subprocess_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(TESTS / "sharded_checkpoint_worker.py"), str(tmp_path), "async"]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 import signal
 import subprocess
@@ -24,25 +23,11 @@ from conftest import make_tiny_model
 from infir2.checkpoint import NoLoadableCheckpointError, load_checkpoint
 from infir2.checkpoint import sharded as sc
 from infir2.train import train
-from train_synthetic import SyntheticSource, one_thread, tiny_run_config
+from train_synthetic import CrashAfter, SyntheticSource, one_thread, subprocess_env, tiny_run_config
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
 TESTS = Path(__file__).parent
 DCP = {"checkpoint_format": "dcp", "async_save": True, "max_steps": 4, "save_every": 2, "keep_last": 3}
-
-
-class CrashAfter(SyntheticSource):
-    """Dies (like a killed process) when asked for step ``crash_at`` + 1."""
-
-    def __init__(self, crash_at: int, **kw):
-        super().__init__(**kw)
-        self.crash_at = crash_at
-
-    def __iter__(self):
-        for step in super().__iter__():
-            if self.step > self.crash_at:
-                raise KeyboardInterrupt("simulated kill")
-            yield step
 
 
 def _train(cfg, source=None):
@@ -153,7 +138,6 @@ def test_interrupted_dcp_save_leaves_the_previous_checkpoint_usable(runs, tmp_pa
 _KILLED = textwrap.dedent(
     """
     import sys, time, torch
-    sys.path[:0] = sys.argv[2:4]
     from conftest import make_tiny_model
     from infir2.train import train
     from train_synthetic import SyntheticSource, tiny_run_config
@@ -178,9 +162,8 @@ def test_sigkill_during_dcp_training_resumes_bit_identical(runs, tmp_path, delay
     """``kill -9`` once the second checkpoint exists (mid step, mid async write or mid rename): the
     newest complete checkpoint resumes and the rest of the curve is bit-identical."""
     full, _ = runs
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-c", _KILLED, str(tmp_path), str(TESTS.parent / "src"), str(TESTS)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    cmd = [sys.executable, "-c", _KILLED, str(tmp_path)]
+    proc = subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     ckpts = tmp_path / "killed" / "checkpoints"
     deadline = time.monotonic() + 120
     while not (ckpts / "step_00000002").is_dir() and proc.poll() is None and time.monotonic() < deadline:

@@ -5,7 +5,6 @@ folder streamed from the shards holds exactly the checkpoint's weights. One torc
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from infir2.train import train
 from infir2.train.distributed import DistEnv
 from train_dcp_worker import TRAIN
 from train_fsdp_worker import SOURCE
-from train_synthetic import SyntheticSource, one_thread, tiny_run_config
+from train_synthetic import SyntheticSource, one_thread, subprocess_env, tiny_run_config
 
 TESTS = Path(__file__).parent
 ONE = DistEnv(0, 1, torch.device("cpu"), False)
@@ -31,7 +30,7 @@ _one_thread = pytest.fixture(autouse=True)(one_thread)
 
 @pytest.mark.slow
 def test_two_process_dcp_run_resumes_and_reshards_onto_one_process(tmp_path):
-    env = {**os.environ, "PYTHONPATH": f"{TESTS.parent / 'src'}{os.pathsep}{TESTS}", "OMP_NUM_THREADS": "1"}
+    env = subprocess_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(TESTS / "train_dcp_worker.py"), str(tmp_path / "two")]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)

@@ -4,7 +4,6 @@ through a kill and a resume across ranks; its checkpoint and HF export are ordin
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ from conftest import make_tiny_model
 from infir2.checkpoint import load_checkpoint
 from infir2.train import train
 from train_fsdp_worker import CONFIG, SOURCE
-from train_synthetic import SyntheticSource, one_thread, tiny_run_config
+from train_synthetic import SyntheticSource, one_thread, subprocess_env, tiny_run_config
 
 TESTS = Path(__file__).parent
 _one_thread = pytest.fixture(autouse=True)(one_thread)
@@ -23,7 +22,7 @@ _one_thread = pytest.fixture(autouse=True)(one_thread)
 
 @pytest.mark.slow
 def test_fsdp2_two_processes_match_one_process(tmp_path):
-    env = {**os.environ, "PYTHONPATH": f"{TESTS.parent / 'src'}{os.pathsep}{TESTS}", "OMP_NUM_THREADS": "1"}
+    env = subprocess_env()
     for phase in ("crash", "resume"):  # two launches: the resume runs in fresh processes
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(TESTS / "train_fsdp_worker.py"), str(tmp_path / "two"), phase]  # fmt: skip

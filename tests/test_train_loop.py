@@ -12,24 +12,10 @@ from conftest import make_tiny_model
 from infir2.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from infir2.train import NonFiniteError, train, train_step
 from infir2.train.distributed import DistEnv
-from train_synthetic import SyntheticSource, one_thread, tiny_run_config
+from train_synthetic import CrashAfter, SyntheticSource, one_thread, tiny_run_config
 
 CPU = DistEnv(rank=0, world_size=1, device=torch.device("cpu"), owns_group=False)
 _one_thread = pytest.fixture(autouse=True)(one_thread)
-
-
-class CrashAfter(SyntheticSource):
-    """Dies (like a killed process) when asked for step ``crash_at`` + 1."""
-
-    def __init__(self, crash_at: int, **kw):
-        super().__init__(**kw)
-        self.crash_at = crash_at
-
-    def __iter__(self):
-        for step in super().__iter__():
-            if self.step > self.crash_at:
-                raise KeyboardInterrupt("simulated kill")
-            yield step
 
 
 def _losses(path):

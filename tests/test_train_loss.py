@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import make_tiny_model
-from infir2.chunked_loss import chunked_linear_cross_entropy, lm_loss_sum, use_chunked_loss
+from infir2.chunked_loss import AUTO_CHUNK_BYTES, chunked_linear_cross_entropy, lm_loss_sum, use_chunked_loss
 
 IGNORE = -100
 
@@ -98,3 +98,14 @@ def test_use_chunked_loss_setting() -> None:
     assert use_chunked_loss("auto", 256, 300) is None
     with pytest.raises(ValueError, match="loss_chunk_tokens"):
         use_chunked_loss(-1, 4, 4)
+
+
+@pytest.mark.parametrize("vocab", [300, 32000, 151936, 262144, 10**6])
+def test_auto_keeps_one_chunks_logits_bounded_whatever_the_vocabulary(vocab) -> None:
+    """The largest fp32 logits block the loss makes (a chunk, or the whole micro-batch) stays under the budget."""
+    for tokens in (1, 128, 2048, 8192, 32768, 131072):
+        chunk = use_chunked_loss("auto", tokens, vocab)
+        block = tokens if chunk is None else min(chunk, tokens)
+        assert block * vocab * 4 <= max(AUTO_CHUNK_BYTES, vocab * 4), (tokens, chunk)  # >= one token's row
+        assert chunk is None or chunk < tokens  # chunked only when the whole logits would not fit
+    assert use_chunked_loss("auto", 8192, 151936) == 441  # 256 MiB / (151936 * 4 bytes)

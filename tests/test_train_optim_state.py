@@ -101,8 +101,7 @@ def test_training_resume_with_bf16_moments_is_exact(tmp_path) -> None:
     from conftest import make_tiny_model
     from infir2.checkpoint import load_checkpoint
     from infir2.train import train
-    from test_train_loop import CrashAfter
-    from train_synthetic import SyntheticSource, tiny_run_config
+    from train_synthetic import CrashAfter, SyntheticSource, tiny_run_config
 
     kw = {"train": {"max_steps": 4, "save_every": 2}, "optim": {"lr": 3e-3, "state_dtype": "bf16"}}
     full = train(tiny_run_config(tmp_path, "full", **kw), model=make_tiny_model(hidden=64),

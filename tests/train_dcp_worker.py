@@ -19,17 +19,9 @@ from conftest import make_tiny_model
 from infir2.train import train
 from infir2.train.distributed import init_distributed
 from train_fsdp_worker import SOURCE
-from train_synthetic import SyntheticSource, tiny_run_config
+from train_synthetic import CrashAfter, SyntheticSource, tiny_run_config
 
 TRAIN = {"max_steps": 6, "save_every": 2, "keep_last": 2, "checkpoint_format": "dcp", "async_save": True}
-
-
-class CrashAfter(SyntheticSource):
-    def __iter__(self):
-        for step in super().__iter__():
-            if self.step > 2:
-                raise KeyboardInterrupt("simulated kill")
-            yield step
 
 
 def main(out_dir: str) -> None:
@@ -38,7 +30,7 @@ def main(out_dir: str) -> None:
     env = init_distributed("cpu")
     try:
         cfg = tiny_run_config(out_dir, "dcp", train={**TRAIN, "async_save": False})
-        crashing = CrashAfter(rank=env.rank, world_size=env.world_size, **SOURCE)
+        crashing = CrashAfter(2, rank=env.rank, world_size=env.world_size, **SOURCE)
         try:
             train(cfg, model=make_tiny_model(), train_source=crashing, progress=False)
             raise AssertionError("the run should have died in step 3")

@@ -16,18 +16,10 @@ import torch
 
 from conftest import make_tiny_model
 from infir2.train import train
-from train_synthetic import SyntheticSource, tiny_run_config
+from train_synthetic import CrashAfter, SyntheticSource, tiny_run_config
 
 SOURCE = {"seed": 1, "global_batch_size": 8, "micro_batch_size": 2}
-CONFIG = {"train": {"max_steps": 4, "save_every": 2}}
-
-
-class CrashAfter(SyntheticSource):
-    def __iter__(self):
-        for step in super().__iter__():
-            if self.step > 2:
-                raise KeyboardInterrupt("simulated kill")
-            yield step
+CONFIG = {"train": {"max_steps": 4, "save_every": 2, "checkpoint_format": "full"}}  # auto would pick dcp
 
 
 def main(out_dir: str, phase: str) -> None:
@@ -38,7 +30,7 @@ def main(out_dir: str, phase: str) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if phase == "crash":
         try:
-            train(cfg, model=make_tiny_model(), train_source=CrashAfter(rank=rank, world_size=world, **SOURCE),
+            train(cfg, model=make_tiny_model(), train_source=CrashAfter(2, rank=rank, world_size=world, **SOURCE),
                   progress=False)  # fmt: skip
         except KeyboardInterrupt:
             return

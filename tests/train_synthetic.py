@@ -61,6 +61,31 @@ class SyntheticSource:
         self.step = state["step"]
 
 
+class CrashAfter(SyntheticSource):
+    """Dies (like a killed process) when asked for step ``crash_at`` + 1."""
+
+    def __init__(self, crash_at: int, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.crash_at = crash_at
+
+    def __iter__(self) -> Iterator[list[MicroBatch]]:
+        for step in super().__iter__():
+            if self.step > self.crash_at:
+                raise KeyboardInterrupt("simulated kill")
+            yield step
+
+
+def subprocess_env(tests_too: bool = True) -> dict[str, str]:
+    """The environment of a child process (torchrun, ``python -c``) that imports infir2 from this
+    checkout and, with ``tests_too``, these helpers; one intra-op thread."""
+    import os
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    paths = [str(tests.parent / "src"), *([str(tests)] if tests_too else [])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1"}
+
+
 def tiny_run_config(out_dir: str, name: str = "run", **sections: dict[str, Any]):
     """A RunConfig for the tiny models: fp32 high precision on CPU, a short WSD schedule."""
     from infir2.train.config import parse_config

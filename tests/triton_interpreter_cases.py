@@ -73,12 +73,12 @@ def _hard_input(shape: tuple[int, int], seed: int) -> torch.Tensor:
     return x
 
 
-def _reference_precast(x: torch.Tensor, block: tuple[int, int], fmt: str, pow2: bool) -> torch.Tensor:
+def _reference_precast(x: torch.Tensor, block: tuple[int, int], fmt: str, encoding: str) -> torch.Tensor:
     """The reference's scaled, saturated fp32 values right before its FP8 cast (same steps as
     ``infir2.fp8.quantize``), shape of ``x``."""
     f = get_format(fmt)
     blocks = expand_blocks(x.float(), block)
-    scale = amax_to_scale(blocks.abs().amax(dim=(1, 3)), f, pow2)
+    scale = amax_to_scale(blocks.abs().amax(dim=(1, 3)), f, encoding)
     y = blocks * scale[:, None, :, None]
     clamped = y.clamp(-f.max, f.max)
     y = torch.where(torch.isinf(y), y if f.has_inf else torch.full_like(y, float("nan")), clamped)
@@ -93,17 +93,17 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("block", BLOCKS)
-@pytest.mark.parametrize("pow2", [True, False])
+@pytest.mark.parametrize("encoding", ["pow2", "fp32"])
 @pytest.mark.parametrize("shape", [(130, 260), (5, 130)])
-def test_quantize_matches_reference(tq, block, pow2, shape):
-    x = _hard_input(shape, seed=sum(shape) + 7 * block[0] + pow2)
-    for fmt in ("e4m3", "e5m2") if pow2 else ("e4m3",):
-        ref_data, ref_scale_inv = quantize(x, block, fmt, pow2)
-        data, scale_inv = tq._quantize(x, block, fmt, pow2, data_dtype=torch.float32)
+def test_quantize_matches_reference(tq, block, encoding, shape):
+    x = _hard_input(shape, seed=sum(shape) + 7 * block[0] + (encoding == "pow2"))
+    for fmt in ("e4m3", "e5m2") if encoding == "pow2" else ("e4m3",):
+        ref_data, ref_scale_inv = quantize(x, block, fmt, encoding)
+        data, scale_inv = tq._quantize(x, block, fmt, encoding, data_dtype=torch.float32)
         assert scale_inv.shape == ref_scale_inv.shape
         assert torch.equal(scale_inv, ref_scale_inv), f"scale_inv differs for {fmt}"
         torch.testing.assert_close(
-            data, _reference_precast(x, block, fmt, pow2), rtol=0, atol=0, equal_nan=True
+            data, _reference_precast(x, block, fmt, encoding), rtol=0, atol=0, equal_nan=True
         )
         assert _same_bits(data.to(get_format(fmt).dtype), ref_data)
 
@@ -113,29 +113,29 @@ def test_quantize_low_precision_input_and_strided_input(tq, dtype):
     x = torch.randn(130, 256).to(dtype)
     for block in BLOCKS:
         ref_data, ref_scale_inv = quantize(x, block)
-        data, scale_inv = tq._quantize(x, block, "e4m3", True, data_dtype=torch.float32)
+        data, scale_inv = tq._quantize(x, block, "e4m3", "pow2", data_dtype=torch.float32)
         assert torch.equal(scale_inv, ref_scale_inv)
         assert _same_bits(data.to(torch.float8_e4m3fn), ref_data)
     xt = torch.randn(256, 20).t()  # a transposed view: the kernel reads through the strides
-    data, scale_inv = tq._quantize(xt, (1, 128), "e4m3", True, data_dtype=torch.float32)
+    data, scale_inv = tq._quantize(xt, (1, 128), "e4m3", "pow2", data_dtype=torch.float32)
     assert torch.equal(scale_inv, quantize(xt, (1, 128))[1])
     assert _same_bits(data.to(torch.float8_e4m3fn), quantize(xt, (1, 128))[0])
 
 
-@pytest.mark.parametrize("pow2", [True, False])
+@pytest.mark.parametrize("encoding", ["pow2", "fp32"])
 @pytest.mark.parametrize("shape", [(130, 260), (5, 130)])
-def test_quantize_both_equals_two_quantizations(tq, pow2, shape):
+def test_quantize_both_equals_two_quantizations(tq, encoding, shape):
     """The fused kernel (one read, 1x128 and 128x1 outputs) gives the reference's values and layouts."""
-    x = _hard_input(shape, seed=sum(shape) + pow2)
-    for fmt in ("e4m3", "e5m2") if pow2 else ("e4m3",):
-        pair = tq._quantize_both(x, fmt, pow2, data_dtype=torch.float32)
+    x = _hard_input(shape, seed=sum(shape) + (encoding == "pow2"))
+    for fmt in ("e4m3", "e5m2") if encoding == "pow2" else ("e4m3",):
+        pair = tq._quantize_both(x, fmt, encoding, data_dtype=torch.float32)
         for (data, scale_inv), block in zip(pair, [(1, 128), (128, 1)], strict=True):
-            ref_data, ref_scale_inv = quantize(x, block, fmt, pow2)
+            ref_data, ref_scale_inv = quantize(x, block, fmt, encoding)
             assert torch.equal(scale_inv, ref_scale_inv), (fmt, block)
-            precast = _reference_precast(x, block, fmt, pow2)
+            precast = _reference_precast(x, block, fmt, encoding)
             torch.testing.assert_close(data, precast, rtol=0, atol=0, equal_nan=True)
             assert _same_bits(data.to(get_format(fmt).dtype), ref_data)
-            single = tq.quantize(x, block, fmt, pow2)  # same layouts as the single kernel
+            single = tq.quantize(x, block, fmt, encoding)  # same layouts as the single kernel
             assert data.stride() == single[0].stride() and scale_inv.stride() == single[1].stride()
 
 
@@ -207,14 +207,12 @@ def test_fp8_linear_through_triton_backend(tq, tg):
     from infir2.nn.linear import _Fp8LinearFunction
 
     def quantize_via_kernel(x: torch.Tensor, cast: Cast) -> Operand:
-        data, scale_inv = tq._quantize(
-            x, cast.block, cast.fmt, cast.scale == "pow2", data_dtype=torch.float32
-        )
+        data, scale_inv = tq._quantize(x, cast.block, cast.fmt, cast.scale_encoding, data_dtype=torch.float32)
         return Operand(data.to(get_format(cast.fmt).dtype), scale_inv, cast.block)
 
     def pair_via_kernel(x: torch.Tensor, a: Cast, b: Cast) -> tuple[Operand, Operand]:
         assert (tuple(a.block), tuple(b.block)) == ((1, 128), (128, 1))
-        row, col = tq._quantize_both(x, a.fmt, a.scale == "pow2", data_dtype=torch.float32)
+        row, col = tq._quantize_both(x, a.fmt, a.scale_encoding, data_dtype=torch.float32)
         dtype = get_format(a.fmt).dtype
         return Operand(row[0].to(dtype), row[1], (1, 128)), Operand(col[0].to(dtype), col[1], (128, 1))
 
@@ -260,18 +258,18 @@ def test_fp8_bytes_of_special_values(tq, fmt):
     x[4, :3] = torch.tensor([float("inf"), float("-inf"), float("nan")])
     x[6, 200] = 1e38  # a huge finite value: its block's amax
     for block in BLOCKS:
-        ref_data, _ = quantize(x, block, fmt, True)
-        data, _ = tq.quantize(x, block, fmt, True)
-        where = _special_positions(_reference_precast(x, block, fmt, True), fmt)
+        ref_data, _ = quantize(x, block, fmt, "pow2")
+        data, _ = tq.quantize(x, block, fmt, "pow2")
+        where = _special_positions(_reference_precast(x, block, fmt, "pow2"), fmt)
         assert int(where.sum()) > 100, block  # zeros, the saturated outlier channel, the specials
         assert _same_bits(data[where], ref_data[where]), (block, fmt)
         if fmt == "e5m2":
             ref_inf = ref_data.float().isinf()
             assert ref_inf.any() and bool((data.view(torch.uint8)[ref_inf] & 0x7F == 0x7C).all())
-    pair = tq.quantize_both(x, fmt, True)
+    pair = tq.quantize_both(x, fmt, "pow2")
     for (data, _), block in zip(pair, [(1, 128), (128, 1)], strict=True):
-        ref_data, _ = quantize(x, block, fmt, True)
-        where = _special_positions(_reference_precast(x, block, fmt, True), fmt)
+        ref_data, _ = quantize(x, block, fmt, "pow2")
+        where = _special_positions(_reference_precast(x, block, fmt, "pow2"), fmt)
         assert _same_bits(data[where], ref_data[where]), ("fused", block, fmt)
 
 
@@ -291,13 +289,13 @@ def test_offsets_past_int32_quantize(tq):
     x = _far_apart_rows(3, 256, 2**30, torch.bfloat16)
     dense = x.contiguous()
     for block in BLOCKS:
-        data, scale_inv = tq._quantize(x, block, "e4m3", True, data_dtype=torch.float32)
+        data, scale_inv = tq._quantize(x, block, "e4m3", "pow2", data_dtype=torch.float32)
         assert torch.equal(scale_inv, quantize(dense, block)[1]), block
-        torch.testing.assert_close(data, _reference_precast(dense, block, "e4m3", True), rtol=0, atol=0)
-    row, col = tq._quantize_both(x, "e4m3", True, data_dtype=torch.float32)
+        torch.testing.assert_close(data, _reference_precast(dense, block, "e4m3", "pow2"), rtol=0, atol=0)
+    row, col = tq._quantize_both(x, "e4m3", "pow2", data_dtype=torch.float32)
     assert torch.equal(row[1], quantize(dense, (1, 128))[1])
     assert torch.equal(col[1], quantize(dense, (128, 1))[1])
-    torch.testing.assert_close(row[0], _reference_precast(dense, (1, 128), "e4m3", True), rtol=0, atol=0)
+    torch.testing.assert_close(row[0], _reference_precast(dense, (1, 128), "e4m3", "pow2"), rtol=0, atol=0)
 
 
 def test_offsets_past_int32_gemm(tg):

@@ -75,17 +75,17 @@ def test_triton_quantize_is_bit_exact(dtype, shape):
 
     x = _hard_input(shape, dtype)
     for block in ((1, 128), (128, 1), (128, 128)):
-        for pow2 in (True, False):
+        for encoding in ("pow2", "fp32"):
             for fmt in ("e4m3", "e5m2"):
-                data, scale_inv = triton_quant.quantize(x, block, fmt, pow2)
-                ref_data, ref_scale_inv = quantize(x, block, fmt, pow2)
-                assert torch.equal(scale_inv, ref_scale_inv), (block, pow2, fmt)
-                assert _same_bits(data, ref_data), (block, pow2, fmt)
-    for pow2 in (True, False):  # the fused kernel: both activation tilings from one read
-        pair = triton_quant.quantize_both(x, "e4m3", pow2)
+                data, scale_inv = triton_quant.quantize(x, block, fmt, encoding)
+                ref_data, ref_scale_inv = quantize(x, block, fmt, encoding)
+                assert torch.equal(scale_inv, ref_scale_inv), (block, encoding, fmt)
+                assert _same_bits(data, ref_data), (block, encoding, fmt)
+    for encoding in ("pow2", "fp32"):  # the fused kernel: both activation tilings from one read
+        pair = triton_quant.quantize_both(x, "e4m3", encoding)
         for (data, scale_inv), block in zip(pair, ((1, 128), (128, 1)), strict=True):
-            ref_data, ref_scale_inv = quantize(x, block, "e4m3", pow2)
-            assert torch.equal(scale_inv, ref_scale_inv) and _same_bits(data, ref_data), (block, pow2)
+            ref_data, ref_scale_inv = quantize(x, block, "e4m3", encoding)
+            assert torch.equal(scale_inv, ref_scale_inv) and _same_bits(data, ref_data), (block, encoding)
 
 
 def _gemm_operands(m: int, n: int, k: int) -> dict[str, tuple[Operand, Operand]]:
@@ -172,14 +172,14 @@ def test_special_values_have_the_reference_bytes(fmt):
         x[128 + i, 128 + 10 * i : 138 + 10 * i] = v  # a run of it
     x = x.cuda()
     for block in ((1, 128), (128, 1), (128, 128)):
-        for pow2 in (True, False):
-            data, scale_inv = triton_quant.quantize(x, block, fmt, pow2)
-            ref_data, ref_scale_inv = quantize(x, block, fmt, pow2)
-            assert torch.equal(scale_inv, ref_scale_inv), (block, pow2)
-            assert _same_bits(data, ref_data), (block, pow2)
+        for encoding in ("pow2", "fp32"):
+            data, scale_inv = triton_quant.quantize(x, block, fmt, encoding)
+            ref_data, ref_scale_inv = quantize(x, block, fmt, encoding)
+            assert torch.equal(scale_inv, ref_scale_inv), (block, encoding)
+            assert _same_bits(data, ref_data), (block, encoding)
             if fmt == "e5m2":
                 codes = data.view(torch.uint8)[x.isinf()]
-                assert set(codes.tolist()) <= {0x7C, 0xFC} and len(codes), (block, pow2)
+                assert set(codes.tolist()) <= {0x7C, 0xFC} and len(codes), (block, encoding)
     for (data, _), block in zip(triton_quant.quantize_both(x, fmt), ((1, 128), (128, 1)), strict=True):
         assert _same_bits(data, quantize(x, block, fmt)[0]), ("fused", block)
 

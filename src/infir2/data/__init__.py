@@ -5,8 +5,8 @@ from .chat import SYSTEM_PROMPT, assistant_spans, render_conversation, render_pr
 from .chat_template import CHATML_SPECIAL_TOKENS, DEFAULT_CHAT_TEMPLATE
 from .cpt import prepare_cpt
 from .sft import SftSource, load_conversations
-from .tokenizer import load_tokenizer, train_bpe_tokenizer
-from .tokens import CptSource, load_cpt_meta, load_tokens, val_batches
+from .tokenizer import first_difference, folder_model_type, load_tokenizer, train_bpe_tokenizer
+from .tokens import CptSource, check_tokenized_by, load_cpt_meta, load_tokens, val_batches
 
 __all__ = [
     "CHATML_SPECIAL_TOKENS",
@@ -18,7 +18,10 @@ __all__ = [
     "SftSource",
     "StepSource",
     "assistant_spans",
+    "check_tokenized_by",
     "count_loss_tokens",
+    "first_difference",
+    "folder_model_type",
     "load_conversations",
     "load_cpt_meta",
     "load_tokenizer",

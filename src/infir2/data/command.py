@@ -9,6 +9,11 @@ Writes OUT/train.bin and OUT/val.bin (raw little-endian token ids, uint16 or uin
 OUT/meta.json (dtype, vocabulary size, token and document counts, sources, tokenizer), which a
 CPT run config points at.
 
+The tokenizer is read as `AutoTokenizer` will read the trained model's export (for the model type
+of the folder's config.json, or --model-type), so the ids written here are the ids every downstream
+user of the model gets for the same text; a folder whose tokenizer.json says otherwise is reported.
+`infir2 train` checks the shards against its own tokenizer before it starts.
+
 Example:
   infir2 prepare-cpt --tokenizer models/qwen2.5-1.5b --out data/cpt --val-fraction 0.005 \\
       corpus/books/ corpus/web.jsonl corpus/code.parquet
@@ -40,12 +45,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="F",
         help="share of documents held out (default 0.01)",
     )
+    parser.add_argument("--model-type", metavar="TYPE",
+                        help="tokenize as AutoTokenizer loads a model of this type (qwen2, llama, ...): the type "
+                             "of the model you will train; default: model_type in the folder's config.json, "
+                             "else the tokenizer as saved")  # fmt: skip
     parser.add_argument("--text-field", default="text", help="JSONL field / Parquet column (default: text)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
-    tokenizer = load_tokenizer(args.tokenizer)
+    tokenizer = load_tokenizer(args.tokenizer, model_type=args.model_type)
     meta = prepare_cpt(
         args.inputs,
         args.out,

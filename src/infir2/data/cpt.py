@@ -87,6 +87,38 @@ def find_input_files(inputs: Sequence[str | Path]) -> list[Path]:
     return files
 
 
+def _without_foreign_parquet(files: list[Path], inputs: Sequence[str | Path], text_field: str) -> list[Path]:
+    """``files`` less the Parquet files found in a folder that have no ``text_field`` column (a warning each).
+
+    A folder of a dataset often holds other tables beside the text (metadata, labels); a file named
+    on the command line is kept, and fails with the column named if it lacks it.
+    """
+    named = {Path(item).resolve() for item in inputs if Path(item).is_file()}
+    kept = []
+    for path in files:
+        if path.suffix == ".parquet" and path.resolve() not in named:
+            columns = _parquet_columns(path)
+            if text_field not in columns:
+                log.warning(
+                    "skipping %s: no column %r (columns: %s; see --text-field)", path, text_field, columns
+                )
+                continue
+        kept.append(path)
+    if not kept:
+        raise ValueError(f"no input file has the text column {text_field!r} (see --text-field)")
+    return kept
+
+
+def _parquet_columns(path: Path) -> list[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(
+            f"{path}: reading Parquet needs pyarrow: pip install 'infir2[parquet]' (or pip install pyarrow)"
+        ) from None
+    return list(pq.ParquetFile(path).schema_arrow.names)
+
+
 def iter_documents(path: Path, text_field: str = "text") -> Iterator[str]:
     """The documents of one file (empty ones included; the caller skips them)."""
     if path.suffix == ".txt":
@@ -201,7 +233,7 @@ def prepare_cpt(
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no eos token (needed as the document separator)")
-    files = find_input_files(inputs)
+    files = _without_foreign_parquet(find_input_files(inputs), inputs, text_field)
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: exists and is not a folder")

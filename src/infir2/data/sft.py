@@ -54,10 +54,13 @@ _DUMMY_LEN = 2  # tokens in a padding micro-batch (all labels IGNORE_INDEX)
 
 
 def load_conversations(path: str | Path) -> list[Conversation]:
-    """Read a chat JSONL file; any malformed line is a ``ValueError`` naming ``file:line``."""
+    """Read a chat JSONL file, or a Parquet file with a ``messages`` column (as ``datasets`` writes chat
+    data); any malformed line or row is a ``ValueError`` naming ``file:line`` / ``file: row N``."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"SFT data file not found: {path}")
+    if path.suffix == ".parquet":
+        return _load_parquet_conversations(path)
     conversations = []
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, start=1):
@@ -73,11 +76,32 @@ def load_conversations(path: str | Path) -> list[Conversation]:
     return conversations
 
 
+def _load_parquet_conversations(path: Path) -> list[Conversation]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(f"{path}: reading Parquet needs pyarrow: pip install 'infir2[parquet]'") from None
+    names = pq.ParquetFile(path).schema_arrow.names
+    if "messages" not in names:
+        raise ValueError(
+            f"{path}: no column 'messages' (a list of {{role, content}} per row); columns are {names}"
+        )
+    rows = pq.read_table(path, columns=["messages"]).column("messages").to_pylist()
+    conversations = [_parse_record({"messages": m}, f"{path}: row {i}") for i, m in enumerate(rows, start=1)]
+    if not conversations:
+        raise ValueError(f"{path}: no rows")
+    return conversations
+
+
 def _parse_line(line: str, where: str) -> Conversation:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+    return _parse_record(record, where)
+
+
+def _parse_record(record: Any, where: str) -> Conversation:
     if not isinstance(record, dict) or "messages" not in record:
         raise ValueError(f"{where}: missing 'messages' (expected an object with a list of {{role, content}})")
     messages = record["messages"]

@@ -38,6 +38,8 @@ __all__ = [
     "META_FILE",
     "TOKEN_DTYPES",
     "CptSource",
+    "check_batch_sizes",
+    "check_tokenized_by",
     "heldout_windows",
     "load_cpt_meta",
     "load_tokens",
@@ -79,6 +81,33 @@ def load_tokens(data_dir: str | Path, split: str = "train") -> np.ndarray:
     return np.memmap(path, dtype=np.dtype(meta["dtype"]).newbyteorder("<"), mode="r")
 
 
+def check_tokenized_by(
+    tokenizer: Any, data_dir: str | Path, documents: int = 8, max_tokens: int = 65536
+) -> None:
+    """Refuse shards that ``tokenizer`` would not have produced: its export would tokenize differently.
+
+    The first ``documents`` documents of ``train.bin`` (eos-separated, at most ``max_tokens`` tokens)
+    are decoded and re-encoded with ``tokenizer``; byte-level BPE round-trips exactly, so any
+    difference means ``prepare-cpt`` used another tokenizer (or another reading of the same folder).
+    """
+    eos = tokenizer.eos_token_id
+    tokens = load_tokens(data_dir, "train")[:max_tokens]
+    ends = np.flatnonzero(tokens == eos)[:documents] if eos is not None else np.zeros(0, dtype=np.int64)
+    start = 0
+    for index, end in enumerate(ends.tolist()):
+        ids = tokens[start:end].tolist()
+        start = end + 1
+        again = tokenizer(tokenizer.decode(ids), add_special_tokens=False)["input_ids"]
+        if again != ids:
+            raise ValueError(
+                f"data.train_path: {data_dir}/train.bin was not tokenized the way this run's tokenizer "
+                f"({type(tokenizer).__name__}, {tokenizer.name_or_path}) tokenizes: document {index} "
+                f"({len(ids)} tokens) re-encodes to {len(again)} tokens. The exported model would read text "
+                "differently from what it trained on; re-run `infir2 prepare-cpt` with the model's folder as "
+                "--tokenizer (or --model-type of the model)"
+            )
+
+
 def _window_batch(tokens: np.ndarray, windows: np.ndarray, seq_len: int) -> MicroBatch:
     rows = np.stack([tokens[w * seq_len : (w + 1) * seq_len] for w in windows]).astype(np.int64)
     input_ids = torch.from_numpy(rows)
@@ -103,7 +132,7 @@ class CptSource:
         world_size: int = 1,
         seed: int = 0,
     ) -> None:
-        _check_batch_sizes(global_batch_size, micro_batch_size, rank, world_size)
+        check_batch_sizes(global_batch_size, micro_batch_size, rank, world_size)
         self.tokens = load_tokens(data_dir, "train")
         self.seq_len = seq_len
         self.num_windows = len(self.tokens) // seq_len
@@ -163,7 +192,7 @@ class CptSource:
         self.seed, self.epoch, self.step_in_epoch = state["seed"], state["epoch"], state["step_in_epoch"]
 
 
-def _check_batch_sizes(global_batch_size: int, micro_batch_size: int, rank: int, world_size: int) -> None:
+def check_batch_sizes(global_batch_size: int, micro_batch_size: int, rank: int, world_size: int) -> None:
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
     if global_batch_size <= 0 or micro_batch_size <= 0:
@@ -207,8 +236,9 @@ def val_batches(
     """The held-out windows of ``<data_dir>/<split>.bin`` in order, ``batch_size`` at a time.
 
     ``max_windows`` / ``max_batches`` keep only the first ones. With several ranks, batch ``i`` goes to
-    rank ``i % world_size`` and the count is cut to a multiple of ``world_size`` so that every rank runs
-    the same number of forwards.
+    rank ``i % world_size``; where the count is not a multiple of ``world_size`` the last ranks get one
+    empty batch each (the first window with no loss token), so that every rank runs the same number of
+    forwards (FSDP's collectives) and the ranks together score exactly the windows one process scores.
     """
     if seq_len < 1 or batch_size < 1:
         raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len}, {batch_size}")
@@ -220,7 +250,10 @@ def val_batches(
         )
     spans = heldout_windows(len(tokens), seq_len)[:max_windows]
     starts = list(range(0, len(spans), batch_size))[:max_batches]
-    starts = starts[: len(starts) - len(starts) % world_size] if world_size > 1 else starts
-    for i, start in enumerate(starts):
-        if i % world_size == rank:
-            yield _span_batch(tokens, spans[start : start + batch_size])
+    padded = -(-len(starts) // world_size) * world_size
+    for i in range(rank, padded, world_size):
+        if i < len(starts):
+            yield _span_batch(tokens, spans[starts[i] : starts[i] + batch_size])
+        else:  # same forward as a real batch, no loss token: the totals are those of the real ones
+            empty = _span_batch(tokens, spans[:1])
+            yield {**empty, "labels": torch.full_like(empty["labels"], IGNORE_INDEX)}

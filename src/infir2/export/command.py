@@ -8,27 +8,33 @@ kept as they are; config.json gets quantization_config = {"quant_method": "fp8",
 so checkpoints larger than memory convert. An FP8 folder converts back to bf16 / fp32 (dequantized).
 
   infir2 export --model runs/qwen2.5-7b-sft-stage2/hf --out out/model-fp8 --format fp8
-  infir2 export --model Qwen2.5-7B-local --out out/qwen-fp8 --format fp8 --no-pow2-scale
+  infir2 export --model Qwen2.5-7B-local --out out/qwen-fp8 --format fp8 --scale-encoding fp32
   infir2 export --model runs/qwen2.5-7b-sft-stage2/hf --out out/model-bf16 --format bf16 --max-shard-size 2GB
 
---pow2-scale (default) rounds each block scale down to a power of two, as the training recipe does;
---no-pow2-scale keeps exact fp32 scales (a little more accurate). Both load the same way.
+--scale-encoding pow2 (default) rounds each block scale down to a power of two, as the training recipe
+does; --scale-encoding fp32 keeps exact fp32 scales (a little more accurate). Both load the same way.
+(--pow2-scale / --no-pow2-scale, the older spelling, still work and warn.)
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
 __all__ = ["add_arguments", "run"]
+
+log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="input Hugging Face folder (safetensors)")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--format", choices=["bf16", "fp32", "fp8"], default="fp8", help="default fp8")
-    p.add_argument("--pow2-scale", action=argparse.BooleanOptionalAction, default=True,
-                   help="power-of-two block scales for fp8 (default: on)")  # fmt: skip
+    p.add_argument("--scale-encoding", choices=["pow2", "fp32"], default=None,
+                   help="fp8 block scales: pow2 (power of two, as in training) or fp32 (default: pow2)")  # fmt: skip
+    p.add_argument("--pow2-scale", action=argparse.BooleanOptionalAction, default=None,
+                   help="deprecated: --scale-encoding pow2 / fp32")  # fmt: skip
     p.add_argument("--overwrite", action="store_true",
                    help="replace --out even if it is not empty (otherwise a non-empty folder is refused)")  # fmt: skip
     p.add_argument(
@@ -37,9 +43,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..fp8.quantize import ScaleEncoding
     from .convert import convert_checkpoint, describe
 
-    out = convert_checkpoint(args.model, args.out, fmt=args.format, pow2_scale=args.pow2_scale,
+    encoding: ScaleEncoding = args.scale_encoding or "pow2"
+    if args.pow2_scale is not None:
+        old: ScaleEncoding = "pow2" if args.pow2_scale else "fp32"
+        flag = "--pow2-scale" if args.pow2_scale else "--no-pow2-scale"
+        if args.scale_encoding not in (None, old):
+            raise ValueError(
+                f"{flag} contradicts --scale-encoding {args.scale_encoding}; give only --scale-encoding"
+            )
+        log.warning("%s is deprecated; use --scale-encoding %s", flag, old)
+        encoding = old
+    out = convert_checkpoint(args.model, args.out, fmt=args.format, scale_encoding=encoding,
                              max_shard_size=args.max_shard_size, overwrite=args.overwrite)  # fmt: skip
     info = describe(out)
     print(f"wrote {args.format} checkpoint to {Path(out)}: {info['shards']} shard(s), tensors by dtype "

@@ -28,10 +28,12 @@ import torch
 from tqdm.auto import tqdm
 
 from ..data.chat import stop_token_ids
+from ..fp8.quantize import ScaleEncoding
 from .layout import (
     QUANTIZATION_CONFIG,
     SCALE_SUFFIX,
     dequantize_weight,
+    export_scale_encoding,
     is_fp8_config,
     is_projection_weight,
     quantize_weight,
@@ -54,7 +56,7 @@ def _check_format(fmt: str) -> None:
 
 
 def _convert_tensors(names: Iterable[str], get: Callable[[str], torch.Tensor], fmt: str,
-                     pow2_scale: bool) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+                     scale_encoding: ScaleEncoding) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
     """Per tensor: dequantize an FP8 source weight, then cast (bf16/fp32) or quantize projections (fp8)."""
     for name in names:
         if name.endswith(SCALE_SUFFIX):
@@ -64,7 +66,7 @@ def _convert_tensors(names: Iterable[str], get: Callable[[str], torch.Tensor], f
             tensor = dequantize_weight(tensor, get(scale_inv_name(name)), torch.float32)
         if fmt == "fp8":
             if is_projection_weight(name, tensor):
-                data, scale_inv = quantize_weight(tensor, pow2_scale)
+                data, scale_inv = quantize_weight(tensor, scale_encoding)
                 yield name, data
                 yield scale_inv_name(name), scale_inv
             else:
@@ -129,12 +131,14 @@ def export_model(
     tokenizer,
     out_dir: str | Path,
     fmt: str = "bf16",
-    pow2_scale: bool = True,
+    scale_encoding: ScaleEncoding = "pow2",
     base_dtype: torch.dtype = torch.bfloat16,
     max_shard_size: int | str = "5GB",
     state_dict: Mapping[str, torch.Tensor] | None = None,
     overwrite: bool = False,
     tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
+    *,
+    pow2_scale: bool | None = None,
 ) -> Path:
     """Save an in-memory HF causal LM as a ``fmt`` folder; for ``fp8`` the other tensors are in ``base_dtype``.
 
@@ -146,8 +150,11 @@ def export_model(
     ``tokenizer`` may be None (no tokenizer files are written then). A folder that already holds a
     checkpoint is an error unless ``overwrite`` (then it is replaced). The files are written next to
     ``out_dir`` first and renamed into place, so a new folder appears whole or not at all.
+    ``scale_encoding`` (fp8): ``pow2`` block scales, as the training recipe, or ``fp32``
+    (``pow2_scale=True`` / ``False`` is the deprecated spelling).
     """
     _check_format(fmt)
+    scale_encoding = export_scale_encoding(scale_encoding, pow2_scale)
     config: Any = getattr(model, "config", None)
     if config is None:
         raise ValueError(
@@ -171,13 +178,13 @@ def export_model(
 
     if tensors is None:
         state = _unique_state_dict(model, model.state_dict() if state_dict is None else state_dict)
-        stream = _convert_tensors(state, lambda name: prepared(state[name]), fmt, pow2_scale)
+        stream = _convert_tensors(state, lambda name: prepared(state[name]), fmt, scale_encoding)
     else:
-        stream = _convert_stream(tensors, _tied_names(model), prepared, fmt, pow2_scale)
+        stream = _convert_stream(tensors, _tied_names(model), prepared, fmt, scale_encoding)
     for name, tensor in tqdm(stream, desc=f"export {fmt}", unit="tensor"):
         writer.add(name, tensor)
     writer.close()
-    config.save_pretrained(tmp)
+    _inference_config(config, tokenizer).save_pretrained(tmp)
     _patch_config(tmp / "config.json", fmt, _DTYPE_NAMES[cast], _architecture(model))
     _save_generation_config(model, tokenizer, tmp)
     if tokenizer is not None:
@@ -189,14 +196,14 @@ def export_model(
 
 def _convert_stream(tensors: Iterable[tuple[str, torch.Tensor]], tied: Mapping[str, str],
                     prepared: Callable[[torch.Tensor], torch.Tensor], fmt: str,
-                    pow2_scale: bool) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+                    scale_encoding: ScaleEncoding) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
     """``_convert_tensors`` over a stream: one source tensor at a time (tied names skipped)."""
     for name, tensor in tensors:
         if name in tied:
             log.info("export: %s is tied to %s; not stored twice", name, tied[name])
             continue
         one = prepared(tensor)
-        yield from _convert_tensors([name], lambda _, t=one: t, fmt, pow2_scale)  # type: ignore[misc]
+        yield from _convert_tensors([name], lambda _, t=one: t, fmt, scale_encoding)  # type: ignore[misc]
 
 
 def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
@@ -214,6 +221,17 @@ def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
     tmp.rmdir()
 
 
+def _inference_config(config: Any, tokenizer) -> Any:
+    """``config`` as an inference engine reads it: the KV cache on (training turns it off) and the
+    tokenizer's own bos token (or none); ``_patch_config`` adds ``architectures``."""
+    config = copy.deepcopy(config)
+    if hasattr(config, "use_cache"):
+        config.use_cache = True
+    if tokenizer is not None:
+        config.bos_token_id = tokenizer.bos_token_id
+    return config
+
+
 def _save_generation_config(model: torch.nn.Module, tokenizer, out: Path) -> None:
     from transformers import GenerationConfig
 
@@ -224,6 +242,7 @@ def _save_generation_config(model: torch.nn.Module, tokenizer, out: Path) -> Non
             gen.eos_token_id = stops
         if tokenizer.pad_token_id is not None:
             gen.pad_token_id = tokenizer.pad_token_id
+        gen.bos_token_id = tokenizer.bos_token_id
     gen.save_pretrained(out)
 
 
@@ -236,9 +255,11 @@ def convert_checkpoint(
     src_dir: str | Path,
     out_dir: str | Path,
     fmt: str = "fp8",
-    pow2_scale: bool = True,
+    scale_encoding: ScaleEncoding = "pow2",
     max_shard_size: int | str = "5GB",
     overwrite: bool = False,
+    *,
+    pow2_scale: bool | None = None,
 ) -> Path:
     """Convert a safetensors HF folder to ``fmt``, one input shard in memory at a time.
 
@@ -246,8 +267,10 @@ def convert_checkpoint(
     An FP8 source (``quantization_config`` of this layout) can be converted to ``bf16`` / ``fp32``.
     ``out_dir`` must be new or empty unless ``overwrite`` (then it is replaced); the files are
     written beside it first and renamed into place, so a failed conversion leaves it untouched.
+    ``scale_encoding`` as in :func:`export_model`.
     """
     _check_format(fmt)
+    scale_encoding = export_scale_encoding(scale_encoding, pow2_scale)
     src, out = Path(src_dir), Path(out_dir)
     config_path = src / "config.json"
     if not src.is_dir():
@@ -268,7 +291,7 @@ def convert_checkpoint(
     final, out = out, out.with_name(f".tmp-{out.name}-{os.getpid()}")
     shutil.rmtree(out, ignore_errors=True)
     try:
-        _convert_into(reader, src, out, fmt, pow2_scale, max_shard_size)
+        _convert_into(reader, src, out, fmt, scale_encoding, max_shard_size)
         if final.is_dir() and not final.is_symlink():
             shutil.rmtree(final)  # empty, or replaced with overwrite (checked above)
         elif final.exists():
@@ -280,14 +303,14 @@ def convert_checkpoint(
     return final
 
 
-def _convert_into(reader: CheckpointReader, src: Path, out: Path, fmt: str, pow2_scale: bool,
+def _convert_into(reader: CheckpointReader, src: Path, out: Path, fmt: str, scale_encoding: ScaleEncoding,
                   max_shard_size: int | str) -> None:  # fmt: skip
     writer = ShardWriter(out, max_shard_size)
     float_dtypes: set[torch.dtype] = set()
     for _file, names in tqdm(
         reader.iter_shards(), total=len(reader.files), desc=f"convert to {fmt}", unit="shard"
     ):
-        for name, tensor in _convert_tensors(names, reader.get, fmt, pow2_scale):
+        for name, tensor in _convert_tensors(names, reader.get, fmt, scale_encoding):
             if (
                 tensor.is_floating_point()
                 and tensor.dtype != torch.float8_e4m3fn

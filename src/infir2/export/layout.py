@@ -8,21 +8,27 @@ Each 2-D projection weight ``W [N, K]`` of a decoder layer (q/k/v/o/gate/up/down
 e.g. ``model.layers.0.self_attn.q_proj.weight`` + ``model.layers.0.self_attn.q_proj.weight_scale_inv``.
 Everything else (embeddings, ``lm_head``, norms, biases) is stored as it was. ``config.json`` gets
 :data:`QUANTIZATION_CONFIG`. Scales are powers of two (UE8M0, what the training recipe uses) or plain
-fp32 (``pow2_scale=False``, slightly more accurate); both load the same way.
+fp32 (``scale_encoding="fp32"``, slightly more accurate); both load the same way.
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any
 
 import torch
 
 from ..fp8 import BLOCK, dequantize, quantize
+from ..fp8.quantize import ScaleEncoding
 from ..nn import DECODER_PROJECTIONS
 
-__all__ = ["QUANTIZATION_CONFIG", "SCALE_SUFFIX", "WEIGHT_BLOCK", "dequantize_weight", "is_fp8_config",
-           "is_projection_weight", "quantize_weight", "scale_inv_name"]  # fmt: skip
+__all__ = ["EXPORT_SCALE_ENCODINGS", "QUANTIZATION_CONFIG", "SCALE_SUFFIX", "WEIGHT_BLOCK", "dequantize_weight",
+           "export_scale_encoding", "is_fp8_config", "is_projection_weight", "quantize_weight",
+           "scale_inv_name"]  # fmt: skip
+
+#: the block scales an FP8 export can have (the layout stores fp32 scale_inv; E8M0 is not part of it)
+EXPORT_SCALE_ENCODINGS = ("pow2", "fp32")
 
 WEIGHT_BLOCK = (BLOCK, BLOCK)
 SCALE_SUFFIX = "_scale_inv"
@@ -46,9 +52,25 @@ def scale_inv_name(name: str) -> str:
     return name + SCALE_SUFFIX
 
 
-def quantize_weight(weight: torch.Tensor, pow2_scale: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def export_scale_encoding(scale_encoding: str, pow2_scale: bool | None = None) -> ScaleEncoding:
+    """Check an export's scale encoding (``pow2`` or ``fp32``); ``pow2_scale`` is its deprecated
+    boolean spelling (True: pow2), which warns and wins when given."""
+    if pow2_scale is not None:
+        warnings.warn("pow2_scale is deprecated: pass scale_encoding='pow2' or 'fp32'", DeprecationWarning,
+                      stacklevel=3)  # fmt: skip
+        return "pow2" if pow2_scale else "fp32"
+    if scale_encoding not in EXPORT_SCALE_ENCODINGS:
+        raise ValueError(
+            f"export scale_encoding must be one of {EXPORT_SCALE_ENCODINGS}, got {scale_encoding!r}"
+        )
+    return scale_encoding  # type: ignore[return-value]
+
+
+def quantize_weight(
+    weight: torch.Tensor, scale_encoding: ScaleEncoding = "pow2"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``W [N, K]`` -> (``float8_e4m3fn [N, K]``, ``float32 [ceil(N/128), ceil(K/128)]``)."""
-    data, scale_inv = quantize(weight, WEIGHT_BLOCK, "e4m3", "pow2" if pow2_scale else "fp32")
+    data, scale_inv = quantize(weight, WEIGHT_BLOCK, "e4m3", scale_encoding)
     return data, scale_inv.float().contiguous()
 
 

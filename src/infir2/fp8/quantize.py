@@ -51,11 +51,9 @@ ScaleEncoding = Literal["fp32", "pow2", "e8m0"]
 SCALE_ENCODINGS: tuple[str, ...] = get_args(ScaleEncoding)
 
 
-def resolve_encoding(scale_encoding: ScaleEncoding | bool) -> ScaleEncoding:
-    """Check a scale encoding; ``True`` / ``False`` (the older ``pow2_scale`` flag) mean pow2 / fp32."""
-    if isinstance(scale_encoding, bool):
-        return "pow2" if scale_encoding else "fp32"
-    if scale_encoding not in SCALE_ENCODINGS:
+def resolve_encoding(scale_encoding: ScaleEncoding) -> ScaleEncoding:
+    """Check a scale encoding (one of :data:`SCALE_ENCODINGS`)."""
+    if not isinstance(scale_encoding, str) or scale_encoding not in SCALE_ENCODINGS:
         raise ValueError(f"unknown scale encoding {scale_encoding!r}; expected one of {SCALE_ENCODINGS}")
     return scale_encoding
 
@@ -91,9 +89,7 @@ def expand_blocks(x: torch.Tensor, block: Block) -> torch.Tensor:
     return x.reshape((m + pad_m) // bm, bm, (k + pad_k) // bk, bk)
 
 
-def amax_to_scale(
-    amax: torch.Tensor, fmt: Fp8Format, scale_encoding: ScaleEncoding | bool = "pow2"
-) -> torch.Tensor:
+def amax_to_scale(amax: torch.Tensor, fmt: Fp8Format, scale_encoding: ScaleEncoding = "pow2") -> torch.Tensor:
     """fp32 ``scale`` (multiplies to quantize) from the block amax, by the encoding's rule (module doc)."""
     encoding = resolve_encoding(scale_encoding)
     amax = amax.float()
@@ -184,7 +180,7 @@ def quantize_with_amax(
 
 
 def quantize(
-    x: torch.Tensor, block: Block, fmt: str = "e4m3", scale_encoding: ScaleEncoding | bool = "pow2"
+    x: torch.Tensor, block: Block, fmt: str = "e4m3", scale_encoding: ScaleEncoding = "pow2"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x [M, K]`` per block; returns ``(data [M, K] fp8, scale_inv [ceil(M/bm), ceil(K/bk)])``.
 

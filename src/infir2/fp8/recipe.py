@@ -20,12 +20,15 @@ In every GEMM the blocks run along its reduction dimension: K in fprop, N in dgr
 E4M3 is used for every tensor, gradients included (docs/RECIPE.md). ``mxfp8`` is OCP Microscaling
 MXFP8 as Blackwell trains it: 32-element blocks along every reduction, one E8M0 scale per block.
 
-A recipe is resolved once (``get_recipe``, config validation against ``RECIPES``); the modules and
-kernels below only read its casts.
+A recipe name is checked against ``RECIPES`` when a config is validated and turned into its
+``Fp8Recipe`` by ``get_recipe`` where a model is converted (``convert_to_fp8``; ``train.setup`` does it
+once per run for the model and the FSDP2 gather); the modules and kernels below only read its casts,
+never a name.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, fields, replace
 
 from .formats import BLOCK, MX_BLOCK, get_format
@@ -46,16 +49,17 @@ MX_COLUMN: Block = (MX_BLOCK, 1)  # 32x1: the same for an operand the GEMM reads
 @dataclass(frozen=True)
 class Cast:
     """How one GEMM operand becomes FP8: ``block`` (rows, cols; -1 = whole dimension), element
-    ``fmt`` (``e4m3`` / ``e5m2``) and ``scale`` encoding (``fp32``, ``pow2`` or ``e8m0``)."""
+    ``fmt`` (``e4m3`` / ``e5m2``) and ``scale_encoding`` (``fp32``, ``pow2`` or ``e8m0``: the scale
+    rules of ``infir2.fp8.quantize``)."""
 
     block: Block
     fmt: str = "e4m3"
-    scale: ScaleEncoding = "pow2"
+    scale_encoding: ScaleEncoding = "pow2"
 
     def __post_init__(self) -> None:
         resolve_block(self.block, (1, 1))
         get_format(self.fmt)
-        resolve_encoding(self.scale)
+        resolve_encoding(self.scale_encoding)
 
 
 @dataclass(frozen=True)
@@ -104,8 +108,8 @@ class Fp8Recipe:
         return self.gathers_fp8_weight and (self.param_gather_default if setting is None else setting)
 
 
-def _uniform(name: str, block: Block, scale: ScaleEncoding) -> Fp8Recipe:
-    cast = Cast(block, scale=scale)
+def _uniform(name: str, block: Block, scale_encoding: ScaleEncoding) -> Fp8Recipe:
+    cast = Cast(block, scale_encoding=scale_encoding)
     return Fp8Recipe(name, cast, cast, cast, cast, cast, cast)
 
 
@@ -114,15 +118,15 @@ RECIPES: dict[str, Fp8Recipe] = {
     "blockwise": Fp8Recipe("blockwise"),
     "blockwise_fp32scale": Fp8Recipe(
         "blockwise_fp32scale",
-        Cast(TILE, scale="fp32"), Cast(WEIGHT_BLOCK, scale="fp32"),
-        Cast(TILE, scale="fp32"), Cast(WEIGHT_BLOCK, scale="fp32"),
-        Cast(TOKEN_TILE, scale="fp32"), Cast(TOKEN_TILE, scale="fp32"),
+        Cast(TILE, scale_encoding="fp32"), Cast(WEIGHT_BLOCK, scale_encoding="fp32"),
+        Cast(TILE, scale_encoding="fp32"), Cast(WEIGHT_BLOCK, scale_encoding="fp32"),
+        Cast(TOKEN_TILE, scale_encoding="fp32"), Cast(TOKEN_TILE, scale_encoding="fp32"),
     ),
     "mxfp8": Fp8Recipe(
         "mxfp8",
-        Cast(MX_ROW, scale="e8m0"), Cast(MX_ROW, scale="e8m0"),
-        Cast(MX_ROW, scale="e8m0"), Cast(MX_COLUMN, scale="e8m0"),
-        Cast(MX_COLUMN, scale="e8m0"), Cast(MX_COLUMN, scale="e8m0"),
+        Cast(MX_ROW, scale_encoding="e8m0"), Cast(MX_ROW, scale_encoding="e8m0"),
+        Cast(MX_ROW, scale_encoding="e8m0"), Cast(MX_COLUMN, scale_encoding="e8m0"),
+        Cast(MX_COLUMN, scale_encoding="e8m0"), Cast(MX_COLUMN, scale_encoding="e8m0"),
     ),
     "rowwise": Fp8Recipe(
         "rowwise", Cast(ROW), Cast(ROW), Cast(ROW), Cast(COLUMN), Cast(COLUMN), Cast(COLUMN)
@@ -136,7 +140,15 @@ RECIPES: dict[str, Fp8Recipe] = {
 
 
 def get_recipe(recipe: str | Fp8Recipe, **cast_overrides: object) -> Fp8Recipe:
-    """A named recipe; ``cast_overrides`` (``fmt=``, ``scale=``) replace that field in every cast."""
+    """A named recipe; ``cast_overrides`` (``fmt=``, ``scale_encoding=``) replace that field in every cast.
+
+    ``scale=`` is the older name of ``scale_encoding=`` (deprecated: it warns).
+    """
+    if "scale" in cast_overrides:
+        warnings.warn(
+            "get_recipe(scale=...) is deprecated: use scale_encoding=", DeprecationWarning, stacklevel=2
+        )
+        cast_overrides["scale_encoding"] = cast_overrides.pop("scale")
     if isinstance(recipe, Fp8Recipe):
         base = recipe
     elif recipe in RECIPES:

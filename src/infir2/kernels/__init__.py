@@ -1,5 +1,6 @@
-"""GEMM and quantize backends (emulated torch reference, torch scaled_mm, Triton, compiled) and the
-dispatcher that binds a recipe on a device to one fallback chain of them."""
+"""GEMM and quantize backends (``emulated``: the torch reference; ``fast_emulated``: the same bits,
+faster on CPU, with its C loop in ``native``; ``scaled_mm``: torch's FP8 GEMM; ``triton``; ``compiled``)
+and the dispatcher that binds a recipe on a device to one fallback chain of them (``registry``)."""
 
 from .operand import Operand
 from .registry import BACKENDS, ORDER, Backend, Kernels, bind

@@ -64,7 +64,7 @@ def why_unavailable(recipe: Fp8Recipe, device: torch.device) -> str | None:
 
 def quantize(x: torch.Tensor, cast: Cast) -> Operand:
     compiled_quantize = _compiled("quantize", _reference_quantize, x.shape, cast.block)
-    data, scale_inv = compiled_quantize(x, tuple(cast.block), cast.fmt, cast.scale)
+    data, scale_inv = compiled_quantize(x, tuple(cast.block), cast.fmt, cast.scale_encoding)
     return Operand(data, scale_inv, cast.block)
 
 

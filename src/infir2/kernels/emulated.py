@@ -20,7 +20,7 @@ NAME = "emulated"
 
 
 def quantize(x: torch.Tensor, cast: Cast) -> Operand:
-    data, scale_inv = reference_quantize(x, cast.block, cast.fmt, cast.scale)
+    data, scale_inv = reference_quantize(x, cast.block, cast.fmt, cast.scale_encoding)
     return Operand(data, scale_inv, cast.block)
 
 

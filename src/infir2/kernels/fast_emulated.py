@@ -1,7 +1,7 @@
 """Fast CPU emulation: decode FP8 with integer arithmetic and keep the dequantized operands.
 
 Same contract as the reference (``infir2.fp8.quantize``), bit for bit: ``data`` and ``scale_inv``
-are identical to ``quantize(x, block, fmt, pow2_scale)`` and ``dequantized`` to
+are identical to ``quantize(x, block, fmt, scale_encoding)`` and ``dequantized`` to
 ``dequantize(data, scale_inv, block)``, so a GEMM on the dequantized operands is the ``emulated``
 backend's GEMM. What changes is the cost. On a CPU the slowest step of the reference is the
 fp8 -> fp32 conversion inside ``dequantize``: torch converts FP8 one element at a time (~15 ns per
@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from ..fp8.formats import BitLayout, Fp8Format, bit_layout, get_format
-from ..fp8.quantize import Block, amax_to_scale, resolve_block
+from ..fp8.quantize import Block, ScaleEncoding, amax_to_scale, resolve_block
 from ..fp8.quantize import dequantize as reference_dequantize
 from ..fp8.quantize import quantize as reference_quantize
 from ..fp8.recipe import Cast, Fp8Recipe
@@ -130,7 +130,7 @@ def _check_input(x: torch.Tensor) -> None:
 
 
 def _quantize_blocks(
-    x: torch.Tensor, block: Block, f: Fp8Format, pow2_scale: bool
+    x: torch.Tensor, block: Block, f: Fp8Format, scale_encoding: ScaleEncoding
 ) -> tuple[_Blocks, torch.Tensor, torch.Tensor] | None:
     """``(blocks, codes in the blocks' view, scale_inv)``; ``None`` where the reference must run."""
     _check_input(x)
@@ -140,50 +140,52 @@ def _quantize_blocks(
     amax = b.view.abs().amax(dim=b.dims)  # [Mb, Kb], exact in x's dtype
     if not math.isfinite(amax.max()):  # inf/NaN somewhere (max propagates NaN): the reference's bits
         return None
-    scale = amax_to_scale(amax, f, pow2_scale)  # [Mb, Kb] fp32
+    scale = amax_to_scale(amax, f, scale_encoding)  # [Mb, Kb] fp32
     y = b.view * b.per_block(scale)  # fp32 (bf16 * fp32 promotes exactly like x.float() * scale)
     codes = y.clamp_(-f.max, f.max).to(f.dtype)  # the reference's saturating RNE cast (y is finite)
     return b, codes, scale.reciprocal()
 
 
 def _native(
-    x: torch.Tensor, block: Block, f: Fp8Format, pow2_scale: bool, kept: bool
+    x: torch.Tensor, block: Block, f: Fp8Format, scale_encoding: ScaleEncoding, kept: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """The C kernel's result (``kernels.native``), or ``None`` where the eager code runs."""
     _check_input(x)
+    if scale_encoding not in ("fp32", "pow2"):
+        raise ValueError(f"fast_emulated quantizes with fp32 or pow2 scales, got {scale_encoding!r}")
     if x.dtype != torch.float32:
         return None
     bm, bk = resolve_block(block, x.shape)
-    return native.quantize(x, bm, bk, f.max, pow2_scale, bit_layout(f), f.dtype, kept)
+    return native.quantize(x, bm, bk, f.max, scale_encoding, bit_layout(f), f.dtype, kept)
 
 
 def quantize_fp8(
-    x: torch.Tensor, block: Block, fmt: str = "e4m3", pow2_scale: bool = True
+    x: torch.Tensor, block: Block, fmt: str = "e4m3", scale_encoding: ScaleEncoding = "pow2"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(data [M,K] fp8, scale_inv [Mb,Kb] fp32)``, bit-identical to the reference ``quantize``."""
     f = get_format(fmt)
-    fast = _native(x, block, f, pow2_scale, kept=False)
+    fast = _native(x, block, f, scale_encoding, kept=False)
     if fast is not None:
         return fast[0], fast[1]
-    quantized = _quantize_blocks(x, block, f, pow2_scale)
+    quantized = _quantize_blocks(x, block, f, scale_encoding)
     if quantized is None:
-        return reference_quantize(x, block, fmt, pow2_scale)
+        return reference_quantize(x, block, fmt, scale_encoding)
     b, codes, scale_inv = quantized
     return b.unview(codes).contiguous(), scale_inv
 
 
 def quantize_kept(
-    x: torch.Tensor, block: Block, fmt: str = "e4m3", pow2_scale: bool = True
+    x: torch.Tensor, block: Block, fmt: str = "e4m3", scale_encoding: ScaleEncoding = "pow2"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(data [M,K] fp8, scale_inv [Mb,Kb] fp32, dequantized [M,K] fp32)``, bit-identical to the
     reference ``quantize`` and to ``dequantize(data, scale_inv, block)``."""
     f = get_format(fmt)
-    fast = _native(x, block, f, pow2_scale, kept=True)
+    fast = _native(x, block, f, scale_encoding, kept=True)
     if fast is not None:
         return fast  # type: ignore[return-value]  # kept=True: the dequantized copy is there
-    quantized = _quantize_blocks(x, block, f, pow2_scale)
+    quantized = _quantize_blocks(x, block, f, scale_encoding)
     if quantized is None:
-        data, scale_inv = reference_quantize(x, block, fmt, pow2_scale)
+        data, scale_inv = reference_quantize(x, block, fmt, scale_encoding)
         return data, scale_inv, reference_dequantize(data, scale_inv, block)
     b, codes, scale_inv = quantized  # codes are finite: decode them directly
     dequantized = b.unview(_decode(codes, b.per_block(scale_inv), bit_layout(f)))
@@ -260,7 +262,7 @@ def why_unavailable(recipe: Fp8Recipe, device: torch.device) -> str | None:
 
 
 def supports_cast(cast: Cast) -> bool:
-    return cast.scale in ("fp32", "pow2")
+    return cast.scale_encoding in ("fp32", "pow2")
 
 
 def supports_quantize(x: torch.Tensor, cast: Cast) -> bool:
@@ -269,7 +271,7 @@ def supports_quantize(x: torch.Tensor, cast: Cast) -> bool:
 
 def quantize(x: torch.Tensor, cast: Cast) -> KeptOperand:
     """:func:`quantize_kept` as a :class:`KeptOperand` (FP8 bytes, scales and the fp32 copy)."""
-    data, scale_inv, dequantized = quantize_kept(x, cast.block, cast.fmt, cast.scale == "pow2")
+    data, scale_inv, dequantized = quantize_kept(x, cast.block, cast.fmt, cast.scale_encoding)
     return KeptOperand(data, scale_inv, cast.block, dequantized)
 
 
@@ -281,7 +283,7 @@ def quantize_pair(x: torch.Tensor, a: Cast, b: Cast) -> tuple[KeptOperand, KeptO
     first = quantize(x, a)
     if native.available():  # the C kernel writes the fp32 copy anyway: keep it for dY's wgrad GEMM
         return first, quantize(x, b)
-    data, scale_inv = quantize_fp8(x, b.block, b.fmt, b.scale == "pow2")
+    data, scale_inv = quantize_fp8(x, b.block, b.fmt, b.scale_encoding)
     return first, KeptOperand(data, scale_inv, b.block)
 
 

@@ -121,12 +121,21 @@ def _takes(x: torch.Tensor) -> bool:
 
 
 def quantize(
-    x: torch.Tensor, bm: int, bk: int, fmax: float, pow2: bool, g: BitLayout, dtype: torch.dtype, kept: bool
+    x: torch.Tensor,
+    bm: int,
+    bk: int,
+    fmax: float,
+    scale_encoding: str,
+    g: BitLayout,
+    dtype: torch.dtype,
+    kept: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """``(data [M,K] fp8, scale_inv [Mb,Kb] fp32, dequantized [M,K] fp32 or None)`` of fp32 ``x``
     with ``bm x bk`` blocks (resolved); ``None`` where the caller's eager path must run (not
-    available, not contiguous fp32, or a NaN/inf block). ``g``: ``fast_emulated``'s
-    constants of the format."""
+    available, not contiguous fp32, or a NaN/inf block). ``scale_encoding``: ``"fp32"`` or ``"pow2"``;
+    ``g``: the format's bit layout (``infir2.fp8.formats.bit_layout``)."""
+    if scale_encoding not in ("fp32", "pow2"):
+        raise ValueError(f"the C quantizer takes fp32 or pow2 scales, got {scale_encoding!r}")
     if x.dtype != torch.float32 or not _takes(x) or not available():
         return None
     m, k = x.shape
@@ -143,7 +152,7 @@ def quantize(
         bm,
         bk,
         fmax,
-        int(pow2),
+        int(scale_encoding == "pow2"),  # the C loop knows fp32 and pow2 scales
         g.exponent_floor,
         g.magic_offset,
         g.mbits,
@@ -158,7 +167,9 @@ def quantize(
     return data.view(dtype), scales[0], deq if kept else None
 
 
-def decode(data: torch.Tensor, scale_inv: torch.Tensor, bm: int, bk: int, g: BitLayout) -> torch.Tensor | None:
+def decode(
+    data: torch.Tensor, scale_inv: torch.Tensor, bm: int, bk: int, g: BitLayout
+) -> torch.Tensor | None:
     """fp32 ``data * scale_inv`` of FP8 ``data`` with ``bm x bk`` blocks; ``None`` where the caller's
     eager path must run (including NaN/inf codes)."""
     if not _takes(data) or scale_inv.dtype != torch.float32 or not available():

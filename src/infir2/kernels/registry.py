@@ -177,14 +177,14 @@ class Kernels:
     def quantize(self, x: torch.Tensor, cast: Cast) -> Operand:
         return self._run(
             lambda be: be.supports_quantize(x, cast),
-            lambda: f"quantize {tuple(cast.block)} {cast.fmt}/{cast.scale}",
+            lambda: f"quantize {tuple(cast.block)} {cast.fmt}/{cast.scale_encoding}",
             lambda be: be.quantize(x, cast),
         )
 
     def quantize_pair(self, x: torch.Tensor, a: Cast, b: Cast) -> tuple[Operand, Operand]:
         return self._run(
             lambda be: be.supports_quantize(x, a) and be.supports_quantize(x, b),
-            lambda: f"quantize {tuple(a.block)} + {tuple(b.block)} {a.fmt}/{a.scale}",
+            lambda: f"quantize {tuple(a.block)} + {tuple(b.block)} {a.fmt}/{a.scale_encoding}",
             lambda be: be.quantize_pair(x, a, b),
         )
 

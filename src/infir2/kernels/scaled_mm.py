@@ -44,7 +44,7 @@ NAME = "scaled_mm"
 
 
 def _per_tensor_or_row(cast: Cast) -> bool:
-    return cast.scale != "e8m0" and tuple(cast.block) in ((-1, -1), (1, -1), (-1, 1))
+    return cast.scale_encoding != "e8m0" and tuple(cast.block) in ((-1, -1), (1, -1), (-1, 1))
 
 
 def why_unavailable(recipe: Fp8Recipe, device: torch.device) -> str | None:

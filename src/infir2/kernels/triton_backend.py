@@ -37,7 +37,7 @@ _BLOCKS = (_ROW_TILE, _TOKEN_TILE, (BLOCK, BLOCK))
 
 
 def why_unavailable(recipe: Fp8Recipe, device: torch.device) -> str | None:
-    if not any(c.scale != "e8m0" and tuple(c.block) in _BLOCKS for c in recipe.casts.values()):
+    if not any(c.scale_encoding != "e8m0" and tuple(c.block) in _BLOCKS for c in recipe.casts.values()):
         return f"the Triton kernels implement blockwise casts {_BLOCKS}; recipe {recipe.name!r} has none"
     if device.type != "cuda":
         return f"needs a CUDA device, got {device.type}"
@@ -51,13 +51,17 @@ def why_unavailable(recipe: Fp8Recipe, device: torch.device) -> str | None:
 def supports_quantize(x: torch.Tensor, cast: Cast) -> bool:
     from . import triton_quant
 
-    return x.is_cuda and cast.scale in ("fp32", "pow2") and triton_quant.supports_block(cast.block, x.shape)
+    return (
+        x.is_cuda
+        and cast.scale_encoding in ("fp32", "pow2")
+        and triton_quant.supports_block(cast.block, x.shape)
+    )
 
 
 def quantize(x: torch.Tensor, cast: Cast) -> Operand:
     from . import triton_quant
 
-    data, scale_inv = triton_quant.quantize(x, cast.block, cast.fmt, cast.scale == "pow2")
+    data, scale_inv = triton_quant.quantize(x, cast.block, cast.fmt, cast.scale_encoding)
     return Operand(data, scale_inv, cast.block)
 
 
@@ -68,10 +72,10 @@ def quantize_pair(x: torch.Tensor, a: Cast, b: Cast) -> tuple[Operand, Operand]:
     blocks = (resolve_block(a.block, x.shape), resolve_block(b.block, x.shape))
     if (
         a.fmt == b.fmt
-        and a.scale == b.scale
+        and a.scale_encoding == b.scale_encoding
         and blocks in ((_ROW_TILE, _TOKEN_TILE), (_TOKEN_TILE, _ROW_TILE))
     ):
-        row, col = triton_quant.quantize_both(x, a.fmt, a.scale == "pow2")
+        row, col = triton_quant.quantize_both(x, a.fmt, a.scale_encoding)
         ops = Operand(*row, _ROW_TILE), Operand(*col, _TOKEN_TILE)
         return ops if blocks[0] == _ROW_TILE else (ops[1], ops[0])
     return quantize(x, a), quantize(x, b)

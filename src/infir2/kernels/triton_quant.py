@@ -1,6 +1,6 @@
 """Triton quantization kernels: one pass over memory per quantization, same results as the reference.
 
-``quantize(x, block, fmt, pow2_scale)`` has the contract of :func:`infir2.fp8.quantize` for the three
+``quantize(x, block, fmt, scale_encoding)`` has the contract of :func:`infir2.fp8.quantize` for the three
 block shapes of the blockwise recipe, and returns bit-identical values (same fp32 math: IEEE
 division, mantissa-clearing pow2 rounding, saturating round-to-nearest-even cast). Each program
 loads one tile of ``x`` once, reduces ``amax`` per block in registers, and writes the FP8 data and
@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from ..fp8.formats import BLOCK, EXPONENT_MASK, FLT_MAX, get_format
-from ..fp8.quantize import Block, resolve_block
+from ..fp8.quantize import Block, ScaleEncoding, resolve_block
 
 __all__ = ["SUPPORTED_BLOCKS", "launch_guard", "quantize", "quantize_both", "supports_block"]
 
@@ -194,21 +194,28 @@ def _quantize_both_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: n
              mask=offs_k[None, :] < K)  # fmt: skip
 
 
+def _pow2(scale_encoding: ScaleEncoding) -> bool:
+    """The kernels' ``POW2`` switch: ``"pow2"`` or ``"fp32"`` scales (E8M0 is not implemented here)."""
+    if scale_encoding not in ("fp32", "pow2"):
+        raise ValueError(f"triton quantize takes fp32 or pow2 scales, got {scale_encoding!r}")
+    return scale_encoding == "pow2"
+
+
 def supports_block(block: Block, shape: tuple[int, ...] | torch.Size) -> bool:
     """True when ``block`` (resolved against ``shape``) is one of :data:`SUPPORTED_BLOCKS`."""
     return resolve_block(block, shape) in SUPPORTED_BLOCKS and len(shape) == 2
 
 
 def quantize(
-    x: torch.Tensor, block: Block, fmt: str = "e4m3", pow2_scale: bool = True
+    x: torch.Tensor, block: Block, fmt: str = "e4m3", scale_encoding: ScaleEncoding = "pow2"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x [M, K]``; same contract and values as :func:`infir2.fp8.quantize` (see the module doc
     for the output layouts)."""
-    return _quantize(x, block, fmt, pow2_scale, data_dtype=None)
+    return _quantize(x, block, fmt, scale_encoding, data_dtype=None)
 
 
 def _quantize(
-    x: torch.Tensor, block: Block, fmt: str, pow2_scale: bool, data_dtype: torch.dtype | None
+    x: torch.Tensor, block: Block, fmt: str, scale_encoding: ScaleEncoding, data_dtype: torch.dtype | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize`, optionally writing ``data`` as ``data_dtype`` (tests use float32 to see the
     scaled, saturated values just before the FP8 cast)."""
@@ -240,7 +247,7 @@ def _quantize(
             x, _bytes(data) if codes else data, scale_inv, m, k,
             x.stride(0), x.stride(1), data.stride(0), data.stride(1), scale_inv.stride(0), scale_inv.stride(1),
             BM=bm, BK=bk, TILE_M=tile_m, TILE_K=tile_k,
-            FMAX=f.max, FLT_MAX=FLT_MAX, POW2=pow2_scale, HAS_INF=f.has_inf, CODES=codes,
+            FMAX=f.max, FLT_MAX=FLT_MAX, POW2=_pow2(scale_encoding), HAS_INF=f.has_inf, CODES=codes,
             num_warps=8 if tile_m * tile_k >= 128 * 128 else 4,  # a 128x128 fp32 tile: 64 values per thread
         )  # fmt: skip
     return data, scale_inv
@@ -252,15 +259,15 @@ def _bytes(data: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_both(
-    x: torch.Tensor, fmt: str = "e4m3", pow2_scale: bool = True
+    x: torch.Tensor, fmt: str = "e4m3", scale_encoding: ScaleEncoding = "pow2"
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """``(quantize(x, (1, 128)), quantize(x, (128, 1)))`` from one read of ``x``: the fprop (or dgrad)
     copy and the wgrad copy of an activation or output gradient, same values and layouts as two calls."""
-    return _quantize_both(x, fmt, pow2_scale, data_dtype=None)
+    return _quantize_both(x, fmt, scale_encoding, data_dtype=None)
 
 
 def _quantize_both(
-    x: torch.Tensor, fmt: str, pow2_scale: bool, data_dtype: torch.dtype | None
+    x: torch.Tensor, fmt: str, scale_encoding: ScaleEncoding, data_dtype: torch.dtype | None
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     if x.dim() != 2 or not x.dtype.is_floating_point or x.dtype.itemsize == 1:
         raise ValueError(f"quantize_both expects a 2-D floating-point tensor, got {tuple(x.shape)} {x.dtype}")
@@ -282,7 +289,7 @@ def _quantize_both(
             x.stride(0), x.stride(1), row_data.stride(0), row_data.stride(1),
             row_scale_inv.stride(0), row_scale_inv.stride(1), col_data.stride(0), col_data.stride(1),
             col_scale_inv.stride(0), col_scale_inv.stride(1),
-            TILE=BLOCK, FMAX=f.max, FLT_MAX=FLT_MAX, POW2=pow2_scale, HAS_INF=f.has_inf, CODES=codes,
+            TILE=BLOCK, FMAX=f.max, FLT_MAX=FLT_MAX, POW2=_pow2(scale_encoding), HAS_INF=f.has_inf, CODES=codes,
             num_warps=8,
         )  # fmt: skip
     return (row_data, row_scale_inv), (col_data, col_scale_inv)

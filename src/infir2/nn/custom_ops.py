@@ -58,7 +58,7 @@ class _Context:
 
 
 def _scale_dtype(cast: Cast) -> torch.dtype:
-    return torch.float8_e8m0fnu if cast.scale == "e8m0" else torch.float32
+    return torch.float8_e8m0fnu if cast.scale_encoding == "e8m0" else torch.float32
 
 
 def _blocks(rows: Any, cols: Any, block: Block) -> tuple[Any, Any]:

@@ -207,8 +207,9 @@ class Fp8ShardedWeight(torch.Tensor):
         recipe: Fp8Recipe = module.recipe  # type: ignore[assignment]
         offset = rank * padded
         amax = _reduced_block_amax(module, shard, n_rows, mesh)
+        w = recipe.w
         codes, scale_inv = quantize_with_amax(
-            shard, amax, recipe.w.block, recipe.w.fmt, recipe.w.scale, row_offset=offset, n_rows=n_rows
+            shard, amax, w.block, w.fmt, w.scale_encoding, row_offset=offset, n_rows=n_rows
         )
         codes_u8 = F.pad(codes.view(torch.uint8), (0, 0, 0, padded - shard.shape[0]))  # [P, K]
         return (codes_u8,), (scale_inv, recipe.w.block, recipe.w.fmt, n_rows)

@@ -13,8 +13,9 @@ Per layer and per quantized operand (``<gemm>.<operand>``: ``fprop.x``, ``fprop.
 * ``underflow``    the fraction of its non-zero elements whose FP8 code is zero (flushed by the
                    block's scale: an outlier in the block, or a scale clamped at its largest value);
 * ``saturation``   the fraction of its elements at the format's max (448 for E4M3);
-* ``scale_exp_min`` / ``scale_exp_max``: the range of ``log2(scale_inv)`` over its blocks (integers
-                   for pow2 / E8M0 scales; a block whose amax is 0 has ``scale_inv = 1``, exponent 0).
+* ``log2_scale_inv_min`` / ``log2_scale_inv_max``: the range of ``log2(scale_inv)`` over its blocks
+                   (integers for pow2 / E8M0 scales; a block whose amax is 0 has ``scale_inv = 1``,
+                   so 0).
 
 And, on the first micro-batch of the stats step, the SQNR (``infir2.fp8.sqnr``, dB) of each GEMM's
 result against the same GEMM recomputed in fp32 from the unquantized operands::
@@ -63,7 +64,7 @@ __all__ = [
 #: The first component of every telemetry key.
 PREFIX = "fp8"
 #: The statistics of each quantized operand, in key order.
-OPERAND_STATS = ("amax", "underflow", "saturation", "scale_exp_min", "scale_exp_max")
+OPERAND_STATS = ("amax", "underflow", "saturation", "log2_scale_inv_min", "log2_scale_inv_max")
 #: The statistic of each GEMM result (``fprop.y``, ``dgrad.dx``, ``wgrad.dw``).
 SQNR_STAT = "sqnr_db"
 

@@ -59,7 +59,7 @@ class RolloutConfig:
     engine: Literal["builtin"] = "builtin"  # in-process generation with a KV cache (rl/engine.py)
     # the projections' GEMMs while generating: fp8 = the FP8 export's 128x128 weights + 1x128 activations
     precision: Literal["bf16", "fp8"] = "fp8"
-    scale: Literal["pow2", "fp32"] = "pow2"  # fp8 block scales (weights as `infir2 export --pow2-scale`)
+    scale: Literal["pow2", "fp32"] = "pow2"  # fp8 block scales (weights as `infir2 export --scale-encoding`)
     prompts_per_step: int = 128  # groups trained on per step
     group_size: int = 16  # samples per prompt
     oversample_prompts: int | None = (

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..export.layout import WEIGHT_BLOCK, is_projection_weight, quantize_weight
+from ..export.layout import WEIGHT_BLOCK, export_scale_encoding, is_projection_weight, quantize_weight
 from ..fp8.recipe import TILE, Cast, get_recipe
 from ..kernels import Operand, bind
 from ..model import autocast
@@ -96,7 +96,7 @@ class ServingFp8Linear(nn.Module):
     @torch.no_grad()
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         """Quantize a master weight with the export's function (``quantize_weight``) into the buffers."""
-        data, scale_inv = quantize_weight(weight.detach(), pow2_scale=self.scale == "pow2")
+        data, scale_inv = quantize_weight(weight.detach(), export_scale_encoding(self.scale))
         self.weight.copy_(data)
         self.weight_scale_inv.copy_(scale_inv)
         if bias is not None and self.bias is not None:

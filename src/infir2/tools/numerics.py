@@ -10,7 +10,7 @@ operand it quantizes (``fprop.x``, ``fprop.w``, ``dgrad.dy``, ``dgrad.w``, ``wgr
                  further (pow2 scales stop at 2**127) flushes its neighbours. Healthy: below ~1e-3.
     saturation   fraction at the format's max (448 for E4M3): the pow2 rule rounds the scale down,
                  so a block's largest element may land on it; more than that means overflow.
-    amax, scale_exp_min/max   the operand's largest magnitude and the range of log2(scale_inv).
+    amax, log2_scale_inv_min/max  the operand's largest magnitude and the range of log2(scale_inv).
 
 and, on one micro-batch, the SQNR (dB) of each GEMM's result (``fprop.y``, ``dgrad.dx``,
 ``wgrad.dw``) against the same GEMM in fp32 on the unquantized operands. E4M3 with 1x128 / 128x128

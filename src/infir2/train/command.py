@@ -2,8 +2,10 @@
 
 The config names the model (a local Hugging Face folder, or a new one from_config), the FP8 recipe,
 the data (CPT token shards from `infir2 prepare-cpt`, or SFT chat JSONL), AdamW, the schedule (WSD
-or cosine) and the loop settings; see infir2/configs/*.yaml for the InfiR2 setups. The run folder
-<run.out_dir>/<run.name> gets config.yaml (resolved), metrics.jsonl, tensorboard/, checkpoints/ and,
+or cosine) and the loop settings. CONFIG is a YAML file or the name of a shipped config (the InfiR2
+setups and tiny CPU runs: `infir2 config --list`); `infir2 config --keys` prints every key with its
+default and meaning, and the whole config (paths, data, batch sizes) is checked before any model is
+built. The run folder <run.out_dir>/<run.name> gets config.yaml (resolved), metrics.jsonl, tensorboard/, checkpoints/ and,
 at the end, hf/ (a Hugging Face folder that transformers loads).
 
 Re-running the same command resumes from the latest checkpoint in the run folder and continues
@@ -14,18 +16,23 @@ to start over them unless given --start-fresh. A rerun whose config changes the 
 (schedule, optim, data, model, fp8, run.seed, train.max_steps) is refused with the list of changes
 unless given --accept-config-changes (the old config.yaml is kept as config.<step>.yaml). One run folder takes one training at a time (a lock
 file, <run>/.lock, names the process holding it). Several processes (torchrun) shard the model with
-FSDP2; the run folder must be on a filesystem all nodes see (checkpoints are full state dicts
-gathered to rank 0, loadable on any number of processes; exact data resume needs the same number).
+FSDP2; the run folder must be on a filesystem all nodes see.
+
+Checkpoints (train.checkpoint_format): the default, auto, writes DCP shards (torch.distributed.checkpoint:
+every rank writes its own part, nothing is gathered to rank 0; with train.async_save the loop does not
+wait for the disk) whenever the run has several processes, and one full state.pt (a plain torch.load
+reads it) for a single process; set full or dcp to choose. Both load on any number of processes;
+an exact data resume needs the same number (docs/DISTRIBUTED.md).
 
 examples:
-  infir2 train src/infir2/configs/qwen2.5-1.5b-cpt.yaml
+  infir2 train qwen2.5-1.5b-cpt
   infir2 train my.yaml --set optim.lr=3e-4 --set fp8.recipe=bf16 --set run.name=bf16-baseline
   infir2 train my.yaml --load runs/qwen2.5-1.5b-cpt/checkpoints/step_00035000         # start from that checkpoint
-  infir2 train src/infir2/configs/qwen2.5-7b-decay-only.yaml              # WSD decay from a stable ckpt
-  torchrun --nproc_per_node 8 -m infir2.cli train src/infir2/configs/qwen2.5-7b-sft-stage1.yaml
+  infir2 train qwen2.5-7b-decay-only              # WSD decay from a stable ckpt
+  torchrun --nproc_per_node 8 -m infir2.cli train qwen2.5-7b-sft-stage1
                                                    # data parallel, FSDP2 (NCCL on GPUs, gloo on CPUs)
   torchrun --nnodes 4 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 \\
-      -m infir2.cli train src/infir2/configs/qwen2.5-7b-cpt.yaml
+      -m infir2.cli train qwen2.5-7b-cpt
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="YAML run config")
+    parser.add_argument("config", help="YAML run config, or a shipped config's name (infir2 config --list)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config field, e.g. --set optim.lr=3e-4 (repeatable)")  # fmt: skip
     parser.add_argument("--load", metavar="PATH",

@@ -1,7 +1,8 @@
 """Run configs: YAML files validated into nested dataclasses, with ``--set key=value`` overrides.
 
-A run config has eight sections (every field below, with its default; all hyperparameters of the
-InfiR2 recipe, docs/RECIPE.md section 2, can be written down)::
+A run config has eight sections (``infir2 config --keys`` prints every key with its default and its
+meaning, from the ``help`` of the fields below; all hyperparameters of the InfiR2 recipe,
+docs/RECIPE.md section 2, can be written down)::
 
     run:      name, out_dir, seed, device (auto|cpu|cuda)
     model:    path (local HF folder) | from_config ({arch: a name in infir2.model.ARCHS, hidden_size, ...}),
@@ -13,7 +14,8 @@ InfiR2 recipe, docs/RECIPE.md section 2, can be written down)::
     schedule: name (wsd|cosine|constant), warmup_steps | warmup_fraction, decay_steps | decay_fraction,
               decay_style (cosine|linear), min_lr | min_lr_ratio
     train:    max_steps, eval_every, eval_batches, eval_fp8, save_every, keep_last, log_every,
-              max_nonfinite_in_row, loss_chunk_tokens (auto|0|N), checkpoint_format (full|dcp), async_save
+              max_nonfinite_in_row, loss_spike_nats, loss_spike_window, loss_chunk_tokens (auto|0|N),
+              checkpoint_format (auto|full|dcp), async_save
     load:     path, mode (resume|decay_only|weights_only), reset_step, reset_data, force, start_fresh,
               accept_config_changes
 
@@ -28,7 +30,8 @@ field: ``--set optim.lr=3e-4 --set data.shuffle=false --set optim.betas=[0.9,0.9
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -40,6 +43,9 @@ from .typed_yaml import apply_overrides, build, config_error, to_plain
 
 #: the largest finite float32: optimizer hyperparameters above it become inf inside fp32 AdamW
 FP32_MAX = 3.4028234663852886e38
+#: the largest peak learning rate accepted: AdamW's update is about lr per element, so lr > 1 moves every
+#: weight by more than its typical size (~0.02) fifty times over in one step
+MAX_LR = 1.0
 
 __all__ = [
     "DataConfig",
@@ -53,118 +59,168 @@ __all__ = [
     "TrainConfig",
     "apply_overrides",
     "config_to_dict",
+    "key_reference",
     "load_config",
     "parse_config",
+    "resolve_checkpoint_format",
+    "resolve_config_path",
     "save_config",
+    "shipped_configs",
 ]
+
+
+def _key(default: Any, meaning: str) -> Any:
+    """A config field with its default and its meaning (``infir2 config --keys`` prints both)."""
+    return field(default=default, metadata={"help": meaning})
 
 
 @dataclass(frozen=True)
 class RunSection:
-    name: str = "run"
-    out_dir: str = "runs"  # the run folder is <out_dir>/<name>
-    seed: int = 0
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    name: str = _key("run", "the run folder is <out_dir>/<name>")
+    out_dir: str = _key("runs", "parent folder of the run folder")
+    seed: int = _key(0, "seed of the model init (from_config), dropout and the data order (unless data.seed)")
+    device: Literal["auto", "cpu", "cuda"] = _key(
+        "auto", "auto: cuda when available (torchrun: one GPU per rank)"
+    )
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    path: str | None = None  # local Hugging Face folder (config.json + weights); loaded with local_files_only
-    from_config: dict[str, Any] | None = (
-        None  # {arch: qwen2|llama, hidden_size: ..., ...}: a seeded new model
+    path: str | None = _key(None, "local Hugging Face folder (config.json + weights), loaded without network")
+    from_config: dict[str, Any] | None = field(default=None, metadata={"help": (
+        "a seeded new model instead: {arch: qwen2|llama, hidden_size: ..., num_hidden_layers: ...} "
+        "(any field of the architecture's transformers config)")})  # fmt: skip
+    tokenizer: str | None = _key(None, "tokenizer folder; default: model.path (required with from_config)")
+    precision: Literal["fp32", "bf16", "fp64"] = _key(
+        "bf16", "autocast dtype of the high-precision parts (masters stay fp32); fp32 on CPUs; fp64: masters, "
+        "high-precision parts and the emulated GEMMs' accumulation in float64 (a CPU-independent reference "
+        "for tests; slow)"
+    )  # fmt: skip
+    activation_checkpointing: bool = _key(False, "recompute each decoder layer in backward (long contexts)")
+    recompute_mlp: bool = _key(
+        True, "SwiGLU MLPs keep gate and up outputs and recompute silu in backward (exact; saves 2 [T, I] tensors)"
+    )  # fmt: skip
+    export_dtype: Literal["fp32", "bf16"] | None = _key(
+        None, "dtype of the final <run>/hf export; default: precision (fp32 for an fp64 run)"
     )
-    tokenizer: str | None = None  # tokenizer folder; default: `path`
-    # autocast dtype of the high-precision parts (masters stay fp32); "fp64": masters, high-precision
-    # parts and the emulated GEMMs' accumulation in float64 (a CPU-independent reference for tests; slow)
-    precision: Literal["fp32", "bf16", "fp64"] = "bf16"
-    activation_checkpointing: bool = False  # recompute each decoder layer in backward (long contexts)
-    # SwiGLU MLPs keep gate and up outputs and recompute silu in backward (exact; saves 2 [T, I] tensors)
-    recompute_mlp: bool = True
-    # dtype of the final HF export; default: precision (fp32 for an fp64 run)
-    export_dtype: Literal["fp32", "bf16"] | None = None
 
 
 @dataclass(frozen=True)
 class Fp8Config:
-    recipe: str = "blockwise"  # a name in infir2.fp8.RECIPES (checked against the registry)
-    backend: str | None = None  # force a GEMM backend (emulated, scaled_mm, ...); default: automatic
-    # FSDP2: all-gather FP8 linears' weights as FP8 codes (1 byte/element); default (null): on for the
-    # blockwise recipes; only recipes whose fprop and dgrad share the weight blocks can (not rowwise)
-    param_gather: bool | None = None
-    # FP8 numerics telemetry (infir2.nn.telemetry, `infir2 numerics`) every N steps; 0 = off
-    stats_every: int = 0
+    recipe: str = _key("blockwise", f"FP8 recipe, one of: {', '.join(RECIPES)} (bf16 = no FP8)")
+    backend: str | None = _key(None, "force a GEMM backend (emulated, scaled_mm, ...); default: automatic")
+    param_gather: bool | None = _key(
+        None, "FSDP2: all-gather FP8 linears' weights as FP8 codes (1 byte/element); default (null): on for "
+        "the blockwise recipes; only recipes whose fprop and dgrad share the weight blocks can (not rowwise)"
+    )  # fmt: skip
+    stats_every: int = _key(0, "FP8 numerics telemetry (`infir2 numerics`) every N steps; 0 = off")
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    kind: Literal["cpt", "sft"] = "cpt"
-    train_path: str = ""  # cpt: token-shard folder (train.bin + meta.json); sft: JSONL file
-    val_path: str | None = None  # cpt: same folder (val.bin) by default; sft: a JSONL file
-    seq_len: int = 2048  # cpt: window length
-    global_batch_size: int = 8  # sequences (cpt) or samples (sft) per optimizer step, all ranks together
-    micro_batch_size: int = 1  # cpt: sequences per forward
-    max_tokens_per_micro_batch: int | None = (
-        None  # sft: token budget per forward (authors' max_tokens_per_gpu)
+    kind: Literal["cpt", "sft"] = _key(
+        "cpt", "cpt: token shards from `infir2 prepare-cpt`; sft: chat JSONL/Parquet"
     )
-    max_length: int = 32768  # sft: longest sample
-    overlong: Literal["truncate", "drop"] = "truncate"  # sft: what happens to samples over max_length
-    epochs: int = 1  # passes over the data (sft); cpt runs are sized by train.max_steps
-    shuffle: bool = True
-    seed: int | None = None  # data order seed; default: run.seed
+    train_path: str = _key("", "required. cpt: token-shard folder (train.bin + meta.json); sft: a JSONL file")
+    val_path: str | None = _key(
+        None, "cpt: a shard folder (val.bin; default: train_path's); sft: a JSONL file"
+    )
+    seq_len: int = _key(2048, "cpt: window length in tokens")
+    global_batch_size: int = _key(
+        8, "sequences (cpt) or samples (sft) per optimizer step, all ranks together"
+    )
+    micro_batch_size: int = _key(1, "cpt: sequences per forward")
+    max_tokens_per_micro_batch: int | None = _key(
+        None, "sft (required): token budget per forward (the authors' max_tokens_per_gpu)"
+    )
+    max_length: int = _key(32768, "sft: longest sample in tokens")
+    overlong: Literal["truncate", "drop"] = _key("truncate", "sft: what happens to samples over max_length")
+    epochs: int = _key(1, "passes over the data (sft); cpt runs are sized by train.max_steps")
+    shuffle: bool = _key(True, "shuffle the training data each epoch")
+    seed: int | None = _key(None, "data order seed; default: run.seed")
 
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 1e-4  # peak learning rate
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1  # on >=2-D weights (incl. embeddings); never on norms or biases
-    grad_clip: float = 1.0  # max global grad norm; 0 = no clipping
-    fused: bool | None = None  # AdamW implementation: None = fused on CUDA, foreach elsewhere
-    state_dtype: Literal["fp32", "bf16"] = "fp32"  # AdamW moments' storage (math is fp32): 16 vs 12 B/param
+    lr: float = _key(1e-4, "peak learning rate of AdamW")
+    betas: tuple[float, float] = _key((0.9, 0.95), "AdamW betas")
+    eps: float = _key(1e-8, "AdamW eps")
+    weight_decay: float = _key(0.1, "on >=2-D weights (incl. embeddings); never on norms or biases")
+    grad_clip: float = _key(1.0, "max global grad norm; 0 = no clipping")
+    fused: bool | None = _key(None, "AdamW implementation: null = fused on CUDA, foreach elsewhere")
+    state_dtype: Literal["fp32", "bf16"] = _key(
+        "fp32", "AdamW moments' storage (math is fp32): 16 vs 12 bytes per parameter"
+    )
 
 
 @dataclass(frozen=True)
 class ScheduleConfig:
-    name: Literal["wsd", "cosine", "constant"] = "wsd"
-    warmup_steps: int | None = None
-    warmup_fraction: float | None = None  # of the total steps (e.g. 0.05); exclusive with warmup_steps
-    decay_steps: int | None = None  # wsd: the last decay_steps decay
-    decay_fraction: float | None = None  # wsd: the last fraction of the steps decays
-    decay_style: Literal["cosine", "linear"] = "cosine"  # wsd decay shape
-    min_lr: float | None = None  # final learning rate
-    min_lr_ratio: float | None = None  # final lr as a fraction of optim.lr; exclusive with min_lr
+    name: Literal["wsd", "cosine", "constant"] = _key(
+        "wsd", "learning-rate schedule: warmup-stable-decay, cosine, constant"
+    )
+    warmup_steps: int | None = _key(None, "linear warmup steps; exclusive with warmup_fraction")
+    warmup_fraction: float | None = _key(None, "warmup as a fraction of the total steps (e.g. 0.05)")
+    decay_steps: int | None = _key(None, "wsd: the last decay_steps decay; exclusive with decay_fraction")
+    decay_fraction: float | None = _key(None, "wsd: the last fraction of the steps decays")
+    decay_style: Literal["cosine", "linear"] = _key("cosine", "wsd decay shape")
+    min_lr: float | None = _key(None, "final learning rate; exclusive with min_lr_ratio")
+    min_lr_ratio: float | None = _key(None, "final learning rate as a fraction of optim.lr")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    max_steps: int | None = None  # optimizer steps; None: as many as the data yields (data.epochs)
-    eval_every: int = 0  # 0 = no periodic eval (the last step is still evaluated when val data exists)
-    eval_batches: int = 8  # val steps per evaluation
-    eval_fp8: bool = False  # evaluate with FP8 GEMMs (default: high precision, as the exported model runs)
-    save_every: int = 0  # 0 = only at the end
-    keep_last: int = 2
-    log_every: int = 1  # steps between progress-bar / stdout updates (metrics.jsonl gets every step)
-    max_nonfinite_in_row: int = 3  # consecutive skipped (non-finite) steps that stop the run
-    # chunked LM-head loss (chunked_loss.py): tokens per chunk; 0 = never; auto = 2048 once fp32 logits > 1 GiB
-    loss_chunk_tokens: int | Literal["auto"] = "auto"
-    # full: gathered to rank 0, one state.pt (loads anywhere with torch.load; rank 0 holds ~12 bytes per
-    # parameter while saving). dcp: torch.distributed.checkpoint, every rank writes its own shards
-    # (what multi-GPU runs want). full stays the default: the single-process tools read state.pt.
-    checkpoint_format: Literal["full", "dcp"] = "full"
-    async_save: bool = False  # dcp only: write in a background thread, the loop does not wait for the disk
+    max_steps: int | None = _key(None, "optimizer steps; null: as many as the data yields (data.epochs)")
+    eval_every: int = _key(
+        0, "steps between evaluations; 0 = none (the last step is still evaluated when val data exists)"
+    )
+    eval_batches: int = _key(
+        8, "validation batches per evaluation, all ranks together (the same held-out data on any world size)"
+    )
+    eval_fp8: bool = _key(
+        False, "evaluate with FP8 GEMMs (default: high precision, as the exported model runs)"
+    )
+    save_every: int = _key(0, "steps between checkpoints; 0 = only at the end")
+    keep_last: int = _key(2, "checkpoints kept in <run>/checkpoints")
+    log_every: int = _key(1, "steps between progress-bar / stdout updates (metrics.jsonl gets every step)")
+    max_nonfinite_in_row: int = _key(
+        3, "consecutive skipped steps (non-finite loss or grad norm, or a loss spike) that stop the run"
+    )
+    loss_spike_nats: float | None = _key(
+        3.0, "skip the update of a step whose loss is this many nats above the median of the last "
+        "loss_spike_window steps (its tokens e^3 = 20x less likely: divergence, not noise); null = off"
+    )  # fmt: skip
+    loss_spike_window: int = _key(32, "updated steps whose median loss is the spike guard's reference")
+    loss_chunk_tokens: int | Literal["auto"] = _key(
+        "auto",
+        "chunked LM-head loss: tokens per chunk; 0 = never; auto = chunks whose fp32 logits stay under "
+        "256 MiB whatever the vocabulary (441 tokens at 151,936 words), when the whole logits would not",
+    )
+    checkpoint_format: Literal["auto", "full", "dcp"] = field(default="auto", metadata={"help": (
+        "auto: dcp when the run has several processes (or async_save), else full. full: gathered to rank 0, "
+        "one state.pt (rank 0 holds ~12 bytes per parameter while saving). dcp: torch.distributed.checkpoint, "
+        "every rank writes its own shards (what multi-GPU runs want; loads on any number of processes)")})  # fmt: skip
+    async_save: bool = _key(
+        False, "dcp only: write in a background thread, the loop does not wait for the disk"
+    )
 
 
 @dataclass(frozen=True)
 class LoadConfig:
-    path: str | None = None  # a checkpoint folder (step_XXXXXXXX) to start from
-    mode: Literal["resume", "decay_only", "weights_only"] = "resume"
-    reset_step: bool = False  # decay_only: restart the step counter at 0 (the new schedule starts fresh)
-    reset_data: bool = False  # decay_only: start the data from the beginning instead of where it stopped
-    force: bool = False  # use `path` even when the run folder has checkpoints (set by `--load`)
-    start_fresh: bool = False  # if none of the run's checkpoints loads: set them aside, start at step 0
-    accept_config_changes: bool = (
-        False  # resume although schedule/optim/data/model/fp8/seed/max_steps changed
+    path: str | None = _key(None, "a checkpoint folder (step_XXXXXXXX) to start from (`--load`)")
+    mode: Literal["resume", "decay_only", "weights_only"] = _key(
+        "resume", "resume: everything; decay_only: weights + optimizer, a new schedule; weights_only: weights"
+    )
+    reset_step: bool = _key(
+        False, "decay_only: restart the step counter at 0 (the new schedule starts fresh)"
+    )
+    reset_data: bool = _key(
+        False, "decay_only: start the data from the beginning instead of where it stopped"
+    )
+    force: bool = _key(False, "use `path` even when the run folder has checkpoints (set by `--load`)")
+    start_fresh: bool = _key(False, "if none of the run's checkpoints loads: set them aside, start at step 0")
+    accept_config_changes: bool = _key(
+        False,
+        "resume although schedule/optim/data/model/fp8/seed/max_steps changed (`--accept-config-changes`)",
     )
 
 
@@ -216,7 +272,18 @@ def _check(cfg: RunConfig, source: str) -> None:
     for key in ("seq_len", "global_batch_size", "micro_batch_size", "max_length", "epochs"):
         positive(f"data.{key}", getattr(d, key))
     positive("data.max_tokens_per_micro_batch", d.max_tokens_per_micro_batch)
+    if (
+        d.kind == "sft"
+        and d.max_tokens_per_micro_batch is not None
+        and d.max_length > d.max_tokens_per_micro_batch
+    ):
+        raise config_error(source, "data.max_length", f"{d.max_length} exceeds data.max_tokens_per_micro_batch="
+                           f"{d.max_tokens_per_micro_batch}: a sample of max_length tokens must fit in one "
+                           "micro-batch")  # fmt: skip
     positive("optim.lr", o.lr)
+    if o.lr > MAX_LR:
+        raise config_error(source, "optim.lr", f"{o.lr:g} is above {MAX_LR:g}: no AdamW run uses such a learning "
+                           "rate (LM pre-training and SFT peak at 1e-5 .. 1e-2); the weights would diverge")  # fmt: skip
     positive("optim.eps", o.eps)
     positive("optim.weight_decay", o.weight_decay, allow_zero=True)
     positive("optim.grad_clip", o.grad_clip, allow_zero=True)
@@ -242,15 +309,30 @@ def _check(cfg: RunConfig, source: str) -> None:
     positive("fp8.stats_every", cfg.fp8.stats_every, allow_zero=True)
     for key in ("eval_every", "save_every"):
         positive(f"train.{key}", getattr(t, key), allow_zero=True)
-    for key in ("eval_batches", "keep_last", "log_every", "max_nonfinite_in_row"):
+    if t.loss_spike_nats is not None:
+        positive("train.loss_spike_nats", t.loss_spike_nats)
+    for key in ("eval_batches", "keep_last", "log_every", "max_nonfinite_in_row", "loss_spike_window"):
         positive(f"train.{key}", getattr(t, key))
     if cfg.fp8.param_gather and not RECIPES[cfg.fp8.recipe].gathers_fp8_weight:
         raise config_error(source, "fp8.param_gather", f"recipe {cfg.fp8.recipe} has no FP8 weight that serves both "
                    "fprop and dgrad; set fp8.param_gather to false or null")  # fmt: skip
-    if t.async_save and t.checkpoint_format != "dcp":
-        raise config_error(source, "train.async_save", "needs train.checkpoint_format: dcp")
+    if t.async_save and t.checkpoint_format == "full":
+        raise config_error(source, "train.async_save", "needs train.checkpoint_format: dcp (or auto)")
     if cfg.load.mode != "resume" and cfg.load.path is None:
         raise config_error(source, "load.path", f"load.mode {cfg.load.mode!r} needs a checkpoint path")
+
+
+def resolve_checkpoint_format(cfg: RunConfig, world_size: int) -> RunConfig:
+    """``cfg`` with ``train.checkpoint_format: auto`` resolved for ``world_size`` processes.
+
+    auto is ``dcp`` (every rank writes its shards) when there are several processes or ``async_save``
+    is on, else ``full`` (one ``state.pt``, which the single-process tools read).
+    """
+    t = cfg.train
+    if t.checkpoint_format != "auto":
+        return cfg
+    several = world_size > 1 or t.async_save
+    return replace(cfg, train=replace(t, checkpoint_format="dcp" if several else "full"))
 
 
 def parse_config(data: dict[str, Any], source: str = "<dict>") -> RunConfig:
@@ -260,11 +342,35 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> RunConfig:
     return cfg
 
 
+def shipped_configs() -> dict[str, Path]:
+    """The run configs installed with the package (``infir2/configs/*.yaml``), by name (no ``.yaml``)."""
+    folder = Path(str(resources.files("infir2") / "configs"))
+    return {path.stem: path for path in sorted(folder.glob("*.yaml"))}
+
+
+def resolve_config_path(name: str | Path) -> Path:
+    """A run config file: ``name`` if it is a file, else the shipped config of that name.
+
+    ``tiny-cpt``, ``tiny-cpt.yaml`` and ``src/infir2/configs/tiny-cpt.yaml`` (the path in a checkout,
+    absent after ``pip install``) all name the shipped ``tiny-cpt.yaml``.
+    """
+    path = Path(name)
+    if path.is_file():
+        return path
+    shipped = shipped_configs()
+    stem = path.name.removesuffix(".yaml")
+    in_package_folder = path.parent == Path(".") or path.parent.parts[-2:] == ("infir2", "configs")
+    if in_package_folder and stem in shipped:
+        return shipped[stem]
+    raise FileNotFoundError(f"run config {name} does not exist: neither a file nor a shipped config "
+                            f"({', '.join(shipped)}; `infir2 config --list`)")  # fmt: skip
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
-    """Read a YAML run config, apply ``--set`` overrides, validate. Errors name the key and the file."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"run config {path} does not exist")
+    """Read a YAML run config (a file, or a shipped one by name), apply ``--set`` overrides, validate.
+
+    Errors name the key and the file."""
+    path = resolve_config_path(path)
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
@@ -286,3 +392,11 @@ def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
 def save_config(cfg: RunConfig, path: str | Path) -> None:
     """Write the resolved config (every field, defaults included) as YAML; it loads back unchanged."""
     Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+
+
+def key_reference() -> list[tuple[str, Any, str]]:
+    """Every config key as ``(dotted key, default, meaning)``, in the order of the sections."""
+    cfg = RunConfig()
+    defaults = config_to_dict(cfg)
+    return [(f"{section.name}.{f.name}", defaults[section.name][f.name], f.metadata.get("help", ""))
+            for section in fields(cfg) for f in fields(getattr(cfg, section.name))]  # fmt: skip

@@ -7,8 +7,11 @@ One optimizer step, top to bottom (``train_step``):
    the projections, each weight quantized once per step by ``cache_fp8_weights``), summed token
    cross-entropy, backward of ``sum_ce * world_size / n_loss_tokens`` -- so that after FSDP averages
    gradients over ranks the step's gradient is that of the per-token mean over the global batch;
-3. clip the global gradient norm; if the loss or the norm is not finite, skip the update (counted,
-   logged; ``train.max_nonfinite_in_row`` such steps in a row stop the run);
+3. clip the global gradient norm; if the loss or the norm is not finite, or the loss spikes (more than
+   ``train.loss_spike_nats`` above the median loss of the last ``train.loss_spike_window`` updated
+   steps, the guard against a diverging run whose loss stays finite), skip the update (counted,
+   logged; ``train.max_nonfinite_in_row`` such steps in a row stop the run, and no checkpoint is
+   written during a streak);
 4. AdamW at the schedule's learning rate for this step.
 
 Around it: evaluation every ``train.eval_every`` steps (``evaluate``: the held-out loss of
@@ -28,7 +31,9 @@ import logging
 import math
 import random
 import shutil
+import statistics
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,20 +42,27 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..data import load_tokenizer
+from ..data import first_difference, load_tokenizer
 from ..data.base import MicroBatch, StepSource, count_loss_tokens
 from ..loss import heldout_loss, token_ce_sum
-from ..model import check_model_folder
 from ..nn import cache_fp8_weights, fp8_modules
 from ..nn.telemetry import Fp8Telemetry
 from .checkpointing import PendingSave, TrainState, export_final, restore, save
-from .config import RunConfig
+from .config import RunConfig, resolve_checkpoint_format
 from .config_changes import reconcile_saved_config
 from .distributed import DistEnv, all_reduce_sum, init_distributed
 from .lock import run_lock
 from .metrics import MetricsLogger, peak_memory_gib
 from .optim import Schedule, build_optimizer, make_schedule
-from .setup import ValSteps, build_sources, rewinding, setup_model, total_steps
+from .setup import (
+    ValSteps,
+    build_sources,
+    check_inputs,
+    load_run_tokenizer,
+    rewinding,
+    setup_model,
+    total_steps,
+)
 
 __all__ = [
     "NonFiniteError",
@@ -131,8 +143,10 @@ def train_step(
     precision: str,
     env: DistEnv,
     loss_chunk_tokens: int | str = "auto",
+    max_loss: float = math.inf,
 ) -> dict[str, Any]:
-    """Forward/backward over this rank's micro-batches, clip, and (unless non-finite) one AdamW step."""
+    """Forward/backward over this rank's micro-batches, clip, and one AdamW step -- skipped when the loss
+    or the gradient norm is not finite, or the loss is above ``max_loss`` (a spike, ``out["spike"]``)."""
     counts = torch.tensor(
         [count_loss_tokens(micro_batches), sum(map(_num_tokens, micro_batches))], dtype=torch.float64
     )
@@ -147,13 +161,14 @@ def train_step(
     loss = float(all_reduce_sum(ce_total, env)) / max(n_loss_tokens, 1.0)
     grad_norm = _grad_norm(model, grad_clip)
     finite = math.isfinite(loss) and math.isfinite(grad_norm)
-    if finite:
+    spike = finite and loss > max_loss
+    if finite and not spike:
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "loss_tokens": int(n_loss_tokens),
-            "tokens": int(n_tokens), "skipped": not finite}  # fmt: skip
+            "tokens": int(n_tokens), "skipped": not finite or spike, "spike": spike}  # fmt: skip
 
 
 def evaluate(
@@ -186,15 +201,25 @@ def _count_nonfinite(state: TrainState, out: dict[str, Any], cfg: RunConfig, log
         return
     state.nonfinite_total += 1
     state.nonfinite_in_row += 1
-    logger.message(f"step {state.step}: non-finite loss {out['loss']} or grad norm {out['grad_norm']}: update "
-                   f"skipped ({state.nonfinite_in_row} in a row, {state.nonfinite_total} in total)")  # fmt: skip
+    why = (f"loss spike {out['loss']:.4g}, more than train.loss_spike_nats={cfg.train.loss_spike_nats} above the "
+           f"median {out['spike_reference']:.4g} of the last steps" if out.get("spike")
+           else f"non-finite loss {out['loss']} or grad norm {out['grad_norm']}")  # fmt: skip
+    logger.message(f"step {state.step}: {why}: update skipped ({state.nonfinite_in_row} in a row, "
+                   f"{state.nonfinite_total} in total)")  # fmt: skip
     if state.nonfinite_in_row >= cfg.train.max_nonfinite_in_row:
         where = (f"the last checkpoint written before the streak is {last_checkpoint}" if last_checkpoint
                  else "no checkpoint was written before the streak")  # fmt: skip
         raise NonFiniteError(f"stopping at step {state.step}: {state.nonfinite_in_row} steps in a row had a "
-                             f"non-finite loss or gradient norm (train.max_nonfinite_in_row="
-                             f"{cfg.train.max_nonfinite_in_row}); {where}. Lower optim.lr, check the data, or "
-                             f"try another fp8.recipe, then resume with --load that checkpoint")  # fmt: skip
+                             f"non-finite loss or gradient norm or a loss spike (train.max_nonfinite_in_row="
+                             f"{cfg.train.max_nonfinite_in_row}; last: {why}); {where}. Lower optim.lr, check the "
+                             f"data, or try another fp8.recipe, then resume with --load that checkpoint")  # fmt: skip
+
+
+def _spike_limit(recent: deque[float], nats: float | None) -> float:
+    """The loss above which a step is a spike: ``nats`` above the median of ``recent`` (inf without history)."""
+    if nats is None or not recent:
+        return math.inf
+    return statistics.median(recent) + nats
 
 
 def _due(step: int, every: int, last: bool) -> bool:
@@ -218,8 +243,10 @@ def train(
     Under ``torchrun`` every rank calls this.
     """
     env = init_distributed(cfg.run.device)
+    cfg = resolve_checkpoint_format(cfg, env.world_size)  # auto: dcp on several processes
     created = env.is_main and not cfg.run_dir.exists()
     try:
+        check_inputs(cfg, env.world_size, data=train_source is None)  # before any folder, model or data
         with run_lock(cfg.run_dir, enabled=env.is_main):  # one process (group) per run folder
             return _run(cfg, env, model, tokenizer, train_source, val_source, progress)
     except Exception:
@@ -233,6 +260,8 @@ def train(
 def _remove_if_unstarted(run_dir: Path) -> None:
     """A run folder this call created, whose start failed (no step logged, no checkpoint): remove it."""
     metrics = run_dir / "metrics.jsonl"
+    if not run_dir.exists():  # the inputs were refused before the folder was made
+        return
     if any((run_dir / "checkpoints").glob("step_*")) or (metrics.exists() and metrics.stat().st_size):
         return
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -243,11 +272,8 @@ def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, 
          val_source: StepSource | ValSteps | None, progress: bool) -> TrainResult:  # fmt: skip
     run_dir = cfg.run_dir
     reconcile_saved_config(cfg, write=env.is_main)  # refuses meaningful changes on resume; keeps the old one
-    if cfg.model.path and model is None:
-        check_model_folder(cfg.model.path)  # before the tokenizer: a missing model is named as such
-    tokenizer_path = cfg.model.tokenizer or cfg.model.path
-    if tokenizer is None and tokenizer_path:
-        tokenizer = load_tokenizer(tokenizer_path)
+    if tokenizer is None:
+        tokenizer = load_run_tokenizer(cfg)
     model = setup_model(cfg, env, model, tokenizer)
     optimizer = build_optimizer(model, cfg.optim)
     if train_source is None:
@@ -267,15 +293,21 @@ def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, 
     with MetricsLogger(run_dir, env.is_main, state.step, n_steps, cfg.train.log_every, progress) as logger:
         steps = iter(train_source)
         pending: PendingSave | None = None  # the last periodic save (async: maybe still writing)
+        recent: deque[float] = deque(maxlen=cfg.train.loss_spike_window)  # losses of updated steps
         while state.step < n_steps:
             t0 = time.perf_counter()
             micro_batches = next(steps, None)
             if micro_batches is None:
                 logger.message(f"data exhausted after {state.step} steps (of {n_steps})")
                 break
+            limit = _spike_limit(recent, cfg.train.loss_spike_nats)
             with telemetry.record(state.step + 1) as fp8_stats:
                 out = train_step(model, optimizer, micro_batches, schedule(state.step), cfg.optim.grad_clip,
-                                 cfg.model.precision, env, cfg.train.loss_chunk_tokens)  # fmt: skip
+                                 cfg.model.precision, env, cfg.train.loss_chunk_tokens, limit)  # fmt: skip
+            if out["spike"]:
+                out["spike_reference"] = limit - (cfg.train.loss_spike_nats or 0.0)
+            elif not out["skipped"]:
+                recent.append(out["loss"])
             state.step += 1
             state.tokens_seen += out["tokens"]
             seconds = time.perf_counter() - t0
@@ -305,4 +337,15 @@ def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, 
         else:
             result.checkpoint = save(cfg, env, model, optimizer, train_source, state).wait()
         result.hf_dir = export_final(cfg, env, model, tokenizer, result.checkpoint)
+        if env.is_main and result.hf_dir is not None and tokenizer is not None:
+            _check_export_tokenizer(tokenizer, result.hf_dir, logger)
     return result
+
+
+def _check_export_tokenizer(tokenizer: Any, hf_dir: Path, logger: MetricsLogger) -> None:
+    """Warn if ``AutoTokenizer`` on the export splits text otherwise than the run did (a passed-in tokenizer)."""
+    difference = first_difference(tokenizer, load_tokenizer(hf_dir))
+    if difference is not None:
+        logger.message(f"warning: AutoTokenizer on {hf_dir} tokenizes {difference[0]!r} into {len(difference[2])} "
+                       f"tokens, the run's tokenizer into {len(difference[1])}: load the export's tokenizer "
+                       "with infir2.data.load_tokenizer(<tokenizer folder>, model_type=...) before training")  # fmt: skip

@@ -10,24 +10,95 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..data import CptSource, SftSource, load_conversations, load_tokens, val_batches
+from ..data import (
+    CptSource,
+    SftSource,
+    check_tokenized_by,
+    folder_model_type,
+    load_conversations,
+    load_cpt_meta,
+    load_tokenizer,
+    load_tokens,
+    val_batches,
+)
 from ..data.base import MicroBatch, StepSource
+from ..data.tokens import check_batch_sizes
 from ..fp8 import get_recipe
-from ..model import build_from_config, load_pretrained, prepare_for_training
+from ..model import build_from_config, check_model_folder, load_pretrained, prepare_for_training
 from .config import RunConfig
 from .distributed import DistEnv, shard_model
 
-__all__ = ["ValSteps", "build_model", "build_sources", "rewinding", "setup_model", "total_steps"]
+__all__ = [
+    "ValSteps",
+    "build_model",
+    "build_sources",
+    "check_inputs",
+    "load_run_tokenizer",
+    "rewinding",
+    "setup_model",
+    "total_steps",
+]
 
 log = logging.getLogger(__name__)
 
 #: A function returning fresh validation steps (called before every evaluation).
 ValSteps = Callable[[], Iterable[list[MicroBatch]]]
+
+
+def check_inputs(cfg: RunConfig, world_size: int = 1, data: bool = True) -> None:
+    """Check what the config names before anything is built: a clear error naming the key, in seconds.
+
+    The model and tokenizer folders exist; with ``data`` (the run builds its own sources): the data
+    files exist, SFT has its token budget, CPT's batch sizes divide over ``world_size`` ranks.
+    """
+    m, d = cfg.model, cfg.data
+    if m.path:
+        check_model_folder(m.path)
+    if m.tokenizer and not Path(m.tokenizer).is_dir():
+        raise FileNotFoundError(f"model.tokenizer: tokenizer folder not found: {m.tokenizer} (`infir2 demo "
+                                "--data-only --out DIR` writes a small one to DIR/tokenizer)")  # fmt: skip
+    if not data:
+        return
+    if not d.train_path:
+        raise ValueError(
+            "data.train_path: is required (cpt: a `infir2 prepare-cpt` folder; sft: a JSONL file)"
+        )
+    if d.kind == "cpt":
+        for key, folder in (("data.train_path", d.train_path), ("data.val_path", d.val_path)):
+            if folder:
+                try:
+                    load_cpt_meta(folder)
+                except (FileNotFoundError, ValueError) as e:
+                    raise type(e)(f"{key}: {e}") from None
+        try:
+            check_batch_sizes(d.global_batch_size, d.micro_batch_size, 0, world_size)
+        except ValueError as e:
+            raise ValueError(f"data.global_batch_size: {e}") from None
+        return
+    if d.max_tokens_per_micro_batch is None:
+        raise ValueError("data.max_tokens_per_micro_batch: required for SFT (the token budget per forward)")
+    for key, file in (("data.train_path", d.train_path), ("data.val_path", d.val_path)):
+        if file and not Path(file).is_file():
+            raise FileNotFoundError(f"{key}: SFT data file {file} does not exist")
+
+
+def load_run_tokenizer(cfg: RunConfig) -> Any:
+    """The run's tokenizer (``model.tokenizer`` or ``model.path``), read as ``AutoTokenizer`` will read the
+    export: for the model's type (``from_config.arch``, or ``model_type`` in ``model.path/config.json``)."""
+    path = cfg.model.tokenizer or cfg.model.path
+    if not path:
+        return None
+    if cfg.model.from_config is not None:
+        model_type = cfg.model.from_config.get("arch")
+    else:
+        model_type = folder_model_type(cfg.model.path) if cfg.model.path else None
+    return load_tokenizer(path, model_type=model_type)
 
 
 def build_model(cfg: RunConfig, tokenizer: Any) -> nn.Module:
@@ -73,11 +144,13 @@ def build_sources(cfg: RunConfig, tokenizer: Any, env: DistEnv) -> tuple[StepSou
         cpt_source = CptSource(
             d.train_path, d.seq_len, d.global_batch_size, d.micro_batch_size, seed=seed, **ranks
         )
+        if tokenizer is not None:  # the shards must hold the ids the exported tokenizer produces
+            check_tokenized_by(tokenizer, d.train_path)
         val_dir = d.val_path or d.train_path
         if len(load_tokens(val_dir, "val")) < 2:
             log.warning("%s/val.bin holds fewer than 2 tokens: no evaluation", val_dir)
             return cpt_source, None
-        max_batches = cfg.train.eval_batches * env.world_size
+        max_batches = cfg.train.eval_batches  # all ranks together: the same windows on any world size
 
         def cpt_val() -> Iterable[list[MicroBatch]]:
             batches = val_batches(
@@ -96,7 +169,10 @@ def build_sources(cfg: RunConfig, tokenizer: Any, env: DistEnv) -> tuple[StepSou
     train_source = SftSource(load_conversations(d.train_path), epochs=d.epochs, shuffle=d.shuffle, **sft)
     if not d.val_path:
         return train_source, None
-    val_source = SftSource(load_conversations(d.val_path), epochs=1, shuffle=False, **sft)
+    try:  # a file smaller than one batch would give no validation step: named here, before training
+        val_source = SftSource(load_conversations(d.val_path), epochs=1, shuffle=False, **sft)
+    except ValueError as e:
+        raise ValueError(f"data.val_path: {d.val_path}: {e}") from None
     return train_source, rewinding(val_source)
 
 

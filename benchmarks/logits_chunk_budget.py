@@ -1,0 +1,82 @@
+"""Chunk size of the LM-head loss against its speed and memory: `train.loss_chunk_tokens: auto` picks it.
+
+The chunked loss (``infir2.chunked_loss``) makes one ``[chunk, V]`` fp32 logits block at a time, so its
+memory falls with the chunk while the number of GEMM launches grows. Each chunk size runs in its own
+subprocess (one high-water mark cannot hide another): summed CE + backward of ``hidden [T,H] @
+lm_head [V,H].T``, ``--repeats`` times after one warm-up; the table gives the best time, the RSS high-
+water mark above the point where the inputs exist, and both as ratios to the first chunk size (by
+default 2048, the chunk the earlier auto rule used at this shape).
+
+    python benchmarks/logits_chunk_budget.py                      # T=4096 V=151936 H=256, fp32
+    python benchmarks/logits_chunk_budget.py --tokens 8192 --chunks 2048,441 --repeats 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+GIB = 2**30
+
+
+def child(tokens: int, vocab: int, hidden: int, chunk: int, repeats: int) -> dict:
+    import torch
+
+    from infir2.chunked_loss import chunked_linear_cross_entropy
+
+    torch.manual_seed(0)
+    h = torch.randn(tokens, hidden).requires_grad_()
+    w = torch.randn(vocab, hidden).mul_(hidden**-0.5).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,))
+    setup_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        h.grad = w.grad = None
+        t0 = time.perf_counter()
+        chunked_linear_cross_entropy(h, w, labels, -100, chunk).backward()
+        times.append(time.perf_counter() - t0)
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"chunk": chunk, "seconds": min(times[1:]), "above_setup_gib": (peak_kib - setup_kib) / 2**20,
+            "chunk_logits_gib": min(chunk, tokens) * vocab * 4 / GIB}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument(
+        "--chunks", default="2048,882,441,110", help="chunk sizes (tokens); the first is the reference"
+    )
+    p.add_argument("--repeats", type=int, default=2, help="timed runs per chunk size after one warm-up")
+    p.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(args.tokens, args.vocab, args.hidden, args.child, args.repeats)))
+        return
+    from infir2.chunked_loss import use_chunked_loss
+
+    rows = []
+    for chunk in map(int, args.chunks.split(",")):
+        cmd = [sys.executable, __file__, "--child", str(chunk), "--tokens", str(args.tokens), "--vocab",
+               str(args.vocab), "--hidden", str(args.hidden), "--repeats", str(args.repeats)]  # fmt: skip
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            sys.exit(f"chunk {chunk} failed:\n{out.stderr[-2000:]}")
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    print(f"T={args.tokens} V={args.vocab} H={args.hidden} fp32; chunked CE + backward, best of {args.repeats}; "
+          f"auto picks chunk {use_chunked_loss('auto', args.tokens, args.vocab)}")  # fmt: skip
+    print(f"{'chunk':>6}{'chunk logits GiB':>18}{'seconds':>9}{'time/ref':>10}{'RSS above setup GiB':>21}"
+          f"{'mem/ref':>9}")  # fmt: skip
+    ref = rows[0]
+    for r in rows:
+        print(f"{r['chunk']:>6}{r['chunk_logits_gib']:>18.3f}{r['seconds']:>9.2f}{r['seconds'] / ref['seconds']:>10.3f}"
+              f"{r['above_setup_gib']:>21.2f}{r['above_setup_gib'] / ref['above_setup_gib']:>9.3f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
