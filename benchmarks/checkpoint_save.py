@@ -39,8 +39,15 @@ def rss_kib(field: str) -> int:
 def model_100m() -> torch.nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
-                      num_attention_heads=12, num_key_value_heads=4, tie_word_embeddings=False)  # fmt: skip
+    cfg = Qwen2Config(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=8,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     return Qwen2ForCausalLM(cfg).float()
 
@@ -53,8 +60,13 @@ def save_full(root: Path, model, optimizer, env) -> None:
     )
     data = gather_objects({"step": 1}, env)
     if env.is_main:
-        state = {"model": model_sd, "optimizer": optim_sd, "scheduler": {"step": 1}, "data": data,
-                 "train_state": {"world_size": env.world_size}}  # fmt: skip
+        state = {
+            "model": model_sd,
+            "optimizer": optim_sd,
+            "scheduler": {"step": 1},
+            "data": data,
+            "train_state": {"world_size": env.world_size},
+        }
         ckpt.save_checkpoint(root, 1, state)
     torch.distributed.barrier()
 
@@ -62,8 +74,12 @@ def save_full(root: Path, model, optimizer, env) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--modes", nargs="+", default=["full", "dcp", "dcp-async"],
-                        help="formats to save, in this order (one per launch gives the cleanest memory figure)")  # fmt: skip
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=["full", "dcp", "dcp-async"],
+        help="formats to save, in this order (one per launch gives the cleanest memory figure)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     env = init_distributed("cpu")

@@ -29,9 +29,16 @@ from infir2.nn import cache_fp8_weights
 
 def build(hidden: int, layers: int, device: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=2048, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256),
-                         max_position_embeddings=4096, tie_word_embeddings=False)  # fmt: skip
+    config = Qwen2Config(
+        vocab_size=2048,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=max(1, hidden // 256),
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
     return Qwen2ForCausalLM(config).float().to(device)
 
 
@@ -75,24 +82,41 @@ def main() -> None:
         if name.startswith("FP8"):
             convert_to_fp8(model, "blockwise")
         compiled, first, graphs, breaks = compile_model(model, ids)
-        rows.append({"name": name, "models": (model, compiled), "first": first, "graphs": graphs,
-                     "breaks": breaks, "eager": float("inf"), "compiled": float("inf")})  # fmt: skip
+        rows.append(
+            {
+                "name": name,
+                "models": (model, compiled),
+                "first": first,
+                "graphs": graphs,
+                "breaks": breaks,
+                "eager": float("inf"),
+                "compiled": float("inf"),
+            }
+        )
     for i in range(args.warmup + args.repeats):  # every variant once per round: the same load for all
         for r in rows:
             for kind, model in zip(("eager", "compiled"), r["models"], strict=True):
                 seconds = step(model, ids)
                 if i >= args.warmup:
                     r[kind] = min(r[kind], seconds)
-    print(f"{args.layers} layers, width {args.hidden}, {args.batch} x {args.seq} tokens, {args.device}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")  # fmt: skip
-    print(f"{'model':36} {'eager ms':>9} {'compiled ms':>12} {'compiled/eager':>15} {'first step s':>13} "
-          f"{'graphs':>7} {'breaks':>7}")  # fmt: skip
+    print(
+        f"{args.layers} layers, width {args.hidden}, {args.batch} x {args.seq} tokens, {args.device}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
+    print(
+        f"{'model':36} {'eager ms':>9} {'compiled ms':>12} {'compiled/eager':>15} {'first step s':>13} "
+        f"{'graphs':>7} {'breaks':>7}"
+    )
     for r in rows:
-        print(f"{r['name']:36} {r['eager'] * 1e3:9.1f} {r['compiled'] * 1e3:12.1f} "
-              f"{r['compiled'] / r['eager']:15.2f} {r['first']:13.1f} {r['graphs']:7d} {r['breaks']:7d}")  # fmt: skip
+        print(
+            f"{r['name']:36} {r['eager'] * 1e3:9.1f} {r['compiled'] * 1e3:12.1f} "
+            f"{r['compiled'] / r['eager']:15.2f} {r['first']:13.1f} {r['graphs']:7d} {r['breaks']:7d}"
+        )
     base, fp8 = rows
-    print(f"FP8 / baseline step time: eager {fp8['eager'] / base['eager']:.2f}, "
-          f"compiled {fp8['compiled'] / base['compiled']:.2f}")  # fmt: skip
+    print(
+        f"FP8 / baseline step time: eager {fp8['eager'] / base['eager']:.2f}, "
+        f"compiled {fp8['compiled'] / base['compiled']:.2f}"
+    )
 
 
 if __name__ == "__main__":

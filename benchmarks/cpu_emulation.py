@@ -89,10 +89,14 @@ def bench_quantize(repeats: int, inner: int) -> None:
             return dequantize(data, scale_inv, block)
 
         times = fastest(
-            {"reference q+dq": reference, "reference q only": lambda x=x, b=block: quantize(x, b),
-             FAST: lambda x=x, b=block: fe.quantize_kept(x, b)},
-            repeats, inner,
-        )  # fmt: skip
+            {
+                "reference q+dq": reference,
+                "reference q only": lambda x=x, b=block: quantize(x, b),
+                FAST: lambda x=x, b=block: fe.quantize_kept(x, b),
+            },
+            repeats,
+            inner,
+        )
         row("quantize", label, times, "reference q+dq")
 
 
@@ -136,11 +140,14 @@ def bench_gemms(repeats: int, inner: int, cases: list[tuple[str, int, int, int]]
             torch.equal(a, b) for a, b in zip(reference_gemms(x, w, dy), fast_gemms(x, w, dy), strict=True)
         )
         times = fastest(
-            {"fp32 3 GEMMs": lambda x=x, w=w, dy=dy: (x @ w.t(), dy @ w, dy.t() @ x),
-             "fp8 reference+emulated": lambda x=x, w=w, dy=dy: reference_gemms(x, w, dy),
-             "fp8 fast+kept": lambda x=x, w=w, dy=dy: fast_gemms(x, w, dy)},
-            repeats, inner,
-        )  # fmt: skip
+            {
+                "fp32 3 GEMMs": lambda x=x, w=w, dy=dy: (x @ w.t(), dy @ w, dy.t() @ x),
+                "fp8 reference+emulated": lambda x=x, w=w, dy=dy: reference_gemms(x, w, dy),
+                "fp8 fast+kept": lambda x=x, w=w, dy=dy: fast_gemms(x, w, dy),
+            },
+            repeats,
+            inner,
+        )
         row("gemms", label, times, "fp32 3 GEMMs")
 
 
@@ -172,9 +179,16 @@ def bench_linear(repeats: int, inner: int, cases: list[tuple[str, int, int, int]
 def bench_model(repeats: int, inner: int) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(vocab_size=FULL.vocab_size, hidden_size=H, intermediate_size=I,
-                      num_hidden_layers=FULL.num_layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=2 * FULL.seq_len, tie_word_embeddings=True)  # fmt: skip
+    cfg = Qwen2Config(
+        vocab_size=FULL.vocab_size,
+        hidden_size=H,
+        intermediate_size=I,
+        num_hidden_layers=FULL.num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2 * FULL.seq_len,
+        tie_word_embeddings=True,
+    )
     ids = torch.randint(
         0, FULL.vocab_size, (FULL.cpt_batch, FULL.seq_len), generator=torch.Generator().manual_seed(0)
     )
@@ -227,9 +241,11 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     repeats = 2 if args.quick else args.repeats
-    print(f"cpu_emulation  {datetime.now(timezone.utc).isoformat(timespec='seconds')}  "
-          f"{platform.processor() or platform.machine()}  torch {torch.__version__}  "
-          f"threads {torch.get_num_threads()}  fastest of {repeats}")  # fmt: skip
+    print(
+        f"cpu_emulation  {datetime.now(timezone.utc).isoformat(timespec='seconds')}  "
+        f"{platform.processor() or platform.machine()}  torch {torch.__version__}  "
+        f"threads {torch.get_num_threads()}  fastest of {repeats}"
+    )
     sections = set(args.sections.split(","))
     cases = LINEARS[:-1] if args.quick else LINEARS
     if "quantize" in sections:

@@ -183,16 +183,20 @@ def table_val(runs: list[Run], out: Path, tags: list[str], seeds: list[int]) -> 
 
 def table_final(runs: list[Run], out: Path) -> str:
     """Last-batch training loss (the README's "CPT loss") vs its noise and vs the held-out loss."""
-    lines = ["| run | last-batch loss | mean / std of last 100 train losses | held-out loss | seconds |",
-             "|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| run | last-batch loss | mean / std of last 100 train losses | held-out loss | seconds |",
+        "|---|---|---|---|---|",
+    ]
     for r in runs:
         m = _metrics(r, out)
         losses = [x["loss"] for x in m if "loss" in x and not x.get("skipped")]
         tail = losses[-TRAIN_NOISE_WINDOW:]
         val = _val_curve(m)
         done = json.loads((r.dir(out) / "done.json").read_text())
-        lines.append(f"| {r.tag} s{r.seed} | {losses[-1]:.4f} | {statistics.mean(tail):.4f} / "
-                     f"{statistics.stdev(tail):.4f} | {val[max(val)]:.4f} | {done['seconds']:.0f} |")  # fmt: skip
+        lines.append(
+            f"| {r.tag} s{r.seed} | {losses[-1]:.4f} | {statistics.mean(tail):.4f} / "
+            f"{statistics.stdev(tail):.4f} | {val[max(val)]:.4f} | {done['seconds']:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -269,8 +273,9 @@ def plan(args: argparse.Namespace) -> tuple[list[Run], list[tuple[str, list[str]
     main = [BASELINE, *args.recipes]
     for recipe in main:
         add(recipe, recipe, base, seeds)
-    tables.append((f"demo setting (hidden {base.hidden_size}, lr {base.cpt_lr:g}, {base.cpt_steps} steps)",
-                   main, seeds))  # fmt: skip
+    tables.append(
+        (f"demo setting (hidden {base.hidden_size}, lr {base.cpt_lr:g}, {base.cpt_steps} steps)", main, seeds)
+    )
     groups = [g for g in args.ablations.split(",") if g]
     unknown = set(groups) - set(ABLATION_GROUPS)
     if unknown:
@@ -289,9 +294,15 @@ def plan(args: argparse.Namespace) -> tuple[list[Run], list[tuple[str, list[str]
         tables.append(
             (f"ablations of blockwise ({a_steps} steps)", [r + sfx for r in refs + recipes], a_seeds)
         )
-    variants = {"lr": ("lr1e-3", replace(a_base, cpt_lr=a_base.cpt_lr / 3)),
-                "wide": ("h256", replace(a_base, hidden_size=2 * a_base.hidden_size,
-                                         intermediate_size=2 * a_base.intermediate_size))}  # fmt: skip
+    variants = {
+        "lr": ("lr1e-3", replace(a_base, cpt_lr=a_base.cpt_lr / 3)),
+        "wide": (
+            "h256",
+            replace(
+                a_base, hidden_size=2 * a_base.hidden_size, intermediate_size=2 * a_base.intermediate_size
+            ),
+        ),
+    }
     for g in ("lr", "wide"):
         if g in groups:
             name, s = variants[g]
@@ -334,8 +345,10 @@ def main() -> int:
         execute(runs, args.out, args.jobs, args.eval_every, args.stats_every)
     runs = [r for r in runs if (r.dir(args.out) / "done.json").is_file()]
     done = {(r.tag, r.seed) for r in runs}
-    print(f"# demo_gap  {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC  {platform.processor() or platform.machine()}"
-          f"  torch {torch.__version__}\n")  # fmt: skip
+    print(
+        f"# demo_gap  {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC  {platform.processor() or platform.machine()}"
+        f"  torch {torch.__version__}\n"
+    )
     for title, tags, seeds in tables:
         if all((t, s) in done for t in tags for s in seeds):
             print(f"## held-out loss, {title}: baseline per seed, others as paired gap vs same seed\n")

@@ -66,9 +66,16 @@ def _worker(recipe: str, seed: int, out: Path, s: DemoSettings, data: dict[str, 
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, force=True)
     r = run_recipe(recipe, seed, out, s, data, load_tokenizer(out / "tokenizer"), progress=False)
-    result = {"recipe": recipe, "seed": seed, "accuracy": r.accuracy, "cpt_val_loss": r.cpt_val_loss,
-              "sft_val_loss": r.sft_val_loss, "seconds": r.seconds, "unparseable": r.unparseable,
-              "hard_accuracy": r.hard_accuracy}  # fmt: skip
+    result = {
+        "recipe": recipe,
+        "seed": seed,
+        "accuracy": r.accuracy,
+        "cpt_val_loss": r.cpt_val_loss,
+        "sft_val_loss": r.sft_val_loss,
+        "seconds": r.seconds,
+        "unparseable": r.unparseable,
+        "hard_accuracy": r.hard_accuracy,
+    }
     path = out / "results" / f"{recipe}_s{seed}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result))
@@ -104,13 +111,19 @@ def main() -> int:
     with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         for f in [pool.submit(_worker, r, k, out, s, data) for r, k in todo]:
             res = f.result()
-            print(f"  {res['recipe']} s{res['seed']}: {100 * res['accuracy']:.0f}% in {res['seconds']:.0f} s",
-                  flush=True)  # fmt: skip
+            print(
+                f"  {res['recipe']} s{res['seed']}: {100 * res['accuracy']:.0f}% in {res['seconds']:.0f} s",
+                flush=True,
+            )
     res = {key: json.loads(path.read_text()) for key, path in done.items()}
-    print(f"\n# demo_seeds {args.tag}: {' '.join(args.set) or '(defaults)'}  [{platform.machine()}, "
-          f"1 thread per run, {args.jobs} side by side, {time.perf_counter() - t0:.0f} s]\n")  # fmt: skip
-    print("| recipe | " + " | ".join(f"s{k}" for k in seeds) + " | min | mean | paired gap, 95% t-interval "
-          f"(margin +-{ACCURACY.margin:g} points) | harder split | s per run |")  # fmt: skip
+    print(
+        f"\n# demo_seeds {args.tag}: {' '.join(args.set) or '(defaults)'}  [{platform.machine()}, "
+        f"1 thread per run, {args.jobs} side by side, {time.perf_counter() - t0:.0f} s]\n"
+    )
+    print(
+        "| recipe | " + " | ".join(f"s{k}" for k in seeds) + " | min | mean | paired gap, 95% t-interval "
+        f"(margin +-{ACCURACY.margin:g} points) | harder split | s per run |"
+    )
     print("|---|" + "---|" * (len(seeds) + 5))
     base = {k: res[(recipes[0], k)]["accuracy"] for k in seeds}
     for r in recipes:
@@ -125,9 +138,11 @@ def main() -> int:
             gap = f"{v.mean:+.1f} [{v.low:+.1f}, {v.high:+.1f}]: {v.label}"
         hard = [h for k in seeds if (h := res[(r, k)].get("hard_accuracy")) is not None]
         cells = [f"{100 * acc[k]:.0f}%" for k in seeds]
-        print(f"| {r} | " + " | ".join(cells) + f" | {100 * min(acc.values()):.0f}% | "
-              f"{100 * statistics.fmean(acc.values()):.1f}% | {gap} | "
-              f"{f'{100 * statistics.fmean(hard):.1f}%' if hard else '—'} | {secs:.0f} |")  # fmt: skip
+        print(
+            f"| {r} | " + " | ".join(cells) + f" | {100 * min(acc.values()):.0f}% | "
+            f"{100 * statistics.fmean(acc.values()):.1f}% | {gap} | "
+            f"{f'{100 * statistics.fmean(hard):.1f}%' if hard else '—'} | {secs:.0f} |"
+        )
     return 0
 
 

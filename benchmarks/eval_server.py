@@ -44,8 +44,13 @@ def main_(args: argparse.Namespace) -> None:
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
-    folder = export_model(make_tiny_model(hidden=args.hidden), make_tokenizer(), out / "fp8", fmt="fp8",
-                          base_dtype=torch.bfloat16)  # fmt: skip
+    folder = export_model(
+        make_tiny_model(hidden=args.hidden),
+        make_tokenizer(),
+        out / "fp8",
+        fmt="fp8",
+        base_dtype=torch.bfloat16,
+    )
     AutoTokenizer.from_pretrained(folder).save_pretrained(folder)  # as transformers serve reads it
     common = [
         "eval",
@@ -82,8 +87,12 @@ if __name__ == "__main__":
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--n", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads of each engine (on a shared 2-core machine, 2 threads made batched "
-                        "generation 20x slower from OpenMP contention)")  # fmt: skip
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads of each engine (on a shared 2-core machine, 2 threads made batched "
+        "generation 20x slower from OpenMP contention)",
+    )
     p.add_argument("--cb", action="store_true", help="transformers serve --continuous-batching")
     main_(p.parse_args())

@@ -34,9 +34,16 @@ MODES = {"fp32": ("fp32", False), "bf16": ("bf16", False), "bf16+fp8": ("bf16", 
 def tiny_qwen2(args: argparse.Namespace) -> torch.nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                      num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=args.seq_len, tie_word_embeddings=False)  # fmt: skip
+    cfg = Qwen2Config(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=args.seq_len,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     return Qwen2ForCausalLM(cfg).float()
 
@@ -73,14 +80,20 @@ def main() -> None:
         env.close()
     if env.is_main:
         base = rows[1][1]
-        print(f"FSDP2 all-gather bytes per step and rank, world size {env.world_size}, tiny Qwen2 "
-              f"(hidden {args.hidden}, intermediate {args.intermediate}, {args.layers} layers, vocab {args.vocab}, "
-              f"{rows[0][4] / 1e6:.2f}M parameters), torch {torch.__version__}")  # fmt: skip
-        print(f"{'mode':<10} {'all-gather MB':>14} {'amax all-reduce KB':>19} {'amax all-reduces':>17} "
-              f"{'bytes/param':>12} {'ratio to bf16':>14}")  # fmt: skip
+        print(
+            f"FSDP2 all-gather bytes per step and rank, world size {env.world_size}, tiny Qwen2 "
+            f"(hidden {args.hidden}, intermediate {args.intermediate}, {args.layers} layers, vocab {args.vocab}, "
+            f"{rows[0][4] / 1e6:.2f}M parameters), torch {torch.__version__}"
+        )
+        print(
+            f"{'mode':<10} {'all-gather MB':>14} {'amax all-reduce KB':>19} {'amax all-reduces':>17} "
+            f"{'bytes/param':>12} {'ratio to bf16':>14}"
+        )
         for mode, wire, amax, collectives, n_params in rows:
-            print(f"{mode:<10} {wire / 1e6:>14.3f} {amax / 1e3:>19.1f} {collectives:>17.1f} "
-                  f"{wire / n_params:>12.3f} {wire / base:>14.3f}")  # fmt: skip
+            print(
+                f"{mode:<10} {wire / 1e6:>14.3f} {amax / 1e3:>19.1f} {collectives:>17.1f} "
+                f"{wire / n_params:>12.3f} {wire / base:>14.3f}"
+            )
 
 
 if __name__ == "__main__":

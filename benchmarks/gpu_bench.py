@@ -102,8 +102,10 @@ DGRAD_HEADER = f"{'dgrad shape':<14} {'backend':<10} {'view ms':>8} {'K-major ms
 
 
 def _dgrad_line(r: dict) -> str:
-    return (f"{r['shape']:<14} {r['backend']:<10} {r['view_ms']:>8.3f} {r['k_major_ms']:>11.3f} {r['ratio']:>6.2f} "
-            f"{r['copy_ms']:>8.3f} {r['max_abs_diff']:>10.2e}")  # fmt: skip
+    return (
+        f"{r['shape']:<14} {r['backend']:<10} {r['view_ms']:>8.3f} {r['k_major_ms']:>11.3f} {r['ratio']:>6.2f} "
+        f"{r['copy_ms']:>8.3f} {r['max_abs_diff']:>10.2e}"
+    )
 
 
 def bench_dgrad(backends: list[str]) -> list[dict]:
@@ -132,8 +134,15 @@ def _dgrad_rows(label: str, t: int, n: int, k: int, backends: list[str], device:
         t_view = _time_ms(lambda: backend.gemm_nt(dyq, view, torch.bfloat16))  # noqa: B023
         t_k_major = _time_ms(lambda: backend.gemm_nt(dyq, copy, torch.bfloat16))  # noqa: B023
         diff = backend.gemm_nt(dyq, view, torch.float32) - backend.gemm_nt(dyq, copy, torch.float32)
-        row = {"shape": label, "backend": name, "view_ms": t_view, "k_major_ms": t_k_major,
-               "ratio": t_k_major / t_view, "copy_ms": _time_ms(k_major), "max_abs_diff": float(diff.abs().max())}  # fmt: skip
+        row = {
+            "shape": label,
+            "backend": name,
+            "view_ms": t_view,
+            "k_major_ms": t_k_major,
+            "ratio": t_k_major / t_view,
+            "copy_ms": _time_ms(k_major),
+            "max_abs_diff": float(diff.abs().max()),
+        }
         print("  " + _dgrad_line(row), flush=True)
         rows.append(row)
     return rows
@@ -157,9 +166,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import triton
 
-    print(f"{torch.cuda.get_device_name()}  SM{''.join(map(str, torch.cuda.get_device_capability()))}  "
-          f"{torch.cuda.device_count()} GPU(s)  torch {torch.__version__}  CUDA {torch.version.cuda}  "
-          f"triton {triton.__version__}", flush=True)  # fmt: skip
+    print(
+        f"{torch.cuda.get_device_name()}  SM{''.join(map(str, torch.cuda.get_device_capability()))}  "
+        f"{torch.cuda.device_count()} GPU(s)  torch {torch.__version__}  CUDA {torch.version.cuda}  "
+        f"triton {triton.__version__}",
+        flush=True,
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     ok = True

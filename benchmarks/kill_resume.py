@@ -31,8 +31,15 @@ from infir2.data.cpt import prepare_cpt
 from infir2.data.tokenizer import train_bpe_tokenizer
 from infir2.tools.demo.data import make_demo_data, tokenizer_training_texts
 
-TINY = {"arch": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}  # fmt: skip
+TINY = {
+    "arch": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
 
 
 def _configs(root: Path) -> dict[str, dict]:
@@ -41,18 +48,34 @@ def _configs(root: Path) -> dict[str, dict]:
     tokenizer.save_pretrained(root / "tokenizer")
     prepare_cpt([data["cpt"]], root / "cpt", tokenizer, val_fraction=0.05, progress=False)
     common = {"optim": {"lr": 3e-3}, "fp8": {"recipe": "blockwise"}}
-    cpt = {**common, "run": {"name": "cpt", "device": "cpu"},
-           "model": {"from_config": TINY, "tokenizer": str(root / "tokenizer"), "precision": "fp32"},
-           "data": {"kind": "cpt", "train_path": str(root / "cpt"), "seq_len": 64, "global_batch_size": 8,
-                    "micro_batch_size": 4},
-           "schedule": {"name": "wsd", "warmup_steps": 2, "decay_steps": 4},
-           "train": {"max_steps": 12, "save_every": 3, "keep_last": 2, "eval_every": 6, "eval_batches": 2}}  # fmt: skip
-    sft = {**common, "run": {"name": "sft", "device": "cpu"},
-           "model": {"from_config": TINY, "tokenizer": str(root / "tokenizer"), "precision": "fp32"},
-           "data": {"kind": "sft", "train_path": str(data["sft_train"]), "global_batch_size": 8,
-                    "max_tokens_per_micro_batch": 512, "max_length": 256},
-           "schedule": {"name": "cosine", "warmup_fraction": 0.1},
-           "train": {"max_steps": 10, "save_every": 2, "keep_last": 2}}  # fmt: skip
+    cpt = {
+        **common,
+        "run": {"name": "cpt", "device": "cpu"},
+        "model": {"from_config": TINY, "tokenizer": str(root / "tokenizer"), "precision": "fp32"},
+        "data": {
+            "kind": "cpt",
+            "train_path": str(root / "cpt"),
+            "seq_len": 64,
+            "global_batch_size": 8,
+            "micro_batch_size": 4,
+        },
+        "schedule": {"name": "wsd", "warmup_steps": 2, "decay_steps": 4},
+        "train": {"max_steps": 12, "save_every": 3, "keep_last": 2, "eval_every": 6, "eval_batches": 2},
+    }
+    sft = {
+        **common,
+        "run": {"name": "sft", "device": "cpu"},
+        "model": {"from_config": TINY, "tokenizer": str(root / "tokenizer"), "precision": "fp32"},
+        "data": {
+            "kind": "sft",
+            "train_path": str(data["sft_train"]),
+            "global_batch_size": 8,
+            "max_tokens_per_micro_batch": 512,
+            "max_length": 256,
+        },
+        "schedule": {"name": "cosine", "warmup_fraction": 0.1},
+        "train": {"max_steps": 10, "save_every": 2, "keep_last": 2},
+    }
     return {"cpt": cpt, "sft": sft}
 
 
@@ -111,15 +134,21 @@ def main() -> int:
             rc = _run(cfg, out, None)
             run_dir = out / cfg["run"]["name"]
             losses, tensors = _fingerprint(run_dir)
-            same = (rc == 0 and losses == ref[0] and tensors.keys() == ref[1].keys()
-                    and all(torch.equal(tensors[k], ref[1][k]) for k in tensors))  # fmt: skip
+            same = (
+                rc == 0
+                and losses == ref[0]
+                and tensors.keys() == ref[1].keys()
+                and all(torch.equal(tensors[k], ref[1][k]) for k in tensors)
+            )
             leftovers = [p.name for p in (run_dir / "checkpoints").glob(".tmp-*")]
             ok = same and not leftovers
             total, identical = total + 1, identical + ok
-            print(f"{stage} trial {trial}: killed {killed}x at {', '.join(f'{d:.1f}s' for d in delays)} "
-                  f"(uninterrupted {wall:.1f}s); final rc {rc}; "
-                  f"{'bit-identical' if same else 'DIFFERS'}{'; leftovers ' + str(leftovers) if leftovers else ''}",
-                  flush=True)  # fmt: skip
+            print(
+                f"{stage} trial {trial}: killed {killed}x at {', '.join(f'{d:.1f}s' for d in delays)} "
+                f"(uninterrupted {wall:.1f}s); final rc {rc}; "
+                f"{'bit-identical' if same else 'DIFFERS'}{'; leftovers ' + str(leftovers) if leftovers else ''}",
+                flush=True,
+            )
     print(f"{identical}/{total} trials finished bit-identical to the uninterrupted runs")
     return 0 if identical == total else 1
 

@@ -40,8 +40,12 @@ def child(tokens: int, vocab: int, hidden: int, chunk: int, repeats: int) -> dic
         chunked_linear_cross_entropy(h, w, labels, -100, chunk).backward()
         times.append(time.perf_counter() - t0)
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"chunk": chunk, "seconds": min(times[1:]), "above_setup_gib": (peak_kib - setup_kib) / 2**20,
-            "chunk_logits_gib": min(chunk, tokens) * vocab * 4 / GIB}  # fmt: skip
+    return {
+        "chunk": chunk,
+        "seconds": min(times[1:]),
+        "above_setup_gib": (peak_kib - setup_kib) / 2**20,
+        "chunk_logits_gib": min(chunk, tokens) * vocab * 4 / GIB,
+    }
 
 
 def main() -> None:
@@ -62,20 +66,38 @@ def main() -> None:
 
     rows = []
     for chunk in map(int, args.chunks.split(",")):
-        cmd = [sys.executable, __file__, "--child", str(chunk), "--tokens", str(args.tokens), "--vocab",
-               str(args.vocab), "--hidden", str(args.hidden), "--repeats", str(args.repeats)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            str(chunk),
+            "--tokens",
+            str(args.tokens),
+            "--vocab",
+            str(args.vocab),
+            "--hidden",
+            str(args.hidden),
+            "--repeats",
+            str(args.repeats),
+        ]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
             sys.exit(f"chunk {chunk} failed:\n{out.stderr[-2000:]}")
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    print(f"T={args.tokens} V={args.vocab} H={args.hidden} fp32; chunked CE + backward, best of {args.repeats}; "
-          f"auto picks chunk {use_chunked_loss('auto', args.tokens, args.vocab)}")  # fmt: skip
-    print(f"{'chunk':>6}{'chunk logits GiB':>18}{'seconds':>9}{'time/ref':>10}{'RSS above setup GiB':>21}"
-          f"{'mem/ref':>9}")  # fmt: skip
+    print(
+        f"T={args.tokens} V={args.vocab} H={args.hidden} fp32; chunked CE + backward, best of {args.repeats}; "
+        f"auto picks chunk {use_chunked_loss('auto', args.tokens, args.vocab)}"
+    )
+    print(
+        f"{'chunk':>6}{'chunk logits GiB':>18}{'seconds':>9}{'time/ref':>10}{'RSS above setup GiB':>21}"
+        f"{'mem/ref':>9}"
+    )
     ref = rows[0]
     for r in rows:
-        print(f"{r['chunk']:>6}{r['chunk_logits_gib']:>18.3f}{r['seconds']:>9.2f}{r['seconds'] / ref['seconds']:>10.3f}"
-              f"{r['above_setup_gib']:>21.2f}{r['above_setup_gib'] / ref['above_setup_gib']:>9.3f}")  # fmt: skip
+        print(
+            f"{r['chunk']:>6}{r['chunk_logits_gib']:>18.3f}{r['seconds']:>9.2f}{r['seconds'] / ref['seconds']:>10.3f}"
+            f"{r['above_setup_gib']:>21.2f}{r['above_setup_gib'] / ref['above_setup_gib']:>9.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -45,9 +45,14 @@ def child(variant: str, tokens: int, vocab: int, hidden: int, chunk: int, max_gi
     loss.backward()
     seconds = time.perf_counter() - t0
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"variant": variant if variant == "plain" else f"chunked/{chunk}", "loss": loss.item(),
-            "grad_w_norm": w.grad.norm().item(), "setup_gib": setup_kib / 2**20,
-            "peak_gib": peak_kib / 2**20, "seconds": seconds}  # fmt: skip
+    return {
+        "variant": variant if variant == "plain" else f"chunked/{chunk}",
+        "loss": loss.item(),
+        "grad_w_norm": w.grad.norm().item(),
+        "setup_gib": setup_kib / 2**20,
+        "peak_gib": peak_kib / 2**20,
+        "seconds": seconds,
+    }
 
 
 def main() -> None:
@@ -66,8 +71,20 @@ def main() -> None:
     runs = [("plain", 0)] + [("chunked", int(c)) for c in args.chunks.split(",")]
     rows = []
     for variant, chunk in runs:
-        cmd = [sys.executable, __file__, "--child", f"{variant}:{chunk}", "--tokens", str(args.tokens),
-               "--vocab", str(args.vocab), "--hidden", str(args.hidden), "--max-gib", str(args.max_gib)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            f"{variant}:{chunk}",
+            "--tokens",
+            str(args.tokens),
+            "--vocab",
+            str(args.vocab),
+            "--hidden",
+            str(args.hidden),
+            "--max-gib",
+            str(args.max_gib),
+        ]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
             sys.exit(f"{variant}:{chunk} failed:\n{out.stderr[-2000:]}")
@@ -79,9 +96,11 @@ def main() -> None:
     for r in rows:
         above = r["peak_gib"] - r["setup_gib"]
         plain_above = plain["peak_gib"] - plain["setup_gib"]
-        print(f"{r['variant']:<14}{r['peak_gib']:>10.2f}{above:>13.2f}{r['peak_gib'] / plain['peak_gib']:>12.3f}"
-              f"{above / plain_above:>13.3f}{r['seconds']:>9.1f}"
-              f"{abs(r['loss'] / plain['loss'] - 1):>15.1e}{abs(r['grad_w_norm'] / plain['grad_w_norm'] - 1):>15.1e}")  # fmt: skip
+        print(
+            f"{r['variant']:<14}{r['peak_gib']:>10.2f}{above:>13.2f}{r['peak_gib'] / plain['peak_gib']:>12.3f}"
+            f"{above / plain_above:>13.3f}{r['seconds']:>9.1f}"
+            f"{abs(r['loss'] / plain['loss'] - 1):>15.1e}{abs(r['grad_w_norm'] / plain['grad_w_norm'] - 1):>15.1e}"
+        )
 
 
 if __name__ == "__main__":

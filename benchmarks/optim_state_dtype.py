@@ -36,11 +36,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out:
         for dtype in ("fp32", "bf16"):
             for seed in seeds:
-                cfg = tiny_run_config(out, f"{dtype}-{seed}", run={"seed": seed},
-                                      optim={"lr": 3e-3, "state_dtype": dtype},
-                                      train={"max_steps": args.steps})  # fmt: skip
-                r = train(cfg, model=make_tiny_model(seed=seed), train_source=SyntheticSource(seed=seed),
-                          progress=False)  # fmt: skip
+                cfg = tiny_run_config(
+                    out,
+                    f"{dtype}-{seed}",
+                    run={"seed": seed},
+                    optim={"lr": 3e-3, "state_dtype": dtype},
+                    train={"max_steps": args.steps},
+                )
+                r = train(
+                    cfg,
+                    model=make_tiny_model(seed=seed),
+                    train_source=SyntheticSource(seed=seed),
+                    progress=False,
+                )
                 losses = [m["loss"] for m in r.history]
                 results[dtype, seed] = (losses[-1], sum(losses[-LAST:]) / LAST)
     print(f"tiny CPT, {args.steps} steps, blockwise FP8; loss: final | mean of last {LAST}")
@@ -50,8 +58,10 @@ def main() -> None:
     bf16 = [results["bf16", s][1] for s in seeds]
     spread = max(fp32) - min(fp32)
     gap = abs(sum(bf16) / len(bf16) - sum(fp32) / len(fp32))
-    print(f"fp32 seed spread (last-{LAST} mean) {spread:.4f}; |mean bf16 - mean fp32| {gap:.4f}; "
-          f"within spread: {gap <= spread}")  # fmt: skip
+    print(
+        f"fp32 seed spread (last-{LAST} mean) {spread:.4f}; |mean bf16 - mean fp32| {gap:.4f}; "
+        f"within spread: {gap <= spread}"
+    )
 
 
 if __name__ == "__main__":

@@ -36,8 +36,16 @@ def _accuracy(model_dir: Path, tokenizer, test: Path, sampled: bool = False) -> 
         if sampled
         else {"greedy": True}
     )
-    result = evaluate(model, tokenizer, problems, task="math", max_new_tokens=FULL.max_new_tokens,
-                      batch_size=FULL.eval_batch_size, progress=False, **how)  # fmt: skip
+    result = evaluate(
+        model,
+        tokenizer,
+        problems,
+        task="math",
+        max_new_tokens=FULL.max_new_tokens,
+        batch_size=FULL.eval_batch_size,
+        progress=False,
+        **how,
+    )
     return float(result.summary["avg@n"])
 
 
@@ -54,17 +62,28 @@ def _prompts(sft_train: Path, out: Path) -> Path:
 
 def _rl_config(out: Path, sft_hf: Path, prompts: Path, rollout: str, recipe: str, seed: int, args) -> dict:
     return {
-        "run": {"name": f"rl-{rollout}-{recipe}-s{seed}{args.name}", "out_dir": str(out / "runs"), "seed": seed, "device": "cpu"},
+        "run": {
+            "name": f"rl-{rollout}-{recipe}-s{seed}{args.name}",
+            "out_dir": str(out / "runs"),
+            "seed": seed,
+            "device": "cpu",
+        },
         "model": {"path": str(sft_hf), "precision": "fp32"},
         "fp8": {"recipe": recipe},
         "optim": {"lr": args.lr},
         "data": {"prompts_path": str(prompts)},
-        "rollout": {"precision": rollout, "prompts_per_step": args.prompts, "group_size": args.group,
-                    "oversample_prompts": 2 * args.prompts, "max_new_tokens": FULL.max_new_tokens, "temperature": args.temperature,
-                    "batch_size": 128},
+        "rollout": {
+            "precision": rollout,
+            "prompts_per_step": args.prompts,
+            "group_size": args.group,
+            "oversample_prompts": 2 * args.prompts,
+            "max_new_tokens": FULL.max_new_tokens,
+            "temperature": args.temperature,
+            "batch_size": 128,
+        },
         "algo": {"updates_per_batch": args.updates, "micro_batch_size": 64},
         "train": {"max_steps": args.steps, "save_every": 0, "log_every": 5},
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -97,8 +116,11 @@ def main() -> None:
         _accuracy(sft_hf, tokenizer, data["test"]),
         _accuracy(sft_hf, tokenizer, data["test"], sampled=True),
     )
-    print(f"SFT (seed {args.sft_seed}): greedy {100 * before[0]:.1f}%, avg@4 {100 * before[1]:.1f}% on "
-          f"{FULL.n_test} held-out problems", flush=True)  # fmt: skip
+    print(
+        f"SFT (seed {args.sft_seed}): greedy {100 * before[0]:.1f}%, avg@4 {100 * before[1]:.1f}% on "
+        f"{FULL.n_test} held-out problems",
+        flush=True,
+    )
     for seed in (int(s) for s in args.seeds.split(",")):
         for pair in args.pairs.split(","):
             rollout, recipe = pair.split(":")
@@ -107,8 +129,10 @@ def main() -> None:
             )
             result = rl(cfg, progress=False)
             assert result.hf_dir is not None
-            after = (_accuracy(result.hf_dir, tokenizer, data["test"]),
-                     _accuracy(result.hf_dir, tokenizer, data["test"], sampled=True))  # fmt: skip
+            after = (
+                _accuracy(result.hf_dir, tokenizer, data["test"]),
+                _accuracy(result.hf_dir, tokenizer, data["test"], sampled=True),
+            )
             history = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
             dlogp = sum(m.get("mismatch/abs_dlogp_mean", 0.0) for m in history) / len(history)
             seconds = sum(
@@ -120,8 +144,10 @@ def main() -> None:
             row = (seed, pair, before, after, first, last, dlogp, seconds)
             rows.append(row)
             print(_row(row), flush=True)
-    print("\n| RL seed | rollout:training | greedy: SFT -> RL | gain | avg@4 (T 0.65): SFT -> RL | gain | "
-          f"rollout accuracy (T {args.temperature}), steps 1-5 -> last 5 | mean abs dlogp | RL steps time |")  # fmt: skip
+    print(
+        "\n| RL seed | rollout:training | greedy: SFT -> RL | gain | avg@4 (T 0.65): SFT -> RL | gain | "
+        f"rollout accuracy (T {args.temperature}), steps 1-5 -> last 5 | mean abs dlogp | RL steps time |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(_row(row))
@@ -129,9 +155,11 @@ def main() -> None:
 
 def _row(row: tuple) -> str:
     seed, pair, before, after, first, last, dlogp, seconds = row
-    return (f"| {seed} | {pair} | {100 * before[0]:.0f}% -> {100 * after[0]:.0f}% | {100 * (after[0] - before[0]):+.0f} | "
-            f"{100 * before[1]:.1f}% -> {100 * after[1]:.1f}% | {100 * (after[1] - before[1]):+.1f} | "
-            f"{100 * first:.1f}% -> {100 * last:.1f}% | {dlogp:.1e} | {seconds:.0f} s |")  # fmt: skip
+    return (
+        f"| {seed} | {pair} | {100 * before[0]:.0f}% -> {100 * after[0]:.0f}% | {100 * (after[0] - before[0]):+.0f} | "
+        f"{100 * before[1]:.1f}% -> {100 * after[1]:.1f}% | {100 * (after[1] - before[1]):+.1f} | "
+        f"{100 * first:.1f}% -> {100 * last:.1f}% | {dlogp:.1e} | {seconds:.0f} s |"
+    )
 
 
 if __name__ == "__main__":

@@ -35,18 +35,29 @@ def _config(model: str, prompts: str, out: Path, name: str) -> dict:
         "fp8": {"recipe": "blockwise"},
         "optim": {"lr": 2e-5},
         "data": {"prompts_path": prompts},
-        "rollout": {"prompts_per_step": 4, "group_size": 4, "oversample_prompts": 6, "max_new_tokens": 64,
-                    "batch_size": 32, "carry_over": True},
+        "rollout": {
+            "prompts_per_step": 4,
+            "group_size": 4,
+            "oversample_prompts": 6,
+            "max_new_tokens": 64,
+            "batch_size": 32,
+            "carry_over": True,
+        },
         "algo": {"updates_per_batch": 2},
         "train": {"max_steps": 6, "save_every": 1, "keep_last": 2},
-    }  # fmt: skip
+    }
 
 
 def _run(cfg: dict, path: Path, kill_after: float | None) -> int | None:
     path.write_text(yaml.safe_dump(cfg))
     cmd = [sys.executable, "-m", "infir2.cli", "rl", str(path), "--no-progress"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", **_pythonpath()})  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", **_pythonpath()},
+    )
     try:
         _, err = proc.communicate(timeout=kill_after)
     except subprocess.TimeoutExpired:
@@ -109,9 +120,12 @@ def main() -> int:
         leftovers = list((args.out / name / "checkpoints").glob(".tmp-*"))
         ok = same and not leftovers
         failed += not ok
-        print(f"trial {trial}: killed {killed}x at {', '.join(f'{d:.1f}s' for d in delays)} "
-              f"(reference {wall:.1f}s): {'bit-identical' if same else 'DIFFERS'}, "
-              f"{len(leftovers)} leftover .tmp folders", flush=True)  # fmt: skip
+        print(
+            f"trial {trial}: killed {killed}x at {', '.join(f'{d:.1f}s' for d in delays)} "
+            f"(reference {wall:.1f}s): {'bit-identical' if same else 'DIFFERS'}, "
+            f"{len(leftovers)} leftover .tmp folders",
+            flush=True,
+        )
     print(f"{args.trials - failed}/{args.trials} trials bit-identical to the uninterrupted run")
     return 1 if failed else 0
 

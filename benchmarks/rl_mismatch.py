@@ -34,16 +34,23 @@ def measure(
     model_dir: str, prompts: list[list[int]], tok, rollout: str, recipe: str, args
 ) -> dict[str, float]:
     policy = prepare_for_training(load_pretrained(model_dir), recipe)
-    engine = BuiltinEngine(policy, rollout, "pow2", "fp32", 1.0, args.max_new_tokens, 64, stop_token_ids(tok),
-                           tok.pad_token_id)  # fmt: skip
+    engine = BuiltinEngine(
+        policy, rollout, "pow2", "fp32", 1.0, args.max_new_tokens, 64, stop_token_ids(tok), tok.pad_token_id
+    )
     groups = engine.generate(prompts, args.samples, seed=args.seed)
     flat = [(prompts[i], r) for i, g in enumerate(groups) for r in g]
     logps, rolls = [], []
     with torch.no_grad():
         for start in range(0, len(flat), 64):
             chunk = flat[start : start + 64]
-            logp, _mask, _ = sequence_logprobs(policy, [p for p, _ in chunk], [r.response_ids for _, r in chunk],
-                                              tok.pad_token_id, 1.0, "fp32")  # fmt: skip
+            logp, _mask, _ = sequence_logprobs(
+                policy,
+                [p for p, _ in chunk],
+                [r.response_ids for _, r in chunk],
+                tok.pad_token_id,
+                1.0,
+                "fp32",
+            )
             for i, (_, r) in enumerate(chunk):
                 logps.append(logp[i, : len(r.logprobs)])
                 rolls.append(torch.tensor(r.logprobs))
@@ -72,17 +79,22 @@ def main() -> None:
     prompts = [
         tok(render_prompt(tok, q.user_message), add_special_tokens=False)["input_ids"] for q in problems
     ]
-    print("| rollout | training | tokens | mean abs dlogp | max abs dlogp | k3 KL | prob error | TIS clip frac | "
-          "TIS ESS | abs dlogp left after TIS | time |")  # fmt: skip
+    print(
+        "| rollout | training | tokens | mean abs dlogp | max abs dlogp | k3 KL | prob error | TIS clip frac | "
+        "TIS ESS | abs dlogp left after TIS | time |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for pair in args.pairs.split(","):
         rollout, recipe = pair.split(":")
         t0 = time.perf_counter()
         m = measure(args.model, prompts, tok, rollout, recipe, args)
-        print(f"| {rollout} | {recipe} | {m['tokens']:.0f} | {m['mismatch/abs_dlogp_mean']:.2e} | "
-              f"{m['mismatch/abs_dlogp_max']:.2e} | {m['mismatch/k3_kl']:.2e} | {m['mismatch/prob_error']:.4f} | "
-              f"{m['mismatch/tis_clip_frac']:.4f} | {m['mismatch/tis_ess']:.4f} | {m['after_tis']:.2e} | "
-              f"{time.perf_counter() - t0:.0f} s |", flush=True)  # fmt: skip
+        print(
+            f"| {rollout} | {recipe} | {m['tokens']:.0f} | {m['mismatch/abs_dlogp_mean']:.2e} | "
+            f"{m['mismatch/abs_dlogp_max']:.2e} | {m['mismatch/k3_kl']:.2e} | {m['mismatch/prob_error']:.4f} | "
+            f"{m['mismatch/tis_clip_frac']:.4f} | {m['mismatch/tis_ess']:.4f} | {m['after_tis']:.2e} | "
+            f"{time.perf_counter() - t0:.0f} s |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -36,9 +36,16 @@ SOURCE = {"seed": 3, "global_batch_size": 4, "micro_batch_size": 1, "seq_len": 1
 def tiny_qwen2(seed: int = 0) -> torch.nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(vocab_size=300, hidden_size=128, intermediate_size=201, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=False)  # fmt: skip
+    cfg = Qwen2Config(
+        vocab_size=300,
+        hidden_size=128,
+        intermediate_size=201,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(cfg).float()
 

@@ -43,8 +43,12 @@ def main(out_dir: str, mode: str) -> None:
         source = SyntheticSource(rank=env.rank, world_size=env.world_size, **SOURCE)
         for _, micro_batches in zip(range(2), source, strict=False):
             train_step(model, optimizer, micro_batches, 3e-3, 1.0, "fp32", env)
-        extra = {"scheduler": {"step": 2}, "train_state": {"step": 2}, "data": source.state_dict(),
-                 "rng": {"rank": env.rank}}  # fmt: skip
+        extra = {
+            "scheduler": {"step": 2},
+            "train_state": {"step": 2},
+            "data": source.state_dict(),
+            "rng": {"rank": env.rank},
+        }
         pending = save_sharded(f"{out_dir}/ckpt", 2, model, optimizer, extra, env, async_save=mode == "async")
         path = pending.wait()
         ref_model, ref_optim = full_state(model, optimizer)

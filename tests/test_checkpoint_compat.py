@@ -34,16 +34,27 @@ _one_thread = pytest.fixture(autouse=True)(one_thread)
 def _model() -> torch.nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=False)  # fmt: skip
+    cfg = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     return Qwen2ForCausalLM(cfg).float()
 
 
 def _config(out_dir: Path, fmt: str):
-    return tiny_run_config(out_dir, fmt, fp8={"recipe": "bf16"},
-                           train={"max_steps": STEPS, "save_every": SAVED_STEP, "checkpoint_format": fmt})  # fmt: skip
+    return tiny_run_config(
+        out_dir,
+        fmt,
+        fp8={"recipe": "bf16"},
+        train={"max_steps": STEPS, "save_every": SAVED_STEP, "checkpoint_format": fmt},
+    )
 
 
 def _source() -> SyntheticSource:
@@ -93,8 +104,16 @@ if __name__ == "__main__":  # how the fixture was written (by the code of its ti
         (FIXTURE / fmt).mkdir(parents=True)
         shutil.copytree(cfg.run_dir / "checkpoints" / f"step_{SAVED_STEP:08d}", _step_folder(fmt))
     assert losses["full"] == losses["dcp"], losses
-    (FIXTURE / "expected.json").write_text(json.dumps({
-        "note": "written by infir2 before the checkpoint package; losses of steps 1-4 of one run",
-        "losses": losses["full"], "losses_after_resume": losses["full"][SAVED_STEP:]}, indent=1) + "\n")  # fmt: skip
+    (FIXTURE / "expected.json").write_text(
+        json.dumps(
+            {
+                "note": "written by infir2 before the checkpoint package; losses of steps 1-4 of one run",
+                "losses": losses["full"],
+                "losses_after_resume": losses["full"][SAVED_STEP:],
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     shutil.rmtree(Path(sys.argv[0]).parent / "fixtures" / "_write")
     print(losses)

@@ -20,8 +20,15 @@ from train_synthetic import one_thread
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
 
-TINY = {"arch": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}  # fmt: skip
+TINY = {
+    "arch": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
@@ -47,11 +54,14 @@ def world(tmp_path_factory):
     docs = root / "docs.jsonl"
     docs.write_text("".join(json.dumps({"text": f"{i} + {i} = {2 * i}."}) + "\n" for i in range(200)))
     prepare_cpt([docs], root / "cpt", load_tokenizer(root / "tok"), val_fraction=0.1, progress=False)
-    cfg = {"run": {"name": "r", "out_dir": str(root / "runs"), "device": "cpu"},
-           "model": {"from_config": TINY, "tokenizer": str(root / "tok"), "precision": "fp32"},
-           "data": {"kind": "cpt", "train_path": str(root / "cpt"), "seq_len": 16, "global_batch_size": 2},
-           "optim": {"lr": 1e-3}, "schedule": {"name": "constant"},
-           "train": {"max_steps": 2}}  # fmt: skip
+    cfg = {
+        "run": {"name": "r", "out_dir": str(root / "runs"), "device": "cpu"},
+        "model": {"from_config": TINY, "tokenizer": str(root / "tok"), "precision": "fp32"},
+        "data": {"kind": "cpt", "train_path": str(root / "cpt"), "seq_len": 16, "global_batch_size": 2},
+        "optim": {"lr": 1e-3},
+        "schedule": {"name": "constant"},
+        "train": {"max_steps": 2},
+    }
     (root / "run.yaml").write_text(yaml.safe_dump(cfg))
     return root
 
@@ -87,16 +97,33 @@ def test_train_bad_inputs_leave_no_run_folder(world, tmp_path, capsys):
     _fails(capsys, _train(world, "optim.lr=1e39"), "optim.lr", "overflows float32", "run.yaml")
     _fails(capsys, _train(world, "optim.lr=nan"), "optim.lr", "finite")
     missing = tmp_path / "no-model"
-    _fails(capsys, _train(world, "model.from_config=null", f"model.path={missing}"),
-           f"model folder {missing} does not exist")  # fmt: skip
+    _fails(
+        capsys,
+        _train(world, "model.from_config=null", f"model.path={missing}"),
+        f"model folder {missing} does not exist",
+    )
     no_weights = tmp_path / "no-weights"
     make_tiny_model().config.save_pretrained(no_weights)
-    _fails(capsys, _train(world, "model.from_config=null", f"model.path={no_weights}"),
-           f"model folder {no_weights}", "no weights")  # fmt: skip
+    _fails(
+        capsys,
+        _train(world, "model.from_config=null", f"model.path={no_weights}"),
+        f"model folder {no_weights}",
+        "no weights",
+    )
     sft = tmp_path / "chat.jsonl"
     sft.write_bytes(b'{"messages": [{"role": "user", "content": "h\xffi"}]}\n')
-    _fails(capsys, _train(world, "data.kind=sft", f"data.train_path={sft}", "data.max_tokens_per_micro_batch=64",
-                          "data.max_length=64"), f"{sft}:1", "UTF-8")  # fmt: skip
+    _fails(
+        capsys,
+        _train(
+            world,
+            "data.kind=sft",
+            f"data.train_path={sft}",
+            "data.max_tokens_per_micro_batch=64",
+            "data.max_length=64",
+        ),
+        f"{sft}:1",
+        "UTF-8",
+    )
     _fails(capsys, _train(world, f"data.train_path={tmp_path / 'no-data'}"), "no-data")
     assert not runs.exists() or not any(runs.iterdir())  # no run folder left behind by a failed start
 
@@ -107,9 +134,19 @@ def test_train_divergence_and_changed_config(world, capsys):
     _fails(capsys, _train(world, "run.name=refused", "optim.lr=1e30"), "optim.lr: 1e+30 is above 1")
     assert not (runs / "refused").exists()
     # lr 1 (accepted) diverges within a few steps: non-finite losses or loss spikes, a streak stops it
-    line = _fails(capsys, _train(world, "run.name=diverge", "optim.lr=1", "train.max_steps=8",
-                                 "train.save_every=1", "train.keep_last=1", "train.max_nonfinite_in_row=2"),
-                  "steps in a row had a non-finite loss")  # fmt: skip
+    line = _fails(
+        capsys,
+        _train(
+            world,
+            "run.name=diverge",
+            "optim.lr=1",
+            "train.max_steps=8",
+            "train.save_every=1",
+            "train.keep_last=1",
+            "train.max_nonfinite_in_row=2",
+        ),
+        "steps in a row had a non-finite loss",
+    )
     kept = sorted(p.name for p in (runs / "diverge" / "checkpoints").glob("step_*"))
     assert (
         len(kept) == 1 and str(runs / "diverge" / "checkpoints" / kept[0]) in line
@@ -118,8 +155,13 @@ def test_train_divergence_and_changed_config(world, capsys):
     assert main(_train(world, "run.name=changed")) == 0
     saved = (runs / "changed" / "config.yaml").read_bytes()
     capsys.readouterr()
-    _fails(capsys, _train(world, "run.name=changed", "train.max_steps=4"), "train.max_steps: 2 -> 4",
-           str(runs / "changed" / "config.yaml"), "--accept-config-changes")  # fmt: skip
+    _fails(
+        capsys,
+        _train(world, "run.name=changed", "train.max_steps=4"),
+        "train.max_steps: 2 -> 4",
+        str(runs / "changed" / "config.yaml"),
+        "--accept-config-changes",
+    )
     assert (runs / "changed" / "config.yaml").read_bytes() == saved
 
 
@@ -130,8 +172,11 @@ def test_export_bad_inputs(world, tmp_path, capsys):
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     _fails(capsys, ["export", "--model", str(no_weights), "--out", str(tmp_path / "o")], str(no_weights))
-    _fails(capsys, ["export", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o")],
-           f"model folder {tmp_path / 'nope'} does not exist")  # fmt: skip
+    _fails(
+        capsys,
+        ["export", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o")],
+        f"model folder {tmp_path / 'nope'} does not exist",
+    )
     hf = tmp_path / "hf"
     make_tiny_model().save_pretrained(hf)
     capsys.readouterr()
@@ -149,9 +194,24 @@ def test_a_real_process_prints_one_line_and_exit_code_2(world, tmp_path):
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"line one\nline \xff two\n")
     env = {**os.environ, "PYTHONPATH": str(SRC)}
-    proc = subprocess.run([sys.executable, "-m", "infir2.cli", "prepare-cpt", str(bad), "--tokenizer",
-                           str(world / "tok"), "--out", str(tmp_path / "out"), "--no-progress"],
-                          capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "infir2.cli",
+            "prepare-cpt",
+            str(bad),
+            "--tokenizer",
+            str(world / "tok"),
+            "--out",
+            str(tmp_path / "out"),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if ": error: " in line]
     assert len(errors) == 1 and f"{bad}:2: not valid UTF-8" in errors[0]

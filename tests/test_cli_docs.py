@@ -73,16 +73,22 @@ def test_documented_command_parses(doc, argv):
 
 def _cli(*argv: str) -> subprocess.CompletedProcess:
     env = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"}
-    return subprocess.run([sys.executable, "-m", "infir2.cli", *argv], capture_output=True, text=True, env=env,
-                          timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "infir2.cli", *argv], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 def test_top_level_help_and_version_import_no_torch():
     """`infir2 --help` lists every command and, like --version, never imports torch (it stays fast)."""
     probe = "import sys, infir2.cli as c\ntry:\n    c.main(sys.argv[1:])\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)"
     for flag in ("--help", "--version"):
-        out = subprocess.run([sys.executable, "-c", probe, flag], capture_output=True, text=True, timeout=120,
-                             env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-c", probe, flag],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"},
+        )
         assert out.returncode == 0 and out.stdout.strip().endswith("False"), (flag, out.stdout, out.stderr)
     help_text = _cli("--help").stdout
     assert all(name in help_text for name in COMMANDS)
@@ -123,11 +129,18 @@ def test_model_loads_through_the_cli_keep_torchao_out(tmp_path):
     from conftest import make_tiny_model
 
     make_tiny_model().save_pretrained(tmp_path / "model")
-    probe = ("import sys, infir2.cli as c\nrc = c.main(sys.argv[1:])\n"
-             "print('torchao imported:', 'torchao' in sys.modules and sys.modules['torchao'] is not None, rc)")  # fmt: skip
+    probe = (
+        "import sys, infir2.cli as c\nrc = c.main(sys.argv[1:])\n"
+        "print('torchao imported:', 'torchao' in sys.modules and sys.modules['torchao'] is not None, rc)"
+    )
     argv = ["eval", "--model", str(tmp_path / "model"), "--perplexity", str(tmp_path / "no-tokens")]
-    out = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=300,
-                         env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", probe, *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"},
+    )
     assert out.stdout.strip().endswith("torchao imported: False 2"), (out.stdout, out.stderr)
     assert "torchao" not in out.stderr and "_pytree" not in out.stderr, out.stderr
 
@@ -148,8 +161,13 @@ def test_recipe_citations_name_sections_that_exist():
     """Code and docs cite `RECIPE.md section N`; docs/RECIPE.md exists and has a section N."""
     recipe = (ROOT / "docs" / "RECIPE.md").read_text(encoding="utf-8")
     sections = set(re.findall(r"^## (\d+)\. ", recipe, re.M))
-    files = [*DOCS, ROOT / "BENCHMARKS.md", *(ROOT / "src").rglob("*.py"), *(ROOT / "src").rglob("*.yaml"),
-             *(ROOT / "tests").glob("*.py")]  # fmt: skip
+    files = [
+        *DOCS,
+        ROOT / "BENCHMARKS.md",
+        *(ROOT / "src").rglob("*.py"),
+        *(ROOT / "src").rglob("*.yaml"),
+        *(ROOT / "tests").glob("*.py"),
+    ]
     cited = {
         (p.name, n) for p in files for n in re.findall(r"RECIPE\.md`? (?:section|§) ?(\d+)", p.read_text())
     }

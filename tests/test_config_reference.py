@@ -45,10 +45,17 @@ def test_the_whole_config_is_checked_before_a_model_is_built(tmp_path, monkeypat
     make_tiny_model("llama").save_pretrained(folder)
     make_tokenizer().save_pretrained(folder)
     chats = tmp_path / "chats.jsonl"
-    chats.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
-                                              {"role": "assistant", "content": "hello"}]}) + "\n")  # fmt: skip
-    cfg = {"run": {"out_dir": str(tmp_path / "runs"), "device": "cpu"}, "model": {"path": str(folder)},
-           "data": {"kind": "sft", "train_path": str(chats)}}  # fmt: skip
+    chats.write_text(
+        json.dumps(
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+        )
+        + "\n"
+    )
+    cfg = {
+        "run": {"out_dir": str(tmp_path / "runs"), "device": "cpu"},
+        "model": {"path": str(folder)},
+        "data": {"kind": "sft", "train_path": str(chats)},
+    }
     (tmp_path / "sft.yaml").write_text(yaml.safe_dump(cfg))
 
     def no_model(*args, **kwargs):
@@ -58,8 +65,21 @@ def test_the_whole_config_is_checked_before_a_model_is_built(tmp_path, monkeypat
     monkeypatch.setattr("infir2.train.setup.build_from_config", no_model)
     assert main(["train", str(tmp_path / "sft.yaml"), "--no-progress"]) == 2
     assert "data.max_tokens_per_micro_batch: required for SFT" in capsys.readouterr().err
-    assert main(["train", str(tmp_path / "sft.yaml"), "--set", "data.max_tokens_per_micro_batch=64",
-                 "--set", "data.max_length=64", "--set", "data.val_path=missing.jsonl"]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                str(tmp_path / "sft.yaml"),
+                "--set",
+                "data.max_tokens_per_micro_batch=64",
+                "--set",
+                "data.max_length=64",
+                "--set",
+                "data.val_path=missing.jsonl",
+            ]
+        )
+        == 2
+    )
     assert "data.val_path: SFT data file missing.jsonl does not exist" in capsys.readouterr().err
     cfg["data"] = {"kind": "cpt", "train_path": str(tmp_path / "nowhere")}
     (tmp_path / "cpt.yaml").write_text(yaml.safe_dump(cfg))
@@ -79,9 +99,18 @@ def test_an_sft_validation_file_smaller_than_one_batch_is_refused(tmp_path, caps
     chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     (tmp_path / "train.jsonl").write_text(json.dumps(chat) + "\n" * 1 + json.dumps(chat) + "\n")
     (tmp_path / "val.jsonl").write_text(json.dumps(chat) + "\n")
-    cfg = {"run": {"out_dir": str(tmp_path / "runs"), "device": "cpu"}, "model": {"path": str(folder)},
-           "data": {"kind": "sft", "train_path": str(tmp_path / "train.jsonl"), "val_path": str(tmp_path / "val.jsonl"),
-                    "global_batch_size": 2, "max_tokens_per_micro_batch": 64, "max_length": 64}}  # fmt: skip
+    cfg = {
+        "run": {"out_dir": str(tmp_path / "runs"), "device": "cpu"},
+        "model": {"path": str(folder)},
+        "data": {
+            "kind": "sft",
+            "train_path": str(tmp_path / "train.jsonl"),
+            "val_path": str(tmp_path / "val.jsonl"),
+            "global_batch_size": 2,
+            "max_tokens_per_micro_batch": 64,
+            "max_length": 64,
+        },
+    }
     (tmp_path / "sft.yaml").write_text(yaml.safe_dump(cfg))
     assert main(["train", str(tmp_path / "sft.yaml"), "--no-progress"]) == 2
     err = capsys.readouterr().err

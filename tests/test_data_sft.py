@@ -106,12 +106,21 @@ def test_max_length_truncates(tiny_tokenizer):
         ('{"messages": [{"role": "user", "content": "hi"}, ', r"c\.jsonl:2: invalid JSON"),
         ('{"msgs": []}', r"c\.jsonl:2: missing 'messages'"),
         ('{"messages": []}', r"c\.jsonl:2: 'messages' must be a non-empty list"),
-        ('{"messages": [{"role": "bot", "content": "x"}]}', r"c\.jsonl:2: messages\[0\]\.role is 'bot'; expected one"),
-        ('{"messages": [{"role": "user", "content": 3}]}', r"c\.jsonl:2: messages\[0\]\.content must be a string, got int"),
-        ('{"messages": [{"role": "user", "content": "hi"}]}', r"c\.jsonl:2: conversation has no assistant turn"),
+        (
+            '{"messages": [{"role": "bot", "content": "x"}]}',
+            r"c\.jsonl:2: messages\[0\]\.role is 'bot'; expected one",
+        ),
+        (
+            '{"messages": [{"role": "user", "content": 3}]}',
+            r"c\.jsonl:2: messages\[0\]\.content must be a string, got int",
+        ),
+        (
+            '{"messages": [{"role": "user", "content": "hi"}]}',
+            r"c\.jsonl:2: conversation has no assistant turn",
+        ),
         ('{"messages": ["hi"]}', r"c\.jsonl:2: messages\[0\]: expected an object"),
     ],
-)  # fmt: skip
+)
 def test_malformed_conversations_name_file_and_line(tmp_path, content, match):
     good = json.dumps({"messages": [USER1, ASSISTANT1]})
     (tmp_path / "c.jsonl").write_text(f"{good}\n{content}\n")
@@ -259,9 +268,14 @@ def test_conversations_load_from_parquet(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = [[{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
-            [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
-             {"role": "assistant", "content": "hello"}]]  # fmt: skip
+    rows = [
+        [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
+        [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+        ],
+    ]
     pq.write_table(pa.table({"messages": rows, "id": [7, 8]}), tmp_path / "chat.parquet")
     jsonl = tmp_path / "chat.jsonl"
     jsonl.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))

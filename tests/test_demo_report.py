@@ -21,16 +21,37 @@ from infir2.tools.demo.report import README_END, README_START, readme_table, upd
 from infir2.tools.demo.summary import summarize, verdict_sentence
 
 
-def _run(recipe: str, seed: int, cpt: float, sft: float, acc: float, seconds: float = 10.0,
-         train_seconds: float = 5.0) -> RecipeResult:  # fmt: skip
-    return RecipeResult(recipe=recipe, seed=seed, cpt_loss=cpt + 0.1, cpt_val_loss=cpt, sft_loss=sft,
-                        sft_val_loss=sft, accuracy=acc, unparseable=0, tokens_per_s=1000.0, seconds=seconds,
-                        train_seconds=train_seconds, cpt_curve=[(1, 5.0), (2, cpt)],
-                        sft_curve=[(1, 1.0), (2, sft)])  # fmt: skip
+def _run(
+    recipe: str,
+    seed: int,
+    cpt: float,
+    sft: float,
+    acc: float,
+    seconds: float = 10.0,
+    train_seconds: float = 5.0,
+) -> RecipeResult:
+    return RecipeResult(
+        recipe=recipe,
+        seed=seed,
+        cpt_loss=cpt + 0.1,
+        cpt_val_loss=cpt,
+        sft_loss=sft,
+        sft_val_loss=sft,
+        accuracy=acc,
+        unparseable=0,
+        tokens_per_s=1000.0,
+        seconds=seconds,
+        train_seconds=train_seconds,
+        cpt_curve=[(1, 5.0), (2, cpt)],
+        sft_curve=[(1, 1.0), (2, sft)],
+    )
 
 
-BASE = [_run("bf16", 0, 2.0, 0.05, 0.90, 10.0, 5.0), _run("bf16", 1, 2.2, 0.06, 0.96, 12.0, 7.0),
-        _run("bf16", 2, 2.1, 0.05, 0.93, 11.0, 6.0)]  # fmt: skip
+BASE = [
+    _run("bf16", 0, 2.0, 0.05, 0.90, 10.0, 5.0),
+    _run("bf16", 1, 2.2, 0.06, 0.96, 12.0, 7.0),
+    _run("bf16", 2, 2.1, 0.05, 0.93, 11.0, 6.0),
+]
 # blockwise: CPT gaps +0.5, 0, +0.5 %; SFT +1, 0, +1 %; accuracy -1, 0, 0 points: every interval inside its margin
 CLOSE = [
     _run("blockwise", 0, 2.01, 0.0505, 0.89, 30.0, 9.0),
@@ -38,8 +59,11 @@ CLOSE = [
     _run("blockwise", 2, 2.1105, 0.0505, 0.93, 33.0, 12.0),
 ]
 # tensorwise: losses equal to the baseline's, accuracy -10 points at every seed: resolved, worse
-FAR = [_run("tensorwise", 0, 2.0, 0.05, 0.80), _run("tensorwise", 1, 2.2, 0.06, 0.86),
-       _run("tensorwise", 2, 2.1, 0.05, 0.83)]  # fmt: skip
+FAR = [
+    _run("tensorwise", 0, 2.0, 0.05, 0.80),
+    _run("tensorwise", 1, 2.2, 0.06, 0.86),
+    _run("tensorwise", 2, 2.1, 0.05, 0.83),
+]
 RECIPES = ["bf16", "blockwise", "tensorwise"]
 T2 = 4.303  # two-sided 95% t quantile, 2 degrees of freedom (statistics table)
 
@@ -68,8 +92,10 @@ def test_the_verdict_moves_with_the_interval_not_the_mean():
     tight = [
         _run("blockwise", k, b.cpt_val_loss, b.sft_val_loss, b.accuracy - 0.01) for k, b in enumerate(BASE)
     ]
-    loose = [_run("blockwise", k, b.cpt_val_loss, b.sft_val_loss, b.accuracy + d)
-             for k, (b, d) in enumerate(zip(BASE, (-0.06, 0.05, -0.02), strict=True))]  # fmt: skip
+    loose = [
+        _run("blockwise", k, b.cpt_val_loss, b.sft_val_loss, b.accuracy + d)
+        for k, (b, d) in enumerate(zip(BASE, (-0.06, 0.05, -0.02), strict=True))
+    ]
     assert summarize(BASE + tight, ["bf16", "blockwise"])[1].verdict == "equivalent"
     assert summarize(BASE + loose, ["bf16", "blockwise"])[1].verdict == "inconclusive: more seeds needed"
     two = summarize(BASE[:2] + CLOSE[:2], ["bf16", "blockwise"])[1]
@@ -81,8 +107,10 @@ def test_verdict_sentences_state_gap_interval_margin_and_null_control():
     _, close, far = summaries
     sentence = verdict_sentence(close, null=far)  # far stands in for the null control here
     assert sentence.startswith("FP8 blockwise: equivalent to the baseline (mean paired gap over 3 seed(s)")
-    assert "accuracy -0.3 points [-1.8, +1.1] against +-3 points: equivalent (null control -10.0 points " \
-           "[-10.0, -10.0], baseline seeds 90-96%)" in sentence  # fmt: skip
+    assert (
+        "accuracy -0.3 points [-1.8, +1.1] against +-3 points: equivalent (null control -10.0 points "
+        "[-10.0, -10.0], baseline seeds 90-96%)" in sentence
+    )
     assert "CPT held-out loss +0.33% [-0.38, +1.05] against +-2%: equivalent" in sentence
     assert verdict_sentence(far).startswith("FP8 tensorwise: WORSE than the baseline")
 
@@ -99,8 +127,16 @@ def test_a_recipe_without_runs_is_an_error():
 
 
 def _record(runs: list[RecipeResult] | None = None) -> DemoRecord:
-    return DemoRecord(settings=QUICK, recipes=RECIPES, runs=runs or BASE + CLOSE + FAR, chance_accuracy=0.08,
-                      seconds=600.0, jobs=2, machine="2 CPUs, test", date="2026-11-30")  # fmt: skip
+    return DemoRecord(
+        settings=QUICK,
+        recipes=RECIPES,
+        runs=runs or BASE + CLOSE + FAR,
+        chance_accuracy=0.08,
+        seconds=600.0,
+        jobs=2,
+        machine="2 CPUs, test",
+        date="2026-11-30",
+    )
 
 
 def test_readme_table_rows_and_verdicts():
@@ -123,21 +159,51 @@ def test_real_text_verdict_is_computed_from_its_runs():
     from infir2.tools.demo.text import text_section
 
     def run(recipe, seed, loss):
-        return TextRun(width=256, recipe=recipe, seed=seed, val_loss=loss, train_loss=loss, tail_drop=1.0,
-                       steps=100, seconds=1.0)  # fmt: skip
+        return TextRun(
+            width=256,
+            recipe=recipe,
+            seed=seed,
+            val_loss=loss,
+            train_loss=loss,
+            tail_drop=1.0,
+            steps=100,
+            seconds=1.0,
+        )
 
-    runs = [run("bf16", 0, 5.00), run("bf16", 1, 5.05), run("bf16", 2, 5.10), run("blockwise", 0, 5.01),
-            run("blockwise", 1, 5.0601), run("blockwise", 2, 5.1102), run("tensorwise", 0, 5.20),
-            run("tensorwise", 1, 5.252), run("tensorwise", 2, 5.304)]  # fmt: skip
-    settings = {"val_every": 20, "vocab_size": 4096, "widths": [256], "layers": 4, "steps": 100, "batch": 8,
-                "seq_len": 128, "lr": 2e-3}  # fmt: skip
-    text = {"settings": settings, "data": {"characters": 1000}, "runs": [vars(r) for r in runs],
-            "summary": summarize_text(runs)}  # fmt: skip
+    runs = [
+        run("bf16", 0, 5.00),
+        run("bf16", 1, 5.05),
+        run("bf16", 2, 5.10),
+        run("blockwise", 0, 5.01),
+        run("blockwise", 1, 5.0601),
+        run("blockwise", 2, 5.1102),
+        run("tensorwise", 0, 5.20),
+        run("tensorwise", 1, 5.252),
+        run("tensorwise", 2, 5.304),
+    ]
+    settings = {
+        "val_every": 20,
+        "vocab_size": 4096,
+        "widths": [256],
+        "layers": 4,
+        "steps": 100,
+        "batch": 8,
+        "seq_len": 128,
+        "lr": 2e-3,
+    }
+    text = {
+        "settings": settings,
+        "data": {"characters": 1000},
+        "runs": [vars(r) for r in runs],
+        "summary": summarize_text(runs),
+    }
     lines = "\n".join(text_section(text, {"blockwise": "FP8 blockwise", "tensorwise": "FP8 tensorwise"}))
     spread = 100 * 0.10 / 5.05  # the baseline's (max - min) / mean, in %
     # blockwise gaps +0.2% at each seed (to rounding): a tight interval inside +-1%
-    assert "FP8 blockwise on real text: held-out loss +0.20% [+0.20, +0.20] against +-1%: **equivalent** " \
-           f"(baseline seed spread {spread:.2f}%)" in lines  # fmt: skip
+    assert (
+        "FP8 blockwise on real text: held-out loss +0.20% [+0.20, +0.20] against +-1%: **equivalent** "
+        f"(baseline seed spread {spread:.2f}%)" in lines
+    )
     assert "FP8 tensorwise on real text: held-out loss +4.00% [+4.00, +4.00] against +-1%: **worse**" in lines
     assert "| 256 | blockwise | 5.0100 / 5.0601 / 5.1102 |" in lines
 
@@ -153,8 +219,10 @@ def test_update_readme_replaces_only_the_marked_block(tmp_path):
     assert readme.read_text() == text  # idempotent
 
 
-@pytest.mark.parametrize("content", [f"{README_START}\nno end\n", "no markers at all\n",
-                                     f"{README_START}\n{README_START}\n{README_END}\n"])  # fmt: skip
+@pytest.mark.parametrize(
+    "content",
+    [f"{README_START}\nno end\n", "no markers at all\n", f"{README_START}\n{README_START}\n{README_END}\n"],
+)
 def test_update_readme_names_the_file_and_the_marker(tmp_path, content):
     readme = tmp_path / "README.md"
     readme.write_text(content)
@@ -210,10 +278,15 @@ def test_parse_seeds():
     assert parse_seeds("0,1") == (0, 1) and parse_seeds(" 3 , 1 ,") == (3, 1)
 
 
-@pytest.mark.parametrize(("seeds", "message"), [("", "expected comma-separated integers"),
-                                                ("0,x", "'x' is not a non-negative integer"),
-                                                ("0,-1", "'-1' is not a non-negative integer"),
-                                                ("1,1", "seed(s) [1] given twice")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("seeds", "message"),
+    [
+        ("", "expected comma-separated integers"),
+        ("0,x", "'x' is not a non-negative integer"),
+        ("0,-1", "'-1' is not a non-negative integer"),
+        ("1,1", "seed(s) [1] given twice"),
+    ],
+)
 def test_bad_seeds_are_clear_errors(tmp_path, capsys, seeds, message):
     assert main(["demo", "--quick", "--out", str(tmp_path / "d"), "--seeds", seeds]) == 2
     assert message in capsys.readouterr().err

@@ -101,8 +101,22 @@ def test_perplexity_matches_transformers_loss(tmp_path: Path, dtype: str) -> Non
 
 def test_perplexity_cli_and_errors(model_dir: Path, tmp_path: Path, capsys) -> None:
     _write_tokens(tmp_path / "tok", np.arange(100) % 300, "uint16")
-    assert main(["eval", "--model", str(model_dir), "--perplexity", str(tmp_path / "tok"), "--seq-len", "32",
-                 "--out", str(tmp_path / "o")]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "eval",
+                "--model",
+                str(model_dir),
+                "--perplexity",
+                str(tmp_path / "tok"),
+                "--seq-len",
+                "32",
+                "--out",
+                str(tmp_path / "o"),
+            ]
+        )
+        == 0
+    )
     loss = json.loads((tmp_path / "o" / "loss.json").read_text())
     assert loss["tokens"] == 99 and math.isclose(loss["perplexity"], math.exp(loss["loss"]))
     (tmp_path / "tok" / "meta.json").write_text('{"dtype": "int8"}')

@@ -32,8 +32,10 @@ def _argmax_loop(model, tokenizer, prompt: str, steps: int) -> list[int]:
 
 def test_render_prompt_follows_the_protocol(tiny_tokenizer) -> None:
     text = render_prompt(tiny_tokenizer, "Q?")
-    assert text == ("<|im_start|>system\nPlease reason step by step, and put your final answer within \\boxed{}.<|im_end|>\n"
-                    "<|im_start|>user\nQ?<|im_end|>\n<|im_start|>assistant\n<think>\n")  # fmt: skip
+    assert text == (
+        "<|im_start|>system\nPlease reason step by step, and put your final answer within \\boxed{}.<|im_end|>\n"
+        "<|im_start|>user\nQ?<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    )
 
 
 def test_batched_greedy_matches_unbatched_argmax_loop(tiny_tokenizer) -> None:
@@ -55,8 +57,14 @@ def test_scores_match_hand_counts(monkeypatch: pytest.MonkeyPatch, tiny_tokenize
         [{"problem": "a", "answer": "42"}, {"problem": "b", "answer": r"\frac{1}{2}"}], "math"
     )
     # per job (problem-major, 3 samples each): problem a -> 2 right + 1 unboxed; b -> 1 right (0.5), 1 wrong, 1 cut off
-    scripted = [r"\boxed{42}", "</think> it is 42", r"<think>\boxed{7}</think>\boxed{42}",
-                r"\boxed{0.5}", r"\boxed{2}", "<think> still going"]  # fmt: skip
+    scripted = [
+        r"\boxed{42}",
+        "</think> it is 42",
+        r"<think>\boxed{7}</think>\boxed{42}",
+        r"\boxed{0.5}",
+        r"\boxed{2}",
+        "<think> still going",
+    ]
     finished = [True, True, True, True, True, False]
 
     def fake_generate(model, tokenizer, prompts, cfg, desc="", progress=True, on_done=None):
@@ -107,8 +115,13 @@ def test_bad_arguments(tiny_tokenizer) -> None:
 
 
 def test_plain_dicts_are_accepted(tiny_tokenizer) -> None:
-    result = evaluate(make_tiny_model(), tiny_tokenizer, [{"problem": "7 * 6 = ?", "answer": "42"}], greedy=True,
-                      max_new_tokens=2)  # fmt: skip
+    result = evaluate(
+        make_tiny_model(),
+        tiny_tokenizer,
+        [{"problem": "7 * 6 = ?", "answer": "42"}],
+        greedy=True,
+        max_new_tokens=2,
+    )
     assert result.summary["problems"] == 1 and result.records[0]["id"] == "0"
     with pytest.raises(ValueError, match="item 0: missing key"):
         evaluate(make_tiny_model(), tiny_tokenizer, [{"question": "q"}], max_new_tokens=2)

@@ -98,22 +98,43 @@ def tok_dir(tmp_path: Path, tiny_tokenizer) -> Path:
 def problems(tmp_path: Path) -> Path:
     path = tmp_path / "p.jsonl"
     texts = ["abc", "hello", "x" * 12, "seven", "1+1=?"]
-    path.write_text("".join(json.dumps({"problem": t, "answer": str(len(t)), "id": f"q{i}"}) + "\n"
-                            for i, t in enumerate(texts)))  # fmt: skip
+    path.write_text(
+        "".join(
+            json.dumps({"problem": t, "answer": str(len(t)), "id": f"q{i}"}) + "\n"
+            for i, t in enumerate(texts)
+        )
+    )
     return path
 
 
 def _argv(url: str, tok_dir: Path, data: Path, out: Path, *extra: str) -> list[str]:
-    return ["eval", "--engine", "server", "--base-url", url, "--model", "fake", "--tokenizer", str(tok_dir),
-            "--data", str(data), "--out", str(out), "--max-new-tokens", "16", *extra]  # fmt: skip
+    return [
+        "eval",
+        "--engine",
+        "server",
+        "--base-url",
+        url,
+        "--model",
+        "fake",
+        "--tokenizer",
+        str(tok_dir),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--max-new-tokens",
+        "16",
+        *extra,
+    ]
 
 
 def _lines(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / COMPLETIONS_FILE).read_text().splitlines()]
 
 
-def test_scores_resume_and_refuse_changed_settings(server, tok_dir: Path, problems: Path, tmp_path: Path,
-                                                   tiny_tokenizer, capsys) -> None:  # fmt: skip
+def test_scores_resume_and_refuse_changed_settings(
+    server, tok_dir: Path, problems: Path, tmp_path: Path, tiny_tokenizer, capsys
+) -> None:
     url, script = server
     out = tmp_path / "out"
     assert main(_argv(url, tok_dir, problems, out, "--n", "3", "--limit", "2")) == 0
@@ -160,13 +181,45 @@ def test_a_server_that_ignores_n_is_asked_again(
 
 def test_prompt_flags_reach_the_request(server, tok_dir: Path, problems: Path, tmp_path: Path) -> None:
     url, script = server
-    assert main(_argv(url, tok_dir, problems, tmp_path / "o", "--greedy", "--limit", "1", "--no-system-prompt",
-                      "--no-think-prefix", "--extra-body", '{"top_k": -1}')) == 0  # fmt: skip
+    assert (
+        main(
+            _argv(
+                url,
+                tok_dir,
+                problems,
+                tmp_path / "o",
+                "--greedy",
+                "--limit",
+                "1",
+                "--no-system-prompt",
+                "--no-think-prefix",
+                "--extra-body",
+                '{"top_k": -1}',
+            )
+        )
+        == 0
+    )
     body = script.requests[0]
     assert body["prompt"] == "<|im_start|>user\nabc<|im_end|>\n<|im_start|>assistant\n"
     assert body["temperature"] == 0.0 and "top_p" not in body and body["top_k"] == -1
-    assert main(_argv(url, tok_dir, problems, tmp_path / "o2", "--greedy", "--limit", "1", "--system-prompt",
-                      "Be brief.", "--think-prefix", "<t>")) == 0  # fmt: skip
+    assert (
+        main(
+            _argv(
+                url,
+                tok_dir,
+                problems,
+                tmp_path / "o2",
+                "--greedy",
+                "--limit",
+                "1",
+                "--system-prompt",
+                "Be brief.",
+                "--think-prefix",
+                "<t>",
+            )
+        )
+        == 0
+    )
     assert script.requests[1]["prompt"].startswith("<|im_start|>system\nBe brief.<|im_end|>")
     assert script.requests[1]["prompt"].endswith("assistant\n<t>")
 
@@ -243,8 +296,9 @@ def test_cli_errors_are_one_line(server, tok_dir: Path, problems: Path, tmp_path
         script.fail = []
 
 
-def test_preset_sets_the_protocol_and_flags_override_it(server, tok_dir: Path, problems: Path,
-                                                         tmp_path: Path) -> None:  # fmt: skip
+def test_preset_sets_the_protocol_and_flags_override_it(
+    server, tok_dir: Path, problems: Path, tmp_path: Path
+) -> None:
     url, script = server
     assert (
         main(_argv(url, tok_dir, problems, tmp_path / "o", "--preset", "aime24", "--n", "2", "--limit", "1"))

@@ -57,11 +57,43 @@ def test_server_greedy_equals_local(folders: dict[str, Path], tmp_path: Path, fm
     common = ["--model", str(folder), "--greedy", "--max-new-tokens", "24"]
     assert main(["eval", *common, "--out", str(tmp_path / "local")]) == 0
     with transformers_serve(folder, tmp_path / "serve.log") as server:
-        assert main(["eval", *common, "--engine", "server", "--base-url", server.url, "--concurrency", "2",
-                     "--out", str(tmp_path / "server")]) == 0  # fmt: skip
+        assert (
+            main(
+                [
+                    "eval",
+                    *common,
+                    "--engine",
+                    "server",
+                    "--base-url",
+                    server.url,
+                    "--concurrency",
+                    "2",
+                    "--out",
+                    str(tmp_path / "server"),
+                ]
+            )
+            == 0
+        )
         # the real server's model list: another name is refused before any request, in one line
-        assert main(["eval", *common, "--engine", "server", "--base-url", server.url, "--model", "other",
-                     "--tokenizer", str(folder), "--out", str(tmp_path / "other")]) == 1  # fmt: skip
+        assert (
+            main(
+                [
+                    "eval",
+                    *common,
+                    "--engine",
+                    "server",
+                    "--base-url",
+                    server.url,
+                    "--model",
+                    "other",
+                    "--tokenizer",
+                    str(folder),
+                    "--out",
+                    str(tmp_path / "other"),
+                ]
+            )
+            == 1
+        )
         assert f"serves '{folder}', not 'other'" in capsys.readouterr().err
     local, served = (_read(tmp_path / d / "samples.jsonl") for d in ("local", "server"))
     assert len(local) == 8 and served == local  # text, token count, finished, extracted answer, verdict
@@ -70,18 +102,41 @@ def test_server_greedy_equals_local(folders: dict[str, Path], tmp_path: Path, fm
     assert [{k: v for k, v in s.items() if k not in VOLATILE} for s in summaries] == [
         {k: v for k, v in summaries[0].items() if k not in VOLATILE}
     ] * 2
-    print(f"{fmt}: local {summaries[0]['new_tokens_per_second']} tok/s, "
-          f"server {summaries[1]['new_tokens_per_second']} tok/s")  # fmt: skip
+    print(
+        f"{fmt}: local {summaries[0]['new_tokens_per_second']} tok/s, "
+        f"server {summaries[1]['new_tokens_per_second']} tok/s"
+    )
 
 
 def test_server_killed_mid_evaluation_then_rerun(folders: dict[str, Path], tmp_path: Path) -> None:
     folder, out = folders["fp8"], tmp_path / "out"
     log = tmp_path / "serve.log"
     with transformers_serve(folder, log) as server:
-        argv = ["eval", "--engine", "server", "--base-url", server.url, "--model", str(folder), "--n", "4",
-                "--max-new-tokens", "48", "--concurrency", "2", "--retries", "2", "--out", str(out)]  # fmt: skip
-        client = subprocess.Popen([sys.executable, "-m", "infir2.cli", *argv], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)  # fmt: skip
+        argv = [
+            "eval",
+            "--engine",
+            "server",
+            "--base-url",
+            server.url,
+            "--model",
+            str(folder),
+            "--n",
+            "4",
+            "--max-new-tokens",
+            "48",
+            "--concurrency",
+            "2",
+            "--retries",
+            "2",
+            "--out",
+            str(out),
+        ]
+        client = subprocess.Popen(
+            [sys.executable, "-m", "infir2.cli", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         deadline = time.monotonic() + 300
         while not (out / COMPLETIONS_FILE).is_file() or len(_read(out / COMPLETIONS_FILE)) < 4:
             assert client.poll() is None and time.monotonic() < deadline, client.communicate()

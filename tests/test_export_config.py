@@ -16,9 +16,18 @@ from infir2.model import build_from_config, prepare_for_training
 def test_a_from_config_export_names_its_architecture_and_caches(tmp_path):
     tokenizer = make_tokenizer()
     assert tokenizer.bos_token_id is None
-    model = build_from_config({"arch": "qwen2", "hidden_size": 64, "intermediate_size": 128,
-                               "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2},
-                              vocab_size=len(tokenizer), seed=0)  # fmt: skip
+    model = build_from_config(
+        {
+            "arch": "qwen2",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        },
+        vocab_size=len(tokenizer),
+        seed=0,
+    )
     model = prepare_for_training(model, "blockwise", None, False, True)  # as training leaves it
     out = export_model(model, tokenizer, tmp_path / "hf", fmt="fp32")
     config = json.loads((out / "config.json").read_text())

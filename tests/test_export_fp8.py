@@ -49,14 +49,25 @@ def model() -> torch.nn.Module:
 @pytest.mark.parametrize("encoding", ["pow2", "fp32"])
 def test_fp8_export_layout_and_round_trip(model, tiny_tokenizer, tmp_path: Path, encoding: str) -> None:
     pow2_scale = encoding == "pow2"
-    out = export_model(model, tiny_tokenizer, tmp_path / "fp8", fmt="fp8", scale_encoding=encoding,
-                       base_dtype=torch.float32, max_shard_size="150KB")  # fmt: skip
+    out = export_model(
+        model,
+        tiny_tokenizer,
+        tmp_path / "fp8",
+        fmt="fp8",
+        scale_encoding=encoding,
+        base_dtype=torch.float32,
+        max_shard_size="150KB",
+    )
     saved, original = _read_folder(out), model.state_dict()
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"] == QUANTIZATION_CONFIG
     assert config["architectures"] == [type(model).__name__]  # serving engines pick the model class from it
-    assert QUANTIZATION_CONFIG == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                   "weight_block_size": [128, 128]}  # fmt: skip
+    assert QUANTIZATION_CONFIG == {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    }
     projections = [k for k in original if _is_projection(k)]
     assert len(projections) == 7 * 2
     assert set(saved) == set(original) | {k + "_scale_inv" for k in projections}
@@ -191,9 +202,14 @@ def test_fp8_folder_loads_back_and_converts_back(model, tiny_tokenizer, tmp_path
 
 @pytest.mark.parametrize(
     ("flags", "pow2"),
-    [(["--scale-encoding", "pow2"], True), (["--scale-encoding", "fp32"], False), ([], True),
-     (["--pow2-scale"], True), (["--no-pow2-scale"], False)],
-)  # fmt: skip
+    [
+        (["--scale-encoding", "pow2"], True),
+        (["--scale-encoding", "fp32"], False),
+        ([], True),
+        (["--pow2-scale"], True),
+        (["--no-pow2-scale"], False),
+    ],
+)
 def test_cli_scale_encoding_parses_both_ways(
     model, tmp_path: Path, caplog, flags: list[str], pow2: bool
 ) -> None:
@@ -282,8 +298,14 @@ def test_transformers_reads_our_fp8_layout(tiny_tokenizer, tmp_path: Path, encod
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load FP8 checkpoints")
     from transformers import AutoModelForCausalLM
 
-    out = export_model(make_tiny_model(hidden=128), tiny_tokenizer, tmp_path / "fp8", fmt="fp8",
-                       scale_encoding=encoding, base_dtype=torch.float32)  # fmt: skip
+    out = export_model(
+        make_tiny_model(hidden=128),
+        tiny_tokenizer,
+        tmp_path / "fp8",
+        fmt="fp8",
+        scale_encoding=encoding,
+        base_dtype=torch.float32,
+    )
     theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
     ours = load_fp8_state_dict(out)
     assert set(theirs) == set(ours)

@@ -29,8 +29,12 @@ def _digit_run_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(DOCS * 5, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
 
@@ -64,14 +68,31 @@ def test_export_and_fp8_export_tokenize_as_the_run_trained(user_folder, tmp_path
     corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
     data = tmp_path / "cpt"
     with caplog.at_level(logging.WARNING):
-        assert main(["prepare-cpt", "--tokenizer", str(user_folder), "--out", str(data), "--val-fraction",
-                     "0.1", "--no-progress", str(corpus)]) == 0  # fmt: skip
+        assert (
+            main(
+                [
+                    "prepare-cpt",
+                    "--tokenizer",
+                    str(user_folder),
+                    "--out",
+                    str(data),
+                    "--val-fraction",
+                    "0.1",
+                    "--no-progress",
+                    str(corpus),
+                ]
+            )
+            == 0
+        )
     assert "is ambiguous" in caplog.text and "Qwen2Tokenizer" in caplog.text  # said at prepare-cpt
 
-    config = {"run": {"name": "r", "out_dir": str(tmp_path / "runs"), "device": "cpu"},
-              "model": {"path": str(user_folder), "precision": "fp32"}, "fp8": {"recipe": "blockwise"},
-              "data": {"kind": "cpt", "train_path": str(data), "seq_len": 16, "global_batch_size": 2},
-              "train": {"max_steps": 1}}  # fmt: skip
+    config = {
+        "run": {"name": "r", "out_dir": str(tmp_path / "runs"), "device": "cpu"},
+        "model": {"path": str(user_folder), "precision": "fp32"},
+        "fp8": {"recipe": "blockwise"},
+        "data": {"kind": "cpt", "train_path": str(data), "seq_len": 16, "global_batch_size": 2},
+        "train": {"max_steps": 1},
+    }
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(config))
     caplog.clear()
     with caplog.at_level(logging.WARNING):

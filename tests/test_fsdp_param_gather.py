@@ -134,8 +134,17 @@ def test_fp8_param_gather_two_processes(tmp_path):
 
     modes = ["fp32", "fp32-fp8gather", "bf16", "bf16-fp8gather"]
     env = subprocess_env()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(TESTS / "fsdp_param_gather_worker.py"), str(tmp_path), *modes]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(TESTS / "fsdp_param_gather_worker.py"),
+        str(tmp_path),
+        *modes,
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     # (the worker also asserted, on both ranks, that every FP8 weight arrived bit-identical to

@@ -83,8 +83,9 @@ def run_losses(recipe: str) -> list[float]:
     torch.set_num_threads(1)
     try:
         with tempfile.TemporaryDirectory() as out:
-            cfg = tiny_run_config(out, recipe, fp8={"recipe": recipe}, model={"precision": "fp64"},
-                                  train={"max_steps": STEPS})  # fmt: skip
+            cfg = tiny_run_config(
+                out, recipe, fp8={"recipe": recipe}, model={"precision": "fp64"}, train={"max_steps": STEPS}
+            )
             model = rope_in_fp64(make_tiny_model("qwen2", hidden=192, layers=2, seed=0))
             result = train(cfg, model=model, train_source=SyntheticSource(seed=3), progress=False)
     finally:
@@ -98,8 +99,11 @@ def golden(recipe: str) -> list[float]:
 
 def mismatches(got: list[float], expected: list[float]) -> list[str]:
     assert len(got) == len(expected) == STEPS
-    return [f"step {step}: loss {g!r}, golden {e!r}"
-            for step, (g, e) in enumerate(zip(got, expected, strict=True), 1) if abs(g - e) > RTOL * abs(e)]  # fmt: skip
+    return [
+        f"step {step}: loss {g!r}, golden {e!r}"
+        for step, (g, e) in enumerate(zip(got, expected, strict=True), 1)
+        if abs(g - e) > RTOL * abs(e)
+    ]
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -138,11 +142,20 @@ def test_one_changed_fp8_code_fails_the_check(monkeypatch):
 def test_the_golden_losses_hold_on_the_avx2_kernels():
     """Another CPU's summation order, simulated: the AVX2 kernels of ATen, MKL and oneDNN (what an
     AVX2-only CPU runs) must land on the same golden losses as the native ones."""
-    code = ("import json, sys; sys.path.insert(0, 'tests'); from test_golden_losses import run_losses; "
-            "print(json.dumps(run_losses('blockwise')))")  # fmt: skip
+    code = (
+        "import json, sys; sys.path.insert(0, 'tests'); from test_golden_losses import run_losses; "
+        "print(json.dumps(run_losses('blockwise')))"
+    )
     root = Path(__file__).parent.parent
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, env={**os.environ, **AVX2_ENV}, check=True,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=root,
+        env={**os.environ, **AVX2_ENV},
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     bad = mismatches(json.loads(out.stdout.strip().splitlines()[-1]), golden("blockwise"))
     assert not bad, "blockwise on the AVX2 kernels: " + "; ".join(bad[:3])
 

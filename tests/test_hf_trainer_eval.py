@@ -20,8 +20,11 @@ def _readme_trainer_class():
     """The class exactly as the README shows it."""
     import infir2
 
-    source = re.search(r"```python\n(from transformers import Trainer\n\nclass HighPrecisionEvalTrainer.*?)```",
-                       README.read_text(), re.S)  # fmt: skip
+    source = re.search(
+        r"```python\n(from transformers import Trainer\n\nclass HighPrecisionEvalTrainer.*?)```",
+        README.read_text(),
+        re.S,
+    )
     assert source, "the README no longer shows HighPrecisionEvalTrainer"
     namespace = {"infir2": infir2}
     exec(source.group(1), namespace)

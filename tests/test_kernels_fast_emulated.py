@@ -162,9 +162,14 @@ def test_bad_input_is_a_clear_error():
 
 
 @pytest.mark.parametrize("shape", [(512, 128, 512), (200, 130, 77), (129, 256, 128)])
-@pytest.mark.parametrize("recipe_blocks", [((1, 128), (128, 128), (128, 128), (128, 1)),
-                                           ((1, -1), (1, -1), (-1, 1), (-1, 1)),
-                                           ((-1, -1), (-1, -1), (-1, -1), (-1, -1))])  # fmt: skip
+@pytest.mark.parametrize(
+    "recipe_blocks",
+    [
+        ((1, 128), (128, 128), (128, 128), (128, 1)),
+        ((1, -1), (1, -1), (-1, 1), (-1, 1)),
+        ((-1, -1), (-1, -1), (-1, -1), (-1, -1)),
+    ],
+)
 def test_three_gemms_bit_identical_to_emulated(shape, recipe_blocks):
     """Fp8Linear's fprop, dgrad and wgrad: kept operands (and the decoded FP8 wgrad copy of X)."""
     t, k, n = shape

@@ -13,9 +13,14 @@ from infir2 import Fp8Linear, convert_to_fp8, disable_fp8, get_recipe
 from infir2.nn import DECODER_PROJECTIONS
 
 EXPECTED_SUFFIXES = {
-    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-}  # fmt: skip
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+}
 
 
 def converted(model):
@@ -142,10 +147,18 @@ def _tiny_from_config(arch: str) -> nn.Module:
         "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     }[arch]
     config = getattr(transformers, config_cls)(
-        vocab_size=300, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+        vocab_size=300,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     return getattr(transformers, model_cls)(config).float()
 
@@ -197,8 +210,9 @@ def test_moe_router_stays_high_precision():
 def test_gpt2_conv1d_gets_a_message_that_names_it():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=2, bos_token_id=0,
-                                       eos_token_id=0))  # fmt: skip
+    model = GPT2LMHeadModel(
+        GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
+    )
     with pytest.raises(ValueError, match=r"8 GPT-2 style Conv1D layers .*transformer\.h\.0\.attn\.c_attn"):
         convert_to_fp8(model)
 

@@ -33,8 +33,9 @@ def record_one_step(layer: Fp8Linear, x: torch.Tensor, grad: torch.Tensor) -> di
     return {key.split("/", 2)[2]: value for key, value in out.items()}
 
 
-def make_layer(recipe: str = "blockwise", k: int = 256, n: int = 384, weight_scale: float = 1.0,
-               bias: bool = True) -> Fp8Linear:  # fmt: skip
+def make_layer(
+    recipe: str = "blockwise", k: int = 256, n: int = 384, weight_scale: float = 1.0, bias: bool = True
+) -> Fp8Linear:
     torch.manual_seed(0)
     layer = Fp8Linear(k, n, bias=bias, recipe=recipe)
     with torch.no_grad():
@@ -52,8 +53,12 @@ def test_operand_stats_and_sqnr_match_an_independent_computation():
         f"{g}/{SQNR_STAT}" for g in ("fprop.y", "dgrad.dx", "wgrad.dw")
     }
     recipe = get_recipe("blockwise")
-    for op, tensor, cast in (("fprop.x", x, recipe.x), ("fprop.w", layer.weight, recipe.w),
-                             ("dgrad.dy", grad, recipe.dy), ("wgrad.x", x, recipe.x_wgrad)):  # fmt: skip
+    for op, tensor, cast in (
+        ("fprop.x", x, recipe.x),
+        ("fprop.w", layer.weight, recipe.w),
+        ("dgrad.dy", grad, recipe.dy),
+        ("wgrad.x", x, recipe.x_wgrad),
+    ):
         t = tensor.detach()
         data, scale_inv = quantize(t, cast.block, cast.fmt, cast.scale_encoding)  # the reference quantizer
         back = dequantize(data, scale_inv, cast.block)
@@ -102,13 +107,20 @@ def test_a_massive_activation_token_flushes_its_neighbours_only_under_tensorwise
     assert (stats["fprop.x/underflow"] < 0.01) is not flushed
 
 
-def tiny_run(out_dir: Path, name: str, stats_every: int, recipe: str = "blockwise", steps: int = 2,
-             plant: str | None = None):  # fmt: skip
+def tiny_run(
+    out_dir: Path,
+    name: str,
+    stats_every: int,
+    recipe: str = "blockwise",
+    steps: int = 2,
+    plant: str | None = None,
+):
     """A 2-step tiny training run; ``plant`` names a layer whose input gets a massive-activation token."""
     from infir2.train import train
 
-    cfg = tiny_run_config(out_dir, name, fp8={"recipe": recipe, "stats_every": stats_every},
-                          train={"max_steps": steps})  # fmt: skip
+    cfg = tiny_run_config(
+        out_dir, name, fp8={"recipe": recipe, "stats_every": stats_every}, train={"max_steps": steps}
+    )
     model = make_tiny_model("qwen2", hidden=192, layers=2, seed=0)
     with massive_token_into(model, plant) if plant else contextlib.nullcontext():
         result = train(cfg, model=model, train_source=SyntheticSource(seed=3), progress=False)

@@ -12,8 +12,18 @@ import pytest
 from infir2.tools.paired import EQUIVALENT, INCONCLUSIVE, paired_gaps, paired_verdict, t_quantile
 
 # two-sided 95% critical values of Student's t (any statistics table, e.g. NIST/SEMATECH e-Handbook 1.3.6.7.2)
-T_TABLE = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 9: 2.262, 10: 2.228, 20: 2.086,
-           30: 2.042}  # fmt: skip
+T_TABLE = {
+    1: 12.706,
+    2: 4.303,
+    3: 3.182,
+    4: 2.776,
+    5: 2.571,
+    6: 2.447,
+    9: 2.262,
+    10: 2.228,
+    20: 2.086,
+    30: 2.042,
+}
 
 
 @pytest.mark.parametrize("df", sorted(T_TABLE))

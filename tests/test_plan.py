@@ -63,11 +63,20 @@ def test_saved_bytes_match_a_whole_tiny_model(recipe: str, chunk: int, recompute
     with torch.autocast("cpu", dtype=torch.bfloat16), cache_fp8_weights(model):
         loss = lm_loss_sum(model, ids, ids, chunk_tokens=chunk or None)
         params = {t.untyped_storage().data_ptr() for t in model.parameters()}
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                    for _, t in saved_in_graph(loss.grad_fn)}  # fmt: skip
+        storages = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for _, t in saved_in_graph(loss.grad_fn)
+        }
     measured = sum(n for ptr, n in storages.items() if ptr not in params)
-    p = plan(_shape(model), recipe, gpus=1, seq_len=SEQ, micro_batch=BATCH, loss_chunk_tokens=chunk,
-             recompute_mlp=recompute)  # fmt: skip
+    p = plan(
+        _shape(model),
+        recipe,
+        gpus=1,
+        seq_len=SEQ,
+        micro_batch=BATCH,
+        loss_chunk_tokens=chunk,
+        recompute_mlp=recompute,
+    )
     _within(p.activations + p.logits_saved + p.weight_copies, measured)
 
 

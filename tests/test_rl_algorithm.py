@@ -43,8 +43,9 @@ def test_policy_loss_matches_the_formula_token_by_token():
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.float64)
     w = torch.rand(3, 5, generator=g, dtype=torch.float64) * 2
     total, stats = policy_loss(logp, old, adv, mask, 0.2, 0.28, w, kl_coef=0.05, ref_logp=ref)
-    expected = _reference_loss(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), 0.2, 0.28, w.tolist(),
-                               0.05, ref.tolist())  # fmt: skip
+    expected = _reference_loss(
+        logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), 0.2, 0.28, w.tolist(), 0.05, ref.tolist()
+    )
     assert float(total) == pytest.approx(expected, rel=1e-12)
     assert float(stats["tokens"]) == 9
     ratio = torch.exp(logp - old)

@@ -31,16 +31,30 @@ PROMPTS = ["Compute 7 + 5 - 3.", "The quick brown fox", "12 + 30 = "]
 
 
 def _engine(policy, tok, precision, scale="pow2", max_new_tokens=12):
-    return BuiltinEngine(policy, precision, scale, "fp32", 1.0, max_new_tokens, 4, stop_token_ids(tok),
-                         tok.pad_token_id)  # fmt: skip
+    return BuiltinEngine(
+        policy, precision, scale, "fp32", 1.0, max_new_tokens, 4, stop_token_ids(tok), tok.pad_token_id
+    )
 
 
 def _exported_fp8(policy, tok, tmp_path, name, pow2=True) -> dict[str, torch.Tensor]:
     """What `infir2 export --format fp8` writes for the policy's current (fp32) weights."""
     src = export_model(policy, tok, tmp_path / f"{name}-fp32", fmt="fp32")
     out = tmp_path / f"{name}-fp8"
-    assert main(["export", "--model", str(src), "--out", str(out), "--format", "fp8",
-                 *([] if pow2 else ["--scale-encoding", "fp32"])]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "export",
+                "--model",
+                str(src),
+                "--out",
+                str(out),
+                "--format",
+                "fp8",
+                *([] if pow2 else ["--scale-encoding", "fp32"]),
+            ]
+        )
+        == 0
+    )
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(out.glob("*.safetensors")):
         tensors |= load_file(f)
@@ -53,8 +67,10 @@ def _assert_bit_identical(engine: BuiltinEngine, exported: dict[str, torch.Tenso
     for name, t in mine.items():
         ref = exported[name]
         assert ref.dtype == t.dtype and ref.shape == t.shape, name
-        assert torch.equal(ref.view(torch.uint8) if ref.dtype == torch.float8_e4m3fn else ref.view(torch.int32),
-                           t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t.view(torch.int32)), name  # fmt: skip
+        assert torch.equal(
+            ref.view(torch.uint8) if ref.dtype == torch.float8_e4m3fn else ref.view(torch.int32),
+            t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t.view(torch.int32),
+        ), name
 
 
 def test_fp8_rollout_weights_are_the_fp8_export_bit_for_bit(tmp_path, tiny_tokenizer):
@@ -77,8 +93,9 @@ def _mismatch(recipe: str, rollout: str, tok) -> dict[str, float]:
     groups = engine.generate(prompts, 3, seed=1)
     flat = [(prompts[i], r) for i, g in enumerate(groups) for r in g]
     with torch.no_grad():
-        logp, mask, _ = sequence_logprobs(policy, [p for p, _ in flat], [r.response_ids for _, r in flat],
-                                          tok.pad_token_id, 1.0, "fp32")  # fmt: skip
+        logp, mask, _ = sequence_logprobs(
+            policy, [p for p, _ in flat], [r.response_ids for _, r in flat], tok.pad_token_id, 1.0, "fp32"
+        )
     roll = torch.zeros_like(logp)
     for i, (_, r) in enumerate(flat):
         roll[i, : len(r.logprobs)] = torch.tensor(r.logprobs)

@@ -42,11 +42,18 @@ def _config(tmp_path, name, **sections):
         "fp8": {"recipe": "blockwise"},
         "optim": {"lr": 1e-3},
         "data": {"prompts_path": str(_prompts(tmp_path / "prompts.jsonl"))},
-        "rollout": {"precision": "fp8", "prompts_per_step": 2, "group_size": 3, "oversample_prompts": 3,
-                    "max_new_tokens": 8, "batch_size": 9, "carry_over": True},
+        "rollout": {
+            "precision": "fp8",
+            "prompts_per_step": 2,
+            "group_size": 3,
+            "oversample_prompts": 3,
+            "max_new_tokens": 8,
+            "batch_size": 9,
+            "carry_over": True,
+        },
         "algo": {"reward": "parity", "updates_per_batch": 2, "micro_batch_size": 4},
         "train": {"max_steps": 3, "save_every": 1},
-    }  # fmt: skip
+    }
     for section, values in sections.items():
         data[section] = {**data.get(section, {}), **values}
     return parse_rl_config(data, "test")
@@ -64,10 +71,25 @@ def test_rl_run_writes_the_train_conventions(tmp_path, tiny_tokenizer, parity_re
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3]
     m = lines[0]
-    for key in ("reward_mean", "reward_std", "accuracy", "response_len_mean", "truncated_frac", "filtered_frac",
-                "entropy", "clip_low_frac", "clip_high_frac", "grad_norm", "loss", "mismatch/abs_dlogp_mean",
-                "mismatch/abs_dlogp_max", "mismatch/k3_kl", "mismatch/prob_error", "mismatch/tis_clip_frac",
-                "mismatch/tis_ess"):  # fmt: skip
+    for key in (
+        "reward_mean",
+        "reward_std",
+        "accuracy",
+        "response_len_mean",
+        "truncated_frac",
+        "filtered_frac",
+        "entropy",
+        "clip_low_frac",
+        "clip_high_frac",
+        "grad_norm",
+        "loss",
+        "mismatch/abs_dlogp_mean",
+        "mismatch/abs_dlogp_max",
+        "mismatch/k3_kl",
+        "mismatch/prob_error",
+        "mismatch/tis_clip_frac",
+        "mismatch/tis_ess",
+    ):
         assert key in m and isinstance(m[key], (int, float)), key
     assert m["tis_mode"] == "off"  # fp8 rollouts + blockwise training quantize identically
     assert m["mismatch/abs_dlogp_max"] < 1e-4  # ... so the trainer and the engine agree
@@ -77,8 +99,13 @@ def test_rl_run_writes_the_train_conventions(tmp_path, tiny_tokenizer, parity_re
 
 def test_dynamic_sampling_drops_groups_that_agree(tmp_path, tiny_tokenizer, monkeypatch):
     monkeypatch.setitem(REWARDS, "constant", lambda text, gold: 1.0)
-    cfg = _config(tmp_path, "flat", algo={"reward": "constant"}, rollout={"max_rounds": 2},
-                  train={"max_steps": 1, "save_every": 0})  # fmt: skip
+    cfg = _config(
+        tmp_path,
+        "flat",
+        algo={"reward": "constant"},
+        rollout={"max_rounds": 2},
+        train={"max_steps": 1, "save_every": 0},
+    )
     m = _run(cfg, tiny_tokenizer).history[0]
     assert m["filtered_frac"] == 1.0 and m["groups_trained"] == 0 and m["rounds"] == 2 and m["updates"] == 0
 
@@ -172,10 +199,21 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(
 def test_rl_raises_the_reward_it_is_given(tmp_path, tiny_tokenizer, monkeypatch):
     """The objective points the right way: rewarded for short answers, an untrained model learns to stop."""
     monkeypatch.setitem(REWARDS, "short", lambda text, gold: float(len(text) < 12))
-    cfg = _config(tmp_path, "short", optim={"lr": 1e-3}, algo={"reward": "short", "micro_batch_size": 32},
-                  rollout={"prompts_per_step": 4, "group_size": 8, "oversample_prompts": 4, "max_new_tokens": 16,
-                           "batch_size": 32, "carry_over": False},
-                  train={"max_steps": 10, "save_every": 0})  # fmt: skip
+    cfg = _config(
+        tmp_path,
+        "short",
+        optim={"lr": 1e-3},
+        algo={"reward": "short", "micro_batch_size": 32},
+        rollout={
+            "prompts_per_step": 4,
+            "group_size": 8,
+            "oversample_prompts": 4,
+            "max_new_tokens": 16,
+            "batch_size": 32,
+            "carry_over": False,
+        },
+        train={"max_steps": 10, "save_every": 0},
+    )
     rewards = [m["reward_mean"] for m in _run(cfg, tiny_tokenizer).history]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2, rewards
 

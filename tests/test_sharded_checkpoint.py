@@ -108,8 +108,17 @@ def test_two_ranks_save_one_process_loads(tmp_path):
     from fsdp_param_gather_worker import tiny_qwen2
 
     env = subprocess_env()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(TESTS / "sharded_checkpoint_worker.py"), str(tmp_path), "async"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(TESTS / "sharded_checkpoint_worker.py"),
+        str(tmp_path),
+        "async",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     ref = torch.load(tmp_path / "full.pt", weights_only=False)

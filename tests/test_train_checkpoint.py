@@ -24,8 +24,13 @@ from infir2.checkpoint import (
 
 def _state(step: int, numel: int = 1000) -> dict:
     g = torch.Generator().manual_seed(step)
-    return {"model": {"w": torch.randn(numel, generator=g)}, "optimizer": {}, "scheduler": {"step": step},
-            "data": [{"step": step}], "train_state": {"step": step, "world_size": 1}}  # fmt: skip
+    return {
+        "model": {"w": torch.randn(numel, generator=g)},
+        "optimizer": {},
+        "scheduler": {"step": step},
+        "data": [{"step": step}],
+        "train_state": {"step": step, "world_size": 1},
+    }
 
 
 def test_save_load_and_keep_last(tmp_path):

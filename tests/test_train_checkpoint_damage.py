@@ -23,9 +23,13 @@ from infir2.checkpoint import (
 
 def _state(step: int, numel: int = 4096) -> dict:
     g = torch.Generator().manual_seed(step)
-    return {"model": {"w": torch.randn(numel, generator=g)}, "optimizer": {"state": {}, "param_groups": []},
-            "scheduler": {"step": step}, "data": [{"epoch": 0, "step_in_epoch": step}],
-            "train_state": {"step": step, "world_size": 1, "rng": [{"python": (3, (1, 2), None)}]}}  # fmt: skip
+    return {
+        "model": {"w": torch.randn(numel, generator=g)},
+        "optimizer": {"state": {}, "param_groups": []},
+        "scheduler": {"step": step},
+        "data": [{"epoch": 0, "step_in_epoch": step}],
+        "train_state": {"step": step, "world_size": 1, "rng": [{"python": (3, (1, 2), None)}]},
+    }
 
 
 def _two_checkpoints(root):
@@ -100,8 +104,10 @@ def test_all_damaged_refuses_to_start_unless_start_fresh(tmp_path):
     assert len(list_checkpoints(tmp_path)) == 2, "refusing must leave them untouched"
     assert load_latest_valid(tmp_path, start_fresh=True) is None
     assert list_checkpoints(tmp_path) == []  # set aside, not deleted
-    assert sorted(p.name for p in tmp_path.iterdir()) == [DAMAGED_PREFIX + "step_00000001",
-                                                          DAMAGED_PREFIX + "step_00000002"]  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        DAMAGED_PREFIX + "step_00000001",
+        DAMAGED_PREFIX + "step_00000002",
+    ]
     assert load_latest_valid(tmp_path) is None  # from now on: a run folder without checkpoints
 
 

@@ -15,8 +15,15 @@ from train_synthetic import one_thread
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
 
-TINY = {"arch": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}  # fmt: skip
+TINY = {
+    "arch": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
 
 
 def _write(path, data):
@@ -31,16 +38,27 @@ def test_cpt_decay_only_and_sft_through_the_command(tmp_path):
     from infir2.data import load_tokenizer
 
     docs = tmp_path / "docs.jsonl"
-    docs.write_text("".join(json.dumps({"text": f"{i} + {i} = {2 * i}. The fox counts to {i}."}) + "\n"
-                            for i in range(300)))  # fmt: skip
+    docs.write_text(
+        "".join(
+            json.dumps({"text": f"{i} + {i} = {2 * i}. The fox counts to {i}."}) + "\n" for i in range(300)
+        )
+    )
     prepare_cpt([docs], tmp_path / "cpt", load_tokenizer(tok_dir), val_fraction=0.1, progress=False)
-    cpt = {"run": {"name": "cpt", "out_dir": str(tmp_path / "runs"), "device": "cpu"},
-           "model": {"from_config": TINY, "tokenizer": str(tok_dir), "precision": "fp32"},
-           "fp8": {"recipe": "blockwise"},
-           "data": {"kind": "cpt", "train_path": str(tmp_path / "cpt"), "seq_len": 32, "global_batch_size": 4,
-                    "micro_batch_size": 2},
-           "optim": {"lr": 3e-3}, "schedule": {"name": "wsd", "warmup_steps": 1, "decay_steps": 2},
-           "train": {"max_steps": 4, "save_every": 2, "eval_every": 2, "eval_batches": 2}}  # fmt: skip
+    cpt = {
+        "run": {"name": "cpt", "out_dir": str(tmp_path / "runs"), "device": "cpu"},
+        "model": {"from_config": TINY, "tokenizer": str(tok_dir), "precision": "fp32"},
+        "fp8": {"recipe": "blockwise"},
+        "data": {
+            "kind": "cpt",
+            "train_path": str(tmp_path / "cpt"),
+            "seq_len": 32,
+            "global_batch_size": 4,
+            "micro_batch_size": 2,
+        },
+        "optim": {"lr": 3e-3},
+        "schedule": {"name": "wsd", "warmup_steps": 1, "decay_steps": 2},
+        "train": {"max_steps": 4, "save_every": 2, "eval_every": 2, "eval_batches": 2},
+    }
     assert main(["train", _write(tmp_path / "cpt.yaml", cpt), "--no-progress"]) == 0
     run = tmp_path / "runs" / "cpt"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -49,9 +67,16 @@ def test_cpt_decay_only_and_sft_through_the_command(tmp_path):
 
     # decay-only: the stable-phase checkpoint at step 2, a fresh 3-step linear decay, --set typed overrides
     ckpt = run / "checkpoints" / "step_00000002"
-    overrides = ["run.name=decay", "load.mode=decay_only", "load.reset_step=true", "train.max_steps=3",
-                 "schedule.warmup_steps=0", "schedule.decay_steps=3", "schedule.decay_style=linear",
-                 "schedule.min_lr=3e-4"]  # fmt: skip
+    overrides = [
+        "run.name=decay",
+        "load.mode=decay_only",
+        "load.reset_step=true",
+        "train.max_steps=3",
+        "schedule.warmup_steps=0",
+        "schedule.decay_steps=3",
+        "schedule.decay_style=linear",
+        "schedule.min_lr=3e-4",
+    ]
     args = ["train", str(tmp_path / "cpt.yaml"), "--load", str(ckpt), "--no-progress"]
     assert main(args + [x for o in overrides for x in ("--set", o)]) == 0
     decay = [json.loads(line) for line in (tmp_path / "runs/decay/metrics.jsonl").read_text().splitlines()]
@@ -66,18 +91,37 @@ def test_cpt_decay_only_and_sft_through_the_command(tmp_path):
 
     # SFT on the CPT export (a plain HF folder with the tokenizer)
     chats = tmp_path / "chats.jsonl"
-    chats.write_text("".join(json.dumps({"messages": [
-        {"role": "system", "content": "Please reason step by step."},
-        {"role": "user", "content": f"What is {i} + {i}?"},
-        {"role": "assistant", "content": f"{i} + {i} = {2 * i}. The answer is {2 * i}."}]}) + "\n"
-        for i in range(40)))  # fmt: skip
-    sft = {"run": {"name": "sft", "out_dir": str(tmp_path / "runs"), "device": "cpu"},
-           "model": {"path": str(run / "hf"), "precision": "fp32"},
-           "data": {"kind": "sft", "train_path": str(chats), "val_path": str(chats), "global_batch_size": 8,
-                    "max_tokens_per_micro_batch": 256, "max_length": 128, "epochs": 2},
-           "optim": {"lr": 1e-3, "weight_decay": 0.0},
-           "schedule": {"name": "cosine", "warmup_fraction": 0.1, "min_lr_ratio": 0.1},
-           "train": {"eval_batches": 1}}  # fmt: skip
+    chats.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "system", "content": "Please reason step by step."},
+                        {"role": "user", "content": f"What is {i} + {i}?"},
+                        {"role": "assistant", "content": f"{i} + {i} = {2 * i}. The answer is {2 * i}."},
+                    ]
+                }
+            )
+            + "\n"
+            for i in range(40)
+        )
+    )
+    sft = {
+        "run": {"name": "sft", "out_dir": str(tmp_path / "runs"), "device": "cpu"},
+        "model": {"path": str(run / "hf"), "precision": "fp32"},
+        "data": {
+            "kind": "sft",
+            "train_path": str(chats),
+            "val_path": str(chats),
+            "global_batch_size": 8,
+            "max_tokens_per_micro_batch": 256,
+            "max_length": 128,
+            "epochs": 2,
+        },
+        "optim": {"lr": 1e-3, "weight_decay": 0.0},
+        "schedule": {"name": "cosine", "warmup_fraction": 0.1, "min_lr_ratio": 0.1},
+        "train": {"eval_batches": 1},
+    }
     assert main(["train", _write(tmp_path / "sft.yaml", sft), "--no-progress"]) == 0
     rows = [json.loads(line) for line in (tmp_path / "runs/sft/metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 * (40 // 8)  # max_steps from the data: 5 steps per epoch, 2 epochs

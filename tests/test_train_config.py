@@ -88,8 +88,17 @@ def test_bad_config_names_key_and_file(tmp_path, text, key, what):
 
 def test_overrides_are_typed_by_the_field(tmp_path):
     path = _write(tmp_path, "optim:\n  lr: 1.0e-4\n")
-    cfg = load_config(path, ["optim.lr=3e-4", "data.shuffle=false", "optim.betas=[0.8,0.9]", "train.max_steps=7",
-                             "fp8.recipe=bf16", "load.path=ckpt/step_00000010"])  # fmt: skip
+    cfg = load_config(
+        path,
+        [
+            "optim.lr=3e-4",
+            "data.shuffle=false",
+            "optim.betas=[0.8,0.9]",
+            "train.max_steps=7",
+            "fp8.recipe=bf16",
+            "load.path=ckpt/step_00000010",
+        ],
+    )
     assert cfg.optim.lr == 3e-4 and isinstance(cfg.optim.lr, float)
     assert cfg.data.shuffle is False and cfg.optim.betas == (0.8, 0.9) and cfg.train.max_steps == 7
     assert cfg.fp8.recipe == "bf16" and cfg.load.path == "ckpt/step_00000010"

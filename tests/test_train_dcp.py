@@ -103,8 +103,9 @@ def test_damaged_dcp_checkpoint_is_skipped_and_all_damaged_refuses(runs, tmp_pat
     _garble(ckpts / "step_00000004" / "__0_0.distcp")
     with caplog.at_level(logging.WARNING):
         resumed = _train(cfg)
-    assert any("skipping checkpoint" in r.getMessage() and "step_00000004" in r.getMessage()
-               for r in caplog.records)  # fmt: skip
+    assert any(
+        "skipping checkpoint" in r.getMessage() and "step_00000004" in r.getMessage() for r in caplog.records
+    )
     assert resumed.resumed_from.name == "step_00000002" and _losses(resumed) == _losses(full)[2:]
     for folder in sc.list_sharded(ckpts):
         _garble(folder / "extra.pt")

@@ -31,17 +31,30 @@ _one_thread = pytest.fixture(autouse=True)(one_thread)
 @pytest.mark.slow
 def test_two_process_dcp_run_resumes_and_reshards_onto_one_process(tmp_path):
     env = subprocess_env()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(TESTS / "train_dcp_worker.py"), str(tmp_path / "two")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(TESTS / "train_dcp_worker.py"),
+        str(tmp_path / "two"),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     two_dir = tmp_path / "two" / "dcp"
     two = [json.loads(line) for line in (two_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in two] == [1, 2, 3, 4, 5, 6]  # 1-2 before the kill, 3-6 after the resume
 
-    one = train(tiny_run_config(tmp_path / "one", "ref", train={**TRAIN, "checkpoint_format": "full",
-                "async_save": False}), model=make_tiny_model(), train_source=SyntheticSource(**SOURCE),
-                progress=False)  # fmt: skip
+    one = train(
+        tiny_run_config(
+            tmp_path / "one", "ref", train={**TRAIN, "checkpoint_format": "full", "async_save": False}
+        ),
+        model=make_tiny_model(),
+        train_source=SyntheticSource(**SOURCE),
+        progress=False,
+    )
     # the same data (loss-token counts differ per step: an exact check of the data position), and the
     # tolerances of test_train_fsdp.py for its 4 steps (fp32 reduction order; see the reasoning there);
     # the AdamW-amplified noise grows to ~2e-4 by step 5, while a wrong data position moves the loss >1e-2
@@ -56,8 +69,12 @@ def test_two_process_dcp_run_resumes_and_reshards_onto_one_process(tmp_path):
     shutil.copytree(two_dir, tmp_path / "copy" / "dcp")
     shutil.rmtree(tmp_path / "copy" / "dcp" / "checkpoints" / "step_00000006")
     (tmp_path / "copy" / "dcp" / ".lock").unlink(missing_ok=True)
-    cont = train(tiny_run_config(tmp_path / "copy", "dcp", train=TRAIN), model=make_tiny_model(seed=7),
-                 train_source=SyntheticSource(**SOURCE), progress=False)  # fmt: skip
+    cont = train(
+        tiny_run_config(tmp_path / "copy", "dcp", train=TRAIN),
+        model=make_tiny_model(seed=7),
+        train_source=SyntheticSource(**SOURCE),
+        progress=False,
+    )
     assert cont.resumed_from.name == "step_00000004" and [m["step"] for m in cont.history] == [5, 6]
     # data: the global sample count of step 4 (global batch 8: samples 32..47 for steps 5-6)
     assert [m["loss_tokens"] for m in cont.history] == [m["loss_tokens"] for m in one.history[4:]]

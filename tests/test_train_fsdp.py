@@ -24,13 +24,26 @@ _one_thread = pytest.fixture(autouse=True)(one_thread)
 def test_fsdp2_two_processes_match_one_process(tmp_path):
     env = subprocess_env()
     for phase in ("crash", "resume"):  # two launches: the resume runs in fresh processes
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(TESTS / "train_fsdp_worker.py"), str(tmp_path / "two"), phase]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(TESTS / "train_fsdp_worker.py"),
+            str(tmp_path / "two"),
+            phase,
+        ]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
-    one = train(tiny_run_config(tmp_path / "one", "fsdp", **CONFIG), model=make_tiny_model(),
-                train_source=SyntheticSource(**SOURCE), progress=False)  # fmt: skip
+    one = train(
+        tiny_run_config(tmp_path / "one", "fsdp", **CONFIG),
+        model=make_tiny_model(),
+        train_source=SyntheticSource(**SOURCE),
+        progress=False,
+    )
     two_dir = tmp_path / "two" / "fsdp"
     two = [json.loads(line) for line in (two_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in two] == [1, 2, 3, 4]  # steps 1-2 before the kill, 3-4 after the resume

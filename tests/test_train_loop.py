@@ -25,8 +25,12 @@ def _losses(path):
 def test_resume_is_exact(tmp_path):
     """6 steps in one go == 3 steps, a crash, and a resume with fresh objects: identical losses."""
     kw = {"train": {"max_steps": 6, "save_every": 3, "keep_last": 2}}
-    full = train(tiny_run_config(tmp_path, "full", **kw), model=make_tiny_model(), train_source=SyntheticSource(seed=1),
-                 progress=False)  # fmt: skip
+    full = train(
+        tiny_run_config(tmp_path, "full", **kw),
+        model=make_tiny_model(),
+        train_source=SyntheticSource(seed=1),
+        progress=False,
+    )
     cfg = tiny_run_config(tmp_path, "split", **kw)
     with pytest.raises(KeyboardInterrupt):
         train(cfg, model=make_tiny_model(), train_source=CrashAfter(3, seed=1), progress=False)
@@ -99,8 +103,9 @@ def test_no_checkpoint_during_a_nonfinite_streak_and_the_abort_names_the_last_he
     source = SyntheticSource(seed=1)
     model = make_tiny_model()
     _poison_lm_head(model, lambda: source.step >= 3)  # steps 3, 4, ... are non-finite
-    cfg = tiny_run_config(tmp_path, "streak", train={"max_steps": 8, "save_every": 1, "keep_last": 1,
-                                                     "max_nonfinite_in_row": 3})  # fmt: skip
+    cfg = tiny_run_config(
+        tmp_path, "streak", train={"max_steps": 8, "save_every": 1, "keep_last": 1, "max_nonfinite_in_row": 3}
+    )
     with pytest.raises(NonFiniteError) as e:
         train(cfg, model=model, train_source=source, progress=False)
     healthy = cfg.run_dir / "checkpoints" / "step_00000002"
@@ -113,10 +118,20 @@ def test_no_checkpoint_during_a_nonfinite_streak_and_the_abort_names_the_last_he
 def test_fp8_blockwise_and_bf16_recipe_both_train_and_agree(tmp_path):
     losses = {}
     for recipe in ("bf16", "blockwise"):
-        cfg = tiny_run_config(tmp_path, recipe, fp8={"recipe": recipe}, train={"max_steps": 10, "eval_every": 5},
-                              schedule={"warmup_fraction": 0.2, "decay_fraction": 0.4})  # fmt: skip
-        result = train(cfg, model=make_tiny_model(), train_source=SyntheticSource(seed=1),
-                       val_source=SyntheticSource(seed=99), progress=False)  # fmt: skip
+        cfg = tiny_run_config(
+            tmp_path,
+            recipe,
+            fp8={"recipe": recipe},
+            train={"max_steps": 10, "eval_every": 5},
+            schedule={"warmup_fraction": 0.2, "decay_fraction": 0.4},
+        )
+        result = train(
+            cfg,
+            model=make_tiny_model(),
+            train_source=SyntheticSource(seed=1),
+            val_source=SyntheticSource(seed=99),
+            progress=False,
+        )
         losses[recipe] = [m["loss"] for m in result.history]
         assert [m["step"] for m in result.history if "val_loss" in m] == [5, 10]
         assert result.final_val_loss < result.history[4]["val_loss"]  # held-out loss falls
@@ -131,8 +146,9 @@ def test_hf_export_loads_in_transformers(tmp_path, tiny_tokenizer):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cfg = tiny_run_config(tmp_path, train={"max_steps": 1})
-    result = train(cfg, model=make_tiny_model(), tokenizer=tiny_tokenizer, train_source=SyntheticSource(),
-                   progress=False)  # fmt: skip
+    result = train(
+        cfg, model=make_tiny_model(), tokenizer=tiny_tokenizer, train_source=SyntheticSource(), progress=False
+    )
     loaded = AutoModelForCausalLM.from_pretrained(result.hf_dir, local_files_only=True)
     trained = load_checkpoint(result.checkpoint)["model"]
     assert set(loaded.state_dict()) == set(trained)  # Fp8Linear saved as a plain nn.Linear model
@@ -146,10 +162,19 @@ def test_hf_export_loads_in_transformers(tmp_path, tiny_tokenizer):
 
 
 def test_weights_only_load_starts_a_new_run_from_a_checkpoint(tmp_path):
-    first = train(tiny_run_config(tmp_path, "a", fp8={"recipe": "bf16"}, train={"max_steps": 2}),
-                  model=make_tiny_model(), train_source=SyntheticSource(seed=1), progress=False)  # fmt: skip
-    cfg = tiny_run_config(tmp_path, "b", fp8={"recipe": "bf16"}, train={"max_steps": 1},
-                          load={"path": str(first.checkpoint), "mode": "weights_only"})  # fmt: skip
+    first = train(
+        tiny_run_config(tmp_path, "a", fp8={"recipe": "bf16"}, train={"max_steps": 2}),
+        model=make_tiny_model(),
+        train_source=SyntheticSource(seed=1),
+        progress=False,
+    )
+    cfg = tiny_run_config(
+        tmp_path,
+        "b",
+        fp8={"recipe": "bf16"},
+        train={"max_steps": 1},
+        load={"path": str(first.checkpoint), "mode": "weights_only"},
+    )
     second = train(cfg, model=make_tiny_model(seed=5), train_source=SyntheticSource(seed=1), progress=False)
     assert second.resumed_from == first.checkpoint and [m["step"] for m in second.history] == [1]
     # the loaded weights (not the seed-5 init) produced the first loss: it is the trained model's loss on step 1
@@ -173,9 +198,18 @@ def test_cpt_val_loss_is_the_number_eval_perplexity_prints(tmp_path):
         data / "val.bin"
     )  # 5 full windows, a partial one
     (data / "meta.json").write_text(json.dumps({"dtype": "uint16"}))
-    cfg = tiny_run_config(tmp_path, "cpt", train={"max_steps": 2, "eval_batches": 100},
-                          data={"kind": "cpt", "train_path": str(data), "seq_len": 16, "global_batch_size": 4,
-                                "micro_batch_size": 2})  # fmt: skip
+    cfg = tiny_run_config(
+        tmp_path,
+        "cpt",
+        train={"max_steps": 2, "eval_batches": 100},
+        data={
+            "kind": "cpt",
+            "train_path": str(data),
+            "seq_len": 16,
+            "global_batch_size": 4,
+            "micro_batch_size": 2,
+        },
+    )
     result = train(cfg, model=make_tiny_model(), progress=False)
     from transformers import AutoModelForCausalLM
 

@@ -27,8 +27,13 @@ def test_learning_rates_above_one_are_refused(tmp_path, lr):
 def test_a_diverging_run_stops_and_keeps_its_last_healthy_checkpoint(tmp_path):
     """lr=1 (allowed) with a constant schedule: the tiny model's loss climbs from ln(300) = 5.7 to 14, 26,
     ... (measured), finite all the way; today's loop trains on and checkpoints every step."""
-    cfg = tiny_run_config(tmp_path, "diverge", optim={"lr": 1.0}, schedule={"name": "constant"},
-                          train={"max_steps": 8, "save_every": 1, "keep_last": 8})  # fmt: skip
+    cfg = tiny_run_config(
+        tmp_path,
+        "diverge",
+        optim={"lr": 1.0},
+        schedule={"name": "constant"},
+        train={"max_steps": 8, "save_every": 1, "keep_last": 8},
+    )
     source = SyntheticSource(seed=1, global_batch_size=4, micro_batch_size=2)
     with pytest.raises(NonFiniteError, match=r"loss spike .* train.loss_spike_nats=3.0") as error:
         train(cfg, model=make_tiny_model(), train_source=source, progress=False)
@@ -45,9 +50,18 @@ def test_a_diverging_run_stops_and_keeps_its_last_healthy_checkpoint(tmp_path):
 
 
 def test_the_guard_can_be_turned_off(tmp_path):
-    cfg = tiny_run_config(tmp_path, "off", optim={"lr": 1.0}, schedule={"name": "constant"},
-                          train={"max_steps": 5, "loss_spike_nats": None})  # fmt: skip
-    result = train(cfg, model=make_tiny_model(), train_source=SyntheticSource(seed=1, global_batch_size=4,
-                   micro_batch_size=2), progress=False)  # fmt: skip
+    cfg = tiny_run_config(
+        tmp_path,
+        "off",
+        optim={"lr": 1.0},
+        schedule={"name": "constant"},
+        train={"max_steps": 5, "loss_spike_nats": None},
+    )
+    result = train(
+        cfg,
+        model=make_tiny_model(),
+        train_source=SyntheticSource(seed=1, global_batch_size=4, micro_batch_size=2),
+        progress=False,
+    )
     assert result.step == 5 and not any(m["skipped"] for m in result.history)
     assert load_checkpoint(result.checkpoint)["train_state"]["step"] == 5

@@ -82,8 +82,9 @@ def test_bytes_per_parameter(state_dtype: str, bytes_per_param: int) -> None:
     opt = build_optimizer(model, cfg.optim)
     _run(model, opt, range(1))
     n = sum(p.numel() for p in model.parameters())
-    params_and_grads = sum(p.numel() * p.element_size() + p.grad.numel() * p.grad.element_size()
-                           for p in model.parameters())  # fmt: skip
+    params_and_grads = sum(
+        p.numel() * p.element_size() + p.grad.numel() * p.grad.element_size() for p in model.parameters()
+    )
     moments = sum(
         t.numel() * t.element_size() for s in opt.state.values() for k, t in s.items() if k != "step"
     )
@@ -104,14 +105,23 @@ def test_training_resume_with_bf16_moments_is_exact(tmp_path) -> None:
     from train_synthetic import CrashAfter, SyntheticSource, tiny_run_config
 
     kw = {"train": {"max_steps": 4, "save_every": 2}, "optim": {"lr": 3e-3, "state_dtype": "bf16"}}
-    full = train(tiny_run_config(tmp_path, "full", **kw), model=make_tiny_model(hidden=64),
-                 train_source=SyntheticSource(seed=1), progress=False)  # fmt: skip
+    full = train(
+        tiny_run_config(tmp_path, "full", **kw),
+        model=make_tiny_model(hidden=64),
+        train_source=SyntheticSource(seed=1),
+        progress=False,
+    )
     cfg = tiny_run_config(tmp_path, "split", **kw)
     with pytest.raises(KeyboardInterrupt):
         train(cfg, model=make_tiny_model(hidden=64), train_source=CrashAfter(2, seed=1), progress=False)
-    resumed = train(cfg, model=make_tiny_model(hidden=64, seed=5), train_source=SyntheticSource(seed=1),
-                    progress=False)  # fmt: skip
+    resumed = train(
+        cfg, model=make_tiny_model(hidden=64, seed=5), train_source=SyntheticSource(seed=1), progress=False
+    )
     assert [m["loss"] for m in resumed.history] == [m["loss"] for m in full.history[2:]]
-    moments = [t for s in load_checkpoint(resumed.checkpoint)["optimizer"]["state"].values()
-               for k, t in s.items() if k.startswith("exp_avg")]  # fmt: skip
+    moments = [
+        t
+        for s in load_checkpoint(resumed.checkpoint)["optimizer"]["state"].values()
+        for k, t in s.items()
+        if k.startswith("exp_avg")
+    ]
     assert moments and all(t.dtype == torch.bfloat16 for t in moments)

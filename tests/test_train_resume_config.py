@@ -21,8 +21,10 @@ def test_config_changes_are_classified():
     saved = {"train": {"max_steps": 2, "log_every": 1}, "model": {"from_config": {"arch": "qwen2", "n": 1}}}
     now = {"train": {"max_steps": 4, "log_every": 5}, "model": {"from_config": {"arch": "qwen2", "n": 2}}}
     meaningful, harmless = config_changes(saved, now)
-    assert meaningful == ["model.from_config: {'arch': 'qwen2', 'n': 1} -> {'arch': 'qwen2', 'n': 2}",
-                          "train.max_steps: 2 -> 4"]  # fmt: skip
+    assert meaningful == [
+        "model.from_config: {'arch': 'qwen2', 'n': 1} -> {'arch': 'qwen2', 'n': 2}",
+        "train.max_steps: 2 -> 4",
+    ]
     assert harmless == ["train.log_every: 1 -> 5"]
 
 
@@ -38,8 +40,9 @@ def test_resume_with_a_changed_schedule_is_refused_unless_accepted(tmp_path):
     assert "\n" not in message and str(cfg.run_dir / "config.yaml") in message
     assert (cfg.run_dir / "config.yaml").read_bytes() == saved  # not overwritten
 
-    accepted = tiny_run_config(tmp_path, train={"max_steps": 4}, optim={"lr": 1e-3},
-                               load={"accept_config_changes": True})  # fmt: skip
+    accepted = tiny_run_config(
+        tmp_path, train={"max_steps": 4}, optim={"lr": 1e-3}, load={"accept_config_changes": True}
+    )
     result = _run(accepted)
     assert [m["step"] for m in result.history] == [3, 4]
     assert (cfg.run_dir / "config.2.yaml").read_bytes() == saved  # the old one kept, named by its step

@@ -95,8 +95,12 @@ def test_a_second_process_is_refused_with_the_holders_pid_and_the_lock_dies_with
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
     lock_py = Path(__file__).parents[1] / "src" / "infir2" / "train" / "lock.py"
-    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(run_dir), str(lock_py)], stdout=subprocess.PIPE,
-                              text=True, env=env)  # fmt: skip
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(run_dir), str(lock_py)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         with pytest.raises(RunLockedError, match=rf"in use by process {holder.pid}\b"), run_lock(run_dir):

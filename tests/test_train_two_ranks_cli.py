@@ -17,8 +17,15 @@ from conftest import make_tokenizer
 from infir2.data import load_tokenizer, prepare_cpt
 
 TESTS = Path(__file__).parent
-TINY = {"arch": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}  # fmt: skip
+TINY = {
+    "arch": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
 
 
 @pytest.fixture(scope="module")
@@ -26,20 +33,41 @@ def two_rank_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("two-ranks")
     make_tokenizer().save_pretrained(root / "tok")
     docs = root / "docs.jsonl"
-    docs.write_text("".join(json.dumps({"text": f"{i} + {i} = {2 * i}. The fox counts to {i}."}) + "\n"
-                            for i in range(600)))  # fmt: skip
+    docs.write_text(
+        "".join(
+            json.dumps({"text": f"{i} + {i} = {2 * i}. The fox counts to {i}."}) + "\n" for i in range(600)
+        )
+    )
     meta = prepare_cpt([docs], root / "cpt", load_tokenizer(root / "tok"), progress=False)  # default: 1% val
     assert meta["val_documents"] == 6
-    config = {"run": {"name": "two", "out_dir": str(root / "runs"), "device": "cpu"},
-              "model": {"from_config": TINY, "tokenizer": str(root / "tok"), "precision": "fp32"},
-              "fp8": {"recipe": "blockwise"},
-              "data": {"kind": "cpt", "train_path": str(root / "cpt"), "seq_len": 64, "global_batch_size": 8,
-                       "micro_batch_size": 4},
-              "train": {"max_steps": 2}}  # fmt: skip
+    config = {
+        "run": {"name": "two", "out_dir": str(root / "runs"), "device": "cpu"},
+        "model": {"from_config": TINY, "tokenizer": str(root / "tok"), "precision": "fp32"},
+        "fp8": {"recipe": "blockwise"},
+        "data": {
+            "kind": "cpt",
+            "train_path": str(root / "cpt"),
+            "seq_len": 64,
+            "global_batch_size": 8,
+            "micro_batch_size": 4,
+        },
+        "train": {"max_steps": 2},
+    }
     (root / "two.yaml").write_text(yaml.safe_dump(config))
     env = {**os.environ, "PYTHONPATH": f"{TESTS.parent / 'src'}{os.pathsep}{TESTS}", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "infir2.cli", "train", str(root / "two.yaml"), "--no-progress"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "infir2.cli",
+        "train",
+        str(root / "two.yaml"),
+        "--no-progress",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return root, root / "runs" / "two"

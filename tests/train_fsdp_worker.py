@@ -30,8 +30,12 @@ def main(out_dir: str, phase: str) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if phase == "crash":
         try:
-            train(cfg, model=make_tiny_model(), train_source=CrashAfter(2, rank=rank, world_size=world, **SOURCE),
-                  progress=False)  # fmt: skip
+            train(
+                cfg,
+                model=make_tiny_model(),
+                train_source=CrashAfter(2, rank=rank, world_size=world, **SOURCE),
+                progress=False,
+            )
         except KeyboardInterrupt:
             return
         raise AssertionError("the run should have died at step 3")

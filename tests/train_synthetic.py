@@ -20,9 +20,17 @@ from infir2.data.base import IGNORE_INDEX, MicroBatch
 
 
 class SyntheticSource:
-    def __init__(self, vocab_size: int = 300, seq_len: int = 32, global_batch_size: int = 8,
-                 micro_batch_size: int = 2, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 steps: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        vocab_size: int = 300,
+        seq_len: int = 32,
+        global_batch_size: int = 8,
+        micro_batch_size: int = 2,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        steps: int | None = None,
+    ) -> None:
         assert global_batch_size % (world_size * micro_batch_size) == 0
         self.vocab_size, self.seq_len, self.global_batch_size = vocab_size, seq_len, global_batch_size
         self.micro_batch_size, self.rank, self.world_size = micro_batch_size, rank, world_size

@@ -71,8 +71,24 @@ def transformers_serve(
         "TRANSFORMERS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
-    cmd = [sys.executable, "-c", _CLI, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-           "--device", "cpu", "--dtype", "float32", "--log-level", "warning", *(extra or [])]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-c",
+        _CLI,
+        "serve",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--log-level",
+        "warning",
+        *(extra or []),
+    ]
     with log.open("ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     served = Served(f"http://127.0.0.1:{port}", port, proc, log)

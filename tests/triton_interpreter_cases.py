@@ -45,8 +45,10 @@ BLOCKS = [(1, 128), (128, 1), (128, 128)]
 
 
 if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("needs TRITON_INTERPRET=1 before triton is imported (see test_kernels_triton.py)",
-                allow_module_level=True)  # fmt: skip
+    pytest.skip(
+        "needs TRITON_INTERPRET=1 before triton is imported (see test_kernels_triton.py)",
+        allow_module_level=True,
+    )
 
 
 @pytest.fixture(scope="module")

@@ -138,9 +138,13 @@ def chunked_linear_cross_entropy(
         compute_dtype = torch.get_autocast_dtype(device) if on else hidden.dtype
     with torch.autocast(hidden.device.type, enabled=False):
         out = ChunkedLinearCrossEntropy.apply(
-            hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), ignore_index, chunk_tokens,
+            hidden.reshape(-1, hidden.shape[-1]),
+            weight,
+            labels.reshape(-1),
+            ignore_index,
+            chunk_tokens,
             compute_dtype,
-        )  # fmt: skip
+        )
     return out
 
 
@@ -178,8 +182,12 @@ def lm_loss_sum(
     if chunk_tokens is None:
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32, or fp64 as it is
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
-                               ignore_index=ignore_index, reduction="sum")  # fmt: skip
+        return F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)),
+            labels[:, 1:].reshape(-1),
+            ignore_index=ignore_index,
+            reduction="sum",
+        )
     decoder = getattr(model, "model", None)
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None

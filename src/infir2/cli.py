@@ -65,8 +65,13 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str | None:
         help_text = action.help or ""
         default = action.default
-        if ("%(default)" in help_text or "default" in help_text.lower() or default is argparse.SUPPRESS
-                or default in (None, False, []) or isinstance(action, argparse._VersionAction)):  # fmt: skip
+        if (
+            "%(default)" in help_text
+            or "default" in help_text.lower()
+            or default is argparse.SUPPRESS
+            or default in (None, False, [])
+            or isinstance(action, argparse._VersionAction)
+        ):
             return action.help
         if action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
             help_text += " (default: %(default)s)"
@@ -107,8 +112,12 @@ def build_parser(argv: list[str] | None = None, full: bool = False) -> argparse.
             sub.add_parser(name, help=help_text, description=help_text, add_help=False)
             continue
         module = importlib.import_module(module_name)
-        p = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip(),
-                           formatter_class=_HelpFormatter)  # fmt: skip
+        p = sub.add_parser(
+            name,
+            help=help_text,
+            description=(module.__doc__ or help_text).strip(),
+            formatter_class=_HelpFormatter,
+        )
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
     return parser

@@ -61,8 +61,10 @@ def check_model_folder(path: str | Path) -> Path:
             f"model folder {path} has no config.json (expected a Hugging Face model folder)"
         )
     if not any(any(path.glob(pattern)) for pattern in WEIGHT_PATTERNS):
-        raise FileNotFoundError(f"model folder {path} has a config.json but no weights (expected "
-                                f"{' or '.join(WEIGHT_PATTERNS)}); copy them there or point at another folder")  # fmt: skip
+        raise FileNotFoundError(
+            f"model folder {path} has a config.json but no weights (expected "
+            f"{' or '.join(WEIGHT_PATTERNS)}); copy them there or point at another folder"
+        )
     return path
 
 

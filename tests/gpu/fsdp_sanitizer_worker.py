@@ -36,9 +36,16 @@ LR, EPS = 1e-3, 1e-8
 def tiny_qwen2() -> torch.nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=640, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=False)  # fmt: skip
+    cfg = Qwen2Config(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=640,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     return Qwen2ForCausalLM(cfg).float()
 
@@ -92,8 +99,12 @@ def main(out: str) -> None:
             layer.reshard()
         if env.device.type == "cuda":
             torch.cuda.synchronize()
-        result = {"losses": losses, "adamw_max_error": adamw_error, "fp8_weights_exact": exact,
-                  "fp8_weights": 7 * len(layers)}  # fmt: skip
+        result = {
+            "losses": losses,
+            "adamw_max_error": adamw_error,
+            "fp8_weights_exact": exact,
+            "fp8_weights": 7 * len(layers),
+        }
         with open(out, "w") as f:
             json.dump(result, f)
         print(json.dumps(result))

@@ -276,11 +276,23 @@ def test_k_major_dgrad_weight_gives_the_views_gradients(backend):
 def test_fsdp_fp8_gather_under_the_cuda_sanitizer(tmp_path):
     here = Path(__file__).resolve().parent
     src = here.parents[1] / "src"
-    env = {**os.environ, "TORCH_CUDA_SANITIZER": "1", "PYTHONPATH": f"{src}{os.pathsep}{here}",
-           "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}  # fmt: skip
+    env = {
+        **os.environ,
+        "TORCH_CUDA_SANITIZER": "1",
+        "PYTHONPATH": f"{src}{os.pathsep}{here}",
+        "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0],
+    }
     out = tmp_path / "fsdp.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-           str(here / "fsdp_sanitizer_worker.py"), str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "1",
+        str(here / "fsdp_sanitizer_worker.py"),
+        str(out),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     result = json.loads(out.read_text())

@@ -162,8 +162,9 @@ def read_meta(folder: str | Path) -> Meta:
             files = {name: FileRecord(int(r["bytes"]), r.get("sha256")) for name, r in data["files"].items()}
         else:  # before the files map: the one state.pt
             files = {_LEGACY_STATE_FILE: FileRecord(int(data["state_bytes"]), data.get("state_sha256"))}
-        return Meta(str(data.get("format", _DEFAULT_FORMAT)), int(data["step"]), int(data.get("world_size", 1)),
-                    files)  # fmt: skip
+        return Meta(
+            str(data.get("format", _DEFAULT_FORMAT)), int(data["step"]), int(data.get("world_size", 1)), files
+        )
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"checkpoint {folder}: unreadable {META_FILE} ({type(e).__name__}: {e})") from e
 
@@ -189,8 +190,10 @@ def verify_file(folder: Path, name: str, expected_bytes: int, expected_sha: str 
     except OSError as e:
         raise ValueError(f"checkpoint {folder}: {name} is missing ({e})") from e
     if size != expected_bytes:
-        raise ValueError(f"checkpoint {folder}: {name} has {size} bytes, {META_FILE} records "
-                         f"{expected_bytes} (truncated or incomplete)")  # fmt: skip
+        raise ValueError(
+            f"checkpoint {folder}: {name} has {size} bytes, {META_FILE} records "
+            f"{expected_bytes} (truncated or incomplete)"
+        )
     if expected_sha is None:
         log.warning(
             "checkpoint %s has no checksum for %s in %s; loading it unverified", folder, name, META_FILE

@@ -33,8 +33,15 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from .folder import Meta, begin, finish, newest_loadable, record_file, verify
 
-__all__ = ["CHECKPOINT_KEYS", "FORMAT", "STATE_FILE", "load_checkpoint", "load_full", "load_latest_valid",
-           "save_checkpoint"]  # fmt: skip
+__all__ = [
+    "CHECKPOINT_KEYS",
+    "FORMAT",
+    "STATE_FILE",
+    "load_checkpoint",
+    "load_full",
+    "load_latest_valid",
+    "save_checkpoint",
+]
 
 FORMAT = "full"
 CHECKPOINT_KEYS = ("model", "optimizer", "scheduler", "data", "train_state")
@@ -100,11 +107,20 @@ def load_full(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimiz
     if optimizer is None:
         set_model_state_dict(model, full["model"], options=options)
     else:
-        set_state_dict(model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optimizer"],
-                       options=options)  # fmt: skip
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=full["model"],
+            optim_state_dict=full["optimizer"],
+            options=options,
+        )
     train_state = full["train_state"]
-    return {"scheduler": full["scheduler"], "train_state": train_state, "data": full["data"],
-            "rng": train_state.get("rng")}  # fmt: skip
+    return {
+        "scheduler": full["scheduler"],
+        "train_state": train_state,
+        "data": full["data"],
+        "rng": train_state.get("rng"),
+    }
 
 
 def load_latest_valid(

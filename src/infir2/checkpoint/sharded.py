@@ -84,8 +84,14 @@ def _plain(state: Any) -> Any:
 
     def unwrap(t: torch.Tensor) -> torch.Tensor:
         if isinstance(t, DTensor) and isinstance(t._local_tensor, Fp8ShardedWeight):
-            return DTensor.from_local(t._local_tensor._tensor, t.device_mesh, t.placements, run_check=False,
-                                      shape=t.shape, stride=t.stride())  # fmt: skip
+            return DTensor.from_local(
+                t._local_tensor._tensor,
+                t.device_mesh,
+                t.placements,
+                run_check=False,
+                shape=t.shape,
+                stride=t.stride(),
+            )
         return t
 
     return tree_map_only(torch.Tensor, unwrap, state)
@@ -159,9 +165,12 @@ def save_sharded(
     per_rank = gather_objects({"data": extra.get("data"), "rng": extra.get("rng")}, env)
     if env.is_main:
         assert per_rank is not None
-        small = {"scheduler": extra.get("scheduler"), "train_state": {**extra.get("train_state", {}),
-                 "world_size": env.world_size}, "data": [r["data"] for r in per_rank],  # type: ignore[index]
-                 "rng": [r["rng"] for r in per_rank]}  # type: ignore[index]  # fmt: skip
+        small = {
+            "scheduler": extra.get("scheduler"),
+            "train_state": {**extra.get("train_state", {}), "world_size": env.world_size},
+            "data": [r["data"] for r in per_rank],  # type: ignore[index]
+            "rng": [r["rng"] for r in per_rank],  # type: ignore[index]
+        }
         torch.save(small, tmp / EXTRA_FILE)
 
     def finalize() -> Path:

@@ -45,10 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="F",
         help="share of documents held out (default 0.01)",
     )
-    parser.add_argument("--model-type", metavar="TYPE",
-                        help="tokenize as AutoTokenizer loads a model of this type (qwen2, llama, ...): the type "
-                             "of the model you will train; default: model_type in the folder's config.json, "
-                             "else the tokenizer as saved")  # fmt: skip
+    parser.add_argument(
+        "--model-type",
+        metavar="TYPE",
+        help="tokenize as AutoTokenizer loads a model of this type (qwen2, llama, ...): the type "
+        "of the model you will train; default: model_type in the folder's config.json, "
+        "else the tokenizer as saved",
+    )
     parser.add_argument("--text-field", default="text", help="JSONL field / Parquet column (default: text)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 

@@ -251,9 +251,13 @@ def prepare_cpt(
         shutil.rmtree(tmp, ignore_errors=True)
     log.info(
         "wrote %s: %d train / %d val tokens, %d / %d documents, %d empty skipped",
-        out, counts["train_tokens"], counts["val_tokens"], counts["train_documents"],
-        counts["val_documents"], counts["skipped_empty"],
-    )  # fmt: skip
+        out,
+        counts["train_tokens"],
+        counts["val_tokens"],
+        counts["train_documents"],
+        counts["val_documents"],
+        counts["skipped_empty"],
+    )
     return meta
 
 
@@ -267,8 +271,14 @@ def _move_into_place(tmp: Path, out: Path) -> None:
         (tmp / name).replace(out / name)
 
 
-def _meta(files: list[Path], tokenizer: PreTrainedTokenizerBase, dtype: np.dtype, counts: dict[str, int],
-          val_fraction: float, text_field: str) -> dict[str, Any]:  # fmt: skip
+def _meta(
+    files: list[Path],
+    tokenizer: PreTrainedTokenizerBase,
+    dtype: np.dtype,
+    counts: dict[str, int],
+    val_fraction: float,
+    text_field: str,
+) -> dict[str, Any]:
     return {
         "format": "infir2-cpt-1",
         "dtype": dtype.name,

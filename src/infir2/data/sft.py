@@ -67,8 +67,10 @@ def load_conversations(path: str | Path) -> list[Conversation]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x}); "
-                                 "re-encode the file as UTF-8") from None  # fmt: skip
+                raise ValueError(
+                    f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x}); "
+                    "re-encode the file as UTF-8"
+                ) from None
             if line.strip():
                 conversations.append(_parse_line(line, f"{path}:{lineno}"))
     if not conversations:

@@ -127,9 +127,11 @@ def load_tokenizer(path: str | Path, model_type: str | None = None) -> PreTraine
     """
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"tokenizer folder not found: {path} (expected a local Hugging Face tokenizer "
-                                "or model folder; `infir2 demo --data-only --out DIR` writes a small one "
-                                "to DIR/tokenizer)")  # fmt: skip
+        raise FileNotFoundError(
+            f"tokenizer folder not found: {path} (expected a local Hugging Face tokenizer "
+            "or model folder; `infir2 demo --data-only --out DIR` writes a small one "
+            "to DIR/tokenizer)"
+        )
     model_type = model_type or folder_model_type(path)
     saved = _load_as_saved(path)
     tokenizer = saved
@@ -143,9 +145,15 @@ def load_tokenizer(path: str | Path, model_type: str | None = None) -> PreTraine
                 "tokenizer %s is ambiguous: its tokenizer.json (read as %s) and what AutoTokenizer loads for a "
                 "%s model (%s) tokenize differently (%r: %d vs %d tokens). Training uses %s, the tokenizer "
                 "AutoTokenizer (and so vLLM, SGLang, evaluation harnesses) will load from the exported model",
-                path, type(saved).__name__, model_type, type(tokenizer).__name__, difference[0],
-                len(difference[1]), len(difference[2]), type(tokenizer).__name__,
-            )  # fmt: skip
+                path,
+                type(saved).__name__,
+                model_type,
+                type(tokenizer).__name__,
+                difference[0],
+                len(difference[1]),
+                len(difference[2]),
+                type(tokenizer).__name__,
+            )
     if not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
         log_once(log, f"tokenizer {path} has no chat template; using the default ChatML template")

@@ -50,20 +50,31 @@ __all__ = ["DEFAULT_MAX_NEW_TOKENS", "add_arguments", "run", "sample_path"]
 
 DEFAULT_MAX_NEW_TOKENS = 32768  # the InfiR2 evaluation budget (its 32k context): reasoning is long
 #: values used when neither the flag nor a preset sets them
-DEFAULTS: dict[str, Any] = {"task": "math", "n": 1, "temperature": 0.65, "top_p": 0.95,
-                            "max_new_tokens": DEFAULT_MAX_NEW_TOKENS}  # fmt: skip
+DEFAULTS: dict[str, Any] = {
+    "task": "math",
+    "n": 1,
+    "temperature": 0.65,
+    "top_p": 0.95,
+    "max_new_tokens": DEFAULT_MAX_NEW_TOKENS,
+}
 
 log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True,
-                   help="checkpoint folder (HF BF16/FP32, or FP8 from `infir2 export`); with --engine server, "
-                        "the model name the server serves")  # fmt: skip
+    p.add_argument(
+        "--model",
+        required=True,
+        help="checkpoint folder (HF BF16/FP32, or FP8 from `infir2 export`); with --engine server, "
+        "the model name the server serves",
+    )
     p.add_argument("--tokenizer", help="tokenizer folder that renders the prompts (default: --model)")
-    p.add_argument("--preset", choices=list(PRESETS),
-                   help="the authors' protocol for a benchmark: task, --n, --max-new-tokens, sampling "
-                        "(needs --data: your local copy of its problems)")  # fmt: skip
+    p.add_argument(
+        "--preset",
+        choices=list(PRESETS),
+        help="the authors' protocol for a benchmark: task, --n, --max-new-tokens, sampling "
+        "(needs --data: your local copy of its problems)",
+    )
     p.add_argument(
         "--task",
         choices=list(TASKS),
@@ -80,10 +91,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--top-p", type=float, help="nucleus sampling threshold, unless a preset sets it (default: 0.95)"
     )
-    p.add_argument("--max-new-tokens", type=int,
-                   help=f"generation budget per sample, unless a preset sets it (default: {DEFAULT_MAX_NEW_TOKENS}); reasoning traces need "
-                        "tens of thousands, generation stops earlier at the end-of-turn token, and samples cut "
-                        "here are counted as truncated (with a warning)")  # fmt: skip
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        help=f"generation budget per sample, unless a preset sets it (default: {DEFAULT_MAX_NEW_TOKENS}); reasoning traces need "
+        "tens of thousands, generation stops earlier at the end-of-turn token, and samples cut "
+        "here are counted as truncated (with a warning)",
+    )
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--system-prompt", help="system turn of every prompt (default: the protocol's)")
     prompt.add_argument("--no-system-prompt", action="store_true", help="prompts without a system turn")
@@ -92,11 +106,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     think.add_argument("--no-think-prefix", action="store_true", help="leave the assistant turn empty")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--limit", type=int, help="only the first LIMIT problems")
-    p.add_argument("--out", default="eval_out",
-                   help="output folder; a rerun into the same folder resumes (default: eval_out)")  # fmt: skip
-    p.add_argument("--engine", choices=["local", "server"], default="local",
-                   help="local: transformers generate in this process; server: an OpenAI-compatible "
-                        "/v1/completions endpoint (vLLM, SGLang, transformers serve)")  # fmt: skip
+    p.add_argument(
+        "--out",
+        default="eval_out",
+        help="output folder; a rerun into the same folder resumes (default: eval_out)",
+    )
+    p.add_argument(
+        "--engine",
+        choices=["local", "server"],
+        default="local",
+        help="local: transformers generate in this process; server: an OpenAI-compatible "
+        "/v1/completions endpoint (vLLM, SGLang, transformers serve)",
+    )
     g = p.add_argument_group("local engine")
     g.add_argument("--batch-size", type=int, default=8, help="sequences generated together")
     g.add_argument("--fp8", action="store_true", help="run the projections in FP8 (blockwise recipe)")
@@ -105,15 +126,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--base-url", help="the server, e.g. http://127.0.0.1:8000 (the /v1 is added)")
     s.add_argument("--concurrency", type=int, default=8, help="requests in flight (the server batches them)")
     s.add_argument("--request-timeout", type=float, default=3600.0, help="seconds one request may take")
-    s.add_argument("--retries", type=int, default=8,
-                   help="retries of a request after a connection error, timeout, 429 or 5xx (backoff 1, 2, 4 "
-                        "... s, at most 60)")  # fmt: skip
-    s.add_argument("--samples-per-request", type=int,
-                   help="samples asked for in one request (the API's n; default: all of a problem's)")  # fmt: skip
+    s.add_argument(
+        "--retries",
+        type=int,
+        default=8,
+        help="retries of a request after a connection error, timeout, 429 or 5xx (backoff 1, 2, 4 "
+        "... s, at most 60)",
+    )
+    s.add_argument(
+        "--samples-per-request",
+        type=int,
+        help="samples asked for in one request (the API's n; default: all of a problem's)",
+    )
     s.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
-    s.add_argument("--extra-body", default="{}",
-                   help="JSON merged into every request, for engine extensions, e.g. "
-                        "'{\"top_k\": -1}' (default: {})")  # fmt: skip
+    s.add_argument(
+        "--extra-body",
+        default="{}",
+        help="JSON merged into every request, for engine extensions, e.g. '{\"top_k\": -1}' (default: {})",
+    )
     g = p.add_argument_group("held-out loss (instead of a benchmark)")
     g.add_argument("--perplexity", metavar="TOKEN_DIR", help="folder with val.bin + meta.json")
     g.add_argument("--split", default="val", help="token file name without .bin (default: val)")
@@ -130,8 +160,10 @@ def _resolve(args: argparse.Namespace) -> None:
     if preset and args.task != preset.task:
         raise ValueError(f"--preset {args.preset} is a {preset.task} benchmark, not --task {args.task}")
     if preset and not args.data:
-        raise ValueError(f"--preset {args.preset} needs --data: your local copy of its problems "
-                         f"(docs/EVAL_EXPORT.md says where to get it)")  # fmt: skip
+        raise ValueError(
+            f"--preset {args.preset} needs --data: your local copy of its problems "
+            f"(docs/EVAL_EXPORT.md says where to get it)"
+        )
     if args.no_system_prompt:
         args.system_prompt = None
     elif args.system_prompt is None:
@@ -155,10 +187,19 @@ def _load(args: argparse.Namespace):
 
 def _settings(args: argparse.Namespace, engine) -> dict[str, Any]:
     """What the samples depend on: a resumed run must match these (``completions.CompletionLog``)."""
-    return {"engine": engine.name, "model": str(args.model), "precision": engine.precision, "task": args.task,
-            "system_prompt": args.system_prompt, "think_prefix": args.think_prefix, "greedy": args.greedy,
-            "temperature": None if args.greedy else args.temperature, "top_p": None if args.greedy else args.top_p,
-            "max_new_tokens": args.max_new_tokens, "extra_body": getattr(engine, "extra_body", {})}  # fmt: skip
+    return {
+        "engine": engine.name,
+        "model": str(args.model),
+        "precision": engine.precision,
+        "task": args.task,
+        "system_prompt": args.system_prompt,
+        "think_prefix": args.think_prefix,
+        "greedy": args.greedy,
+        "temperature": None if args.greedy else args.temperature,
+        "top_p": None if args.greedy else args.top_p,
+        "max_new_tokens": args.max_new_tokens,
+        "extra_body": getattr(engine, "extra_body", {}),
+    }
 
 
 def _engine(args: argparse.Namespace):
@@ -175,17 +216,26 @@ def _engine(args: argparse.Namespace):
     if args.fp8:
         raise ValueError("--fp8 is for the local engine (a server runs the precision it loaded)")
     if args.tokenizer is None and not Path(args.model).is_dir():
-        raise ValueError(f"--engine server needs --tokenizer FOLDER to render the prompts (--model {args.model!r} "
-                         f"is the served name, not a folder)")  # fmt: skip
+        raise ValueError(
+            f"--engine server needs --tokenizer FOLDER to render the prompts (--model {args.model!r} "
+            f"is the served name, not a folder)"
+        )
     try:
         extra = json.loads(args.extra_body)
     except json.JSONDecodeError as e:
         raise ValueError(f"--extra-body is not JSON ({e.msg}): {args.extra_body!r}") from None
     if not isinstance(extra, dict):
         raise ValueError(f"--extra-body must be a JSON object, got {args.extra_body!r}")
-    cfg = ServerConfig(args.base_url, args.model, concurrency=args.concurrency, timeout_s=args.request_timeout,
-                       retries=args.retries, samples_per_request=args.samples_per_request, api_key=args.api_key,
-                       extra_body=extra)  # fmt: skip
+    cfg = ServerConfig(
+        args.base_url,
+        args.model,
+        concurrency=args.concurrency,
+        timeout_s=args.request_timeout,
+        retries=args.retries,
+        samples_per_request=args.samples_per_request,
+        api_key=args.api_key,
+        extra_body=extra,
+    )
     check_server(cfg)
     return ServerEngine(cfg, seed=args.seed)
 
@@ -215,8 +265,13 @@ def _run_benchmark(args: argparse.Namespace) -> int:
     data = Path(args.data) if args.data else sample_path(args.task)
     problems = load_problems(data, args.task)[: args.limit]
     if args.preset and args.limit is None and len(problems) != PRESETS[args.preset].problems:
-        log.warning("%s holds %d problems; the public %s set has %d", data, len(problems), args.preset,
-                    PRESETS[args.preset].problems)  # fmt: skip
+        log.warning(
+            "%s holds %d problems; the public %s set has %d",
+            data,
+            len(problems),
+            args.preset,
+            PRESETS[args.preset].problems,
+        )
     cfg = SamplingConfig(args.greedy, args.temperature, args.top_p, args.max_new_tokens, args.batch_size)
     engine = _engine(args)
     tokenizer = load_tokenizer(args.tokenizer or args.model)
@@ -224,19 +279,36 @@ def _run_benchmark(args: argparse.Namespace) -> int:
         if done := len(completions.done):
             log.info("resuming %s: %d samples already in %s", out, done, completions.path)
         try:
-            result = run_evaluation(engine, tokenizer, problems, args.task, args.n, cfg, args.system_prompt,
-                                    args.think_prefix, log=completions)  # fmt: skip
+            result = run_evaluation(
+                engine,
+                tokenizer,
+                problems,
+                args.task,
+                args.n,
+                cfg,
+                args.system_prompt,
+                args.think_prefix,
+                log=completions,
+            )
         except Exception:
-            log.error("%d samples are saved in %s; rerun the same command to generate only the rest",
-                      len(completions.done), completions.path)  # fmt: skip
+            log.error(
+                "%d samples are saved in %s; rerun the same command to generate only the rest",
+                len(completions.done),
+                completions.path,
+            )
             raise
     result.summary = {"model": str(args.model), "data": str(data), **result.summary}
     result.save(out)
     print(result.markdown(), end="")
     truncated, samples = result.summary.get("truncated", 0), result.summary.get("samples", 0)
     if truncated:
-        log.warning("%d of %d samples were cut at --max-new-tokens %d before finishing (scored as they stand); "
-                    "raise --max-new-tokens for reasoning models", truncated, samples, args.max_new_tokens)  # fmt: skip
+        log.warning(
+            "%d of %d samples were cut at --max-new-tokens %d before finishing (scored as they stand); "
+            "raise --max-new-tokens for reasoning models",
+            truncated,
+            samples,
+            args.max_new_tokens,
+        )
     print(f"results: {out}/samples.jsonl, {out}/problems.jsonl, {out}/summary.md")
     return 0
 
@@ -244,10 +316,22 @@ def _run_benchmark(args: argparse.Namespace) -> int:
 def _run_perplexity(model, args: argparse.Namespace, out: Path) -> int:
     from .perplexity import evaluate_loss
 
-    result = evaluate_loss(model, args.perplexity, seq_len=args.seq_len, batch_size=args.batch_size,
-                           max_windows=args.max_windows, split=args.split, fp8=args.fp8)  # fmt: skip
-    summary = {"model": str(args.model), "tokens_dir": str(args.perplexity), "split": args.split,
-               "seq_len": args.seq_len, **result.as_dict()}  # fmt: skip
+    result = evaluate_loss(
+        model,
+        args.perplexity,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        max_windows=args.max_windows,
+        split=args.split,
+        fp8=args.fp8,
+    )
+    summary = {
+        "model": str(args.model),
+        "tokens_dir": str(args.perplexity),
+        "split": args.split,
+        "seq_len": args.seq_len,
+        **result.as_dict(),
+    }
     out.mkdir(parents=True, exist_ok=True)
     (out / "loss.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     print(

@@ -74,8 +74,11 @@ class CompletionLog:
             saved = json.loads(path.read_text(encoding="utf-8"))["settings"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{path}: not an infir2 evaluation config ({e}); use a new --out") from None
-        changes = [f"{k}: {saved.get(k)!r} -> {self.settings.get(k)!r}"
-                   for k in sorted(saved.keys() | self.settings.keys()) if saved.get(k) != self.settings.get(k)]  # fmt: skip
+        changes = [
+            f"{k}: {saved.get(k)!r} -> {self.settings.get(k)!r}"
+            for k in sorted(saved.keys() | self.settings.keys())
+            if saved.get(k) != self.settings.get(k)
+        ]
         if changes:
             raise SettingsChanged(
                 f"{self.out} holds samples drawn with other settings ({'; '.join(changes)}); rerun with the "
@@ -106,8 +109,11 @@ class CompletionLog:
 
     def check_prompts(self, prompts: Mapping[str, str]) -> None:
         """Refuse when a problem's prompt (``{id: prompt}``) is not the one its saved samples answered."""
-        changed = [pid for pid, prompt in prompts.items()
-                   if pid in self.prompts and self.prompts[pid] != prompt_sha256(prompt)]  # fmt: skip
+        changed = [
+            pid
+            for pid, prompt in prompts.items()
+            if pid in self.prompts and self.prompts[pid] != prompt_sha256(prompt)
+        ]
         if changed:
             raise SettingsChanged(
                 f"{self.path}: the prompts of problem(s) {changed[:3]} differ from those their saved samples "
@@ -118,8 +124,14 @@ class CompletionLog:
 
     def append(self, pid: str, sample: int, prompt: str, completion: Completion) -> None:
         """Record one finished sample (durably, before returning); a sample already recorded is ignored."""
-        record: dict[str, Any] = {"id": pid, "sample": sample, "prompt_sha256": prompt_sha256(prompt), "completion": completion.text,
-                  "finished": completion.finished, "n_tokens": completion.n_tokens}  # fmt: skip
+        record: dict[str, Any] = {
+            "id": pid,
+            "sample": sample,
+            "prompt_sha256": prompt_sha256(prompt),
+            "completion": completion.text,
+            "finished": completion.finished,
+            "n_tokens": completion.n_tokens,
+        }
         line = json.dumps(record, ensure_ascii=False) + "\n"
         with self._lock:
             if (pid, sample) in self.done:

@@ -69,8 +69,14 @@ def _generation_config(cfg: SamplingConfig, stop_ids: list[int], pad_id: int):
     from transformers import GenerationConfig
 
     sampling = {} if cfg.greedy else {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": 0}
-    return GenerationConfig(do_sample=not cfg.greedy, max_new_tokens=cfg.max_new_tokens, eos_token_id=stop_ids,
-                            pad_token_id=pad_id, use_cache=True, **sampling)  # fmt: skip
+    return GenerationConfig(
+        do_sample=not cfg.greedy,
+        max_new_tokens=cfg.max_new_tokens,
+        eos_token_id=stop_ids,
+        pad_token_id=pad_id,
+        use_cache=True,
+        **sampling,
+    )
 
 
 @torch.no_grad()

@@ -102,8 +102,14 @@ class Engine(Protocol):
     name: str
     precision: str
 
-    def generate(self, tokenizer, jobs: Sequence[tuple[str, int, str]], cfg: SamplingConfig,
-                 record: Callable[[str, int, Completion], None], progress: bool) -> None: ...  # fmt: skip
+    def generate(
+        self,
+        tokenizer,
+        jobs: Sequence[tuple[str, int, str]],
+        cfg: SamplingConfig,
+        record: Callable[[str, int, Completion], None],
+        progress: bool,
+    ) -> None: ...
 
 
 class LocalEngine:
@@ -115,15 +121,28 @@ class LocalEngine:
         self.model, self.fp8, self.seed = model, fp8, seed
         self.precision = "fp8" if fp8 else "high (fp8 disabled)"
 
-    def generate(self, tokenizer, jobs: Sequence[tuple[str, int, str]], cfg: SamplingConfig,
-                 record: Callable[[str, int, Completion], None], progress: bool) -> None:  # fmt: skip
+    def generate(
+        self,
+        tokenizer,
+        jobs: Sequence[tuple[str, int, str]],
+        cfg: SamplingConfig,
+        record: Callable[[str, int, Completion], None],
+        progress: bool,
+    ) -> None:
         torch.manual_seed(self.seed)
         was_training = self.model.training
         self.model.eval()
         try:
             with fp8_enabled(self.model, self.fp8):
-                generate(self.model, tokenizer, [prompt for _, _, prompt in jobs], cfg, desc="eval",
-                         progress=progress, on_done=lambda i, c: record(jobs[i][0], jobs[i][1], c))  # fmt: skip
+                generate(
+                    self.model,
+                    tokenizer,
+                    [prompt for _, _, prompt in jobs],
+                    cfg,
+                    desc="eval",
+                    progress=progress,
+                    on_done=lambda i, c: record(jobs[i][0], jobs[i][1], c),
+                )
         finally:
             self.model.train(was_training)
 
@@ -138,16 +157,24 @@ class ServerEngine:
         self.server, self.seed = server, seed
         self.extra_body = dict(server.extra_body)  # part of the settings a resumed run must match
 
-    def generate(self, tokenizer, jobs: Sequence[tuple[str, int, str]], cfg: SamplingConfig,
-                 record: Callable[[str, int, Completion], None], progress: bool) -> None:  # fmt: skip
+    def generate(
+        self,
+        tokenizer,
+        jobs: Sequence[tuple[str, int, str]],
+        cfg: SamplingConfig,
+        record: Callable[[str, int, Completion], None],
+        progress: bool,
+    ) -> None:
         samples: dict[str, list[int]] = {}
         prompts: dict[str, str] = {}
         for pid, s, prompt in jobs:
             samples.setdefault(pid, []).append(s)
             prompts[pid] = prompt
         # a distinct seed per problem and sample, so that a server honouring "seed" reproduces a sample
-        requests = [Job(pid, prompts[pid], tuple(ss), self.seed * 1_000_003 + 1009 * i)
-                    for i, (pid, ss) in enumerate(samples.items())]  # fmt: skip
+        requests = [
+            Job(pid, prompts[pid], tuple(ss), self.seed * 1_000_003 + 1009 * i)
+            for i, (pid, ss) in enumerate(samples.items())
+        ]
         for pid, s, completion in server_generate(self.server, requests, cfg, tokenizer, progress=progress):
             record(pid, s, completion)
 
@@ -202,14 +229,28 @@ def run_evaluation(
         for s in range(n):
             c = done[(p.id, s)]
             graded = TASKS[p.task].grade(p, c.text)
-            records.append({"id": p.id, "sample": s, "gold": p.answer, "extracted": graded.extracted,
-                            "correct": graded.correct, "finished": c.finished, "n_tokens": c.n_tokens,
-                            "completion": c.text})  # fmt: skip
+            records.append(
+                {
+                    "id": p.id,
+                    "sample": s,
+                    "gold": p.answer,
+                    "extracted": graded.extracted,
+                    "correct": graded.correct,
+                    "finished": c.finished,
+                    "n_tokens": c.n_tokens,
+                    "completion": c.text,
+                }
+            )
     per_problem = _per_problem(problems, records, n)
     summary = _summary(task, cfg, n, engine, records, per_problem)
     new_tokens = sum(c.n_tokens for c in fresh)
-    summary.update({"generated_now": len(fresh), "seconds": round(seconds, 2),
-                    "new_tokens_per_second": round(new_tokens / seconds, 1) if fresh and seconds > 0 else 0.0})  # fmt: skip
+    summary.update(
+        {
+            "generated_now": len(fresh),
+            "seconds": round(seconds, 2),
+            "new_tokens_per_second": round(new_tokens / seconds, 1) if fresh and seconds > 0 else 0.0,
+        }
+    )
     return EvalResult(summary=summary, records=records, problems=per_problem)
 
 
@@ -226,14 +267,28 @@ def _per_problem(problems: Sequence[Problem], records: list[dict[str, Any]], n: 
     for p in problems:
         rows = [r for r in records if r["id"] == p.id]
         c = sum(r["correct"] for r in rows)
-        out.append({"id": p.id, "gold": p.answer, "n": n, "n_correct": c, "accuracy": c / n,
-                    "n_unparsed": sum(r["extracted"] is None for r in rows),
-                    "answers": [r["extracted"] for r in rows]})  # fmt: skip
+        out.append(
+            {
+                "id": p.id,
+                "gold": p.answer,
+                "n": n,
+                "n_correct": c,
+                "accuracy": c / n,
+                "n_unparsed": sum(r["extracted"] is None for r in rows),
+                "answers": [r["extracted"] for r in rows],
+            }
+        )
     return out
 
 
-def _summary(task: str, cfg: SamplingConfig, n: int, engine: Engine, records: list[dict[str, Any]],
-             per_problem: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
+def _summary(
+    task: str,
+    cfg: SamplingConfig,
+    n: int,
+    engine: Engine,
+    records: list[dict[str, Any]],
+    per_problem: list[dict[str, Any]],
+) -> dict[str, Any]:
     counts = [p["n_correct"] for p in per_problem]
     summary: dict[str, Any] = {
         "task": task,
@@ -246,11 +301,13 @@ def _summary(task: str, cfg: SamplingConfig, n: int, engine: Engine, records: li
     }
     for k in default_ks(n):
         summary[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in counts) / len(counts)
-    summary.update({
-        "unparseable": sum(r["extracted"] is None for r in records),
-        "truncated": sum(not r["finished"] for r in records),
-        "samples": len(records),
-        "mean_new_tokens": sum(r["n_tokens"] for r in records) / len(records),
-        "max_new_tokens": cfg.max_new_tokens,
-    })  # fmt: skip
+    summary.update(
+        {
+            "unparseable": sum(r["extracted"] is None for r in records),
+            "truncated": sum(not r["finished"] for r in records),
+            "samples": len(records),
+            "mean_new_tokens": sum(r["n_tokens"] for r in records) / len(records),
+            "max_new_tokens": cfg.max_new_tokens,
+        }
+    )
     return summary

@@ -178,8 +178,14 @@ def check_server(cfg: ServerConfig) -> list[str]:
 def _body(
     cfg: ServerConfig, prompt: str, n: int, sampling: SamplingConfig, stop: Sequence[str], seed: int
 ) -> dict:
-    body: dict[str, Any] = {"model": cfg.model, "prompt": prompt, "n": n, "max_tokens": sampling.max_new_tokens,
-                            "stop": list(stop), "seed": seed}  # fmt: skip
+    body: dict[str, Any] = {
+        "model": cfg.model,
+        "prompt": prompt,
+        "n": n,
+        "max_tokens": sampling.max_new_tokens,
+        "stop": list(stop),
+        "seed": seed,
+    }
     if sampling.greedy:
         body["temperature"] = 0.0
     else:

@@ -31,12 +31,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="input Hugging Face folder (safetensors)")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--format", choices=["bf16", "fp32", "fp8"], default="fp8", help="default fp8")
-    p.add_argument("--scale-encoding", choices=["pow2", "fp32"], default=None,
-                   help="fp8 block scales: pow2 (power of two, as in training) or fp32 (default: pow2)")  # fmt: skip
-    p.add_argument("--pow2-scale", action=argparse.BooleanOptionalAction, default=None,
-                   help="deprecated: --scale-encoding pow2 / fp32")  # fmt: skip
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace --out even if it is not empty (otherwise a non-empty folder is refused)")  # fmt: skip
+    p.add_argument(
+        "--scale-encoding",
+        choices=["pow2", "fp32"],
+        default=None,
+        help="fp8 block scales: pow2 (power of two, as in training) or fp32 (default: pow2)",
+    )
+    p.add_argument(
+        "--pow2-scale",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="deprecated: --scale-encoding pow2 / fp32",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace --out even if it is not empty (otherwise a non-empty folder is refused)",
+    )
     p.add_argument(
         "--max-shard-size", default="5GB", help="largest output shard, e.g. 5GB, 500MB (default 5GB)"
     )
@@ -56,9 +67,17 @@ def run(args: argparse.Namespace) -> int:
             )
         log.warning("%s is deprecated; use --scale-encoding %s", flag, old)
         encoding = old
-    out = convert_checkpoint(args.model, args.out, fmt=args.format, scale_encoding=encoding,
-                             max_shard_size=args.max_shard_size, overwrite=args.overwrite)  # fmt: skip
+    out = convert_checkpoint(
+        args.model,
+        args.out,
+        fmt=args.format,
+        scale_encoding=encoding,
+        max_shard_size=args.max_shard_size,
+        overwrite=args.overwrite,
+    )
     info = describe(out)
-    print(f"wrote {args.format} checkpoint to {Path(out)}: {info['shards']} shard(s), tensors by dtype "
-          f"{info['tensors_by_dtype']}")  # fmt: skip
+    print(
+        f"wrote {args.format} checkpoint to {Path(out)}: {info['shards']} shard(s), tensors by dtype "
+        f"{info['tensors_by_dtype']}"
+    )
     return 0

@@ -55,8 +55,9 @@ def _check_format(fmt: str) -> None:
         raise ValueError(f"unknown export format {fmt!r}: expected one of {', '.join(FORMATS)}")
 
 
-def _convert_tensors(names: Iterable[str], get: Callable[[str], torch.Tensor], fmt: str,
-                     scale_encoding: ScaleEncoding) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+def _convert_tensors(
+    names: Iterable[str], get: Callable[[str], torch.Tensor], fmt: str, scale_encoding: ScaleEncoding
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Per tensor: dequantize an FP8 source weight, then cast (bf16/fp32) or quantize projections (fp8)."""
     for name in names:
         if name.endswith(SCALE_SUFFIX):
@@ -194,9 +195,13 @@ def export_model(
     return out
 
 
-def _convert_stream(tensors: Iterable[tuple[str, torch.Tensor]], tied: Mapping[str, str],
-                    prepared: Callable[[torch.Tensor], torch.Tensor], fmt: str,
-                    scale_encoding: ScaleEncoding) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+def _convert_stream(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    tied: Mapping[str, str],
+    prepared: Callable[[torch.Tensor], torch.Tensor],
+    fmt: str,
+    scale_encoding: ScaleEncoding,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``_convert_tensors`` over a stream: one source tensor at a time (tied names skipped)."""
     for name, tensor in tensors:
         if name in tied:
@@ -282,8 +287,10 @@ def convert_checkpoint(
     if out.resolve() in src.resolve().parents:
         raise ValueError(f"output folder {out} contains the input folder {src}; choose another")
     if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"output folder {out} is not empty; choose a new or empty folder, or pass --overwrite "
-                         "to replace it")  # fmt: skip
+        raise ValueError(
+            f"output folder {out} is not empty; choose a new or empty folder, or pass --overwrite "
+            "to replace it"
+        )
     config = json.loads(config_path.read_text(encoding="utf-8"))
     if fmt == "fp8" and is_fp8_config(config, str(config_path)):
         raise ValueError(f"{src} is already an FP8 checkpoint")
@@ -303,8 +310,14 @@ def convert_checkpoint(
     return final
 
 
-def _convert_into(reader: CheckpointReader, src: Path, out: Path, fmt: str, scale_encoding: ScaleEncoding,
-                  max_shard_size: int | str) -> None:  # fmt: skip
+def _convert_into(
+    reader: CheckpointReader,
+    src: Path,
+    out: Path,
+    fmt: str,
+    scale_encoding: ScaleEncoding,
+    max_shard_size: int | str,
+) -> None:
     writer = ShardWriter(out, max_shard_size)
     float_dtypes: set[torch.dtype] = set()
     for _file, names in tqdm(

@@ -23,9 +23,18 @@ from ..fp8 import BLOCK, dequantize, quantize
 from ..fp8.quantize import ScaleEncoding
 from ..nn import DECODER_PROJECTIONS
 
-__all__ = ["EXPORT_SCALE_ENCODINGS", "QUANTIZATION_CONFIG", "SCALE_SUFFIX", "WEIGHT_BLOCK", "dequantize_weight",
-           "export_scale_encoding", "is_fp8_config", "is_projection_weight", "quantize_weight",
-           "scale_inv_name"]  # fmt: skip
+__all__ = [
+    "EXPORT_SCALE_ENCODINGS",
+    "QUANTIZATION_CONFIG",
+    "SCALE_SUFFIX",
+    "WEIGHT_BLOCK",
+    "dequantize_weight",
+    "export_scale_encoding",
+    "is_fp8_config",
+    "is_projection_weight",
+    "quantize_weight",
+    "scale_inv_name",
+]
 
 #: the block scales an FP8 export can have (the layout stores fp32 scale_inv; E8M0 is not part of it)
 EXPORT_SCALE_ENCODINGS = ("pow2", "fp32")
@@ -56,8 +65,9 @@ def export_scale_encoding(scale_encoding: str, pow2_scale: bool | None = None) -
     """Check an export's scale encoding (``pow2`` or ``fp32``); ``pow2_scale`` is its deprecated
     boolean spelling (True: pow2), which warns and wins when given."""
     if pow2_scale is not None:
-        warnings.warn("pow2_scale is deprecated: pass scale_encoding='pow2' or 'fp32'", DeprecationWarning,
-                      stacklevel=3)  # fmt: skip
+        warnings.warn(
+            "pow2_scale is deprecated: pass scale_encoding='pow2' or 'fp32'", DeprecationWarning, stacklevel=3
+        )
         return "pow2" if pow2_scale else "fp32"
     if scale_encoding not in EXPORT_SCALE_ENCODINGS:
         raise ValueError(
@@ -84,8 +94,10 @@ def is_fp8_config(config: dict[str, Any], where: str = "config.json") -> bool:
     if not qc:
         return False
     if qc.get("quant_method") != "fp8":
-        raise ValueError(f"{where}: quantization_config.quant_method {qc.get('quant_method')!r} is not supported "
-                         f"(only 'fp8' with 128x128 weight blocks)")  # fmt: skip
+        raise ValueError(
+            f"{where}: quantization_config.quant_method {qc.get('quant_method')!r} is not supported "
+            f"(only 'fp8' with 128x128 weight blocks)"
+        )
     if list(qc.get("weight_block_size") or []) != list(WEIGHT_BLOCK) or qc.get("fmt", "e4m3") != "e4m3":
         raise ValueError(f"{where}: FP8 quantization_config {qc} is not the e4m3 / [128, 128] block layout")
     return True

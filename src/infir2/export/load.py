@@ -65,8 +65,10 @@ def load_checkpoint(folder: str | Path, dtype: torch.dtype | None = None, device
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:
-        raise ValueError(f"{folder}: checkpoint does not match {type(model).__name__}: missing {sorted(set(missing) - tied)[:5]}, "
-                         f"unexpected {sorted(unexpected)[:5]}")  # fmt: skip
+        raise ValueError(
+            f"{folder}: checkpoint does not match {type(model).__name__}: missing {sorted(set(missing) - tied)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}"
+        )
     if tied:
         model.tie_weights()
     log.info("loaded FP8 checkpoint %s (dequantized to %s)", folder, dtype)

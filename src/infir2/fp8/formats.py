@@ -13,8 +13,19 @@ from functools import cache
 
 import torch
 
-__all__ = ["BLOCK", "E8M0_BIAS", "E8M0_MAX_EXP", "EXPONENT_MASK", "FLT_MAX", "FORMATS", "MX_BLOCK", "BitLayout",
-           "Fp8Format", "bit_layout", "get_format"]  # fmt: skip
+__all__ = [
+    "BLOCK",
+    "E8M0_BIAS",
+    "E8M0_MAX_EXP",
+    "EXPONENT_MASK",
+    "FLT_MAX",
+    "FORMATS",
+    "MX_BLOCK",
+    "BitLayout",
+    "Fp8Format",
+    "bit_layout",
+    "get_format",
+]
 
 #: Edge of the quantization tiles of the blockwise recipe (1x128 activations, 128x128 weights).
 BLOCK = 128
@@ -93,11 +104,17 @@ def _bit_layout(dtype: torch.dtype, has_inf: bool) -> BitLayout:
     magnitude = 2 ** (info.bits - 1) - 1  # the 7 bits below the sign
     # E4M3 (fn): only the all-ones magnitude is NaN; E5M2: the all-ones exponent is inf/NaN
     nonfinite = magnitude if not has_inf else ((2**ebits - 1) << mbits)
-    return BitLayout(exponent_floor=(emin + _EXPONENT_BIAS_FP32) << _MANTISSA_BITS_FP32,
-                     magic_offset=shift << _MANTISSA_BITS_FP32, shift=shift,
-                     decode_mask=_SIGN_BIT | (magnitude << shift),
-                     decode_factor=2.0 ** (_EXPONENT_BIAS_FP32 - bias), magnitude=magnitude,
-                     nonfinite_magnitude=nonfinite, mbits=mbits, bias=bias)  # fmt: skip
+    return BitLayout(
+        exponent_floor=(emin + _EXPONENT_BIAS_FP32) << _MANTISSA_BITS_FP32,
+        magic_offset=shift << _MANTISSA_BITS_FP32,
+        shift=shift,
+        decode_mask=_SIGN_BIT | (magnitude << shift),
+        decode_factor=2.0 ** (_EXPONENT_BIAS_FP32 - bias),
+        magnitude=magnitude,
+        nonfinite_magnitude=nonfinite,
+        mbits=mbits,
+        bias=bias,
+    )
 
 
 def bit_layout(fmt: str | Fp8Format) -> BitLayout:

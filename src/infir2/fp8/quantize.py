@@ -42,9 +42,21 @@ import torch.nn.functional as F
 
 from .formats import E8M0_BIAS, E8M0_MAX_EXP, EXPONENT_MASK, FLT_MAX, Fp8Format, get_format
 
-__all__ = ["SCALE_ENCODINGS", "Block", "ScaleEncoding", "amax_to_scale", "block_amax", "dequantize", "expand_blocks",
-           "quantize", "quantize_with_amax", "resolve_block", "resolve_encoding", "saturating_cast",
-           "to_e8m0"]  # fmt: skip
+__all__ = [
+    "SCALE_ENCODINGS",
+    "Block",
+    "ScaleEncoding",
+    "amax_to_scale",
+    "block_amax",
+    "dequantize",
+    "expand_blocks",
+    "quantize",
+    "quantize_with_amax",
+    "resolve_block",
+    "resolve_encoding",
+    "saturating_cast",
+    "to_e8m0",
+]
 
 Block = tuple[int, int]
 ScaleEncoding = Literal["fp32", "pow2", "e8m0"]

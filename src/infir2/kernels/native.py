@@ -77,8 +77,9 @@ def _build() -> ctypes.CDLL:
             built = Path(tmp) / target.name
             errors = ""
             for arch in (_NATIVE_ARCH, []):
-                result = subprocess.run([compiler, *_FLAGS, *arch, str(_SOURCE), "-o", str(built)],
-                                        capture_output=True, text=True)  # fmt: skip
+                result = subprocess.run(
+                    [compiler, *_FLAGS, *arch, str(_SOURCE), "-o", str(built)], capture_output=True, text=True
+                )
                 if result.returncode == 0:
                     os.replace(built, target)  # atomic: a concurrent build writes the same file
                     break
@@ -87,8 +88,23 @@ def _build() -> ctypes.CDLL:
                 raise RuntimeError(f"{compiler} failed on {_SOURCE.name}: {errors}")
     lib = ctypes.CDLL(str(target))
     i64, u32, f32, ptr = ctypes.c_int64, ctypes.c_uint32, ctypes.c_float, ctypes.c_void_p
-    lib.infir2_quantize.argtypes = [ptr, i64, i64, i64, i64, f32, ctypes.c_int, u32, u32, ctypes.c_int,
-                                    ctypes.c_int, ptr, ptr, ptr, ptr]  # fmt: skip
+    lib.infir2_quantize.argtypes = [
+        ptr,
+        i64,
+        i64,
+        i64,
+        i64,
+        f32,
+        ctypes.c_int,
+        u32,
+        u32,
+        ctypes.c_int,
+        ctypes.c_int,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+    ]
     lib.infir2_quantize.restype = ctypes.c_int
     lib.infir2_decode.argtypes = [ptr, i64, i64, i64, i64, ptr, ctypes.c_int, u32, f32, u32, u32, ptr]
     lib.infir2_decode.restype = ctypes.c_int

@@ -166,13 +166,19 @@ class Kernels:
                 where = f"FP8 {describe()} on the {backend.NAME} backend ({self.device})"
                 fault = _device_fault(self.device)
                 if fault is not None or isinstance(e, torch.OutOfMemoryError | torch.AcceleratorError):
-                    e.add_note(f"{where} failed; not retried on another backend"
-                               + (f": the device is in a CUDA error state ({fault})" if fault else ""))  # fmt: skip
+                    e.add_note(
+                        f"{where} failed; not retried on another backend"
+                        + (f": the device is in a CUDA error state ({fault})" if fault else "")
+                    )
                     raise
                 self._broken.add((backend.NAME, describe()))
                 first_line = str(e).splitlines()[0] if str(e) else ""
-                log.warning("%s failed (%s: %s); the next backend runs it from now on",
-                            where, type(e).__name__, first_line)  # fmt: skip
+                log.warning(
+                    "%s failed (%s: %s); the next backend runs it from now on",
+                    where,
+                    type(e).__name__,
+                    first_line,
+                )
 
     def quantize(self, x: torch.Tensor, cast: Cast) -> Operand:
         return self._run(

@@ -37,8 +37,16 @@ from ..fp8.formats import BLOCK
 from ..fp8.recipe import Cast, Fp8Recipe
 from .operand import Operand
 
-__all__ = ["NAME", "blockwise_unavailable", "gemm_nt", "gemm_nt_blockwise", "supports_blockwise",
-           "supports_gemm", "supports_operands", "why_unavailable"]  # fmt: skip
+__all__ = [
+    "NAME",
+    "blockwise_unavailable",
+    "gemm_nt",
+    "gemm_nt_blockwise",
+    "supports_blockwise",
+    "supports_gemm",
+    "supports_operands",
+    "why_unavailable",
+]
 
 NAME = "scaled_mm"
 
@@ -168,15 +176,20 @@ def _blockwise_scale(op: Operand) -> torch.Tensor:
 def gemm_nt_blockwise(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
     """``a [M, K] @ b [N, K].T -> [M, N]`` with cuBLAS block-scaled FP8 (SM90, CUDA >= 12.9)."""
     if not supports_blockwise(a, b):
-        raise ValueError(f"block-scaled scaled_mm cannot take blocks {a.block} x {b.block} with shapes "
-                         f"{tuple(a.shape)} x {tuple(b.shape)}")  # fmt: skip
+        raise ValueError(
+            f"block-scaled scaled_mm cannot take blocks {a.block} x {b.block} with shapes "
+            f"{tuple(a.shape)} x {tuple(b.shape)}"
+        )
     kinds = {"1x128": F.ScalingType.BlockWise1x128, "128x128": F.ScalingType.BlockWise128x128}
     mat_a = a.data if a.data.stride(1) == 1 else a.data.contiguous()  # [M,K] row-major
     mat_b = (b.data if b.data.stride(1) == 1 else b.data.contiguous()).t()  # [K,N] column-major
     # [M,K] @ [K,N] -> [M,N], fp32 accumulate promoted per 128-K block
     return F.scaled_mm(
-        mat_a, mat_b,
-        _blockwise_scale(a), kinds[_blockwise_kind(a)],  # type: ignore[index]
-        _blockwise_scale(b), kinds[_blockwise_kind(b)],  # type: ignore[index]
+        mat_a,
+        mat_b,
+        _blockwise_scale(a),
+        kinds[_blockwise_kind(a)],  # type: ignore[index]
+        _blockwise_scale(b),
+        kinds[_blockwise_kind(b)],  # type: ignore[index]
         output_dtype=out_dtype,
-    )  # fmt: skip
+    )

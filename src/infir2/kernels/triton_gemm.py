@@ -46,14 +46,31 @@ _EPILOGUE_BYTES = 16 * 1024  # scales, layout conversions and Triton's own scrat
 
 @triton.jit
 def _gemm_nt_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: no Python annotations
-    a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr,
-    M, N, K,
-    stride_am, stride_ak, stride_bn, stride_bk,
-    stride_sam, stride_sak, stride_sbn, stride_sbk,
-    stride_cm, stride_cn,
-    A_BM: tl.constexpr, B_BN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):  # fmt: skip
+    a_ptr,
+    b_ptr,
+    sa_ptr,
+    sb_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bn,
+    stride_bk,
+    stride_sam,
+    stride_sak,
+    stride_sbn,
+    stride_sbk,
+    stride_cm,
+    stride_cn,
+    A_BM: tl.constexpr,
+    B_BN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -125,8 +142,10 @@ def num_stages(device: torch.device) -> int:
 def gemm_nt(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
     """``a [M, K] @ b [N, K].T -> [M, N]`` in ``out_dtype``, fp32 accumulation per 128-K block."""
     if not supports_operands(a, b):
-        raise ValueError(f"triton gemm_nt takes (1|128)x128 blocks, got {a.block} x {b.block} "
-                         f"for shapes {tuple(a.shape)} x {tuple(b.shape)}")  # fmt: skip
+        raise ValueError(
+            f"triton gemm_nt takes (1|128)x128 blocks, got {a.block} x {b.block} "
+            f"for shapes {tuple(a.shape)} x {tuple(b.shape)}"
+        )
     m, k = a.shape
     n = b.shape[0]
     c = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
@@ -138,11 +157,31 @@ def gemm_nt(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
     sa, sb = a.scale_inv, b.scale_inv
     with launch_guard(c):
         _gemm_nt_kernel[grid](
-            a.data, b.data, sa, sb, c, m, n, k,
-            a.data.stride(0), a.data.stride(1), b.data.stride(0), b.data.stride(1),
-            sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1), c.stride(0), c.stride(1),
-            A_BM=_row_block(a), B_BN=_row_block(b),
-            BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=BLOCK, GROUP_M=_GROUP_M,
-            num_warps=8, num_stages=num_stages(c.device),
-        )  # fmt: skip
+            a.data,
+            b.data,
+            sa,
+            sb,
+            c,
+            m,
+            n,
+            k,
+            a.data.stride(0),
+            a.data.stride(1),
+            b.data.stride(0),
+            b.data.stride(1),
+            sa.stride(0),
+            sa.stride(1),
+            sb.stride(0),
+            sb.stride(1),
+            c.stride(0),
+            c.stride(1),
+            A_BM=_row_block(a),
+            B_BN=_row_block(b),
+            BLOCK_M=_BLOCK_M,
+            BLOCK_N=_BLOCK_N,
+            BLOCK_K=BLOCK,
+            GROUP_M=_GROUP_M,
+            num_warps=8,
+            num_stages=num_stages(c.device),
+        )
     return c

@@ -110,13 +110,27 @@ def _store_data(ptrs, y, mask, CODES: tl.constexpr, HAS_INF: tl.constexpr):  # t
 
 @triton.jit
 def _quantize_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: no Python annotations
-    x_ptr, data_ptr, scale_inv_ptr,
-    M, K,
-    stride_xm, stride_xk, stride_dm, stride_dk, stride_sm, stride_sk,
-    BM: tl.constexpr, BK: tl.constexpr, TILE_M: tl.constexpr, TILE_K: tl.constexpr,
-    FMAX: tl.constexpr, FLT_MAX: tl.constexpr, POW2: tl.constexpr, HAS_INF: tl.constexpr,
+    x_ptr,
+    data_ptr,
+    scale_inv_ptr,
+    M,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_dm,
+    stride_dk,
+    stride_sm,
+    stride_sk,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+    TILE_M: tl.constexpr,
+    TILE_K: tl.constexpr,
+    FMAX: tl.constexpr,
+    FLT_MAX: tl.constexpr,
+    POW2: tl.constexpr,
+    HAS_INF: tl.constexpr,
     CODES: tl.constexpr,
-):  # fmt: skip
+):
     """One program quantizes the tile ``x[TILE_M rows, TILE_K cols]`` made of ``(BM, BK)`` blocks."""
     pid_m = tl.program_id(0).to(tl.int64)  # int64 offsets from here on (module doc)
     pid_k = tl.program_id(1).to(tl.int64)
@@ -140,11 +154,17 @@ def _quantize_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: no Pyt
     _store_data(data_ptr + offs_m[:, None] * stride_dm + offs_k[None, :] * stride_dk, y, mask, CODES, HAS_INF)
     scale_inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
     if BM == 1:
-        tl.store(scale_inv_ptr + offs_m[:, None] * stride_sm + pid_k * stride_sk, scale_inv,
-                 mask=offs_m[:, None] < M)  # fmt: skip
+        tl.store(
+            scale_inv_ptr + offs_m[:, None] * stride_sm + pid_k * stride_sk,
+            scale_inv,
+            mask=offs_m[:, None] < M,
+        )
     elif BK == 1:
-        tl.store(scale_inv_ptr + pid_m * stride_sm + offs_k[None, :] * stride_sk, scale_inv,
-                 mask=offs_k[None, :] < K)  # fmt: skip
+        tl.store(
+            scale_inv_ptr + pid_m * stride_sm + offs_k[None, :] * stride_sk,
+            scale_inv,
+            mask=offs_k[None, :] < K,
+        )
     else:
         tl.store(
             scale_inv_ptr + pid_m * stride_sm + pid_k * stride_sk + tl.zeros((1, 1), tl.int64), scale_inv
@@ -153,14 +173,30 @@ def _quantize_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: no Pyt
 
 @triton.jit
 def _quantize_both_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: no Python annotations
-    x_ptr, row_data_ptr, row_scale_inv_ptr, col_data_ptr, col_scale_inv_ptr,
-    M, K,
-    stride_xm, stride_xk, stride_rdm, stride_rdk, stride_rsm, stride_rsk,
-    stride_cdm, stride_cdk, stride_csm, stride_csk,
+    x_ptr,
+    row_data_ptr,
+    row_scale_inv_ptr,
+    col_data_ptr,
+    col_scale_inv_ptr,
+    M,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_rdm,
+    stride_rdk,
+    stride_rsm,
+    stride_rsk,
+    stride_cdm,
+    stride_cdk,
+    stride_csm,
+    stride_csk,
     TILE: tl.constexpr,
-    FMAX: tl.constexpr, FLT_MAX: tl.constexpr, POW2: tl.constexpr, HAS_INF: tl.constexpr,
+    FMAX: tl.constexpr,
+    FLT_MAX: tl.constexpr,
+    POW2: tl.constexpr,
+    HAS_INF: tl.constexpr,
     CODES: tl.constexpr,
-):  # fmt: skip
+):
     """One read of a ``[TILE, TILE]`` tile, two quantizations: 1x``TILE`` tiles (one scale per row) and
     ``TILE``x1 tiles (one scale per column), for the fprop/dgrad and the wgrad copy of the same tensor."""
     pid_m = tl.program_id(0).to(tl.int64)  # int64 offsets from here on (module doc)
@@ -177,21 +213,29 @@ def _quantize_both_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: n
         tl.max(xa, axis=1)[:, None], tl.max(bad, axis=1)[:, None] > 0, FMAX, FLT_MAX, POW2
     )
     row = _saturate(x * row_scale, FMAX, HAS_INF)
-    _store_data(row_data_ptr + offs_m[:, None] * stride_rdm + offs_k[None, :] * stride_rdk, row, mask,
-                CODES, HAS_INF)  # fmt: skip
+    _store_data(
+        row_data_ptr + offs_m[:, None] * stride_rdm + offs_k[None, :] * stride_rdk, row, mask, CODES, HAS_INF
+    )
     row_scale_inv = tl.math.div_rn(tl.full(row_scale.shape, 1.0, tl.float32), row_scale)
-    tl.store(row_scale_inv_ptr + offs_m[:, None] * stride_rsm + pid_k * stride_rsk, row_scale_inv,
-             mask=offs_m[:, None] < M)  # fmt: skip
+    tl.store(
+        row_scale_inv_ptr + offs_m[:, None] * stride_rsm + pid_k * stride_rsk,
+        row_scale_inv,
+        mask=offs_m[:, None] < M,
+    )
     # TILE x 1 tiles: one scale per column -> [1, TILE]
     col_scale = _scale_from_amax(
         tl.max(xa, axis=0)[None, :], tl.max(bad, axis=0)[None, :] > 0, FMAX, FLT_MAX, POW2
     )
     col = _saturate(x * col_scale, FMAX, HAS_INF)
-    _store_data(col_data_ptr + offs_m[:, None] * stride_cdm + offs_k[None, :] * stride_cdk, col, mask,
-                CODES, HAS_INF)  # fmt: skip
+    _store_data(
+        col_data_ptr + offs_m[:, None] * stride_cdm + offs_k[None, :] * stride_cdk, col, mask, CODES, HAS_INF
+    )
     col_scale_inv = tl.math.div_rn(tl.full(col_scale.shape, 1.0, tl.float32), col_scale)
-    tl.store(col_scale_inv_ptr + pid_m * stride_csm + offs_k[None, :] * stride_csk, col_scale_inv,
-             mask=offs_k[None, :] < K)  # fmt: skip
+    tl.store(
+        col_scale_inv_ptr + pid_m * stride_csm + offs_k[None, :] * stride_csk,
+        col_scale_inv,
+        mask=offs_k[None, :] < K,
+    )
 
 
 def _pow2(scale_encoding: ScaleEncoding) -> bool:
@@ -244,12 +288,28 @@ def _quantize(
     codes = data_dtype is None  # FP8 output: written as bytes (the module doc)
     with launch_guard(x):
         _quantize_kernel[grid](
-            x, _bytes(data) if codes else data, scale_inv, m, k,
-            x.stride(0), x.stride(1), data.stride(0), data.stride(1), scale_inv.stride(0), scale_inv.stride(1),
-            BM=bm, BK=bk, TILE_M=tile_m, TILE_K=tile_k,
-            FMAX=f.max, FLT_MAX=FLT_MAX, POW2=_pow2(scale_encoding), HAS_INF=f.has_inf, CODES=codes,
+            x,
+            _bytes(data) if codes else data,
+            scale_inv,
+            m,
+            k,
+            x.stride(0),
+            x.stride(1),
+            data.stride(0),
+            data.stride(1),
+            scale_inv.stride(0),
+            scale_inv.stride(1),
+            BM=bm,
+            BK=bk,
+            TILE_M=tile_m,
+            TILE_K=tile_k,
+            FMAX=f.max,
+            FLT_MAX=FLT_MAX,
+            POW2=_pow2(scale_encoding),
+            HAS_INF=f.has_inf,
+            CODES=codes,
             num_warps=8 if tile_m * tile_k >= 128 * 128 else 4,  # a 128x128 fp32 tile: 64 values per thread
-        )  # fmt: skip
+        )
     return data, scale_inv
 
 
@@ -285,11 +345,29 @@ def _quantize_both(
     row_out, col_out = (_bytes(row_data), _bytes(col_data)) if codes else (row_data, col_data)
     with launch_guard(x):
         _quantize_both_kernel[(mb, kb)](
-            x, row_out, row_scale_inv, col_out, col_scale_inv, m, k,
-            x.stride(0), x.stride(1), row_data.stride(0), row_data.stride(1),
-            row_scale_inv.stride(0), row_scale_inv.stride(1), col_data.stride(0), col_data.stride(1),
-            col_scale_inv.stride(0), col_scale_inv.stride(1),
-            TILE=BLOCK, FMAX=f.max, FLT_MAX=FLT_MAX, POW2=_pow2(scale_encoding), HAS_INF=f.has_inf, CODES=codes,
+            x,
+            row_out,
+            row_scale_inv,
+            col_out,
+            col_scale_inv,
+            m,
+            k,
+            x.stride(0),
+            x.stride(1),
+            row_data.stride(0),
+            row_data.stride(1),
+            row_scale_inv.stride(0),
+            row_scale_inv.stride(1),
+            col_data.stride(0),
+            col_data.stride(1),
+            col_scale_inv.stride(0),
+            col_scale_inv.stride(1),
+            TILE=BLOCK,
+            FMAX=f.max,
+            FLT_MAX=FLT_MAX,
+            POW2=_pow2(scale_encoding),
+            HAS_INF=f.has_inf,
+            CODES=codes,
             num_warps=8,
-        )  # fmt: skip
+        )
     return (row_data, row_scale_inv), (col_data, col_scale_inv)

@@ -34,9 +34,18 @@ from ..fp8.recipe import Fp8Recipe, get_recipe
 from .fsdp import Fp8ShardedWeight
 from .linear import Fp8Linear
 
-__all__ = ["DECODER_PROJECTIONS", "cache_fp8_weights", "convert_to_fp8", "default_module_filter",
-           "disable_fp8", "enable_fp8_param_gather", "fp8_enabled", "fp8_modules", "link_fsdp_params",
-           "why_high_precision"]  # fmt: skip
+__all__ = [
+    "DECODER_PROJECTIONS",
+    "cache_fp8_weights",
+    "convert_to_fp8",
+    "default_module_filter",
+    "disable_fp8",
+    "enable_fp8_param_gather",
+    "fp8_enabled",
+    "fp8_modules",
+    "link_fsdp_params",
+    "why_high_precision",
+]
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +123,10 @@ def _no_layer_error(model: nn.Module) -> ValueError:
             f"projections (Qwen2, Llama, Mistral, Phi-3), or replace each Conv1D with an nn.Linear "
             f"(weight = conv.weight.t()) before converting"
         )
-    return ValueError(f"no layer to convert to FP8: the model has {n_linear} nn.Linear modules and the "
-                      f"module filter selected none")  # fmt: skip
+    return ValueError(
+        f"no layer to convert to FP8: the model has {n_linear} nn.Linear modules and the "
+        f"module filter selected none"
+    )
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -141,8 +152,10 @@ def convert_to_fp8(
     recipe = get_recipe(recipe)
     existing = [fqn for fqn, m in model.named_modules() if isinstance(m, Fp8Linear)]
     if existing:
-        raise ValueError(f"model is already converted to FP8 ({len(existing)} Fp8Linear modules, e.g. "
-                         f"{existing[0]!r}); convert_to_fp8 runs once per model")  # fmt: skip
+        raise ValueError(
+            f"model is already converted to FP8 ({len(existing)} Fp8Linear modules, e.g. "
+            f"{existing[0]!r}); convert_to_fp8 runs once per model"
+        )
     if not recipe.enabled:
         log.info("recipe %r runs without FP8: no layer converted", recipe.name)
         return model
@@ -169,8 +182,11 @@ def convert_to_fp8(
         }
     )
     if low:
-        log.warning("FP8 layers will wrap %s parameters: the recipe keeps fp32 master weights (load the model "
-                    "with dtype=torch.float32, or call model.float() first)", "/".join(low))  # fmt: skip
+        log.warning(
+            "FP8 layers will wrap %s parameters: the recipe keeps fp32 master weights (load the model "
+            "with dtype=torch.float32, or call model.float() first)",
+            "/".join(low),
+        )
     device = _device_of(model)
     for fqn in chosen:
         parent_name, _, child = fqn.rpartition(".")

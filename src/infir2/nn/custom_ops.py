@@ -183,8 +183,9 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor
 def _backward(ctx: Any, dy: torch.Tensor, *_unused: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     x_data, x_scale_inv, w_data, w_scale_inv, weight = ctx.saved_tensors
     needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]]
-    dx, dw, db = fp8_linear_backward(dy, x_data, x_scale_inv, w_data, w_scale_inv, weight, ctx.layer,
-                                     ctx.x_dtype, ctx.compute_dtype, needs)  # fmt: skip
+    dx, dw, db = fp8_linear_backward(
+        dy, x_data, x_scale_inv, w_data, w_scale_inv, weight, ctx.layer, ctx.x_dtype, ctx.compute_dtype, needs
+    )
     return (dx if needs[0] else None, dw if needs[1] else None, db if needs[2] else None, None, None)
 
 

@@ -132,10 +132,19 @@ class Fp8GatheredWeight(torch.Tensor):
 
 #: ops whose result is still "the master shard" (FSDP2 builds its shards with them; torchao keeps the same set)
 _KEEP_WRAPPER = {
-    aten.detach.default, aten.alias.default, aten.empty_like.default, aten.new_zeros.default,
-    aten.slice.Tensor, aten.copy_.default, aten.view.default, aten.as_strided.default,
-    aten._to_copy.default, aten._pin_memory.default, aten.split.Tensor, aten.clone.default,
-}  # fmt: skip
+    aten.detach.default,
+    aten.alias.default,
+    aten.empty_like.default,
+    aten.new_zeros.default,
+    aten.slice.Tensor,
+    aten.copy_.default,
+    aten.view.default,
+    aten.as_strided.default,
+    aten._to_copy.default,
+    aten._pin_memory.default,
+    aten.split.Tensor,
+    aten.clone.default,
+}
 
 
 class Fp8ShardedWeight(torch.Tensor):
@@ -149,9 +158,15 @@ class Fp8ShardedWeight(torch.Tensor):
     @staticmethod
     def __new__(cls, tensor: torch.Tensor) -> Fp8ShardedWeight:
         return torch.Tensor._make_wrapper_subclass(
-            cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(),
-            dtype=tensor.dtype, device=tensor.device, layout=tensor.layout, requires_grad=tensor.requires_grad,
-        )  # fmt: skip
+            cls,
+            tensor.size(),
+            strides=tensor.stride(),
+            storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype,
+            device=tensor.device,
+            layout=tensor.layout,
+            requires_grad=tensor.requires_grad,
+        )
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self._tensor = tensor
@@ -163,8 +178,10 @@ class Fp8ShardedWeight(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
-        out = func(*tree_map_only(cls, lambda t: t._tensor, args),
-                   **tree_map_only(cls, lambda t: t._tensor, kwargs or {}))  # fmt: skip
+        out = func(
+            *tree_map_only(cls, lambda t: t._tensor, args),
+            **tree_map_only(cls, lambda t: t._tensor, kwargs or {}),
+        )
         if func not in _KEEP_WRAPPER:
             return out
         return tree_map_only(torch.Tensor, cls, out)
@@ -284,8 +301,10 @@ def _switch_format(module: nn.Module, fp8: bool) -> None:
     ref = getattr(module, "_fp8_fsdp_param", None)
     fsdp_param = ref() if ref is not None else None
     if fsdp_param is None:
-        raise RuntimeError("switching an FP8 all-gather weight between FP8 and high precision needs "
-                           "infir2.nn.convert.link_fsdp_params(module) after fully_shard (shard_model does it)")  # fmt: skip
+        raise RuntimeError(
+            "switching an FP8 all-gather weight between FP8 and high precision needs "
+            "infir2.nn.convert.link_fsdp_params(module) after fully_shard (shard_model does it)"
+        )
     fsdp_param.all_gather_outputs = []  # FSDP2 internals (torch 2.13): reallocated by the next all-gather
     fsdp_param._unsharded_inner_tensors = []
     if hasattr(fsdp_param, "_unsharded_param"):

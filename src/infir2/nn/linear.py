@@ -50,8 +50,15 @@ class StatsRecorder(Protocol):
     ``forward`` returns the probe that backward calls with the dgrad / wgrad operands.
     """
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                x_ops: tuple[Operand, Operand], w_fprop: Operand, y: torch.Tensor) -> Any: ...  # fmt: skip
+    def forward(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        x_ops: tuple[Operand, Operand],
+        w_fprop: Operand,
+        y: torch.Tensor,
+    ) -> Any: ...
 
 
 def _no_autocast(device: torch.device) -> AbstractContextManager[Any]:
@@ -93,9 +100,11 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.w_transposed = w_dgrad is not None and w_dgrad_t is not None
         saved_w = w_dgrad_t if ctx.w_transposed else w_dgrad
         ctx.save_for_backward(
-            x_wgrad.data, x_wgrad.scale_inv, weight,
+            x_wgrad.data,
+            x_wgrad.scale_inv,
+            weight,
             *((saved_w.data, saved_w.scale_inv) if saved_w is not None and ctx.w_kept is None else ()),
-        )  # fmt: skip
+        )
         ctx.recipe, ctx.kernels, ctx.x_dtype, ctx.has_bias = recipe, kernels, x.dtype, bias is not None
         y = y.to(x.dtype)
         # telemetry (infir2.nn.telemetry) on a stats step only: reads the operands, changes nothing
@@ -243,8 +252,13 @@ class Fp8Linear(nn.Linear):
     ) -> Fp8Linear:
         """Wrap ``linear``'s own parameters (no copy: optimizers and tied weights keep working)."""
         with torch.device("meta"):
-            new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                      recipe=recipe, backend=backend)  # fmt: skip
+            new = cls(
+                linear.in_features,
+                linear.out_features,
+                bias=linear.bias is not None,
+                recipe=recipe,
+                backend=backend,
+            )
         new.weight = linear.weight
         new.bias = linear.bias
         new.train(linear.training)
@@ -312,6 +326,7 @@ class Fp8Linear(nn.Linear):
         w_fprop = self.quantized_weight(kernels)
         x_ops = _INPUT_CACHE.get(original, x2d, self.recipe, kernels)
         w_dgrad_t = self.dgrad_weight(w_fprop, kernels)
-        y = _Fp8LinearFunction.apply(x2d, self.weight, self.bias, self.recipe, kernels, w_fprop, x_ops,
-                                     self.stats, w_dgrad_t)  # fmt: skip
+        y = _Fp8LinearFunction.apply(
+            x2d, self.weight, self.bias, self.recipe, kernels, w_fprop, x_ops, self.stats, w_dgrad_t
+        )
         return y.reshape(*lead, self.out_features)

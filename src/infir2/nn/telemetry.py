@@ -89,15 +89,17 @@ def operand_counts(x: torch.Tensor, op: Operand, cast: Cast) -> torch.Tensor:
     magnitude = op.data.view(torch.uint8) & _MAGNITUDE
     nonzero = x != 0
     exps = torch.log2(op.scale_inv.float())
-    return torch.stack([
-        x.abs().amax().double() if x.numel() else x.new_zeros((), dtype=torch.float64),
-        (nonzero & (magnitude == 0)).sum().double(),
-        nonzero.sum().double(),
-        (magnitude == _max_code(cast.fmt).to(magnitude.device)).sum().double(),
-        torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device),
-        exps.amin().double(),
-        exps.amax().double(),
-    ])  # fmt: skip
+    return torch.stack(
+        [
+            x.abs().amax().double() if x.numel() else x.new_zeros((), dtype=torch.float64),
+            (nonzero & (magnitude == 0)).sum().double(),
+            nonzero.sum().double(),
+            (magnitude == _max_code(cast.fmt).to(magnitude.device)).sum().double(),
+            torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device),
+            exps.amin().double(),
+            exps.amax().double(),
+        ]
+    )
 
 
 def _merge(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
@@ -125,8 +127,9 @@ class _Probe:
     def __init__(self, stats: LayerStats, x: torch.Tensor | None) -> None:
         self.stats, self.x = stats, x
 
-    def dgrad(self, dy: torch.Tensor, dyq: Operand, w_dgrad: Operand, weight: torch.Tensor,
-              dx: torch.Tensor) -> None:  # fmt: skip
+    def dgrad(
+        self, dy: torch.Tensor, dyq: Operand, w_dgrad: Operand, weight: torch.Tensor, dx: torch.Tensor
+    ) -> None:
         s, recipe = self.stats, self.stats.recipe
         s.add("dgrad.dy", dy, dyq, recipe.dy)
         if not isinstance(weight, Fp8GatheredWeight):
@@ -156,8 +159,15 @@ class LayerStats:
     def add_sqnr(self, result: str, reference: torch.Tensor, got: torch.Tensor) -> None:
         self.telemetry.sqnrs[f"{self.name}/{result}"] = sqnr(reference, got)
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                x_ops: tuple[Operand, Operand], w_fprop: Operand, y: torch.Tensor) -> _Probe:  # fmt: skip
+    def forward(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        x_ops: tuple[Operand, Operand],
+        w_fprop: Operand,
+        y: torch.Tensor,
+    ) -> _Probe:
         """Called by the layer's forward with ``x [T,K]``, its operands and ``y [T,N]``."""
         self.add("fprop.x", x, x_ops[0], self.recipe.x)
         self.add("wgrad.x", x, x_ops[1], self.recipe.x_wgrad)

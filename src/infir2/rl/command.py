@@ -30,11 +30,20 @@ log = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="YAML RL run config")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config field, e.g. --set rollout.group_size=8 (repeatable)")  # fmt: skip
-    parser.add_argument("--accept-config-changes", action="store_true",
-                        help="resume although optim, data, model, fp8, rollout, algo or run.seed differ from the "
-                             "run's config.yaml (the old one is kept as config.<step>.yaml)")  # fmt: skip
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set rollout.group_size=8 (repeatable)",
+    )
+    parser.add_argument(
+        "--accept-config-changes",
+        action="store_true",
+        help="resume although optim, data, model, fp8, rollout, algo or run.seed differ from the "
+        "run's config.yaml (the old one is kept as config.<step>.yaml)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (log lines instead)")
 
 

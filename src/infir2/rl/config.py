@@ -33,8 +33,17 @@ from ..train.config import Fp8Config, ModelConfig, OptimConfig, RunSection
 from ..train.config import parse_config as parse_train_config
 from ..train.typed_yaml import apply_overrides, build, config_error, to_plain
 
-__all__ = ["AlgoConfig", "RLConfig", "RLData", "RLTrain", "RolloutConfig", "load_rl_config", "parse_rl_config",
-           "save_rl_config", "tis_mode"]  # fmt: skip
+__all__ = [
+    "AlgoConfig",
+    "RLConfig",
+    "RLData",
+    "RLTrain",
+    "RolloutConfig",
+    "load_rl_config",
+    "parse_rl_config",
+    "save_rl_config",
+    "tis_mode",
+]
 
 
 @dataclass(frozen=True)
@@ -130,8 +139,15 @@ def tis_mode(cfg: RLConfig) -> str:
 
 def _check(cfg: RLConfig, source: str) -> None:
     # the shared sections follow `infir2 train`'s rules (recipe and arch names, optim ranges, ...)
-    parse_train_config({"run": to_plain(cfg.run), "model": to_plain(cfg.model), "fp8": to_plain(cfg.fp8),
-                        "optim": to_plain(cfg.optim)}, source)  # fmt: skip
+    parse_train_config(
+        {
+            "run": to_plain(cfg.run),
+            "model": to_plain(cfg.model),
+            "fp8": to_plain(cfg.fp8),
+            "optim": to_plain(cfg.optim),
+        },
+        source,
+    )
     r, a, t = cfg.rollout, cfg.algo, cfg.train
 
     def positive(key: str, value: float | None, allow_zero: bool = False) -> None:
@@ -140,8 +156,15 @@ def _check(cfg: RLConfig, source: str) -> None:
                 source, key, f"must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value}"
             )
 
-    for key in ("prompts_per_step", "group_size", "oversample_prompts", "max_rounds", "max_new_tokens",
-                "temperature", "batch_size"):  # fmt: skip
+    for key in (
+        "prompts_per_step",
+        "group_size",
+        "oversample_prompts",
+        "max_rounds",
+        "max_new_tokens",
+        "temperature",
+        "batch_size",
+    ):
         positive(f"rollout.{key}", getattr(r, key))
     if r.group_size < 2:
         raise config_error(
@@ -156,8 +179,11 @@ def _check(cfg: RLConfig, source: str) -> None:
     positive("algo.tis_cap", a.tis_cap)
     positive("algo.overlong_buffer", a.overlong_buffer, allow_zero=True)
     if a.overlong == "penalty" and not 0 < a.overlong_buffer <= r.max_new_tokens:
-        raise config_error(source, "algo.overlong_buffer",
-                           f"overlong: penalty needs 0 < overlong_buffer <= rollout.max_new_tokens, got {a.overlong_buffer}")  # fmt: skip
+        raise config_error(
+            source,
+            "algo.overlong_buffer",
+            f"overlong: penalty needs 0 < overlong_buffer <= rollout.max_new_tokens, got {a.overlong_buffer}",
+        )
     positive("algo.updates_per_batch", a.updates_per_batch)
     positive("algo.micro_batch_size", a.micro_batch_size)
     for key in ("max_steps", "keep_last", "log_every", "max_nonfinite_in_row", "eval_problems"):

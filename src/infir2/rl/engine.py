@@ -133,8 +133,18 @@ def left_pad(
 class BuiltinEngine:
     """In-process generation with a KV cache from a copy of the policy (see the module doc)."""
 
-    def __init__(self, policy: nn.Module, precision: str, scale: str, model_precision: str, temperature: float,
-                 max_new_tokens: int, batch_size: int, stop_ids: Sequence[int], pad_id: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        policy: nn.Module,
+        precision: str,
+        scale: str,
+        model_precision: str,
+        temperature: float,
+        max_new_tokens: int,
+        batch_size: int,
+        stop_ids: Sequence[int],
+        pad_id: int,
+    ) -> None:
         if not stop_ids:
             raise ValueError(
                 "the tokenizer has neither <|im_end|> nor an eos token: generation could never stop"
@@ -152,8 +162,9 @@ class BuiltinEngine:
             if hasattr(module, "fp8_enabled"):
                 setattr(module, "fp8_enabled", False)  # noqa: B010 - an Fp8Linear copy runs as a plain linear
             if precision == "fp8":
-                layer = ServingFp8Linear(module.in_features, module.out_features, module.bias is not None,
-                                         scale, self.device)  # fmt: skip
+                layer = ServingFp8Linear(
+                    module.in_features, module.out_features, module.bias is not None, scale, self.device
+                )
                 parent, _, child = fqn.rpartition(".")
                 setattr(self.model.get_submodule(parent), child, layer)
                 self.fp8_layers[fqn] = layer
@@ -202,8 +213,14 @@ class BuiltinEngine:
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
         tokens, logps = [], []
         with autocast(self.model_precision, self.device):
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
-                             use_cache=True, logits_to_keep=1)  # fmt: skip
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
             next_pos = positions[:, -1:] + 1
             for _ in range(self.max_new_tokens):
                 logprobs = F.log_softmax(out.logits[:, -1].float() / self.temperature, dim=-1)
@@ -218,11 +235,18 @@ class BuiltinEngine:
                 if bool(done.all()):
                     break
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-                out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
-                                 cache=cache, use_cache=True)  # fmt: skip
+                out = self.model(
+                    input_ids=tok[:, None],
+                    attention_mask=mask,
+                    position_ids=next_pos,
+                    cache=cache,
+                    use_cache=True,
+                )
                 next_pos = next_pos + 1
-        return [self._rollout(torch.stack(tokens, 1)[i].tolist(), torch.stack(logps, 1)[i].tolist())
-                for i in range(b)]  # fmt: skip
+        return [
+            self._rollout(torch.stack(tokens, 1)[i].tolist(), torch.stack(logps, 1)[i].tolist())
+            for i in range(b)
+        ]
 
     def _rollout(self, ids: list[int], logps: list[float]) -> Rollout:
         stop_at = next((j for j, t in enumerate(ids) if t in self.stop_ids), None)

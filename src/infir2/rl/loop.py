@@ -108,9 +108,15 @@ class Run:
 # Trainer-side log-probabilities
 
 
-def sequence_logprobs(model: nn.Module, prompts: Sequence[list[int]], responses: Sequence[list[int]],
-                      pad_id: int, temperature: float, precision: str,
-                      entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+def sequence_logprobs(
+    model: nn.Module,
+    prompts: Sequence[list[int]],
+    responses: Sequence[list[int]],
+    pad_id: int,
+    temperature: float,
+    precision: str,
+    entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``log softmax(logits / T)`` of each response token given its prompt: ``[B, R]`` logp, mask, entropy.
 
     Sequences are laid out as the engine generates them (prompt left-padded, response right-padded,
@@ -163,9 +169,14 @@ def collect_groups(run: Run) -> tuple[list[dict[str, Any]], dict[str, float]]:
                     a.overlong_buffer,
                     a.overlong_penalty,
                 )
-            record = {"prompt": i, "responses": [g.response_ids for g in group],
-                      "logprobs": [g.logprobs for g in group], "finished": [g.finished for g in group],
-                      "correct": correct, "rewards": shaped.tolist()}  # fmt: skip
+            record = {
+                "prompt": i,
+                "responses": [g.response_ids for g in group],
+                "logprobs": [g.logprobs for g in group],
+                "finished": [g.finished for g in group],
+                "correct": correct,
+                "rewards": shaped.tolist(),
+            }
             sampled.append(record)
             if a.dynamic_sampling and bool((shaped == shaped[0]).all()):
                 filtered += 1
@@ -176,12 +187,18 @@ def collect_groups(run: Run) -> tuple[list[dict[str, Any]], dict[str, float]]:
     pool = sampled or batch  # the buffer alone served this step (carry_over): describe what is trained on
     lengths = [len(y) for g in pool for y in g["responses"]]
     rewards = torch.tensor([x for g in pool for x in g["rewards"]], dtype=torch.float64)
-    stats = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
-             "accuracy": sum(x for g in pool for x in g["correct"]) / len(lengths),
-             "response_len_mean": sum(lengths) / len(lengths), "response_len_max": max(lengths),
-             "truncated_frac": sum(not f for g in pool for f in g["finished"]) / len(lengths),
-             "filtered_frac": filtered / len(sampled) if sampled else 0.0, "rounds": rounds,
-             "groups_trained": len(batch), "samples": sum(len(g["responses"]) for g in sampled)}  # fmt: skip
+    stats = {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std(unbiased=False)),
+        "accuracy": sum(x for g in pool for x in g["correct"]) / len(lengths),
+        "response_len_mean": sum(lengths) / len(lengths),
+        "response_len_max": max(lengths),
+        "truncated_frac": sum(not f for g in pool for f in g["finished"]) / len(lengths),
+        "filtered_frac": filtered / len(sampled) if sampled else 0.0,
+        "rounds": rounds,
+        "groups_trained": len(batch),
+        "samples": sum(len(g["responses"]) for g in sampled),
+    }
     return batch, stats
 
 
@@ -205,8 +222,15 @@ def _samples(run: Run, batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for gi, g in enumerate(batch):
         for j, resp in enumerate(g["responses"]):
             keep = not (run.cfg.algo.overlong == "mask" and not g["finished"][j])
-            out.append({"prompt": run.prompt_ids[g["prompt"]], "response": resp, "rollout_logp": g["logprobs"][j],
-                        "adv": float(adv[gi, j]), "keep": keep})  # fmt: skip
+            out.append(
+                {
+                    "prompt": run.prompt_ids[g["prompt"]],
+                    "response": resp,
+                    "rollout_logp": g["logprobs"][j],
+                    "adv": float(adv[gi, j]),
+                    "keep": keep,
+                }
+            )
     return out
 
 
@@ -220,12 +244,25 @@ def _score(run: Run, samples: list[dict[str, Any]]) -> dict[str, float]:
     cfg = run.cfg
     old_all, roll_all, mask_all, ent_sum = [], [], [], 0.0
     for micro in _chunks(samples, cfg.algo.micro_batch_size):
-        logp, mask, ent = sequence_logprobs(run.model, [s["prompt"] for s in micro], [s["response"] for s in micro],
-                                            run.pad_id, cfg.rollout.temperature, cfg.model.precision, entropy=True)  # fmt: skip
+        logp, mask, ent = sequence_logprobs(
+            run.model,
+            [s["prompt"] for s in micro],
+            [s["response"] for s in micro],
+            run.pad_id,
+            cfg.rollout.temperature,
+            cfg.model.precision,
+            entropy=True,
+        )
         ref = None
         if run.ref is not None:
-            ref, _, _ = sequence_logprobs(run.ref, [s["prompt"] for s in micro], [s["response"] for s in micro],
-                                          run.pad_id, cfg.rollout.temperature, cfg.model.precision)  # fmt: skip
+            ref, _, _ = sequence_logprobs(
+                run.ref,
+                [s["prompt"] for s in micro],
+                [s["response"] for s in micro],
+                run.pad_id,
+                cfg.rollout.temperature,
+                cfg.model.precision,
+            )
         assert ent is not None
         ent_sum += float((ent * mask).sum())
         for i, s in enumerate(micro):
@@ -258,8 +295,14 @@ def _update(run: Run, samples: list[dict[str, Any]]) -> dict[str, float]:
         n_tokens = sum(len(s["response"]) for s in mini if s["keep"])
         loss_total = 0.0
         for micro in _chunks(mini, a.micro_batch_size):
-            logp, mask, _ = sequence_logprobs(run.model, [s["prompt"] for s in micro], [s["response"] for s in micro],
-                                              run.pad_id, cfg.rollout.temperature, cfg.model.precision)  # fmt: skip
+            logp, mask, _ = sequence_logprobs(
+                run.model,
+                [s["prompt"] for s in micro],
+                [s["response"] for s in micro],
+                run.pad_id,
+                cfg.rollout.temperature,
+                cfg.model.precision,
+            )
             width = logp.shape[1]
             dev = logp.device
             keep = torch.tensor([float(s["keep"]) for s in micro], device=dev)[:, None]
@@ -287,9 +330,16 @@ def _update(run: Run, samples: list[dict[str, Any]]) -> dict[str, float]:
         run.optimizer.zero_grad(set_to_none=True)
     n_mini = max(len(_chunks(samples, per)), 1)
     tokens = max(sums["tokens"], 1.0)
-    return {"loss": sums["loss"] / n_mini, "grad_norm": max(norms) if norms else 0.0, "lr": cfg.optim.lr,
-            "clip_low_frac": sums["clip_low"] / tokens, "clip_high_frac": sums["clip_high"] / tokens,
-            "kl_ref": sums["kl"] / tokens, "updates": len(norms), "skipped_updates": skipped}  # fmt: skip
+    return {
+        "loss": sums["loss"] / n_mini,
+        "grad_norm": max(norms) if norms else 0.0,
+        "lr": cfg.optim.lr,
+        "clip_low_frac": sums["clip_low"] / tokens,
+        "clip_high_frac": sums["clip_high"] / tokens,
+        "kl_ref": sums["kl"] / tokens,
+        "updates": len(norms),
+        "skipped_updates": skipped,
+    }
 
 
 def _evaluate(run: Run) -> float:
@@ -315,10 +365,22 @@ def _save(run: Run, state: RLState) -> Path:
     model_sd, optim_sd = get_state_dict(
         run.model, run.optimizer, options=StateDictOptions(full_state_dict=True)
     )
-    full = {"model": model_sd, "optimizer": optim_sd, "scheduler": {"step": state.step},
-            "data": {"prompts": run.stream.state_dict(), "buffer": run.buffer, "sampler": run.sampler.get_state()},
-            "train_state": {**vars(state), "world_size": run.env.world_size, "rng": _rng_state(),
-                            "config": to_plain(run.cfg)}}  # fmt: skip
+    full = {
+        "model": model_sd,
+        "optimizer": optim_sd,
+        "scheduler": {"step": state.step},
+        "data": {
+            "prompts": run.stream.state_dict(),
+            "buffer": run.buffer,
+            "sampler": run.sampler.get_state(),
+        },
+        "train_state": {
+            **vars(state),
+            "world_size": run.env.world_size,
+            "rng": _rng_state(),
+            "config": to_plain(run.cfg),
+        },
+    }
     return ckpt.save_checkpoint(
         run.cfg.run_dir / "checkpoints", state.step, full, keep_last=run.cfg.train.keep_last
     )
@@ -334,9 +396,11 @@ def _check_config_changes(cfg: RLConfig, saved: dict[str, Any], step: int) -> No
     changes = meaningful + harmless
     refused = [c for c in changes if any(c.startswith(m) for m in MEANINGFUL)]
     if refused and not cfg.train.accept_config_changes:
-        raise ValueError(f"{cfg.run_dir}: resuming at step {step} with a config that changes the run: "
-                         f"{'; '.join(refused)}. Use another run.name, restore the config, or pass "
-                         "--accept-config-changes")  # fmt: skip
+        raise ValueError(
+            f"{cfg.run_dir}: resuming at step {step} with a config that changes the run: "
+            f"{'; '.join(refused)}. Use another run.name, restore the config, or pass "
+            "--accept-config-changes"
+        )
     if changes:
         log.info("resuming with config changes: %s", "; ".join(changes))
         old = cfg.run_dir / "config.yaml"
@@ -350,8 +414,13 @@ def _restore(run: Run) -> tuple[RLState, Path | None]:
         return RLState(), None
     path, full = found
     _check_config_changes(run.cfg, full["train_state"]["config"], int(full["train_state"]["step"]))
-    set_state_dict(run.model, run.optimizer, model_state_dict=full["model"], optim_state_dict=full["optimizer"],
-                   options=StateDictOptions(full_state_dict=True))  # fmt: skip
+    set_state_dict(
+        run.model,
+        run.optimizer,
+        model_state_dict=full["model"],
+        optim_state_dict=full["optimizer"],
+        options=StateDictOptions(full_state_dict=True),
+    )
     run.stream.load_state_dict(full["data"]["prompts"])
     run.buffer[:] = full["data"]["buffer"]
     run.sampler.set_state(full["data"]["sampler"])
@@ -396,23 +465,47 @@ def _setup(cfg: RLConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any)
             raise ValueError("model.tokenizer: a model built from_config needs a tokenizer folder")
         tokenizer = load_tokenizer(tokenizer_path)
     model = model if model is not None else _load_model(cfg, tokenizer)
-    model = prepare_for_training(model, cfg.fp8.recipe, cfg.fp8.backend, cfg.model.activation_checkpointing,
-                                 cfg.model.recompute_mlp).to(env.device)  # fmt: skip
+    model = prepare_for_training(
+        model, cfg.fp8.recipe, cfg.fp8.backend, cfg.model.activation_checkpointing, cfg.model.recompute_mlp
+    ).to(env.device)
     stops = stop_token_ids(tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stops[0] if stops else 0)
     r = cfg.rollout
-    engine = BuiltinEngine(model, r.precision, r.scale, cfg.model.precision, r.temperature, r.max_new_tokens,
-                           r.batch_size, stops, pad_id)  # fmt: skip
+    engine = BuiltinEngine(
+        model,
+        r.precision,
+        r.scale,
+        cfg.model.precision,
+        r.temperature,
+        r.max_new_tokens,
+        r.batch_size,
+        stops,
+        pad_id,
+    )
     ref = None
     if cfg.algo.kl_coef > 0:
         import copy
 
         ref = copy.deepcopy(model).eval().requires_grad_(False)
     seed = cfg.data.seed if cfg.data.seed is not None else cfg.run.seed
-    return Run(cfg, env, model, build_optimizer(model, cfg.optim), tokenizer, engine, problems,
-               _encode(tokenizer, problems), PromptStream(len(problems), cfg.data.shuffle, seed),
-               torch.Generator().manual_seed(cfg.run.seed), [], ref, stops, pad_id, val,
-               _encode(tokenizer, val))  # fmt: skip
+    return Run(
+        cfg,
+        env,
+        model,
+        build_optimizer(model, cfg.optim),
+        tokenizer,
+        engine,
+        problems,
+        _encode(tokenizer, problems),
+        PromptStream(len(problems), cfg.data.shuffle, seed),
+        torch.Generator().manual_seed(cfg.run.seed),
+        [],
+        ref,
+        stops,
+        pad_id,
+        val,
+        _encode(tokenizer, val),
+    )
 
 
 def rl(
@@ -476,9 +569,14 @@ def _step(run: Run, state: RLState) -> dict[str, Any]:
     state.updates += metrics["updates"]
     state.samples_seen += int(stats["samples"])
     now = time.perf_counter()
-    metrics |= {"tis_mode": tis_mode(run.cfg), "rollout_time_s": t1 - t0, "train_time_s": now - t1,
-                "step_time_s": now - t0, "samples_seen": state.samples_seen,
-                "peak_mem_gib": peak_memory_gib(run.env.device)}  # fmt: skip
+    metrics |= {
+        "tis_mode": tis_mode(run.cfg),
+        "rollout_time_s": t1 - t0,
+        "train_time_s": now - t1,
+        "step_time_s": now - t0,
+        "samples_seen": state.samples_seen,
+        "peak_mem_gib": peak_memory_gib(run.env.device),
+    }
     return metrics
 
 
@@ -488,9 +586,13 @@ def _count_nonfinite(run: Run, state: RLState, metrics: dict[str, Any], logger: 
         return
     state.nonfinite_total += 1
     state.nonfinite_in_row += 1
-    logger.message(f"step {state.step}: non-finite loss or gradient norm, {metrics['skipped_updates']} update(s) "
-                   f"skipped ({state.nonfinite_in_row} steps in a row)")  # fmt: skip
+    logger.message(
+        f"step {state.step}: non-finite loss or gradient norm, {metrics['skipped_updates']} update(s) "
+        f"skipped ({state.nonfinite_in_row} steps in a row)"
+    )
     if state.nonfinite_in_row >= run.cfg.train.max_nonfinite_in_row:
-        raise ValueError(f"stopping at step {state.step}: {state.nonfinite_in_row} steps in a row had a non-finite "
-                         f"loss or gradient norm (train.max_nonfinite_in_row); lower optim.lr or try another "
-                         f"fp8.recipe, then rerun (it resumes from the last checkpoint)")  # fmt: skip
+        raise ValueError(
+            f"stopping at step {state.step}: {state.nonfinite_in_row} steps in a row had a non-finite "
+            f"loss or gradient norm (train.max_nonfinite_in_row); lower optim.lr or try another "
+            f"fp8.recipe, then rerun (it resumes from the last checkpoint)"
+        )

@@ -42,6 +42,8 @@ class PromptStream:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["n"] != self.n:
-            raise ValueError(f"the checkpoint's prompt order covers {state['n']} prompts, the prompts file has "
-                             f"{self.n}: resume with the same data.prompts_path")  # fmt: skip
+            raise ValueError(
+                f"the checkpoint's prompt order covers {state['n']} prompts, the prompts file has "
+                f"{self.n}: resume with the same data.prompts_path"
+            )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])

@@ -202,8 +202,16 @@ def layer_memory(
             weight_like = tuple(t.shape) in weight_shapes and tokens not in t.shape
             kind = "shared" if key in shared else "weight" if weight_like else "activation"
             name = "(layer input)" if key == _key(x) else made_by.get(key, "")
-            result.tensors.append(SavedTensor(kept_by, name, tuple(t.shape), str(t.dtype).replace("torch.", ""),
-                                              t.untyped_storage().nbytes(), kind))  # fmt: skip
+            result.tensors.append(
+                SavedTensor(
+                    kept_by,
+                    name,
+                    tuple(t.shape),
+                    str(t.dtype).replace("torch.", ""),
+                    t.untyped_storage().nbytes(),
+                    kind,
+                )
+            )
     for h in hooks:
         h.remove()
     return result
@@ -212,8 +220,10 @@ def layer_memory(
 def format_table(m: LayerMemory) -> str:
     rows = [f"  {'kept by (node.attr)':<44}{'made by':<26}{'shape':<22}{'dtype':<14}{'MiB':>9}  kind"]
     for t in sorted(m.tensors, key=lambda t: (t.kind, -t.bytes)):
-        rows.append(f"  {t.kept_by[:43]:<44}{t.made_by[:25]:<26}{list(t.shape)!s:<22}{t.dtype:<14}"
-                    f"{t.bytes / 2**20:>9.2f}  {t.kind}")  # fmt: skip
+        rows.append(
+            f"  {t.kept_by[:43]:<44}{t.made_by[:25]:<26}{list(t.shape)!s:<22}{t.dtype:<14}"
+            f"{t.bytes / 2**20:>9.2f}  {t.kind}"
+        )
     return "\n".join(rows)
 
 
@@ -222,27 +232,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tokens", type=int, default=384, help="tokens per forward (bf16 CPU GEMMs are slow)"
     )
-    parser.add_argument("--recipes", default=",".join(r for r in RECIPES if r != "bf16"),
-                        help="FP8 recipes to compare with the bf16 baseline")  # fmt: skip
+    parser.add_argument(
+        "--recipes",
+        default=",".join(r for r in RECIPES if r != "bf16"),
+        help="FP8 recipes to compare with the bf16 baseline",
+    )
     parser.add_argument("--table", action="store_true", help="print every saved tensor, per recipe")
-    parser.add_argument("--no-recompute-mlp", action="store_true",
-                        help="FP8 layers without the SwiGLU recompute training uses by default "
-                        "(model.recompute_mlp: true)")  # fmt: skip
+    parser.add_argument(
+        "--no-recompute-mlp",
+        action="store_true",
+        help="FP8 layers without the SwiGLU recompute training uses by default (model.recompute_mlp: true)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
-    for bad, known, what in ((set(models) - set(LAYER_SHAPES), LAYER_SHAPES, "--models"),
-                             (set(recipes) - set(RECIPES), RECIPES, "--recipes")):  # fmt: skip
+    for bad, known, what in (
+        (set(models) - set(LAYER_SHAPES), LAYER_SHAPES, "--models"),
+        (set(recipes) - set(RECIPES), RECIPES, "--recipes"),
+    ):
         if bad:
             raise ValueError(f"{what}: unknown {sorted(bad)}; known: {', '.join(known)}")
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     print(
         f"saved for backward by ONE decoder layer, {args.tokens} tokens, bf16 autocast; MiB (per-token bytes)"
     )
-    print(f"{'model':<7}{'recipe':<26}{'activations':>12}{'B/token':>10}{'vs bf16':>9}{'vs bf16+rc':>11}"
-          f"{'weight copies':>15}{'shared':>9}")  # fmt: skip
+    print(
+        f"{'model':<7}{'recipe':<26}{'activations':>12}{'B/token':>10}{'vs bf16':>9}{'vs bf16+rc':>11}"
+        f"{'weight copies':>15}{'shared':>9}"
+    )
     recompute = not args.no_recompute_mlp
     for model in models:
         # the baseline users run (plain HF MLP) and the like-for-like one (the same recompute)
@@ -251,12 +270,16 @@ def run(args: argparse.Namespace) -> int:
             layer_memory(model, "bf16", args.tokens, True),
         )
         rows = [("bf16", base), ("bf16 + recompute_mlp", base_rc)]
-        rows += [(r + (" + recompute_mlp" if recompute else ""), layer_memory(model, r, args.tokens, recompute))
-                 for r in recipes]  # fmt: skip
+        rows += [
+            (r + (" + recompute_mlp" if recompute else ""), layer_memory(model, r, args.tokens, recompute))
+            for r in recipes
+        ]
         for label, m in rows:
-            print(f"{model:<7}{label:<26}{m.total() / 2**20:>12.2f}{m.per_token:>10.0f}"
-                  f"{m.total() / base.total():>9.3f}{m.total() / base_rc.total():>11.3f}"
-                  f"{m.total('weight') / 2**20:>15.2f}{m.total('shared') / 2**20:>9.2f}")  # fmt: skip
+            print(
+                f"{model:<7}{label:<26}{m.total() / 2**20:>12.2f}{m.per_token:>10.0f}"
+                f"{m.total() / base.total():>9.3f}{m.total() / base_rc.total():>11.3f}"
+                f"{m.total('weight') / 2**20:>15.2f}{m.total('shared') / 2**20:>9.2f}"
+            )
             if args.table:
                 print(format_table(m))
     return 0

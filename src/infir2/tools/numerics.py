@@ -97,8 +97,10 @@ def worst(tel: Telemetry, stat: str, lowest: bool, top: int) -> list[tuple[str, 
 
 def report(tel: Telemetry, top: int = 5) -> str:
     """The worst layers by lowest SQNR, highest underflow and highest saturation, as text."""
-    lines = [f"FP8 telemetry: {len(tel.layers)} layers, {len(tel.steps)} stats steps "
-             f"({tel.steps[0]}..{tel.steps[-1]})"]  # fmt: skip
+    lines = [
+        f"FP8 telemetry: {len(tel.layers)} layers, {len(tel.steps)} stats steps "
+        f"({tel.steps[0]}..{tel.steps[-1]})"
+    ]
     width = max(len(layer) for layer in tel.layers)
     tables = (
         (SQNR_STAT, True, "lowest SQNR (dB; ~25-35 is healthy E4M3, ~0 is noise)", "{:8.2f}"),
@@ -134,14 +136,16 @@ def plot_heatmap(tel: Telemetry, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = (("lowest SQNR per layer (dB)", _layer_grid(tel, SQNR_STAT, min), "viridis"),
-              ("highest underflow per layer", _layer_grid(tel, "underflow", max), "magma_r"))  # fmt: skip
+    panels = (
+        ("lowest SQNR per layer (dB)", _layer_grid(tel, SQNR_STAT, min), "viridis"),
+        ("highest underflow per layer", _layer_grid(tel, "underflow", max), "magma_r"),
+    )
     height = 1.5 + 0.22 * len(tel.layers)
     fig, axes = plt.subplots(1, 2, figsize=(12, height), sharey=True, squeeze=False)
     for ax, (title, grid, cmap) in zip(axes[0], panels, strict=True):
         image = ax.imshow(
             [[min(v, 60.0) for v in row] for row in grid], aspect="auto", cmap=cmap, interpolation="nearest"
-        )  # fmt: skip  (inf SQNR = exact: capped for colour)
+        )  # inf SQNR = exact: capped for colour
         ax.set_title(title)
         ax.set_xlabel("step")
         ticks = range(0, len(tel.steps), max(1, len(tel.steps) // 10))

@@ -46,13 +46,25 @@ __all__ = ["MODELS", "PUBLISHED", "ModelShape", "Plan", "add_arguments", "layer_
 
 #: The shipped models' config.json fields that the plan needs (Qwen2.5 releases).
 MODELS: dict[str, dict[str, Any]] = {
-    "qwen2.5-1.5b": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
-                     "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936,
-                     "tie_word_embeddings": True},
-    "qwen2.5-7b": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
-                   "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
-                   "tie_word_embeddings": False},
-}  # fmt: skip
+    "qwen2.5-1.5b": {
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    },
+    "qwen2.5-7b": {
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "tie_word_embeddings": False,
+    },
+}
 
 #: InfiR2's reported FP8 / BF16 peak memory: model -> {sequence length: ratio}.
 PUBLISHED: dict[str, dict[int, float]] = {
@@ -64,19 +76,36 @@ PUBLISHED: dict[str, dict[int, float]] = {
 #: weight-copy bytes), as printed by ``infir2 memory --tokens 384`` (BENCHMARKS.md); other shapes are
 #: measured on the fly by ``layer_figures``.
 MEASURED: dict[tuple[int, int, int, int, bool], dict[str, tuple[float, int]]] = {
-    (1536, 8960, 12, 2, False): {"bf16": (118840, 93585408), "blockwise": (99552, 46804128),
-                          "blockwise_fp32scale": (99552, 46804128), "rowwise": (99269, 0),
-                          "tensorwise": (99128, 46792732)},
-    (3584, 18944, 28, 4, False): {"bf16": (261240, 466092032), "blockwise": (218136, 233102912),
-                           "blockwise_fp32scale": (218136, 233102912), "rowwise": (217517, 0),
-                           "tensorwise": (217208, 233046044)},
+    (1536, 8960, 12, 2, False): {
+        "bf16": (118840, 93585408),
+        "blockwise": (99552, 46804128),
+        "blockwise_fp32scale": (99552, 46804128),
+        "rowwise": (99269, 0),
+        "tensorwise": (99128, 46792732),
+    },
+    (3584, 18944, 28, 4, False): {
+        "bf16": (261240, 466092032),
+        "blockwise": (218136, 233102912),
+        "blockwise_fp32scale": (218136, 233102912),
+        "rowwise": (217517, 0),
+        "tensorwise": (217208, 233046044),
+    },
     # with the SwiGLU recompute training applies by default (``infir2 memory``, same command, 2026-11-30)
-    (1536, 8960, 12, 2, True): {"bf16": (100920, 93585408), "blockwise": (81632, 46804128),
-                                "blockwise_fp32scale": (81632, 46804128), "mxfp8": (81632, 0),
-                                "rowwise": (81349, 0), "tensorwise": (81208, 46792732)},
-    (3584, 18944, 28, 4, True): {"bf16": (223352, 466092032), "blockwise": (180248, 233102912),
-                                 "mxfp8": (180248, 0), "tensorwise": (179320, 233046044)},
-}  # fmt: skip
+    (1536, 8960, 12, 2, True): {
+        "bf16": (100920, 93585408),
+        "blockwise": (81632, 46804128),
+        "blockwise_fp32scale": (81632, 46804128),
+        "mxfp8": (81632, 0),
+        "rowwise": (81349, 0),
+        "tensorwise": (81208, 46792732),
+    },
+    (3584, 18944, 28, 4, True): {
+        "bf16": (223352, 466092032),
+        "blockwise": (180248, 233102912),
+        "mxfp8": (180248, 0),
+        "tensorwise": (179320, 233046044),
+    },
+}
 
 FP32_BYTES, BF16_BYTES = 4, 2
 PLAIN_LOGITS_SAVED, PLAIN_LOGITS_BACKWARD = 4, 8  # bytes per logit: fp32 log-softmax; its + the logits' grads
@@ -98,9 +127,15 @@ class ModelShape:
         missing = [k for k in keys if k not in config]
         if missing:
             raise ValueError(f"{source}: missing {', '.join(missing)}")
-        return cls(config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"],
-                   config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"]),
-                   config["vocab_size"], bool(config.get("tie_word_embeddings", False)))  # fmt: skip
+        return cls(
+            config["hidden_size"],
+            config["intermediate_size"],
+            config["num_hidden_layers"],
+            config["num_attention_heads"],
+            config.get("num_key_value_heads", config["num_attention_heads"]),
+            config["vocab_size"],
+            bool(config.get("tie_word_embeddings", False)),
+        )
 
     @property
     def layer_params(self) -> int:
@@ -147,9 +182,16 @@ def layer_figures(shape: ModelShape, recipe: str, recompute_mlp: bool = True) ->
         kv = shape.kv_heads * (shape.hidden // shape.heads)
         tokens = safe_tokens({shape.hidden, shape.intermediate, kv})
 
-        m = layer_memory("", recipe, tokens, recompute_mlp, hidden_size=shape.hidden,
-                         intermediate_size=shape.intermediate, num_attention_heads=shape.heads,
-                         num_key_value_heads=shape.kv_heads)  # fmt: skip
+        m = layer_memory(
+            "",
+            recipe,
+            tokens,
+            recompute_mlp,
+            hidden_size=shape.hidden,
+            intermediate_size=shape.intermediate,
+            num_attention_heads=shape.heads,
+            num_key_value_heads=shape.kv_heads,
+        )
         MEASURED.setdefault(key, {})[recipe] = (m.per_token, m.total("weight"))
     return MEASURED[key][recipe]
 
@@ -171,14 +213,32 @@ class Plan:
 
     @property
     def peak(self) -> float:
-        return (self.parameters + self.gradients + self.optimizer + self.gathered + self.weight_copies
-                + self.activations + self.logits_saved + self.logits_backward)  # fmt: skip
+        return (
+            self.parameters
+            + self.gradients
+            + self.optimizer
+            + self.gathered
+            + self.weight_copies
+            + self.activations
+            + self.logits_saved
+            + self.logits_backward
+        )
 
 
-def plan(shape: ModelShape, recipe: str, gpus: int = 1, seq_len: int = 8192, micro_batch: int = 1,
-         global_batch: int | None = None, activation_checkpointing: bool = False, state_dtype: str = "fp32",
-         loss_chunk_tokens: int | str = "auto", recompute_mlp: bool = True, precision: str = "bf16",
-         param_gather: bool | None = None) -> Plan:  # fmt: skip
+def plan(
+    shape: ModelShape,
+    recipe: str,
+    gpus: int = 1,
+    seq_len: int = 8192,
+    micro_batch: int = 1,
+    global_batch: int | None = None,
+    activation_checkpointing: bool = False,
+    state_dtype: str = "fp32",
+    loss_chunk_tokens: int | str = "auto",
+    recompute_mlp: bool = True,
+    precision: str = "bf16",
+    param_gather: bool | None = None,
+) -> Plan:
     """The memory and traffic of one GPU; ``recipe`` is ``bf16`` (baseline) or an FP8 recipe.
 
     Under FSDP (``gpus > 1``) parameters travel in ``precision`` (bf16 mixed precision, or fp32), and
@@ -238,8 +298,16 @@ def plan(shape: ModelShape, recipe: str, gpus: int = 1, seq_len: int = 8192, mic
     )
 
 
-ROWS = ("parameters", "gradients", "optimizer", "gathered", "weight_copies", "activations", "logits_saved",
-        "logits_backward")  # fmt: skip
+ROWS = (
+    "parameters",
+    "gradients",
+    "optimizer",
+    "gathered",
+    "weight_copies",
+    "activations",
+    "logits_saved",
+    "logits_backward",
+)
 
 
 def format_plan(name: str, base: Plan, fp8: Plan, recipe: str, seq_len: int) -> str:
@@ -254,8 +322,10 @@ def format_plan(name: str, base: Plan, fp8: Plan, recipe: str, seq_len: int) -> 
     published = PUBLISHED.get(name, {})
     if published:
         rows = ", ".join(f"{ratio:.2f}x at {length // 1024}k" for length, ratio in sorted(published.items()))
-        lines.append(f"InfiR2 published FP8/BF16 peak memory ({name}): {rows}; this plan at "
-                     f"{seq_len // 1024}k: {fp8.peak / base.peak:.2f}x")  # fmt: skip
+        lines.append(
+            f"InfiR2 published FP8/BF16 peak memory ({name}): {rows}; this plan at "
+            f"{seq_len // 1024}k: {fp8.peak / base.peak:.2f}x"
+        )
     return "\n".join(lines)
 
 
@@ -273,12 +343,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--loss-chunk-tokens", default="auto", help="auto | 0 (plain loss) | tokens per chunk"
     )
-    parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
-                        help="model.precision: the dtype parameters travel in under FSDP")  # fmt: skip
-    parser.add_argument("--no-recompute-mlp", action="store_true",
-                        help="without the SwiGLU recompute (model.recompute_mlp: false)")  # fmt: skip
-    parser.add_argument("--no-param-gather", action="store_true",
-                        help="FP8 projections gathered in --precision, not as FP8 (fp8.param_gather: false)")  # fmt: skip
+    parser.add_argument(
+        "--precision",
+        choices=("bf16", "fp32"),
+        default="bf16",
+        help="model.precision: the dtype parameters travel in under FSDP",
+    )
+    parser.add_argument(
+        "--no-recompute-mlp",
+        action="store_true",
+        help="without the SwiGLU recompute (model.recompute_mlp: false)",
+    )
+    parser.add_argument(
+        "--no-param-gather",
+        action="store_true",
+        help="FP8 projections gathered in --precision, not as FP8 (fp8.param_gather: false)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -291,14 +371,23 @@ def run(args: argparse.Namespace) -> int:
         args.loss_chunk_tokens if args.loss_chunk_tokens == "auto" else int(args.loss_chunk_tokens)
     )
     name, shape = load_shape(args.model)
-    kw = {"gpus": args.gpus, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
-          "global_batch": args.global_batch, "activation_checkpointing": args.activation_checkpointing,
-          "state_dtype": args.state_dtype, "loss_chunk_tokens": chunk, "precision": args.precision,
-          "recompute_mlp": not args.no_recompute_mlp,
-          "param_gather": False if args.no_param_gather else None}  # fmt: skip
-    print(f"{name}: {shape.params / 1e9:.2f}B parameters, {args.gpus} GPUs, {args.seq_len} x {args.micro_batch} "
-          f"tokens per micro-batch, AC {'on' if args.activation_checkpointing else 'off'}, AdamW moments "
-          f"{args.state_dtype}, loss chunk {chunk}")  # fmt: skip
+    kw = {
+        "gpus": args.gpus,
+        "seq_len": args.seq_len,
+        "micro_batch": args.micro_batch,
+        "global_batch": args.global_batch,
+        "activation_checkpointing": args.activation_checkpointing,
+        "state_dtype": args.state_dtype,
+        "loss_chunk_tokens": chunk,
+        "precision": args.precision,
+        "recompute_mlp": not args.no_recompute_mlp,
+        "param_gather": False if args.no_param_gather else None,
+    }
+    print(
+        f"{name}: {shape.params / 1e9:.2f}B parameters, {args.gpus} GPUs, {args.seq_len} x {args.micro_batch} "
+        f"tokens per micro-batch, AC {'on' if args.activation_checkpointing else 'off'}, AdamW moments "
+        f"{args.state_dtype}, loss chunk {chunk}"
+    )
     print(
         format_plan(
             name, plan(shape, "bf16", **kw), plan(shape, args.recipe, **kw), args.recipe, args.seq_len

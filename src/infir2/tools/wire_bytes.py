@@ -41,8 +41,13 @@ class WireBytes:
             def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
                 return torch.empty(*size, dtype=dtype, device=device)
 
-            def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                         group: dist.ProcessGroup, async_op: bool = False) -> Any:  # fmt: skip
+            def __call__(
+                self,
+                output_tensor: torch.Tensor,
+                input_tensor: torch.Tensor,
+                group: dist.ProcessGroup,
+                async_op: bool = False,
+            ) -> Any:
                 counter.bytes += output_tensor.numel() * output_tensor.element_size()
                 counter.calls += 1
                 return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)

@@ -78,20 +78,44 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(cfg: RunConfig, env: DistEnv, model: nn.Module, optimizer: torch.optim.Optimizer, source: StepSource,
-         state: TrainState) -> PendingSave:  # fmt: skip
+def save(
+    cfg: RunConfig,
+    env: DistEnv,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    source: StepSource,
+    state: TrainState,
+) -> PendingSave:
     """Write a checkpoint of ``train.checkpoint_format`` atomically (all ranks call; all wait on the result)."""
     if cfg.train.checkpoint_format == "dcp":
-        extra = {"scheduler": {"step": state.step}, "train_state": {**vars(state), "config": config_to_dict(cfg)},
-                 "data": source.state_dict(), "rng": _rng_state()}  # fmt: skip
-        return save_sharded(cfg.run_dir / "checkpoints", state.step, model, optimizer, extra, env,
-                            keep_last=cfg.train.keep_last, async_save=cfg.train.async_save)  # fmt: skip
+        extra = {
+            "scheduler": {"step": state.step},
+            "train_state": {**vars(state), "config": config_to_dict(cfg)},
+            "data": source.state_dict(),
+            "rng": _rng_state(),
+        }
+        return save_sharded(
+            cfg.run_dir / "checkpoints",
+            state.step,
+            model,
+            optimizer,
+            extra,
+            env,
+            keep_last=cfg.train.keep_last,
+            async_save=cfg.train.async_save,
+        )
     written = _save_full(cfg, env, model, optimizer, source, state)
     return PendingSave(None, lambda: written)
 
 
-def _save_full(cfg: RunConfig, env: DistEnv, model: nn.Module, optimizer: torch.optim.Optimizer,
-               source: StepSource, state: TrainState) -> Path:  # fmt: skip
+def _save_full(
+    cfg: RunConfig,
+    env: DistEnv,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    source: StepSource,
+    state: TrainState,
+) -> Path:
     """Gather the full state on rank 0 and write it atomically (all ranks must call)."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
@@ -105,8 +129,13 @@ def _save_full(cfg: RunConfig, env: DistEnv, model: nn.Module, optimizer: torch.
             "rng": rng_states,
             "config": config_to_dict(cfg),
         }
-        full = {"model": model_sd, "optimizer": optim_sd, "scheduler": {"step": state.step},
-                "data": data_states, "train_state": train_state}  # fmt: skip
+        full = {
+            "model": model_sd,
+            "optimizer": optim_sd,
+            "scheduler": {"step": state.step},
+            "data": data_states,
+            "train_state": train_state,
+        }
         path = ckpt.save_checkpoint(
             cfg.run_dir / "checkpoints", state.step, full, keep_last=cfg.train.keep_last
         )
@@ -150,19 +179,25 @@ def data_state_for(loaded: dict[str, Any], env: DistEnv) -> Any:
         return states[env.rank]
     if all(s == states[0] for s in states):
         return states[0]
-    raise ValueError(f"the data positions were saved by {saved_world} processes and differ by rank; they "
-                     f"cannot be resumed on {env.world_size} processes")  # fmt: skip
+    raise ValueError(
+        f"the data positions were saved by {saved_world} processes and differ by rank; they "
+        f"cannot be resumed on {env.world_size} processes"
+    )
 
 
-def restore(cfg: RunConfig, env: DistEnv, model: nn.Module, optimizer: torch.optim.Optimizer,
-            source: StepSource) -> tuple[TrainState, Path | None]:  # fmt: skip
+def restore(
+    cfg: RunConfig, env: DistEnv, model: nn.Module, optimizer: torch.optim.Optimizer, source: StepSource
+) -> tuple[TrainState, Path | None]:
     """Resume from the run folder's latest checkpoint, else from ``load.path``; returns the counters."""
     # every rank verifies its checkpoint (sizes and SHA-256) and reads its part; damaged ones are skipped
     forced = cfg.load.force and cfg.load.path
     own = None
     if not forced:
-        own = ckpt.load_latest_valid(cfg.run_dir / "checkpoints", cfg.load.start_fresh,
-                                     load=_loader(env, model, optimizer, weights_only=False))  # fmt: skip
+        own = ckpt.load_latest_valid(
+            cfg.run_dir / "checkpoints",
+            cfg.load.start_fresh,
+            load=_loader(env, model, optimizer, weights_only=False),
+        )
     if own is not None:
         (path, loaded), mode = own, "resume"
     elif cfg.load.path:
@@ -183,8 +218,14 @@ def restore(cfg: RunConfig, env: DistEnv, model: nn.Module, optimizer: torch.opt
             _set_rng_state(loaded["rng"][env.rank])
             log.info("resumed from %s at step %d", path, state.step)
         else:
-            log.info("resumed from %s at step %d on %d processes (saved by %d): the same global sample count, "
-                     "new RNG streams", path, state.step, env.world_size, saved["world_size"])  # fmt: skip
+            log.info(
+                "resumed from %s at step %d on %d processes (saved by %d): the same global sample count, "
+                "new RNG streams",
+                path,
+                state.step,
+                env.world_size,
+                saved["world_size"],
+            )
         return state, path
     if not cfg.load.reset_data:
         source.load_state_dict(data_state_for(loaded, env))
@@ -212,8 +253,14 @@ def export_final(
     out = None
     if checkpoint is not None and is_sharded_folder(checkpoint):
         if env.is_main:  # one full tensor in memory at a time
-            out = export_model(model, tokenizer, cfg.run_dir / "hf", fmt=fmt, tensors=iter_model_tensors(checkpoint),
-                               overwrite=True)  # fmt: skip
+            out = export_model(
+                model,
+                tokenizer,
+                cfg.run_dir / "hf",
+                fmt=fmt,
+                tensors=iter_model_tensors(checkpoint),
+                overwrite=True,
+            )
         return broadcast_object(out, env)  # type: ignore[return-value]
     model_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if env.is_main:

@@ -47,18 +47,33 @@ log = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="YAML run config, or a shipped config's name (infir2 config --list)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config field, e.g. --set optim.lr=3e-4 (repeatable)")  # fmt: skip
-    parser.add_argument("--load", metavar="PATH",
-                        help="start from this checkpoint folder even if the run folder has its own "
-                             "(sets load.path and load.force; load.mode stays as configured)")  # fmt: skip
-    parser.add_argument("--start-fresh", action="store_true",
-                        help="if the run folder has checkpoints but none loads (damaged), set them aside "
-                             "as damaged-step_* and start from step 0 instead of refusing")  # fmt: skip
-    parser.add_argument("--accept-config-changes", action="store_true",
-                        help="resume although fields that change the run's meaning (schedule, optim, data, "
-                             "model, fp8, run.seed, train.max_steps) differ from the run's config.yaml; "
-                             "the old one is kept as config.<step>.yaml")  # fmt: skip
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set optim.lr=3e-4 (repeatable)",
+    )
+    parser.add_argument(
+        "--load",
+        metavar="PATH",
+        help="start from this checkpoint folder even if the run folder has its own "
+        "(sets load.path and load.force; load.mode stays as configured)",
+    )
+    parser.add_argument(
+        "--start-fresh",
+        action="store_true",
+        help="if the run folder has checkpoints but none loads (damaged), set them aside "
+        "as damaged-step_* and start from step 0 instead of refusing",
+    )
+    parser.add_argument(
+        "--accept-config-changes",
+        action="store_true",
+        help="resume although fields that change the run's meaning (schedule, optim, data, "
+        "model, fp8, run.seed, train.max_steps) differ from the run's config.yaml; "
+        "the old one is kept as config.<step>.yaml",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (log lines instead)")
 
 
@@ -76,8 +91,12 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides)
     result = train(cfg, progress=not args.no_progress)
     if result.history:
-        log.info("done: step %d, final loss %.4f%s", result.step, result.final_loss or float("nan"),
-                 f", val loss {result.final_val_loss:.4f}" if result.final_val_loss is not None else "")  # fmt: skip
+        log.info(
+            "done: step %d, final loss %.4f%s",
+            result.step,
+            result.final_loss or float("nan"),
+            f", val loss {result.final_val_loss:.4f}" if result.final_val_loss is not None else "",
+        )
     log.info(
         "run folder %s; checkpoint %s; Hugging Face export %s",
         result.run_dir,

@@ -87,19 +87,27 @@ class RunSection:
 @dataclass(frozen=True)
 class ModelConfig:
     path: str | None = _key(None, "local Hugging Face folder (config.json + weights), loaded without network")
-    from_config: dict[str, Any] | None = field(default=None, metadata={"help": (
-        "a seeded new model instead: {arch: qwen2|llama, hidden_size: ..., num_hidden_layers: ...} "
-        "(any field of the architecture's transformers config)")})  # fmt: skip
+    from_config: dict[str, Any] | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "a seeded new model instead: {arch: qwen2|llama, hidden_size: ..., num_hidden_layers: ...} "
+                "(any field of the architecture's transformers config)"
+            )
+        },
+    )
     tokenizer: str | None = _key(None, "tokenizer folder; default: model.path (required with from_config)")
     precision: Literal["fp32", "bf16", "fp64"] = _key(
-        "bf16", "autocast dtype of the high-precision parts (masters stay fp32); fp32 on CPUs; fp64: masters, "
+        "bf16",
+        "autocast dtype of the high-precision parts (masters stay fp32); fp32 on CPUs; fp64: masters, "
         "high-precision parts and the emulated GEMMs' accumulation in float64 (a CPU-independent reference "
-        "for tests; slow)"
-    )  # fmt: skip
+        "for tests; slow)",
+    )
     activation_checkpointing: bool = _key(False, "recompute each decoder layer in backward (long contexts)")
     recompute_mlp: bool = _key(
-        True, "SwiGLU MLPs keep gate and up outputs and recompute silu in backward (exact; saves 2 [T, I] tensors)"
-    )  # fmt: skip
+        True,
+        "SwiGLU MLPs keep gate and up outputs and recompute silu in backward (exact; saves 2 [T, I] tensors)",
+    )
     export_dtype: Literal["fp32", "bf16"] | None = _key(
         None, "dtype of the final <run>/hf export; default: precision (fp32 for an fp64 run)"
     )
@@ -110,9 +118,10 @@ class Fp8Config:
     recipe: str = _key("blockwise", f"FP8 recipe, one of: {', '.join(RECIPES)} (bf16 = no FP8)")
     backend: str | None = _key(None, "force a GEMM backend (emulated, scaled_mm, ...); default: automatic")
     param_gather: bool | None = _key(
-        None, "FSDP2: all-gather FP8 linears' weights as FP8 codes (1 byte/element); default (null): on for "
-        "the blockwise recipes; only recipes whose fprop and dgrad share the weight blocks can (not rowwise)"
-    )  # fmt: skip
+        None,
+        "FSDP2: all-gather FP8 linears' weights as FP8 codes (1 byte/element); default (null): on for "
+        "the blockwise recipes; only recipes whose fprop and dgrad share the weight blocks can (not rowwise)",
+    )
     stats_every: int = _key(0, "FP8 numerics telemetry (`infir2 numerics`) every N steps; 0 = off")
 
 
@@ -186,19 +195,26 @@ class TrainConfig:
         3, "consecutive skipped steps (non-finite loss or grad norm, or a loss spike) that stop the run"
     )
     loss_spike_nats: float | None = _key(
-        3.0, "skip the update of a step whose loss is this many nats above the median of the last "
-        "loss_spike_window steps (its tokens e^3 = 20x less likely: divergence, not noise); null = off"
-    )  # fmt: skip
+        3.0,
+        "skip the update of a step whose loss is this many nats above the median of the last "
+        "loss_spike_window steps (its tokens e^3 = 20x less likely: divergence, not noise); null = off",
+    )
     loss_spike_window: int = _key(32, "updated steps whose median loss is the spike guard's reference")
     loss_chunk_tokens: int | Literal["auto"] = _key(
         "auto",
         "chunked LM-head loss: tokens per chunk; 0 = never; auto = chunks whose fp32 logits stay under "
         "256 MiB whatever the vocabulary (441 tokens at 151,936 words), when the whole logits would not",
     )
-    checkpoint_format: Literal["auto", "full", "dcp"] = field(default="auto", metadata={"help": (
-        "auto: dcp when the run has several processes (or async_save), else full. full: gathered to rank 0, "
-        "one state.pt (rank 0 holds ~12 bytes per parameter while saving). dcp: torch.distributed.checkpoint, "
-        "every rank writes its own shards (what multi-GPU runs want; loads on any number of processes)")})  # fmt: skip
+    checkpoint_format: Literal["auto", "full", "dcp"] = field(
+        default="auto",
+        metadata={
+            "help": (
+                "auto: dcp when the run has several processes (or async_save), else full. full: gathered to rank 0, "
+                "one state.pt (rank 0 holds ~12 bytes per parameter while saving). dcp: torch.distributed.checkpoint, "
+                "every rank writes its own shards (what multi-GPU runs want; loads on any number of processes)"
+            )
+        },
+    )
     async_save: bool = _key(
         False, "dcp only: write in a background thread, the loop does not wait for the disk"
     )
@@ -261,8 +277,11 @@ def _check(cfg: RunConfig, source: str) -> None:
             source, "model", "give one of model.path (a local HF folder) or model.from_config, not both"
         )
     if m.from_config is not None and m.from_config.get("arch") not in ARCHS:
-        raise config_error(source, "model.from_config.arch",
-                   f"got {m.from_config.get('arch')!r}, expected one of {', '.join(ARCHS)}")  # fmt: skip
+        raise config_error(
+            source,
+            "model.from_config.arch",
+            f"got {m.from_config.get('arch')!r}, expected one of {', '.join(ARCHS)}",
+        )
     if cfg.fp8.recipe not in RECIPES:
         raise config_error(
             source, "fp8.recipe", f"got {cfg.fp8.recipe!r}, expected one of {', '.join(RECIPES)}"
@@ -277,13 +296,21 @@ def _check(cfg: RunConfig, source: str) -> None:
         and d.max_tokens_per_micro_batch is not None
         and d.max_length > d.max_tokens_per_micro_batch
     ):
-        raise config_error(source, "data.max_length", f"{d.max_length} exceeds data.max_tokens_per_micro_batch="
-                           f"{d.max_tokens_per_micro_batch}: a sample of max_length tokens must fit in one "
-                           "micro-batch")  # fmt: skip
+        raise config_error(
+            source,
+            "data.max_length",
+            f"{d.max_length} exceeds data.max_tokens_per_micro_batch="
+            f"{d.max_tokens_per_micro_batch}: a sample of max_length tokens must fit in one "
+            "micro-batch",
+        )
     positive("optim.lr", o.lr)
     if o.lr > MAX_LR:
-        raise config_error(source, "optim.lr", f"{o.lr:g} is above {MAX_LR:g}: no AdamW run uses such a learning "
-                           "rate (LM pre-training and SFT peak at 1e-5 .. 1e-2); the weights would diverge")  # fmt: skip
+        raise config_error(
+            source,
+            "optim.lr",
+            f"{o.lr:g} is above {MAX_LR:g}: no AdamW run uses such a learning "
+            "rate (LM pre-training and SFT peak at 1e-5 .. 1e-2); the weights would diverge",
+        )
     positive("optim.eps", o.eps)
     positive("optim.weight_decay", o.weight_decay, allow_zero=True)
     positive("optim.grad_clip", o.grad_clip, allow_zero=True)
@@ -314,8 +341,12 @@ def _check(cfg: RunConfig, source: str) -> None:
     for key in ("eval_batches", "keep_last", "log_every", "max_nonfinite_in_row", "loss_spike_window"):
         positive(f"train.{key}", getattr(t, key))
     if cfg.fp8.param_gather and not RECIPES[cfg.fp8.recipe].gathers_fp8_weight:
-        raise config_error(source, "fp8.param_gather", f"recipe {cfg.fp8.recipe} has no FP8 weight that serves both "
-                   "fprop and dgrad; set fp8.param_gather to false or null")  # fmt: skip
+        raise config_error(
+            source,
+            "fp8.param_gather",
+            f"recipe {cfg.fp8.recipe} has no FP8 weight that serves both "
+            "fprop and dgrad; set fp8.param_gather to false or null",
+        )
     if t.async_save and t.checkpoint_format == "full":
         raise config_error(source, "train.async_save", "needs train.checkpoint_format: dcp (or auto)")
     if cfg.load.mode != "resume" and cfg.load.path is None:
@@ -362,8 +393,10 @@ def resolve_config_path(name: str | Path) -> Path:
     in_package_folder = path.parent == Path(".") or path.parent.parts[-2:] == ("infir2", "configs")
     if in_package_folder and stem in shipped:
         return shipped[stem]
-    raise FileNotFoundError(f"run config {name} does not exist: neither a file nor a shipped config "
-                            f"({', '.join(shipped)}; `infir2 config --list`)")  # fmt: skip
+    raise FileNotFoundError(
+        f"run config {name} does not exist: neither a file nor a shipped config "
+        f"({', '.join(shipped)}; `infir2 config --list`)"
+    )
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
@@ -398,5 +431,8 @@ def key_reference() -> list[tuple[str, Any, str]]:
     """Every config key as ``(dotted key, default, meaning)``, in the order of the sections."""
     cfg = RunConfig()
     defaults = config_to_dict(cfg)
-    return [(f"{section.name}.{f.name}", defaults[section.name][f.name], f.metadata.get("help", ""))
-            for section in fields(cfg) for f in fields(getattr(cfg, section.name))]  # fmt: skip
+    return [
+        (f"{section.name}.{f.name}", defaults[section.name][f.name], f.metadata.get("help", ""))
+        for section in fields(cfg)
+        for f in fields(getattr(cfg, section.name))
+    ]

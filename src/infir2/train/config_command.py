@@ -27,12 +27,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "config", nargs="?", help="a YAML run config or a shipped config's name (checked, printed)"
     )
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config field, as in `infir2 train` (repeatable)")  # fmt: skip
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, as in `infir2 train` (repeatable)",
+    )
     parser.add_argument("--keys", action="store_true", help="print every key with its default and meaning")
     parser.add_argument("--list", action="store_true", help="list the shipped configs")
-    parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
-                        help="processes the run will use, for the batch-size check (default: $WORLD_SIZE or 1)")  # fmt: skip
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=int(os.environ.get("WORLD_SIZE", "1")),
+        help="processes the run will use, for the batch-size check (default: $WORLD_SIZE or 1)",
+    )
 
 
 def _print_keys() -> None:

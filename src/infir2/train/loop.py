@@ -167,18 +167,37 @@ def train_step(
             group["lr"] = lr
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "loss_tokens": int(n_loss_tokens),
-            "tokens": int(n_tokens), "skipped": not finite or spike, "spike": spike}  # fmt: skip
+    return {
+        "loss": loss,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "loss_tokens": int(n_loss_tokens),
+        "tokens": int(n_tokens),
+        "skipped": not finite or spike,
+        "spike": spike,
+    }
 
 
 def evaluate(
-    model: nn.Module, steps: Iterable[list[MicroBatch]], batches: int, precision: str, env: DistEnv,
-    fp8: bool = False, loss_chunk_tokens: int | str = "auto",
-) -> float:  # fmt: skip
+    model: nn.Module,
+    steps: Iterable[list[MicroBatch]],
+    batches: int,
+    precision: str,
+    env: DistEnv,
+    fp8: bool = False,
+    loss_chunk_tokens: int | str = "auto",
+) -> float:
     """Per-token loss over the first ``batches`` steps of ``steps``, all ranks (``infir2.loss.heldout_loss``)."""
-    loss, _ = heldout_loss(model, steps, precision, env.device, fp8, max_steps=batches,
-                           reduce=lambda totals: all_reduce_sum(totals, env),
-                           loss_chunk_tokens=loss_chunk_tokens)  # fmt: skip
+    loss, _ = heldout_loss(
+        model,
+        steps,
+        precision,
+        env.device,
+        fp8,
+        max_steps=batches,
+        reduce=lambda totals: all_reduce_sum(totals, env),
+        loss_chunk_tokens=loss_chunk_tokens,
+    )
     return loss
 
 
@@ -189,30 +208,51 @@ def evaluate(
 def _step_metrics(
     step: int, out: dict[str, Any], seconds: float, state: TrainState, env: DistEnv
 ) -> dict[str, Any]:
-    return {"step": step, **out, "tokens_per_s": out["tokens"] / seconds if seconds > 0 else math.nan,
-            "step_time_s": seconds, "tokens_seen": state.tokens_seen, "nonfinite_total": state.nonfinite_total,
-            "peak_mem_gib": peak_memory_gib(env.device)}  # fmt: skip
+    return {
+        "step": step,
+        **out,
+        "tokens_per_s": out["tokens"] / seconds if seconds > 0 else math.nan,
+        "step_time_s": seconds,
+        "tokens_seen": state.tokens_seen,
+        "nonfinite_total": state.nonfinite_total,
+        "peak_mem_gib": peak_memory_gib(env.device),
+    }
 
 
-def _count_nonfinite(state: TrainState, out: dict[str, Any], cfg: RunConfig, logger: MetricsLogger,
-                     last_checkpoint: Path | None) -> None:  # fmt: skip
+def _count_nonfinite(
+    state: TrainState,
+    out: dict[str, Any],
+    cfg: RunConfig,
+    logger: MetricsLogger,
+    last_checkpoint: Path | None,
+) -> None:
     if not out["skipped"]:
         state.nonfinite_in_row = 0
         return
     state.nonfinite_total += 1
     state.nonfinite_in_row += 1
-    why = (f"loss spike {out['loss']:.4g}, more than train.loss_spike_nats={cfg.train.loss_spike_nats} above the "
-           f"median {out['spike_reference']:.4g} of the last steps" if out.get("spike")
-           else f"non-finite loss {out['loss']} or grad norm {out['grad_norm']}")  # fmt: skip
-    logger.message(f"step {state.step}: {why}: update skipped ({state.nonfinite_in_row} in a row, "
-                   f"{state.nonfinite_total} in total)")  # fmt: skip
+    why = (
+        f"loss spike {out['loss']:.4g}, more than train.loss_spike_nats={cfg.train.loss_spike_nats} above the "
+        f"median {out['spike_reference']:.4g} of the last steps"
+        if out.get("spike")
+        else f"non-finite loss {out['loss']} or grad norm {out['grad_norm']}"
+    )
+    logger.message(
+        f"step {state.step}: {why}: update skipped ({state.nonfinite_in_row} in a row, "
+        f"{state.nonfinite_total} in total)"
+    )
     if state.nonfinite_in_row >= cfg.train.max_nonfinite_in_row:
-        where = (f"the last checkpoint written before the streak is {last_checkpoint}" if last_checkpoint
-                 else "no checkpoint was written before the streak")  # fmt: skip
-        raise NonFiniteError(f"stopping at step {state.step}: {state.nonfinite_in_row} steps in a row had a "
-                             f"non-finite loss or gradient norm or a loss spike (train.max_nonfinite_in_row="
-                             f"{cfg.train.max_nonfinite_in_row}; last: {why}); {where}. Lower optim.lr, check the "
-                             f"data, or try another fp8.recipe, then resume with --load that checkpoint")  # fmt: skip
+        where = (
+            f"the last checkpoint written before the streak is {last_checkpoint}"
+            if last_checkpoint
+            else "no checkpoint was written before the streak"
+        )
+        raise NonFiniteError(
+            f"stopping at step {state.step}: {state.nonfinite_in_row} steps in a row had a "
+            f"non-finite loss or gradient norm or a loss spike (train.max_nonfinite_in_row="
+            f"{cfg.train.max_nonfinite_in_row}; last: {why}); {where}. Lower optim.lr, check the "
+            f"data, or try another fp8.recipe, then resume with --load that checkpoint"
+        )
 
 
 def _spike_limit(recent: deque[float], nats: float | None) -> float:
@@ -268,8 +308,15 @@ def _remove_if_unstarted(run_dir: Path) -> None:
     log.info("removed %s: the run did not start", run_dir)
 
 
-def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, train_source: StepSource | None,
-         val_source: StepSource | ValSteps | None, progress: bool) -> TrainResult:  # fmt: skip
+def _run(
+    cfg: RunConfig,
+    env: DistEnv,
+    model: nn.Module | None,
+    tokenizer: Any,
+    train_source: StepSource | None,
+    val_source: StepSource | ValSteps | None,
+    progress: bool,
+) -> TrainResult:
     run_dir = cfg.run_dir
     reconcile_saved_config(cfg, write=env.is_main)  # refuses meaningful changes on resume; keeps the old one
     if tokenizer is None:
@@ -281,8 +328,10 @@ def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, 
     else:
         val_steps = rewinding(val_source) if isinstance(val_source, StepSource) else val_source
     if cfg.train.eval_fp8 and val_steps is not None and next(fp8_modules(model), None) is None:
-        raise ValueError(f"train.eval_fp8: the model has no FP8 layers (fp8.recipe={cfg.fp8.recipe}); "
-                         "evaluate in FP8 only with an FP8 recipe")  # fmt: skip
+        raise ValueError(
+            f"train.eval_fp8: the model has no FP8 layers (fp8.recipe={cfg.fp8.recipe}); "
+            "evaluate in FP8 only with an FP8 recipe"
+        )
     n_steps = total_steps(cfg, train_source)
     schedule: Schedule = make_schedule(cfg.schedule, cfg.optim.lr, n_steps)
     torch.manual_seed(cfg.run.seed + env.rank)
@@ -302,8 +351,17 @@ def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, 
                 break
             limit = _spike_limit(recent, cfg.train.loss_spike_nats)
             with telemetry.record(state.step + 1) as fp8_stats:
-                out = train_step(model, optimizer, micro_batches, schedule(state.step), cfg.optim.grad_clip,
-                                 cfg.model.precision, env, cfg.train.loss_chunk_tokens, limit)  # fmt: skip
+                out = train_step(
+                    model,
+                    optimizer,
+                    micro_batches,
+                    schedule(state.step),
+                    cfg.optim.grad_clip,
+                    cfg.model.precision,
+                    env,
+                    cfg.train.loss_chunk_tokens,
+                    limit,
+                )
             if out["spike"]:
                 out["spike_reference"] = limit - (cfg.train.loss_spike_nats or 0.0)
             elif not out["skipped"]:
@@ -314,9 +372,15 @@ def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, 
             last = state.step == n_steps
             metrics = _step_metrics(state.step, out, seconds, state, env) | fp8_stats
             if val_steps is not None and _due(state.step, cfg.train.eval_every, last):
-                metrics["val_loss"] = evaluate(model, val_steps(), cfg.train.eval_batches,
-                                               cfg.model.precision, env, cfg.train.eval_fp8,
-                                               cfg.train.loss_chunk_tokens)  # fmt: skip
+                metrics["val_loss"] = evaluate(
+                    model,
+                    val_steps(),
+                    cfg.train.eval_batches,
+                    cfg.model.precision,
+                    env,
+                    cfg.train.eval_fp8,
+                    cfg.train.loss_chunk_tokens,
+                )
             logger.log(metrics)
             result.history.append(metrics)
             _count_nonfinite(state, out, cfg, logger, result.checkpoint or resumed_from)
@@ -332,8 +396,10 @@ def _run(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, 
         if pending is not None:
             result.checkpoint = pending.wait()
         if state.nonfinite_in_row:
-            logger.message(f"ending in a non-finite streak: no checkpoint for step {state.step}; the last one is "
-                           f"{result.checkpoint or resumed_from}")  # fmt: skip
+            logger.message(
+                f"ending in a non-finite streak: no checkpoint for step {state.step}; the last one is "
+                f"{result.checkpoint or resumed_from}"
+            )
         else:
             result.checkpoint = save(cfg, env, model, optimizer, train_source, state).wait()
         result.hf_dir = export_final(cfg, env, model, tokenizer, result.checkpoint)
@@ -346,6 +412,8 @@ def _check_export_tokenizer(tokenizer: Any, hf_dir: Path, logger: MetricsLogger)
     """Warn if ``AutoTokenizer`` on the export splits text otherwise than the run did (a passed-in tokenizer)."""
     difference = first_difference(tokenizer, load_tokenizer(hf_dir))
     if difference is not None:
-        logger.message(f"warning: AutoTokenizer on {hf_dir} tokenizes {difference[0]!r} into {len(difference[2])} "
-                       f"tokens, the run's tokenizer into {len(difference[1])}: load the export's tokenizer "
-                       "with infir2.data.load_tokenizer(<tokenizer folder>, model_type=...) before training")  # fmt: skip
+        logger.message(
+            f"warning: AutoTokenizer on {hf_dir} tokenizes {difference[0]!r} into {len(difference[2])} "
+            f"tokens, the run's tokenizer into {len(difference[1])}: load the export's tokenizer "
+            "with infir2.data.load_tokenizer(<tokenizer folder>, model_type=...) before training"
+        )

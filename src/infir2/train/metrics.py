@@ -49,8 +49,15 @@ def _truncate_jsonl(path: Path, last_step: int) -> None:
 class MetricsLogger:
     """Writes metrics on the main rank; a no-op elsewhere. Use as a context manager."""
 
-    def __init__(self, run_dir: Path, enabled: bool, start_step: int, total_steps: int, log_every: int = 1,
-                 progress: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        run_dir: Path,
+        enabled: bool,
+        start_step: int,
+        total_steps: int,
+        log_every: int = 1,
+        progress: bool = True,
+    ) -> None:
         self.enabled = enabled
         self.log_every = log_every
         self.path = Path(run_dir) / "metrics.jsonl"
@@ -64,8 +71,14 @@ class MetricsLogger:
         from torch.utils.tensorboard import SummaryWriter
 
         self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1)
-        self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", disable=not progress,
-                         dynamic_ncols=True)  # fmt: skip
+        self._bar = tqdm(
+            total=total_steps,
+            initial=start_step,
+            desc="train",
+            unit="step",
+            disable=not progress,
+            dynamic_ncols=True,
+        )
 
     def log(self, metrics: dict[str, Any]) -> None:
         if not self.enabled:

@@ -65,9 +65,15 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
     AdamW's keys (``step``, ``exp_avg``, ``exp_avg_sq``), so checkpoints load either way round.
     """
 
-    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2,
-                 state_dtype: torch.dtype = torch.bfloat16) -> None:  # fmt: skip
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        state_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.state_dtype = state_dtype
 
@@ -126,8 +132,13 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     """
     device = next(model.parameters()).device
     if cfg.state_dtype != "fp32":
-        return LowPrecisionAdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas,
-                                 eps=cfg.eps, state_dtype=STATE_DTYPES[cfg.state_dtype])  # fmt: skip
+        return LowPrecisionAdamW(
+            param_groups(model, cfg.weight_decay),
+            lr=cfg.lr,
+            betas=cfg.betas,
+            eps=cfg.eps,
+            state_dtype=STATE_DTYPES[cfg.state_dtype],
+        )
     fused = cfg.fused if cfg.fused is not None else device.type == "cuda"
     return torch.optim.AdamW(
         param_groups(model, cfg.weight_decay),

@@ -61,8 +61,10 @@ def check_inputs(cfg: RunConfig, world_size: int = 1, data: bool = True) -> None
     if m.path:
         check_model_folder(m.path)
     if m.tokenizer and not Path(m.tokenizer).is_dir():
-        raise FileNotFoundError(f"model.tokenizer: tokenizer folder not found: {m.tokenizer} (`infir2 demo "
-                                "--data-only --out DIR` writes a small one to DIR/tokenizer)")  # fmt: skip
+        raise FileNotFoundError(
+            f"model.tokenizer: tokenizer folder not found: {m.tokenizer} (`infir2 demo "
+            "--data-only --out DIR` writes a small one to DIR/tokenizer)"
+        )
     if not data:
         return
     if not d.train_path:
@@ -114,13 +116,21 @@ def build_model(cfg: RunConfig, tokenizer: Any) -> nn.Module:
 def setup_model(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any) -> nn.Module:
     """``model`` (or the configured one) with fp32 masters and FP8 layers, on the device, sharded if distributed."""
     if cfg.model.precision == "bf16" and env.device.type == "cpu":
-        log.warning("model.precision=bf16 on a CPU: most CPUs have no fast bf16 (often 10-100x slower); "
-                    "fp32 is the CPU baseline (--set model.precision=fp32)")  # fmt: skip
+        log.warning(
+            "model.precision=bf16 on a CPU: most CPUs have no fast bf16 (often 10-100x slower); "
+            "fp32 is the CPU baseline (--set model.precision=fp32)"
+        )
     model = model if model is not None else build_model(cfg, tokenizer)
     recipe = get_recipe(cfg.fp8.recipe)  # the config's name, resolved once (validated by train.config)
     master_dtype = torch.float64 if cfg.model.precision == "fp64" else torch.float32
-    model = prepare_for_training(model, recipe, cfg.fp8.backend, cfg.model.activation_checkpointing,
-                                 cfg.model.recompute_mlp, master_dtype)  # fmt: skip
+    model = prepare_for_training(
+        model,
+        recipe,
+        cfg.fp8.backend,
+        cfg.model.activation_checkpointing,
+        cfg.model.recompute_mlp,
+        master_dtype,
+    )
     model.to(env.device)
     if not env.distributed:
         return model
@@ -163,9 +173,16 @@ def build_sources(cfg: RunConfig, tokenizer: Any, env: DistEnv) -> tuple[StepSou
         raise ValueError("model.tokenizer: SFT data needs a tokenizer (model.tokenizer or model.path)")
     if d.max_tokens_per_micro_batch is None:
         raise ValueError("data.max_tokens_per_micro_batch: required for SFT (the token budget per forward)")
-    sft = {"tokenizer": tokenizer, "global_batch_size": d.global_batch_size, "max_length": d.max_length,
-           "max_tokens_per_micro_batch": d.max_tokens_per_micro_batch, "overlong": d.overlong,
-           "seed": seed, "progress": env.is_main, **ranks}  # fmt: skip
+    sft = {
+        "tokenizer": tokenizer,
+        "global_batch_size": d.global_batch_size,
+        "max_length": d.max_length,
+        "max_tokens_per_micro_batch": d.max_tokens_per_micro_batch,
+        "overlong": d.overlong,
+        "seed": seed,
+        "progress": env.is_main,
+        **ranks,
+    }
     train_source = SftSource(load_conversations(d.train_path), epochs=d.epochs, shuffle=d.shuffle, **sft)
     if not d.val_path:
         return train_source, None

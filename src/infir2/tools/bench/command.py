@@ -46,17 +46,29 @@ __all__ = ["PRESETS", "SECTIONS", "add_arguments", "main_table", "run", "run_ben
 PRESETS: dict[str, BenchConfig] = {
     # CPU, well under a minute: 1.5B shapes / 4, 256 tokens, a 2-layer 256-wide model.
     "quick": BenchConfig(
-        tokens=256, models=("1.5B",), scale=4, warmup=1, iters=3,
-        step=StepModel(hidden=256, intermediate=1536, heads=4, kv_heads=2, head_dim=64, layers=2, vocab=2048, seq=256),
+        tokens=256,
+        models=("1.5B",),
+        scale=4,
+        warmup=1,
+        iters=3,
+        step=StepModel(
+            hidden=256, intermediate=1536, heads=4, kv_heads=2, head_dim=64, layers=2, vocab=2048, seq=256
+        ),
     ),
     # CPU, a few minutes: real 1.5B layer shapes at 1024 tokens, a 4-layer 512-wide model at 512.
     "medium": BenchConfig(
-        tokens=1024, models=("1.5B",), scale=1, warmup=1, iters=3,
-        step=StepModel(hidden=512, intermediate=2816, heads=4, kv_heads=2, head_dim=128, layers=4, vocab=8192, seq=512),
+        tokens=1024,
+        models=("1.5B",),
+        scale=1,
+        warmup=1,
+        iters=3,
+        step=StepModel(
+            hidden=512, intermediate=2816, heads=4, kv_heads=2, head_dim=128, layers=4, vocab=8192, seq=512
+        ),
     ),
     # GPU: the authors' shapes, 8k tokens; the 1.5B model (all 28 layers) at 8k context.
     "full": BenchConfig(),
-}  # fmt: skip
+}
 
 #: the sections, in the order they run
 SECTIONS = ("quantize", "linear", "step")
@@ -141,8 +153,19 @@ def _fmt(v: float | None) -> str:
 def main_table(result: dict[str, Any]) -> str:
     """The one table: section | case | metric | baseline | value | fp8 | value | fp8/baseline."""
     head = ("section", "case", "metric", "baseline", "value", "fp8 path", "value", "ratio")
-    body = [(r["section"], r["case"], r["metric"], r["baseline"], _fmt(r["baseline_value"]), r["fp8"],
-             _fmt(r["fp8_value"]), _fmt(r["ratio"])) for r in result["rows"]]  # fmt: skip
+    body = [
+        (
+            r["section"],
+            r["case"],
+            r["metric"],
+            r["baseline"],
+            _fmt(r["baseline_value"]),
+            r["fp8"],
+            _fmt(r["fp8_value"]),
+            _fmt(r["ratio"]),
+        )
+        for r in result["rows"]
+    ]
     widths = [max(len(str(c)) for c in col) for col in zip(head, *body, strict=True)]
     line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True))  # noqa: E731
     meta = result["meta"]
@@ -151,16 +174,26 @@ def main_table(result: dict[str, Any]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                        help="sizes: quick (CPU, <1 min), medium (CPU, minutes), full (GPU); "
-                        "default: full on CUDA, quick on CPU")  # fmt: skip
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="sizes: quick (CPU, <1 min), medium (CPU, minutes), full (GPU); "
+        "default: full on CUDA, quick on CPU",
+    )
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    parser.add_argument("--backends", default=None,
-                        help="comma-separated FP8 backends to compare (default: the automatic choice), "
-                        f"from {', '.join(BACKENDS)}")  # fmt: skip
-    parser.add_argument("--recipes", default="blockwise",
-                        help="comma-separated FP8 recipes of the linear and step sections, each against the "
-                        f"same baseline (from {', '.join(r for r in RECIPES if RECIPES[r].enabled)})")  # fmt: skip
+    parser.add_argument(
+        "--backends",
+        default=None,
+        help="comma-separated FP8 backends to compare (default: the automatic choice), "
+        f"from {', '.join(BACKENDS)}",
+    )
+    parser.add_argument(
+        "--recipes",
+        default="blockwise",
+        help="comma-separated FP8 recipes of the linear and step sections, each against the "
+        f"same baseline (from {', '.join(r for r in RECIPES if RECIPES[r].enabled)})",
+    )
     parser.add_argument("--sections", default=",".join(SECTIONS), help="which sections to run")
     parser.add_argument(
         "--tokens", type=int, default=None, help="tokens per linear GEMM (overrides the preset)"

@@ -101,8 +101,17 @@ class FidelitySettings:
 
 
 FULL = FidelitySettings()
-QUICK = FidelitySettings(widths=(128,), recipes=(BASELINE, "blockwise"), layers=1, vocab_size=320,
-                         seq_len=32, batch=4, steps=10, eval_batches=2, max_chars=60_000)  # fmt: skip
+QUICK = FidelitySettings(
+    widths=(128,),
+    recipes=(BASELINE, "blockwise"),
+    layers=1,
+    vocab_size=320,
+    seq_len=32,
+    batch=4,
+    steps=10,
+    eval_batches=2,
+    max_chars=60_000,
+)
 
 
 def kjv_chapters(max_chars: int | None = None) -> list[str]:
@@ -155,21 +164,44 @@ def _run_config(
     s: FidelitySettings, out: Path, width: int, recipe: str, seed: int, vocab: int
 ) -> dict[str, Any]:
     heads = max(1, width // _HEAD_DIM)
-    model = {"arch": "qwen2", "hidden_size": width, "intermediate_size": _MLP_RATIO * width,
-             "num_hidden_layers": s.layers, "num_attention_heads": heads,
-             "num_key_value_heads": max(1, heads // _KV_GROUPS), "max_position_embeddings": 2 * s.seq_len,
-             "tie_word_embeddings": True, "vocab_size": vocab}  # fmt: skip
+    model = {
+        "arch": "qwen2",
+        "hidden_size": width,
+        "intermediate_size": _MLP_RATIO * width,
+        "num_hidden_layers": s.layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(1, heads // _KV_GROUPS),
+        "max_position_embeddings": 2 * s.seq_len,
+        "tie_word_embeddings": True,
+        "vocab_size": vocab,
+    }
     return {
-        "run": {"name": _run_name(width, recipe, seed), "out_dir": str(out / "runs"), "seed": seed, "device": "cpu"},
+        "run": {
+            "name": _run_name(width, recipe, seed),
+            "out_dir": str(out / "runs"),
+            "seed": seed,
+            "device": "cpu",
+        },
         "model": {"from_config": model, "tokenizer": str(out / "tokenizer"), "precision": "fp32"},
         "fp8": {"recipe": recipe},
-        "data": {"kind": "cpt", "train_path": str(out / "tokens"), "seq_len": s.seq_len,
-                 "global_batch_size": s.batch, "micro_batch_size": s.batch},
+        "data": {
+            "kind": "cpt",
+            "train_path": str(out / "tokens"),
+            "seq_len": s.seq_len,
+            "global_batch_size": s.batch,
+            "micro_batch_size": s.batch,
+        },
         "optim": {"lr": s.lr, "weight_decay": 0.1, "grad_clip": 1.0},
         "schedule": {"name": "wsd", "warmup_fraction": 0.05, "decay_fraction": 0.2, "min_lr_ratio": 0.1},
-        "train": {"max_steps": s.steps, "eval_every": 0, "eval_batches": s.eval_batches, "save_every": 0,
-                  "keep_last": 1, "log_every": max(1, s.steps // 10)},
-    }  # fmt: skip
+        "train": {
+            "max_steps": s.steps,
+            "eval_every": 0,
+            "eval_batches": s.eval_batches,
+            "save_every": 0,
+            "keep_last": 1,
+            "log_every": max(1, s.steps // 10),
+        },
+    }
 
 
 def _run_name(width: int, recipe: str, seed: int) -> str:
@@ -201,9 +233,16 @@ def run_one(out: Path, s: FidelitySettings, width: int, recipe: str, seed: int, 
     losses = [m["loss"] for m in res.history if not m.get("skipped")]
     if res.final_val_loss is None:
         raise RuntimeError(f"{run_dir}: the run ended without a held-out loss")
-    result = RunResult(width=width, recipe=recipe, seed=seed, val_loss=res.final_val_loss,
-                       train_loss=losses[-1] if losses else float("nan"), tail_drop=tail_drop(losses),
-                       steps=res.step, seconds=time.perf_counter() - t0)  # fmt: skip
+    result = RunResult(
+        width=width,
+        recipe=recipe,
+        seed=seed,
+        val_loss=res.final_val_loss,
+        train_loss=losses[-1] if losses else float("nan"),
+        tail_drop=tail_drop(losses),
+        steps=res.step,
+        seconds=time.perf_counter() - t0,
+    )
     for heavy in ("hf", *(p.name for p in run_dir.glob("step_*"))):  # keep metrics.jsonl, not weights
         shutil.rmtree(run_dir / heavy, ignore_errors=True)
     done.write_text(json.dumps({"config": config, "result": asdict(result)}) + "\n")
@@ -249,8 +288,13 @@ def report_finished(out: Path) -> dict[str, Any]:
         raise FileNotFoundError(f"{out}: no finished run (runs/w*/<recipe>/s*/result.json)")
     saved = out / "fidelity.json"
     previous = json.loads(saved.read_text()) if saved.is_file() else {}
-    result = {"settings": previous.get("settings"), "data": previous.get("data"), "partial": True,
-              "runs": [asdict(r) for r in runs], "summary": summarize(runs)}  # fmt: skip
+    result = {
+        "settings": previous.get("settings"),
+        "data": previous.get("data"),
+        "partial": True,
+        "runs": [asdict(r) for r in runs],
+        "summary": summarize(runs),
+    }
     write_outputs(out, result)
     return result
 
@@ -263,14 +307,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("fidelity"), help="output folder (runs are reused)")
     parser.add_argument("--quick", action="store_true", help="seconds: one tiny width, 10 steps (CI)")
     parser.add_argument("--widths", default=None, help="comma-separated hidden sizes (default 128,256,512)")
-    parser.add_argument("--recipes", default=None,
-                        help=f"comma-separated recipes, the baseline {BASELINE} included (default: all of "
-                        f"{', '.join(RECIPES)})")  # fmt: skip
+    parser.add_argument(
+        "--recipes",
+        default=None,
+        help=f"comma-separated recipes, the baseline {BASELINE} included (default: all of "
+        f"{', '.join(RECIPES)})",
+    )
     parser.add_argument("--seeds", default=None, help="comma-separated seeds (default 0,1)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers")
-    parser.add_argument("--report", action="store_true",
-                        help="train nothing: report the runs already finished in --out (an interrupted ladder)")  # fmt: skip
+    parser.add_argument(
+        "--report",
+        action="store_true",
+        help="train nothing: report the runs already finished in --out (an interrupted ladder)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

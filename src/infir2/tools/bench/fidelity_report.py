@@ -57,22 +57,43 @@ def summarize(runs: list[RunResult]) -> dict[str, Any]:
     baseline: list[dict[str, Any]] = []
     for w in widths:
         losses = [base[k] for k in sorted(base) if k[0] == w]
-        baseline.append({"width": w, "losses": losses, "mean": statistics.fmean(losses) if losses else math.nan,
-                         "spread_pct": spread_pct(losses)})  # fmt: skip
+        baseline.append(
+            {
+                "width": w,
+                "losses": losses,
+                "mean": statistics.fmean(losses) if losses else math.nan,
+                "spread_pct": spread_pct(losses),
+            }
+        )
     spread_at = {b["width"]: b["spread_pct"] for b in baseline}
     gaps: list[dict[str, Any]] = []
     recipes = list(dict.fromkeys(r.recipe for r in runs if r.recipe != _BASELINE))
     for recipe in recipes:
         for w in widths:
-            paired = sorted((r.seed, gap_pct(r.val_loss, base[(w, r.seed)])) for r in runs
-                            if r.recipe == recipe and r.width == w and (w, r.seed) in base)  # fmt: skip
+            paired = sorted(
+                (r.seed, gap_pct(r.val_loss, base[(w, r.seed)]))
+                for r in runs
+                if r.recipe == recipe and r.width == w and (w, r.seed) in base
+            )
             if not paired:
                 continue
             values = [g for _, g in paired]
             v = paired_verdict(values, MARGIN_PCT, higher_is_better=False)
-            gaps.append({"width": w, "recipe": recipe, "seeds": [s for s, _ in paired], "gaps_pct": values,
-                         "mean_pct": v.mean, "sd_pct": v.sd, "low_pct": _finite(v.low), "high_pct": _finite(v.high),
-                         "margin_pct": MARGIN_PCT, "verdict": v.label, "spread_pct": spread_at[w]})  # fmt: skip
+            gaps.append(
+                {
+                    "width": w,
+                    "recipe": recipe,
+                    "seeds": [s for s, _ in paired],
+                    "gaps_pct": values,
+                    "mean_pct": v.mean,
+                    "sd_pct": v.sd,
+                    "low_pct": _finite(v.low),
+                    "high_pct": _finite(v.high),
+                    "margin_pct": MARGIN_PCT,
+                    "verdict": v.label,
+                    "spread_pct": spread_at[w],
+                }
+            )
     verdict: dict[str, dict[str, bool | None]] = {}
     for recipe in recipes:
         rows = [g for g in gaps if g["recipe"] == recipe]
@@ -108,8 +129,15 @@ def table(summary: dict[str, Any], runs: list[dict[str, Any]] | list[RunResult])
     rows = [r if isinstance(r, RunResult) else RunResult(**r) for r in runs]
     spread = {b["width"]: b["spread_pct"] for b in summary["baseline"]}
     gap = {(g["width"], g["recipe"]): g for g in summary["gaps"]}
-    head = ["width", "recipe", "held-out loss by seed", "paired gap % (mean, 95% t-interval)",
-            "baseline seed spread %", f"verdict (margin +-{MARGIN_PCT:g}%)", "tail drop %"]  # fmt: skip
+    head = [
+        "width",
+        "recipe",
+        "held-out loss by seed",
+        "paired gap % (mean, 95% t-interval)",
+        "baseline seed spread %",
+        f"verdict (margin +-{MARGIN_PCT:g}%)",
+        "tail drop %",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for w in sorted(spread):
         for recipe in dict.fromkeys(r.recipe for r in rows):
@@ -119,12 +147,14 @@ def table(summary: dict[str, Any], runs: list[dict[str, Any]] | list[RunResult])
             losses = " / ".join(f"{r.val_loss:.4f}" for r in mine)
             drops = " / ".join(f"{r.tail_drop:.1f}" for r in mine)
             g = gap.get((w, recipe))
-            cells = [str(w), recipe, losses, _gap(g),
-                     f"{spread[w]:.2f}", g["verdict"] if g else "", drops]  # fmt: skip
+            cells = [str(w), recipe, losses, _gap(g), f"{spread[w]:.2f}", g["verdict"] if g else "", drops]
             lines.append("| " + " | ".join(cells) + " |")
-    verdict = [f"- {recipe}: equivalent to the baseline (+-{MARGIN_PCT:g}%) at every width: "
-               f"{_yes(v['equivalent_at_every_width'])}; |gap| shrinks with width: "
-               f"{_yes(v['shrinks_with_width'])}" for recipe, v in summary["verdict"].items()]  # fmt: skip
+    verdict = [
+        f"- {recipe}: equivalent to the baseline (+-{MARGIN_PCT:g}%) at every width: "
+        f"{_yes(v['equivalent_at_every_width'])}; |gap| shrinks with width: "
+        f"{_yes(v['shrinks_with_width'])}"
+        for recipe, v in summary["verdict"].items()
+    ]
     return "\n".join([*lines, "", *verdict])
 
 
@@ -146,8 +176,14 @@ def plot(summary: dict[str, Any], path: Path) -> None:
         rows = [g for g in summary["gaps"] if g["recipe"] == recipe]
         low = [g["mean_pct"] - g["low_pct"] if g["low_pct"] is not None else 0.0 for g in rows]
         high = [g["high_pct"] - g["mean_pct"] if g["high_pct"] is not None else 0.0 for g in rows]
-        ax.errorbar([g["width"] for g in rows], [g["mean_pct"] for g in rows], yerr=[low, high],
-                    marker="o", capsize=3, label=f"{recipe} (95% t-interval)")  # fmt: skip
+        ax.errorbar(
+            [g["width"] for g in rows],
+            [g["mean_pct"] for g in rows],
+            yerr=[low, high],
+            marker="o",
+            capsize=3,
+            label=f"{recipe} (95% t-interval)",
+        )
     ax.axhline(0, color="k", linewidth=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xticks(widths, [str(w) for w in widths])

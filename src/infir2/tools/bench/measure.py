@@ -153,10 +153,19 @@ def _ratio(fp8: float | None, base: float | None) -> float | None:
     return fp8 / base
 
 
-def _row(section: str, case: str, metric: str, base_name: str, base: float | None,
-         fp8_name: str, fp8: float | None) -> dict[str, Any]:  # fmt: skip
-    return {"section": section, "case": case, "metric": metric, "baseline": base_name, "baseline_value": base,
-            "fp8": fp8_name, "fp8_value": fp8, "ratio": _ratio(fp8, base)}  # fmt: skip
+def _row(
+    section: str, case: str, metric: str, base_name: str, base: float | None, fp8_name: str, fp8: float | None
+) -> dict[str, Any]:
+    return {
+        "section": section,
+        "case": case,
+        "metric": metric,
+        "baseline": base_name,
+        "baseline_value": base,
+        "fp8": fp8_name,
+        "fp8_value": fp8,
+        "ratio": _ratio(fp8, base),
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -196,15 +205,33 @@ def bench_quantize(
                     bind(get_recipe("blockwise"), device, backend).quantize, x, Cast(block)
                 )
             t_q = _time_ms(quant, device, cfg.warmup, cfg.iters)
-            rows.append(_row("quantize", case, "GB/s", "copy", gbs["copy"], f"quantize[{backend}]",
-                             quant_bytes / t_q / 1e6))  # fmt: skip
+            rows.append(
+                _row(
+                    "quantize",
+                    case,
+                    "GB/s",
+                    "copy",
+                    gbs["copy"],
+                    f"quantize[{backend}]",
+                    quant_bytes / t_q / 1e6,
+                )
+            )
             if block == (1, 128) and backend != "reference":  # both activation copies from one read
                 kernels = bind(get_recipe("blockwise"), device, backend)
                 both = functools.partial(kernels.quantize_pair, x, Cast((1, 128)), Cast((128, 1)))
                 t_b = _time_ms(both, device, cfg.warmup, cfg.iters)
                 both_bytes = n * x.element_size() + 2 * n + 4 * (2 * blocks)
-                rows.append(_row("quantize", case.replace("1x128", "1x128+128x1"), "GB/s", "copy", gbs["copy"],
-                                 f"quantize_both[{backend}]", both_bytes / t_b / 1e6))  # fmt: skip
+                rows.append(
+                    _row(
+                        "quantize",
+                        case.replace("1x128", "1x128+128x1"),
+                        "GB/s",
+                        "copy",
+                        gbs["copy"],
+                        f"quantize_both[{backend}]",
+                        both_bytes / t_b / 1e6,
+                    )
+                )
     return rows
 
 
@@ -267,8 +294,17 @@ def bench_linear(
             b_fp8 = saved_bytes(lambda: fp8(x), [base.weight, wq.data, wq.scale_inv])  # noqa: B023
             fp8.cache_weight, fp8._weight_cache = False, None
             rows.append(_row("linear", case, "fwd+bwd ms", base_name, t_base, f"Fp8Linear[{arm}]", t_fp8))
-            rows.append(_row("linear", case, "saved act. MB", base_name, b_base / 2**20, f"Fp8Linear[{arm}]",
-                             b_fp8 / 2**20))  # fmt: skip
+            rows.append(
+                _row(
+                    "linear",
+                    case,
+                    "saved act. MB",
+                    base_name,
+                    b_base / 2**20,
+                    f"Fp8Linear[{arm}]",
+                    b_fp8 / 2**20,
+                )
+            )
             tot[arm] = tot.get(arm, 0.0) + count * t_fp8
             arms[arm] = arms.get(arm, 0) + 1
     for model, tot in totals.items():  # one decoder layer's seven projections
@@ -276,8 +312,17 @@ def bench_linear(
         for arm, t in tot.items():
             if arm != base_name and timed[model].get(arm, 0) == shapes:  # only arms timed on every shape
                 label = "nn.Linear bf16" if arm == "bf16" else f"Fp8Linear[{arm}]"
-                rows.append(_row("linear", f"{model} 7 projections of a layer", "fwd+bwd ms", base_name,
-                                 tot[base_name], label, t))  # fmt: skip
+                rows.append(
+                    _row(
+                        "linear",
+                        f"{model} 7 projections of a layer",
+                        "fwd+bwd ms",
+                        base_name,
+                        tot[base_name],
+                        label,
+                        t,
+                    )
+                )
     return rows
 
 
@@ -289,11 +334,19 @@ def step_model_config(spec: StepModel) -> dict[str, Any]:
     """``spec`` as a ``model.build_from_config`` dict: a Qwen2 causal LM, SDPA attention, no KV cache."""
     if spec.hidden != spec.heads * spec.head_dim:
         raise ValueError(f"step model: hidden {spec.hidden} != heads {spec.heads} x head_dim {spec.head_dim}")
-    return {"arch": "qwen2", "hidden_size": spec.hidden, "intermediate_size": spec.intermediate,
-            "num_attention_heads": spec.heads, "num_key_value_heads": spec.kv_heads,
-            "num_hidden_layers": spec.layers, "vocab_size": spec.vocab,
-            "max_position_embeddings": max(spec.seq, 128), "tie_word_embeddings": False, "use_cache": False,
-            "attn_implementation": "sdpa"}  # fmt: skip
+    return {
+        "arch": "qwen2",
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "num_hidden_layers": spec.layers,
+        "vocab_size": spec.vocab,
+        "max_position_embeddings": max(spec.seq, 128),
+        "tie_word_embeddings": False,
+        "use_cache": False,
+        "attn_implementation": "sdpa",
+    }
 
 
 def step_flops(spec: StepModel, tokens: int) -> float:
@@ -305,8 +358,9 @@ def step_flops(spec: StepModel, tokens: int) -> float:
     return 6.0 * tokens * matmul_params + attention
 
 
-def _train_step_times(model: nn.Module, ids: torch.Tensor, opt: torch.optim.Optimizer,
-                      device: torch.device) -> tuple[float, float, float]:  # fmt: skip
+def _train_step_times(
+    model: nn.Module, ids: torch.Tensor, opt: torch.optim.Optimizer, device: torch.device
+) -> tuple[float, float, float]:
     _sync(device)
     t0 = time.perf_counter()
     loss = model(input_ids=ids, labels=ids).loss
@@ -348,9 +402,15 @@ def bench_step(cfg: BenchConfig, device: torch.device, dtype: torch.dtype, arms:
         params = list(model.parameters())  # read the peak first: this extra forward is not part of a step
         saved = saved_bytes(functools.partial(model, input_ids=ids, labels=ids), params) / 2**30
         total = sum(measured)
-        results[arm] = {"step ms": total, "forward ms": measured[0], "backward ms": measured[1],
-                        "optimizer ms": measured[2], "peak GiB": peak, "saved for bwd GiB": saved,
-                        "TFLOP/s": step_flops(spec, spec.seq) / (total * 1e-3) / 1e12}  # fmt: skip
+        results[arm] = {
+            "step ms": total,
+            "forward ms": measured[0],
+            "backward ms": measured[1],
+            "optimizer ms": measured[2],
+            "peak GiB": peak,
+            "saved for bwd GiB": saved,
+            "TFLOP/s": step_flops(spec, spec.seq) / (total * 1e-3) / 1e12,
+        }
         del model, opt
     case = f"{spec.layers}-layer h{spec.hidden} seq {spec.seq}"
     rows = []

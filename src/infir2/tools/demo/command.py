@@ -62,27 +62,47 @@ QUICK_RECIPES = ("bf16", "blockwise")  # CI: the pipeline end to end, kept short
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/demo", help="output folder (default: runs/demo)")
     parser.add_argument("--quick", action="store_true", help="a reduced run (about a minute), as in CI")
-    parser.add_argument("--data-only", action="store_true",
-                        help="only write the tokenizer (OUT/tokenizer), CPT shards (OUT/cpt_tokens) and SFT "
-                             "files (OUT/data/sft_*.jsonl); with --out runs/tiny, what the tiny configs read")  # fmt: skip
-    parser.add_argument("--recipes", default=None,
-                        help="comma-separated recipes; the first is the baseline of the gaps (default: "
-                             f"{','.join(DEFAULT_RECIPES)}, the last being the null control, the FP8 code path "
-                             f"with exact casts; with --quick: {','.join(QUICK_RECIPES)}; each added recipe adds "
-                             "its runs to the time)")  # fmt: skip
-    parser.add_argument("--seeds", default=None,
-                        help="comma-separated seeds, each run by every recipe (initialization and data "
-                             f"order; default: {','.join(map(str, FULL.seeds))}). The verdict needs two or "
-                             "more, and resolves more with more: it is a t-interval over the paired gaps")  # fmt: skip
-    parser.add_argument("--jobs", type=int, default=None,
-                        help="(recipe, seed) runs trained side by side in worker processes (default: one per "
-                             "CPU core, at most one per run; 1 = one after the other, with progress bars)")  # fmt: skip
-    parser.add_argument("--report-only", action="store_true",
-                        help="train nothing: render OUT/report.md, OUT/readme_table.md and OUT/loss_curves.png "
-                             "again from OUT/results.json")  # fmt: skip
-    parser.add_argument("--update-readme", metavar="README", default=None,
-                        help=f"train nothing: replace the block between {README_START} and {README_END} in "
-                             "README with the table rendered from OUT/results.json")  # fmt: skip
+    parser.add_argument(
+        "--data-only",
+        action="store_true",
+        help="only write the tokenizer (OUT/tokenizer), CPT shards (OUT/cpt_tokens) and SFT "
+        "files (OUT/data/sft_*.jsonl); with --out runs/tiny, what the tiny configs read",
+    )
+    parser.add_argument(
+        "--recipes",
+        default=None,
+        help="comma-separated recipes; the first is the baseline of the gaps (default: "
+        f"{','.join(DEFAULT_RECIPES)}, the last being the null control, the FP8 code path "
+        f"with exact casts; with --quick: {','.join(QUICK_RECIPES)}; each added recipe adds "
+        "its runs to the time)",
+    )
+    parser.add_argument(
+        "--seeds",
+        default=None,
+        help="comma-separated seeds, each run by every recipe (initialization and data "
+        f"order; default: {','.join(map(str, FULL.seeds))}). The verdict needs two or "
+        "more, and resolves more with more: it is a t-interval over the paired gaps",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="(recipe, seed) runs trained side by side in worker processes (default: one per "
+        "CPU core, at most one per run; 1 = one after the other, with progress bars)",
+    )
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="train nothing: render OUT/report.md, OUT/readme_table.md and OUT/loss_curves.png "
+        "again from OUT/results.json",
+    )
+    parser.add_argument(
+        "--update-readme",
+        metavar="README",
+        default=None,
+        help=f"train nothing: replace the block between {README_START} and {README_END} in "
+        "README with the table rendered from OUT/results.json",
+    )
 
 
 def parse_seeds(text: str) -> tuple[int, ...]:
@@ -114,8 +134,10 @@ def run(args: argparse.Namespace) -> int:
         settings = dataclasses.replace(settings, seeds=parse_seeds(args.seeds))
     out = Path(args.out)
     if args.data_only and (args.report_only or args.update_readme):
-        raise ValueError("--data-only trains nothing and writes no results; it does not go with --report-only "
-                         "or --update-readme")  # fmt: skip
+        raise ValueError(
+            "--data-only trains nothing and writes no results; it does not go with --report-only "
+            "or --update-readme"
+        )
     if args.report_only or args.update_readme:
         record = DemoRecord.load(out / "results.json")
         if args.report_only:

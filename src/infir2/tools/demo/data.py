@@ -289,8 +289,10 @@ def _check(max_operand: int, num_ops: tuple[int, int]) -> None:
     if not 1 <= num_ops[0] <= num_ops[1]:
         raise ValueError(f"num_ops must be (min, max) with 1 <= min <= max, got {num_ops}")
     if max_operand < 1 or max_operand * (num_ops[1] + 1) >= NUMBERS:
-        raise ValueError(f"max_operand={max_operand} with up to {num_ops[1]} operations can reach "
-                         f"{NUMBERS} or more; expected 1 <= max_operand and results below {NUMBERS}")  # fmt: skip
+        raise ValueError(
+            f"max_operand={max_operand} with up to {num_ops[1]} operations can reach "
+            f"{NUMBERS} or more; expected 1 <= max_operand and results below {NUMBERS}"
+        )
 
 
 def make_demo_data(
@@ -316,8 +318,9 @@ def make_demo_data(
     test = _distinct_problems(rng, n_test, max_operand, num_ops, exclude=set())
     train = _distinct_problems(rng, n_train, max_operand, num_ops, exclude=set(test))
     cpt = _cpt_documents(rng, n_cpt_worked, n_cpt_tables, max_operand, num_ops, exclude=set(test))
-    hard = _distinct_problems(rng, n_test if n_test_hard is None else n_test_hard, max_operand, harder(num_ops),
-                              exclude=set())  # fmt: skip
+    hard = _distinct_problems(
+        rng, n_test if n_test_hard is None else n_test_hard, max_operand, harder(num_ops), exclude=set()
+    )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {name: out / f"{name}.jsonl" for name in ("cpt", "sft_train", "test", "test_hard")}

@@ -53,11 +53,17 @@ _LOG_EVERY = 100  # steps between log lines when progress bars are off (recipes 
 
 
 def _model_config(s: DemoSettings, vocab_size: int) -> dict[str, Any]:
-    return {"arch": "qwen2", "hidden_size": s.hidden_size, "intermediate_size": s.intermediate_size,
-            "num_hidden_layers": s.num_layers, "num_attention_heads": s.num_heads,
-            "num_key_value_heads": s.num_kv_heads,
-            "max_position_embeddings": 2 * s.seq_len, "tie_word_embeddings": True,
-            "vocab_size": vocab_size}  # fmt: skip
+    return {
+        "arch": "qwen2",
+        "hidden_size": s.hidden_size,
+        "intermediate_size": s.intermediate_size,
+        "num_hidden_layers": s.num_layers,
+        "num_attention_heads": s.num_heads,
+        "num_key_value_heads": s.num_kv_heads,
+        "max_position_embeddings": 2 * s.seq_len,
+        "tie_word_embeddings": True,
+        "vocab_size": vocab_size,
+    }
 
 
 def _run_name(recipe: str, seed: int, stage: str) -> str:
@@ -74,19 +80,43 @@ def _cpt_eval_batches(out: Path, s: DemoSettings) -> int:
 
 def _cpt_config(s: DemoSettings, out: Path, recipe: str, seed: int, vocab_size: int) -> dict[str, Any]:
     return {
-        "run": {"name": _run_name(recipe, seed, "cpt"), "out_dir": str(out / "runs"), "seed": seed,
-                "device": "cpu"},
-        "model": {"from_config": _model_config(s, vocab_size), "tokenizer": str(out / "tokenizer"),
-                  "precision": "fp32", "recompute_mlp": False},  # a tiny model: memory is no concern
+        "run": {
+            "name": _run_name(recipe, seed, "cpt"),
+            "out_dir": str(out / "runs"),
+            "seed": seed,
+            "device": "cpu",
+        },
+        "model": {
+            "from_config": _model_config(s, vocab_size),
+            "tokenizer": str(out / "tokenizer"),
+            "precision": "fp32",
+            "recompute_mlp": False,
+        },  # a tiny model: memory is no concern
         "fp8": {"recipe": recipe},
-        "data": {"kind": "cpt", "train_path": str(out / "cpt_tokens"), "seq_len": s.seq_len,
-                 "global_batch_size": s.cpt_batch, "micro_batch_size": s.cpt_batch},
+        "data": {
+            "kind": "cpt",
+            "train_path": str(out / "cpt_tokens"),
+            "seq_len": s.seq_len,
+            "global_batch_size": s.cpt_batch,
+            "micro_batch_size": s.cpt_batch,
+        },
         "optim": {"lr": s.cpt_lr, "weight_decay": 0.1, "grad_clip": 1.0},
-        "schedule": {"name": "wsd", "warmup_fraction": 0.1, "decay_fraction": 0.25, "min_lr_ratio": s.min_lr_ratio},
+        "schedule": {
+            "name": "wsd",
+            "warmup_fraction": 0.1,
+            "decay_fraction": 0.25,
+            "min_lr_ratio": s.min_lr_ratio,
+        },
         # eval_every 0: no periodic evaluation, but the last step is evaluated (the CPT held-out loss)
-        "train": {"max_steps": s.cpt_steps, "eval_every": 0, "eval_batches": _cpt_eval_batches(out, s),
-                  "save_every": 0, "keep_last": 1, "log_every": _LOG_EVERY},
-    }  # fmt: skip
+        "train": {
+            "max_steps": s.cpt_steps,
+            "eval_every": 0,
+            "eval_batches": _cpt_eval_batches(out, s),
+            "save_every": 0,
+            "keep_last": 1,
+            "log_every": _LOG_EVERY,
+        },
+    }
 
 
 def _sft_val_count(s: DemoSettings) -> int:
@@ -98,20 +128,40 @@ def _sft_config(
     s: DemoSettings, out: Path, recipe: str, seed: int, cpt_model: Path, data: dict[str, Path]
 ) -> dict[str, Any]:
     return {
-        "run": {"name": _run_name(recipe, seed, "sft"), "out_dir": str(out / "runs"), "seed": seed,
-                "device": "cpu"},
-        "model": {"path": str(cpt_model), "tokenizer": str(out / "tokenizer"), "precision": "fp32",
-                  "recompute_mlp": False},
+        "run": {
+            "name": _run_name(recipe, seed, "sft"),
+            "out_dir": str(out / "runs"),
+            "seed": seed,
+            "device": "cpu",
+        },
+        "model": {
+            "path": str(cpt_model),
+            "tokenizer": str(out / "tokenizer"),
+            "precision": "fp32",
+            "recompute_mlp": False,
+        },
         "fp8": {"recipe": recipe},
-        "data": {"kind": "sft", "train_path": str(data["sft_train"]), "val_path": str(data["sft_val"]),
-                 "global_batch_size": s.sft_batch, "max_tokens_per_micro_batch": s.sft_tokens_per_micro_batch,
-                 "max_length": s.sft_max_length, "overlong": "drop", "epochs": s.sft_epochs},
+        "data": {
+            "kind": "sft",
+            "train_path": str(data["sft_train"]),
+            "val_path": str(data["sft_val"]),
+            "global_batch_size": s.sft_batch,
+            "max_tokens_per_micro_batch": s.sft_tokens_per_micro_batch,
+            "max_length": s.sft_max_length,
+            "overlong": "drop",
+            "epochs": s.sft_epochs,
+        },
         "optim": {"lr": s.sft_lr, "weight_decay": 0.0, "grad_clip": 1.0},
         "schedule": {"name": "cosine", "warmup_fraction": 0.05, "min_lr_ratio": s.min_lr_ratio},
         # the last step evaluates every held-out conversation
-        "train": {"eval_every": 0, "eval_batches": math.ceil(_sft_val_count(s) / s.sft_batch), "save_every": 0,
-                  "keep_last": 1, "log_every": _LOG_EVERY},
-    }  # fmt: skip
+        "train": {
+            "eval_every": 0,
+            "eval_batches": math.ceil(_sft_val_count(s) / s.sft_batch),
+            "save_every": 0,
+            "keep_last": 1,
+            "log_every": _LOG_EVERY,
+        },
+    }
 
 
 def _split_sft(path: Path, val_count: int) -> tuple[Path, Path]:
@@ -129,9 +179,17 @@ def prepare_data(out: Path, s: DemoSettings) -> tuple[dict[str, Path], Any]:
     SFT conversations: ``out/data/sft_train_split.jsonl`` and ``out/data/sft_val.jsonl``. The tiny
     configs (``configs/tiny-*.yaml``) read exactly these paths under ``runs/tiny``.
     """
-    data = make_demo_data(out / "data", seed=s.data_seed, n_train=s.n_train, n_test=s.n_test, n_cpt_worked=s.n_cpt_worked,
-                          n_cpt_tables=s.n_cpt_tables, max_operand=s.max_operand, num_ops=s.num_ops,
-                          n_test_hard=s.n_test_hard)  # fmt: skip
+    data = make_demo_data(
+        out / "data",
+        seed=s.data_seed,
+        n_train=s.n_train,
+        n_test=s.n_test,
+        n_cpt_worked=s.n_cpt_worked,
+        n_cpt_tables=s.n_cpt_tables,
+        max_operand=s.max_operand,
+        num_ops=s.num_ops,
+        n_test_hard=s.n_test_hard,
+    )
     tokenizer = train_bpe_tokenizer(tokenizer_training_texts(data), s.vocab_size, whole_numbers=NUMBERS)
     data["sft_train"], data["sft_val"] = _split_sft(data["sft_train"], _sft_val_count(s))
     tokenizer.save_pretrained(out / "tokenizer")
@@ -175,23 +233,50 @@ def run_recipe(
 
     t0 = time.perf_counter()
     cpt_name, sft_name = _run_name(recipe, seed, "cpt"), _run_name(recipe, seed, "sft")
-    cpt = train(parse_config(_cpt_config(s, out, recipe, seed, len(tokenizer)), f"demo:{cpt_name}"),
-                tokenizer=tokenizer, progress=progress)  # fmt: skip
+    cpt = train(
+        parse_config(_cpt_config(s, out, recipe, seed, len(tokenizer)), f"demo:{cpt_name}"),
+        tokenizer=tokenizer,
+        progress=progress,
+    )
     assert cpt.hf_dir is not None
-    sft = train(parse_config(_sft_config(s, out, recipe, seed, cpt.hf_dir, data), f"demo:{sft_name}"),
-                tokenizer=tokenizer, progress=progress)  # fmt: skip
+    sft = train(
+        parse_config(_sft_config(s, out, recipe, seed, cpt.hf_dir, data), f"demo:{sft_name}"),
+        tokenizer=tokenizer,
+        progress=progress,
+    )
     assert sft.hf_dir is not None
     model = AutoModelForCausalLM.from_pretrained(sft.hf_dir, local_files_only=True).float().eval()
     problems = load_problems(data["test"], "math")
-    result = evaluate(model, tokenizer, problems, task="math", greedy=True, max_new_tokens=s.max_new_tokens,
-                      batch_size=s.eval_batch_size, progress=progress)  # fmt: skip
-    log.info("demo: %s seed %d: accuracy %.1f%% on %d held-out problems", recipe, seed,
-             100 * result.summary["avg@n"], len(problems))  # fmt: skip
+    result = evaluate(
+        model,
+        tokenizer,
+        problems,
+        task="math",
+        greedy=True,
+        max_new_tokens=s.max_new_tokens,
+        batch_size=s.eval_batch_size,
+        progress=progress,
+    )
+    log.info(
+        "demo: %s seed %d: accuracy %.1f%% on %d held-out problems",
+        recipe,
+        seed,
+        100 * result.summary["avg@n"],
+        len(problems),
+    )
     result.save(out / "runs" / _run_name(recipe, seed, "eval"))
     hard = None
     if s.n_test_hard:
-        hard_result = evaluate(model, tokenizer, load_problems(data["test_hard"], "math"), task="math", greedy=True,
-                               max_new_tokens=s.max_new_tokens, batch_size=s.eval_batch_size, progress=progress)  # fmt: skip
+        hard_result = evaluate(
+            model,
+            tokenizer,
+            load_problems(data["test_hard"], "math"),
+            task="math",
+            greedy=True,
+            max_new_tokens=s.max_new_tokens,
+            batch_size=s.eval_batch_size,
+            progress=progress,
+        )
         hard_result.save(out / "runs" / _run_name(recipe, seed, "eval_hard"))
         hard = float(hard_result.summary["avg@n"])
     cpt_metrics, sft_metrics = _read_metrics(cpt.run_dir), _read_metrics(sft.run_dir)
@@ -284,16 +369,31 @@ def run_demo(out: Path, settings: DemoSettings, recipes: list[str], jobs: int = 
             log.info("demo: run %d/%d: %s, seed %d", i, len(pairs), recipe, seed)
             results.append(run_recipe(recipe, seed, out, settings, data, tokenizer))
     else:
-        log.info("demo: %d runs (%d recipes x %d seeds), %d at a time (%d thread(s) each); progress is logged "
-                 "every %d steps", len(pairs), len(recipes), len(settings.seeds), jobs, threads, _LOG_EVERY)  # fmt: skip
+        log.info(
+            "demo: %d runs (%d recipes x %d seeds), %d at a time (%d thread(s) each); progress is logged "
+            "every %d steps",
+            len(pairs),
+            len(recipes),
+            len(settings.seeds),
+            jobs,
+            threads,
+            _LOG_EVERY,
+        )
         context = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(jobs, mp_context=context) as pool:
             futures = [pool.submit(_run_worker, r, seed, out, settings, data, threads) for r, seed in pairs]
             results = [f.result() for f in futures]
     text = run_text(out / "text", settings, recipes, jobs)  # the verdict's part: real text (demo/text.py)
-    record = DemoRecord(settings=settings, recipes=recipes, runs=results,
-                        chance_accuracy=chance_accuracy(data["test"]), seconds=time.perf_counter() - t0,
-                        jobs=jobs, machine=machine_description(threads), text=text)  # fmt: skip
+    record = DemoRecord(
+        settings=settings,
+        recipes=recipes,
+        runs=results,
+        chance_accuracy=chance_accuracy(data["test"]),
+        seconds=time.perf_counter() - t0,
+        jobs=jobs,
+        machine=machine_description(threads),
+        text=text,
+    )
     record.save(out / "results.json")
     print(render(out, record))
     return record

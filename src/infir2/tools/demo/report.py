@@ -52,9 +52,14 @@ def plot(record: DemoRecord, path: Path) -> None:
     for ax, stage in zip(axes, ("cpt", "sft"), strict=True):
         for r in record.runs:
             curve = getattr(r, f"{stage}_curve")
-            ax.plot([c[0] for c in curve], [c[1] for c in curve], color=colours.get(r.recipe),
-                    linestyle=_SEED_STYLES[seeds.index(r.seed) % len(_SEED_STYLES)], linewidth=1,
-                    label=f"{short_label(r.recipe)}, seed {r.seed}")  # fmt: skip
+            ax.plot(
+                [c[0] for c in curve],
+                [c[1] for c in curve],
+                color=colours.get(r.recipe),
+                linestyle=_SEED_STYLES[seeds.index(r.seed) % len(_SEED_STYLES)],
+                linewidth=1,
+                label=f"{short_label(r.recipe)}, seed {r.seed}",
+            )
         ax.set_title(f"{stage.upper()} training loss")
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("loss (per token)")
@@ -78,8 +83,10 @@ def _gap_cells(s: RecipeSummary, base: RecipeSummary, runs: list[RecipeResult]) 
     if s is not base:
         by_key = {g.metric.key: format_gap(g) for g in s.gaps}
         return [by_key.get(m.key, "—") for m in METRICS]
-    values = {m.key: [v for r in runs if r.recipe == s.recipe and (v := getattr(r, m.key)) is not None]
-              for m in METRICS}  # fmt: skip
+    values = {
+        m.key: [v for r in runs if r.recipe == s.recipe and (v := getattr(r, m.key)) is not None]
+        for m in METRICS
+    }
     return [format_spread(m, values[m.key]) if values[m.key] else "—" for m in METRICS]
 
 
@@ -120,9 +127,12 @@ def readme_table(record: DemoRecord) -> str:
         for m, gap in zip(METRICS, _gap_cells(summary, base, record.runs), strict=True):
             mean = summary.means[m.key]
             cells += [_num(mean) if m.relative else _pct(mean), gap]
-        cells += [f"{summary.tokens_per_s:.0f}", f"{summary.seconds:.0f} s",
-                  "—" if summary is base else f"{summary.time_ratio:.2f}x",
-                  "—" if summary is base or summary.train_ratio is None else f"{summary.train_ratio:.2f}x"]  # fmt: skip
+        cells += [
+            f"{summary.tokens_per_s:.0f}",
+            f"{summary.seconds:.0f} s",
+            "—" if summary is base else f"{summary.time_ratio:.2f}x",
+            "—" if summary is base or summary.train_ratio is None else f"{summary.train_ratio:.2f}x",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     null = next((x for x in summaries if x.recipe == NULL_CONTROL), None)
     lines += ["", *(f"- On the reasoning task: {verdict_sentence(x, null)}" for x in summaries[1:])]
@@ -184,8 +194,10 @@ def update_readme(readme: Path, record: DemoRecord) -> None:
     for marker in (README_START, README_END):
         count = text.count(marker)
         if count != 1:
-            raise ValueError(f"{readme}: expected the marker {marker} once, found it {count} times; put "
-                             f"{README_START} and {README_END} on lines of their own around the demo table")  # fmt: skip
+            raise ValueError(
+                f"{readme}: expected the marker {marker} once, found it {count} times; put "
+                f"{README_START} and {README_END} on lines of their own around the demo table"
+            )
     start, end = text.index(README_START) + len(README_START), text.index(README_END)
     if end < start:
         raise ValueError(f"{readme}: {README_END} comes before {README_START}")

@@ -85,11 +85,27 @@ FULL = DemoSettings()
 # end to end does. Two seeds, so that the paired statistics and the verdict run too; to keep CI as fast
 # as with one seed, each run is half as long as the one-seed quick run was (5 CPT steps instead of 10,
 # 96 SFT conversations instead of 160).
-QUICK = DemoSettings(seeds=(0, 1), n_train=96, n_test=20, n_cpt_worked=200, n_cpt_tables=20, num_layers=2,
-                     intermediate_size=256, cpt_steps=5, sft_epochs=1, max_new_tokens=48,
-                     eval_batch_size=20, text_width=128, text_layers=1, text_vocab_size=320,
-                     text_seq_len=32, text_batch=4, text_steps=5, text_eval_batches=2,
-                     text_max_chars=60_000)  # fmt: skip
+QUICK = DemoSettings(
+    seeds=(0, 1),
+    n_train=96,
+    n_test=20,
+    n_cpt_worked=200,
+    n_cpt_tables=20,
+    num_layers=2,
+    intermediate_size=256,
+    cpt_steps=5,
+    sft_epochs=1,
+    max_new_tokens=48,
+    eval_batch_size=20,
+    text_width=128,
+    text_layers=1,
+    text_vocab_size=320,
+    text_seq_len=32,
+    text_batch=4,
+    text_steps=5,
+    text_eval_batches=2,
+    text_max_chars=60_000,
+)
 
 
 @dataclass
@@ -169,16 +185,19 @@ class DemoRecord:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e})") from None
         if not isinstance(raw, dict):
-            raise ValueError(f"{path}: expected an object with 'settings' and 'runs' (an older demo's list?); "
-                             "rerun `infir2 demo`")  # fmt: skip
+            raise ValueError(
+                f"{path}: expected an object with 'settings' and 'runs' (an older demo's list?); "
+                "rerun `infir2 demo`"
+            )
         try:
             settings = _build(DemoSettings, raw["settings"], f"{path}: settings")
             runs = [_build(RecipeResult, r, f"{path}: runs[{i}]") for i, r in enumerate(raw["runs"])]
             top = {k: raw[k] for k in ("recipes", "chance_accuracy", "seconds", "jobs")}
         except KeyError as e:
             raise ValueError(f"{path}: missing key {e.args[0]!r}") from None
-        settings = DemoSettings(**{**asdict(settings), "seeds": tuple(settings.seeds),
-                                   "num_ops": tuple(settings.num_ops)})  # fmt: skip  # JSON lists -> tuples
+        settings = DemoSettings(
+            **{**asdict(settings), "seeds": tuple(settings.seeds), "num_ops": tuple(settings.num_ops)}
+        )  # JSON lists -> tuples
         for r in runs:
             r.cpt_curve = [(int(s), float(v)) for s, v in r.cpt_curve]
             r.sft_curve = [(int(s), float(v)) for s, v in r.sft_curve]

@@ -132,8 +132,11 @@ def _metric_gap(metric: Metric, mine: dict[int, float], base: dict[int, float]) 
         return None
     base_values = tuple(base[s] for s in sorted(base))
     scale = 1.0 if metric.relative else 100.0  # accuracy: fractions -> percentage points
-    gaps = paired_gaps({s: scale * v for s, v in mine.items()}, {s: scale * v for s, v in base.items()},
-                       relative=metric.relative)  # fmt: skip
+    gaps = paired_gaps(
+        {s: scale * v for s, v in mine.items()},
+        {s: scale * v for s, v in base.items()},
+        relative=metric.relative,
+    )
     verdict = paired_verdict(list(gaps.values()), metric.margin, metric.higher_is_better)
     return MetricGap(metric, seeds, verdict, base_values, seed_spread(metric, list(base_values)))
 
@@ -173,17 +176,19 @@ def summarize(runs: list[RecipeResult], recipes: list[str]) -> list[RecipeSummar
                     gaps.append(gap)
         seconds = statistics.fmean(r.seconds for r in mine)
         train = _mean([r.train_seconds for r in mine if r.train_seconds is not None])
-        summaries.append(RecipeSummary(
-            recipe=recipe,
-            seeds=tuple(sorted(r.seed for r in mine)),
-            means={m.key: _mean(list(_values(mine, m.key).values())) for m in METRICS},
-            seconds=seconds,
-            time_ratio=seconds / base_seconds if base_seconds > 0 else math.nan,
-            train_ratio=train / base_train if train is not None and base_train else None,
-            tokens_per_s=statistics.fmean(r.tokens_per_s for r in mine),
-            gaps=tuple(gaps),
-            verdict=combine([g.verdict.label for g in gaps]) if gaps else None,
-        ))  # fmt: skip
+        summaries.append(
+            RecipeSummary(
+                recipe=recipe,
+                seeds=tuple(sorted(r.seed for r in mine)),
+                means={m.key: _mean(list(_values(mine, m.key).values())) for m in METRICS},
+                seconds=seconds,
+                time_ratio=seconds / base_seconds if base_seconds > 0 else math.nan,
+                train_ratio=train / base_train if train is not None and base_train else None,
+                tokens_per_s=statistics.fmean(r.tokens_per_s for r in mine),
+                gaps=tuple(gaps),
+                verdict=combine([g.verdict.label for g in gaps]) if gaps else None,
+            )
+        )
     return summaries
 
 
@@ -222,10 +227,17 @@ def verdict_sentence(summary: RecipeSummary, null: RecipeSummary | None = None) 
     for g in summary.gaps:
         notes = [f"null control {format_gap(floor[g.metric.key])}"] if g.metric.key in floor else []
         notes.append(f"baseline {format_spread(g.metric, g.base_values)}")
-        parts.append(f"{g.metric.label} {format_gap(g)} against {_margin(g.metric)}: {g.verdict.label} "
-                     f"({', '.join(notes)})")  # fmt: skip
+        parts.append(
+            f"{g.metric.label} {format_gap(g)} against {_margin(g.metric)}: {g.verdict.label} "
+            f"({', '.join(notes)})"
+        )
     n = max(g.verdict.n for g in summary.gaps)
-    head = {EQUIVALENT: "equivalent to the baseline", "worse": "WORSE than the baseline",
-            "better": "better than the baseline"}.get(summary.verdict or "", INCONCLUSIVE)  # fmt: skip
-    return (f"{name}: {head} (mean paired gap over {n} seed(s) with its 95% t-interval, against an "
-            f"equivalence margin): " + "; ".join(parts) + ".")  # fmt: skip
+    head = {
+        EQUIVALENT: "equivalent to the baseline",
+        "worse": "WORSE than the baseline",
+        "better": "better than the baseline",
+    }.get(summary.verdict or "", INCONCLUSIVE)
+    return (
+        f"{name}: {head} (mean paired gap over {n} seed(s) with its 95% t-interval, against an "
+        f"equivalence margin): " + "; ".join(parts) + "."
+    )

