@@ -39,6 +39,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 EOS_TOKEN = "<|endoftext|>"
+#: The split before byte-level BPE of Qwen2 / Qwen2.5 (transformers' ``Qwen2Tokenizer``).
+QWEN2_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 
 def train_bpe_tokenizer(
@@ -60,7 +62,7 @@ def train_bpe_tokenizer(
     Returns a ``PreTrainedTokenizerFast``; ``save_pretrained(dir)`` writes a folder that
     ``load_tokenizer`` / ``AutoTokenizer`` load back.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     specials = list(CHATML_SPECIAL_TOKENS if special_tokens is None else special_tokens)
     if EOS_TOKEN not in specials:
@@ -72,8 +74,15 @@ def train_bpe_tokenizer(
             f"tokens ({len(specials)}) need {len(alphabet) + len(specials)}"
         )
     tok = Tokenizer(models.BPE())
+    # Qwen2's normalizer and pre-tokenizer (digits split individually), exactly as transformers'
+    # Qwen2Tokenizer rebuilds them: a qwen2 run's folder then reads the same as saved and through
+    # AutoTokenizer (``load_tokenizer``), and its export tokenizes as the run trained.
+    tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
