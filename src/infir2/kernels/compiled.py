@@ -31,7 +31,7 @@ from ..fp8.quantize import quantize as _reference_quantize
 from ..fp8.recipe import Cast, Fp8Recipe
 from .operand import Operand
 
-__all__ = ["NAME", "gemm_nt", "quantize", "supports_gemm", "why_unavailable"]
+__all__ = ["NAME", "gemm_nt", "quantize", "why_unavailable"]
 
 NAME = "compiled"
 
@@ -66,10 +66,6 @@ def quantize(x: torch.Tensor, cast: Cast) -> Operand:
     compiled_quantize = _compiled("quantize", _reference_quantize, x.shape, cast.block)
     data, scale_inv = compiled_quantize(x, tuple(cast.block), cast.fmt, cast.scale_encoding)
     return Operand(data, scale_inv, cast.block)
-
-
-def supports_gemm(a: Operand, b: Operand, out_dtype: torch.dtype) -> bool:
-    return out_dtype != torch.float64  # fp64 outputs accumulate in fp64: the reference (emulated)
 
 
 def gemm_nt(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:

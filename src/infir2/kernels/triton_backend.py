@@ -84,9 +84,8 @@ def quantize_pair(x: torch.Tensor, a: Cast, b: Cast) -> tuple[Operand, Operand]:
 def supports_gemm(a: Operand, b: Operand, out_dtype: torch.dtype) -> bool:
     from . import triton_gemm
 
-    fp32_gemm = out_dtype != torch.float64  # fp64 outputs accumulate in fp64: the reference (emulated)
     fp32_scales = a.scale_inv.dtype == torch.float32
-    return fp32_gemm and fp32_scales and a.data.is_cuda and triton_gemm.supports_operands(a, b)
+    return fp32_scales and a.data.is_cuda and triton_gemm.supports_operands(a, b)
 
 
 def gemm_nt(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
