@@ -1,5 +1,5 @@
-"""The process group as every layer sees it: who this process is, and the three collectives the
-training loop and the sharded checkpoint format use (each the identity in a single process).
+"""The process group as every layer sees it: who this process is, and the few collectives the
+training loops and the sharded checkpoint format use (each the identity in a single process).
 
 ``infir2.train.distributed.init_distributed`` builds the :class:`DistEnv`; this module imports
 nothing of infir2, so the checkpoint package below ``train`` can use it.
@@ -12,7 +12,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistEnv", "all_reduce_sum", "broadcast_object", "gather_objects"]
+__all__ = [
+    "DistEnv",
+    "all_gather_objects",
+    "all_reduce_max",
+    "all_reduce_sum",
+    "broadcast_object",
+    "gather_objects",
+]
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,22 @@ def all_reduce_sum(values: torch.Tensor, env: DistEnv) -> torch.Tensor:
     if env.distributed:
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
     return values
+
+
+def all_reduce_max(values: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    """Elementwise maximum of a tensor over ranks (identity in a single process)."""
+    if env.distributed:
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values
+
+
+def all_gather_objects(obj: object, env: DistEnv) -> list[object]:
+    """Every rank's ``obj`` on every rank (list by rank)."""
+    if not env.distributed:
+        return [obj]
+    out: list[object] = [None] * env.world_size
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def gather_objects(obj: object, env: DistEnv) -> list[object] | None:

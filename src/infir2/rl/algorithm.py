@@ -36,7 +36,16 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["group_advantages", "mismatch_metrics", "overlong_penalty", "policy_loss", "tis_weights"]
+__all__ = [
+    "MISMATCH_SUMS",
+    "group_advantages",
+    "mismatch_from_sums",
+    "mismatch_metrics",
+    "mismatch_sums",
+    "overlong_penalty",
+    "policy_loss",
+    "tis_weights",
+]
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -107,20 +116,49 @@ def policy_loss(
     return total, stats
 
 
+#: the sums behind the mismatch metrics (``mismatch_sums``), in this order; sums add over ranks
+MISMATCH_SUMS = ("tokens", "abs_dlogp", "k3_kl", "prob_error", "tis_clipped", "ratio", "ratio_sq")
+
+
+def mismatch_sums(
+    train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, cap: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 sums ``MISMATCH_SUMS`` over the masked tokens, and the max ``|d|`` (0 when none):
+    what ``mismatch_from_sums`` turns into the metrics; sums and maxima of several ranks combine exactly."""
+    sel = mask.bool()
+    d = (train_logp.double() - rollout_logp.double())[sel]
+    ratio = torch.exp(d)
+    sums = torch.stack(
+        [
+            torch.tensor(float(d.numel()), dtype=torch.float64),
+            d.abs().sum(),
+            (ratio - d - 1).sum(),
+            torch.exp(d.abs()).sum(),
+            (ratio > cap).double().sum(),
+            ratio.sum(),
+            (ratio**2).sum(),
+        ]
+    )
+    return sums, d.abs().max() if d.numel() else torch.zeros((), dtype=torch.float64)
+
+
+def mismatch_from_sums(sums: torch.Tensor, max_abs: torch.Tensor) -> dict[str, float]:
+    """The metrics of the module doc from ``mismatch_sums`` (summed over ranks); {} without tokens."""
+    n, abs_d, k3, prob, clipped, ratio, ratio_sq = sums.tolist()
+    if n == 0:
+        return {}
+    return {
+        "mismatch/abs_dlogp_mean": abs_d / n,
+        "mismatch/abs_dlogp_max": float(max_abs),
+        "mismatch/k3_kl": k3 / n,
+        "mismatch/prob_error": prob / n,
+        "mismatch/tis_clip_frac": clipped / n,
+        "mismatch/tis_ess": ratio**2 / (n * ratio_sq),
+    }
+
+
 def mismatch_metrics(
     train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, cap: float
 ) -> dict[str, float]:
     """Rollout-vs-trainer log-probability mismatch over the masked tokens (the formulas of the module doc)."""
-    sel = mask.bool()
-    d = (train_logp.double() - rollout_logp.double())[sel]
-    if d.numel() == 0:
-        return {}
-    ratio = torch.exp(d)
-    return {
-        "mismatch/abs_dlogp_mean": float(d.abs().mean()),
-        "mismatch/abs_dlogp_max": float(d.abs().max()),
-        "mismatch/k3_kl": float((ratio - d - 1).mean()),
-        "mismatch/prob_error": float(torch.exp(d.abs()).mean()),
-        "mismatch/tis_clip_frac": float((ratio > cap).double().mean()),
-        "mismatch/tis_ess": float(ratio.sum() ** 2 / (d.numel() * (ratio**2).sum())),
-    }
+    return mismatch_from_sums(*mismatch_sums(train_logp, rollout_logp, mask, cap))

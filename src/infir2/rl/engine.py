@@ -5,11 +5,17 @@ GPUs (vLLM, SGLang) plugs in without changing the loop (docs/RL.md, "Plugging in
 
 * ``load_weights(policy)`` -- called after every optimizer update of a rollout batch: take the current
   master weights (a serving engine would receive the FP8 export of them: ``export.layout.quantize_weight``
-  per projection, the DeepSeek-V3 layout both engines load);
+  per projection, the DeepSeek-V3 layout both engines load). Under torchrun every rank calls it: an
+  FSDP2-sharded policy's weights are all-gathered (``DTensor.full_tensor``), one at a time, in the same
+  order on every rank, so each rank's engine holds the whole model;
 * ``generate(prompts, n, seed, greedy)`` -- for each prompt (token ids), ``n`` sampled continuations as
   ``Rollout`` (response ids including the stop token, the engine's log-probability of each, whether it
   stopped before ``max_new_tokens``). The policy is ``softmax(logits / temperature)``, no top-p / top-k,
-  so the trainer's log-probabilities of the same tokens can be compared with the engine's.
+  so the trainer's log-probabilities of the same tokens can be compared with the engine's. ``seed`` is
+  one seed per prompt (an int: ``derive_seeds(seed, len(prompts))``), and prompt i's samples depend on
+  its seed only, not on the other prompts of the call or on how the engine batches them: a run split
+  over ranks generates the groups one process would (vLLM: a request per prompt,
+  ``SamplingParams(n=n, seed=seed_i)``).
 
 ``BuiltinEngine`` runs in the training process: a copy of the policy that generates with a KV cache
 (``transformers.DynamicCache``), prompts left-padded in batches. ``precision`` names the seven
@@ -42,7 +48,7 @@ from ..fp8.recipe import TILE, Cast, get_recipe
 from ..kernels import Operand, bind
 from ..model import autocast
 
-__all__ = ["BuiltinEngine", "Rollout", "RolloutEngine", "ServingFp8Linear", "left_pad"]
+__all__ = ["BuiltinEngine", "Rollout", "RolloutEngine", "ServingFp8Linear", "derive_seeds", "left_pad"]
 
 #: the training recipe that quantizes exactly as the fp8 rollout of each scale encoding
 SAME_RECIPE = {"pow2": "blockwise", "fp32": "blockwise_fp32scale"}
@@ -57,13 +63,18 @@ class Rollout:
     finished: bool  # stopped at a stop token (False: cut at max_new_tokens)
 
 
+def derive_seeds(seed: int, k: int) -> list[int]:
+    """``k`` seeds drawn from ``seed`` (a seeded ``torch.Generator``): the per-prompt and per-sample seeds."""
+    return torch.randint(0, 2**62, (k,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
 class RolloutEngine(Protocol):
     def load_weights(self, policy: nn.Module) -> None: ...
 
     def generate(
-        self, prompts: Sequence[list[int]], n: int, seed: int, greedy: bool = False
+        self, prompts: Sequence[list[int]], n: int, seed: int | Sequence[int], greedy: bool = False
     ) -> list[list[Rollout]]:
-        """``n`` rollouts per prompt (``result[i][j]``: prompt i, sample j), reproducible for a seed."""
+        """``n`` rollouts per prompt (``result[i][j]``: prompt i, sample j), reproducible for a prompt's seed."""
         ...
 
 
@@ -96,11 +107,21 @@ class ServingFp8Linear(nn.Module):
     @torch.no_grad()
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         """Quantize a master weight with the export's function (``quantize_weight``) into the buffers."""
-        data, scale_inv = quantize_weight(weight.detach(), export_scale_encoding(self.scale))
-        self.weight.copy_(data)
-        self.weight_scale_inv.copy_(scale_inv)
-        if bias is not None and self.bias is not None:
-            self.bias.copy_(bias.detach())
+        self.load_tensor("weight", weight)
+        if bias is not None:
+            self.load_tensor("bias", bias)
+
+    @torch.no_grad()
+    def load_tensor(self, kind: str, tensor: torch.Tensor) -> None:
+        """``kind`` ``weight`` (quantized as ``load`` does) or ``bias`` (copied)."""
+        if kind == "weight":
+            data, scale_inv = quantize_weight(tensor.detach(), export_scale_encoding(self.scale))
+            self.weight.copy_(data)
+            self.weight_scale_inv.copy_(scale_inv)
+        elif kind == "bias" and self.bias is not None:
+            self.bias.copy_(tensor.detach())
+        else:
+            raise ValueError(f"ServingFp8Linear has no parameter {kind!r}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):
@@ -174,12 +195,16 @@ class BuiltinEngine:
 
     @torch.no_grad()
     def load_weights(self, policy: nn.Module) -> None:
-        src = dict(policy.named_parameters())
-        for name, p in self.model.named_parameters():
-            p.copy_(src[name].detach())
-        for fqn, layer in self.fp8_layers.items():
-            bias = src.get(f"{fqn}.bias")
-            layer.load(src[f"{fqn}.weight"], bias)
+        """Copy the policy's weights (gathered whole if FSDP2 shards them; every rank calls this), the FP8
+        projections quantized by the export's function."""
+        own = dict(self.model.named_parameters())
+        for name, p in policy.named_parameters():
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p  # a DTensor shard under FSDP2
+            fqn, _, kind = name.rpartition(".")
+            if fqn in self.fp8_layers:
+                self.fp8_layers[fqn].load_tensor(kind, full.detach())
+            else:
+                own[name].copy_(full.detach())
 
     def quantized_weights(self) -> dict[str, torch.Tensor]:
         """The FP8 projection tensors as the export names them (``<fqn>.weight``, ``<fqn>.weight_scale_inv``)."""
@@ -190,18 +215,27 @@ class BuiltinEngine:
         return out
 
     def generate(
-        self, prompts: Sequence[list[int]], n: int, seed: int, greedy: bool = False
+        self, prompts: Sequence[list[int]], n: int, seed: int | Sequence[int], greedy: bool = False
     ) -> list[list[Rollout]]:
-        gen = torch.Generator(device=self.device).manual_seed(seed)
-        flat = [p for p in prompts for _ in range(n)]
+        seeds = derive_seeds(seed, len(prompts)) if isinstance(seed, int) else list(seed)
+        if len(seeds) != len(prompts):
+            raise ValueError(f"generate: {len(seeds)} seeds for {len(prompts)} prompts")
+        # one generator per sample, seeded from its prompt's seed: a sample does not depend on its batch
+        flat = [
+            (p, s)
+            for p, prompt_seed in zip(prompts, seeds, strict=True)
+            for s in derive_seeds(prompt_seed, n)
+        ]
         out: list[Rollout] = []
         for start in range(0, len(flat), self.batch_size):
-            out += self._generate_batch(flat[start : start + self.batch_size], gen, greedy)
+            chunk = flat[start : start + self.batch_size]
+            gens = [torch.Generator(device=self.device).manual_seed(s) for _, s in chunk]
+            out += self._generate_batch([p for p, _ in chunk], gens, greedy)
         return [out[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     @torch.no_grad()
     def _generate_batch(
-        self, prompts: Sequence[list[int]], gen: torch.Generator, greedy: bool
+        self, prompts: Sequence[list[int]], gens: Sequence[torch.Generator], greedy: bool
     ) -> list[Rollout]:
         from transformers import DynamicCache
 
@@ -227,7 +261,8 @@ class BuiltinEngine:
                 if greedy:
                     tok = logprobs.argmax(-1)
                 else:
-                    tok = torch.multinomial(logprobs.exp(), 1, generator=gen).squeeze(1)
+                    probs = logprobs.exp()  # each row from its own generator (one draw per row and token)
+                    tok = torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(gens)])
                 lp = logprobs.gather(1, tok[:, None]).squeeze(1)
                 tokens.append(torch.where(done, self.pad_id, tok))
                 logps.append(lp)

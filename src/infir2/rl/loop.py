@@ -6,8 +6,8 @@
    rewards do not all agree (dynamic sampling); repeat until ``rollout.prompts_per_step`` groups are
    kept or ``rollout.max_rounds`` rounds are done. Kept groups beyond the step's need are dropped, or
    with ``rollout.carry_over`` buffered for the next step (the buffer is part of every checkpoint);
-2. **score** (``score_batch``): the trainer's log-probabilities of every response token before any update
-   (``old``), the mismatch metrics against the engine's (``algorithm.mismatch_metrics``), the TIS
+2. **score** (``_score``): the trainer's log-probabilities of every response token before any update
+   (``old``), the mismatch metrics against the engine's (``algorithm.mismatch_sums``), the TIS
    weights (``algorithm.tis_weights``, mode ``tis_mode(cfg)``) and group advantages;
 3. **update**: ``algo.updates_per_batch`` mini-batches, each one AdamW step at the constant
    ``optim.lr`` on the token-level clipped objective (``algorithm.policy_loss``), gradients clipped;
@@ -20,6 +20,23 @@ Around it, the conventions of ``infir2 train``: the run folder ``<out_dir>/<name
 atomic, checksummed; a damaged one is skipped for the next older one) and ``hf/`` at the end. A rerun
 resumes from the newest checkpoint and continues bit for bit (model, AdamW, prompt order, sampler
 and global RNG, dynamic-sampling buffer).
+
+Under ``torchrun --nproc_per_node N`` (every rank calls ``rl``) the policy is sharded with FSDP2 as in
+``infir2 train`` (``train.distributed.shard_model``); each rank keeps a whole rollout engine (and
+reference). What is split and what is gathered:
+
+* **collect**: every rank draws the same prompts and the same seed per round; rank r generates and grades
+  its contiguous ``share`` of the round's prompts, each prompt with its own seed (``engine.derive_seeds``:
+  a group does not depend on which rank or batch generated it); the records are all-gathered in prompt
+  order, so every rank holds the same kept groups, buffer and batch -- those of one process;
+* **score / update**: the batch's mini-batches and micro-batches are one process's (``plan_batches``);
+  micro-batch k of a mini-batch runs on rank ``k % N`` (``my_micro_batches``; a rank with one fewer runs
+  a forward of zero weight, so FSDP2's collectives match). The loss is normalised by the whole
+  mini-batch's tokens and multiplied by N (FSDP2 averages gradients); statistics are all-reduced;
+* **sync**: every rank's engine all-gathers the whole weights (``BuiltinEngine.load_weights``);
+* **validation**: each rank scores its share of the held-out problems; the counts are all-reduced;
+* **checkpoint / export**: full state dicts gathered to rank 0, which writes them. Prompt position,
+  sampler, buffer and RNG are the same on every rank, so a checkpoint resumes on any number of processes.
 """
 
 from __future__ import annotations
@@ -36,27 +53,57 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 
 from .. import checkpoint as ckpt
 from ..data import load_tokenizer
 from ..data.chat import render_prompt, stop_token_ids
 from ..eval.tasks import Problem, load_problems
 from ..export import export_model
+from ..fp8 import get_recipe
 from ..model import autocast, build_from_config, check_model_folder, load_pretrained, prepare_for_training
 from ..train.config_changes import config_changes
-from ..train.distributed import DistEnv, init_distributed
+from ..train.distributed import (
+    DistEnv,
+    all_gather_objects,
+    all_reduce_max,
+    all_reduce_sum,
+    broadcast_object,
+    init_distributed,
+    shard_model,
+)
 from ..train.lock import run_lock
 from ..train.metrics import MetricsLogger, peak_memory_gib
 from ..train.optim import build_optimizer
 from ..train.typed_yaml import to_plain
-from .algorithm import group_advantages, mismatch_metrics, overlong_penalty, policy_loss, tis_weights
+from .algorithm import (
+    group_advantages,
+    mismatch_from_sums,
+    mismatch_sums,
+    overlong_penalty,
+    policy_loss,
+    tis_weights,
+)
 from .config import RLConfig, save_rl_config, tis_mode
-from .engine import BuiltinEngine, RolloutEngine
+from .engine import BuiltinEngine, Rollout, RolloutEngine, derive_seeds
 from .prompts import PromptStream
 from .rewards import REWARDS
 
-__all__ = ["RLResult", "RLState", "collect_groups", "rl", "sequence_logprobs"]
+__all__ = [
+    "RLResult",
+    "RLState",
+    "collect_groups",
+    "my_micro_batches",
+    "plan_batches",
+    "rl",
+    "sequence_logprobs",
+    "share",
+]
 
 log = logging.getLogger(__name__)
 
@@ -147,45 +194,41 @@ def sequence_logprobs(
 # Collect: rollouts, rewards, dynamic sampling
 
 
+def share(k: int, rank: int, world_size: int) -> tuple[int, int]:
+    """``[lo, hi)`` of rank's contiguous share of ``k`` items (the first ``k % world_size`` ranks get one more)."""
+    base, extra = divmod(k, world_size)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (rank < extra)
+
+
 def collect_groups(run: Run) -> tuple[list[dict[str, Any]], dict[str, float]]:
-    """The groups this step trains on (see the module doc, 1.) and the statistics of every sampled group."""
-    r, a = run.cfg.rollout, run.cfg.algo
-    reward = REWARDS[a.reward]
+    """The groups this step trains on (see the module doc, 1.) and the statistics of every sampled group.
+
+    Under torchrun every rank draws the same prompts and seeds, generates and grades its share of the
+    round's prompts (``share``), and the kept groups of all ranks are gathered in prompt order: every
+    rank then holds the same buffer and batch, those one process would hold.
+    """
+    r, env = run.cfg.rollout, run.env
     sampled: list[dict[str, Any]] = []
     filtered = rounds = 0
     while len(run.buffer) < r.prompts_per_step and rounds < r.max_rounds:
         indices = run.stream.take(r.oversample_prompts or r.prompts_per_step)
-        seed = int(torch.randint(0, 2**62, (1,), generator=run.sampler))
-        groups = run.engine.generate([run.prompt_ids[i] for i in indices], r.group_size, seed)
+        seeds = derive_seeds(int(torch.randint(0, 2**62, (1,), generator=run.sampler)), len(indices))
+        lo, hi = share(len(indices), env.rank, env.world_size)
+        groups = run.engine.generate([run.prompt_ids[i] for i in indices[lo:hi]], r.group_size, seeds[lo:hi])
+        mine = [_grade(run, i, group) for i, group in zip(indices[lo:hi], groups, strict=True)]
         rounds += 1
-        for i, group in zip(indices, groups, strict=True):
-            texts = [_completion_text(run, g.response_ids) for g in group]
-            correct = [reward(t, run.problems[i].answer) for t in texts]
-            shaped = torch.tensor(correct, dtype=torch.float64)
-            if a.overlong == "penalty":
-                shaped = shaped + overlong_penalty(
-                    torch.tensor([len(g.response_ids) for g in group]),
-                    r.max_new_tokens,
-                    a.overlong_buffer,
-                    a.overlong_penalty,
-                )
-            record = {
-                "prompt": i,
-                "responses": [g.response_ids for g in group],
-                "logprobs": [g.logprobs for g in group],
-                "finished": [g.finished for g in group],
-                "correct": correct,
-                "rewards": shaped.tolist(),
-            }
-            sampled.append(record)
-            if a.dynamic_sampling and bool((shaped == shaped[0]).all()):
-                filtered += 1
-                continue
-            run.buffer.append(record)
+        for part in all_gather_objects(mine, env):
+            for record, keep in part:  # type: ignore[attr-defined]
+                sampled.append(record)
+                if keep:
+                    run.buffer.append(record)
+                else:
+                    filtered += 1
     batch = run.buffer[: r.prompts_per_step]
     run.buffer[:] = run.buffer[r.prompts_per_step :] if r.carry_over else []
     pool = sampled or batch  # the buffer alone served this step (carry_over): describe what is trained on
-    lengths = [len(y) for g in pool for y in g["responses"]]
+    lengths = [x for g in pool for x in g["lengths"]]
     rewards = torch.tensor([x for g in pool for x in g["rewards"]], dtype=torch.float64)
     stats = {
         "reward_mean": float(rewards.mean()),
@@ -197,9 +240,37 @@ def collect_groups(run: Run) -> tuple[list[dict[str, Any]], dict[str, float]]:
         "filtered_frac": filtered / len(sampled) if sampled else 0.0,
         "rounds": rounds,
         "groups_trained": len(batch),
-        "samples": sum(len(g["responses"]) for g in sampled),
+        "samples": sum(len(g["lengths"]) for g in sampled),
     }
     return batch, stats
+
+
+def _grade(run: Run, index: int, group: list[Rollout]) -> tuple[dict[str, Any], bool]:
+    """Prompt ``index``'s group as a record (rewards graded and shaped), and whether dynamic sampling keeps
+    it; a dropped group's record keeps only what the statistics need (no responses, no log-probabilities)."""
+    r, a = run.cfg.rollout, run.cfg.algo
+    texts = [_completion_text(run, g.response_ids) for g in group]
+    correct = [REWARDS[a.reward](t, run.problems[index].answer) for t in texts]
+    lengths = [len(g.response_ids) for g in group]
+    shaped = torch.tensor(correct, dtype=torch.float64)
+    if a.overlong == "penalty":
+        shaped = shaped + overlong_penalty(
+            torch.tensor(lengths), r.max_new_tokens, a.overlong_buffer, a.overlong_penalty
+        )
+    record = {
+        "prompt": index,
+        "lengths": lengths,
+        "finished": [g.finished for g in group],
+        "correct": correct,
+        "rewards": shaped.tolist(),
+    }
+    if a.dynamic_sampling and bool((shaped == shaped[0]).all()):
+        return record, False
+    return {
+        **record,
+        "responses": [g.response_ids for g in group],
+        "logprobs": [g.logprobs for g in group],
+    }, True
 
 
 def _completion_text(run: Run, response_ids: list[int]) -> str:
@@ -238,45 +309,64 @@ def _chunks(items: list[Any], size: int) -> list[list[Any]]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-@torch.no_grad()
-def _score(run: Run, samples: list[dict[str, Any]]) -> dict[str, float]:
-    """The trainer's ``old`` logprobs (and the reference's), TIS weights, mismatch metrics, entropy."""
+def plan_batches(samples: list[Any], updates_per_batch: int, micro_batch_size: int) -> list[list[list[Any]]]:
+    """The rollout batch as ``updates_per_batch`` mini-batches (one AdamW step each) of micro-batches of
+    ``micro_batch_size`` samples (one forward each): the same on every rank and for any world size."""
+    per = math.ceil(len(samples) / updates_per_batch)
+    return [_chunks(mini, micro_batch_size) for mini in _chunks(samples, per)]
+
+
+def my_micro_batches(micros: list[list[Any]], rank: int, world_size: int) -> list[list[Any] | None]:
+    """Rank's micro-batches of a mini-batch (micro-batch k on rank ``k % world_size``), padded with None
+    to the same count on every rank: FSDP2's collectives need the same number of forwards (and backwards)
+    on every rank, so a rank runs a None as a forward of zero weight."""
+    own: list[list[Any] | None] = list(micros[rank::world_size])
+    return own + [None] * (-(-len(micros) // world_size) - len(own))
+
+
+def _logprobs(run: Run, model: nn.Module, micro: list[dict[str, Any]], entropy: bool = False) -> Any:
     cfg = run.cfg
-    old_all, roll_all, mask_all, ent_sum = [], [], [], 0.0
-    for micro in _chunks(samples, cfg.algo.micro_batch_size):
-        logp, mask, ent = sequence_logprobs(
-            run.model,
-            [s["prompt"] for s in micro],
-            [s["response"] for s in micro],
-            run.pad_id,
-            cfg.rollout.temperature,
-            cfg.model.precision,
-            entropy=True,
-        )
-        ref = None
-        if run.ref is not None:
-            ref, _, _ = sequence_logprobs(
-                run.ref,
-                [s["prompt"] for s in micro],
-                [s["response"] for s in micro],
-                run.pad_id,
-                cfg.rollout.temperature,
-                cfg.model.precision,
-            )
-        assert ent is not None
-        ent_sum += float((ent * mask).sum())
-        for i, s in enumerate(micro):
-            n = len(s["response"])
-            s["old_logp"] = logp[i, :n].cpu()
-            s["ref_logp"] = ref[i, :n].cpu() if ref is not None else None
-            roll = torch.tensor(s["rollout_logp"], dtype=torch.float32)
-            s["tis"] = tis_weights(s["old_logp"], roll, tis_mode(cfg), cfg.algo.tis_cap)
-            old_all.append(s["old_logp"])
-            roll_all.append(roll)
-            mask_all.append(torch.ones(n))
-    tokens = sum(len(s["response"]) for s in samples)
-    out = mismatch_metrics(torch.cat(old_all), torch.cat(roll_all), torch.cat(mask_all), cfg.algo.tis_cap)
-    out["entropy"] = ent_sum / max(tokens, 1)
+    return sequence_logprobs(
+        model,
+        [s["prompt"] for s in micro],
+        [s["response"] for s in micro],
+        run.pad_id,
+        cfg.rollout.temperature,
+        cfg.model.precision,
+        entropy=entropy,
+    )
+
+
+@torch.no_grad()
+def _score(run: Run, plan: list[list[list[dict[str, Any]]]]) -> dict[str, float]:
+    """The trainer's ``old`` logprobs (and the reference's) of this rank's samples, their TIS weights, and
+    the mismatch metrics and entropy over all ranks' samples."""
+    cfg, env = run.cfg, run.env
+    old_all, roll_all, ent_sum = [], [], 0.0
+    for mini in plan:
+        for micro in my_micro_batches(mini, env.rank, env.world_size):
+            logp, mask, ent = _logprobs(run, run.model, micro or mini[0], entropy=True)
+            if micro is None:  # the padding forward: same collectives, nothing kept
+                continue
+            ref = _logprobs(run, run.ref, micro)[0] if run.ref is not None else None
+            assert ent is not None
+            ent_sum += float((ent * mask).sum())
+            for i, s in enumerate(micro):
+                n = len(s["response"])
+                s["old_logp"] = logp[i, :n].cpu()
+                s["ref_logp"] = ref[i, :n].cpu() if ref is not None else None
+                roll = torch.tensor(s["rollout_logp"], dtype=torch.float32)
+                s["tis"] = tis_weights(s["old_logp"], roll, tis_mode(cfg), cfg.algo.tis_cap)
+                old_all.append(s["old_logp"])
+                roll_all.append(roll)
+    empty = torch.zeros(0)
+    old, roll = (torch.cat(old_all), torch.cat(roll_all)) if old_all else (empty, empty)
+    sums, max_abs = mismatch_sums(old, roll, torch.ones_like(old), cfg.algo.tis_cap)
+    sums = all_reduce_sum(torch.cat([sums, torch.tensor([ent_sum], dtype=torch.float64)]), env)
+    max_abs = all_reduce_max(max_abs.reshape(1), env)[0]
+    tokens = sum(len(s["response"]) for mini in plan for micro in mini for s in micro)
+    out = mismatch_from_sums(sums[:-1], max_abs)
+    out["entropy"] = float(sums[-1]) / max(tokens, 1)
     out["response_tokens"] = tokens
     return out
 
@@ -285,41 +375,51 @@ def _pad_stack(rows: list[torch.Tensor], width: int) -> torch.Tensor:
     return torch.stack([F.pad(t, (0, width - t.numel())) for t in rows])
 
 
-def _update(run: Run, samples: list[dict[str, Any]]) -> dict[str, float]:
-    """``algo.updates_per_batch`` AdamW steps over consecutive mini-batches of ``samples``."""
-    cfg, a = run.cfg, run.cfg.algo
-    per = math.ceil(len(samples) / a.updates_per_batch)
-    sums = {"loss": 0.0, "clip_low": 0.0, "clip_high": 0.0, "kl": 0.0, "tokens": 0.0}
-    norms, skipped = [], 0
-    for mini in _chunks(samples, per):
-        n_tokens = sum(len(s["response"]) for s in mini if s["keep"])
-        loss_total = 0.0
-        for micro in _chunks(mini, a.micro_batch_size):
-            logp, mask, _ = sequence_logprobs(
-                run.model,
-                [s["prompt"] for s in micro],
-                [s["response"] for s in micro],
-                run.pad_id,
-                cfg.rollout.temperature,
-                cfg.model.precision,
-            )
+def _grad_norm(model: nn.Module, max_norm: float) -> float:
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, foreach=True)
+    if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2: the norm over all shards
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def _update(run: Run, plan: list[list[list[dict[str, Any]]]]) -> dict[str, float]:
+    """One AdamW step per mini-batch of ``plan``; each rank backpropagates its micro-batches of it.
+
+    The token-level loss is normalised by the token count of the whole mini-batch (all ranks), and
+    scaled by the world size because FSDP2 averages the gradients over ranks: the gradient is the one
+    process's. Loss and statistics are summed over ranks.
+    """
+    cfg, a, env = run.cfg, run.cfg.algo, run.env
+    sums = torch.zeros(4, dtype=torch.float64)  # clip_low, clip_high, kl, tokens
+    losses, norms, skipped = [], [], 0
+    for mini in plan:
+        n_tokens = sum(len(s["response"]) for micro in mini for s in micro if s["keep"])
+        scale = env.world_size / max(n_tokens, 1)
+        local = torch.zeros(5, dtype=torch.float64)  # the summed token loss, then the four sums above
+        for micro in my_micro_batches(mini, env.rank, env.world_size):
+            rows = micro or mini[0]  # None: a forward and backward of zero weight (the same collectives)
+            logp, mask, _ = _logprobs(run, run.model, rows)
             width = logp.shape[1]
             dev = logp.device
-            keep = torch.tensor([float(s["keep"]) for s in micro], device=dev)[:, None]
-            old = _pad_stack([s["old_logp"] for s in micro], width).to(dev)
-            tis = _pad_stack([s["tis"] for s in micro], width).to(dev)
-            ref = _pad_stack([s["ref_logp"] for s in micro], width).to(dev) if run.ref is not None else None
-            adv = torch.tensor([s["adv"] for s in micro], device=dev, dtype=logp.dtype)
+            keep = torch.tensor([float(s["keep"] and micro is not None) for s in rows], device=dev)[:, None]
+            old = _pad_stack([s["old_logp"] for s in rows], width).to(dev) if micro else logp.detach()
+            tis = _pad_stack([s["tis"] for s in rows], width).to(dev) if micro else None
+            ref = None
+            if run.ref is not None and micro is not None:
+                ref = _pad_stack([s["ref_logp"] for s in rows], width).to(dev)
+            adv = torch.tensor([s["adv"] for s in rows], device=dev, dtype=logp.dtype)
             total, st = policy_loss(logp, old, adv, mask * keep, a.clip_low, a.clip_high, tis, a.kl_coef, ref)
-            (total / max(n_tokens, 1)).backward()
-            loss_total += float(total.detach())
-            for k in ("clip_low", "clip_high", "kl", "tokens"):
-                sums[k] += float(st[k])
-        params = [p for p in run.model.parameters() if p.grad is not None]
-        clip = cfg.optim.grad_clip
-        norm = float(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else math.inf, foreach=True))
-        loss = loss_total / max(n_tokens, 1)
-        sums["loss"] += loss
+            (total * scale).backward()
+            local += torch.tensor(
+                [float(total.detach())] + [float(st[k]) for k in ("clip_low", "clip_high", "kl", "tokens")],
+                dtype=torch.float64,
+            )
+        local = all_reduce_sum(local.to(env.device), env).cpu()
+        sums += local[1:]
+        norm = _grad_norm(run.model, cfg.optim.grad_clip)
+        loss = float(local[0]) / max(n_tokens, 1)
+        losses.append(loss)
         norms.append(norm)
         if math.isfinite(loss) and math.isfinite(norm) and n_tokens > 0:
             for group in run.optimizer.param_groups:
@@ -328,29 +428,30 @@ def _update(run: Run, samples: list[dict[str, Any]]) -> dict[str, float]:
         elif not (math.isfinite(loss) and math.isfinite(norm)):
             skipped += 1
         run.optimizer.zero_grad(set_to_none=True)
-    n_mini = max(len(_chunks(samples, per)), 1)
-    tokens = max(sums["tokens"], 1.0)
+    clip_low, clip_high, kl, tokens = sums.tolist()
+    tokens = max(tokens, 1.0)
     return {
-        "loss": sums["loss"] / n_mini,
+        "loss": sum(losses) / max(len(losses), 1),
         "grad_norm": max(norms) if norms else 0.0,
         "lr": cfg.optim.lr,
-        "clip_low_frac": sums["clip_low"] / tokens,
-        "clip_high_frac": sums["clip_high"] / tokens,
-        "kl_ref": sums["kl"] / tokens,
+        "clip_low_frac": clip_low / tokens,
+        "clip_high_frac": clip_high / tokens,
+        "kl_ref": kl / tokens,
         "updates": len(norms),
         "skipped_updates": skipped,
     }
 
 
 def _evaluate(run: Run) -> float:
-    """Greedy accuracy on the held-out problems with the engine's current weights."""
+    """Greedy accuracy on the held-out problems with the engine's current weights (each rank its share)."""
     reward = REWARDS[run.cfg.algo.reward]
-    groups = run.engine.generate(run.val_ids, 1, seed=0, greedy=True)
+    lo, hi = share(len(run.val), run.env.rank, run.env.world_size)
+    groups = run.engine.generate(run.val_ids[lo:hi], 1, seed=0, greedy=True)
     scores = [
         reward(_completion_text(run, g[0].response_ids), p.answer)
-        for g, p in zip(groups, run.val, strict=True)
+        for g, p in zip(groups, run.val[lo:hi], strict=True)
     ]
-    return sum(scores) / len(scores)
+    return float(all_reduce_sum(torch.tensor([sum(scores)], dtype=torch.float64), run.env)[0]) / len(run.val)
 
 
 # --------------------------------------------------------------------------------------------
@@ -362,8 +463,10 @@ def _rng_state() -> dict[str, Any]:
 
 
 def _save(run: Run, state: RLState) -> Path:
+    """A full checkpoint, gathered and written by rank 0 (every rank calls this). The prompt position,
+    sampler, buffer and RNG are the same on every rank (``collect_groups``), so rank 0's stand for all."""
     model_sd, optim_sd = get_state_dict(
-        run.model, run.optimizer, options=StateDictOptions(full_state_dict=True)
+        run.model, run.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
     full = {
         "model": model_sd,
@@ -381,16 +484,19 @@ def _save(run: Run, state: RLState) -> Path:
             "config": to_plain(run.cfg),
         },
     }
-    return ckpt.save_checkpoint(
-        run.cfg.run_dir / "checkpoints", state.step, full, keep_last=run.cfg.train.keep_last
-    )
+    path = None
+    if run.env.is_main:
+        path = ckpt.save_checkpoint(
+            run.cfg.run_dir / "checkpoints", state.step, full, keep_last=run.cfg.train.keep_last
+        )
+    return broadcast_object(path, run.env)  # type: ignore[return-value]
 
 
 #: config keys (or section prefixes) whose change on resume alters what the run computes
 MEANINGFUL = ("optim.", "data.", "model.", "fp8.", "rollout.", "algo.", "run.seed")
 
 
-def _check_config_changes(cfg: RLConfig, saved: dict[str, Any], step: int) -> None:
+def _check_config_changes(cfg: RLConfig, saved: dict[str, Any], step: int, main: bool = True) -> None:
     """Refuse a resume whose config changes the run's meaning (unless accepted); keep the old config.yaml."""
     meaningful, harmless = config_changes(saved, to_plain(cfg))
     changes = meaningful + harmless
@@ -401,7 +507,7 @@ def _check_config_changes(cfg: RLConfig, saved: dict[str, Any], step: int) -> No
             f"{'; '.join(refused)}. Use another run.name, restore the config, or pass "
             "--accept-config-changes"
         )
-    if changes:
+    if changes and main:
         log.info("resuming with config changes: %s", "; ".join(changes))
         old = cfg.run_dir / "config.yaml"
         if old.is_file():
@@ -413,7 +519,9 @@ def _restore(run: Run) -> tuple[RLState, Path | None]:
     if found is None:
         return RLState(), None
     path, full = found
-    _check_config_changes(run.cfg, full["train_state"]["config"], int(full["train_state"]["step"]))
+    _check_config_changes(
+        run.cfg, full["train_state"]["config"], int(full["train_state"]["step"]), run.env.is_main
+    )
     set_state_dict(
         run.model,
         run.optimizer,
@@ -423,12 +531,20 @@ def _restore(run: Run) -> tuple[RLState, Path | None]:
     )
     run.stream.load_state_dict(full["data"]["prompts"])
     run.buffer[:] = full["data"]["buffer"]
+    for g in run.buffer:  # a buffer saved before records carried their lengths
+        g.setdefault("lengths", [len(y) for y in g["responses"]])
     run.sampler.set_state(full["data"]["sampler"])
     saved = full["train_state"]
     torch.set_rng_state(saved["rng"]["torch"])
     random.setstate(saved["rng"]["python"])
     state = RLState(**{k: saved[k] for k in vars(RLState())})
-    log.info("resumed from %s at step %d", path, state.step)
+    log.info(
+        "resumed from %s at step %d (saved by %d processes, now %d)",
+        path,
+        state.step,
+        saved.get("world_size", 1),
+        run.env.world_size,
+    )
     return state, path
 
 
@@ -483,10 +599,14 @@ def _setup(cfg: RLConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any)
         pad_id,
     )
     ref = None
-    if cfg.algo.kl_coef > 0:
+    if cfg.algo.kl_coef > 0:  # a whole copy on every rank (no collectives in its forwards)
         import copy
 
         ref = copy.deepcopy(model).eval().requires_grad_(False)
+    if env.distributed:  # the engine and the reference copied the whole model above; now shard it
+        model = shard_model(
+            model, cfg.model.precision, get_recipe(cfg.fp8.recipe).param_gather(cfg.fp8.param_gather)
+        )
     seed = cfg.data.seed if cfg.data.seed is not None else cfg.run.seed
     return Run(
         cfg,
@@ -512,14 +632,11 @@ def rl(
     cfg: RLConfig, *, model: nn.Module | None = None, tokenizer: Any = None, progress: bool = True
 ) -> RLResult:
     """Run (or resume) the RL run ``cfg`` describes. ``model`` (an unconverted HF causal LM) and
-    ``tokenizer`` may be passed in (tests do); otherwise they are loaded from ``cfg.model``."""
+    ``tokenizer`` may be passed in (tests do); otherwise they are loaded from ``cfg.model``. Under
+    ``torchrun`` every rank calls this (the module doc says what each rank does)."""
     env = init_distributed(cfg.run.device)
     try:
-        if env.distributed:
-            raise ValueError(
-                "infir2 rl runs in one process for now (torchrun with FSDP2 is not supported yet)"
-            )
-        with run_lock(cfg.run_dir):
+        with run_lock(cfg.run_dir, enabled=env.is_main):  # one process (group) per run folder
             return _run(cfg, env, model, tokenizer, progress)
     finally:
         env.close()
@@ -531,10 +648,11 @@ def _run(cfg: RLConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, p
     run = _setup(cfg, env, model, tokenizer)
     state, resumed_from = _restore(run)
     run.engine.load_weights(run.model)
-    save_rl_config(cfg, cfg.run_dir / "config.yaml")
+    if env.is_main:
+        save_rl_config(cfg, cfg.run_dir / "config.yaml")
     result = RLResult(cfg.run_dir, state.step, resumed_from=resumed_from)
     t = cfg.train
-    with MetricsLogger(cfg.run_dir, True, state.step, t.max_steps, t.log_every, progress) as logger:
+    with MetricsLogger(cfg.run_dir, env.is_main, state.step, t.max_steps, t.log_every, progress) as logger:
         while state.step < t.max_steps:
             metrics = _step(run, state)
             last = state.step == t.max_steps
@@ -548,9 +666,28 @@ def _run(cfg: RLConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, p
         result.step = state.step
         if state.step and not state.nonfinite_in_row:
             result.checkpoint = _save(run, state)
-        fmt = cfg.model.export_dtype or cfg.model.precision
-        result.hf_dir = export_model(run.model, run.tokenizer, cfg.run_dir / "hf", fmt=fmt, overwrite=True)
+        result.hf_dir = _export(run)
     return result
+
+
+def _export(run: Run) -> Path | None:
+    """``<run>/hf``: the full state dict gathered to rank 0, which writes it (every rank calls this)."""
+    cfg = run.cfg
+    fmt = cfg.model.export_dtype or cfg.model.precision
+    model_sd = get_model_state_dict(
+        run.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    out = None
+    if run.env.is_main:
+        out = export_model(
+            run.model,
+            run.tokenizer,
+            cfg.run_dir / "hf",
+            fmt=fmt,
+            state_dict=model_sd,  # type: ignore[arg-type]
+            overwrite=True,
+        )
+    return broadcast_object(out, run.env)  # type: ignore[return-value]
 
 
 def _step(run: Run, state: RLState) -> dict[str, Any]:
@@ -559,9 +696,10 @@ def _step(run: Run, state: RLState) -> dict[str, Any]:
     t1 = time.perf_counter()
     samples = _samples(run, batch)
     metrics: dict[str, Any] = {"step": state.step + 1, **stats}
-    if samples:
-        metrics |= _score(run, samples)
-        metrics |= _update(run, samples)
+    if samples:  # the same batch on every rank: all take this branch
+        plan = plan_batches(samples, run.cfg.algo.updates_per_batch, run.cfg.algo.micro_batch_size)
+        metrics |= _score(run, plan)
+        metrics |= _update(run, plan)
         run.engine.load_weights(run.model)
     else:
         metrics |= {"loss": 0.0, "grad_norm": 0.0, "lr": run.cfg.optim.lr, "updates": 0, "skipped_updates": 0}

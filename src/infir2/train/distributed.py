@@ -24,10 +24,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._dist import DistEnv, all_reduce_sum, broadcast_object, gather_objects
+from .._dist import (
+    DistEnv,
+    all_gather_objects,
+    all_reduce_max,
+    all_reduce_sum,
+    broadcast_object,
+    gather_objects,
+)
 
 __all__ = [
     "DistEnv",
+    "all_gather_objects",
+    "all_reduce_max",
     "all_reduce_sum",
     "broadcast_object",
     "gather_objects",
