@@ -12,8 +12,13 @@ and continues bit for bit (prompt order, sampler, dynamic-sampling buffer includ
 config changes the run (optim, data, model, fp8, rollout, algo, run.seed) is refused unless given
 --accept-config-changes.
 
+Under torchrun every process runs the loop: the policy is sharded with FSDP2, each process generates
+its share of every round's prompts, and the groups are gathered so that the run trains on what one
+process would (docs/RL.md, "Several processes").
+
 examples:
   infir2 rl my-rl.yaml
+  torchrun --standalone --nproc_per_node 2 -m infir2.cli rl my-rl.yaml
   infir2 rl my-rl.yaml --set rollout.precision=bf16 --set fp8.recipe=bf16 --set run.name=bf16-pair
   infir2 rl my-rl.yaml --set rollout.group_size=8 --set algo.tis=mask
 """

@@ -362,8 +362,9 @@ def _score(run: Run, plan: list[list[list[dict[str, Any]]]]) -> dict[str, float]
     empty = torch.zeros(0)
     old, roll = (torch.cat(old_all), torch.cat(roll_all)) if old_all else (empty, empty)
     sums, max_abs = mismatch_sums(old, roll, torch.ones_like(old), cfg.algo.tis_cap)
-    sums = all_reduce_sum(torch.cat([sums, torch.tensor([ent_sum], dtype=torch.float64)]), env)
-    max_abs = all_reduce_max(max_abs.reshape(1), env)[0]
+    sums = torch.cat([sums, torch.tensor([ent_sum], dtype=torch.float64)])
+    sums = all_reduce_sum(sums.to(env.device), env).cpu()  # NCCL reduces device tensors only
+    max_abs = all_reduce_max(max_abs.reshape(1).to(env.device), env).cpu()[0]
     tokens = sum(len(s["response"]) for mini in plan for micro in mini for s in micro)
     out = mismatch_from_sums(sums[:-1], max_abs)
     out["entropy"] = float(sums[-1]) / max(tokens, 1)
@@ -451,7 +452,8 @@ def _evaluate(run: Run) -> float:
         reward(_completion_text(run, g[0].response_ids), p.answer)
         for g, p in zip(groups, run.val[lo:hi], strict=True)
     ]
-    return float(all_reduce_sum(torch.tensor([sum(scores)], dtype=torch.float64), run.env)[0]) / len(run.val)
+    correct = torch.tensor([sum(scores)], dtype=torch.float64, device=run.env.device)
+    return float(all_reduce_sum(correct, run.env)[0]) / len(run.val)
 
 
 # --------------------------------------------------------------------------------------------
