@@ -48,7 +48,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -218,8 +218,9 @@ def collect_groups(run: Run) -> tuple[list[dict[str, Any]], dict[str, float]]:
         groups = run.engine.generate([run.prompt_ids[i] for i in indices[lo:hi]], r.group_size, seeds[lo:hi])
         mine = [_grade(run, i, group) for i, group in zip(indices[lo:hi], groups, strict=True)]
         rounds += 1
-        for part in all_gather_objects(mine, env):
-            for record, keep in part:  # type: ignore[attr-defined]
+        gathered = cast(list[list[tuple[dict[str, Any], bool]]], all_gather_objects(mine, env))
+        for part in gathered:  # in prompt order: rank 0's share first
+            for record, keep in part:
                 sampled.append(record)
                 if keep:
                     run.buffer.append(record)
