@@ -13,9 +13,10 @@ GPUs (vLLM, SGLang) plugs in without changing the loop (docs/RL.md, "Plugging in
   stopped before ``max_new_tokens``). The policy is ``softmax(logits / temperature)``, no top-p / top-k,
   so the trainer's log-probabilities of the same tokens can be compared with the engine's. ``seed`` is
   one seed per prompt (an int: ``derive_seeds(seed, len(prompts))``), and prompt i's samples depend on
-  its seed only, not on the other prompts of the call or on how the engine batches them: a run split
-  over ranks generates the groups one process would (vLLM: a request per prompt,
-  ``SamplingParams(n=n, seed=seed_i)``).
+  its seed only, not on the other prompts of the call or on how the engine batches them (their random
+  draws do not; the batched forward may change a log-probability at float rounding): a run split over
+  ranks generates the groups one process would (vLLM: a request per prompt, ``SamplingParams(n=n,
+  seed=seed_i)``).
 
 ``BuiltinEngine`` runs in the training process: a copy of the policy that generates with a KV cache
 (``transformers.DynamicCache``), prompts left-padded in batches. ``precision`` names the seven
