@@ -14,7 +14,7 @@ from infir2.eval.generate import SamplingConfig, generate
 from infir2.export import export_model
 from infir2.model import prepare_for_training
 from infir2.rl.algorithm import mismatch_metrics
-from infir2.rl.engine import BuiltinEngine
+from infir2.rl.engine import BuiltinEngine, derive_seeds
 from infir2.rl.loop import sequence_logprobs
 
 
@@ -139,3 +139,22 @@ def test_greedy_decoding_matches_transformers_generate(tiny_tokenizer):
         assert len(ids) == completion.n_tokens
         stripped = ids[:-1] if completion.finished else ids
         assert tiny_tokenizer.decode(stripped, skip_special_tokens=False) == completion.text
+
+
+def test_a_prompts_samples_do_not_depend_on_their_batch(tiny_tokenizer):
+    """What a run split over ranks relies on: prompt i's group depends on its seed, not on which other
+    prompts were generated with it or on the batch size (rl.loop gives each rank a share of the prompts)."""
+    policy = prepare_for_training(make_tiny_model(), "blockwise")
+    prompts = [tiny_tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    seeds = derive_seeds(7, len(prompts))
+    together = _engine(policy, tiny_tokenizer, "fp8").generate(prompts, 3, seeds)
+    apart = BuiltinEngine(
+        policy, "fp8", "pow2", "fp32", 1.0, 12, 2, stop_token_ids(tiny_tokenizer), tiny_tokenizer.pad_token_id
+    )
+    for i in range(len(prompts)):
+        alone = apart.generate(prompts[i : i + 1], 3, seeds[i : i + 1])[0]
+        assert [r.response_ids for r in alone] == [r.response_ids for r in together[i]]
+        for r, t in zip(alone, together[i], strict=True):
+            assert r.logprobs == pytest.approx(t.logprobs, abs=1e-5)
+    assert together == _engine(policy, tiny_tokenizer, "fp8").generate(prompts, 3, 7)  # an int: derive_seeds
+    assert len({tuple(r.response_ids) for g in together for r in g}) > 3  # the samples do differ
