@@ -33,6 +33,7 @@ from .data import NUMBERS, make_demo_data, tokenizer_training_texts
 from .report import render
 from .results import FULL, QUICK, DemoRecord, DemoSettings, RecipeResult, machine_description
 from .text import run_text
+from .workers import die_with_parent
 
 __all__ = [
     "FULL",
@@ -380,7 +381,9 @@ def run_demo(out: Path, settings: DemoSettings, recipes: list[str], jobs: int = 
             _LOG_EVERY,
         )
         context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        with ProcessPoolExecutor(
+            jobs, mp_context=context, initializer=die_with_parent, initargs=(os.getpid(),)
+        ) as pool:
             futures = [pool.submit(_run_worker, r, seed, out, settings, data, threads) for r, seed in pairs]
             results = [f.result() for f in futures]
     text = run_text(out / "text", settings, recipes, jobs)  # the verdict's part: real text (demo/text.py)

@@ -30,8 +30,10 @@ from ..bench.fidelity import BASELINE, EXTRA, FidelitySettings, prepare, run_one
 from ..bench.fidelity_report import RunResult, summarize, table
 from .results import DemoSettings
 from .summary import NULL_CONTROL
+from .workers import die_with_parent
 
 __all__ = ["corpus_available", "run_text", "text_section", "text_settings"]
+
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +105,9 @@ def run_text(out: Path, s: DemoSettings, recipes: list[str], jobs: int) -> dict[
     else:
         threads = max(1, (os.cpu_count() or 1) // jobs)
         context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        with ProcessPoolExecutor(
+            jobs, mp_context=context, initializer=die_with_parent, initargs=(os.getpid(),)
+        ) as pool:
             futures = [pool.submit(_worker, out, ts, r, seed, threads) for r, seed in pairs]
             runs = [f.result() for f in futures]
     return {
