@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import multiprocessing
+import os
 import platform
 import statistics
 import time
@@ -31,6 +32,7 @@ from typing import Any
 from infir2.tools.demo import FULL, QUICK, DemoSettings
 from infir2.tools.demo.pipeline import prepare_data, run_recipe
 from infir2.tools.demo.summary import METRICS
+from infir2.tools.demo.workers import die_with_parent
 from infir2.tools.paired import paired_gaps, paired_verdict
 
 ACCURACY = next(m for m in METRICS if m.key == "accuracy")
@@ -108,7 +110,10 @@ def main() -> int:
     data = {k: Path(v) for k, v in json.loads((out / "data_paths.json").read_text()).items()}
     done = {(r, k): out / "results" / f"{r}_s{k}.json" for r in recipes for k in seeds}
     todo = [(r, k) for (r, k), path in done.items() if not path.is_file()]
-    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(
+        args.jobs, mp_context=context, initializer=die_with_parent, initargs=(os.getpid(),)
+    ) as pool:
         for f in [pool.submit(_worker, r, k, out, s, data) for r, k in todo]:
             res = f.result()
             print(
