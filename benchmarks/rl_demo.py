@@ -8,7 +8,11 @@ accuracy on the held-out test problems (the demo's own evaluation), then per RL 
 the sampler and the prompt order) and precision pair ``ROLLOUT:TRAINING`` an RL run from the SFT model (``infir2.rl.rl``; prompts: the SFT training
 problems as ``{"problem", "answer"}``; test problems are never trained on) and the same evaluation of
 its ``hf/`` export. Prints one table: accuracy before and after, the gain in points, the mismatch
-the run measured, and the RL run's wall-clock time.
+the run measured, and the RL run's wall-clock time; then, over the RL seeds (greedy and avg@4), each
+pair's gain over the SFT start and each pair against the last one paired by RL seed, as 95% t-intervals
+against the demo's accuracy margin (``infir2.tools.paired.paired_verdict``). The SFT start is one model,
+so these intervals cover the RL seeds' spread, not that of SFT seeds or of the 100 test problems.
+``--val-every N`` also scores the SFT val problems (held out from SFT and RL) greedily every N RL steps.
 
 ``--split hard`` is for an SFT model that already saturates the demo's test problems: RL then trains on
 problems of the harder split (``infir2.tools.demo.data.harder``: one operation more than SFT saw,
@@ -32,8 +36,11 @@ from infir2.eval import evaluate, load_problems
 from infir2.rl import parse_rl_config, rl
 from infir2.tools.demo.data import harder, make_problems
 from infir2.tools.demo.pipeline import FULL, prepare_data, run_recipe
+from infir2.tools.demo.summary import METRICS
+from infir2.tools.paired import paired_gaps, paired_verdict
 
 SETTINGS = dataclasses.replace(FULL, n_test_hard=100)  # the demo's data, and a harder split to measure on
+MARGIN = next(m for m in METRICS if m.key == "accuracy").margin  # points: the demo's accuracy margin
 
 
 def _accuracy(model_dir: Path, tokenizer, test: Path, sampled: bool = False) -> float:
@@ -86,8 +93,10 @@ def _hard_prompts(test_hard: Path, out: Path, n: int) -> Path:
     return out
 
 
-def _rl_config(out: Path, sft_hf: Path, prompts: Path, rollout: str, recipe: str, seed: int, args) -> dict:
-    return {
+def _rl_config(
+    out: Path, sft_hf: Path, prompts: Path, val: Path | None, rollout: str, recipe: str, seed: int, args
+) -> dict:
+    cfg: dict = {
         "run": {
             "name": f"rl-{rollout}-{recipe}-s{seed}{args.name}",
             "out_dir": str(out / "runs"),
@@ -110,6 +119,10 @@ def _rl_config(out: Path, sft_hf: Path, prompts: Path, rollout: str, recipe: str
         "algo": {"updates_per_batch": args.updates, "micro_batch_size": 64},
         "train": {"max_steps": args.steps, "save_every": 0, "log_every": 5},
     }
+    if val is not None:
+        cfg["data"]["val_path"] = str(val)
+        cfg["train"]["eval_every"] = args.val_every
+    return cfg
 
 
 def main() -> None:
@@ -146,6 +159,13 @@ def main() -> None:
         help="override a DemoSettings field of the CPT + SFT start (e.g. sft_epochs=2: a shorter SFT that "
         "leaves headroom); the data stay the demo's",
     )
+    p.add_argument(
+        "--val-every",
+        type=int,
+        default=0,
+        help="greedy accuracy on the SFT val problems (held out from SFT and RL; not test.jsonl) every N "
+        "RL steps, printed as a trend (0: off)",
+    )
     args = p.parse_args()
     settings = parse_sets(args.set, SETTINGS)
     torch.set_num_threads(args.threads)  # one thread: tiny GEMMs on a shared CPU (more only spin)
@@ -156,6 +176,7 @@ def main() -> None:
     else:
         prompts = _prompts(data["sft_train"], args.out / "rl_prompts.jsonl")
         measured, other = data["test"], data["test_hard"]
+    val = _prompts(data["sft_val"], args.out / "rl_val.jsonl") if args.val_every else None
     rows = []
     sft_hf = args.out / "runs" / "bf16" / f"s{args.sft_seed}" / "sft" / "hf"
     if not (sft_hf / "config.json").is_file():
@@ -174,7 +195,7 @@ def main() -> None:
         for pair in args.pairs.split(","):
             rollout, recipe = pair.split(":")
             cfg = parse_rl_config(
-                _rl_config(args.out, sft_hf, prompts, rollout, recipe, seed, args), "rl_demo"
+                _rl_config(args.out, sft_hf, prompts, val, rollout, recipe, seed, args), "rl_demo"
             )
             result = rl(cfg, progress=False)
             assert result.hf_dir is not None
@@ -191,9 +212,12 @@ def main() -> None:
             first, last = (
                 sum(m["accuracy"] for m in part) / len(part) for part in (history[:5], history[-5:])
             )
+            trend = " ".join(f"{100 * m['val_accuracy']:.0f}" for m in history if "val_accuracy" in m)
             row = (seed, pair, before, after, first, last, dlogp, seconds)
             rows.append(row)
             print(_row(row), flush=True)
+            if trend:
+                print(f"  val accuracy (greedy, {val}) every {args.val_every} steps: {trend}", flush=True)
     print(
         f"\n| RL seed | rollout:training | greedy on {measured.name}: SFT -> RL | gain | avg@4 (T 0.65): SFT "
         f"-> RL | gain | greedy on {other.name}: SFT -> RL | rollout accuracy (T {args.temperature}), steps "
@@ -202,6 +226,32 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(_row(row))
+    _verdicts(rows, args.pairs.split(","), measured.name)
+
+
+def _verdicts(rows: list[tuple], pairs: list[str], measured: str) -> None:
+    """Over RL seeds: each pair's gain over the SFT start, and each pair against the last one (paired by
+    RL seed), as 95% t-intervals against the demo's accuracy margin (``infir2.tools.paired``)."""
+    print(f"\nover RL seeds, greedy and avg@4 on {measured} in points, 95% t-interval, margin +-{MARGIN:g}:")
+    after = {
+        (pair, k): {row[0]: 100 * row[3][k] for row in rows if row[1] == pair}
+        for pair in pairs
+        for k in (0, 1)
+    }
+    before = {k: {row[0]: 100 * row[2][k] for row in rows} for k in (0, 1)}
+    for k, what in ((0, "greedy"), (1, "avg@4")):
+        for pair in pairs:
+            v = paired_verdict(list(paired_gaps(after[pair, k], before[k], False).values()), MARGIN, True)
+            print(
+                f"  {what}: {pair} RL - SFT: {v.mean:+.1f} [{v.low:+.1f}, {v.high:+.1f}] n={v.n}: {v.label}"
+            )
+        for pair in pairs[:-1]:
+            gaps = paired_gaps(after[pair, k], after[pairs[-1], k], False)
+            v = paired_verdict(list(gaps.values()), MARGIN, True)
+            print(
+                f"  {what}: {pair} - {pairs[-1]} after RL: {v.mean:+.1f} [{v.low:+.1f}, {v.high:+.1f}] "
+                f"n={v.n}: {v.label}"
+            )
 
 
 def _row(row: tuple) -> str:
