@@ -32,7 +32,7 @@ from ...train import parse_config, train
 from .data import NUMBERS, make_demo_data, tokenizer_training_texts
 from .report import render
 from .results import FULL, QUICK, DemoRecord, DemoSettings, RecipeResult, machine_description
-from .text import run_text
+from .text import plan_text, run_text, text_result, text_worker
 from .workers import die_with_parent
 
 __all__ = [
@@ -364,11 +364,13 @@ def run_demo(out: Path, settings: DemoSettings, recipes: list[str], jobs: int = 
     pairs = [(recipe, seed) for recipe in recipes for seed in settings.seeds]
     jobs = max(1, min(jobs, len(pairs)))
     threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else _torch_threads()
+    text_out = out / "text"  # the verdict's part: real text (demo/text.py)
     if jobs == 1:
         results = []
         for i, (recipe, seed) in enumerate(pairs, 1):
             log.info("demo: run %d/%d: %s, seed %d", i, len(pairs), recipe, seed)
             results.append(run_recipe(recipe, seed, out, settings, data, tokenizer))
+        text = run_text(text_out, settings, recipes, jobs)
     else:
         log.info(
             "demo: %d runs (%d recipes x %d seeds), %d at a time (%d thread(s) each); progress is logged "
@@ -385,8 +387,20 @@ def run_demo(out: Path, settings: DemoSettings, recipes: list[str], jobs: int = 
             jobs, mp_context=context, initializer=die_with_parent, initargs=(os.getpid(),)
         ) as pool:
             futures = [pool.submit(_run_worker, r, seed, out, settings, data, threads) for r, seed in pairs]
+            # the real-text runs queue behind them in the same pool, so no core waits for the last
+            # reasoning run to end; their corpus is prepared here meanwhile
+            plan = plan_text(text_out, settings, recipes)
+            text_futures = (
+                [
+                    pool.submit(text_worker, text_out, plan.settings, r, seed, threads)
+                    for r, seed in plan.pairs
+                ]
+                if plan is not None
+                else []
+            )
             results = [f.result() for f in futures]
-    text = run_text(out / "text", settings, recipes, jobs)  # the verdict's part: real text (demo/text.py)
+            text_runs = [f.result() for f in text_futures]
+        text = text_result(plan, text_runs) if plan is not None else None
     record = DemoRecord(
         settings=settings,
         recipes=recipes,

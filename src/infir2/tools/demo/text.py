@@ -22,7 +22,7 @@ import logging
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,16 @@ from .results import DemoSettings
 from .summary import NULL_CONTROL
 from .workers import die_with_parent
 
-__all__ = ["corpus_available", "run_text", "text_section", "text_settings"]
+__all__ = [
+    "TextPlan",
+    "corpus_available",
+    "plan_text",
+    "run_text",
+    "text_result",
+    "text_section",
+    "text_settings",
+    "text_worker",
+]
 
 
 log = logging.getLogger(__name__)
@@ -60,7 +69,8 @@ def text_settings(s: DemoSettings, recipes: list[str]) -> FidelitySettings:
     )
 
 
-def _worker(out: Path, ts: FidelitySettings, recipe: str, seed: int, threads: int) -> RunResult:
+def text_worker(out: Path, ts: FidelitySettings, recipe: str, seed: int, threads: int) -> RunResult:
+    """One real-text run in a worker process (its own threads, log lines instead of progress bars)."""
     import torch
 
     from ...data.tokenizer import load_tokenizer
@@ -75,10 +85,20 @@ def _worker(out: Path, ts: FidelitySettings, recipe: str, seed: int, threads: in
     return run_one(out, ts, ts.widths[0], recipe, seed, load_tokenizer(out / "tokenizer"))
 
 
-def run_text(out: Path, s: DemoSettings, recipes: list[str], jobs: int) -> dict[str, Any] | None:
-    """Train every (recipe, seed) on real text in ``out``; ``None`` (with a warning) when skipped.
+@dataclass
+class TextPlan:
+    """The real-text part, prepared: settings, corpus description, tokenizer, and the runs to make."""
 
-    Returns ``infir2 fidelity``'s result dict: settings, data, runs, summary (paired gaps, verdicts)."""
+    out: Path
+    settings: FidelitySettings
+    data: dict[str, Any]
+    tokenizer: Any
+    pairs: list[tuple[str, int]]
+
+
+def plan_text(out: Path, s: DemoSettings, recipes: list[str]) -> TextPlan | None:
+    """Check the real-text part can run, prepare its corpus and tokenizer in ``out``, list its runs;
+    ``None`` (with a warning) when it is skipped."""
     if not s.text_width:
         return None
     if not corpus_available():
@@ -98,24 +118,41 @@ def run_text(out: Path, s: DemoSettings, recipes: list[str], jobs: int) -> dict[
     log.info("demo: real text: preparing the corpus and tokenizer in %s", out)
     tokenizer, meta = prepare(out, ts)
     pairs = [(recipe, seed) for seed in ts.seeds for recipe in ts.recipes]
-    jobs = max(1, min(jobs, len(pairs)))
-    log.info("demo: real text: %d runs at width %d, %d at a time", len(pairs), ts.widths[0], jobs)
+    log.info("demo: real text: %d runs at width %d", len(pairs), ts.widths[0])
+    return TextPlan(out, ts, meta, tokenizer, pairs)
+
+
+def text_result(plan: TextPlan, runs: list[RunResult]) -> dict[str, Any]:
+    """``infir2 fidelity``'s result dict of the finished runs: settings, data, runs, summary."""
+    return {
+        "settings": asdict(plan.settings),
+        "data": plan.data,
+        "runs": [asdict(r) for r in runs],
+        "summary": summarize(runs),
+    }
+
+
+def run_text(out: Path, s: DemoSettings, recipes: list[str], jobs: int) -> dict[str, Any] | None:
+    """Train every (recipe, seed) on real text in ``out``; ``None`` (with a warning) when skipped.
+
+    Returns ``infir2 fidelity``'s result dict: settings, data, runs, summary (paired gaps, verdicts).
+    (``run_demo`` uses the pieces instead, to share one worker pool with the reasoning runs.)"""
+    plan = plan_text(out, s, recipes)
+    if plan is None:
+        return None
+    ts = plan.settings
+    jobs = max(1, min(jobs, len(plan.pairs)))
     if jobs == 1:
-        runs = [run_one(out, ts, ts.widths[0], r, seed, tokenizer) for r, seed in pairs]
+        runs = [run_one(out, ts, ts.widths[0], r, seed, plan.tokenizer) for r, seed in plan.pairs]
     else:
         threads = max(1, (os.cpu_count() or 1) // jobs)
         context = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(
             jobs, mp_context=context, initializer=die_with_parent, initargs=(os.getpid(),)
         ) as pool:
-            futures = [pool.submit(_worker, out, ts, r, seed, threads) for r, seed in pairs]
+            futures = [pool.submit(text_worker, out, ts, r, seed, threads) for r, seed in plan.pairs]
             runs = [f.result() for f in futures]
-    return {
-        "settings": asdict(ts),
-        "data": meta,
-        "runs": [asdict(r) for r in runs],
-        "summary": summarize(runs),
-    }
+    return text_result(plan, runs)
 
 
 def _sentence(gap: dict[str, Any], label: str) -> str:
