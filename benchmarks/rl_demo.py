@@ -35,7 +35,7 @@ from demo_seeds import parse_sets  # benchmarks/demo_seeds.py
 from infir2.eval import evaluate, load_problems
 from infir2.rl import parse_rl_config, rl
 from infir2.tools.demo.data import harder, make_problems
-from infir2.tools.demo.pipeline import FULL, prepare_data, run_recipe
+from infir2.tools.demo.pipeline import FULL, DemoSettings, prepare_data, run_recipe
 from infir2.tools.demo.summary import METRICS
 from infir2.tools.paired import paired_gaps, paired_verdict
 
@@ -43,7 +43,7 @@ SETTINGS = dataclasses.replace(FULL, n_test_hard=100)  # the demo's data, and a 
 MARGIN = next(m for m in METRICS if m.key == "accuracy").margin  # points: the demo's accuracy margin
 
 
-def _accuracy(model_dir: Path, tokenizer, test: Path, sampled: bool = False) -> float:
+def _accuracy(model_dir: Path, tokenizer, test: Path, s: DemoSettings, sampled: bool = False) -> float:
     """Greedy accuracy, or (``sampled``) avg@4 at the protocol's temperature 0.65 / top-p 0.95 (seed 0)."""
     from transformers import AutoModelForCausalLM
 
@@ -59,8 +59,8 @@ def _accuracy(model_dir: Path, tokenizer, test: Path, sampled: bool = False) -> 
         tokenizer,
         problems,
         task="math",
-        max_new_tokens=FULL.max_new_tokens,
-        batch_size=FULL.eval_batch_size,
+        max_new_tokens=s.max_new_tokens,
+        batch_size=s.eval_batch_size,
         progress=False,
         **how,
     )
@@ -78,14 +78,14 @@ def _prompts(sft_train: Path, out: Path) -> Path:
     return out
 
 
-def _hard_prompts(test_hard: Path, out: Path, n: int) -> Path:
+def _hard_prompts(test_hard: Path, out: Path, n: int, s: DemoSettings) -> Path:
     """``n`` problems of the harder split, none of ``test_hard`` (same generator, another seed)."""
     held_out = [json.loads(line)["problem"] for line in test_hard.read_text().splitlines()]
     records = make_problems(
         n,
         seed=1,
-        max_operand=FULL.max_operand,
-        num_ops=harder(FULL.num_ops),
+        max_operand=s.max_operand,
+        num_ops=harder(s.num_ops),
         exclude=held_out,
         prefix="rl-hard",
     )
@@ -94,7 +94,15 @@ def _hard_prompts(test_hard: Path, out: Path, n: int) -> Path:
 
 
 def _rl_config(
-    out: Path, sft_hf: Path, prompts: Path, val: Path | None, rollout: str, recipe: str, seed: int, args
+    out: Path,
+    sft_hf: Path,
+    prompts: Path,
+    val: Path | None,
+    rollout: str,
+    recipe: str,
+    seed: int,
+    args,
+    s: DemoSettings,
 ) -> dict:
     cfg: dict = {
         "run": {
@@ -112,7 +120,7 @@ def _rl_config(
             "prompts_per_step": args.prompts,
             "group_size": args.group,
             "oversample_prompts": 2 * args.prompts,
-            "max_new_tokens": FULL.max_new_tokens,
+            "max_new_tokens": s.max_new_tokens,
             "temperature": args.temperature,
             "batch_size": 128,
         },
@@ -171,7 +179,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)  # one thread: tiny GEMMs on a shared CPU (more only spin)
     data, tokenizer = prepare_data(args.out, settings)
     if args.split == "hard":
-        prompts = _hard_prompts(data["test_hard"], args.out / "rl_prompts_hard.jsonl", args.hard_prompts)
+        prompts = _hard_prompts(
+            data["test_hard"], args.out / "rl_prompts_hard.jsonl", args.hard_prompts, settings
+        )
         measured, other = data["test_hard"], data["test"]
     else:
         prompts = _prompts(data["sft_train"], args.out / "rl_prompts.jsonl")
@@ -182,9 +192,9 @@ def main() -> None:
     if not (sft_hf / "config.json").is_file():
         run_recipe("bf16", args.sft_seed, args.out, settings, data, tokenizer, progress=False)
     before = (
-        _accuracy(sft_hf, tokenizer, measured),
-        _accuracy(sft_hf, tokenizer, measured, sampled=True),
-        _accuracy(sft_hf, tokenizer, other),
+        _accuracy(sft_hf, tokenizer, measured, settings),
+        _accuracy(sft_hf, tokenizer, measured, settings, sampled=True),
+        _accuracy(sft_hf, tokenizer, other, settings),
     )
     print(
         f"SFT (seed {args.sft_seed}): greedy {100 * before[0]:.1f}%, avg@4 {100 * before[1]:.1f}% on "
@@ -195,14 +205,14 @@ def main() -> None:
         for pair in args.pairs.split(","):
             rollout, recipe = pair.split(":")
             cfg = parse_rl_config(
-                _rl_config(args.out, sft_hf, prompts, val, rollout, recipe, seed, args), "rl_demo"
+                _rl_config(args.out, sft_hf, prompts, val, rollout, recipe, seed, args, settings), "rl_demo"
             )
             result = rl(cfg, progress=False)
             assert result.hf_dir is not None
             after = (
-                _accuracy(result.hf_dir, tokenizer, measured),
-                _accuracy(result.hf_dir, tokenizer, measured, sampled=True),
-                _accuracy(result.hf_dir, tokenizer, other),
+                _accuracy(result.hf_dir, tokenizer, measured, settings),
+                _accuracy(result.hf_dir, tokenizer, measured, settings, sampled=True),
+                _accuracy(result.hf_dir, tokenizer, other, settings),
             )
             history = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
             dlogp = sum(m.get("mismatch/abs_dlogp_mean", 0.0) for m in history) / len(history)
