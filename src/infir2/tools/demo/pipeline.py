@@ -370,7 +370,7 @@ def run_demo(out: Path, settings: DemoSettings, recipes: list[str], jobs: int = 
         for i, (recipe, seed) in enumerate(pairs, 1):
             log.info("demo: run %d/%d: %s, seed %d", i, len(pairs), recipe, seed)
             results.append(run_recipe(recipe, seed, out, settings, data, tokenizer))
-        text = run_text(text_out, settings, recipes, jobs)
+        text = run_text(text_out, settings, recipes)
     else:
         log.info(
             "demo: %d runs (%d recipes x %d seeds), %d at a time (%d thread(s) each); progress is logged "

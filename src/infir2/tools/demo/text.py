@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import multiprocessing
-import os
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +27,6 @@ from ..bench.fidelity import BASELINE, EXTRA, FidelitySettings, prepare, run_one
 from ..bench.fidelity_report import RunResult, summarize, table
 from .results import DemoSettings
 from .summary import NULL_CONTROL
-from .workers import die_with_parent
 
 __all__ = [
     "TextPlan",
@@ -132,27 +128,19 @@ def text_result(plan: TextPlan, runs: list[RunResult]) -> dict[str, Any]:
     }
 
 
-def run_text(out: Path, s: DemoSettings, recipes: list[str], jobs: int) -> dict[str, Any] | None:
-    """Train every (recipe, seed) on real text in ``out``; ``None`` (with a warning) when skipped.
+def run_text(out: Path, s: DemoSettings, recipes: list[str]) -> dict[str, Any] | None:
+    """Train every (recipe, seed) on real text in ``out``, one after the other in this process; ``None``
+    (with a warning) when skipped. ``run_demo`` with several jobs queues ``text_worker`` runs in its own
+    pool instead.
 
-    Returns ``infir2 fidelity``'s result dict: settings, data, runs, summary (paired gaps, verdicts).
-    (``run_demo`` uses the pieces instead, to share one worker pool with the reasoning runs.)"""
+    Returns ``infir2 fidelity``'s result dict: settings, data, runs, summary (paired gaps, verdicts)."""
     plan = plan_text(out, s, recipes)
     if plan is None:
         return None
     ts = plan.settings
-    jobs = max(1, min(jobs, len(plan.pairs)))
-    if jobs == 1:
-        runs = [run_one(out, ts, ts.widths[0], r, seed, plan.tokenizer) for r, seed in plan.pairs]
-    else:
-        threads = max(1, (os.cpu_count() or 1) // jobs)
-        context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(
-            jobs, mp_context=context, initializer=die_with_parent, initargs=(os.getpid(),)
-        ) as pool:
-            futures = [pool.submit(text_worker, out, ts, r, seed, threads) for r, seed in plan.pairs]
-            runs = [f.result() for f in futures]
-    return text_result(plan, runs)
+    return text_result(
+        plan, [run_one(out, ts, ts.widths[0], r, seed, plan.tokenizer) for r, seed in plan.pairs]
+    )
 
 
 def _sentence(gap: dict[str, Any], label: str) -> str:
