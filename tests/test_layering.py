@@ -27,8 +27,10 @@ ALLOWED: dict[str, set[str]] = {
     "checkpoint": {"nn"},  # the folder, the full and the sharded format (FP8 gather wrappers unwrapped)
     "export": {"data", "fp8", "nn"},
     "eval": {"data", "export", "loss", "nn"},
-    "train": {"checkpoint", "data", "export", "fp8", "loss", "model", "nn"},
-    "rl": {"checkpoint", "data", "eval", "export", "fp8", "kernels", "model", "train"},
+    # the run harness under every stage: config sections, run folder, model setup, resume, guards
+    "harness": {"checkpoint", "data", "export", "fp8", "model", "nn"},
+    "train": {"data", "harness", "loss", "nn"},  # peers on the harness: neither imports the other
+    "rl": {"data", "eval", "export", "fp8", "harness", "kernels", "model"},
     # tools/: each subpackage or module is a layer of its own (tools.<name>), above the library
     "tools": set(),
     "tools.paired": set(),  # paired-seed statistics shared by demo and bench (floats only)

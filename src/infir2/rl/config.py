@@ -14,26 +14,34 @@ where they published one, docs/RL.md)::
               overlong (none|mask|penalty), overlong_buffer, overlong_penalty, updates_per_batch,
               micro_batch_size, adv_eps
     train:    max_steps, save_every, keep_last, log_every, eval_every, eval_problems, max_nonfinite_in_row,
-              accept_config_changes
+              max_prob_error
 
-Validation is strict (an unknown key or a bad value is a ``ValueError`` naming the dotted key and the
+The run, model, fp8 and optim sections, their rules, the YAML reader and ``run.accept_config_changes``
+are the run harness's (``infir2.harness.config``), shared with ``infir2 train``. Validation is strict (an unknown key or a bad value is a ``ValueError`` naming the dotted key and the
 file); ``--set key=value`` overrides use the same dotted keys.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
-from ..train.config import Fp8Config, ModelConfig, OptimConfig, RunSection
-from ..train.config import parse_config as parse_train_config
-from ..train.typed_yaml import apply_overrides, build, config_error, to_plain
+from ..harness.config import (
+    Fp8Config,
+    ModelConfig,
+    OptimConfig,
+    RunSection,
+    check_positive,
+    check_shared,
+    load_stage_config,
+    migrate_renamed,
+    save_config,
+)
+from ..harness.typed_yaml import build, config_error
 
 __all__ = [
+    "MEANINGFUL",
     "AlgoConfig",
     "RLConfig",
     "RLData",
@@ -44,6 +52,10 @@ __all__ = [
     "save_rl_config",
     "tis_mode",
 ]
+
+
+#: keys (or section prefixes ending in ".") whose change on resume alters what an RL run computes
+MEANINGFUL = ("optim.", "data.", "model.", "fp8.", "rollout.", "algo.", "run.seed")
 
 
 @dataclass(frozen=True)
@@ -106,9 +118,11 @@ class RLTrain:
     log_every: int = 1
     eval_every: int = 0  # held-out accuracy (greedy) every N steps and at the end, when data.val_path is set
     eval_problems: int | None = None  # the first N of data.val_path; None: all
-    max_nonfinite_in_row: int = 3
-    # resume although optim/data/model/fp8/rollout/algo/run.seed differ from the run's config.yaml
-    accept_config_changes: bool = False
+    max_nonfinite_in_row: int = 3  # consecutive skipped steps that stop the run
+    # skip a step's updates when its rollout / training mismatch (NeMo-RL's token probability error,
+    # mean exp|logp_train - logp_rollout|; healthy: < 1.03-1.05) is above this: a broken engine or weights
+    # that no longer match, not noise; null = off
+    max_prob_error: float | None = 1.5
 
 
 @dataclass(frozen=True)
@@ -138,23 +152,11 @@ def tis_mode(cfg: RLConfig) -> str:
 
 
 def _check(cfg: RLConfig, source: str) -> None:
-    # the shared sections follow `infir2 train`'s rules (recipe and arch names, optim ranges, ...)
-    parse_train_config(
-        {
-            "run": to_plain(cfg.run),
-            "model": to_plain(cfg.model),
-            "fp8": to_plain(cfg.fp8),
-            "optim": to_plain(cfg.optim),
-        },
-        source,
-    )
+    check_shared(cfg, source)  # run / model / fp8 / optim: the rules `infir2 train` applies
     r, a, t = cfg.rollout, cfg.algo, cfg.train
 
     def positive(key: str, value: float | None, allow_zero: bool = False) -> None:
-        if value is not None and (not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero)):
-            raise config_error(
-                source, key, f"must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value}"
-            )
+        check_positive(source, key, value, allow_zero)
 
     for key in (
         "prompts_per_step",
@@ -190,6 +192,12 @@ def _check(cfg: RLConfig, source: str) -> None:
         positive(f"train.{key}", getattr(t, key))
     for key in ("save_every", "eval_every"):
         positive(f"train.{key}", getattr(t, key), allow_zero=True)
+    if t.max_prob_error is not None and t.max_prob_error <= 1:
+        raise config_error(
+            source,
+            "train.max_prob_error",
+            f"must be > 1 (1 is a perfect match) or null, got {t.max_prob_error}",
+        )
     from .rewards import REWARDS
 
     if a.reward not in REWARDS:
@@ -198,7 +206,7 @@ def _check(cfg: RLConfig, source: str) -> None:
 
 def parse_rl_config(data: dict[str, Any], source: str = "<dict>") -> RLConfig:
     """Validate a nested dict (parsed YAML) into an ``RLConfig``; ``source`` names it in errors."""
-    cfg = build(RLConfig, data, "", source)
+    cfg = build(RLConfig, migrate_renamed(data, source), "", source)
     _check(cfg, source)
     return cfg
 
@@ -208,19 +216,9 @@ def load_rl_config(path: str | Path, overrides: list[str] | None = None) -> RLCo
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"RL config {path} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not valid YAML: {e}") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of sections (run, model, data, rollout, algo, ...)")
-    source = str(path)
-    if overrides:
-        data = apply_overrides(data, overrides, f"{path} with --set")
-        source = f"{path} with --set {' '.join(overrides)}"
-    return parse_rl_config(data, source)
+    return load_stage_config(path, parse_rl_config, overrides)
 
 
 def save_rl_config(cfg: RLConfig, path: str | Path) -> None:
     """The resolved config (every field) as YAML; it loads back unchanged."""
-    Path(path).write_text(yaml.safe_dump(to_plain(cfg), sort_keys=False))
+    save_config(cfg, path)
