@@ -19,6 +19,7 @@ from infir2.data import load_tokenizer
 from infir2.harness.guards import NonFiniteError
 from infir2.rl import REWARDS, parse_rl_config, rl
 from infir2.rl import loop as rl_loop
+from infir2.rl import update as rl_update
 from train_synthetic import one_thread
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
@@ -82,7 +83,7 @@ def test_an_rl_checkpoint_holds_every_rng_the_cuda_one_included(tmp_path, tiny_t
 def test_a_skip_streak_stops_rl_with_the_harness_error_naming_the_last_checkpoint(
     tmp_path, tiny_tokenizer, monkeypatch
 ):
-    real, update = rl_loop.policy_loss, rl_loop._update
+    real, update = rl_update.policy_loss, rl_loop.update
     updates = {"n": 0}
 
     def count_updates(*args, **kwargs):
@@ -93,8 +94,8 @@ def test_a_skip_streak_stops_rl_with_the_harness_error_naming_the_last_checkpoin
         total, stats = real(*args, **kwargs)
         return (total * float("nan") if updates["n"] > 1 else total), stats
 
-    monkeypatch.setattr(rl_loop, "_update", count_updates)
-    monkeypatch.setattr(rl_loop, "policy_loss", nan_after_first_step)
+    monkeypatch.setattr(rl_loop, "update", count_updates)
+    monkeypatch.setattr(rl_update, "policy_loss", nan_after_first_step)
     cfg = _config(tmp_path, "nan", train={"max_steps": 5, "max_nonfinite_in_row": 2, "save_every": 1})
     with pytest.raises(NonFiniteError, match="step_00000001") as error:
         rl(cfg, model=make_tiny_model(seed=1), tokenizer=tiny_tokenizer, progress=False)
