@@ -20,10 +20,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from conftest import make_tiny_model
 from infir2.cli import main
 from infir2.export.layout import quantize_weight
+from infir2.harness.distributed import shard_model
 from infir2.model import prepare_for_training
 from infir2.rl import REWARDS
 from infir2.rl.engine import BuiltinEngine
-from infir2.harness.distributed import shard_model
 
 
 def parity(text: str, gold: str) -> float:

@@ -73,7 +73,9 @@ def test_an_rl_checkpoint_holds_every_rng_the_cuda_one_included(tmp_path, tiny_t
             return save(*args, **kwargs)
 
     monkeypatch.setattr(rl_loop, "save", save_with_cuda)
-    result = rl(_config(tmp_path, "rng"), model=make_tiny_model(seed=1), tokenizer=tiny_tokenizer, progress=False)
+    result = rl(
+        _config(tmp_path, "rng"), model=make_tiny_model(seed=1), tokenizer=tiny_tokenizer, progress=False
+    )
     saved = torch.load(result.checkpoint / "state.pt", weights_only=True)
     rng = saved["train_state"]["rng"]
     assert isinstance(rng, list) and set(rng[0]) == {"torch", "python", "cuda"}
@@ -123,8 +125,13 @@ def test_a_rollout_mismatch_above_the_gate_skips_the_updates(tmp_path, tiny_toke
     for name, t in model.state_dict().items():
         assert torch.equal(t.to(start[name].dtype), start[name]), name
     # the same run without the gate trains
-    ok = _config(tmp_path, "nogate", rollout={"precision": "bf16"}, train={"max_steps": 1, "max_prob_error": None})
-    assert rl(ok, model=make_tiny_model(seed=1), tokenizer=tiny_tokenizer, progress=False).history[0]["updates"] == 1
+    ok = _config(
+        tmp_path, "nogate", rollout={"precision": "bf16"}, train={"max_steps": 1, "max_prob_error": None}
+    )
+    assert (
+        rl(ok, model=make_tiny_model(seed=1), tokenizer=tiny_tokenizer, progress=False).history[0]["updates"]
+        == 1
+    )
 
 
 def test_rl_reads_its_tokenizer_as_infir2_train_does(tmp_path, tiny_tokenizer, monkeypatch):
@@ -136,8 +143,10 @@ def test_rl_reads_its_tokenizer_as_infir2_train_does(tmp_path, tiny_tokenizer, m
     make_tiny_model(seed=1).save_pretrained(model_dir)
     tiny_tokenizer.save_pretrained(tok_dir)
     prompts = tmp_path / "odd.jsonl"
-    text = 'He said:"hello"... .net isn\'t it? DON\'T! x=12+7*(3-4)'
-    prompts.write_text("".join(json.dumps({"problem": f"{text} {i}", "answer": "1"}) + "\n" for i in range(3)))
+    text = "He said:\"hello\"... .net isn't it? DON'T! x=12+7*(3-4)"
+    prompts.write_text(
+        "".join(json.dumps({"problem": f"{text} {i}", "answer": "1"}) + "\n" for i in range(3))
+    )
     as_train = load_tokenizer(tok_dir, model_type="qwen2")
     as_files = load_tokenizer(tok_dir)
     assert as_train(text)["input_ids"] != as_files(text)["input_ids"]  # the folder is ambiguous

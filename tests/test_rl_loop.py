@@ -142,8 +142,13 @@ def test_resume_after_a_crash_is_bit_identical(tmp_path, tiny_tokenizer, parity_
         torch.load(c / "state.pt", weights_only=True)
         for c in sorted((tmp_path / "whole" / "checkpoints").glob("step_*"))
     ]
-    assert any(s["data"][0]["buffer"] for s in saved)  # a dynamic-sampling buffer was carried over a checkpoint
-    assert a["data"][0]["buffer"] == b["data"][0]["buffer"] and a["data"][0]["prompts"] == b["data"][0]["prompts"]
+    assert any(
+        s["data"][0]["buffer"] for s in saved
+    )  # a dynamic-sampling buffer was carried over a checkpoint
+    assert (
+        a["data"][0]["buffer"] == b["data"][0]["buffer"]
+        and a["data"][0]["prompts"] == b["data"][0]["prompts"]
+    )
     for name, t in a["model"].items():
         assert torch.equal(t, b["model"][name]), name
 

@@ -6,8 +6,8 @@ import pytest
 import yaml
 
 from conftest import make_tiny_model
-from infir2.train import train
 from infir2.harness.config_changes import ConfigChangedError, config_changes
+from infir2.train import train
 from infir2.train.config import MEANINGFUL
 from train_synthetic import SyntheticSource, one_thread, tiny_run_config
 

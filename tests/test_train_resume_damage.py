@@ -14,8 +14,8 @@ import pytest
 
 from conftest import make_tiny_model
 from infir2.checkpoint import NoLoadableCheckpointError, list_checkpoints
-from infir2.train import train
 from infir2.harness.lock import RunLockedError, run_lock
+from infir2.train import train
 from train_synthetic import SyntheticSource, one_thread, tiny_run_config
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
