@@ -1,12 +1,14 @@
 """RL checkpoints written by earlier versions of infir2 still resume where they left off.
 
 ``tests/fixtures/rl_checkpoint_v1/`` holds the step-2 checkpoint of a tiny `infir2 rl` run (a 1-layer
-Qwen2 of width 64 in fp32, a KL reference, carried-over groups; no FP8, so that a CPU whose fp32
-GEMMs round otherwise cannot flip an FP8 code) written by the code before the run harness (``rl/loop.py`` with its own checkpoint layout), and ``expected.json`` with the
-metrics of step 3 that code computed after resuming from it. The comparison has a tolerance (1e-5
-relative) because the fp32 GEMMs of a resumed step round differently on another CPU. The fixture is data from the past: do
-not regenerate it with today's code (``python tests/test_rl_checkpoint_compat.py --write`` is how it
-was written).
+Qwen2 of width 64 in fp32, a KL reference, carried-over groups; no FP8, so that a CPU whose fp32 GEMMs
+round otherwise cannot flip an FP8 code) written by the code before the run harness (``rl/loop.py``
+with its own checkpoint layout: one data dict, one RNG dict), and ``expected.json`` with the metrics of
+step 3 that code computed after resuming from it. The comparison has a tolerance (1e-5 relative)
+because the fp32 GEMMs of a resumed step round differently on another CPU, and because the gradient
+norm is now summed in float64 (it moved by 3e-7 relative here). The fixture is data from the past:
+do not regenerate it with today's code (``python tests/test_rl_checkpoint_compat.py --write`` is how
+it was written).
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def test_an_old_rl_checkpoint_resumes_where_it_left_off(tmp_path, monkeypatch):
         exact = {k: v for k, v in b.items() if not isinstance(v, float)}
         assert {k: a[k] for k in exact} == exact
         assert [a[k] for k in b if k not in exact] == pytest.approx(
-            [b[k] for k in b if k not in exact], rel=1e-9
+            [b[k] for k in b if k not in exact], rel=1e-5, abs=1e-7
         )
 
 
