@@ -118,9 +118,9 @@ def _env() -> dict[str, str]:
 _RL_ONE = """
 import sys
 from infir2.cli import main
-from infir2.rl import REWARDS
+from infir2.eval import register_grader
 from rl_distributed_worker import parity
-REWARDS["parity"] = parity
+register_grader("parity", parity)
 import torch; torch.set_num_threads(1)
 sys.exit(main(["rl", sys.argv[1], "--no-progress", "--set", "run.name=one"]))
 """

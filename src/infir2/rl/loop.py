@@ -63,9 +63,10 @@ from torch.distributed.checkpoint.state_dict import (
 from .. import checkpoint as ckpt
 from ..data import load_tokenizer
 from ..data.chat import render_prompt, stop_token_ids
-from ..eval.tasks import Problem, load_problems
+from ..eval.tasks import Problem, load_problems, reward
 from ..export import export_model
 from ..fp8 import get_recipe
+from ..generation import EngineOptions, RolloutEngine, Sample, SamplingConfig, build_engine, derive_seeds
 from ..model import autocast, build_from_config, check_model_folder, load_pretrained, prepare_for_training
 from ..train.config_changes import config_changes
 from ..train.distributed import (
@@ -89,10 +90,8 @@ from .algorithm import (
     policy_loss,
     tis_weights,
 )
-from .config import RLConfig, save_rl_config, tis_mode
-from .engine import BuiltinEngine, Rollout, RolloutEngine, derive_seeds
+from .config import RLConfig, save_rl_config, tis_mode, upgrade_saved_rl_config
 from .prompts import PromptStream
-from .rewards import REWARDS
 
 __all__ = [
     "RLResult",
@@ -246,12 +245,12 @@ def collect_groups(run: Run) -> tuple[list[dict[str, Any]], dict[str, float]]:
     return batch, stats
 
 
-def _grade(run: Run, index: int, group: list[Rollout]) -> tuple[dict[str, Any], bool]:
+def _grade(run: Run, index: int, group: list[Sample]) -> tuple[dict[str, Any], bool]:
     """Prompt ``index``'s group as a record (rewards graded and shaped), and whether dynamic sampling keeps
     it; a dropped group's record keeps only what the statistics need (no responses, no log-probabilities)."""
     r, a = run.cfg.rollout, run.cfg.algo
     texts = [_completion_text(run, g.response_ids) for g in group]
-    correct = [REWARDS[a.reward](t, run.problems[index].answer) for t in texts]
+    correct = [reward(a.reward, run.problems[index], t) for t in texts]
     lengths = [len(g.response_ids) for g in group]
     shaped = torch.tensor(correct, dtype=torch.float64)
     if a.overlong == "penalty":
@@ -446,11 +445,10 @@ def _update(run: Run, plan: list[list[list[dict[str, Any]]]]) -> dict[str, float
 
 def _evaluate(run: Run) -> float:
     """Greedy accuracy on the held-out problems with the engine's current weights (each rank its share)."""
-    reward = REWARDS[run.cfg.algo.reward]
     lo, hi = share(len(run.val), run.env.rank, run.env.world_size)
     groups = run.engine.generate(run.val_ids[lo:hi], 1, seed=0, greedy=True)
     scores = [
-        reward(_completion_text(run, g[0].response_ids), p.answer)
+        reward(run.cfg.algo.reward, p, _completion_text(run, g[0].response_ids))
         for g, p in zip(groups, run.val[lo:hi], strict=True)
     ]
     correct = torch.tensor([sum(scores)], dtype=torch.float64, device=run.env.device)
@@ -501,7 +499,7 @@ MEANINGFUL = ("optim.", "data.", "model.", "fp8.", "rollout.", "algo.", "run.see
 
 def _check_config_changes(cfg: RLConfig, saved: dict[str, Any], step: int, main: bool = True) -> None:
     """Refuse a resume whose config changes the run's meaning (unless accepted); keep the old config.yaml."""
-    meaningful, harmless = config_changes(saved, to_plain(cfg))
+    meaningful, harmless = config_changes(upgrade_saved_rl_config(saved), to_plain(cfg))
     changes = meaningful + harmless
     refused = [c for c in changes if any(c.startswith(m) for m in MEANINGFUL)]
     if refused and not cfg.train.accept_config_changes:
@@ -576,8 +574,9 @@ def _encode(tokenizer: Any, problems: list[Problem]) -> list[list[int]]:
 def _setup(cfg: RLConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any) -> Run:
     if not cfg.data.prompts_path:
         raise ValueError('data.prompts_path: is required (a JSONL file of {"problem", "answer"} lines)')
-    problems = load_problems(cfg.data.prompts_path, "math")
-    val = load_problems(cfg.data.val_path, "math")[: cfg.train.eval_problems] if cfg.data.val_path else []
+    task = cfg.data.task
+    problems = load_problems(cfg.data.prompts_path, task)
+    val = load_problems(cfg.data.val_path, task)[: cfg.train.eval_problems] if cfg.data.val_path else []
     tokenizer_path = cfg.model.tokenizer or cfg.model.path
     if tokenizer is None:
         if not tokenizer_path:
@@ -589,18 +588,7 @@ def _setup(cfg: RLConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any)
     ).to(env.device)
     stops = stop_token_ids(tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stops[0] if stops else 0)
-    r = cfg.rollout
-    engine = BuiltinEngine(
-        model,
-        r.precision,
-        r.scale,
-        cfg.model.precision,
-        r.temperature,
-        r.max_new_tokens,
-        r.batch_size,
-        stops,
-        pad_id,
-    )
+    engine = _rollout_engine(cfg, model, tokenizer)
     ref = None
     if cfg.algo.kl_coef > 0:  # a whole copy on every rank (no collectives in its forwards)
         import copy
@@ -629,6 +617,21 @@ def _setup(cfg: RLConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any)
         val,
         _encode(tokenizer, val),
     )
+
+
+def _rollout_engine(cfg: RLConfig, model: nn.Module, tokenizer: Any) -> RolloutEngine:
+    """``rollout.engine`` from the registry, generating from a copy of the policy (before sharding)."""
+    r = cfg.rollout
+    options = EngineOptions(
+        tokenizer,
+        model=lambda: model,
+        precision="served" if r.precision == "fp8" else "high",
+        scale_encoding=r.scale_encoding,
+        model_precision=cfg.model.precision,
+        copy_model=True,
+    )
+    sampling = SamplingConfig(False, r.temperature, 1.0, r.max_new_tokens, r.batch_size)  # the policy itself
+    return RolloutEngine(build_engine(r.engine, options), sampling)
 
 
 def rl(
