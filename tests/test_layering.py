@@ -26,9 +26,11 @@ ALLOWED: dict[str, set[str]] = {
     "loss": {"chunked_loss", "data", "model", "nn"},  # the next-token loss shared by train and eval
     "checkpoint": {"nn"},  # the folder, the full and the sharded format (FP8 gather wrappers unwrapped)
     "export": {"data", "fp8", "nn"},
-    "eval": {"data", "export", "loss", "nn"},
+    # engines, the KV-cache sampler, the FP8 serving linear, the server client: below eval and rl
+    "generation": {"data", "export", "fp8", "kernels", "model", "nn"},
+    "eval": {"data", "export", "generation", "loss", "nn"},
     "train": {"checkpoint", "data", "export", "fp8", "loss", "model", "nn"},
-    "rl": {"checkpoint", "data", "eval", "export", "fp8", "kernels", "model", "train"},
+    "rl": {"checkpoint", "data", "eval", "export", "fp8", "generation", "model", "train"},
     # tools/: each subpackage or module is a layer of its own (tools.<name>), above the library
     "tools": set(),
     "tools.paired": set(),  # paired-seed statistics shared by demo and bench (floats only)

@@ -198,10 +198,9 @@ def _load(args: argparse.Namespace):
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     model = load_checkpoint(args.model, device=device)
     if args.fp8 not in (None, "served"):
-        from ..fp8 import get_recipe
         from ..nn import convert_to_fp8
 
-        convert_to_fp8(model, get_recipe(args.fp8).name)
+        convert_to_fp8(model, args.fp8)  # an unknown recipe name is a ValueError naming the choices
     return model
 
 
