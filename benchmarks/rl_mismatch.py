@@ -20,11 +20,11 @@ import time
 import torch
 
 from infir2.data import load_tokenizer
-from infir2.data.chat import render_prompt, stop_token_ids
+from infir2.data.chat import render_prompt
 from infir2.eval import load_problems
+from infir2.generation import BuiltinEngine, RolloutEngine, SamplingConfig
 from infir2.model import load_pretrained, prepare_for_training
 from infir2.rl.algorithm import mismatch_metrics
-from infir2.generation import BuiltinEngine, RolloutEngine, SamplingConfig
 from infir2.rl.loop import sequence_logprobs
 
 PAIRS = "bf16:bf16,fp8:bf16,bf16:blockwise,fp8:blockwise,fp8:blockwise_fp32scale"

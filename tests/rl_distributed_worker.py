@@ -19,10 +19,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from conftest import make_tiny_model, make_tokenizer
 from infir2.cli import main
-from infir2.export.layout import quantize_weight
-from infir2.model import prepare_for_training
 from infir2.eval import Graded, register_grader
+from infir2.export.layout import quantize_weight
 from infir2.generation import BuiltinEngine
+from infir2.model import prepare_for_training
 from infir2.train.distributed import shard_model
 
 

@@ -11,8 +11,8 @@ import torch
 from conftest import make_tiny_model
 from infir2.cli import main
 from infir2.eval import GRADERS, Graded
-from infir2.rl import parse_rl_config, rl
 from infir2.rl import loop as rl_loop
+from infir2.rl import parse_rl_config, rl
 
 
 @pytest.fixture(autouse=True)

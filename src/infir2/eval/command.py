@@ -123,6 +123,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="local: the built-in KV-cache engine in this process; server: an OpenAI-compatible "
         "/v1/completions endpoint (vLLM, SGLang, transformers serve); or an engine registered by name",
     )
+    _add_engine_arguments(p)
+    g = p.add_argument_group("held-out loss (instead of a benchmark)")
+    g.add_argument("--perplexity", metavar="TOKEN_DIR", help="folder with val.bin + meta.json")
+    g.add_argument("--split", default="val", help="token file name without .bin (default: val)")
+    g.add_argument("--seq-len", type=int, default=1024, help="context per window (default 1024)")
+    g.add_argument("--max-windows", type=int, help="score only the first N windows")
+
+
+def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of the built-in (local) engine and of the server engine."""
     g = p.add_argument_group("local engine")
     g.add_argument("--batch-size", type=int, default=8, help="sequences generated together")
     g.add_argument(
@@ -162,11 +172,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="{}",
         help="JSON merged into every request, for engine extensions, e.g. '{\"top_k\": -1}' (default: {})",
     )
-    g = p.add_argument_group("held-out loss (instead of a benchmark)")
-    g.add_argument("--perplexity", metavar="TOKEN_DIR", help="folder with val.bin + meta.json")
-    g.add_argument("--split", default="val", help="token file name without .bin (default: val)")
-    g.add_argument("--seq-len", type=int, default=1024, help="context per window (default 1024)")
-    g.add_argument("--max-windows", type=int, help="score only the first N windows")
 
 
 def _resolve(args: argparse.Namespace) -> None:

@@ -46,7 +46,7 @@ class ServingFp8Linear(nn.Module):
         )
         self.register_buffer("weight_scale_inv", torch.ones(rows, cols, dtype=torch.float32, device=device))
         self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
-        self.act_cast = Cast(TILE, "e4m3", scale_encoding)
+        self.act_cast = Cast(TILE, "e4m3", export_scale_encoding(scale_encoding))
         self.kernels = bind(get_recipe(SAME_RECIPE[scale_encoding]), device)
 
     @torch.no_grad()
