@@ -5,7 +5,7 @@ Run on CPU (gloo) or GPUs (NCCL), 2 processes:
     torchrun --standalone --nproc_per_node 2 benchmarks/fsdp_wire_bytes.py
 
 For each mode it builds the same tiny Qwen2 (untied embeddings), shards it with
-``infir2.train.distributed.shard_model``, runs ``--steps`` training steps on random tokens and
+``infir2.harness.distributed.shard_model``, runs ``--steps`` training steps on random tokens and
 counts, on rank 0, the bytes every FSDP2 all-gather delivers to the rank (``WireBytes``, installed
 through FSDP2's ``set_custom_all_gather``) and the block-amax all-reduces of the FP8 gather (bytes
 and number of collectives: one per FSDP unit and all-gather, latency-bound, so the count matters).
@@ -21,12 +21,12 @@ import argparse
 
 import torch
 
+from infir2.harness.distributed import init_distributed, shard_model
+from infir2.harness.optim import build_optimizer
 from infir2.model import prepare_for_training
 from infir2.tools.wire_bytes import AmaxBytes, WireBytes
 from infir2.train.config import OptimConfig
-from infir2.train.distributed import init_distributed, shard_model
 from infir2.train.loop import train_step
-from infir2.train.optim import build_optimizer
 
 MODES = {"fp32": ("fp32", False), "bf16": ("bf16", False), "bf16+fp8": ("bf16", True)}
 

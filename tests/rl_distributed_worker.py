@@ -22,8 +22,8 @@ from infir2.cli import main
 from infir2.eval import Graded, register_grader
 from infir2.export.layout import quantize_weight
 from infir2.generation import BuiltinEngine
+from infir2.harness.distributed import shard_model
 from infir2.model import prepare_for_training
-from infir2.train.distributed import shard_model
 
 
 def parity(problem, text: str) -> Graded:

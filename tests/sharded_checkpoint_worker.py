@@ -17,11 +17,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from fsdp_param_gather_worker import SOURCE, tiny_qwen2
 from infir2.checkpoint import load_sharded, save_sharded
+from infir2.harness.distributed import init_distributed, shard_model
+from infir2.harness.optim import build_optimizer
 from infir2.model import prepare_for_training
 from infir2.train.config import OptimConfig
-from infir2.train.distributed import init_distributed, shard_model
 from infir2.train.loop import train_step
-from infir2.train.optim import build_optimizer
 from train_synthetic import SyntheticSource
 
 

@@ -61,8 +61,8 @@ def test_the_whole_config_is_checked_before_a_model_is_built(tmp_path, monkeypat
     def no_model(*args, **kwargs):
         raise AssertionError("a model was built before the config was checked")
 
-    monkeypatch.setattr("infir2.train.setup.load_pretrained", no_model)
-    monkeypatch.setattr("infir2.train.setup.build_from_config", no_model)
+    monkeypatch.setattr("infir2.harness.setup.load_pretrained", no_model)
+    monkeypatch.setattr("infir2.harness.setup.build_from_config", no_model)
     assert main(["train", str(tmp_path / "sft.yaml"), "--no-progress"]) == 2
     assert "data.max_tokens_per_micro_batch: required for SFT" in capsys.readouterr().err
     assert (

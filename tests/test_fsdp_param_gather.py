@@ -130,7 +130,7 @@ def test_param_gather_setting():
 @pytest.mark.slow
 def test_fp8_param_gather_two_processes(tmp_path):
     from fsdp_param_gather_worker import fp8_model, train_and_eval
-    from infir2.train.distributed import DistEnv
+    from infir2.harness.distributed import DistEnv
 
     modes = ["fp32", "fp32-fp8gather", "bf16", "bf16-fp8gather"]
     env = subprocess_env()

@@ -29,8 +29,10 @@ ALLOWED: dict[str, set[str]] = {
     # engines, the KV-cache sampler, the FP8 serving linear, the server client: below eval and rl
     "generation": {"data", "export", "fp8", "kernels", "model", "nn"},
     "eval": {"data", "export", "generation", "loss", "nn"},
-    "train": {"checkpoint", "data", "export", "fp8", "loss", "model", "nn"},
-    "rl": {"checkpoint", "data", "eval", "export", "fp8", "generation", "model", "train"},
+    # the run harness under every stage: config sections, run folder, model setup, resume, guards
+    "harness": {"checkpoint", "data", "export", "fp8", "model", "nn"},
+    "train": {"data", "harness", "loss", "nn"},  # peers on the harness: neither imports the other
+    "rl": {"data", "eval", "generation", "harness", "model"},
     # tools/: each subpackage or module is a layer of its own (tools.<name>), above the library
     "tools": set(),
     "tools.paired": set(),  # paired-seed statistics shared by demo and bench (floats only)

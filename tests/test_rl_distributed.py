@@ -106,7 +106,7 @@ def test_two_processes_train_as_one(tmp_path, tiny_tokenizer, monkeypatch):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     runs = tmp_path / "runs"
     saved = torch.load(runs / "two" / "checkpoints" / "step_00000002" / "state.pt", weights_only=True)
-    assert saved["train_state"]["world_size"] == 2 and saved["data"]["buffer"]  # groups carried over
+    assert saved["train_state"]["world_size"] == 2 and saved["data"][0]["buffer"]  # groups carried over
     assert (runs / "two" / "hf" / "model.safetensors").is_file()  # exported by rank 0
     # the third step in one process, from the two processes' step-2 checkpoint
     assert main(["rl", str(cfg), "--no-progress", "--set", "run.name=two"]) == 0
@@ -123,8 +123,8 @@ def test_two_processes_train_as_one(tmp_path, tiny_tokenizer, monkeypatch):
         assert [a[k] for k in rounded] == pytest.approx([b[k] for k in rounded], rel=1e-5, abs=1e-7)
     a = torch.load(runs / "two" / "checkpoints" / "step_00000003" / "state.pt", weights_only=True)
     b = torch.load(runs / "one" / "checkpoints" / "step_00000003" / "state.pt", weights_only=True)
-    assert a["data"]["prompts"] == b["data"]["prompts"] and a["data"]["buffer"] == b["data"]["buffer"]
-    assert torch.equal(a["data"]["sampler"], b["data"]["sampler"])
+    assert a["data"][0]["prompts"] == b["data"][0]["prompts"] and a["data"][0]["buffer"] == b["data"][0]["buffer"]
+    assert torch.equal(a["data"][0]["sampler"], b["data"][0]["sampler"])
     for name, t in b["model"].items():
         assert torch.equal(a["model"][name], t), name
 

@@ -116,11 +116,11 @@ def test_resume_after_a_crash_is_bit_identical(tmp_path, tiny_tokenizer, parity_
     calls = {"n": 0}
     update = rl_loop._update
 
-    def crash_on_third(run, samples):
+    def crash_on_third(run, batch, plan):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("killed")
-        return update(run, samples)
+        return update(run, batch, plan)
 
     monkeypatch.setattr(rl_loop, "_update", crash_on_third)
     with pytest.raises(RuntimeError, match="killed"):
@@ -142,8 +142,8 @@ def test_resume_after_a_crash_is_bit_identical(tmp_path, tiny_tokenizer, parity_
         torch.load(c / "state.pt", weights_only=True)
         for c in sorted((tmp_path / "whole" / "checkpoints").glob("step_*"))
     ]
-    assert any(s["data"]["buffer"] for s in saved)  # a dynamic-sampling buffer was carried over a checkpoint
-    assert a["data"]["buffer"] == b["data"]["buffer"] and a["data"]["prompts"] == b["data"]["prompts"]
+    assert any(s["data"][0]["buffer"] for s in saved)  # a dynamic-sampling buffer was carried over a checkpoint
+    assert a["data"][0]["buffer"] == b["data"][0]["buffer"] and a["data"][0]["prompts"] == b["data"][0]["prompts"]
     for name, t in a["model"].items():
         assert torch.equal(t, b["model"][name]), name
 

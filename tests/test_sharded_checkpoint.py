@@ -19,11 +19,11 @@ from infir2.checkpoint import (
     load_sharded,
     save_sharded,
 )
+from infir2.harness.distributed import DistEnv
+from infir2.harness.optim import build_optimizer
+from infir2.harness.resume import data_state_for
 from infir2.model import prepare_for_training
-from infir2.train.checkpointing import data_state_for
 from infir2.train.config import OptimConfig
-from infir2.train.distributed import DistEnv
-from infir2.train.optim import build_optimizer
 from train_synthetic import subprocess_env
 
 TESTS = Path(__file__).parent

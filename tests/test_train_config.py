@@ -8,7 +8,7 @@ import pytest
 
 import infir2
 from infir2.fp8 import RECIPES
-from infir2.train import config as config_module
+from infir2.harness import config as config_module
 from infir2.train.config import RunConfig, load_config, parse_config, save_config
 
 CONFIG_DIR = Path(infir2.__file__).parent / "configs"

@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 
 from conftest import make_tiny_model
 from infir2.checkpoint import list_sharded, load_sharded
+from infir2.harness.distributed import DistEnv
 from infir2.model import prepare_for_training
 from infir2.train import train
-from infir2.train.distributed import DistEnv
 from train_dcp_worker import TRAIN
 from train_fsdp_worker import SOURCE
 from train_synthetic import SyntheticSource, one_thread, subprocess_env, tiny_run_config

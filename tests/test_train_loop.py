@@ -10,8 +10,8 @@ import torch
 
 from conftest import make_tiny_model
 from infir2.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from infir2.harness.distributed import DistEnv
 from infir2.train import NonFiniteError, train, train_step
-from infir2.train.distributed import DistEnv
 from train_synthetic import CrashAfter, SyntheticSource, one_thread, tiny_run_config
 
 CPU = DistEnv(rank=0, world_size=1, device=torch.device("cpu"), owns_group=False)

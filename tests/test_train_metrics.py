@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from infir2.train.metrics import MetricsLogger
+from infir2.harness.metrics import MetricsLogger
 
 
 def test_progress_bar_shows_the_current_steps_loss(tmp_path, capsys):

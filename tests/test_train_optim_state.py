@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+from infir2.harness.optim import LowPrecisionAdamW, build_optimizer
 from infir2.train.config import parse_config
-from infir2.train.optim import LowPrecisionAdamW, build_optimizer
 from train_synthetic import one_thread
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)

@@ -6,8 +6,9 @@ import pytest
 import yaml
 
 from conftest import make_tiny_model
+from infir2.harness.config_changes import ConfigChangedError, config_changes
 from infir2.train import train
-from infir2.train.config_changes import ConfigChangedError, config_changes
+from infir2.train.config import MEANINGFUL
 from train_synthetic import SyntheticSource, one_thread, tiny_run_config
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
@@ -20,7 +21,7 @@ def _run(cfg):
 def test_config_changes_are_classified():
     saved = {"train": {"max_steps": 2, "log_every": 1}, "model": {"from_config": {"arch": "qwen2", "n": 1}}}
     now = {"train": {"max_steps": 4, "log_every": 5}, "model": {"from_config": {"arch": "qwen2", "n": 2}}}
-    meaningful, harmless = config_changes(saved, now)
+    meaningful, harmless = config_changes(saved, now, MEANINGFUL)
     assert meaningful == [
         "model.from_config: {'arch': 'qwen2', 'n': 1} -> {'arch': 'qwen2', 'n': 2}",
         "train.max_steps: 2 -> 4",

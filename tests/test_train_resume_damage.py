@@ -14,8 +14,8 @@ import pytest
 
 from conftest import make_tiny_model
 from infir2.checkpoint import NoLoadableCheckpointError, list_checkpoints
+from infir2.harness.lock import RunLockedError, run_lock
 from infir2.train import train
-from infir2.train.lock import RunLockedError, run_lock
 from train_synthetic import SyntheticSource, one_thread, tiny_run_config
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
@@ -94,7 +94,7 @@ _HOLDER = textwrap.dedent(  # lock.py needs only the standard library: load it a
 def test_a_second_process_is_refused_with_the_holders_pid_and_the_lock_dies_with_it(tmp_path):
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
-    lock_py = Path(__file__).parents[1] / "src" / "infir2" / "train" / "lock.py"
+    lock_py = Path(__file__).parents[1] / "src" / "infir2" / "harness" / "lock.py"
     holder = subprocess.Popen(
         [sys.executable, "-c", _HOLDER, str(run_dir), str(lock_py)],
         stdout=subprocess.PIPE,

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
+from infir2.harness.optim import build_optimizer, make_schedule, param_groups
 from infir2.train.config import OptimConfig, ScheduleConfig
-from infir2.train.optim import build_optimizer, make_schedule, param_groups
 
 LR, MIN_LR = 1e-4, 1e-5
 

@@ -16,8 +16,8 @@ import sys
 import torch
 
 from conftest import make_tiny_model
+from infir2.harness.distributed import init_distributed
 from infir2.train import train
-from infir2.train.distributed import init_distributed
 from train_fsdp_worker import SOURCE
 from train_synthetic import CrashAfter, SyntheticSource, tiny_run_config
 

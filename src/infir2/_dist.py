@@ -1,7 +1,7 @@
 """The process group as every layer sees it: who this process is, and the few collectives the
 training loops and the sharded checkpoint format use (each the identity in a single process).
 
-``infir2.train.distributed.init_distributed`` builds the :class:`DistEnv`; this module imports
+``infir2.harness.distributed.init_distributed`` builds the :class:`DistEnv`; this module imports
 nothing of infir2, so the checkpoint package below ``train`` can use it.
 """
 

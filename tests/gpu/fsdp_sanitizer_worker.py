@@ -22,13 +22,13 @@ import sys
 import torch
 
 from infir2.fp8.quantize import quantize
+from infir2.harness.distributed import init_distributed, shard_model
+from infir2.harness.optim import build_optimizer
 from infir2.model import prepare_for_training
 from infir2.nn import Fp8Linear
 from infir2.nn.fsdp import Fp8GatheredWeight, Fp8ShardedWeight
 from infir2.train.config import OptimConfig
-from infir2.train.distributed import init_distributed, shard_model
 from infir2.train.loop import train_step
-from infir2.train.optim import build_optimizer
 
 LR, EPS = 1e-3, 1e-8
 

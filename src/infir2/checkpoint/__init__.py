@@ -9,7 +9,7 @@
 
 Both load into a model and optimizer (``load_full``, ``load_sharded``; :func:`load_into` picks by
 ``meta.json``) and return the same small state: ``scheduler``, ``train_state``, and ``data`` and
-``rng`` by saving rank. What to save, when, and how a run resumes is ``infir2.train.checkpointing``.
+``rng`` by saving rank. What to save, when, and how a run resumes is ``infir2.harness.resume``.
 """
 
 from __future__ import annotations

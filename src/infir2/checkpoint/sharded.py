@@ -27,7 +27,7 @@ save and at the end of the run at the latest. Until then the folder is a ``.tmp-
 window falls back to the previous checkpoint (resumes stay exact, some steps are redone).
 
 ``load_sharded`` returns the small state of every format: ``scheduler``, ``train_state``, and
-``data`` and ``rng`` as lists by saving rank (``train.checkpointing.data_state_for`` picks a rank's).
+``data`` and ``rng`` as lists by saving rank (``harness.resume.data_state_for`` picks a rank's).
 """
 
 from __future__ import annotations

@@ -34,32 +34,18 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..harness.run import add_run_arguments
+
     parser.add_argument("config", help="YAML RL run config")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config field, e.g. --set rollout.group_size=8 (repeatable)",
-    )
-    parser.add_argument(
-        "--accept-config-changes",
-        action="store_true",
-        help="resume although optim, data, model, fp8, rollout, algo or run.seed differ from the "
-        "run's config.yaml (the old one is kept as config.<step>.yaml)",
-    )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar (log lines instead)")
+    add_run_arguments(parser, "optim, data, model, fp8, rollout, algo, run.seed")
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..harness.run import run_overrides
     from .config import load_rl_config
     from .loop import rl
 
-    overrides = list(args.overrides) + (
-        ["train.accept_config_changes=true"] if args.accept_config_changes else []
-    )
-    cfg = load_rl_config(args.config, overrides)
+    cfg = load_rl_config(args.config, run_overrides(args))
     result = rl(cfg, progress=not args.no_progress)
     last = result.history[-1] if result.history else {}
     if "val_accuracy" in last:

@@ -16,32 +16,37 @@ where they published one, docs/RL.md)::
               overlong (none|mask|penalty), overlong_buffer, overlong_penalty, updates_per_batch,
               micro_batch_size, adv_eps
     train:    max_steps, save_every, keep_last, log_every, eval_every, eval_problems, max_nonfinite_in_row,
-              accept_config_changes
+              max_prob_error
 
-Validation is strict (an unknown key or a bad value is a ``ValueError`` naming the dotted key and the
+The run, model, fp8 and optim sections, their rules, the YAML reader and ``run.accept_config_changes``
+are the run harness's (``infir2.harness.config``), shared with ``infir2 train``. Validation is strict (an unknown key or a bad value is a ``ValueError`` naming the dotted key and the
 file); ``--set key=value`` overrides use the same dotted keys. ``rollout.scale`` is the older name of
-``rollout.scale_encoding``: it still loads, with a deprecation warning (``upgrade_rl_config``, also
-applied to the config a checkpoint saved).
+``rollout.scale_encoding`` (``harness.config.RENAMED``: read with a warning, a saved config alike).
 """
 
 from __future__ import annotations
 
-import copy
-import math
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from ..eval.tasks import GRADERS, TASKS
 from ..generation import ENGINES, SAME_RECIPE
-from ..train.config import Fp8Config, ModelConfig, OptimConfig, RunSection
-from ..train.config import parse_config as parse_train_config
-from ..train.typed_yaml import apply_overrides, build, config_error, to_plain
+from ..harness.config import (
+    Fp8Config,
+    ModelConfig,
+    OptimConfig,
+    RunSection,
+    check_positive,
+    check_shared,
+    load_stage_config,
+    migrate_renamed,
+    save_config,
+)
+from ..harness.typed_yaml import build, config_error
 
 __all__ = [
+    "MEANINGFUL",
     "AlgoConfig",
     "RLConfig",
     "RLData",
@@ -51,9 +56,11 @@ __all__ = [
     "parse_rl_config",
     "save_rl_config",
     "tis_mode",
-    "upgrade_rl_config",
-    "upgrade_saved_rl_config",
 ]
+
+
+#: keys (or section prefixes ending in ".") whose change on resume alters what an RL run computes
+MEANINGFUL = ("optim.", "data.", "model.", "fp8.", "rollout.", "algo.", "run.seed")
 
 
 @dataclass(frozen=True)
@@ -94,7 +101,7 @@ class RolloutConfig:
 @dataclass(frozen=True)
 class AlgoConfig:
     reward: str = (
-        "math"  # a grader of infir2.eval.GRADERS (1.0 correct, else 0.0); the data.task's by default
+        "math"  # a grader of infir2.eval.GRADERS (1.0 correct, else 0.0): data.task's, or a registered one
     )
     dynamic_sampling: bool = True  # drop groups whose rewards all agree and refill (DAPO)
     clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high] (clip-higher)
@@ -118,9 +125,11 @@ class RLTrain:
     log_every: int = 1
     eval_every: int = 0  # held-out accuracy (greedy) every N steps and at the end, when data.val_path is set
     eval_problems: int | None = None  # the first N of data.val_path; None: all
-    max_nonfinite_in_row: int = 3
-    # resume although optim/data/model/fp8/rollout/algo/run.seed differ from the run's config.yaml
-    accept_config_changes: bool = False
+    max_nonfinite_in_row: int = 3  # consecutive skipped steps that stop the run
+    # skip a step's updates when its rollout / training mismatch (NeMo-RL's token probability error,
+    # mean exp|logp_train - logp_rollout|; healthy: < 1.03-1.05) is above this: a broken engine or weights
+    # that no longer match, not noise; null = off
+    max_prob_error: float | None = 1.5
 
 
 @dataclass(frozen=True)
@@ -150,23 +159,11 @@ def tis_mode(cfg: RLConfig) -> str:
 
 
 def _check(cfg: RLConfig, source: str) -> None:
-    # the shared sections follow `infir2 train`'s rules (recipe and arch names, optim ranges, ...)
-    parse_train_config(
-        {
-            "run": to_plain(cfg.run),
-            "model": to_plain(cfg.model),
-            "fp8": to_plain(cfg.fp8),
-            "optim": to_plain(cfg.optim),
-        },
-        source,
-    )
+    check_shared(cfg, source)  # run / model / fp8 / optim: the rules `infir2 train` applies
     r, a, t = cfg.rollout, cfg.algo, cfg.train
 
     def positive(key: str, value: float | None, allow_zero: bool = False) -> None:
-        if value is not None and (not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero)):
-            raise config_error(
-                source, key, f"must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value}"
-            )
+        check_positive(source, key, value, allow_zero)
 
     for key in (
         "prompts_per_step",
@@ -202,6 +199,12 @@ def _check(cfg: RLConfig, source: str) -> None:
         positive(f"train.{key}", getattr(t, key))
     for key in ("save_every", "eval_every"):
         positive(f"train.{key}", getattr(t, key), allow_zero=True)
+    if t.max_prob_error is not None and t.max_prob_error <= 1:
+        raise config_error(
+            source,
+            "train.max_prob_error",
+            f"must be > 1 (1 is a perfect match) or null, got {t.max_prob_error}",
+        )
     _check_names(cfg, source)
 
 
@@ -223,37 +226,9 @@ def _check_names(cfg: RLConfig, source: str) -> None:
         )
 
 
-def upgrade_rl_config(data: dict[str, Any], source: str = "<dict>", warn: bool = True) -> dict[str, Any]:
-    """A config dict in today's keys: ``rollout.scale`` -> ``rollout.scale_encoding`` (with a deprecation
-    warning when ``warn``)."""
-    rollout = data.get("rollout")
-    if not isinstance(rollout, dict) or "scale" not in rollout:
-        return data
-    if "scale_encoding" in rollout:
-        raise ValueError(f"{source}: rollout.scale is the old name of rollout.scale_encoding: give only one")
-    if warn:
-        warnings.warn(
-            f"{source}: rollout.scale is deprecated: use rollout.scale_encoding",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-    out = copy.deepcopy(data)
-    out["rollout"]["scale_encoding"] = out["rollout"].pop("scale")
-    return out
-
-
-def upgrade_saved_rl_config(saved: dict[str, Any]) -> dict[str, Any]:
-    """The config a checkpoint saved, in today's keys (``upgrade_rl_config``, no warning) and with the keys
-    added since at the value that reproduces what it computed (``data.task: math``)."""
-    out = copy.deepcopy(upgrade_rl_config(saved, warn=False))
-    if isinstance(out.get("data"), dict):
-        out["data"].setdefault("task", "math")
-    return out
-
-
 def parse_rl_config(data: dict[str, Any], source: str = "<dict>") -> RLConfig:
     """Validate a nested dict (parsed YAML) into an ``RLConfig``; ``source`` names it in errors."""
-    cfg = build(RLConfig, upgrade_rl_config(data, source), "", source)
+    cfg = build(RLConfig, migrate_renamed(data, source), "", source)
     _check(cfg, source)
     return cfg
 
@@ -263,19 +238,9 @@ def load_rl_config(path: str | Path, overrides: list[str] | None = None) -> RLCo
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"RL config {path} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not valid YAML: {e}") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of sections (run, model, data, rollout, algo, ...)")
-    source = str(path)
-    if overrides:
-        data = apply_overrides(data, overrides, f"{path} with --set")
-        source = f"{path} with --set {' '.join(overrides)}"
-    return parse_rl_config(data, source)
+    return load_stage_config(path, parse_rl_config, overrides)
 
 
 def save_rl_config(cfg: RLConfig, path: str | Path) -> None:
     """The resolved config (every field) as YAML; it loads back unchanged."""
-    Path(path).write_text(yaml.safe_dump(to_plain(cfg), sort_keys=False))
+    save_config(cfg, path)

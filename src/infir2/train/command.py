@@ -46,15 +46,9 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..harness.run import add_run_arguments
+
     parser.add_argument("config", help="YAML run config, or a shipped config's name (infir2 config --list)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config field, e.g. --set optim.lr=3e-4 (repeatable)",
-    )
     parser.add_argument(
         "--load",
         metavar="PATH",
@@ -67,27 +61,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="if the run folder has checkpoints but none loads (damaged), set them aside "
         "as damaged-step_* and start from step 0 instead of refusing",
     )
-    parser.add_argument(
-        "--accept-config-changes",
-        action="store_true",
-        help="resume although fields that change the run's meaning (schedule, optim, data, "
-        "model, fp8, run.seed, train.max_steps) differ from the run's config.yaml; "
-        "the old one is kept as config.<step>.yaml",
-    )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar (log lines instead)")
+    add_run_arguments(parser, "schedule, optim, data, model, fp8, run.seed, train.max_steps")
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..harness.run import run_overrides
     from .config import load_config
     from .loop import train
 
-    overrides = list(args.overrides)
+    overrides = run_overrides(args)
     if args.load:
         overrides += [f"load.path={args.load}", "load.force=true"]
     if args.start_fresh:
         overrides.append("load.start_fresh=true")
-    if args.accept_config_changes:
-        overrides.append("load.accept_config_changes=true")
     cfg = load_config(args.config, overrides)
     result = train(cfg, progress=not args.no_progress)
     if result.history:

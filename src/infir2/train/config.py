@@ -4,7 +4,7 @@ A run config has eight sections (``infir2 config --keys`` prints every key with 
 meaning, from the ``help`` of the fields below; all hyperparameters of the InfiR2 recipe,
 docs/RECIPE.md section 2, can be written down)::
 
-    run:      name, out_dir, seed, device (auto|cpu|cuda)
+    run:      name, out_dir, seed, device (auto|cpu|cuda), accept_config_changes
     model:    path (local HF folder) | from_config ({arch: a name in infir2.model.ARCHS, hidden_size, ...}),
               tokenizer, precision (fp32|bf16|fp64), activation_checkpointing, recompute_mlp, export_dtype
     fp8:      recipe (a name in infir2.fp8.RECIPES: bf16, blockwise, ...), backend, param_gather, stats_every
@@ -16,38 +16,43 @@ docs/RECIPE.md section 2, can be written down)::
     train:    max_steps, eval_every, eval_batches, eval_fp8, save_every, keep_last, log_every,
               max_nonfinite_in_row, loss_spike_nats, loss_spike_window, loss_chunk_tokens (auto|0|N),
               checkpoint_format (auto|full|dcp), async_save
-    load:     path, mode (resume|decay_only|weights_only), reset_step, reset_data, force, start_fresh,
-              accept_config_changes
+    load:     path, mode (resume|decay_only|weights_only), reset_step, reset_data, force, start_fresh
 
 Validation is strict: an unknown key, a value of the wrong type or outside its allowed set (for
 ``fp8.recipe`` and ``model.from_config.arch``: the names of their registries) is a ``ValueError``
 naming the dotted key and the file; the type checks against the annotations below are
-``typed_yaml.build``'s, the rules between fields are ``_check``'s. Numbers written as ``1e-4`` (which PyYAML reads as
+``typed_yaml.build``'s, the rules between fields are ``_check``'s (those of the sections ``infir2 rl``
+shares, run / model / fp8 / optim, are ``harness.config``'s). Numbers written as ``1e-4`` (which PyYAML reads as
 a string) are accepted for float fields. Overrides use the same dotted keys and are typed by the
 field: ``--set optim.lr=3e-4 --set data.shuffle=false --set optim.betas=[0.9,0.95]``.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
-from ..fp8 import RECIPES
-from ..model import ARCHS
-from .typed_yaml import apply_overrides, build, config_error, to_plain
-
-#: the largest finite float32: optimizer hyperparameters above it become inf inside fp32 AdamW
-FP32_MAX = 3.4028234663852886e38
-#: the largest peak learning rate accepted: AdamW's update is about lr per element, so lr > 1 moves every
-#: weight by more than its typical size (~0.02) fifty times over in one step
-MAX_LR = 1.0
+from ..harness.config import (
+    Fp8Config,
+    ModelConfig,
+    OptimConfig,
+    RunSection,
+    ScheduleConfig,
+    check_positive,
+    check_shared,
+    config_to_dict,
+    load_stage_config,
+    migrate_renamed,
+    save_config,
+)
+from ..harness.config import _key as _key
+from ..harness.config import key_reference as _key_reference
+from ..harness.typed_yaml import apply_overrides, build, config_error
 
 __all__ = [
+    "MEANINGFUL",
     "DataConfig",
     "Fp8Config",
     "LoadConfig",
@@ -68,61 +73,10 @@ __all__ = [
     "shipped_configs",
 ]
 
-
-def _key(default: Any, meaning: str) -> Any:
-    """A config field with its default and its meaning (``infir2 config --keys`` prints both)."""
-    return field(default=default, metadata={"help": meaning})
-
-
-@dataclass(frozen=True)
-class RunSection:
-    name: str = _key("run", "the run folder is <out_dir>/<name>")
-    out_dir: str = _key("runs", "parent folder of the run folder")
-    seed: int = _key(0, "seed of the model init (from_config), dropout and the data order (unless data.seed)")
-    device: Literal["auto", "cpu", "cuda"] = _key(
-        "auto", "auto: cuda when available (torchrun: one GPU per rank)"
-    )
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    path: str | None = _key(None, "local Hugging Face folder (config.json + weights), loaded without network")
-    from_config: dict[str, Any] | None = field(
-        default=None,
-        metadata={
-            "help": (
-                "a seeded new model instead: {arch: qwen2|llama, hidden_size: ..., num_hidden_layers: ...} "
-                "(any field of the architecture's transformers config)"
-            )
-        },
-    )
-    tokenizer: str | None = _key(None, "tokenizer folder; default: model.path (required with from_config)")
-    precision: Literal["fp32", "bf16", "fp64"] = _key(
-        "bf16",
-        "autocast dtype of the high-precision parts (masters stay fp32); fp32 on CPUs; fp64: masters, "
-        "high-precision parts and the emulated GEMMs' accumulation in float64 (a CPU-independent reference "
-        "for tests; slow)",
-    )
-    activation_checkpointing: bool = _key(False, "recompute each decoder layer in backward (long contexts)")
-    recompute_mlp: bool = _key(
-        True,
-        "SwiGLU MLPs keep gate and up outputs and recompute silu in backward (exact; saves 2 [T, I] tensors)",
-    )
-    export_dtype: Literal["fp32", "bf16"] | None = _key(
-        None, "dtype of the final <run>/hf export; default: precision (fp32 for an fp64 run)"
-    )
-
-
-@dataclass(frozen=True)
-class Fp8Config:
-    recipe: str = _key("blockwise", f"FP8 recipe, one of: {', '.join(RECIPES)} (bf16 = no FP8)")
-    backend: str | None = _key(None, "force a GEMM backend (emulated, scaled_mm, ...); default: automatic")
-    param_gather: bool | None = _key(
-        None,
-        "FSDP2: all-gather FP8 linears' weights as FP8 codes (1 byte/element); default (null): on for "
-        "the blockwise recipes; only recipes whose fprop and dgrad share the weight blocks can (not rowwise)",
-    )
-    stats_every: int = _key(0, "FP8 numerics telemetry (`infir2 numerics`) every N steps; 0 = off")
+#: keys (or section prefixes ending in ".") whose change on resume alters what a training run computes:
+#: its schedule is a function of ``train.max_steps``, its data order of ``data.*`` and ``run.seed``, its
+#: numerics of ``model.*`` / ``fp8.*`` / ``optim.*``
+MEANINGFUL = ("schedule.", "optim.", "data.", "model.", "fp8.", "run.seed", "train.max_steps")
 
 
 @dataclass(frozen=True)
@@ -147,33 +101,6 @@ class DataConfig:
     epochs: int = _key(1, "passes over the data (sft); cpt runs are sized by train.max_steps")
     shuffle: bool = _key(True, "shuffle the training data each epoch")
     seed: int | None = _key(None, "data order seed; default: run.seed")
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    lr: float = _key(1e-4, "peak learning rate of AdamW")
-    betas: tuple[float, float] = _key((0.9, 0.95), "AdamW betas")
-    eps: float = _key(1e-8, "AdamW eps")
-    weight_decay: float = _key(0.1, "on >=2-D weights (incl. embeddings); never on norms or biases")
-    grad_clip: float = _key(1.0, "max global grad norm; 0 = no clipping")
-    fused: bool | None = _key(None, "AdamW implementation: null = fused on CUDA, foreach elsewhere")
-    state_dtype: Literal["fp32", "bf16"] = _key(
-        "fp32", "AdamW moments' storage (math is fp32): 16 vs 12 bytes per parameter"
-    )
-
-
-@dataclass(frozen=True)
-class ScheduleConfig:
-    name: Literal["wsd", "cosine", "constant"] = _key(
-        "wsd", "learning-rate schedule: warmup-stable-decay, cosine, constant"
-    )
-    warmup_steps: int | None = _key(None, "linear warmup steps; exclusive with warmup_fraction")
-    warmup_fraction: float | None = _key(None, "warmup as a fraction of the total steps (e.g. 0.05)")
-    decay_steps: int | None = _key(None, "wsd: the last decay_steps decay; exclusive with decay_fraction")
-    decay_fraction: float | None = _key(None, "wsd: the last fraction of the steps decays")
-    decay_style: Literal["cosine", "linear"] = _key("cosine", "wsd decay shape")
-    min_lr: float | None = _key(None, "final learning rate; exclusive with min_lr_ratio")
-    min_lr_ratio: float | None = _key(None, "final learning rate as a fraction of optim.lr")
 
 
 @dataclass(frozen=True)
@@ -234,10 +161,6 @@ class LoadConfig:
     )
     force: bool = _key(False, "use `path` even when the run folder has checkpoints (set by `--load`)")
     start_fresh: bool = _key(False, "if none of the run's checkpoints loads: set them aside, start at step 0")
-    accept_config_changes: bool = _key(
-        False,
-        "resume although schedule/optim/data/model/fp8/seed/max_steps changed (`--accept-config-changes`)",
-    )
 
 
 @dataclass(frozen=True)
@@ -261,33 +184,13 @@ class RunConfig:
 
 
 def _check(cfg: RunConfig, source: str) -> None:
-    """Cross-field rules that types alone cannot express."""
+    """Cross-field rules that types alone cannot express (the shared sections': ``harness.config``)."""
+    check_shared(cfg, source)
+    d, s, t = cfg.data, cfg.schedule, cfg.train
 
     def positive(key: str, value: float | None, allow_zero: bool = False) -> None:
-        if value is not None and not math.isfinite(value):
-            raise config_error(source, key, f"must be a finite number, got {value}")
-        if value is not None and abs(value) > FP32_MAX:
-            raise config_error(source, key, f"overflows float32 (max {FP32_MAX:.4g}), got {value}")
-        if value is not None and (value < 0 or (value == 0 and not allow_zero)):
-            raise config_error(source, key, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+        check_positive(source, key, value, allow_zero)
 
-    m, d, o, s, t = cfg.model, cfg.data, cfg.optim, cfg.schedule, cfg.train
-    if m.path is not None and m.from_config is not None:
-        raise config_error(
-            source, "model", "give one of model.path (a local HF folder) or model.from_config, not both"
-        )
-    if m.from_config is not None and m.from_config.get("arch") not in ARCHS:
-        raise config_error(
-            source,
-            "model.from_config.arch",
-            f"got {m.from_config.get('arch')!r}, expected one of {', '.join(ARCHS)}",
-        )
-    if cfg.fp8.recipe not in RECIPES:
-        raise config_error(
-            source, "fp8.recipe", f"got {cfg.fp8.recipe!r}, expected one of {', '.join(RECIPES)}"
-        )
-    if m.from_config is not None and m.tokenizer is None:
-        raise config_error(source, "model.tokenizer", "a model built from_config needs a tokenizer folder")
     for key in ("seq_len", "global_batch_size", "micro_batch_size", "max_length", "epochs"):
         positive(f"data.{key}", getattr(d, key))
     positive("data.max_tokens_per_micro_batch", d.max_tokens_per_micro_batch)
@@ -299,24 +202,26 @@ def _check(cfg: RunConfig, source: str) -> None:
         raise config_error(
             source,
             "data.max_length",
-            f"{d.max_length} exceeds data.max_tokens_per_micro_batch="
-            f"{d.max_tokens_per_micro_batch}: a sample of max_length tokens must fit in one "
-            "micro-batch",
+            f"{d.max_length} exceeds data.max_tokens_per_micro_batch={d.max_tokens_per_micro_batch}: "
+            "a sample of max_length tokens must fit in one micro-batch",
         )
-    positive("optim.lr", o.lr)
-    if o.lr > MAX_LR:
-        raise config_error(
-            source,
-            "optim.lr",
-            f"{o.lr:g} is above {MAX_LR:g}: no AdamW run uses such a learning "
-            "rate (LM pre-training and SFT peak at 1e-5 .. 1e-2); the weights would diverge",
-        )
-    positive("optim.eps", o.eps)
-    positive("optim.weight_decay", o.weight_decay, allow_zero=True)
-    positive("optim.grad_clip", o.grad_clip, allow_zero=True)
-    for i, beta in enumerate(o.betas):
-        if not 0 <= beta < 1:
-            raise config_error(source, f"optim.betas[{i}]", f"must be in [0, 1), got {beta}")
+    _check_schedule(s, source)
+    positive("train.max_steps", t.max_steps)
+    if t.loss_chunk_tokens != "auto":
+        positive("train.loss_chunk_tokens", t.loss_chunk_tokens, allow_zero=True)
+    for key in ("eval_every", "save_every"):
+        positive(f"train.{key}", getattr(t, key), allow_zero=True)
+    if t.loss_spike_nats is not None:
+        positive("train.loss_spike_nats", t.loss_spike_nats)
+    for key in ("eval_batches", "keep_last", "log_every", "max_nonfinite_in_row", "loss_spike_window"):
+        positive(f"train.{key}", getattr(t, key))
+    if t.async_save and t.checkpoint_format == "full":
+        raise config_error(source, "train.async_save", "needs train.checkpoint_format: dcp (or auto)")
+    if cfg.load.mode != "resume" and cfg.load.path is None:
+        raise config_error(source, "load.path", f"load.mode {cfg.load.mode!r} needs a checkpoint path")
+
+
+def _check_schedule(s: ScheduleConfig, source: str) -> None:
     if s.warmup_steps is not None and s.warmup_fraction is not None:
         raise config_error(source, "schedule.warmup_steps", "give warmup_steps or warmup_fraction, not both")
     if s.decay_steps is not None and s.decay_fraction is not None:
@@ -327,30 +232,8 @@ def _check(cfg: RunConfig, source: str) -> None:
         value = getattr(s, key)
         if value is not None and not 0 <= value <= 1:
             raise config_error(source, f"schedule.{key}", f"must be in [0, 1], got {value}")
-    positive("schedule.warmup_steps", s.warmup_steps, allow_zero=True)
-    positive("schedule.decay_steps", s.decay_steps, allow_zero=True)
-    positive("schedule.min_lr", s.min_lr, allow_zero=True)
-    positive("train.max_steps", t.max_steps)
-    if t.loss_chunk_tokens != "auto":
-        positive("train.loss_chunk_tokens", t.loss_chunk_tokens, allow_zero=True)
-    positive("fp8.stats_every", cfg.fp8.stats_every, allow_zero=True)
-    for key in ("eval_every", "save_every"):
-        positive(f"train.{key}", getattr(t, key), allow_zero=True)
-    if t.loss_spike_nats is not None:
-        positive("train.loss_spike_nats", t.loss_spike_nats)
-    for key in ("eval_batches", "keep_last", "log_every", "max_nonfinite_in_row", "loss_spike_window"):
-        positive(f"train.{key}", getattr(t, key))
-    if cfg.fp8.param_gather and not RECIPES[cfg.fp8.recipe].gathers_fp8_weight:
-        raise config_error(
-            source,
-            "fp8.param_gather",
-            f"recipe {cfg.fp8.recipe} has no FP8 weight that serves both "
-            "fprop and dgrad; set fp8.param_gather to false or null",
-        )
-    if t.async_save and t.checkpoint_format == "full":
-        raise config_error(source, "train.async_save", "needs train.checkpoint_format: dcp (or auto)")
-    if cfg.load.mode != "resume" and cfg.load.path is None:
-        raise config_error(source, "load.path", f"load.mode {cfg.load.mode!r} needs a checkpoint path")
+    for key in ("warmup_steps", "decay_steps", "min_lr"):
+        check_positive(source, f"schedule.{key}", getattr(s, key), allow_zero=True)
 
 
 def resolve_checkpoint_format(cfg: RunConfig, world_size: int) -> RunConfig:
@@ -368,7 +251,7 @@ def resolve_checkpoint_format(cfg: RunConfig, world_size: int) -> RunConfig:
 
 def parse_config(data: dict[str, Any], source: str = "<dict>") -> RunConfig:
     """Validate a nested dict (e.g. parsed YAML) into a ``RunConfig``; ``source`` names it in errors."""
-    cfg = build(RunConfig, data, "", source)
+    cfg = build(RunConfig, migrate_renamed(data, source), "", source)
     _check(cfg, source)
     return cfg
 
@@ -402,37 +285,11 @@ def resolve_config_path(name: str | Path) -> Path:
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
     """Read a YAML run config (a file, or a shipped one by name), apply ``--set`` overrides, validate.
 
-    Errors name the key and the file."""
-    path = resolve_config_path(path)
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not valid YAML: {e}") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of sections (run, model, data, ...)")
-    source = str(path)
-    if overrides:
-        data = apply_overrides(data, overrides, f"{path} with --set")
-        source = f"{path} with --set {' '.join(overrides)}"
-    return parse_config(data, source)
-
-
-def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
-    """The config as plain YAML-ready data (tuples as lists)."""
-    return to_plain(cfg)
-
-
-def save_config(cfg: RunConfig, path: str | Path) -> None:
-    """Write the resolved config (every field, defaults included) as YAML; it loads back unchanged."""
-    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    Errors name the key and the file; keys renamed since (``harness.config.RENAMED``) are read with a
+    warning."""
+    return load_stage_config(resolve_config_path(path), parse_config, overrides)
 
 
 def key_reference() -> list[tuple[str, Any, str]]:
     """Every config key as ``(dotted key, default, meaning)``, in the order of the sections."""
-    cfg = RunConfig()
-    defaults = config_to_dict(cfg)
-    return [
-        (f"{section.name}.{f.name}", defaults[section.name][f.name], f.metadata.get("help", ""))
-        for section in fields(cfg)
-        for f in fields(getattr(cfg, section.name))
-    ]
+    return _key_reference(RunConfig())

@@ -20,8 +20,9 @@ Around it: evaluation every ``train.eval_every`` steps (``evaluate``: the held-o
 shards per rank; ``train.async_save`` lets the loop go on while a DCP save writes -- it is waited on
 before the next save and at the end), auto-resume from the run folder's latest checkpoint, FP8
 numerics telemetry every ``fp8.stats_every`` steps (``infir2.nn.telemetry``: per-layer keys ``fp8/...``
-in the metrics), and the final export as a Hugging Face folder ``<run>/hf`` (``checkpointing.py``).
-The model and the data come from ``setup.py``. The run folder also holds ``config.yaml`` (resolved),
+in the metrics), and the final export as a Hugging Face folder ``<run>/hf``. The run folder, the model,
+checkpoints, resume, metrics and the step guards are the run harness's (``infir2.harness``, shared with
+``infir2 rl``); the data comes from ``setup.py``. The run folder also holds ``config.yaml`` (resolved),
 ``metrics.jsonl`` and ``tensorboard/``.
 """
 
@@ -30,10 +31,7 @@ from __future__ import annotations
 import logging
 import math
 import random
-import shutil
-import statistics
 import time
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,25 +42,20 @@ from torch import nn
 
 from ..data import first_difference, load_tokenizer
 from ..data.base import MicroBatch, StepSource, count_loss_tokens
+from ..harness.config import config_to_dict
+from ..harness.config_changes import reconcile_saved_config
+from ..harness.distributed import DistEnv, all_reduce_sum
+from ..harness.guards import NonFiniteError, SpikeRule, StepGuard, clip_grad_norm
+from ..harness.metrics import MetricsLogger, peak_memory_gib
+from ..harness.optim import Schedule, build_optimizer, make_schedule
+from ..harness.resume import LoadRequest, PendingSave, SavePolicy, export_final, restore, save
+from ..harness.run import open_run
+from ..harness.setup import load_run_tokenizer, setup_model
 from ..loss import heldout_loss, token_ce_sum
 from ..nn import cache_fp8_weights, fp8_modules
 from ..nn.telemetry import Fp8Telemetry
-from .checkpointing import PendingSave, TrainState, export_final, restore, save
-from .config import RunConfig, resolve_checkpoint_format
-from .config_changes import reconcile_saved_config
-from .distributed import DistEnv, all_reduce_sum, init_distributed
-from .lock import run_lock
-from .metrics import MetricsLogger, peak_memory_gib
-from .optim import Schedule, build_optimizer, make_schedule
-from .setup import (
-    ValSteps,
-    build_sources,
-    check_inputs,
-    load_run_tokenizer,
-    rewinding,
-    setup_model,
-    total_steps,
-)
+from .config import MEANINGFUL, RunConfig, resolve_checkpoint_format
+from .setup import ValSteps, build_sources, check_inputs, rewinding, total_steps
 
 __all__ = [
     "NonFiniteError",
@@ -78,12 +71,14 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-class NonFiniteError(ValueError):
-    """Too many consecutive steps with a non-finite loss or gradient norm.
+@dataclass
+class TrainState:
+    """The loop's own counters; saved under ``train_state`` in every checkpoint."""
 
-    A ``ValueError``: the CLI prints it as one line (exit code 2). It names the last checkpoint written
-    before the streak -- none is written during one, so ``train.keep_last`` never deletes it.
-    """
+    step: int = 0  # optimizer steps done (skipped ones included)
+    tokens_seen: int = 0
+    nonfinite_total: int = 0
+    nonfinite_in_row: int = 0
 
 
 @dataclass
@@ -126,14 +121,6 @@ def _num_tokens(mb: MicroBatch) -> int:
     return int(mask.sum()) if mask is not None else mb["input_ids"].numel()
 
 
-def _grad_norm(model: nn.Module, max_norm: float) -> float:
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, foreach=True)
-    if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
-        norm = norm.full_tensor()
-    return float(norm)
-
-
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -159,7 +146,7 @@ def train_step(
             (ce_sum * scale).backward()
             ce_total += ce_sum.detach().double()
     loss = float(all_reduce_sum(ce_total, env)) / max(n_loss_tokens, 1.0)
-    grad_norm = _grad_norm(model, grad_clip)
+    grad_norm = clip_grad_norm(model, grad_clip)
     finite = math.isfinite(loss) and math.isfinite(grad_norm)
     spike = finite and loss > max_loss
     if finite and not spike:
@@ -219,51 +206,45 @@ def _step_metrics(
     }
 
 
-def _count_nonfinite(
-    state: TrainState,
-    out: dict[str, Any],
-    cfg: RunConfig,
-    logger: MetricsLogger,
-    last_checkpoint: Path | None,
-) -> None:
+#: what to try when skipped steps stop a training run
+ADVICE = "Lower optim.lr, check the data, or try another fp8.recipe, then resume with --load that checkpoint"
+
+
+def _why_skipped(out: dict[str, Any], cfg: RunConfig) -> str | None:
+    """Why this step's update was skipped, in words (None: it was not)."""
     if not out["skipped"]:
-        state.nonfinite_in_row = 0
-        return
-    state.nonfinite_total += 1
-    state.nonfinite_in_row += 1
-    why = (
-        f"loss spike {out['loss']:.4g}, more than train.loss_spike_nats={cfg.train.loss_spike_nats} above the "
-        f"median {out['spike_reference']:.4g} of the last steps"
-        if out.get("spike")
-        else f"non-finite loss {out['loss']} or grad norm {out['grad_norm']}"
-    )
-    logger.message(
-        f"step {state.step}: {why}: update skipped ({state.nonfinite_in_row} in a row, "
-        f"{state.nonfinite_total} in total)"
-    )
-    if state.nonfinite_in_row >= cfg.train.max_nonfinite_in_row:
-        where = (
-            f"the last checkpoint written before the streak is {last_checkpoint}"
-            if last_checkpoint
-            else "no checkpoint was written before the streak"
+        return None
+    if out.get("spike"):
+        return (
+            f"loss spike {out['loss']:.4g}, more than train.loss_spike_nats={cfg.train.loss_spike_nats} above "
+            f"the median {out['spike_reference']:.4g} of the last steps"
         )
-        raise NonFiniteError(
-            f"stopping at step {state.step}: {state.nonfinite_in_row} steps in a row had a "
-            f"non-finite loss or gradient norm or a loss spike (train.max_nonfinite_in_row="
-            f"{cfg.train.max_nonfinite_in_row}; last: {why}); {where}. Lower optim.lr, check the "
-            f"data, or try another fp8.recipe, then resume with --load that checkpoint"
-        )
-
-
-def _spike_limit(recent: deque[float], nats: float | None) -> float:
-    """The loss above which a step is a spike: ``nats`` above the median of ``recent`` (inf without history)."""
-    if nats is None or not recent:
-        return math.inf
-    return statistics.median(recent) + nats
+    return f"non-finite loss {out['loss']} or grad norm {out['grad_norm']}"
 
 
 def _due(step: int, every: int, last: bool) -> bool:
     return last or (every > 0 and step % every == 0)
+
+
+@dataclass
+class _Run:
+    """What the loop works with (built once by ``_setup``)."""
+
+    cfg: RunConfig
+    env: DistEnv
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    tokenizer: Any
+    source: StepSource
+    val_steps: ValSteps | None
+    n_steps: int
+    schedule: Schedule
+    telemetry: Fp8Telemetry  # fp8.stats_every: 0 = off, no layer touched
+
+    @property
+    def policy(self) -> SavePolicy:
+        t = self.cfg.train
+        return SavePolicy(self.cfg.run_dir / "checkpoints", t.checkpoint_format, t.keep_last, t.async_save)
 
 
 def train(
@@ -282,43 +263,26 @@ def train(
     to its current position before every evaluation) or a function returning fresh validation steps.
     Under ``torchrun`` every rank calls this.
     """
-    env = init_distributed(cfg.run.device)
-    cfg = resolve_checkpoint_format(cfg, env.world_size)  # auto: dcp on several processes
-    created = env.is_main and not cfg.run_dir.exists()
-    try:
-        check_inputs(cfg, env.world_size, data=train_source is None)  # before any folder, model or data
-        with run_lock(cfg.run_dir, enabled=env.is_main):  # one process (group) per run folder
-            return _run(cfg, env, model, tokenizer, train_source, val_source, progress)
-    except Exception:
-        if created:
-            _remove_if_unstarted(cfg.run_dir)
-        raise
-    finally:
-        env.close()
+
+    def check(env: DistEnv) -> None:  # before any folder, model or data
+        check_inputs(cfg, env.world_size, data=train_source is None)
+
+    with open_run(cfg.run_dir, cfg.run.device, check) as env:  # a run that fails to start leaves no folder
+        cfg = resolve_checkpoint_format(cfg, env.world_size)  # auto: dcp on several processes
+        run = _setup(cfg, env, model, tokenizer, train_source, val_source)
+        return _run(run, progress)
 
 
-def _remove_if_unstarted(run_dir: Path) -> None:
-    """A run folder this call created, whose start failed (no step logged, no checkpoint): remove it."""
-    metrics = run_dir / "metrics.jsonl"
-    if not run_dir.exists():  # the inputs were refused before the folder was made
-        return
-    if any((run_dir / "checkpoints").glob("step_*")) or (metrics.exists() and metrics.stat().st_size):
-        return
-    shutil.rmtree(run_dir, ignore_errors=True)
-    log.info("removed %s: the run did not start", run_dir)
-
-
-def _run(
+def _setup(
     cfg: RunConfig,
     env: DistEnv,
     model: nn.Module | None,
     tokenizer: Any,
     train_source: StepSource | None,
     val_source: StepSource | ValSteps | None,
-    progress: bool,
-) -> TrainResult:
-    run_dir = cfg.run_dir
-    reconcile_saved_config(cfg, write=env.is_main)  # refuses meaningful changes on resume; keeps the old one
+) -> _Run:
+    forced = cfg.load.force and cfg.load.path is not None  # --load: the run starts elsewhere
+    reconcile_saved_config(cfg, MEANINGFUL, write=env.is_main, resumes_own=not forced)
     if tokenizer is None:
         tokenizer = load_run_tokenizer(cfg)
     model = setup_model(cfg, env, model, tokenizer)
@@ -333,79 +297,125 @@ def _run(
             "evaluate in FP8 only with an FP8 recipe"
         )
     n_steps = total_steps(cfg, train_source)
-    schedule: Schedule = make_schedule(cfg.schedule, cfg.optim.lr, n_steps)
+    schedule = make_schedule(cfg.schedule, cfg.optim.lr, n_steps)
+    telemetry = Fp8Telemetry(model, cfg.fp8.stats_every)
+    return _Run(cfg, env, model, optimizer, tokenizer, train_source, val_steps, n_steps, schedule, telemetry)
+
+
+def _run(run: _Run, progress: bool) -> TrainResult:
+    cfg, env = run.cfg, run.env
     torch.manual_seed(cfg.run.seed + env.rank)
     random.seed(cfg.run.seed + env.rank)
-    state, resumed_from = restore(cfg, env, model, optimizer, train_source)
-    result = TrainResult(run_dir, state.step, resumed_from=resumed_from)
-    telemetry = Fp8Telemetry(model, cfg.fp8.stats_every)  # fp8.stats_every: 0 = off, no layer touched
-    with MetricsLogger(run_dir, env.is_main, state.step, n_steps, cfg.train.log_every, progress) as logger:
-        steps = iter(train_source)
-        pending: PendingSave | None = None  # the last periodic save (async: maybe still writing)
-        recent: deque[float] = deque(maxlen=cfg.train.loss_spike_window)  # losses of updated steps
-        while state.step < n_steps:
-            t0 = time.perf_counter()
-            micro_batches = next(steps, None)
-            if micro_batches is None:
-                logger.message(f"data exhausted after {state.step} steps (of {n_steps})")
-                break
-            limit = _spike_limit(recent, cfg.train.loss_spike_nats)
-            with telemetry.record(state.step + 1) as fp8_stats:
-                out = train_step(
-                    model,
-                    optimizer,
-                    micro_batches,
-                    schedule(state.step),
-                    cfg.optim.grad_clip,
-                    cfg.model.precision,
-                    env,
-                    cfg.train.loss_chunk_tokens,
-                    limit,
-                )
-            if out["spike"]:
-                out["spike_reference"] = limit - (cfg.train.loss_spike_nats or 0.0)
-            elif not out["skipped"]:
-                recent.append(out["loss"])
-            state.step += 1
-            state.tokens_seen += out["tokens"]
-            seconds = time.perf_counter() - t0
-            last = state.step == n_steps
-            metrics = _step_metrics(state.step, out, seconds, state, env) | fp8_stats
-            if val_steps is not None and _due(state.step, cfg.train.eval_every, last):
-                metrics["val_loss"] = evaluate(
-                    model,
-                    val_steps(),
-                    cfg.train.eval_batches,
-                    cfg.model.precision,
-                    env,
-                    cfg.train.eval_fp8,
-                    cfg.train.loss_chunk_tokens,
-                )
-            logger.log(metrics)
-            result.history.append(metrics)
-            _count_nonfinite(state, out, cfg, logger, result.checkpoint or resumed_from)
-            if pending is not None and pending.ready(env):  # an async save is written: make it a checkpoint
-                result.checkpoint, pending = pending.wait(), None
-            if state.nonfinite_in_row:  # never during a streak: keep_last would delete the healthy one
-                continue
-            if cfg.train.save_every and state.step % cfg.train.save_every == 0 and not last:
-                if pending is not None:  # an async save still writing: finish it first
-                    result.checkpoint = pending.wait()
-                pending = save(cfg, env, model, optimizer, train_source, state)
-        result.step = state.step
-        if pending is not None:
-            result.checkpoint = pending.wait()
-        if state.nonfinite_in_row:
-            logger.message(
-                f"ending in a non-finite streak: no checkpoint for step {state.step}; the last one is "
-                f"{result.checkpoint or resumed_from}"
-            )
-        else:
-            result.checkpoint = save(cfg, env, model, optimizer, train_source, state).wait()
-        result.hf_dir = export_final(cfg, env, model, tokenizer, result.checkpoint)
-        if env.is_main and result.hf_dir is not None and tokenizer is not None:
-            _check_export_tokenizer(tokenizer, result.hf_dir, logger)
+    load = LoadRequest(cfg.load.path, cfg.load.mode, cfg.load.reset_step, cfg.load.reset_data, cfg.load.force)
+    state, resumed_from = restore(
+        run.policy,
+        env,
+        run.model,
+        run.optimizer,
+        run.source,
+        TrainState,
+        cfg.optim,
+        load,
+        cfg.load.start_fresh,
+    )
+    result = TrainResult(cfg.run_dir, state.step, resumed_from=resumed_from)
+    t = cfg.train
+    with MetricsLogger(cfg.run_dir, env.is_main, state.step, run.n_steps, t.log_every, progress) as logger:
+        pending = _loop(run, state, result, logger)
+        _finish(run, state, result, logger, pending)
     return result
+
+
+def _step(run: _Run, state: TrainState, micro_batches: list[MicroBatch], spikes: SpikeRule) -> dict[str, Any]:
+    """One optimizer step (``train_step``) with the spike rule's limit, and its metrics."""
+    cfg, t0 = run.cfg, time.perf_counter()
+    limit = spikes.limit()
+    with run.telemetry.record(state.step + 1) as fp8_stats:
+        out = train_step(
+            run.model,
+            run.optimizer,
+            micro_batches,
+            run.schedule(state.step),
+            cfg.optim.grad_clip,
+            cfg.model.precision,
+            run.env,
+            cfg.train.loss_chunk_tokens,
+            limit,
+        )
+    if out["spike"]:
+        out["spike_reference"] = spikes.reference()
+    elif not out["skipped"]:
+        spikes.observe(out["loss"])
+    state.step += 1
+    state.tokens_seen += out["tokens"]
+    return _step_metrics(state.step, out, time.perf_counter() - t0, state, run.env) | fp8_stats
+
+
+def _loop(run: _Run, state: TrainState, result: TrainResult, logger: MetricsLogger) -> PendingSave | None:
+    """Steps until ``n_steps`` (or the data ends): evaluate, log, guard, save. Returns the last periodic
+    save (an async one may still be writing)."""
+    cfg, t = run.cfg, run.cfg.train
+    steps = iter(run.source)
+    pending: PendingSave | None = None
+    spikes = SpikeRule(t.loss_spike_nats, t.loss_spike_window)  # over the losses of updated steps
+    causes = "a non-finite loss or gradient norm or a loss spike"
+    guard = StepGuard(t.max_nonfinite_in_row, "train.max_nonfinite_in_row", causes, ADVICE)
+    while state.step < run.n_steps:
+        micro_batches = next(steps, None)
+        if micro_batches is None:
+            logger.message(f"data exhausted after {state.step} steps (of {run.n_steps})")
+            break
+        metrics = _step(run, state, micro_batches, spikes)
+        last = state.step == run.n_steps
+        if run.val_steps is not None and _due(state.step, t.eval_every, last):
+            metrics["val_loss"] = evaluate(
+                run.model,
+                run.val_steps(),
+                t.eval_batches,
+                cfg.model.precision,
+                run.env,
+                t.eval_fp8,
+                t.loss_chunk_tokens,
+            )
+        logger.log(metrics)
+        result.history.append(metrics)
+        guard.record(
+            state, _why_skipped(metrics, cfg), logger.message, result.checkpoint or result.resumed_from
+        )
+        if pending is not None and pending.ready(run.env):  # an async save is written: make it a checkpoint
+            result.checkpoint, pending = pending.wait(), None
+        if state.nonfinite_in_row:  # never during a streak: keep_last would delete the healthy one
+            continue
+        if t.save_every and state.step % t.save_every == 0 and not last:
+            if pending is not None:  # an async save still writing: finish it first
+                result.checkpoint = pending.wait()
+            pending = _save(run, state)
+    return pending
+
+
+def _save(run: _Run, state: TrainState) -> PendingSave:
+    return save(run.policy, run.env, run.model, run.optimizer, run.source, state, config_to_dict(run.cfg))
+
+
+def _finish(
+    run: _Run, state: TrainState, result: TrainResult, logger: MetricsLogger, pending: PendingSave | None
+) -> None:
+    """The last checkpoint (unless in a streak) and the export ``<run>/hf``."""
+    result.step = state.step
+    if pending is not None:
+        result.checkpoint = pending.wait()
+    if state.nonfinite_in_row:
+        logger.message(
+            f"ending in a non-finite streak: no checkpoint for step {state.step}; the last one is "
+            f"{result.checkpoint or result.resumed_from}"
+        )
+    else:
+        result.checkpoint = _save(run, state).wait()
+    result.hf_dir = export_final(
+        run.cfg.run_dir, run.env, run.model, run.tokenizer, run.cfg.model, result.checkpoint
+    )
+    if run.env.is_main and result.hf_dir is not None and run.tokenizer is not None:
+        _check_export_tokenizer(run.tokenizer, result.hf_dir, logger)
 
 
 def _check_export_tokenizer(tokenizer: Any, hf_dir: Path, logger: MetricsLogger) -> None:

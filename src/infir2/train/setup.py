@@ -1,7 +1,7 @@
-"""What a run is built from: the model and the data sources that ``cfg.model`` / ``cfg.data`` name.
+"""What a training run is built from beyond the harness: its inputs checked and its data sources.
 
-``setup_model`` loads or builds the model, makes it trainable (fp32 masters, the FP8 swap of the
-recipe), moves it to the device and shards it under torchrun. ``build_sources`` makes this rank's
+``check_inputs`` checks the folders and files a config names before anything is built (the model's
+through ``harness.setup.check_model_inputs``). ``build_sources`` makes this rank's
 training ``StepSource`` (``data.tokens.CptSource`` or ``data.sft.SftSource``) and a factory of its
 validation steps; a new training-data kind is one branch here (and one ``DataConfig.kind``).
 """
@@ -13,37 +13,22 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
-
 from ..data import (
     CptSource,
     SftSource,
     check_tokenized_by,
-    folder_model_type,
     load_conversations,
     load_cpt_meta,
-    load_tokenizer,
     load_tokens,
     val_batches,
 )
 from ..data.base import MicroBatch, StepSource
 from ..data.tokens import check_batch_sizes
-from ..fp8 import get_recipe
-from ..model import build_from_config, check_model_folder, load_pretrained, prepare_for_training
+from ..harness.distributed import DistEnv
+from ..harness.setup import check_model_inputs
 from .config import RunConfig
-from .distributed import DistEnv, shard_model
 
-__all__ = [
-    "ValSteps",
-    "build_model",
-    "build_sources",
-    "check_inputs",
-    "load_run_tokenizer",
-    "rewinding",
-    "setup_model",
-    "total_steps",
-]
+__all__ = ["ValSteps", "build_sources", "check_inputs", "rewinding", "total_steps"]
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +42,8 @@ def check_inputs(cfg: RunConfig, world_size: int = 1, data: bool = True) -> None
     The model and tokenizer folders exist; with ``data`` (the run builds its own sources): the data
     files exist, SFT has its token budget, CPT's batch sizes divide over ``world_size`` ranks.
     """
-    m, d = cfg.model, cfg.data
-    if m.path:
-        check_model_folder(m.path)
-    if m.tokenizer and not Path(m.tokenizer).is_dir():
-        raise FileNotFoundError(
-            f"model.tokenizer: tokenizer folder not found: {m.tokenizer} (`infir2 demo "
-            "--data-only --out DIR` writes a small one to DIR/tokenizer)"
-        )
+    d = cfg.data
+    check_model_inputs(cfg)
     if not data:
         return
     if not d.train_path:
@@ -88,53 +67,6 @@ def check_inputs(cfg: RunConfig, world_size: int = 1, data: bool = True) -> None
     for key, file in (("data.train_path", d.train_path), ("data.val_path", d.val_path)):
         if file and not Path(file).is_file():
             raise FileNotFoundError(f"{key}: SFT data file {file} does not exist")
-
-
-def load_run_tokenizer(cfg: RunConfig) -> Any:
-    """The run's tokenizer (``model.tokenizer`` or ``model.path``), read as ``AutoTokenizer`` will read the
-    export: for the model's type (``from_config.arch``, or ``model_type`` in ``model.path/config.json``)."""
-    path = cfg.model.tokenizer or cfg.model.path
-    if not path:
-        return None
-    if cfg.model.from_config is not None:
-        model_type = cfg.model.from_config.get("arch")
-    else:
-        model_type = folder_model_type(cfg.model.path) if cfg.model.path else None
-    return load_tokenizer(path, model_type=model_type)
-
-
-def build_model(cfg: RunConfig, tokenizer: Any) -> nn.Module:
-    """The model ``cfg.model`` names: a local HF folder, or a seeded new one ``from_config``."""
-    if cfg.model.path:
-        return load_pretrained(cfg.model.path)
-    if cfg.model.from_config:
-        vocab_size = len(tokenizer) if tokenizer is not None else None
-        return build_from_config(cfg.model.from_config, vocab_size=vocab_size, seed=cfg.run.seed)
-    raise ValueError("model: give model.path (a local HF folder) or model.from_config")
-
-
-def setup_model(cfg: RunConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any) -> nn.Module:
-    """``model`` (or the configured one) with fp32 masters and FP8 layers, on the device, sharded if distributed."""
-    if cfg.model.precision == "bf16" and env.device.type == "cpu":
-        log.warning(
-            "model.precision=bf16 on a CPU: most CPUs have no fast bf16 (often 10-100x slower); "
-            "fp32 is the CPU baseline (--set model.precision=fp32)"
-        )
-    model = model if model is not None else build_model(cfg, tokenizer)
-    recipe = get_recipe(cfg.fp8.recipe)  # the config's name, resolved once (validated by train.config)
-    master_dtype = torch.float64 if cfg.model.precision == "fp64" else torch.float32
-    model = prepare_for_training(
-        model,
-        recipe,
-        cfg.fp8.backend,
-        cfg.model.activation_checkpointing,
-        cfg.model.recompute_mlp,
-        master_dtype,
-    )
-    model.to(env.device)
-    if not env.distributed:
-        return model
-    return shard_model(model, cfg.model.precision, recipe.param_gather(cfg.fp8.param_gather))
 
 
 def build_sources(cfg: RunConfig, tokenizer: Any, env: DistEnv) -> tuple[StepSource, ValSteps | None]:

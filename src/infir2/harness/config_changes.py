@@ -2,12 +2,12 @@
 
 A run folder's ``config.yaml`` is the resolved config the run was started with. Rerunning the command
 resumes from the newest checkpoint -- with whatever config the rerun passes. Some fields change what
-the run *means* (its schedule is a function of ``train.max_steps``, its data order of ``data.*`` and
-``run.seed``, its numerics of ``model.*`` / ``fp8.*`` / ``optim.*``): a different ``train.max_steps``
-silently stretches the WSD schedule and jumps the learning rate back up. Those differences are refused
-(``ConfigChangedError``, listing ``key: saved -> now``) unless ``load.accept_config_changes``
-(``infir2 train --accept-config-changes``). Others (logging, evaluation and save cadence, the device,
-``load.*``) are logged. Whenever the config differs, the saved one is kept as ``config.<step>.yaml``
+the run *means*; each stage lists them (``train.config.MEANINGFUL``: a different ``train.max_steps``
+silently stretches the WSD schedule and jumps the learning rate back up; ``rl.config.MEANINGFUL``).
+Those differences are refused (``ConfigChangedError``, listing ``key: saved -> now``) unless
+``run.accept_config_changes`` (``--accept-config-changes`` of ``infir2 train`` and ``infir2 rl``).
+Others (logging, evaluation and save cadence, the device, ``load.*``) are logged. A saved config
+with keys renamed since (``harness.config.RENAMED``) is read under the new names. Whenever the config differs, the saved one is kept as ``config.<step>.yaml``
 (``<step>``: the newest checkpoint's) before the new one is written: nothing is silently overwritten.
 """
 
@@ -19,15 +19,13 @@ from typing import Any
 
 import yaml
 
-from .config import RunConfig, config_to_dict, save_config
+from .config import config_to_dict, migrate_renamed, save_config
 
-__all__ = ["MEANINGFUL", "ConfigChangedError", "config_changes", "reconcile_saved_config"]
+__all__ = ["ConfigChangedError", "config_changes", "reconcile_saved_config"]
 
 log = logging.getLogger(__name__)
 
-#: dotted keys (or section prefixes ending in ".") whose change alters the run's meaning
-MEANINGFUL = ("schedule.", "optim.", "data.", "model.", "fp8.", "run.seed", "train.max_steps")
-#: keys under those prefixes that only observe the run (FP8 telemetry cadence)
+#: keys under the stages' meaningful prefixes that only observe the run (FP8 telemetry cadence)
 HARMLESS = ("fp8.stats_every",)
 CONFIG_FILE = "config.yaml"
 _ABSENT = "<absent>"
@@ -51,14 +49,17 @@ def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def _meaningful(key: str) -> bool:
+def _meaningful(key: str, meaningful: tuple[str, ...]) -> bool:
     if key in HARMLESS:
         return False
-    return any(key.startswith(m) if m.endswith(".") else key == m for m in MEANINGFUL)
+    return any(key.startswith(m) if m.endswith(".") else key == m for m in meaningful)
 
 
-def config_changes(saved: dict[str, Any], now: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """``(meaningful, harmless)``: ``"key: saved -> now"`` for each differing key.
+def config_changes(
+    saved: dict[str, Any], now: dict[str, Any], meaningful_keys: tuple[str, ...]
+) -> tuple[list[str], list[str]]:
+    """``(meaningful, harmless)``: ``"key: saved -> now"`` for each differing key; ``meaningful_keys``:
+    the stage's dotted keys and section prefixes (ending in ".") that change what a run computes.
 
     A key absent from the saved config (a field added since) counts as harmless.
     """
@@ -70,7 +71,7 @@ def config_changes(saved: dict[str, Any], now: dict[str, Any]) -> tuple[list[str
         if a == b:
             continue
         line = f"{key}: {a} -> {b}"
-        (meaningful if _meaningful(key) and a != _ABSENT else harmless).append(line)
+        (meaningful if _meaningful(key, meaningful_keys) and a != _ABSENT else harmless).append(line)
     return meaningful, harmless
 
 
@@ -86,11 +87,15 @@ def _backup_name(run_dir: Path, step: int) -> Path:
     return path
 
 
-def reconcile_saved_config(cfg: RunConfig, write: bool) -> None:
-    """Compare ``cfg`` with the run folder's saved config; refuse, log, keep the old one, write the new.
+def reconcile_saved_config(
+    cfg: Any, meaningful_keys: tuple[str, ...], write: bool, resumes_own: bool = True
+) -> None:
+    """Compare a stage's ``cfg`` with the run folder's saved config; refuse, log, keep the old one, write
+    the new.
 
-    Refuses only when the run resumes its own checkpoints (``step_*`` folders exist and no forced
-    ``load.path``). Every rank may call it (read-only unless ``write``): all reach the same decision.
+    Refuses only when the run resumes its own checkpoints (``step_*`` folders exist and ``resumes_own``:
+    ``infir2 train --load`` starts elsewhere). Every rank may call it (read-only unless ``write``): all
+    reach the same decision.
     """
     run_dir = cfg.run_dir
     path = run_dir / CONFIG_FILE
@@ -103,16 +108,17 @@ def reconcile_saved_config(cfg: RunConfig, write: bool) -> None:
             raise ValueError(f"{path}: the run's saved config is not valid YAML ({e}); move it aside") from e
     step = _newest_step(run_dir)
     if isinstance(saved, dict):
-        meaningful, harmless = config_changes(saved, now)
-        resuming = step is not None and not (cfg.load.force and cfg.load.path)
-        if meaningful and resuming and not cfg.load.accept_config_changes:
+        saved = migrate_renamed(saved, str(path), warn=False)
+        meaningful, harmless = config_changes(saved, now, meaningful_keys)
+        resuming = step is not None and resumes_own
+        if meaningful and resuming and not cfg.run.accept_config_changes:
             raise ConfigChangedError(
                 f"{path}: resuming run {run_dir} with a different config changes its meaning: "
                 + "; ".join(meaningful)
                 + ". Rerun with the saved config, choose another run.name, or pass --accept-config-changes"
             )
         for line in meaningful:
-            log.warning("config change accepted (load.accept_config_changes): %s", line)
+            log.warning("config change accepted (run.accept_config_changes): %s", line)
         for line in harmless:
             log.info("config change: %s", line)
         if (meaningful or harmless) and write:

@@ -57,6 +57,7 @@ class MetricsLogger:
         total_steps: int,
         log_every: int = 1,
         progress: bool = True,
+        desc: str = "train",
     ) -> None:
         self.enabled = enabled
         self.log_every = log_every
@@ -74,7 +75,7 @@ class MetricsLogger:
         self._bar = tqdm(
             total=total_steps,
             initial=start_step,
-            desc="train",
+            desc=desc,
             unit="step",
             disable=not progress,
             dynamic_ncols=True,

@@ -1,0 +1,282 @@
+"""The config sections every stage shares, their rules, and the one way a stage's YAML is read.
+
+``infir2 train`` (``train.config.RunConfig``) and ``infir2 rl`` (``rl.config.RLConfig``) are dataclasses of
+sections; four of them are the same for both and live here::
+
+    run:   name, out_dir, seed, device, accept_config_changes
+    model: path | from_config, tokenizer, precision, activation_checkpointing, recompute_mlp, export_dtype
+    fp8:   recipe, backend, param_gather, stats_every
+    optim: lr, betas, eps, weight_decay, grad_clip, fused, state_dtype
+
+and ``schedule`` (the learning-rate schedules of ``harness.optim``; ``infir2 rl`` keeps a constant rate).
+``check_shared`` holds their rules (one implementation for both stages); ``load_stage_config`` reads a
+YAML file into a stage's config (``--set`` overrides, then the stage's own ``parse``, which reads the
+renamed keys of older configs, ``RENAMED``, with a warning: ``migrate_renamed``). Every field carries its meaning (``_key``), which
+``infir2 config --keys`` prints.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+
+from ..fp8 import RECIPES
+from ..model import ARCHS
+from .typed_yaml import apply_overrides, config_error, to_plain
+
+__all__ = [
+    "FP32_MAX",
+    "MAX_LR",
+    "RENAMED",
+    "Fp8Config",
+    "ModelConfig",
+    "OptimConfig",
+    "RunSection",
+    "ScheduleConfig",
+    "check_positive",
+    "check_shared",
+    "config_to_dict",
+    "key_reference",
+    "load_stage_config",
+    "migrate_renamed",
+    "save_config",
+]
+
+log = logging.getLogger(__name__)
+
+#: the largest finite float32: optimizer hyperparameters above it become inf inside fp32 AdamW
+FP32_MAX = 3.4028234663852886e38
+#: the largest peak learning rate accepted: AdamW's update is about lr per element, so lr > 1 moves every
+#: weight by more than its typical size (~0.02) fifty times over in one step
+MAX_LR = 1.0
+
+#: keys of older configs -> their name now (read with a warning; a saved config.yaml is migrated alike)
+RENAMED = {
+    "load.accept_config_changes": "run.accept_config_changes",  # infir2 train before the harness
+    "train.accept_config_changes": "run.accept_config_changes",  # infir2 rl before the harness
+    "rollout.scale": "rollout.scale_encoding",  # infir2 rl: the word of `infir2 export --scale-encoding`
+}
+
+Config = TypeVar("Config")
+
+
+def _key(default: Any, meaning: str) -> Any:
+    """A config field with its default and its meaning (``infir2 config --keys`` prints both)."""
+    return field(default=default, metadata={"help": meaning})
+
+
+@dataclass(frozen=True)
+class RunSection:
+    name: str = _key("run", "the run folder is <out_dir>/<name>")
+    out_dir: str = _key("runs", "parent folder of the run folder")
+    seed: int = _key(0, "seed of the model init (from_config), dropout and the data order (unless data.seed)")
+    device: Literal["auto", "cpu", "cuda"] = _key(
+        "auto", "auto: cuda when available (torchrun: one GPU per rank)"
+    )
+    accept_config_changes: bool = _key(
+        False,
+        "resume although keys that change the run's meaning differ from the run folder's config.yaml "
+        "(`--accept-config-changes`; the old one is kept as config.<step>.yaml)",
+    )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str | None = _key(None, "local Hugging Face folder (config.json + weights), loaded without network")
+    from_config: dict[str, Any] | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "a seeded new model instead: {arch: qwen2|llama, hidden_size: ..., num_hidden_layers: ...} "
+                "(any field of the architecture's transformers config)"
+            )
+        },
+    )
+    tokenizer: str | None = _key(None, "tokenizer folder; default: model.path (required with from_config)")
+    precision: Literal["fp32", "bf16", "fp64"] = _key(
+        "bf16",
+        "autocast dtype of the high-precision parts (masters stay fp32); fp32 on CPUs; fp64: masters, "
+        "high-precision parts and the emulated GEMMs' accumulation in float64 (a CPU-independent reference "
+        "for tests; slow)",
+    )
+    activation_checkpointing: bool = _key(False, "recompute each decoder layer in backward (long contexts)")
+    recompute_mlp: bool = _key(
+        True,
+        "SwiGLU MLPs keep gate and up outputs and recompute silu in backward (exact; saves 2 [T, I] tensors)",
+    )
+    export_dtype: Literal["fp32", "bf16"] | None = _key(
+        None, "dtype of the final <run>/hf export; default: precision (fp32 for an fp64 run)"
+    )
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    recipe: str = _key("blockwise", f"FP8 recipe, one of: {', '.join(RECIPES)} (bf16 = no FP8)")
+    backend: str | None = _key(None, "force a GEMM backend (emulated, scaled_mm, ...); default: automatic")
+    param_gather: bool | None = _key(
+        None,
+        "FSDP2: all-gather FP8 linears' weights as FP8 codes (1 byte/element); default (null): on for "
+        "the blockwise recipes; only recipes whose fprop and dgrad share the weight blocks can (not rowwise)",
+    )
+    stats_every: int = _key(0, "FP8 numerics telemetry (`infir2 numerics`) every N steps; 0 = off")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = _key(1e-4, "peak learning rate of AdamW")
+    betas: tuple[float, float] = _key((0.9, 0.95), "AdamW betas")
+    eps: float = _key(1e-8, "AdamW eps")
+    weight_decay: float = _key(0.1, "on >=2-D weights (incl. embeddings); never on norms or biases")
+    grad_clip: float = _key(1.0, "max global grad norm; 0 = no clipping")
+    fused: bool | None = _key(None, "AdamW implementation: null = fused on CUDA, foreach elsewhere")
+    state_dtype: Literal["fp32", "bf16"] = _key(
+        "fp32", "AdamW moments' storage (math is fp32): 16 vs 12 bytes per parameter"
+    )
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    name: Literal["wsd", "cosine", "constant"] = _key(
+        "wsd", "learning-rate schedule: warmup-stable-decay, cosine, constant"
+    )
+    warmup_steps: int | None = _key(None, "linear warmup steps; exclusive with warmup_fraction")
+    warmup_fraction: float | None = _key(None, "warmup as a fraction of the total steps (e.g. 0.05)")
+    decay_steps: int | None = _key(None, "wsd: the last decay_steps decay; exclusive with decay_fraction")
+    decay_fraction: float | None = _key(None, "wsd: the last fraction of the steps decays")
+    decay_style: Literal["cosine", "linear"] = _key("cosine", "wsd decay shape")
+    min_lr: float | None = _key(None, "final learning rate; exclusive with min_lr_ratio")
+    min_lr_ratio: float | None = _key(None, "final learning rate as a fraction of optim.lr")
+
+
+# --------------------------------------------------------------------------------------------
+# Rules
+
+
+def check_positive(source: str, key: str, value: float | None, allow_zero: bool = False) -> None:
+    """``value`` (None passes) is finite, within float32 and ``> 0`` (``>= 0`` with ``allow_zero``)."""
+    if value is None:
+        return
+    if not math.isfinite(value):
+        raise config_error(source, key, f"must be a finite number, got {value}")
+    if abs(value) > FP32_MAX:
+        raise config_error(source, key, f"overflows float32 (max {FP32_MAX:.4g}), got {value}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise config_error(source, key, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def _check_model(m: ModelConfig, source: str) -> None:
+    if m.path is not None and m.from_config is not None:
+        raise config_error(
+            source, "model", "give one of model.path (a local HF folder) or model.from_config, not both"
+        )
+    if m.from_config is not None and m.from_config.get("arch") not in ARCHS:
+        raise config_error(
+            source,
+            "model.from_config.arch",
+            f"got {m.from_config.get('arch')!r}, expected one of {', '.join(ARCHS)}",
+        )
+    if m.from_config is not None and m.tokenizer is None:
+        raise config_error(source, "model.tokenizer", "a model built from_config needs a tokenizer folder")
+
+
+def _check_fp8(f: Fp8Config, source: str) -> None:
+    if f.recipe not in RECIPES:
+        raise config_error(source, "fp8.recipe", f"got {f.recipe!r}, expected one of {', '.join(RECIPES)}")
+    check_positive(source, "fp8.stats_every", f.stats_every, allow_zero=True)
+    if f.param_gather and not RECIPES[f.recipe].gathers_fp8_weight:
+        raise config_error(
+            source,
+            "fp8.param_gather",
+            f"recipe {f.recipe} has no FP8 weight that serves both "
+            "fprop and dgrad; set fp8.param_gather to false or null",
+        )
+
+
+def _check_optim(o: OptimConfig, source: str) -> None:
+    check_positive(source, "optim.lr", o.lr)
+    if o.lr > MAX_LR:
+        raise config_error(
+            source,
+            "optim.lr",
+            f"{o.lr:g} is above {MAX_LR:g}: no AdamW run uses such a learning "
+            "rate (LM pre-training and SFT peak at 1e-5 .. 1e-2); the weights would diverge",
+        )
+    check_positive(source, "optim.eps", o.eps)
+    check_positive(source, "optim.weight_decay", o.weight_decay, allow_zero=True)
+    check_positive(source, "optim.grad_clip", o.grad_clip, allow_zero=True)
+    for i, beta in enumerate(o.betas):
+        if not 0 <= beta < 1:
+            raise config_error(source, f"optim.betas[{i}]", f"must be in [0, 1), got {beta}")
+
+
+def check_shared(cfg: Any, source: str) -> None:
+    """The rules of the shared sections (``cfg.model``, ``cfg.fp8``, ``cfg.optim``) of any stage's config."""
+    _check_model(cfg.model, source)
+    _check_fp8(cfg.fp8, source)
+    _check_optim(cfg.optim, source)
+
+
+# --------------------------------------------------------------------------------------------
+# Reading and writing
+
+
+def migrate_renamed(data: dict[str, Any], source: str, warn: bool = True) -> dict[str, Any]:
+    """``data`` (nested sections) with the keys of ``RENAMED`` under their new names (a copy)."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    for old, new in RENAMED.items():
+        old_section, old_key = old.split(".")
+        section = out.get(old_section)
+        if not isinstance(section, dict) or old_key not in section:
+            continue
+        value = section.pop(old_key)
+        new_section, new_key = new.split(".")
+        target = out.setdefault(new_section, {})
+        if isinstance(target, dict) and new_key not in target:
+            target[new_key] = value
+        if warn:
+            log.warning("%s: %s is now called %s (read as such; rename it)", source, old, new)
+    return out
+
+
+def load_stage_config(
+    path: Path, parse: Callable[[dict[str, Any], str], Config], overrides: list[str] | None = None
+) -> Config:
+    """Read a YAML config of one stage, apply ``--set`` overrides, validate with ``parse(data, source)``
+    (which reads renamed keys: ``migrate_renamed``). Errors name the key and the file."""
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of sections (run, model, data, ...)")
+    source = str(path)
+    if overrides:
+        data = apply_overrides(data, overrides, f"{path} with --set")
+        source = f"{path} with --set {' '.join(overrides)}"
+    return parse(data, source)
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """A stage's config as plain YAML-ready data (tuples as lists)."""
+    return to_plain(cfg)
+
+
+def save_config(cfg: Any, path: str | Path) -> None:
+    """Write the resolved config (every field, defaults included) as YAML; it loads back unchanged."""
+    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+
+
+def key_reference(cfg: Any) -> list[tuple[str, Any, str]]:
+    """Every key of a stage's config ``cfg`` (its defaults) as ``(dotted key, default, meaning)``."""
+    defaults = config_to_dict(cfg)
+    return [
+        (f"{section.name}.{f.name}", defaults[section.name][f.name], f.metadata.get("help", ""))
+        for section in fields(cfg)
+        for f in fields(getattr(cfg, section.name))
+    ]

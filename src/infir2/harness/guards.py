@@ -1,0 +1,98 @@
+"""The step guards every stage shares: the gradient norm, skipped-step streaks, a spike rule.
+
+* ``clip_grad_norm`` -- the global gradient norm (over all shards under FSDP2), clipped to ``max_norm``
+  (0: no clipping); a stage skips its update when the norm or the loss is not finite;
+* ``SpikeRule`` -- a statistic more than ``margin`` above the median of its last ``window`` healthy
+  values is a spike (``infir2 train``: the loss, 3 nats; a likelihood that jumps by e^3 = 20x is
+  divergence, not noise); infinite without history, so it never fires on the first steps;
+* ``StepGuard`` -- counts skipped steps (``state.nonfinite_total`` / ``nonfinite_in_row``, saved with
+  the counters), says why in one line, and stops the run with ``NonFiniteError`` after
+  ``max_in_row`` in a row, naming the last checkpoint written before the streak (none is written
+  during one, so ``keep_last`` never deletes it).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["NonFiniteError", "SpikeRule", "StepGuard", "clip_grad_norm"]
+
+
+class NonFiniteError(ValueError):
+    """Too many consecutive skipped steps (a non-finite loss or gradient norm, or a spike).
+
+    A ``ValueError``: the CLI prints it as one line (exit code 2). It names the last checkpoint written
+    before the streak.
+    """
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+    """The global gradient norm of ``model`` (all shards), clipping the gradients to ``max_norm`` (0: off)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, foreach=True)
+    if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2: the norm over all shards
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+class SpikeRule:
+    """``margin`` above the median of the last ``window`` observed values is a spike (None: off)."""
+
+    def __init__(self, margin: float | None, window: int) -> None:
+        self.margin = margin
+        self.recent: deque[float] = deque(maxlen=window)
+
+    def limit(self) -> float:
+        """The value above which this step is a spike (inf without history or when off)."""
+        if self.margin is None or not self.recent:
+            return math.inf
+        return statistics.median(self.recent) + self.margin
+
+    def reference(self) -> float:
+        """The median the limit is measured from."""
+        return self.limit() - (self.margin or 0.0)
+
+    def observe(self, value: float) -> None:
+        """Record the value of a step that was not skipped."""
+        self.recent.append(value)
+
+
+class StepGuard:
+    """Counts skipped steps in ``state`` and stops the run after ``max_in_row`` in a row.
+
+    ``key``: the config key of ``max_in_row``; ``causes``: what skips a step in this stage; ``advice``:
+    what to try (each stage knows its knobs)."""
+
+    def __init__(self, max_in_row: int, key: str, causes: str, advice: str) -> None:
+        self.max_in_row, self.key, self.causes, self.advice = max_in_row, key, causes, advice
+
+    def record(self, state: Any, why: str | None, message: Any, last_checkpoint: Path | None) -> None:
+        """``why``: the reason this step was skipped, or None (a healthy step ends a streak).
+        ``message``: where the line goes (the metrics logger's ``message``)."""
+        if why is None:
+            state.nonfinite_in_row = 0
+            return
+        state.nonfinite_total += 1
+        state.nonfinite_in_row += 1
+        message(
+            f"step {state.step}: {why}: update skipped ({state.nonfinite_in_row} in a row, "
+            f"{state.nonfinite_total} in total)"
+        )
+        if state.nonfinite_in_row < self.max_in_row:
+            return
+        where = (
+            f"the last checkpoint written before the streak is {last_checkpoint}"
+            if last_checkpoint
+            else "no checkpoint was written before the streak"
+        )
+        raise NonFiniteError(
+            f"stopping at step {state.step}: {state.nonfinite_in_row} steps in a row had {self.causes} "
+            f"({self.key}={self.max_in_row}; last: {why}); {where}. {self.advice}"
+        )

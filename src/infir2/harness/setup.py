@@ -1,0 +1,100 @@
+"""The model and tokenizer a stage's config names, made trainable, with a hook before sharding.
+
+Every stage reads ``cfg.model`` / ``cfg.fp8`` / ``cfg.run`` the same way:
+
+* ``check_model_inputs`` -- the model and tokenizer folders exist (a clear line naming the key, before
+  anything is built);
+* ``load_run_tokenizer`` -- the tokenizer as ``AutoTokenizer`` will read the stage's export: for the
+  model's type (``from_config.arch`` or ``model_type`` in ``model.path/config.json``), so a separate
+  ``model.tokenizer`` folder tokenizes as the run that made the model did;
+* ``setup_model`` -- load or build the model, fp32 masters (fp64 under ``model.precision: fp64``), the
+  FP8 swap of ``fp8.recipe``, onto the device; then ``before_shard(model)`` (RL builds its rollout engine
+  and reference copy there, from the whole model), then FSDP2 under torchrun.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..data import folder_model_type, load_tokenizer
+from ..fp8 import get_recipe
+from ..model import build_from_config, check_model_folder, load_pretrained, prepare_for_training
+from .distributed import DistEnv, shard_model
+
+__all__ = ["build_model", "check_model_inputs", "load_run_tokenizer", "setup_model"]
+
+log = logging.getLogger(__name__)
+
+
+def check_model_inputs(cfg: Any) -> None:
+    """``model.path`` is a model folder and ``model.tokenizer`` a folder (each error names its key)."""
+    m = cfg.model
+    if m.path:
+        check_model_folder(m.path)
+    if m.tokenizer and not Path(m.tokenizer).is_dir():
+        raise FileNotFoundError(
+            f"model.tokenizer: tokenizer folder not found: {m.tokenizer} (`infir2 demo "
+            "--data-only --out DIR` writes a small one to DIR/tokenizer)"
+        )
+
+
+def load_run_tokenizer(cfg: Any) -> Any:
+    """The run's tokenizer (``model.tokenizer`` or ``model.path``), read as ``AutoTokenizer`` will read the
+    export: for the model's type (``from_config.arch``, or ``model_type`` in ``model.path/config.json``)."""
+    path = cfg.model.tokenizer or cfg.model.path
+    if not path:
+        return None
+    if cfg.model.from_config is not None:
+        model_type = cfg.model.from_config.get("arch")
+    else:
+        model_type = folder_model_type(cfg.model.path) if cfg.model.path else None
+    return load_tokenizer(path, model_type=model_type)
+
+
+def build_model(cfg: Any, tokenizer: Any) -> nn.Module:
+    """The model ``cfg.model`` names: a local HF folder, or a seeded new one ``from_config``."""
+    if cfg.model.path:
+        return load_pretrained(cfg.model.path)
+    if cfg.model.from_config:
+        vocab_size = len(tokenizer) if tokenizer is not None else None
+        return build_from_config(cfg.model.from_config, vocab_size=vocab_size, seed=cfg.run.seed)
+    raise ValueError("model: give model.path (a local HF folder) or model.from_config")
+
+
+def setup_model(
+    cfg: Any,
+    env: DistEnv,
+    model: nn.Module | None,
+    tokenizer: Any,
+    before_shard: Callable[[nn.Module], None] | None = None,
+) -> nn.Module:
+    """``model`` (or the configured one) with fp32 masters and FP8 layers, on the device; ``before_shard``
+    sees the whole model; sharded with FSDP2 if distributed."""
+    if cfg.model.precision == "bf16" and env.device.type == "cpu":
+        log.warning(
+            "model.precision=bf16 on a CPU: most CPUs have no fast bf16 (often 10-100x slower); "
+            "fp32 is the CPU baseline (--set model.precision=fp32)"
+        )
+    model = model if model is not None else build_model(cfg, tokenizer)
+    recipe = get_recipe(cfg.fp8.recipe)  # the config's name, resolved once (validated by check_shared)
+    master_dtype = torch.float64 if cfg.model.precision == "fp64" else torch.float32
+    model = prepare_for_training(
+        model,
+        recipe,
+        cfg.fp8.backend,
+        cfg.model.activation_checkpointing,
+        cfg.model.recompute_mlp,
+        master_dtype,
+    )
+    model.to(env.device)
+    if before_shard is not None:
+        before_shard(model)
+    if not env.distributed:
+        return model
+    return shard_model(model, cfg.model.precision, recipe.param_gather(cfg.fp8.param_gather))

@@ -1,0 +1,167 @@
+"""What an RL step trains on, typed: a ``Group`` per prompt, an ``RLBatch`` of padded tensors per step.
+
+* ``Group`` -- one prompt's sampled responses, graded: lengths, finished flags, correctness, shaped
+  rewards and, for a group dynamic sampling keeps, the response ids and the rollout engine's
+  log-probabilities (``[n, R]`` float32, right-padded). Ranks all-gather groups (the log-probabilities
+  travel as one tensor each, not as Python floats); the dynamic-sampling buffer saves them as plain
+  records (``to_record`` / ``from_record``: the layout checkpoints have always had);
+* ``RLBatch`` -- the step's samples (one row per response) as padded tensors, built once per step:
+  prompts left-padded ``[B, P]``, responses right-padded ``[B, R]``, the rollout / old / reference
+  log-probabilities and TIS weights ``[B, R]`` (zero past each response), advantages ``[B]`` and whether a
+  row counts in the loss. ``rows(idx)`` slices a micro-batch trimmed to its own widths -- the tensors
+  the trainer's forward would get from those samples alone, so the numerics do not depend on the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["Group", "RLBatch", "Rows"]
+
+
+@dataclass
+class Group:
+    """One prompt's sampled and graded responses (``responses`` / ``logprobs`` None: a dropped group)."""
+
+    prompt: int
+    lengths: list[int]
+    finished: list[bool]
+    correct: list[float]
+    rewards: list[float]
+    responses: list[list[int]] | None = None
+    logprobs: torch.Tensor | None = None  # [n, max length] float32, zero past each response
+
+    @property
+    def kept(self) -> bool:
+        return self.responses is not None
+
+    def response_logprobs(self, j: int) -> torch.Tensor:
+        assert self.logprobs is not None
+        return self.logprobs[j, : self.lengths[j]]
+
+    def to_record(self) -> dict[str, Any]:
+        """Plain data for a checkpoint (``torch.load(weights_only=True)`` reads it)."""
+        record: dict[str, Any] = {
+            "prompt": self.prompt,
+            "lengths": self.lengths,
+            "finished": self.finished,
+            "correct": self.correct,
+            "rewards": self.rewards,
+        }
+        if self.responses is not None:
+            record["responses"] = self.responses
+            record["logprobs"] = [self.response_logprobs(j).tolist() for j in range(len(self.lengths))]
+        return record
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Group:
+        """A saved record; one saved before records carried their lengths gets them from its responses."""
+        responses = record.get("responses")
+        lengths = record.get("lengths") or [len(y) for y in responses or []]
+        logprobs = None
+        if responses is not None:
+            logprobs = pad_rows([torch.tensor(lp, dtype=torch.float32) for lp in record["logprobs"]])
+        return cls(
+            record["prompt"],
+            list(lengths),
+            list(record["finished"]),
+            list(record["correct"]),
+            list(record["rewards"]),
+            responses,
+            logprobs,
+        )
+
+
+def pad_rows(rows: list[torch.Tensor], width: int | None = None, value: float = 0.0) -> torch.Tensor:
+    """1-D tensors right-padded with ``value`` to ``width`` (default: the longest) and stacked."""
+    width = max((r.numel() for r in rows), default=0) if width is None else width
+    out = torch.full((len(rows), width), value, dtype=rows[0].dtype if rows else torch.float32)
+    for i, r in enumerate(rows):
+        out[i, : r.numel()] = r
+    return out
+
+
+@dataclass
+class Rows:
+    """A micro-batch of an ``RLBatch``: its rows trimmed to their longest prompt and response."""
+
+    ids: torch.Tensor  # [m, P + R]: prompt left-padded, response right-padded
+    attention_mask: torch.Tensor  # [m, P + R]
+    response_mask: torch.Tensor  # [m, R] float
+    prompt_width: int
+    rollout_logp: torch.Tensor  # [m, R]
+    old_logp: torch.Tensor
+    ref_logp: torch.Tensor
+    tis: torch.Tensor
+    adv: torch.Tensor  # [m] float64
+    keep: torch.Tensor  # [m] bool
+    index: torch.Tensor  # [m] the rows' indices in the batch
+
+
+@dataclass
+class RLBatch:
+    """A step's samples as padded tensors (module docstring); ``old_logp`` / ``ref_logp`` / ``tis`` are
+    filled by the step's scoring pass."""
+
+    prompt_ids: torch.Tensor  # [B, P] left-padded with pad_id
+    prompt_len: torch.Tensor  # [B]
+    response_ids: torch.Tensor  # [B, R] right-padded with pad_id
+    response_len: torch.Tensor  # [B]
+    rollout_logp: torch.Tensor  # [B, R] float32
+    adv: torch.Tensor  # [B] float64
+    keep: torch.Tensor  # [B] bool: counts in the loss (overlong: mask drops unfinished responses)
+    old_logp: torch.Tensor = field(init=False)
+    ref_logp: torch.Tensor = field(init=False)
+    tis: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.old_logp = torch.zeros_like(self.rollout_logp)
+        self.ref_logp = torch.zeros_like(self.rollout_logp)
+        self.tis = torch.zeros_like(self.rollout_logp)
+
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    @classmethod
+    def build(
+        cls,
+        prompts: list[list[int]],
+        groups: list[Group],
+        adv: torch.Tensor,
+        mask_unfinished: bool,
+        pad_id: int,
+    ) -> RLBatch:
+        """One row per response of ``groups`` (prompt ``prompts[g.prompt]``), advantages ``adv[g, j]``."""
+        rows = [(g, j) for g in groups for j in range(len(g.lengths))]
+        p_rows = [torch.tensor(prompts[g.prompt], dtype=torch.long) for g, _ in rows]
+        r_rows = [torch.tensor(g.responses[j], dtype=torch.long) for g, j in rows]  # type: ignore[index]
+        p_len = torch.tensor([p.numel() for p in p_rows])
+        width = int(p_len.max())
+        left = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        for i, p in enumerate(p_rows):
+            left[i, width - p.numel() :] = p
+        return cls(
+            left,
+            p_len,
+            pad_rows(r_rows, value=pad_id),
+            torch.tensor([r.numel() for r in r_rows]),
+            pad_rows([g.response_logprobs(j) for g, j in rows]),
+            torch.stack([adv[gi, j] for gi, g in enumerate(groups) for j in range(len(g.lengths))]),
+            torch.tensor([not (mask_unfinished and not g.finished[j]) for g, j in rows]),
+        )
+
+    def rows(self, index: list[int]) -> Rows:
+        """The micro-batch of rows ``index``, trimmed to its own widths."""
+        idx = torch.tensor(index)
+        p = int(self.prompt_len[idx].max())
+        r = int(self.response_len[idx].max())
+        response = self.response_ids[idx, :r]
+        resp_mask = (torch.arange(r)[None, :] < self.response_len[idx, None]).float()
+        prompt_mask = torch.arange(p)[None, :] >= (p - self.prompt_len[idx, None])
+        ids = torch.cat([self.prompt_ids[idx, -p:], response], dim=1)
+        attention = torch.cat([prompt_mask.long(), resp_mask.long()], dim=1)
+        sliced = {k: getattr(self, k)[idx, :r] for k in ("rollout_logp", "old_logp", "ref_logp", "tis")}
+        return Rows(ids, attention, resp_mask, p, **sliced, adv=self.adv[idx], keep=self.keep[idx], index=idx)
