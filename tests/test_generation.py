@@ -21,14 +21,9 @@ from infir2.generation import ENGINES, EngineOptions, Sample, register_engine
 from infir2.generation.builtin import stops_and_pad
 from infir2.generation.sampler import filter_probs
 from infir2.rl import parse_rl_config
+from train_synthetic import one_thread
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+_one_thread = pytest.fixture(autouse=True)(one_thread)
 
 
 class LoopEngine:

@@ -221,20 +221,13 @@ async def _complete(
     return out
 
 
-def complete(
-    cfg: ServerConfig,
-    prompt: str,
-    n: int,
-    sampling: SamplingConfig,
-    stop: Sequence[str],
-    seed: int,
-    count_tokens: Callable[[str], int],
-) -> list[Sample]:
-    """Up to ``n`` completions of ``prompt`` from one request (with retries)."""
+def complete(cfg: ServerConfig, *args: Any) -> list[Sample]:
+    """``_complete`` outside an event loop, on a client of its own: ``complete(cfg, prompt, n, sampling,
+    stop, seed, count_tokens)`` -> up to ``n`` samples of ``prompt`` from one request (with retries)."""
 
     async def one() -> list[Sample]:
         async with _client(cfg) as client:
-            return await _complete(client, cfg, prompt, n, sampling, stop, seed, count_tokens)
+            return await _complete(client, cfg, *args)
 
     return asyncio.run(one())
 
