@@ -9,6 +9,7 @@ import json
 import logging
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -124,6 +125,37 @@ def test_eval_fp8_served_is_the_blockwise_recipe_forward(model_dir: Path, tmp_pa
     assert summary["precision"] == "fp8 served (pow2 scales)"
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["precision"] == "fp8 (blockwise)"
     assert main(["eval", "--model", str(model_dir), "--fp8", "nope", "--out", str(tmp_path / "x")]) == 2
+
+
+def test_perplexity_fp8_served_is_the_blockwise_recipe_loss(model_dir: Path, tmp_path: Path) -> None:
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (np.arange(200) * 7 % 300).astype("uint16").tofile(tok / "val.bin")
+    (tok / "meta.json").write_text(json.dumps({"dtype": "uint16"}))
+
+    def loss(*fp8: str) -> float:
+        out = tmp_path / "-".join(["o", *fp8])
+        assert (
+            main(
+                [
+                    "eval",
+                    "--model",
+                    str(model_dir),
+                    "--perplexity",
+                    str(tok),
+                    "--seq-len",
+                    "32",
+                    "--out",
+                    str(out),
+                    *fp8,
+                ]
+            )
+            == 0
+        )
+        return json.loads((out / "loss.json").read_text())["loss"]
+
+    high, served, recipe = loss(), loss("--fp8"), loss("--fp8", "blockwise")
+    assert served == pytest.approx(recipe, rel=1e-6) and abs(served - high) > 1e-6  # FP8, and the same FP8
 
 
 def test_eval_picks_a_registered_engine_by_name(model_dir: Path, tmp_path: Path, loop_engine: str) -> None:
