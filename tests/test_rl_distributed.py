@@ -123,7 +123,10 @@ def test_two_processes_train_as_one(tmp_path, tiny_tokenizer, monkeypatch):
         assert [a[k] for k in rounded] == pytest.approx([b[k] for k in rounded], rel=1e-5, abs=1e-7)
     a = torch.load(runs / "two" / "checkpoints" / "step_00000003" / "state.pt", weights_only=True)
     b = torch.load(runs / "one" / "checkpoints" / "step_00000003" / "state.pt", weights_only=True)
-    assert a["data"][0]["prompts"] == b["data"][0]["prompts"] and a["data"][0]["buffer"] == b["data"][0]["buffer"]
+    assert (
+        a["data"][0]["prompts"] == b["data"][0]["prompts"]
+        and a["data"][0]["buffer"] == b["data"][0]["buffer"]
+    )
     assert torch.equal(a["data"][0]["sampler"], b["data"][0]["sampler"])
     for name, t in b["model"].items():
         assert torch.equal(a["model"][name], t), name

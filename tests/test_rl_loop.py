@@ -13,6 +13,7 @@ from infir2.cli import main
 from infir2.eval import GRADERS, Graded
 from infir2.rl import loop as rl_loop
 from infir2.rl import parse_rl_config, rl
+from infir2.rl import update as rl_update
 
 
 @pytest.fixture(autouse=True)
@@ -114,7 +115,7 @@ def test_dynamic_sampling_drops_groups_that_agree(tmp_path, tiny_tokenizer, monk
 def test_resume_after_a_crash_is_bit_identical(tmp_path, tiny_tokenizer, parity_reward, monkeypatch):
     whole = _run(_config(tmp_path, "whole"), tiny_tokenizer)
     calls = {"n": 0}
-    update = rl_loop._update
+    update = rl_loop.update
 
     def crash_on_third(run, batch, plan):
         calls["n"] += 1
@@ -122,10 +123,10 @@ def test_resume_after_a_crash_is_bit_identical(tmp_path, tiny_tokenizer, parity_
             raise RuntimeError("killed")
         return update(run, batch, plan)
 
-    monkeypatch.setattr(rl_loop, "_update", crash_on_third)
+    monkeypatch.setattr(rl_loop, "update", crash_on_third)
     with pytest.raises(RuntimeError, match="killed"):
         _run(_config(tmp_path, "crashed"), tiny_tokenizer)
-    monkeypatch.setattr(rl_loop, "_update", update)
+    monkeypatch.setattr(rl_loop, "update", update)
     resumed = _run(_config(tmp_path, "crashed"), tiny_tokenizer)
     assert resumed.resumed_from is not None and resumed.resumed_from.name == "step_00000002"
 
@@ -142,8 +143,13 @@ def test_resume_after_a_crash_is_bit_identical(tmp_path, tiny_tokenizer, parity_
         torch.load(c / "state.pt", weights_only=True)
         for c in sorted((tmp_path / "whole" / "checkpoints").glob("step_*"))
     ]
-    assert any(s["data"][0]["buffer"] for s in saved)  # a dynamic-sampling buffer was carried over a checkpoint
-    assert a["data"][0]["buffer"] == b["data"][0]["buffer"] and a["data"][0]["prompts"] == b["data"][0]["prompts"]
+    assert any(
+        s["data"][0]["buffer"] for s in saved
+    )  # a dynamic-sampling buffer was carried over a checkpoint
+    assert (
+        a["data"][0]["buffer"] == b["data"][0]["buffer"]
+        and a["data"][0]["prompts"] == b["data"][0]["prompts"]
+    )
     for name, t in a["model"].items():
         assert torch.equal(t, b["model"][name]), name
 
@@ -182,13 +188,13 @@ def test_a_damaged_checkpoint_is_skipped_for_the_previous_one(tmp_path, tiny_tok
 def test_non_finite_updates_are_skipped_then_stop_the_run(
     tmp_path, tiny_tokenizer, parity_reward, monkeypatch
 ):
-    real = rl_loop.policy_loss
+    real = rl_update.policy_loss
 
     def nan_loss(*args, **kwargs):
         total, stats = real(*args, **kwargs)
         return total * float("nan"), stats
 
-    monkeypatch.setattr(rl_loop, "policy_loss", nan_loss)
+    monkeypatch.setattr(rl_update, "policy_loss", nan_loss)
     cfg = _config(tmp_path, "nan", train={"max_steps": 4, "max_nonfinite_in_row": 2})
     with pytest.raises(ValueError, match="2 steps in a row had a non-finite"):
         _run(cfg, tiny_tokenizer)

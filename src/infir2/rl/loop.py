@@ -45,42 +45,34 @@ Under ``torchrun --nproc_per_node N`` (every rank calls ``rl``) the policy is sh
 from __future__ import annotations
 
 import copy
-import math
 import random
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..data.chat import render_prompt, stop_token_ids
 from ..eval.tasks import Problem, load_problems, reward
-from ..generation import EngineOptions, RolloutEngine, Sample, SamplingConfig, build_engine, derive_seeds
+from ..generation import EngineOptions, RolloutEngine, SamplingConfig, build_engine
 from ..harness.config import config_to_dict
 from ..harness.config_changes import reconcile_saved_config
-from ..harness.distributed import DistEnv, all_gather_objects, all_reduce_max, all_reduce_sum
-from ..harness.guards import StepGuard, clip_grad_norm
+from ..harness.distributed import DistEnv, all_reduce_sum
+from ..harness.guards import StepGuard
 from ..harness.metrics import MetricsLogger, peak_memory_gib
 from ..harness.optim import build_optimizer
-from ..harness.resume import PendingSave, SavePolicy, export_final, restore, save
+from ..harness.resume import PendingSave, export_final, restore, save
 from ..harness.run import open_run
 from ..harness.setup import check_model_inputs, load_run_tokenizer, setup_model
-from ..model import autocast
-from .algorithm import (
-    group_advantages,
-    mismatch_from_sums,
-    mismatch_sums,
-    overlong_penalty,
-    policy_loss,
-    tis_weights,
-)
-from .batch import Group, RLBatch, Rows
+from .algorithm import group_advantages
+from .batch import RLBatch
+from .collect import collect_groups, completion_text, share
 from .config import MEANINGFUL, RLConfig, tis_mode
 from .prompts import PromptStream
+from .state import RLState, RolloutData, Run
+from .update import my_micro_batches, plan_batches, score, sequence_logprobs, update
 
 __all__ = [
     "RLResult",
@@ -99,17 +91,6 @@ ADVICE = "Lower optim.lr or try another fp8.recipe, then rerun (it resumes from 
 
 
 @dataclass
-class RLState:
-    """The loop's counters; saved under ``train_state`` in every checkpoint."""
-
-    step: int = 0
-    updates: int = 0  # optimizer steps done (skipped ones included)
-    samples_seen: int = 0
-    nonfinite_total: int = 0
-    nonfinite_in_row: int = 0
-
-
-@dataclass
 class RLResult:
     run_dir: Path
     step: int
@@ -119,325 +100,12 @@ class RLResult:
     resumed_from: Path | None = None
 
 
-class RolloutData:
-    """The run's data state (``harness.resume.Resumable``): prompt order, sampler, dynamic-sampling buffer.
-
-    The same on every rank (``replicated``): one copy is saved."""
-
-    replicated = True
-
-    def __init__(self, stream: PromptStream, sampler: torch.Generator) -> None:
-        self.stream, self.sampler = stream, sampler
-        self.buffer: list[Group] = []
-
-    def state_dict(self) -> dict[str, Any]:
-        buffer = [g.to_record() for g in self.buffer]
-        return {"prompts": self.stream.state_dict(), "buffer": buffer, "sampler": self.sampler.get_state()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.stream.load_state_dict(state["prompts"])
-        self.buffer[:] = [Group.from_record(r) for r in state["buffer"]]
-        self.sampler.set_state(state["sampler"])
-
-
-@dataclass
-class Run:
-    """What a step works with (built once by ``_setup``)."""
-
-    cfg: RLConfig
-    env: DistEnv
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    tokenizer: Any
-    engine: RolloutEngine
-    ref: nn.Module | None
-    problems: list[Problem]
-    prompt_ids: list[list[int]]
-    data: RolloutData
-    stop_ids: list[int]
-    pad_id: int
-    val: list[Problem]
-    val_ids: list[list[int]]
-
-    @property
-    def policy(self) -> SavePolicy:
-        return SavePolicy(self.cfg.run_dir / "checkpoints", "full", self.cfg.train.keep_last)
-
-
-# --------------------------------------------------------------------------------------------
-# Trainer-side log-probabilities
-
-
-def _response_logprobs(
-    model: nn.Module,
-    ids: torch.Tensor,
-    mask: torch.Tensor,
-    r: int,
-    temperature: float,
-    precision: str,
-    entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``log softmax(logits / T)`` of the last ``r`` tokens of ``ids`` ``[B, P + R]`` given what precedes."""
-    device = next(model.parameters()).device
-    ids, mask = ids.to(device), mask.to(device)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    with autocast(precision, device):
-        logits = model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=r + 1
-        ).logits
-    logp_all = F.log_softmax(logits[:, :-1].float() / temperature, dim=-1)  # [B, R, V]
-    logp = logp_all.gather(-1, ids[:, -r:, None]).squeeze(-1)
-    ent = -(logp_all.exp() * logp_all).sum(-1).detach() if entropy else None
-    return logp, ent
-
-
-def sequence_logprobs(
-    model: nn.Module,
-    prompts: Sequence[list[int]],
-    responses: Sequence[list[int]],
-    pad_id: int,
-    temperature: float,
-    precision: str,
-    entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``[B, R]`` logp, response mask and entropy of each response token given its prompt, laid out as the
-    engine generates (prompt left-padded, response right-padded, positions from the first real token)."""
-    groups = [
-        Group(i, [len(y)], [True], [0.0], [0.0], [list(y)], torch.zeros(1, len(y)))
-        for i, y in enumerate(responses)
-    ]
-    adv = torch.zeros(len(groups), 1, dtype=torch.float64)
-    batch = RLBatch.build([list(p) for p in prompts], groups, adv, False, pad_id)
-    rows = batch.rows(list(range(len(batch))))
-    logp, ent = _logprobs_of(model, rows, temperature, precision, entropy)
-    return logp, rows.response_mask.to(logp.device), ent
-
-
-def _logprobs_of(
-    model: nn.Module, rows: Rows, temperature: float, precision: str, entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    r = rows.response_mask.shape[1]
-    return _response_logprobs(model, rows.ids, rows.attention_mask, r, temperature, precision, entropy)
-
-
-# --------------------------------------------------------------------------------------------
-# Collect: rollouts, rewards, dynamic sampling
-
-
-def share(k: int, rank: int, world_size: int) -> tuple[int, int]:
-    """``[lo, hi)`` of rank's contiguous share of ``k`` items (the first ``k % world_size`` ranks get one more)."""
-    base, extra = divmod(k, world_size)
-    lo = rank * base + min(rank, extra)
-    return lo, lo + base + (rank < extra)
-
-
-def collect_groups(run: Run) -> tuple[list[Group], dict[str, float]]:
-    """The groups this step trains on (see the module doc, 1.) and the statistics of every sampled group.
-
-    Under torchrun every rank draws the same prompts and seeds, generates and grades its share of the
-    round's prompts (``share``), and the groups of all ranks are gathered in prompt order: every rank
-    then holds the same buffer and batch, those one process would hold.
-    """
-    r, env, buffer = run.cfg.rollout, run.env, run.data.buffer
-    sampled: list[Group] = []
-    rounds = 0
-    while len(buffer) < r.prompts_per_step and rounds < r.max_rounds:
-        indices = run.data.stream.take(r.oversample_prompts or r.prompts_per_step)
-        seed = int(torch.randint(0, 2**62, (1,), generator=run.data.sampler))
-        seeds = derive_seeds(seed, len(indices))
-        lo, hi = share(len(indices), env.rank, env.world_size)
-        groups = run.engine.generate([run.prompt_ids[i] for i in indices[lo:hi]], r.group_size, seeds[lo:hi])
-        mine = [_grade(run, i, group) for i, group in zip(indices[lo:hi], groups, strict=True)]
-        rounds += 1
-        for part in cast(list[list[Group]], all_gather_objects(mine, env)):  # in prompt order
-            sampled += part
-            buffer += [g for g in part if g.kept]
-    batch = buffer[: r.prompts_per_step]
-    buffer[:] = buffer[r.prompts_per_step :] if r.carry_over else []
-    return batch, _collect_stats(sampled or batch, sampled, rounds, len(batch))
-
-
-def _collect_stats(pool: list[Group], sampled: list[Group], rounds: int, trained: int) -> dict[str, float]:
-    """Statistics of ``pool`` (what was sampled; the buffer alone when it served the step)."""
-    lengths = [x for g in pool for x in g.lengths]
-    rewards = torch.tensor([x for g in pool for x in g.rewards], dtype=torch.float64)
-    filtered = sum(not g.kept for g in sampled)
-    return {
-        "reward_mean": float(rewards.mean()),
-        "reward_std": float(rewards.std(unbiased=False)),
-        "accuracy": sum(x for g in pool for x in g.correct) / len(lengths),
-        "response_len_mean": sum(lengths) / len(lengths),
-        "response_len_max": max(lengths),
-        "truncated_frac": sum(not f for g in pool for f in g.finished) / len(lengths),
-        "filtered_frac": filtered / len(sampled) if sampled else 0.0,
-        "rounds": rounds,
-        "groups_trained": trained,
-        "samples": sum(len(g.lengths) for g in sampled),
-    }
-
-
-def _grade(run: Run, index: int, rollouts: list[Sample]) -> Group:
-    """Prompt ``index``'s rollouts as a group (rewards graded and shaped); a group that dynamic sampling
-    drops keeps only what the statistics need (no responses, no log-probabilities)."""
-    r, a = run.cfg.rollout, run.cfg.algo
-    texts = [_completion_text(run, g.response_ids) for g in rollouts]
-    correct = [reward(a.reward, run.problems[index], t) for t in texts]
-    lengths = [len(g.response_ids) for g in rollouts]
-    shaped = torch.tensor(correct, dtype=torch.float64)
-    if a.overlong == "penalty":
-        penalty = overlong_penalty(
-            torch.tensor(lengths), r.max_new_tokens, a.overlong_buffer, a.overlong_penalty
-        )
-        shaped = shaped + penalty
-    group = Group(index, lengths, [g.finished for g in rollouts], correct, shaped.tolist())
-    if a.dynamic_sampling and bool((shaped == shaped[0]).all()):
-        return group
-    group.responses = [g.response_ids for g in rollouts]
-    group.logprobs = torch.zeros(len(rollouts), max(lengths, default=0))
-    for j, g in enumerate(rollouts):
-        group.logprobs[j, : len(g.logprobs)] = torch.tensor(g.logprobs, dtype=torch.float32)
-    return group
-
-
-def _completion_text(run: Run, response_ids: list[int]) -> str:
-    ids = response_ids[:-1] if response_ids and response_ids[-1] in run.stop_ids else response_ids
-    return run.tokenizer.decode(ids, skip_special_tokens=False)
-
-
-# --------------------------------------------------------------------------------------------
-# Score and update
-
-
-def _chunks(items: list[Any], size: int) -> list[list[Any]]:
-    return [items[i : i + size] for i in range(0, len(items), size)]
-
-
-def plan_batches(samples: list[Any], updates_per_batch: int, micro_batch_size: int) -> list[list[list[Any]]]:
-    """The rollout batch as ``updates_per_batch`` mini-batches (one AdamW step each) of micro-batches of
-    ``micro_batch_size`` samples (one forward each): the same on every rank and for any world size."""
-    per = math.ceil(len(samples) / updates_per_batch)
-    return [_chunks(mini, micro_batch_size) for mini in _chunks(samples, per)]
-
-
-def my_micro_batches(micros: list[list[Any]], rank: int, world_size: int) -> list[list[Any] | None]:
-    """Rank's micro-batches of a mini-batch (micro-batch k on rank ``k % world_size``), padded with None
-    to the same count on every rank: FSDP2's collectives need the same number of forwards (and backwards)
-    on every rank, so a rank runs a None as a forward of zero weight."""
-    own: list[list[Any] | None] = list(micros[rank::world_size])
-    return own + [None] * (-(-len(micros) // world_size) - len(own))
-
-
-Plan = list[list[list[int]]]
-
-
-@torch.no_grad()
-def _score(run: Run, batch: RLBatch, plan: Plan) -> dict[str, float]:
-    """The trainer's ``old`` logprobs (and the reference's) of this rank's rows, their TIS weights, and
-    the mismatch metrics and entropy over all ranks' rows."""
-    cfg, env = run.cfg, run.env
-    temperature, precision = cfg.rollout.temperature, cfg.model.precision
-    old_all, roll_all, ent_sum = [], [], 0.0
-    for mini in plan:
-        for micro in my_micro_batches(mini, env.rank, env.world_size):
-            rows = batch.rows(micro or mini[0])
-            logp, ent = _logprobs_of(run.model, rows, temperature, precision, entropy=True)
-            if micro is None:  # the padding forward: same collectives, nothing kept
-                continue
-            mask = rows.response_mask.to(logp.device)
-            assert ent is not None
-            ent_sum += float((ent * mask).sum())
-            real = mask.bool()
-            old = logp.masked_fill(~real, 0).cpu()
-            batch.old_logp[rows.index, : old.shape[1]] = old
-            if run.ref is not None:
-                ref = _logprobs_of(run.ref, rows, temperature, precision)[0]
-                batch.ref_logp[rows.index, : old.shape[1]] = ref.masked_fill(~real, 0).cpu()
-            tis = tis_weights(old, rows.rollout_logp, tis_mode(cfg), cfg.algo.tis_cap)
-            batch.tis[rows.index, : old.shape[1]] = tis.masked_fill(~real.cpu(), 0)
-            old_all.append(old[real.cpu()])
-            roll_all.append(rows.rollout_logp[real.cpu()])
-    empty = torch.zeros(0)
-    old, roll = (torch.cat(old_all), torch.cat(roll_all)) if old_all else (empty, empty)
-    sums, max_abs = mismatch_sums(old, roll, torch.ones_like(old), cfg.algo.tis_cap)
-    sums = torch.cat([sums, torch.tensor([ent_sum], dtype=torch.float64)])
-    sums = all_reduce_sum(sums.to(env.device), env).cpu()  # NCCL reduces device tensors only
-    max_abs = all_reduce_max(max_abs.reshape(1).to(env.device), env).cpu()[0]
-    tokens = int(batch.response_len.sum())
-    out = mismatch_from_sums(sums[:-1], max_abs)
-    out["entropy"] = float(sums[-1]) / max(tokens, 1)
-    out["response_tokens"] = tokens
-    return out
-
-
-def _micro_loss(run: Run, batch: RLBatch, mini: list[list[int]], micro: list[int] | None) -> tuple[Any, Any]:
-    """The summed token loss and statistics of ``micro`` (None: a forward of zero weight on ``mini[0]``)."""
-    a = run.cfg.algo
-    rows = batch.rows(micro or mini[0])
-    logp, _ = _logprobs_of(run.model, rows, run.cfg.rollout.temperature, run.cfg.model.precision)
-    dev = logp.device
-    mask = rows.response_mask.to(dev) * (rows.keep.float() * float(micro is not None)).to(dev)[:, None]
-    old = rows.old_logp.to(dev) if micro else logp.detach()
-    tis = rows.tis.to(dev) if micro else None
-    ref = rows.ref_logp.to(dev) if run.ref is not None and micro is not None else None
-    adv = rows.adv.to(device=dev, dtype=logp.dtype)
-    return policy_loss(logp, old, adv, mask, a.clip_low, a.clip_high, tis, a.kl_coef, ref)
-
-
-def _update(run: Run, batch: RLBatch, plan: Plan) -> dict[str, float]:
-    """One AdamW step per mini-batch of ``plan``; each rank backpropagates its micro-batches of it.
-
-    The token-level loss is normalised by the token count of the whole mini-batch (all ranks), and
-    scaled by the world size because FSDP2 averages the gradients over ranks: the gradient is the one
-    process's. Loss and statistics are summed over ranks.
-    """
-    cfg, env = run.cfg, run.env
-    sums = torch.zeros(4, dtype=torch.float64)  # clip_low, clip_high, kl, tokens
-    losses, norms, skipped = [], [], 0
-    for mini in plan:
-        flat = torch.tensor([i for micro in mini for i in micro])
-        n_tokens = int(batch.response_len[flat][batch.keep[flat]].sum())
-        scale = env.world_size / max(n_tokens, 1)
-        local = torch.zeros(5, dtype=torch.float64)  # the summed token loss, then the four sums above
-        for micro in my_micro_batches(mini, env.rank, env.world_size):
-            total, st = _micro_loss(run, batch, mini, micro)
-            (total * scale).backward()
-            stats = [float(total.detach())] + [
-                float(st[k]) for k in ("clip_low", "clip_high", "kl", "tokens")
-            ]
-            local += torch.tensor(stats, dtype=torch.float64)
-        local = all_reduce_sum(local.to(env.device), env).cpu()
-        sums += local[1:]
-        norm = clip_grad_norm(run.model, cfg.optim.grad_clip)
-        loss = float(local[0]) / max(n_tokens, 1)
-        losses.append(loss)
-        norms.append(norm)
-        if math.isfinite(loss) and math.isfinite(norm) and n_tokens > 0:
-            for group in run.optimizer.param_groups:
-                group["lr"] = cfg.optim.lr
-            run.optimizer.step()
-        elif not (math.isfinite(loss) and math.isfinite(norm)):
-            skipped += 1
-        run.optimizer.zero_grad(set_to_none=True)
-    clip_low, clip_high, kl, tokens = sums.tolist()
-    tokens = max(tokens, 1.0)
-    return {
-        "loss": sum(losses) / max(len(losses), 1),
-        "grad_norm": max(norms) if norms else 0.0,
-        "lr": cfg.optim.lr,
-        "clip_low_frac": clip_low / tokens,
-        "clip_high_frac": clip_high / tokens,
-        "kl_ref": kl / tokens,
-        "updates": len(norms),
-        "skipped_updates": skipped,
-    }
-
-
 def _evaluate(run: Run) -> float:
     """Greedy accuracy on the held-out problems with the engine's current weights (each rank its share)."""
     lo, hi = share(len(run.val), run.env.rank, run.env.world_size)
     groups = run.engine.generate(run.val_ids[lo:hi], 1, seed=0, greedy=True)
     scores = [
-        reward(run.cfg.algo.reward, p, _completion_text(run, g[0].response_ids))
+        reward(run.cfg.algo.reward, p, completion_text(run, g[0].response_ids))
         for g, p in zip(groups, run.val[lo:hi], strict=True)
     ]
     correct = torch.tensor([sum(scores)], dtype=torch.float64, device=run.env.device)
@@ -596,9 +264,9 @@ def _step(run: Run, state: RLState) -> dict[str, Any]:
         adv = group_advantages(torch.tensor([g.rewards for g in groups], dtype=torch.float64), a.adv_eps)
         batch = RLBatch.build(run.prompt_ids, groups, adv, a.overlong == "mask", run.pad_id)
         plan = plan_batches(list(range(len(batch))), a.updates_per_batch, a.micro_batch_size)
-        metrics |= _score(run, batch, plan)
+        metrics |= score(run, batch, plan)
         why = _why_skipped(run, metrics)
-        metrics |= _update(run, batch, plan) if why is None else idle | {"skipped_updates": len(plan)}
+        metrics |= update(run, batch, plan) if why is None else idle | {"skipped_updates": len(plan)}
         if metrics["skipped_updates"] and why is None:
             why = f"non-finite loss or gradient norm, {metrics['skipped_updates']} update(s) skipped"
         if why is not None:

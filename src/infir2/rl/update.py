@@ -1,0 +1,204 @@
+"""Score and update: the trainer's log-probabilities of a step's ``RLBatch``, then the policy's AdamW steps.
+
+``score`` computes, before any update, the trainer's (``old``) and the reference's log-probabilities of
+every response token, the TIS weights and the mismatch metrics against the engine's; ``update`` runs
+``algo.updates_per_batch`` mini-batches of the token-level clipped objective (``algorithm.policy_loss``).
+``plan_batches`` and ``my_micro_batches`` say which rows go into which forward on which rank: the same
+plan on every rank and for any world size (``rl/loop.py``'s module doc).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..harness.distributed import all_reduce_max, all_reduce_sum
+from ..harness.guards import clip_grad_norm
+from ..model import autocast
+from .algorithm import mismatch_from_sums, mismatch_sums, policy_loss, tis_weights
+from .batch import Group, RLBatch, Rows
+from .config import tis_mode
+from .state import Run
+
+__all__ = ["Plan", "my_micro_batches", "plan_batches", "score", "sequence_logprobs", "update"]
+
+
+def _response_logprobs(
+    model: nn.Module,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    r: int,
+    temperature: float,
+    precision: str,
+    entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``log softmax(logits / T)`` of the last ``r`` tokens of ``ids`` ``[B, P + R]`` given what precedes."""
+    device = next(model.parameters()).device
+    ids, mask = ids.to(device), mask.to(device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with autocast(precision, device):
+        logits = model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=r + 1
+        ).logits
+    logp_all = F.log_softmax(logits[:, :-1].float() / temperature, dim=-1)  # [B, R, V]
+    logp = logp_all.gather(-1, ids[:, -r:, None]).squeeze(-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1).detach() if entropy else None
+    return logp, ent
+
+
+def sequence_logprobs(
+    model: nn.Module,
+    prompts: Sequence[list[int]],
+    responses: Sequence[list[int]],
+    pad_id: int,
+    temperature: float,
+    precision: str,
+    entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``[B, R]`` logp, response mask and entropy of each response token given its prompt, laid out as the
+    engine generates (prompt left-padded, response right-padded, positions from the first real token)."""
+    groups = [
+        Group(i, [len(y)], [True], [0.0], [0.0], [list(y)], torch.zeros(1, len(y)))
+        for i, y in enumerate(responses)
+    ]
+    adv = torch.zeros(len(groups), 1, dtype=torch.float64)
+    batch = RLBatch.build([list(p) for p in prompts], groups, adv, False, pad_id)
+    rows = batch.rows(list(range(len(batch))))
+    logp, ent = _logprobs_of(model, rows, temperature, precision, entropy)
+    return logp, rows.response_mask.to(logp.device), ent
+
+
+def _logprobs_of(
+    model: nn.Module, rows: Rows, temperature: float, precision: str, entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r = rows.response_mask.shape[1]
+    return _response_logprobs(model, rows.ids, rows.attention_mask, r, temperature, precision, entropy)
+
+
+def _chunks(items: list[Any], size: int) -> list[list[Any]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def plan_batches(samples: list[Any], updates_per_batch: int, micro_batch_size: int) -> list[list[list[Any]]]:
+    """The rollout batch as ``updates_per_batch`` mini-batches (one AdamW step each) of micro-batches of
+    ``micro_batch_size`` samples (one forward each): the same on every rank and for any world size."""
+    per = math.ceil(len(samples) / updates_per_batch)
+    return [_chunks(mini, micro_batch_size) for mini in _chunks(samples, per)]
+
+
+def my_micro_batches(micros: list[list[Any]], rank: int, world_size: int) -> list[list[Any] | None]:
+    """Rank's micro-batches of a mini-batch (micro-batch k on rank ``k % world_size``), padded with None
+    to the same count on every rank: FSDP2's collectives need the same number of forwards (and backwards)
+    on every rank, so a rank runs a None as a forward of zero weight."""
+    own: list[list[Any] | None] = list(micros[rank::world_size])
+    return own + [None] * (-(-len(micros) // world_size) - len(own))
+
+
+Plan = list[list[list[int]]]
+
+
+@torch.no_grad()
+def score(run: Run, batch: RLBatch, plan: Plan) -> dict[str, float]:
+    """The trainer's ``old`` logprobs (and the reference's) of this rank's rows, their TIS weights, and
+    the mismatch metrics and entropy over all ranks' rows."""
+    cfg, env = run.cfg, run.env
+    temperature, precision = cfg.rollout.temperature, cfg.model.precision
+    old_all, roll_all, ent_sum = [], [], 0.0
+    for mini in plan:
+        for micro in my_micro_batches(mini, env.rank, env.world_size):
+            rows = batch.rows(micro or mini[0])
+            logp, ent = _logprobs_of(run.model, rows, temperature, precision, entropy=True)
+            if micro is None:  # the padding forward: same collectives, nothing kept
+                continue
+            mask = rows.response_mask.to(logp.device)
+            assert ent is not None
+            ent_sum += float((ent * mask).sum())
+            real = mask.bool()
+            old = logp.masked_fill(~real, 0).cpu()
+            batch.old_logp[rows.index, : old.shape[1]] = old
+            if run.ref is not None:
+                ref = _logprobs_of(run.ref, rows, temperature, precision)[0]
+                batch.ref_logp[rows.index, : old.shape[1]] = ref.masked_fill(~real, 0).cpu()
+            tis = tis_weights(old, rows.rollout_logp, tis_mode(cfg), cfg.algo.tis_cap)
+            batch.tis[rows.index, : old.shape[1]] = tis.masked_fill(~real.cpu(), 0)
+            old_all.append(old[real.cpu()])
+            roll_all.append(rows.rollout_logp[real.cpu()])
+    empty = torch.zeros(0)
+    old, roll = (torch.cat(old_all), torch.cat(roll_all)) if old_all else (empty, empty)
+    sums, max_abs = mismatch_sums(old, roll, torch.ones_like(old), cfg.algo.tis_cap)
+    sums = torch.cat([sums, torch.tensor([ent_sum], dtype=torch.float64)])
+    sums = all_reduce_sum(sums.to(env.device), env).cpu()  # NCCL reduces device tensors only
+    max_abs = all_reduce_max(max_abs.reshape(1).to(env.device), env).cpu()[0]
+    tokens = int(batch.response_len.sum())
+    out = mismatch_from_sums(sums[:-1], max_abs)
+    out["entropy"] = float(sums[-1]) / max(tokens, 1)
+    out["response_tokens"] = tokens
+    return out
+
+
+def _micro_loss(run: Run, batch: RLBatch, mini: list[list[int]], micro: list[int] | None) -> tuple[Any, Any]:
+    """The summed token loss and statistics of ``micro`` (None: a forward of zero weight on ``mini[0]``)."""
+    a = run.cfg.algo
+    rows = batch.rows(micro or mini[0])
+    logp, _ = _logprobs_of(run.model, rows, run.cfg.rollout.temperature, run.cfg.model.precision)
+    dev = logp.device
+    mask = rows.response_mask.to(dev) * (rows.keep.float() * float(micro is not None)).to(dev)[:, None]
+    old = rows.old_logp.to(dev) if micro else logp.detach()
+    tis = rows.tis.to(dev) if micro else None
+    ref = rows.ref_logp.to(dev) if run.ref is not None and micro is not None else None
+    adv = rows.adv.to(device=dev, dtype=logp.dtype)
+    return policy_loss(logp, old, adv, mask, a.clip_low, a.clip_high, tis, a.kl_coef, ref)
+
+
+def update(run: Run, batch: RLBatch, plan: Plan) -> dict[str, float]:
+    """One AdamW step per mini-batch of ``plan``; each rank backpropagates its micro-batches of it.
+
+    The token-level loss is normalised by the token count of the whole mini-batch (all ranks), and
+    scaled by the world size because FSDP2 averages the gradients over ranks: the gradient is the one
+    process's. Loss and statistics are summed over ranks.
+    """
+    cfg, env = run.cfg, run.env
+    sums = torch.zeros(4, dtype=torch.float64)  # clip_low, clip_high, kl, tokens
+    losses, norms, skipped = [], [], 0
+    for mini in plan:
+        flat = torch.tensor([i for micro in mini for i in micro])
+        n_tokens = int(batch.response_len[flat][batch.keep[flat]].sum())
+        scale = env.world_size / max(n_tokens, 1)
+        local = torch.zeros(5, dtype=torch.float64)  # the summed token loss, then the four sums above
+        for micro in my_micro_batches(mini, env.rank, env.world_size):
+            total, st = _micro_loss(run, batch, mini, micro)
+            (total * scale).backward()
+            stats = [float(total.detach())] + [
+                float(st[k]) for k in ("clip_low", "clip_high", "kl", "tokens")
+            ]
+            local += torch.tensor(stats, dtype=torch.float64)
+        local = all_reduce_sum(local.to(env.device), env).cpu()
+        sums += local[1:]
+        norm = clip_grad_norm(run.model, cfg.optim.grad_clip)
+        loss = float(local[0]) / max(n_tokens, 1)
+        losses.append(loss)
+        norms.append(norm)
+        if math.isfinite(loss) and math.isfinite(norm) and n_tokens > 0:
+            for group in run.optimizer.param_groups:
+                group["lr"] = cfg.optim.lr
+            run.optimizer.step()
+        elif not (math.isfinite(loss) and math.isfinite(norm)):
+            skipped += 1
+        run.optimizer.zero_grad(set_to_none=True)
+    clip_low, clip_high, kl, tokens = sums.tolist()
+    tokens = max(tokens, 1.0)
+    return {
+        "loss": sum(losses) / max(len(losses), 1),
+        "grad_norm": max(norms) if norms else 0.0,
+        "lr": cfg.optim.lr,
+        "clip_low_frac": clip_low / tokens,
+        "clip_high_frac": clip_high / tokens,
+        "kl_ref": kl / tokens,
+        "updates": len(norms),
+        "skipped_updates": skipped,
+    }
