@@ -27,7 +27,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
@@ -64,49 +63,15 @@ def _run_digest(run_dir: Path) -> dict:
     }
 
 
-def _problems(path: Path, n: int, offset: int = 0) -> str:
-    with path.open("w") as f:
-        for i in range(offset, offset + n):
-            f.write(json.dumps({"problem": f"Compute {i} + {i + 1}.", "answer": str(2 * i + 1)}) + "\n")
-    return str(path)
-
-
 def _rl_config(tmp: Path) -> Path:
-    from conftest import make_tiny_model, make_tokenizer
+    """The config of tests/test_rl_distributed.py (its 2-process test's run)."""
+    from conftest import make_tokenizer
+    from infir2.eval import register_grader
+    from rl_distributed_worker import parity
+    from test_rl_distributed import _config
 
-    model_dir = tmp / "policy"
-    make_tiny_model(seed=1).save_pretrained(model_dir)
-    make_tokenizer().save_pretrained(model_dir)
-    cfg = {
-        "run": {"name": "rl", "out_dir": str(tmp / "runs"), "device": "cpu"},
-        "model": {"path": str(model_dir), "precision": "fp32"},
-        "fp8": {"recipe": "blockwise"},
-        "optim": {"lr": 1e-3, "grad_clip": 0.0},
-        "data": {
-            "prompts_path": _problems(tmp / "prompts.jsonl", 6),
-            "val_path": _problems(tmp / "val.jsonl", 3, offset=10),
-        },
-        "rollout": {
-            "precision": "fp8",
-            "prompts_per_step": 2,
-            "group_size": 5,
-            "oversample_prompts": 3,
-            "max_new_tokens": 8,
-            "batch_size": 4,
-            "carry_over": True,
-        },
-        "algo": {
-            "reward": "parity",
-            "overlong": "none",
-            "updates_per_batch": 2,
-            "micro_batch_size": 2,
-            "kl_coef": 0.01,
-        },
-        "train": {"max_steps": 3, "save_every": 1, "eval_every": 1},
-    }
-    path = tmp / "rl.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    register_grader("parity", parity)  # the test's reward, as the worker registers it
+    return _config(tmp, make_tokenizer())
 
 
 def _env() -> dict[str, str]:

@@ -9,8 +9,6 @@ two torchrun launches' worth of start-up) train bit-identically with the FP8 all
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +18,7 @@ from infir2.fp8.quantize import quantize, quantize_with_amax
 from infir2.fp8.recipe import get_recipe
 from infir2.nn import Fp8Linear
 from infir2.nn.fsdp import Fp8GatheredWeight, partial_block_amax
-from train_synthetic import subprocess_env
+from train_synthetic import torchrun
 
 TESTS = Path(__file__).parent
 
@@ -133,20 +131,7 @@ def test_fp8_param_gather_two_processes(tmp_path):
     from infir2.harness.distributed import DistEnv
 
     modes = ["fp32", "fp32-fp8gather", "bf16", "bf16-fp8gather"]
-    env = subprocess_env()
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(TESTS / "fsdp_param_gather_worker.py"),
-        str(tmp_path),
-        *modes,
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    torchrun(str(TESTS / "fsdp_param_gather_worker.py"), str(tmp_path), *modes)
     # (the worker also asserted, on both ranks, that every FP8 weight arrived bit-identical to
     # quantize(full weight) of one process)
     r = {mode: torch.load(tmp_path / f"{mode}.pt") for mode in modes}

@@ -201,3 +201,20 @@ def test_the_checker_sees_relative_and_absolute_imports():
     assert layer_of(PACKAGE / "tools" / "demo" / "planted.py") == "tools.demo"
     planted = PACKAGE / "tools" / "demo" / "planted.py"
     assert imported_layers(planted, tools) == {"tools.paired", "train", "tools.demo"}
+
+
+#: the stages and the layers under them: their functions stay short enough to read top to bottom
+SHORT_FUNCTIONS = ("train", "rl", "eval", "harness", "generation")
+MAX_FUNCTION_LINES = 70
+
+
+def test_no_function_in_the_stages_is_over_70_lines():
+    long = []
+    for layer in SHORT_FUNCTIONS:
+        for path in sorted((PACKAGE / layer).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    lines = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                    if lines > MAX_FUNCTION_LINES:
+                        long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}: {lines} lines")
+    assert not long, "functions over 70 lines (split them):\n" + "\n".join(long)

@@ -13,8 +13,6 @@ accumulates them, and the loss is scaled by 2 (exact) before FSDP2 halves it (ex
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +25,7 @@ from infir2.eval import GRADERS
 from infir2.rl import parse_rl_config
 from infir2.rl.loop import my_micro_batches, plan_batches, share
 from rl_distributed_worker import parity
-from train_synthetic import one_thread, subprocess_env
+from train_synthetic import one_thread, torchrun
 
 TESTS = Path(__file__).parent
 _one_thread = pytest.fixture(autouse=True)(one_thread)
@@ -88,22 +86,14 @@ def _metrics(run_dir: Path) -> list[dict]:
 def test_two_processes_train_as_one(tmp_path, tiny_tokenizer, monkeypatch):
     monkeypatch.setitem(GRADERS, "parity", parity)
     cfg = _config(tmp_path, tiny_tokenizer)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
+    torchrun(
         str(TESTS / "rl_distributed_worker.py"),
         str(cfg),
         "--set",
         "train.max_steps=2",
         "--set",
         "run.name=two",
-    ]
-    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    )
     runs = tmp_path / "runs"
     saved = torch.load(runs / "two" / "checkpoints" / "step_00000002" / "state.pt", weights_only=True)
     assert saved["train_state"]["world_size"] == 2 and saved["data"][0]["buffer"]  # groups carried over

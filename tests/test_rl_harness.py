@@ -16,11 +16,13 @@ import torch
 from conftest import make_tiny_model
 from infir2.cli import main
 from infir2.data import load_tokenizer
-from infir2.harness.guards import NonFiniteError
 from infir2.eval import GRADERS, Graded
-from infir2.rl import parse_rl_config, rl
+from infir2.harness.guards import NonFiniteError
 from infir2.rl import loop as rl_loop
+from infir2.rl import parse_rl_config, rl
 from infir2.rl import update as rl_update
+from test_rl_loop import _config as rl_loop_config
+from test_rl_loop import _prompts
 from train_synthetic import one_thread
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
@@ -31,34 +33,15 @@ def parity_reward(monkeypatch):
     monkeypatch.setitem(GRADERS, "parity", lambda problem, text: Graded(None, len(text) % 2 == 1))
 
 
-def _prompts(path, n=6):
-    with path.open("w") as f:
-        for i in range(n):
-            f.write(json.dumps({"problem": f"Compute {i} + {i + 1}.", "answer": str(2 * i + 1)}) + "\n")
-    return str(path)
-
-
 def _config(tmp_path, name, **sections):
-    data = {
-        "run": {"name": name, "out_dir": str(tmp_path), "device": "cpu"},
-        "model": {"precision": "fp32"},
-        "fp8": {"recipe": "blockwise"},
-        "optim": {"lr": 1e-3},
-        "data": {"prompts_path": _prompts(tmp_path / "prompts.jsonl")},
-        "rollout": {
-            "precision": "fp8",
-            "prompts_per_step": 2,
-            "group_size": 3,
-            "oversample_prompts": 3,
-            "max_new_tokens": 6,
-            "batch_size": 9,
-        },
-        "algo": {"reward": "parity", "micro_batch_size": 4, "overlong": "none"},
+    """tests/test_rl_loop.py's tiny run, one step by default, every step saved."""
+    base = {
+        "rollout": {"max_new_tokens": 6, "carry_over": False},
+        "algo": {"overlong": "none", "updates_per_batch": 1},
         "train": {"max_steps": 1, "save_every": 1},
     }
-    for section, values in sections.items():
-        data[section] = {**data.get(section, {}), **values}
-    return parse_rl_config(data, "test")
+    merged = {k: {**base.get(k, {}), **sections.get(k, {})} for k in base.keys() | sections.keys()}
+    return rl_loop_config(tmp_path, name, **merged)
 
 
 def test_an_rl_checkpoint_holds_every_rng_the_cuda_one_included(tmp_path, tiny_tokenizer, monkeypatch):
@@ -74,7 +57,9 @@ def test_an_rl_checkpoint_holds_every_rng_the_cuda_one_included(tmp_path, tiny_t
             return save(*args, **kwargs)
 
     monkeypatch.setattr(rl_loop, "save", save_with_cuda)
-    result = rl(_config(tmp_path, "rng"), model=make_tiny_model(seed=1), tokenizer=tiny_tokenizer, progress=False)
+    result = rl(
+        _config(tmp_path, "rng"), model=make_tiny_model(seed=1), tokenizer=tiny_tokenizer, progress=False
+    )
     saved = torch.load(result.checkpoint / "state.pt", weights_only=True)
     rng = saved["train_state"]["rng"]
     assert isinstance(rng, list) and set(rng[0]) == {"torch", "python", "cuda"}
@@ -124,8 +109,13 @@ def test_a_rollout_mismatch_above_the_gate_skips_the_updates(tmp_path, tiny_toke
     for name, t in model.state_dict().items():
         assert torch.equal(t.to(start[name].dtype), start[name]), name
     # the same run without the gate trains
-    ok = _config(tmp_path, "nogate", rollout={"precision": "bf16"}, train={"max_steps": 1, "max_prob_error": None})
-    assert rl(ok, model=make_tiny_model(seed=1), tokenizer=tiny_tokenizer, progress=False).history[0]["updates"] == 1
+    ok = _config(
+        tmp_path, "nogate", rollout={"precision": "bf16"}, train={"max_steps": 1, "max_prob_error": None}
+    )
+    assert (
+        rl(ok, model=make_tiny_model(seed=1), tokenizer=tiny_tokenizer, progress=False).history[0]["updates"]
+        == 1
+    )
 
 
 def test_rl_reads_its_tokenizer_as_infir2_train_does(tmp_path, tiny_tokenizer, monkeypatch):
@@ -137,8 +127,10 @@ def test_rl_reads_its_tokenizer_as_infir2_train_does(tmp_path, tiny_tokenizer, m
     make_tiny_model(seed=1).save_pretrained(model_dir)
     tiny_tokenizer.save_pretrained(tok_dir)
     prompts = tmp_path / "odd.jsonl"
-    text = 'He said:"hello"... .net isn\'t it? DON\'T! x=12+7*(3-4)'
-    prompts.write_text("".join(json.dumps({"problem": f"{text} {i}", "answer": "1"}) + "\n" for i in range(3)))
+    text = "He said:\"hello\"... .net isn't it? DON'T! x=12+7*(3-4)"
+    prompts.write_text(
+        "".join(json.dumps({"problem": f"{text} {i}", "answer": "1"}) + "\n" for i in range(3))
+    )
     as_train = load_tokenizer(tok_dir, model_type="qwen2")
     as_files = load_tokenizer(tok_dir)
     assert as_train(text)["input_ids"] != as_files(text)["input_ids"]  # the folder is ambiguous

@@ -14,14 +14,9 @@ from infir2.eval import GRADERS, Graded
 from infir2.rl import loop as rl_loop
 from infir2.rl import parse_rl_config, rl
 from infir2.rl import update as rl_update
+from train_synthetic import one_thread
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+_one_thread = pytest.fixture(autouse=True)(one_thread)
 
 
 @pytest.fixture

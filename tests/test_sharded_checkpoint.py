@@ -3,8 +3,6 @@ number of ranks; atomic folders; per-tensor reading for the export; data positio
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +22,7 @@ from infir2.harness.optim import build_optimizer
 from infir2.harness.resume import data_state_for
 from infir2.model import prepare_for_training
 from infir2.train.config import OptimConfig
-from train_synthetic import subprocess_env
+from train_synthetic import torchrun
 
 TESTS = Path(__file__).parent
 ONE = DistEnv(0, 1, torch.device("cpu"), False)
@@ -107,20 +105,7 @@ def test_two_ranks_save_one_process_loads(tmp_path):
     worker); one process then loads the same folder: model and optimizer exactly as gathered at save."""
     from fsdp_param_gather_worker import tiny_qwen2
 
-    env = subprocess_env()
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(TESTS / "sharded_checkpoint_worker.py"),
-        str(tmp_path),
-        "async",
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    torchrun(str(TESTS / "sharded_checkpoint_worker.py"), str(tmp_path), "async")
     ref = torch.load(tmp_path / "full.pt", weights_only=False)
     model = prepare_for_training(tiny_qwen2(seed=9), "blockwise")
     optimizer = build_optimizer(model, OptimConfig(lr=3e-3))

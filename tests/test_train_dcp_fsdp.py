@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,7 @@ from infir2.model import prepare_for_training
 from infir2.train import train
 from train_dcp_worker import TRAIN
 from train_fsdp_worker import SOURCE
-from train_synthetic import SyntheticSource, one_thread, subprocess_env, tiny_run_config
+from train_synthetic import SyntheticSource, one_thread, tiny_run_config, torchrun
 
 TESTS = Path(__file__).parent
 ONE = DistEnv(0, 1, torch.device("cpu"), False)
@@ -30,19 +28,7 @@ _one_thread = pytest.fixture(autouse=True)(one_thread)
 
 @pytest.mark.slow
 def test_two_process_dcp_run_resumes_and_reshards_onto_one_process(tmp_path):
-    env = subprocess_env()
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(TESTS / "train_dcp_worker.py"),
-        str(tmp_path / "two"),
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    torchrun(str(TESTS / "train_dcp_worker.py"), str(tmp_path / "two"), timeout=400)
     two_dir = tmp_path / "two" / "dcp"
     two = [json.loads(line) for line in (two_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in two] == [1, 2, 3, 4, 5, 6]  # 1-2 before the kill, 3-6 after the resume

@@ -4,8 +4,6 @@ through a kill and a resume across ranks; its checkpoint and HF export are ordin
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,7 @@ from conftest import make_tiny_model
 from infir2.checkpoint import load_checkpoint
 from infir2.train import train
 from train_fsdp_worker import CONFIG, SOURCE
-from train_synthetic import SyntheticSource, one_thread, subprocess_env, tiny_run_config
+from train_synthetic import SyntheticSource, one_thread, tiny_run_config, torchrun
 
 TESTS = Path(__file__).parent
 _one_thread = pytest.fixture(autouse=True)(one_thread)
@@ -22,21 +20,8 @@ _one_thread = pytest.fixture(autouse=True)(one_thread)
 
 @pytest.mark.slow
 def test_fsdp2_two_processes_match_one_process(tmp_path):
-    env = subprocess_env()
     for phase in ("crash", "resume"):  # two launches: the resume runs in fresh processes
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            str(TESTS / "train_fsdp_worker.py"),
-            str(tmp_path / "two"),
-            phase,
-        ]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        torchrun(str(TESTS / "train_fsdp_worker.py"), str(tmp_path / "two"), phase)
 
     one = train(
         tiny_run_config(tmp_path / "one", "fsdp", **CONFIG),

@@ -5,9 +5,6 @@ checkpoints (train.checkpoint_format: auto) and a tiny validation split (prepare
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +12,7 @@ import yaml
 
 from conftest import make_tokenizer
 from infir2.data import load_tokenizer, prepare_cpt
+from train_synthetic import torchrun
 
 TESTS = Path(__file__).parent
 TINY = {
@@ -54,22 +52,7 @@ def two_rank_run(tmp_path_factory):
         "train": {"max_steps": 2},
     }
     (root / "two.yaml").write_text(yaml.safe_dump(config))
-    env = {**os.environ, "PYTHONPATH": f"{TESTS.parent / 'src'}{os.pathsep}{TESTS}", "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "infir2.cli",
-        "train",
-        str(root / "two.yaml"),
-        "--no-progress",
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    torchrun("-m", "infir2.cli", "train", str(root / "two.yaml"), "--no-progress")
     return root, root / "runs" / "two"
 
 

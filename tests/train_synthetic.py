@@ -94,6 +94,24 @@ def subprocess_env(tests_too: bool = True) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1"}
 
 
+def torchrun(*args: object, nproc: int = 2, timeout: int = 300, env: dict[str, str] | None = None) -> Any:
+    """Launch ``args`` (a script and its arguments, or ``"-m", module, ...``) under ``torchrun --standalone``
+    on ``nproc`` CPU processes with ``subprocess_env()``; assert it exits 0 (showing the output's tails)."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    proc = subprocess.run(
+        cmd + [str(a) for a in args],
+        env=env or subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
 def tiny_run_config(out_dir: str, name: str = "run", **sections: dict[str, Any]):
     """A RunConfig for the tiny models: fp32 high precision on CPU, a short WSD schedule."""
     from infir2.train.config import parse_config

@@ -39,6 +39,7 @@ __all__ = [
     "OptimConfig",
     "RunSection",
     "ScheduleConfig",
+    "StageConfig",
     "check_positive",
     "check_shared",
     "config_to_dict",
@@ -152,6 +153,19 @@ class ScheduleConfig:
     decay_style: Literal["cosine", "linear"] = _key("cosine", "wsd decay shape")
     min_lr: float | None = _key(None, "final learning rate; exclusive with min_lr_ratio")
     min_lr_ratio: float | None = _key(None, "final learning rate as a fraction of optim.lr")
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """The sections every stage's config opens with; a stage's config subclasses it with its own."""
+
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    fp8: Fp8Config = field(default_factory=Fp8Config)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.out_dir) / self.run.name
 
 
 # --------------------------------------------------------------------------------------------

@@ -33,10 +33,8 @@ from typing import Any, Literal
 from ..eval.tasks import GRADERS, TASKS
 from ..generation import ENGINES, SAME_RECIPE
 from ..harness.config import (
-    Fp8Config,
-    ModelConfig,
     OptimConfig,
-    RunSection,
+    StageConfig,
     check_positive,
     check_shared,
     load_stage_config,
@@ -133,19 +131,12 @@ class RLTrain:
 
 
 @dataclass(frozen=True)
-class RLConfig:
-    run: RunSection = field(default_factory=RunSection)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    fp8: Fp8Config = field(default_factory=Fp8Config)
+class RLConfig(StageConfig):
     optim: RLOptim = field(default_factory=RLOptim)
     data: RLData = field(default_factory=RLData)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: RLTrain = field(default_factory=RLTrain)
-
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.run.out_dir) / self.run.name
 
 
 def tis_mode(cfg: RLConfig) -> str:
