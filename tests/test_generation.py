@@ -135,23 +135,8 @@ def test_perplexity_fp8_served_is_the_blockwise_recipe_loss(model_dir: Path, tmp
 
     def loss(*fp8: str) -> float:
         out = tmp_path / "-".join(["o", *fp8])
-        assert (
-            main(
-                [
-                    "eval",
-                    "--model",
-                    str(model_dir),
-                    "--perplexity",
-                    str(tok),
-                    "--seq-len",
-                    "32",
-                    "--out",
-                    str(out),
-                    *fp8,
-                ]
-            )
-            == 0
-        )
+        flags = {"--model": model_dir, "--perplexity": tok, "--seq-len": 32, "--out": out}
+        assert main(["eval", *(str(x) for kv in flags.items() for x in kv), *fp8]) == 0
         return json.loads((out / "loss.json").read_text())["loss"]
 
     high, served, recipe = loss(), loss("--fp8"), loss("--fp8", "blockwise")
