@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 
 from infir2 import checkpoint as ckpt
+from infir2.harness.distributed import gather_objects, init_distributed, shard_model
+from infir2.harness.optim import build_optimizer
 from infir2.model import prepare_for_training
 from infir2.train.config import OptimConfig
-from infir2.harness.distributed import gather_objects, init_distributed, shard_model
 from infir2.train.loop import train_step
-from infir2.harness.optim import build_optimizer
 
 
 def rss_kib(field: str) -> int:

@@ -26,11 +26,13 @@ ALLOWED: dict[str, set[str]] = {
     "loss": {"chunked_loss", "data", "model", "nn"},  # the next-token loss shared by train and eval
     "checkpoint": {"nn"},  # the folder, the full and the sharded format (FP8 gather wrappers unwrapped)
     "export": {"data", "fp8", "nn"},
-    "eval": {"data", "export", "loss", "nn"},
+    # engines, the KV-cache sampler, the FP8 serving linear, the server client: below eval and rl
+    "generation": {"data", "export", "fp8", "kernels", "model", "nn"},
+    "eval": {"data", "export", "generation", "loss", "nn"},
     # the run harness under every stage: config sections, run folder, model setup, resume, guards
     "harness": {"checkpoint", "data", "export", "fp8", "model", "nn"},
     "train": {"data", "harness", "loss", "nn"},  # peers on the harness: neither imports the other
-    "rl": {"data", "eval", "export", "fp8", "harness", "kernels", "model"},
+    "rl": {"data", "eval", "generation", "harness", "model"},
     # tools/: each subpackage or module is a layer of its own (tools.<name>), above the library
     "tools": set(),
     "tools.paired": set(),  # paired-seed statistics shared by demo and bench (floats only)

@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from conftest import make_tiny_model, make_tokenizer
-from infir2.rl import REWARDS, parse_rl_config, rl
+from infir2.eval import GRADERS, Graded
+from infir2.rl import parse_rl_config, rl
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "rl_checkpoint_v1"
 SAVED_STEP, STEPS = 2, 3
@@ -30,8 +31,8 @@ SAVED_STEP, STEPS = 2, 3
 TIMINGS = ("_time_s", "peak_mem_gib")
 
 
-def parity(text: str, gold: str) -> float:
-    return float(len(text) % 2)
+def parity(problem, text: str) -> Graded:
+    return Graded(None, len(text) % 2 == 1)
 
 
 def _prompts(path: Path, n: int) -> str:
@@ -76,7 +77,7 @@ def _plain(metrics: dict) -> dict:
 
 
 def test_an_old_rl_checkpoint_resumes_where_it_left_off(tmp_path, monkeypatch):
-    monkeypatch.setitem(REWARDS, "parity", parity)
+    monkeypatch.setitem(GRADERS, "parity", parity)
     monkeypatch.chdir(tmp_path)
     torch.set_num_threads(1)
     cfg = _config()
@@ -100,7 +101,7 @@ if __name__ == "__main__":  # how the fixture was written (by the code of its ti
     if sys.argv[1:] != ["--write"]:
         sys.exit("usage: python tests/test_rl_checkpoint_compat.py --write")
     torch.set_num_threads(1)
-    REWARDS["parity"] = parity
+    GRADERS["parity"] = parity
     out = FIXTURE.parent / "_write"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)

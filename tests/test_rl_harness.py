@@ -16,9 +16,10 @@ import torch
 from conftest import make_tiny_model
 from infir2.cli import main
 from infir2.data import load_tokenizer
+from infir2.eval import GRADERS, Graded
 from infir2.harness.guards import NonFiniteError
-from infir2.rl import REWARDS, parse_rl_config, rl
 from infir2.rl import loop as rl_loop
+from infir2.rl import parse_rl_config, rl
 from infir2.rl import update as rl_update
 from test_rl_loop import _config as rl_loop_config
 from test_rl_loop import _prompts
@@ -29,7 +30,7 @@ _one_thread = pytest.fixture(autouse=True)(one_thread)
 
 @pytest.fixture(autouse=True)
 def parity_reward(monkeypatch):
-    monkeypatch.setitem(REWARDS, "parity", lambda text, gold: float(len(text) % 2))
+    monkeypatch.setitem(GRADERS, "parity", lambda problem, text: Graded(None, len(text) % 2 == 1))
 
 
 def _config(tmp_path, name, **sections):

@@ -61,6 +61,7 @@ MAX_LR = 1.0
 RENAMED = {
     "load.accept_config_changes": "run.accept_config_changes",  # infir2 train before the harness
     "train.accept_config_changes": "run.accept_config_changes",  # infir2 rl before the harness
+    "rollout.scale": "rollout.scale_encoding",  # infir2 rl: the word of `infir2 export --scale-encoding`
 }
 
 Config = TypeVar("Config")
