@@ -349,3 +349,25 @@ def test_pipeline_stages_follow_shared_memory(tg):
     assert tg.stages_for(101376) == 2  # Ada (SM89): 99 KiB, 3 stages of 32 KiB would not fit
     assert tg.stages_for(49152) == 1
     assert tg.num_stages(torch.device("cpu")) == 3
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_every_nan_is_the_byte_0x7f_on_both_paths(tq, fmt):
+    """NaN of either sign, NaN payloads and (E4M3) infinities: the kernel and the reference write the one
+    byte ``NAN_CODE`` (0x7F), and every special value has the same byte on both paths, no NaN leniency."""
+    from infir2.fp8.formats import NAN_CODE
+
+    x = torch.randn(128, 256, generator=torch.Generator().manual_seed(11))
+    # +NaN, -NaN, NaNs with payloads (signalling, all bits set), as fp32 bit patterns
+    nans = torch.tensor([0x7FC00000, -0x400000, 0x7F800001, -1], dtype=torch.int32).view(torch.float32)
+    x[0, :8] = torch.cat([nans, torch.tensor([float("inf"), float("-inf"), 0.0, -0.0])])
+    x[2, 130:140] = float("inf")  # a run: an E4M3 infinity becomes NaN (inf - inf on the CPU: negative)
+    for block in BLOCKS:
+        ref_data, _ = quantize(x, block, fmt, "pow2")
+        data, _ = tq.quantize(x, block, fmt, "pow2")
+        where = _special_positions(_reference_precast(x, block, fmt, "pow2"), fmt)
+        ref_bytes, bytes_ = ref_data.view(torch.uint8), data.view(torch.uint8)
+        assert torch.equal(bytes_[where], ref_bytes[where]), (block, fmt)
+        nan = ref_data.float().isnan()
+        assert int(nan.sum()) >= 4 and bool((ref_bytes[nan] == NAN_CODE).all()), (block, fmt)
+        assert bool((bytes_[nan] == NAN_CODE).all()), (block, fmt)

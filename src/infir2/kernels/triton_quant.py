@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fp8.formats import BLOCK, EXPONENT_MASK, FLT_MAX, get_format
+from ..fp8.formats import BLOCK, EXPONENT_MASK, FLT_MAX, NAN_CODE, get_format
 from ..fp8.quantize import Block, ScaleEncoding, resolve_block
 
 __all__ = ["SUPPORTED_BLOCKS", "launch_guard", "quantize", "quantize_both", "supports_block"]
@@ -57,7 +57,7 @@ _EXPONENT_MASK = tl.constexpr(EXPONENT_MASK)
 
 #: FP8 bytes the kernels select explicitly (sign bit 0x80): E5M2 +inf, and the NaN both formats share
 _E5M2_INF = tl.constexpr(0x7C)
-_FP8_NAN = tl.constexpr(0x7F)
+_FP8_NAN = tl.constexpr(NAN_CODE)
 
 
 def launch_guard(t: torch.Tensor) -> AbstractContextManager[Any]:

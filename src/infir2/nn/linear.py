@@ -151,6 +151,21 @@ class _Fp8LinearFunction(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None, None
 
 
+def refuse_graph_capture() -> None:
+    """Raise inside CUDA graph capture (``torch.compile(mode="reduce-overhead")``, ``torch.cuda.graph``).
+
+    The FP8 weight cache and the input cache are Python state a captured graph does not see: a replay
+    would read the FP8 weight of the step it was captured in and train on it with no error. CUDA is
+    asked only once it is initialized (no capture can run before), so a CPU run never touches it.
+    """
+    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "Fp8Linear cannot run inside CUDA graph capture (torch.compile mode='reduce-overhead' or "
+            "torch.cuda.graph): its FP8 weight and input caches live outside the graph, so a replay "
+            "would train on stale FP8 weights; compile with mode='default' or 'max-autotune-no-cudagraphs'"
+        )
+
+
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32, or fp64 for fp64 tensors (``model.precision: fp64``, the CPU-independent reference)."""
     return torch.promote_types(dtype, torch.float32)
@@ -317,6 +332,7 @@ class Fp8Linear(nn.Linear):
             device = x.device.type
             dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
             return torch.ops.infir2.fp8_linear(x, self.weight, self.bias, self.op_key, dtype)[0]
+        refuse_graph_capture()  # eager: the custom ops check it themselves
         original = x
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
