@@ -39,7 +39,7 @@ from infir2.fp8.quantize import amax_to_scale, expand_blocks, quantize
 from infir2.fp8.recipe import Cast
 from infir2.kernels import BACKENDS, Operand, emulated
 
-pytest.importorskip("triton", reason="triton is not installed (pip install triton==3.9.0)")
+pytest.importorskip("triton", reason="triton is not installed (the test extra: pip install -e '.[test]')")
 
 BLOCKS = [(1, 128), (128, 1), (128, 128)]
 
