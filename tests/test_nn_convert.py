@@ -264,3 +264,11 @@ def test_fsdp_param_groups_of_torch_2_11_and_later():
     assert _param_groups(SimpleNamespace(_fsdp_param_groups=[])) == []
     assert _param_groups(SimpleNamespace(_fsdp_param_group=a)) == [a]
     assert _param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
+
+
+def test_converted_layers_know_their_names():
+    """``convert_to_fp8`` names each layer (``fp8_name``, what the emulated-on-GPU warning prints)."""
+    model = make_tiny_model()
+    convert_to_fp8(model)
+    named = {fqn: m.fp8_name for fqn, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    assert named and all(fqn == name for fqn, name in named.items())

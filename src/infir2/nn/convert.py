@@ -193,6 +193,7 @@ def convert_to_fp8(
         parent_name, _, child = fqn.rpartition(".")
         parent = model.get_submodule(parent_name)
         layer = Fp8Linear.from_linear(getattr(parent, child), recipe, backend)
+        layer.fp8_name = fqn
         layer.bind_kernels(device)  # an unusable backend override fails here, before any training
         setattr(parent, child, layer)
     message = f"FP8 recipe {recipe.name!r}: converted {len(chosen)} linear layers"

@@ -29,6 +29,7 @@ all-gathered by FSDP2 and freed between forward and backward) backward uses ``Q(
 from __future__ import annotations
 
 import itertools
+import logging
 import weakref
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
@@ -38,10 +39,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..fp8.recipe import Fp8Recipe, get_recipe
-from ..kernels import Kernels, Operand, bind
+from ..kernels import BACKENDS, ORDER, Kernels, Operand, bind, emulated
 from .fsdp import Fp8GatheredWeight
 
 __all__ = ["Fp8Linear", "StatsRecorder"]
+
+log = logging.getLogger(__name__)
+_WARNED_EMULATED: set[tuple[str, torch.device]] = set()  # (recipe, device) already warned about
 
 
 class StatsRecorder(Protocol):
@@ -218,6 +222,28 @@ def layer_by_key(key: int) -> Fp8Linear:
     return layer
 
 
+def _warn_if_emulated_on_gpu(layer: Fp8Linear, kernels: Kernels) -> None:
+    """A warning, once per recipe and device, when a CUDA layer's GEMMs can only run on the emulated
+    backend (an A100; mxfp8 on Blackwell): the layer named, and why each GPU backend is out."""
+    key = (layer.recipe.name, kernels.device)
+    if kernels.device.type != "cuda" or kernels.chain[0].NAME != emulated.NAME or key in _WARNED_EMULATED:
+        return
+    _WARNED_EMULATED.add(key)
+    reasons = [
+        f"{name}: {why}"
+        for name in ORDER["cuda"]
+        if name != emulated.NAME and (why := BACKENDS[name].why_unavailable(layer.recipe, kernels.device))
+    ]
+    log.warning(
+        "FP8 recipe %r on %s: the GEMMs of %s (and of every other layer of this recipe here) run on the "
+        "emulated backend, dequantize + fp32 matmul, slower than BF16 (%s)",
+        layer.recipe.name,
+        kernels.device,
+        getattr(layer, "fp8_name", "") or f"Fp8Linear({layer.in_features}, {layer.out_features})",
+        "; ".join(reasons),
+    )
+
+
 class Fp8Linear(nn.Linear):
     """Drop-in ``nn.Linear`` (same parameters and state_dict keys) computing its GEMMs in FP8.
 
@@ -249,6 +275,7 @@ class Fp8Linear(nn.Linear):
         self.kernels: Kernels | None = None
         self.cache_weight = False
         self.stats: StatsRecorder | None = None  # set by infir2.nn.telemetry on stats steps only
+        self.fp8_name = ""  # its name in the model (convert_to_fp8 sets it), for warnings
         # (key, forward weight, its K-major transpose for dgrad or None): see quantized_weight
         self._weight_cache: tuple[tuple[Any, ...], Operand, Operand | None] | None = None
         self._register()
@@ -285,6 +312,8 @@ class Fp8Linear(nn.Linear):
     def bind_kernels(self, device: torch.device | str) -> Kernels:
         """Bind this layer to the kernels of its recipe on ``device`` (an error for an unusable backend)."""
         self.kernels = bind(self.recipe, device, self.backend_name)
+        if self.backend_name != emulated.NAME:
+            _warn_if_emulated_on_gpu(self, self.kernels)
         return self.kernels
 
     def _kernels_on(self, device: torch.device) -> Kernels:
