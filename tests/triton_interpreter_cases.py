@@ -371,3 +371,55 @@ def test_every_nan_is_the_byte_0x7f_on_both_paths(tq, fmt):
         nan = ref_data.float().isnan()
         assert int(nan.sum()) >= 4 and bool((ref_bytes[nan] == NAN_CODE).all()), (block, fmt)
         assert bool((bytes_[nan] == NAN_CODE).all()), (block, fmt)
+
+
+@pytest.mark.parametrize(("rows", "offset"), [(100, 0), (100, 100), (37, 263), (0, 50)])
+def test_quantize_with_scale_is_the_shard_quantization_of_fsdp(tq, rows, offset):
+    """Rows ``offset ..`` of a ``[300, 260]`` weight with its 128x128 block scales (blocks straddle the
+    shard's edges): the values before the cast equal the reference's, and their FP8 bytes its codes."""
+    from infir2.fp8.quantize import block_amax, quantize_with_amax
+
+    x = _hard_input((300, 260), seed=rows + offset)
+    amax = block_amax(x, (128, 128))
+    shard = x[offset : offset + rows]
+    for fmt in ("e4m3", "e5m2"):
+        ref_data, ref_scale_inv = quantize_with_amax(
+            shard, amax, (128, 128), fmt, row_offset=offset, n_rows=300
+        )
+        scale = amax_to_scale(amax, get_format(fmt), "pow2")
+        precast = tq._quantize_with_scale(shard, scale, (128, 128), fmt, offset, data_dtype=torch.float32)
+        assert precast.shape == shard.shape and torch.equal(scale.reciprocal(), ref_scale_inv)
+        if rows:
+            full = _reference_precast(x, (128, 128), fmt, "pow2")[offset : offset + rows]
+            torch.testing.assert_close(precast, full, rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(precast.to(get_format(fmt).dtype).view(torch.uint8), ref_data.view(torch.uint8)), (
+            fmt
+        )
+
+
+def test_fsdp_quantizes_its_shard_with_the_triton_kernel_where_it_runs(tq, monkeypatch):
+    """``fsdp_pre_all_gather``'s quantization goes to the Triton kernel when the backend takes the shard
+    (a GPU: faked here), and gives the reference's codes and scales."""
+    from infir2.fp8.quantize import block_amax, quantize_with_amax
+    from infir2.kernels import triton_backend
+    from infir2.nn import fsdp
+
+    calls = []
+
+    def kernel(x, scale, block, fmt, row_offset):  # the interpreter's own FP8 cast misrounds: torch casts
+        calls.append(row_offset)
+        return tq._quantize_with_scale(x, scale, block, fmt, row_offset, torch.float32).to(
+            get_format(fmt).dtype
+        )
+
+    monkeypatch.setattr(tq, "quantize_with_scale", kernel)
+    x = _hard_input((300, 260), seed=1)
+    amax, shard, cast = block_amax(x, (128, 128)), x[150:300], Cast((128, 128))
+    ref_data, ref_scale_inv = quantize_with_amax(shard, amax, (128, 128), row_offset=150, n_rows=300)
+    assert not triton_backend.takes_shard(shard, cast)  # a CPU tensor: the reference runs
+    fsdp._quantize_shard(shard, amax, cast, 150, 300)
+    assert calls == []
+    monkeypatch.setattr(triton_backend, "takes_shard", lambda x, cast: True)
+    data, scale_inv = fsdp._quantize_shard(shard, amax, cast, 150, 300)
+    assert calls == [150] and torch.equal(scale_inv, ref_scale_inv)
+    assert torch.equal(data.view(torch.uint8), ref_data.view(torch.uint8))
