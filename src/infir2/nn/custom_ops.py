@@ -49,6 +49,7 @@ class _Context:
         self.saved_tensors: tuple[torch.Tensor, ...] = ()
         self.w_kept: Operand | None = None  # the attributes _Fp8LinearFunction sets and reads
         self.w_transposed = False  # the K-major dgrad weight (CUDA eager only) is not used here
+        self.k_major_in_backward = False
         self.recipe: Any = None
         self.kernels: Any = None
         self.x_dtype: torch.dtype | None = None
