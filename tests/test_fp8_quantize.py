@@ -259,6 +259,7 @@ def test_quantize_makes_no_tensor_from_python_data(recipe):
     (each would block a CUDA stream; ``tests/gpu`` checks the same with ``set_sync_debug_mode``)."""
     from infir2.fp8.quantize import block_amax, quantize_with_amax
     from infir2.nn import Fp8Linear
+    from infir2.nn.fsdp import partial_block_amax
 
     x = torch.randn(300, 256) * 3
     x[0, 0], x[1, 1] = float("nan"), float("inf")
@@ -270,5 +271,6 @@ def test_quantize_makes_no_tensor_from_python_data(recipe):
             quantize(x, cast.block, cast.fmt, cast.scale_encoding)
         amax = block_amax(x, (128, 128))
         quantize_with_amax(x[100:200], amax, (128, 128), row_offset=100, n_rows=300)
+        partial_block_amax(x[100:200], 100, 300, (128, 128))
         layer(xi).sum().backward()
     assert mode.seen == [], mode.seen
