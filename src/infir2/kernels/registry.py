@@ -150,7 +150,7 @@ class Kernels:
                 log_once(
                     log,
                     f"FP8 {describe()}: {self.chain[0].NAME} does not take it; runs on {backend.NAME}"
-                    + (" (dequantize + fp32 matmul on the GPU: slower than BF16)" if slow else ""),
+                    + (" (the plain-torch emulation, on a GPU: slower than BF16)" if slow else ""),
                     logging.WARNING if slow else logging.INFO,
                 )
             return backend
