@@ -199,8 +199,8 @@ def test_unknown_recipe_lists_known_ones():
     assert {c.scale_encoding for c in get_recipe("blockwise_fp32scale").casts.values()} == {"fp32"}
     overridden = get_recipe("blockwise", scale_encoding="fp32")
     assert {c.scale_encoding for c in overridden.casts.values()} == {"fp32"}
-    with pytest.warns(DeprecationWarning, match="scale_encoding"):
-        assert get_recipe("blockwise", scale="fp32") == overridden  # the older keyword
+    with pytest.raises(ValueError, match="no cast field scale"):  # the older keyword is gone
+        get_recipe("blockwise", scale="fp32")
 
 
 MX_BLOCKS = [(1, 32), (32, 1), (1, 128), (-1, -1)]

@@ -48,6 +48,7 @@ import torch
 from ..data.chat import SYSTEM_PROMPT, THINK_PREFIX
 from ..data.tokenizer import load_tokenizer
 from ..generation import ENGINES
+from ..model import check_model_folder
 from .presets import PRESETS
 from .tasks import TASKS, sample_path
 
@@ -315,6 +316,8 @@ def _run_benchmark(args: argparse.Namespace) -> int:
         )
     cfg = SamplingConfig(args.greedy, args.temperature, args.top_p, args.max_new_tokens, args.batch_size)
     _check_engine_flags(args)
+    if args.engine != "server":  # the model folder is named before the tokenizer read from it
+        check_model_folder(args.model)
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     engine = _engine(args, tokenizer)
     with CompletionLog(out, _settings(args, engine)) as completions:

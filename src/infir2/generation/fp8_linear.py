@@ -15,13 +15,12 @@ import torch
 from torch import nn
 
 from ..export.layout import WEIGHT_BLOCK, export_scale_encoding, is_projection_weight, quantize_weight
-from ..fp8.recipe import TILE, Cast, get_recipe
+from ..fp8.recipe import SAME_RECIPE, TILE, Cast, get_recipe
 from ..kernels import Operand, bind
 
 __all__ = ["SAME_RECIPE", "ServingFp8Linear", "serve_fp8"]
 
 #: the training recipe that quantizes exactly as the FP8 serving linear of each scale encoding
-SAME_RECIPE = {"pow2": "blockwise", "fp32": "blockwise_fp32scale"}
 
 
 class ServingFp8Linear(nn.Module):

@@ -26,7 +26,7 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
-from ..fp8 import RECIPES
+from ..fp8 import RECIPES, get_recipe
 from ..model import ARCHS
 from .typed_yaml import apply_overrides, config_error, to_plain
 
@@ -200,8 +200,10 @@ def _check_model(m: ModelConfig, source: str) -> None:
 
 
 def _check_fp8(f: Fp8Config, source: str) -> None:
-    if f.recipe not in RECIPES:
-        raise config_error(source, "fp8.recipe", f"got {f.recipe!r}, expected one of {', '.join(RECIPES)}")
+    try:
+        get_recipe(f.recipe)
+    except ValueError as e:
+        raise config_error(source, "fp8.recipe", str(e)) from None
     check_positive(source, "fp8.stats_every", f.stats_every, allow_zero=True)
     if f.param_gather and not RECIPES[f.recipe].gathers_fp8_weight:
         raise config_error(
