@@ -31,7 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "eval": {"data", "export", "generation", "loss", "model", "nn"},
     # the run harness under every stage: config sections, run folder, model setup, resume, guards
     "harness": {"checkpoint", "data", "export", "fp8", "model", "nn"},
-    "train": {"data", "harness", "loss", "nn"},  # peers on the harness: neither imports the other
+    "train": {"data", "harness", "loss", "model", "nn"},  # peers on the harness: neither imports the other
     "rl": {"data", "eval", "generation", "harness", "model"},
     # tools/: each subpackage or module is a layer of its own (tools.<name>), above the library
     "tools": set(),

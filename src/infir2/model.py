@@ -68,6 +68,33 @@ def check_model_folder(path: str | Path) -> Path:
     return path
 
 
+def check_vocabulary(model: nn.Module, tokenizer: Any, where: str) -> None:
+    """Every id ``tokenizer`` can produce has a row in ``model``'s embedding (an id past it would index
+    out of range, or on some kernels read another row silently); else a ``ValueError`` naming ``where``."""
+    rows = model.get_input_embeddings().num_embeddings  # type: ignore[operator]
+    if tokenizer is not None and len(tokenizer) > rows:
+        raise ValueError(
+            f"{where}: the tokenizer has {len(tokenizer)} tokens but the model's embedding only {rows} rows: "
+            "the tokenizer is not the model's (give the tokenizer it was trained with)"
+        )
+
+
+def context_length(model: nn.Module) -> int | None:
+    """The positions the model was trained for (``max_position_embeddings``), if its config says."""
+    return getattr(getattr(model, "config", None), "max_position_embeddings", None)
+
+
+def check_context(model: nn.Module, tokens: int, key: str, allowed: bool = False) -> None:
+    """``tokens`` per sequence fit the model's trained positions, or a ``ValueError`` naming ``key``;
+    ``allowed`` (``model.beyond_context``): the user runs past them on purpose (RoPE extrapolation)."""
+    limit = context_length(model)
+    if limit is not None and tokens > limit and not allowed:
+        raise ValueError(
+            f"{key}: {tokens} tokens per sequence, but the model was trained for {limit} positions "
+            "(max_position_embeddings); shorten it, or set model.beyond_context: true to run past them"
+        )
+
+
 def load_pretrained(path: str | Path) -> nn.Module:
     """A causal LM from a local Hugging Face folder, with fp32 weights (the training masters)."""
     from transformers import AutoModelForCausalLM
@@ -127,6 +154,31 @@ def prepare_for_training(
         recompute_swiglu(model)
     convert_to_fp8(model, recipe, backend=backend)
     return model
+
+
+def resolve_device(name: str, option: str = "--device") -> torch.device:
+    """``auto`` (CUDA when there is one), ``cpu``, ``cuda`` or ``cuda:N``; anything else, or a CUDA device
+    this machine lacks, is a ``ValueError`` naming ``option`` (one line at the CLI, exit 2)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"{option}: {name!r} is not a device (expected auto, cpu, cuda or cuda:N)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"{option}: {name!r}: infir2 runs on cpu or cuda (expected auto, cpu, cuda or cuda:N)"
+        )
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"{option} is {name} but this machine has no CUDA device (torch {torch.__version__})"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"{option} is {name} but this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
+    return device
 
 
 def autocast(precision: str, device: torch.device) -> AbstractContextManager[Any]:

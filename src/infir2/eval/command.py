@@ -43,12 +43,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..data.chat import SYSTEM_PROMPT, THINK_PREFIX
 from ..data.tokenizer import load_tokenizer
 from ..generation import ENGINES
-from ..model import check_model_folder
+from ..model import check_model_folder, resolve_device
 from .presets import PRESETS
 from .tasks import TASKS, sample_path
 
@@ -188,6 +186,10 @@ def _resolve(args: argparse.Namespace) -> None:
             f"--preset {args.preset} needs --data: your local copy of its problems "
             f"(docs/EVAL_EXPORT.md says where to get it)"
         )
+    for flag, value in (("--limit", args.limit), ("--n", args.n)):
+        if value is not None and value < 1:  # refused before any folder is written
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    resolve_device(args.device)  # a device this machine lacks is refused before anything loads
     if args.no_system_prompt:
         args.system_prompt = None
     elif args.system_prompt is None:
@@ -201,7 +203,7 @@ def _load(args: argparse.Namespace):
     """The model of --model; with --fp8 RECIPE its projections converted to ``Fp8Linear``."""
     from ..export import load_checkpoint
 
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = str(resolve_device(args.device))
     model = load_checkpoint(args.model, device=device)
     if args.fp8 not in (None, "served"):
         from ..nn import convert_to_fp8

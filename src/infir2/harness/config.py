@@ -114,6 +114,11 @@ class ModelConfig:
     export_dtype: Literal["fp32", "bf16"] | None = _key(
         None, "dtype of the final <run>/hf export; default: precision (fp32 for an fp64 run)"
     )
+    beyond_context: bool = _key(
+        False,
+        "allow sequences longer than the model's max_position_embeddings (RoPE extrapolation: a choice "
+        "you make on purpose); refused otherwise",
+    )
 
 
 @dataclass(frozen=True)

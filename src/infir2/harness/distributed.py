@@ -33,20 +33,14 @@ from .._dist import (  # noqa: F401 - re-exported: the collectives the stages us
     broadcast_object,
     gather_objects,
 )
+from ..model import resolve_device
 
 __all__ = [*_dist.__all__, "init_distributed", "shard_model"]  # the collectives, re-exported
 
 
-def _pick_device(preference: str) -> torch.device:
-    if preference == "cuda" and not torch.cuda.is_available():
-        raise ValueError("run.device is cuda but no CUDA device is available")
-    use_cuda = preference == "cuda" or (preference == "auto" and torch.cuda.is_available())
-    return torch.device("cuda") if use_cuda else torch.device("cpu")
-
-
 def init_distributed(device_preference: str = "auto") -> DistEnv:
     """Join the torchrun process group if launched by torchrun (or reuse an existing one)."""
-    device = _pick_device(device_preference)
+    device = resolve_device(device_preference, "run.device")
     owns = False
     if not dist.is_initialized() and dist.is_torchelastic_launched():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")

@@ -7,7 +7,8 @@ Every stage reads ``cfg.model`` / ``cfg.fp8`` / ``cfg.run`` the same way:
 * ``load_run_tokenizer`` -- the tokenizer as ``AutoTokenizer`` will read the stage's export: for the
   model's type (``from_config.arch`` or ``model_type`` in ``model.path/config.json``), so a separate
   ``model.tokenizer`` folder tokenizes as the run that made the model did;
-* ``setup_model`` -- load or build the model, fp32 masters (fp64 under ``model.precision: fp64``), the
+* ``setup_model`` -- load or build the model (every token id of the tokenizer must have an embedding
+  row: ``model.check_vocabulary``), fp32 masters (fp64 under ``model.precision: fp64``), the
   FP8 swap of ``fp8.recipe``, onto the device; then ``before_shard(model)`` (RL builds its rollout engine
   and reference copy there, from the whole model), then FSDP2 under torchrun.
 """
@@ -24,7 +25,13 @@ from torch import nn
 
 from ..data import folder_model_type, load_tokenizer
 from ..fp8 import get_recipe
-from ..model import build_from_config, check_model_folder, load_pretrained, prepare_for_training
+from ..model import (
+    build_from_config,
+    check_model_folder,
+    check_vocabulary,
+    load_pretrained,
+    prepare_for_training,
+)
 from .distributed import DistEnv, shard_model
 
 __all__ = ["build_model", "check_model_inputs", "load_run_tokenizer", "setup_model"]
@@ -82,6 +89,7 @@ def setup_model(
             "fp32 is the CPU baseline (--set model.precision=fp32)"
         )
     model = model if model is not None else build_model(cfg, tokenizer)
+    check_vocabulary(model, tokenizer, cfg.model.tokenizer or cfg.model.path or "model.tokenizer")
     recipe = get_recipe(cfg.fp8.recipe)  # the config's name, resolved once (validated by check_shared)
     master_dtype = torch.float64 if cfg.model.precision == "fp64" else torch.float32
     model = prepare_for_training(

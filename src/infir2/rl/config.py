@@ -166,6 +166,13 @@ def _check(cfg: RLConfig, source: str) -> None:
         "batch_size",
     ):
         positive(f"rollout.{key}", getattr(r, key))
+    if r.oversample_prompts is not None and r.oversample_prompts < r.prompts_per_step:
+        raise config_error(
+            source,
+            "rollout.oversample_prompts",
+            f"{r.oversample_prompts} is below rollout.prompts_per_step={r.prompts_per_step}: a round could "
+            "never fill a step (draw at least prompts_per_step prompts per round, or null for exactly that)",
+        )
     if r.group_size < 2:
         raise config_error(
             source, "rollout.group_size", f"needs >= 2 samples per prompt to compare, got {r.group_size}"

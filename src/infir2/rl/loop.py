@@ -66,6 +66,7 @@ from ..harness.optim import build_optimizer
 from ..harness.resume import PendingSave, export_final, restore, save
 from ..harness.run import open_run
 from ..harness.setup import check_model_inputs, load_run_tokenizer, setup_model
+from ..model import check_context
 from .algorithm import group_advantages
 from .batch import RLBatch
 from .collect import collect_groups, completion_text, share
@@ -172,7 +173,11 @@ def _setup(
         if cfg.algo.kl_coef > 0:  # a whole copy on every rank (no collectives in its forwards)
             built["ref"] = copy.deepcopy(whole).eval().requires_grad_(False)
 
+    prompt_ids, val_ids = _encode(tokenizer, problems), _encode(tokenizer, val)
     model = setup_model(cfg, env, model, tokenizer, before_shard)
+    longest = max(map(len, prompt_ids + val_ids), default=0)
+    key = f"the longest prompt ({longest} tokens) + rollout.max_new_tokens ({cfg.rollout.max_new_tokens})"
+    check_context(model, longest + cfg.rollout.max_new_tokens, key, cfg.model.beyond_context)
     seed = cfg.data.seed if cfg.data.seed is not None else cfg.run.seed
     data = RolloutData(
         PromptStream(len(problems), cfg.data.shuffle, seed), torch.Generator().manual_seed(cfg.run.seed)
@@ -186,12 +191,12 @@ def _setup(
         built["engine"],
         built.get("ref"),
         problems,
-        _encode(tokenizer, problems),
+        prompt_ids,
         data,
         stops,
         pad_id,
         val,
-        _encode(tokenizer, val),
+        val_ids,
     )
 
 

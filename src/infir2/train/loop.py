@@ -52,6 +52,7 @@ from ..harness.resume import LoadRequest, PendingSave, SavePolicy, export_final,
 from ..harness.run import open_run
 from ..harness.setup import load_run_tokenizer, setup_model
 from ..loss import heldout_loss, token_ce_sum
+from ..model import check_context
 from ..nn import cache_fp8_weights, fp8_modules
 from ..nn.telemetry import Fp8Telemetry
 from .config import MEANINGFUL, RunConfig, resolve_checkpoint_format
@@ -286,6 +287,8 @@ def _setup(
     if tokenizer is None:
         tokenizer = load_run_tokenizer(cfg)
     model = setup_model(cfg, env, model, tokenizer)
+    if train_source is None and cfg.data.kind == "cpt":  # SFT samples: cut to max_length, their own length
+        check_context(model, cfg.data.seq_len, "data.seq_len", cfg.model.beyond_context)
     optimizer = build_optimizer(model, cfg.optim)
     if train_source is None:
         train_source, val_steps = build_sources(cfg, tokenizer, env)

@@ -39,6 +39,7 @@ import torch
 
 from ...fp8 import RECIPES, get_recipe
 from ...kernels import BACKENDS, bind
+from ...model import resolve_device
 from .measure import BenchConfig, StepModel, bench_linear, bench_quantize, bench_step
 
 __all__ = ["PRESETS", "SECTIONS", "add_arguments", "main_table", "run", "run_bench"]
@@ -205,7 +206,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(args.device or "auto")
     cfg = PRESETS[args.preset or ("full" if device.type == "cuda" else "quick")]
     if args.tokens:
         cfg = replace(cfg, tokens=args.tokens)

@@ -1,0 +1,127 @@
+"""Bad inputs the stages now refuse in one line (exit 2) before a run starts, where they used to end in a
+traceback or run on silently wrong (issue 28's probe): a device the machine lacks or that does not
+exist, a negative ``--limit``, a tokenizer larger than the model's embedding, sequences past the model's
+trained positions, and an RL round that could never fill a step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from conftest import make_tiny_model, make_tokenizer
+from infir2.cli import main
+from infir2.data import load_tokenizer, prepare_cpt
+from infir2.rl import parse_rl_config
+from train_synthetic import one_thread
+
+_one_thread = pytest.fixture(autouse=True)(one_thread)
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    folder = tmp_path / "model"
+    make_tiny_model(seed=1).save_pretrained(folder)  # vocabulary 300, 512 positions
+    make_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def _one_line(capsys, *needles: str) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and all(n in err for n in needles), err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("device", "needle"),
+    [("tpu9", "'tpu9' is not a device"), pytest.param("cuda", "no CUDA device", marks=no_cuda)],
+)
+def test_eval_refuses_a_device_it_cannot_use(model_dir, tmp_path, capsys, device, needle):
+    out = tmp_path / "out"
+    assert main(["eval", "--model", str(model_dir), "--device", device, "--out", str(out)]) == 2
+    _one_line(capsys, "--device", needle)
+    assert not out.exists()
+
+
+@no_cuda
+def test_train_refuses_cuda_on_a_machine_without_it(tmp_path, capsys):
+    cfg = tmp_path / "t.yaml"
+    cfg.write_text(yaml.safe_dump({"run": {"device": "cuda", "out_dir": str(tmp_path / "runs")}}))
+    assert main(["train", str(cfg)]) == 2
+    _one_line(capsys, "run.device", "no CUDA device")
+
+
+@pytest.mark.parametrize("flag", ["--limit", "--n"])
+def test_eval_refuses_a_count_below_one_and_writes_nothing(model_dir, tmp_path, capsys, flag):
+    out = tmp_path / "out"
+    assert main(["eval", "--model", str(model_dir), flag, "-1", "--out", str(out)]) == 2
+    _one_line(capsys, f"{flag} must be >= 1, got -1")
+    assert not out.exists()  # before: --limit -1 scored 3 of 4 problems (problems[:-1]) as a normal run
+
+
+def _rl_yaml(tmp_path, model_dir, **sections) -> str:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"problem": f"{i} + 1", "answer": str(i + 1)}) + "\n" for i in range(4))
+    )
+    data = {
+        "run": {"name": "rl", "out_dir": str(tmp_path / "runs"), "device": "cpu"},
+        "model": {"path": str(model_dir), "precision": "fp32"},
+        "data": {"prompts_path": str(prompts)},
+        "rollout": {"prompts_per_step": 2, "group_size": 2, "oversample_prompts": 2, "max_new_tokens": 4},
+        "train": {"max_steps": 1},
+    }
+    for section, values in sections.items():
+        data[section] = {**data.get(section, {}), **values}
+    path = tmp_path / "rl.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused(model_dir, tmp_path, capsys):
+    big = tmp_path / "big-tokenizer"
+    make_tokenizer(vocab_size=600).save_pretrained(big)
+    assert len(load_tokenizer(big)) > 300
+    assert main(["rl", _rl_yaml(tmp_path, model_dir, model={"tokenizer": str(big)}), "--no-progress"]) == 2
+    _one_line(capsys, str(big), "tokens but the model's embedding only 300 rows")
+    assert not (tmp_path / "runs" / "rl" / "metrics.jsonl").exists()
+
+
+def test_rl_refuses_responses_past_the_models_positions(model_dir, tmp_path, capsys):
+    cfg = _rl_yaml(tmp_path, model_dir, rollout={"max_new_tokens": 10**12})
+    assert main(["rl", cfg, "--no-progress"]) == 2
+    _one_line(capsys, "rollout.max_new_tokens", "trained for 512 positions", "model.beyond_context")
+
+
+def test_an_rl_round_that_cannot_fill_a_step_is_refused():
+    rollout = {"prompts_per_step": 4, "oversample_prompts": 3}
+    with pytest.raises(
+        ValueError, match=r"rollout.oversample_prompts: 3 is below rollout.prompts_per_step=4"
+    ):
+        parse_rl_config({"rollout": rollout}, "rl.yaml")
+
+
+def test_train_refuses_windows_past_the_models_positions_unless_asked(tmp_path, capsys):
+    tok_dir = tmp_path / "tokenizer"
+    make_tokenizer().save_pretrained(tok_dir)
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"{i} + {i} = {2 * i}."}) + "\n" for i in range(200)))
+    prepare_cpt([docs], tmp_path / "cpt", load_tokenizer(tok_dir), val_fraction=0.1, progress=False)
+    arch = {"arch": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1}
+    arch |= {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 16}
+    cfg = {
+        "run": {"name": "long", "out_dir": str(tmp_path / "runs"), "device": "cpu"},
+        "model": {"from_config": arch, "tokenizer": str(tok_dir), "precision": "fp32"},
+        "fp8": {"recipe": "bf16"},
+        "data": {"train_path": str(tmp_path / "cpt"), "seq_len": 32, "global_batch_size": 2},
+        "train": {"max_steps": 1},
+    }
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["train", str(path), "--no-progress"]) == 2
+    _one_line(capsys, "data.seq_len: 32 tokens per sequence", "trained for 16 positions")
+    assert not (tmp_path / "runs" / "long").exists()
+    assert main(["train", str(path), "--no-progress", "--set", "model.beyond_context=true"]) == 0
