@@ -125,3 +125,18 @@ def test_train_refuses_windows_past_the_models_positions_unless_asked(tmp_path, 
     _one_line(capsys, "data.seq_len: 32 tokens per sequence", "trained for 16 positions")
     assert not (tmp_path / "runs" / "long").exists()
     assert main(["train", str(path), "--no-progress", "--set", "model.beyond_context=true"]) == 0
+
+
+def test_an_output_folder_that_is_a_file_is_one_line(model_dir, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    assert main(["eval", "--model", str(model_dir), "--limit", "1", "--out", str(blocker / "x")]) == 2
+    _one_line(capsys, "--out", "is a file")
+    cfg = _rl_yaml(tmp_path, model_dir, run={"out_dir": str(blocker)})
+    assert main(["rl", cfg, "--no-progress"]) == 2
+    _one_line(capsys, "run.out_dir / run.name", "is a file")
+
+
+def test_a_run_name_cannot_leave_the_out_dir():
+    with pytest.raises(ValueError, match=r"run.name: must be one folder name inside run.out_dir"):
+        parse_rl_config({"run": {"name": "../../escape"}}, "rl.yaml")

@@ -160,3 +160,18 @@ def test_eval_cli_resumes_with_the_local_engine(model_dir: Path, tmp_path: Path)
     assert main([*argv[:-1], str(tmp_path / "whole")]) == 0
     whole = [json.loads(line) for line in (tmp_path / "whole" / "samples.jsonl").read_text().splitlines()]
     assert whole == [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+
+
+def test_the_completions_alone_refuse_other_settings(model_dir: Path, tmp_path: Path, capsys) -> None:
+    """With eval_config.json deleted, a rerun at another temperature does not reuse the greedy samples:
+    every record carries the digest of its settings."""
+    out = tmp_path / "report"
+    argv = ["eval", "--model", str(model_dir), "--max-new-tokens", "3", "--limit", "2", "--out", str(out)]
+    assert main([*argv, "--greedy"]) == 0
+    (out / "eval_config.json").unlink()
+    assert main([*argv, "--temperature", "0.9"]) == 2
+    err = capsys.readouterr().err
+    assert "completions.jsonl:1: this sample was drawn with other settings" in err
+    assert main([*argv, "--greedy"]) == 0  # the same settings resume, and the config is written again
+    assert (out / "eval_config.json").is_file()
+    assert json.loads((out / "summary.json").read_text())["generated_now"] == 0

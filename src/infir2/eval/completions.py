@@ -2,11 +2,13 @@
 
 ``<out>/completions.jsonl`` holds one line per finished sample::
 
-    {"id": "aime24-3", "sample": 17, "prompt_sha256": "9c1e...", "completion": "...", "finished": true, "n_tokens": 8123}
+    {"id": "aime24-3", "sample": 17, "prompt_sha256": "9c1e...", "settings": "4be0...", "completion": "...",
+     "finished": true, "n_tokens": 8123}
 
 and ``<out>/eval_config.json`` the settings the samples were drawn with (``settings``: model, engine,
-task, prompt, decoding). A rerun of the same command reads both back and generates only the samples
-that are missing. A rerun with other settings is refused, naming each changed key
+task, prompt, decoding). Each record carries the digest of those settings too (``settings``), so the
+completions file alone decides: with ``eval_config.json`` deleted, a rerun with other settings is still
+refused. A rerun of the same command reads both back and generates only the samples that are missing. A rerun with other settings is refused, naming each changed key
 (``temperature: 0.65 -> 0.7``), and so is a problem whose rendered prompt differs from the one its
 saved samples answered (changed data, system prompt or chat template): mixing them would score a
 different evaluation. Raising ``n`` (or dropping ``--limit``) is fine: the saved samples are kept and
@@ -34,6 +36,7 @@ __all__ = [
     "CompletionLog",
     "SettingsChanged",
     "prompt_sha256",
+    "settings_digest",
 ]
 
 COMPLETIONS_FILE = "completions.jsonl"
@@ -59,6 +62,12 @@ def prompt_sha256(prompt: str) -> str:
     return hashlib.sha256(prompt.encode("utf-8")).hexdigest()
 
 
+def settings_digest(settings: Mapping[str, Any]) -> str:
+    """The digest every record carries of the settings it was drawn with (canonical JSON, SHA-256)."""
+    canonical = json.dumps(dict(settings), sort_keys=True, ensure_ascii=False, default=str)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
+
+
 class CompletionLog:
     """The finished samples of one evaluation folder; ``append`` is thread-safe (the server engine's workers call it)."""
 
@@ -66,25 +75,41 @@ class CompletionLog:
         self.out = Path(out_dir)
         self.path = self.out / COMPLETIONS_FILE
         self.settings = dict(settings)
-        self.out.mkdir(parents=True, exist_ok=True)
-        self._check_settings()
+        self.digest = settings_digest(self.settings)
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise ValueError(f"--out {self.out}: it (or a folder above it) is a file, not a folder") from None
+        except OSError as e:
+            raise ValueError(f"--out {self.out}: cannot create it: {e.strerror}") from None
         self.done: dict[Key, Completion] = {}
         self.prompts: dict[str, str] = {}  # problem id -> sha256 of the prompt its samples answered
-        self._read()
+        if self._check_settings():
+            self._read()
+            self._write_settings()  # the saved samples carry these settings: eval_config.json again
+        else:
+            self._read()
         self._lock = threading.Lock()
         self._file = self.path.open("a", encoding="utf-8")
 
     # ------------------------------------------------------------------------------------- reading
 
-    def _check_settings(self) -> None:
+    def _write_settings(self) -> None:
         path = self.out / CONFIG_FILE
-        if not path.is_file() or not (
-            self.path.is_file() and self.path.stat().st_size
-        ):  # no sample saved yet
-            tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_text(json.dumps({"settings": self.settings}, indent=2) + "\n", encoding="utf-8")
-            os.replace(tmp, path)
-            return
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps({"settings": self.settings}, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+
+    def _check_settings(self) -> bool:
+        """Refuse saved samples of other settings; True when ``eval_config.json`` is to be written after
+        the records were read (it is missing while samples exist: their own digests decide)."""
+        path = self.out / CONFIG_FILE
+        samples_saved = self.path.is_file() and self.path.stat().st_size > 0
+        if not samples_saved:
+            self._write_settings()
+            return False
+        if not path.is_file():
+            return True
         try:
             saved = json.loads(path.read_text(encoding="utf-8"))["settings"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
@@ -99,6 +124,7 @@ class CompletionLog:
                 f"{self.out} holds samples drawn with other settings ({'; '.join(changes)}); rerun with the "
                 f"saved settings to resume, or choose a new --out"
             )
+        return False
 
     def _read(self) -> None:
         if not self.path.is_file():
@@ -118,9 +144,23 @@ class CompletionLog:
                 sha = str(r["prompt_sha256"])
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
                 raise ValueError(f"{self.path}:{lineno}: not a completion record ({e})") from None
+            self._check_record_settings(r.get("settings"), lineno)
             if self.prompts.setdefault(key[0], sha) != sha:
                 raise ValueError(f"{self.path}:{lineno}: problem {key[0]!r} has samples of two prompts")
             self.done.setdefault(key, completion)  # a duplicate (never written by infir2) keeps the first
+
+    def _check_record_settings(self, digest: str | None, lineno: int) -> None:
+        """A record drawn with other settings (its digest differs) is refused; one written before records
+        carried a digest is accepted only beside a matching ``eval_config.json``."""
+        if digest == self.digest:
+            return
+        if digest is None and (self.out / CONFIG_FILE).is_file():
+            return
+        why = "other settings" if digest else "settings it does not record, and eval_config.json is missing"
+        raise SettingsChanged(
+            f"{self.path}:{lineno}: this sample was drawn with {why}; rerun with the settings it was drawn "
+            "with to resume, or choose a new --out"
+        )
 
     def check_prompts(self, prompts: Mapping[str, str]) -> None:
         """Refuse when a problem's prompt (``{id: prompt}``) is not the one its saved samples answered."""
@@ -143,6 +183,7 @@ class CompletionLog:
             "id": pid,
             "sample": sample,
             "prompt_sha256": prompt_sha256(prompt),
+            "settings": self.digest,
             "completion": completion.text,
             "finished": completion.finished,
             "n_tokens": completion.n_tokens,

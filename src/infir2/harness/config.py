@@ -236,8 +236,18 @@ def _check_optim(o: OptimConfig, source: str) -> None:
             raise config_error(source, f"optim.betas[{i}]", f"must be in [0, 1), got {beta}")
 
 
+def _check_run(r: RunSection, source: str) -> None:
+    name = Path(r.name)
+    if not r.name or name.is_absolute() or len(name.parts) != 1 or r.name in (".", ".."):
+        raise config_error(
+            source, "run.name", f"must be one folder name inside run.out_dir (no '/' or '..'), got {r.name!r}"
+        )
+
+
 def check_shared(cfg: Any, source: str) -> None:
-    """The rules of the shared sections (``cfg.model``, ``cfg.fp8``, ``cfg.optim``) of any stage's config."""
+    """The rules of the shared sections (``cfg.run``, ``cfg.model``, ``cfg.fp8``, ``cfg.optim``) of any
+    stage's config."""
+    _check_run(cfg.run, source)
     _check_model(cfg.model, source)
     _check_fp8(cfg.fp8, source)
     _check_optim(cfg.optim, source)
