@@ -21,12 +21,12 @@ import argparse
 
 import torch
 
+from infir2.harness.distributed import init_distributed, shard_model
+from infir2.harness.optim import build_optimizer
 from infir2.model import prepare_for_training
 from infir2.tools.wire_bytes import AmaxBytes, WireBytes
 from infir2.train.config import OptimConfig
-from infir2.harness.distributed import init_distributed, shard_model
 from infir2.train.loop import train_step
-from infir2.harness.optim import build_optimizer
 
 MODES = {"fp32": ("fp32", False), "bf16": ("bf16", False), "bf16+fp8": ("bf16", True)}
 
