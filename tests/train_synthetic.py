@@ -129,6 +129,30 @@ def tiny_run_config(out_dir: str, name: str = "run", **sections: dict[str, Any])
     return parse_config(data, "<test>")
 
 
+def tiny_llama(layers: int = 2, max_positions: int = 256) -> dict[str, Any]:
+    """``model.from_config`` of the command-line tests' tiny Llama: hidden 64, MLP 128, 4 heads, 2 KV heads."""
+    return {
+        "arch": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": max_positions,
+    }
+
+
+def cpt_data(path: Any, seq_len: int, global_batch_size: int, micro_batch_size: int) -> dict[str, Any]:
+    """A run config's ``data`` section that reads the ``prepare-cpt`` folder ``path``."""
+    return {
+        "kind": "cpt",
+        "train_path": str(path),
+        "seq_len": seq_len,
+        "global_batch_size": global_batch_size,
+        "micro_batch_size": micro_batch_size,
+    }
+
+
 def one_thread():
     """Generator for an autouse fixture: one intra-op thread (on a shared 2-core CPU, OpenMP's
     two threads spin against other processes and tiny GEMMs get ~50x slower)."""
