@@ -24,12 +24,12 @@ class SyntheticSource:
         self,
         vocab_size: int = 300,
         seq_len: int = 32,
-        global_batch_size: int = 8,
+        global_batch_size: int = 8,  # rows a step, all ranks together
         micro_batch_size: int = 2,
         rank: int = 0,
         world_size: int = 1,
         seed: int = 0,
-        steps: int | None = None,
+        steps: int | None = None,  # None: endless
     ) -> None:
         assert global_batch_size % (world_size * micro_batch_size) == 0
         self.vocab_size, self.seq_len, self.global_batch_size = vocab_size, seq_len, global_batch_size

@@ -73,16 +73,17 @@ _CPU_BF16_MAX_MACS = 5e8  # time nn.Linear in bf16 on a CPU only up to this GEMM
 
 @dataclass(frozen=True)
 class StepModel:
-    """A Qwen2-architecture model for the training-step section."""
+    """A Qwen2-architecture model for the training-step section (the defaults: Qwen2.5-1.5B); the
+    comments name the Hugging Face config key of each field (``step_model_config``)."""
 
-    hidden: int = 1536
-    intermediate: int = 8960
-    heads: int = 12
-    kv_heads: int = 2
-    head_dim: int = 128
-    layers: int = 28
-    vocab: int = 151936
-    seq: int = 8192
+    hidden: int = 1536  # hidden_size
+    intermediate: int = 8960  # intermediate_size
+    heads: int = 12  # num_attention_heads
+    kv_heads: int = 2  # num_key_value_heads
+    head_dim: int = 128  # hidden = heads x head_dim
+    layers: int = 28  # num_hidden_layers
+    vocab: int = 151936  # vocab_size
+    seq: int = 8192  # tokens of the one sequence a step trains on
 
 
 @dataclass(frozen=True)
