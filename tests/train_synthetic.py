@@ -129,6 +129,19 @@ def tiny_run_config(out_dir: str, name: str = "run", **sections: dict[str, Any])
     return parse_config(data, "<test>")
 
 
+def checkpoint_state(step: int, numel: int = 4096) -> dict[str, Any]:
+    """A state with the trainer's checkpoint keys: ``numel`` random model floats (seeded by ``step``), an
+    empty optimizer, the data position and a train state with an RNG entry (tuples, like Python's)."""
+    g = torch.Generator().manual_seed(step)
+    return {
+        "model": {"w": torch.randn(numel, generator=g)},
+        "optimizer": {"state": {}, "param_groups": []},
+        "scheduler": {"step": step},
+        "data": [{"epoch": 0, "step_in_epoch": step}],
+        "train_state": {"step": step, "world_size": 1, "rng": [{"python": (3, (1, 2), None)}]},
+    }
+
+
 def tiny_llama(layers: int = 2, max_positions: int = 256) -> dict[str, Any]:
     """``model.from_config`` of the command-line tests' tiny Llama: hidden 64, MLP 128, 4 heads, 2 KV heads."""
     return {
