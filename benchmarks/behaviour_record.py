@@ -66,11 +66,11 @@ def _run_digest(run_dir: Path) -> dict:
 def _rl_config(tmp: Path) -> Path:
     """The config of tests/test_rl_distributed.py (its 2-process test's run)."""
     from conftest import make_tokenizer
-    from infir2.rl import REWARDS
+    from infir2.eval import register_grader
     from rl_distributed_worker import parity
     from test_rl_distributed import _config
 
-    REWARDS["parity"] = parity  # the test's reward, as the worker registers it
+    register_grader("parity", parity)  # the test's reward, as the worker registers it
     return _config(tmp, make_tokenizer())
 
 
@@ -83,9 +83,9 @@ def _env() -> dict[str, str]:
 _RL_ONE = """
 import sys
 from infir2.cli import main
-from infir2.rl import REWARDS
+from infir2.eval import register_grader
 from rl_distributed_worker import parity
-REWARDS["parity"] = parity
+register_grader("parity", parity)
 import torch; torch.set_num_threads(1)
 sys.exit(main(["rl", sys.argv[1], "--no-progress", "--set", "run.name=one"]))
 """

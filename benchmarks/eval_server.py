@@ -1,4 +1,4 @@
-"""`infir2 eval` throughput: the local engine (transformers `generate`, batched) vs the server engine through `transformers serve`.
+"""`infir2 eval` throughput: the local engine (the built-in KV-cache engine, batched) vs the server engine through `transformers serve`.
 
     python benchmarks/eval_server.py --out /tmp/eval-bench [--hidden 256] [--n 4] [--max-new-tokens 64] [--cb]
 

@@ -20,11 +20,11 @@ import time
 import torch
 
 from infir2.data import load_tokenizer
-from infir2.data.chat import render_prompt, stop_token_ids
+from infir2.data.chat import render_prompt
 from infir2.eval import load_problems
+from infir2.generation import BuiltinEngine, RolloutEngine, SamplingConfig
 from infir2.model import load_pretrained, prepare_for_training
 from infir2.rl.algorithm import mismatch_metrics
-from infir2.rl.engine import BuiltinEngine
 from infir2.rl.loop import sequence_logprobs
 
 PAIRS = "bf16:bf16,fp8:bf16,bf16:blockwise,fp8:blockwise,fp8:blockwise_fp32scale"
@@ -34,9 +34,10 @@ def measure(
     model_dir: str, prompts: list[list[int]], tok, rollout: str, recipe: str, args
 ) -> dict[str, float]:
     policy = prepare_for_training(load_pretrained(model_dir), recipe)
-    engine = BuiltinEngine(
-        policy, rollout, "pow2", "fp32", 1.0, args.max_new_tokens, 64, stop_token_ids(tok), tok.pad_token_id
+    builtin = BuiltinEngine(
+        policy, tok, {"fp8": "served", "bf16": "high"}[rollout], "pow2", "fp32", copy_model=True
     )
+    engine = RolloutEngine(builtin, SamplingConfig(False, 1.0, 1.0, args.max_new_tokens, 64))
     groups = engine.generate(prompts, args.samples, seed=args.seed)
     flat = [(prompts[i], r) for i, g in enumerate(groups) for r in g]
     logps, rolls = [], []

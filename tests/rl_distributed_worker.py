@@ -17,24 +17,24 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from conftest import make_tiny_model
+from conftest import make_tiny_model, make_tokenizer
 from infir2.cli import main
+from infir2.eval import Graded, register_grader
 from infir2.export.layout import quantize_weight
+from infir2.generation import BuiltinEngine
 from infir2.harness.distributed import shard_model
 from infir2.model import prepare_for_training
-from infir2.rl import REWARDS
-from infir2.rl.engine import BuiltinEngine
 
 
-def parity(text: str, gold: str) -> float:
-    """The test's reward (tests/test_rl_loop.py): 1 for an odd number of characters."""
-    return float(len(text) % 2)
+def parity(problem, text: str) -> Graded:
+    """The test's grader (tests/test_rl_loop.py): correct for an odd number of characters."""
+    return Graded(None, len(text) % 2 == 1)
 
 
 def check_engine_weights() -> None:
     policy = prepare_for_training(make_tiny_model(seed=3), "blockwise")
     reference = copy.deepcopy(policy)
-    engine = BuiltinEngine(policy, "fp8", "pow2", "fp32", 1.0, 4, 4, [0], 0)
+    engine = BuiltinEngine(policy, make_tokenizer(), "served", "pow2", "fp32", copy_model=True)
     shard_model(policy, "fp32", fp8_param_gather=True)
     with torch.no_grad():  # new weights, the same on every rank, loaded into the shards
         gen = torch.Generator().manual_seed(5)
@@ -56,7 +56,7 @@ def check_engine_weights() -> None:
 if __name__ == "__main__":
     faulthandler.dump_traceback_later(240, exit=True)  # a hang shows its stack instead of a silent timeout
     torch.set_num_threads(1)
-    REWARDS["parity"] = parity
+    register_grader("parity", parity)
     dist.init_process_group("gloo")  # rl() keeps a group it finds (and leaves it to us)
     check_engine_weights()
     code = main(["rl", *sys.argv[1:], "--no-progress"])

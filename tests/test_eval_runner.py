@@ -1,4 +1,4 @@
-"""evaluate(): batched left-padded generation vs a plain argmax loop, scoring vs hand counts, FP8 switch."""
+"""evaluate(): batched left-padded KV-cache generation vs a plain argmax loop, scoring vs hand counts, FP8 switch."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import torch
 
 from conftest import make_tiny_model
 from infir2 import convert_to_fp8
-from infir2.eval import runner
-from infir2.eval.generate import Completion, SamplingConfig, generate, render_prompt
+from infir2.data.chat import render_prompt
 from infir2.eval.metrics import pass_at_k
-from infir2.eval.runner import evaluate
+from infir2.eval.runner import evaluate, run_evaluation
 from infir2.eval.tasks import problems_from_dicts
+from infir2.generation import Sample, SamplingConfig
 
 QUESTIONS = ["What is 7 * 6?", "1+1?", "What is the sum of twelve and thirty, in words and digits?"]
 
@@ -40,19 +40,46 @@ def test_render_prompt_follows_the_protocol(tiny_tokenizer) -> None:
 
 def test_batched_greedy_matches_unbatched_argmax_loop(tiny_tokenizer) -> None:
     model = make_tiny_model().eval()
-    prompts = [render_prompt(tiny_tokenizer, q) for q in QUESTIONS]
+    problems = problems_from_dicts([{"problem": q, "answer": "1"} for q in QUESTIONS], "math")
     steps = 12
-    got = generate(
-        model, tiny_tokenizer, prompts, SamplingConfig(greedy=True, max_new_tokens=steps, batch_size=3)
-    )
-    for prompt, completion in zip(prompts, got, strict=True):
-        ref = _argmax_loop(model, tiny_tokenizer, prompt, steps)
+    got = evaluate(model, tiny_tokenizer, problems, greedy=True, max_new_tokens=steps, batch_size=3).records
+    for q, completion in zip(QUESTIONS, got, strict=True):
+        ref = _argmax_loop(model, tiny_tokenizer, render_prompt(tiny_tokenizer, q), steps)
         stopped = ref[-1] in {tiny_tokenizer.convert_tokens_to_ids("<|im_end|>"), tiny_tokenizer.eos_token_id}
         text = tiny_tokenizer.decode(ref[:-1] if stopped else ref, skip_special_tokens=True)
-        assert (completion.text, completion.n_tokens, completion.finished) == (text, len(ref), stopped)
+        assert (completion["completion"], completion["n_tokens"], completion["finished"]) == (
+            text,
+            len(ref),
+            stopped,
+        )
 
 
-def test_scores_match_hand_counts(monkeypatch: pytest.MonkeyPatch, tiny_tokenizer) -> None:
+class ScriptedEngine:
+    """Returns the scripted texts in the order asked (problem-major, then sample)."""
+
+    name, precision, returns_ids = "scripted", "none", False
+
+    def __init__(self, texts: list[str], finished: list[bool]) -> None:
+        self.texts, self.finished = texts, finished
+
+    def generate(self, prompts, sampling, on_sample=None, progress=False):
+        assert (
+            len(prompts) == 2
+            and all(len(p.seeds) == 3 for p in prompts)
+            and prompts[0].text != prompts[1].text
+        )
+        assert len({s for p in prompts for s in p.seeds}) == 6  # a seed per sample
+        out = []
+        for i, p in enumerate(prompts):
+            out.append([])
+            for j in range(len(p.seeds)):
+                k = 3 * i + j
+                out[i].append(Sample([], [], self.finished[k], text=self.texts[k], n_tokens=5))
+                on_sample(i, j, out[i][j])
+        return out
+
+
+def test_scores_match_hand_counts(tiny_tokenizer) -> None:
     problems = problems_from_dicts(
         [{"problem": "a", "answer": "42"}, {"problem": "b", "answer": r"\frac{1}{2}"}], "math"
     )
@@ -67,15 +94,8 @@ def test_scores_match_hand_counts(monkeypatch: pytest.MonkeyPatch, tiny_tokenize
     ]
     finished = [True, True, True, True, True, False]
 
-    def fake_generate(model, tokenizer, prompts, cfg, desc="", progress=True, on_done=None):
-        assert len(prompts) == 6 and prompts[0] == prompts[2] != prompts[3]
-        out = [Completion(t, 5, f) for t, f in zip(scripted, finished, strict=True)]
-        for i, c in enumerate(out):
-            on_done(i, c)
-        return out
-
-    monkeypatch.setattr(runner, "generate", fake_generate)
-    result = evaluate(make_tiny_model(), tiny_tokenizer, problems, n=3)
+    engine = ScriptedEngine(scripted, finished)
+    result = run_evaluation(engine, tiny_tokenizer, problems, "math", 3, SamplingConfig(), progress=False)
     s = result.summary
     assert s["avg@n"] == pytest.approx(3 / 6)
     assert s["pass@1"] == pytest.approx(3 / 6)
@@ -98,7 +118,7 @@ def test_fp8_is_off_by_default(tiny_tokenizer) -> None:
         m.fp8_enabled for name, m in converted.named_modules() if hasattr(m, "fp8_enabled")
     )  # restored
     fp8 = evaluate(converted, tiny_tokenizer, problems, fp8=True, **kwargs)
-    assert fp8.summary["precision"] == "fp8" and len(fp8.records) == len(problems)
+    assert fp8.summary["precision"] == "fp8 (blockwise)" and len(fp8.records) == len(problems)
     with pytest.raises(ValueError, match="no Fp8Linear"):
         evaluate(make_tiny_model(), tiny_tokenizer, problems, fp8=True, **kwargs)
 

@@ -21,8 +21,8 @@ import pytest
 
 from infir2.cli import main
 from infir2.eval.completions import COMPLETIONS_FILE
-from infir2.eval.generate import SamplingConfig
-from infir2.eval.server import ServerConfig, ServerError, complete, normalize_base_url
+from infir2.generation import SamplingConfig
+from infir2.generation.server import ServerConfig, ServerError, complete, normalize_base_url
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,6 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from infir2.fp8 import dequantize, get_format, get_recipe, quantize, sqnr
 
@@ -198,8 +199,8 @@ def test_unknown_recipe_lists_known_ones():
     assert {c.scale_encoding for c in get_recipe("blockwise_fp32scale").casts.values()} == {"fp32"}
     overridden = get_recipe("blockwise", scale_encoding="fp32")
     assert {c.scale_encoding for c in overridden.casts.values()} == {"fp32"}
-    with pytest.warns(DeprecationWarning, match="scale_encoding"):
-        assert get_recipe("blockwise", scale="fp32") == overridden  # the older keyword
+    with pytest.raises(ValueError, match="no cast field scale"):  # the older keyword is gone
+        get_recipe("blockwise", scale="fp32")
 
 
 MX_BLOCKS = [(1, 32), (32, 1), (1, 128), (-1, -1)]
@@ -232,3 +233,44 @@ def test_e8m0_rounds_up_so_nothing_saturates():
     assert bool((2 * block_amax > 448).all())  # and not one power of two more than needed
     assert bool((scale_inv.view(torch.uint8) != 255).all())  # never the E8M0 NaN code
     assert quantize(torch.zeros(2, 32), (1, 32), "e4m3", "e8m0")[1].float().tolist() == [[1.0], [1.0]]
+
+
+class _HostSyncs(TorchDispatchMode):
+    """Records the ops that would stall the host on a GPU: a tensor made from Python data
+    (``torch.tensor`` / ``new_tensor``: ``lift_fresh``, a blocking host-to-device copy on CUDA) and a
+    value read back to the host (``.item()``: ``_local_scalar_dense``)."""
+
+    SYNCING = ("aten.lift_fresh", "aten._local_scalar_dense")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if str(func).startswith(self.SYNCING):
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "blockwise_fp32scale", "rowwise", "tensorwise", "mxfp8"])
+def test_quantize_makes_no_tensor_from_python_data(recipe):
+    """Every cast of every recipe, the shard quantization of FSDP's all-gather and an emulated
+    ``Fp8Linear`` step: no tensor is created from a Python number and nothing is read to the host
+    (each would block a CUDA stream; ``tests/gpu`` checks the same with ``set_sync_debug_mode``)."""
+    from infir2.fp8.quantize import block_amax, quantize_with_amax
+    from infir2.nn import Fp8Linear
+    from infir2.nn.fsdp import partial_block_amax
+
+    x = torch.randn(300, 256) * 3
+    x[0, 0], x[1, 1] = float("nan"), float("inf")
+    layer = Fp8Linear(256, 384, recipe=recipe, backend="emulated")
+    xi = torch.randn(2, 64, 256, requires_grad=True)
+    casts = get_recipe(recipe).casts.values()
+    with _HostSyncs() as mode:
+        for cast in casts:
+            quantize(x, cast.block, cast.fmt, cast.scale_encoding)
+        amax = block_amax(x, (128, 128))
+        quantize_with_amax(x[100:200], amax, (128, 128), row_offset=100, n_rows=300)
+        partial_block_amax(x[100:200], 100, 300, (128, 128))
+        layer(xi).sum().backward()
+    assert mode.seen == [], mode.seen

@@ -7,6 +7,7 @@ as every real chain does; the result of a job that falls back must be the emulat
 from __future__ import annotations
 
 import logging
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -158,3 +159,51 @@ def test_scaled_mm_refuses_e5m2_times_e5m2():
     assert scaled_mm.supports_gemm(op("e5m2"), op("e4m3"), torch.float32)
     assert not scaled_mm.supports_gemm(op("e5m2"), op("e5m2"), torch.float32)
     assert registry.BACKENDS is BACKENDS
+
+
+@pytest.mark.parametrize(
+    ("recipe", "capability", "why"),
+    [
+        ("blockwise", (8, 0), "FP8 GEMMs need an SM89\\+ GPU"),  # an A100
+        (
+            "mxfp8",
+            (10, 0),
+            "needs an SM90 GPU \\(this is SM10x\\)",
+        ),  # MX blocks on Blackwell: no cuBLAS path yet
+    ],
+)
+def test_a_gpu_layer_on_the_emulated_backend_warns_once(recipe, capability, why, monkeypatch, caplog):
+    """A CUDA layer whose GEMMs can only run emulated says so once per recipe and device, naming the layer
+    and why each GPU backend is out (the GPU is faked: its capability)."""
+    from infir2.kernels import scaled_mm
+    from infir2.nn import Fp8Linear, linear
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(linear, "_WARNED_EMULATED", set())
+    scaled_mm.blockwise_unavailable.cache_clear()
+    layers = [Fp8Linear(256, 256, recipe=recipe, device="meta") for _ in range(3)]
+    layers[0].fp8_name = "model.layers.0.mlp.up_proj"
+    try:
+        with caplog.at_level(logging.WARNING, logger="infir2.nn.linear"):
+            for layer in layers:
+                assert layer.bind_kernels("cuda:0").name == "emulated"
+    finally:
+        scaled_mm.blockwise_unavailable.cache_clear()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "model.layers.0.mlp.up_proj" in warnings[0] and "cuda:0" in warnings[0]
+    assert re.search(why, warnings[0]) and "triton:" in warnings[0], warnings[0]
+
+
+def test_a_gemm_falling_to_the_emulated_backend_on_a_gpu_is_a_warning(caplog):
+    a, b = _operands()
+    declining = SimpleNamespace(NAME="fake", supports_gemm=lambda a, b, out_dtype: False, gemm_nt=None)
+    for device, level in (("cuda:0", logging.WARNING), ("cpu", logging.INFO)):
+        kernels = Kernels(
+            get_recipe("blockwise"), torch.device(device), (Backend(declining), BACKENDS["emulated"])
+        )
+        with caplog.at_level(logging.INFO, logger="infir2.kernels.registry"):
+            caplog.clear()
+            kernels._first(lambda be: be.supports_gemm(a, b, torch.float32), lambda: f"GEMM on {device}")  # noqa: B023
+        (record,) = [r for r in caplog.records if "runs on emulated" in r.getMessage()]
+        assert record.levelno == level, (device, record.levelno)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("triton", reason="triton is not installed (pip install triton==3.9.0)")
+pytest.importorskip("triton", reason="triton is not installed (the test extra: pip install -e '.[test]')")
 
 CASES = Path(__file__).with_name("triton_interpreter_cases.py")
 

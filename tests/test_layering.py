@@ -26,11 +26,13 @@ ALLOWED: dict[str, set[str]] = {
     "loss": {"chunked_loss", "data", "model", "nn"},  # the next-token loss shared by train and eval
     "checkpoint": {"nn"},  # the folder, the full and the sharded format (FP8 gather wrappers unwrapped)
     "export": {"data", "fp8", "nn"},
-    "eval": {"data", "export", "loss", "nn"},
+    # engines, the KV-cache sampler, the FP8 serving linear, the server client: below eval and rl
+    "generation": {"data", "export", "fp8", "kernels", "model", "nn"},
+    "eval": {"data", "export", "generation", "loss", "model", "nn"},
     # the run harness under every stage: config sections, run folder, model setup, resume, guards
     "harness": {"checkpoint", "data", "export", "fp8", "model", "nn"},
     "train": {"data", "harness", "loss", "nn"},  # peers on the harness: neither imports the other
-    "rl": {"data", "eval", "export", "fp8", "harness", "kernels", "model"},
+    "rl": {"data", "eval", "generation", "harness", "model"},
     # tools/: each subpackage or module is a layer of its own (tools.<name>), above the library
     "tools": set(),
     "tools.paired": set(),  # paired-seed statistics shared by demo and bench (floats only)
@@ -199,3 +201,20 @@ def test_the_checker_sees_relative_and_absolute_imports():
     assert layer_of(PACKAGE / "tools" / "demo" / "planted.py") == "tools.demo"
     planted = PACKAGE / "tools" / "demo" / "planted.py"
     assert imported_layers(planted, tools) == {"tools.paired", "train", "tools.demo"}
+
+
+#: the stages and the layers under them: their functions stay short enough to read top to bottom
+SHORT_FUNCTIONS = ("train", "rl", "eval", "harness", "generation")
+MAX_FUNCTION_LINES = 70
+
+
+def test_no_function_in_the_stages_is_over_70_lines():
+    long = []
+    for layer in SHORT_FUNCTIONS:
+        for path in sorted((PACKAGE / layer).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    lines = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                    if lines > MAX_FUNCTION_LINES:
+                        long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}: {lines} lines")
+    assert not long, "functions over 70 lines (split them):\n" + "\n".join(long)

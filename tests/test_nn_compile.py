@@ -97,3 +97,29 @@ def test_compiled_fp8_model_has_no_graph_break_and_eager_numerics(device, recipe
         reference, _, ref_breaks = _compiled_vs_eager(make_tiny_model().to(device), ids_list, trainer)
         assert ref_breaks == {}
         assert worst <= max(reference, 1e-6)
+
+
+def test_cuda_graph_capture_is_refused(monkeypatch):
+    """Under CUDA graph capture (``mode="reduce-overhead"``) the eager layer and both custom ops raise:
+    their caches are outside the graph, so a replay would train on the captured step's FP8 weight.
+    The capture is faked here (no GPU): CUDA initialized and the current stream capturing."""
+    from infir2.nn import Fp8Linear
+
+    layer = Fp8Linear(256, 128, bias=False)
+    x = torch.randn(4, 256, requires_grad=True)
+    y, x_data, x_scale_inv, w_data, w_scale_inv = torch.ops.infir2.fp8_linear(
+        x, layer.weight, None, layer.op_key, None
+    )
+    backward_args = (torch.ones_like(y), x_data, x_scale_inv, w_data, w_scale_inv, layer.weight.detach())
+    backward_args += (layer.op_key, x.dtype, x.dtype, [True, True, False])
+    torch.ops.infir2.fp8_linear_backward(*backward_args)  # runs outside a capture
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match=r"CUDA graph capture.*stale FP8 weights"):
+        layer(x)
+    with pytest.raises(RuntimeError, match="CUDA graph capture"):
+        torch.ops.infir2.fp8_linear(x, layer.weight, None, layer.op_key, None)
+    with pytest.raises(RuntimeError, match="CUDA graph capture"):
+        torch.ops.infir2.fp8_linear_backward(*backward_args)
+    layer.fp8_enabled = False  # a plain linear has no cache: it may be captured
+    assert layer(x).shape == (4, 128)

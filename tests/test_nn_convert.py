@@ -250,3 +250,25 @@ def test_peft_lora_in_either_order():
     (loss_a, grads_a), (loss_b, grads_b) = results
     assert torch.equal(loss_a, loss_b)
     assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
+
+
+def test_fsdp_param_groups_of_torch_2_11_and_later():
+    """``link_fsdp_params`` reads FSDP2's parameter groups under either name: the list of torch >= 2.12,
+    the single group (or None) of torch 2.11."""
+    from types import SimpleNamespace
+
+    from infir2.nn.convert import _param_groups
+
+    a, b = object(), object()
+    assert _param_groups(SimpleNamespace(_fsdp_param_groups=[a, b])) == [a, b]
+    assert _param_groups(SimpleNamespace(_fsdp_param_groups=[])) == []
+    assert _param_groups(SimpleNamespace(_fsdp_param_group=a)) == [a]
+    assert _param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
+
+
+def test_converted_layers_know_their_names():
+    """``convert_to_fp8`` names each layer (``fp8_name``, what the emulated-on-GPU warning prints)."""
+    model = make_tiny_model()
+    convert_to_fp8(model)
+    named = {fqn: m.fp8_name for fqn, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    assert named and all(fqn == name for fqn, name in named.items())

@@ -248,3 +248,78 @@ def test_dgrad_weight_is_kept_k_major_once_per_step():
     with cache_fp8_weights(layer):
         cpu = layer.bind_kernels("cpu")
         assert layer.dgrad_weight(layer.quantized_weight(cpu), cpu) is None  # CPU: no copy
+
+
+def _recording_chain(name: str, calls: list) -> object:
+    """A chain on a faked CUDA device whose first backend (called ``name``) records each GEMM's operands
+    and runs the emulated GEMM on the CPU tensors; quantization goes to the emulated backend."""
+    from types import SimpleNamespace
+
+    from infir2.kernels import Backend, Kernels, emulated
+
+    def gemm_nt(a, b, out_dtype):
+        calls.append((tuple(a.shape), tuple(b.shape), b.data.is_contiguous()))
+        return emulated.gemm_nt(a, b, out_dtype)
+
+    fake = Backend(SimpleNamespace(NAME=name, gemm_nt=gemm_nt))
+    return Kernels(get_recipe("blockwise"), torch.device("cuda", 0), (fake, BACKENDS["emulated"]))
+
+
+@pytest.mark.parametrize("tokens", [200, 256, 1])
+def test_tokens_are_padded_to_whole_blocks_where_cublas_runs(tokens, monkeypatch):
+    """On cuBLAS (faked: a CUDA chain led by ``scaled_mm``) every GEMM sees a multiple of 128 tokens, so
+    the block-scaled wgrad is never declined; outputs and gradients are those of the unpadded layer."""
+    calls: list = []
+    torch.manual_seed(0)
+    layer = Fp8Linear(256, 384, bias=True, backend="emulated")
+    x = torch.randn(tokens, 256, requires_grad=True)
+    dy = torch.randn(tokens, 384)
+    y_ref = layer(x)
+    y_ref.backward(dy)
+    ref = (y_ref.detach(), x.grad.clone(), layer.weight.grad.clone(), layer.bias.grad.clone())
+    x.grad = layer.weight.grad = layer.bias.grad = None
+    fake = _recording_chain("scaled_mm", calls)
+    monkeypatch.setattr(layer, "_kernels_on", lambda device: fake)
+    y = layer(x)
+    y.backward(dy)
+    assert y.shape == (tokens, 384)
+    padded = -(-tokens // 128) * 128
+    fprop, dgrad, wgrad = calls
+    assert fprop[0] == (padded, 256) and dgrad[0] == (padded, 384) and wgrad[0] == (384, padded)
+    got = (y.detach(), x.grad, layer.weight.grad, layer.bias.grad)
+    for r, g in zip(ref, got, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-6)
+    calls.clear()
+    monkeypatch.setattr(layer, "_kernels_on", lambda device: _recording_chain("triton", calls))
+    layer(x).backward(dy)  # Triton takes any token count: nothing is padded
+    assert calls[0][0] == (tokens, 256)
+
+
+def test_an_fsdp_gathered_weight_gets_the_k_major_dgrad_copy_in_backward():
+    """A weight all-gathered by FSDP2 (an ``Fp8GatheredWeight``) on a GPU: the dgrad GEMM gets the
+    transposed FP8 weight as a contiguous (K-major) copy made in backward, with the view's gradients."""
+    from infir2.fp8.recipe import Cast
+    from infir2.kernels import emulated
+    from infir2.nn.fsdp import Fp8GatheredWeight
+    from infir2.nn.linear import _Fp8LinearFunction
+
+    recipe = get_recipe("blockwise")
+    torch.manual_seed(0)
+    w = torch.randn(384, 256)
+    x = torch.randn(128, 256, requires_grad=True)
+    dy = torch.randn(128, 384)
+    operand = emulated.quantize(w, Cast((128, 128)))
+    grads, layouts = [], []
+    for gathered in (False, True):
+        calls: list = []
+        weight = (
+            Fp8GatheredWeight(operand, torch.float32, requires_grad=True) if gathered else w.requires_grad_()
+        )
+        x.grad = None
+        y = _Fp8LinearFunction.apply(x, weight, None, recipe, _recording_chain("triton", calls), operand)
+        y.backward(dy)
+        grads.append(x.grad.clone())
+        layouts.append(calls[1])  # dgrad: dY [T, N] x W.T [K, N]
+    assert layouts[0] == ((128, 384), (256, 384), False)  # the transposed view
+    assert layouts[1] == ((128, 384), (256, 384), True)  # the K-major copy
+    assert torch.equal(grads[0], grads[1])

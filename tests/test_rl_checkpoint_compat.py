@@ -1,12 +1,14 @@
 """RL checkpoints written by earlier versions of infir2 still resume where they left off.
 
 ``tests/fixtures/rl_checkpoint_v1/`` holds the step-2 checkpoint of a tiny `infir2 rl` run (a 1-layer
-Qwen2 of width 64 in fp32, a KL reference, carried-over groups; no FP8, so that a CPU whose fp32
-GEMMs round otherwise cannot flip an FP8 code) written by the code before the run harness (``rl/loop.py`` with its own checkpoint layout), and ``expected.json`` with the
-metrics of step 3 that code computed after resuming from it. The comparison has a tolerance (1e-5
-relative) because the fp32 GEMMs of a resumed step round differently on another CPU. The fixture is data from the past: do
-not regenerate it with today's code (``python tests/test_rl_checkpoint_compat.py --write`` is how it
-was written).
+Qwen2 of width 64 in fp32, a KL reference, carried-over groups; no FP8, so that a CPU whose fp32 GEMMs
+round otherwise cannot flip an FP8 code) written by the code before the run harness (``rl/loop.py``
+with its own checkpoint layout: one data dict, one RNG dict), and ``expected.json`` with the metrics of
+step 3 that code computed after resuming from it. The comparison has a tolerance (1e-5 relative)
+because the fp32 GEMMs of a resumed step round differently on another CPU, and because the gradient
+norm is now summed in float64 (it moved by 3e-7 relative here). The fixture is data from the past:
+do not regenerate it with today's code (``python tests/test_rl_checkpoint_compat.py --write`` is how
+it was written).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import pytest
 import torch
 
 from conftest import make_tiny_model, make_tokenizer
-from infir2.rl import REWARDS, parse_rl_config, rl
+from infir2.eval import GRADERS, Graded
+from infir2.rl import parse_rl_config, rl
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "rl_checkpoint_v1"
 SAVED_STEP, STEPS = 2, 3
@@ -28,8 +31,8 @@ SAVED_STEP, STEPS = 2, 3
 TIMINGS = ("_time_s", "peak_mem_gib")
 
 
-def parity(text: str, gold: str) -> float:
-    return float(len(text) % 2)
+def parity(problem, text: str) -> Graded:
+    return Graded(None, len(text) % 2 == 1)
 
 
 def _prompts(path: Path, n: int) -> str:
@@ -74,7 +77,7 @@ def _plain(metrics: dict) -> dict:
 
 
 def test_an_old_rl_checkpoint_resumes_where_it_left_off(tmp_path, monkeypatch):
-    monkeypatch.setitem(REWARDS, "parity", parity)
+    monkeypatch.setitem(GRADERS, "parity", parity)
     monkeypatch.chdir(tmp_path)
     torch.set_num_threads(1)
     cfg = _config()
@@ -90,7 +93,7 @@ def test_an_old_rl_checkpoint_resumes_where_it_left_off(tmp_path, monkeypatch):
         exact = {k: v for k, v in b.items() if not isinstance(v, float)}
         assert {k: a[k] for k in exact} == exact
         assert [a[k] for k in b if k not in exact] == pytest.approx(
-            [b[k] for k in b if k not in exact], rel=1e-9
+            [b[k] for k in b if k not in exact], rel=1e-5, abs=1e-7
         )
 
 
@@ -98,7 +101,7 @@ if __name__ == "__main__":  # how the fixture was written (by the code of its ti
     if sys.argv[1:] != ["--write"]:
         sys.exit("usage: python tests/test_rl_checkpoint_compat.py --write")
     torch.set_num_threads(1)
-    REWARDS["parity"] = parity
+    GRADERS["parity"] = parity
     out = FIXTURE.parent / "_write"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)

@@ -21,7 +21,8 @@ import yaml
 
 from conftest import make_tiny_model
 from infir2.cli import main
-from infir2.rl import REWARDS, parse_rl_config
+from infir2.eval import GRADERS
+from infir2.rl import parse_rl_config
 from infir2.rl.loop import my_micro_batches, plan_batches, share
 from rl_distributed_worker import parity
 from train_synthetic import one_thread, torchrun
@@ -83,7 +84,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 def test_two_processes_train_as_one(tmp_path, tiny_tokenizer, monkeypatch):
-    monkeypatch.setitem(REWARDS, "parity", parity)
+    monkeypatch.setitem(GRADERS, "parity", parity)
     cfg = _config(tmp_path, tiny_tokenizer)
     torchrun(
         str(TESTS / "rl_distributed_worker.py"),

@@ -1,5 +1,6 @@
-"""The built-in rollout engine: FP8 weights bit-identical to `infir2 export --format fp8`, log-probabilities
-equal to the trainer's when both quantize identically, greedy decoding equal to transformers' generate."""
+"""The built-in engine as RL's rollout engine: FP8 weights bit-identical to `infir2 export --format fp8`,
+log-probabilities equal to the trainer's when both quantize identically, greedy decoding equal to
+transformers' generate."""
 
 from __future__ import annotations
 
@@ -10,11 +11,10 @@ from safetensors.torch import load_file
 from conftest import make_tiny_model
 from infir2.cli import main
 from infir2.data.chat import stop_token_ids
-from infir2.eval.generate import SamplingConfig, generate
 from infir2.export import export_model
+from infir2.generation import BuiltinEngine, RolloutEngine, SamplingConfig, derive_seeds
 from infir2.model import prepare_for_training
 from infir2.rl.algorithm import mismatch_metrics
-from infir2.rl.engine import BuiltinEngine, derive_seeds
 from infir2.rl.loop import sequence_logprobs
 
 
@@ -30,10 +30,12 @@ def one_thread():
 PROMPTS = ["Compute 7 + 5 - 3.", "The quick brown fox", "12 + 30 = "]
 
 
-def _engine(policy, tok, precision, scale="pow2", max_new_tokens=12):
-    return BuiltinEngine(
-        policy, precision, scale, "fp32", 1.0, max_new_tokens, 4, stop_token_ids(tok), tok.pad_token_id
+def _engine(policy, tok, precision, scale="pow2", max_new_tokens=12, batch_size=4):
+    """RL's engine as `rollout.precision: PRECISION` builds it (fp8: the export's FP8 linear)."""
+    builtin = BuiltinEngine(
+        policy, tok, {"fp8": "served", "bf16": "high"}[precision], scale, "fp32", copy_model=True
     )
+    return RolloutEngine(builtin, SamplingConfig(False, 1.0, 1.0, max_new_tokens, batch_size))
 
 
 def _exported_fp8(policy, tok, tmp_path, name, pow2=True) -> dict[str, torch.Tensor]:
@@ -61,8 +63,9 @@ def _exported_fp8(policy, tok, tmp_path, name, pow2=True) -> dict[str, torch.Ten
     return tensors
 
 
-def _assert_bit_identical(engine: BuiltinEngine, exported: dict[str, torch.Tensor]) -> None:
-    mine = engine.quantized_weights()
+def _assert_bit_identical(engine: RolloutEngine, exported: dict[str, torch.Tensor]) -> None:
+    assert isinstance(engine.engine, BuiltinEngine)
+    mine = engine.engine.quantized_weights()
     assert len(mine) == 2 * 7 * 2  # 7 projections x 2 layers, codes + scale_inv
     for name, t in mine.items():
         ref = exported[name]
@@ -132,13 +135,16 @@ def test_greedy_decoding_matches_transformers_generate(tiny_tokenizer):
     engine = _engine(prepare_for_training(make_tiny_model(seed=3), "bf16"), tiny_tokenizer, "bf16")
     prompts = [tiny_tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
     mine = [g[0].response_ids for g in engine.generate(prompts, 1, seed=0, greedy=True)]
-    ref = generate(
-        model.eval(), tiny_tokenizer, PROMPTS, SamplingConfig(greedy=True, max_new_tokens=12), progress=False
-    )
-    for ids, completion in zip(mine, ref, strict=True):
-        assert len(ids) == completion.n_tokens
-        stripped = ids[:-1] if completion.finished else ids
-        assert tiny_tokenizer.decode(stripped, skip_special_tokens=False) == completion.text
+    stops = stop_token_ids(tiny_tokenizer)
+    for p, ids in zip(prompts, mine, strict=True):
+        out = model.eval().generate(
+            input_ids=torch.tensor([p]),
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=stops,
+            pad_token_id=stops[0],
+        )
+        assert ids == out[0, len(p) :].tolist()  # transformers' own greedy decoding, one prompt at a time
 
 
 def test_a_prompts_samples_do_not_depend_on_their_batch(tiny_tokenizer):
@@ -148,9 +154,7 @@ def test_a_prompts_samples_do_not_depend_on_their_batch(tiny_tokenizer):
     prompts = [tiny_tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
     seeds = derive_seeds(7, len(prompts))
     together = _engine(policy, tiny_tokenizer, "fp8").generate(prompts, 3, seeds)
-    apart = BuiltinEngine(
-        policy, "fp8", "pow2", "fp32", 1.0, 12, 2, stop_token_ids(tiny_tokenizer), tiny_tokenizer.pad_token_id
-    )
+    apart = _engine(policy, tiny_tokenizer, "fp8", batch_size=2)
     for i in range(len(prompts)):
         alone = apart.generate(prompts[i : i + 1], 3, seeds[i : i + 1])[0]
         assert [r.response_ids for r in alone] == [r.response_ids for r in together[i]]

@@ -16,10 +16,13 @@ import torch
 from conftest import make_tiny_model
 from infir2.cli import main
 from infir2.data import load_tokenizer
+from infir2.eval import GRADERS, Graded
 from infir2.harness.guards import NonFiniteError
-from infir2.rl import REWARDS, parse_rl_config, rl
 from infir2.rl import loop as rl_loop
+from infir2.rl import parse_rl_config, rl
 from infir2.rl import update as rl_update
+from test_rl_loop import _config as rl_loop_config
+from test_rl_loop import _prompts
 from train_synthetic import one_thread
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
@@ -27,37 +30,18 @@ _one_thread = pytest.fixture(autouse=True)(one_thread)
 
 @pytest.fixture(autouse=True)
 def parity_reward(monkeypatch):
-    monkeypatch.setitem(REWARDS, "parity", lambda text, gold: float(len(text) % 2))
-
-
-def _prompts(path, n=6):
-    with path.open("w") as f:
-        for i in range(n):
-            f.write(json.dumps({"problem": f"Compute {i} + {i + 1}.", "answer": str(2 * i + 1)}) + "\n")
-    return str(path)
+    monkeypatch.setitem(GRADERS, "parity", lambda problem, text: Graded(None, len(text) % 2 == 1))
 
 
 def _config(tmp_path, name, **sections):
-    data = {
-        "run": {"name": name, "out_dir": str(tmp_path), "device": "cpu"},
-        "model": {"precision": "fp32"},
-        "fp8": {"recipe": "blockwise"},
-        "optim": {"lr": 1e-3},
-        "data": {"prompts_path": _prompts(tmp_path / "prompts.jsonl")},
-        "rollout": {
-            "precision": "fp8",
-            "prompts_per_step": 2,
-            "group_size": 3,
-            "oversample_prompts": 3,
-            "max_new_tokens": 6,
-            "batch_size": 9,
-        },
-        "algo": {"reward": "parity", "micro_batch_size": 4, "overlong": "none"},
+    """tests/test_rl_loop.py's tiny run, one step by default, every step saved."""
+    base = {
+        "rollout": {"max_new_tokens": 6, "carry_over": False},
+        "algo": {"overlong": "none", "updates_per_batch": 1},
         "train": {"max_steps": 1, "save_every": 1},
     }
-    for section, values in sections.items():
-        data[section] = {**data.get(section, {}), **values}
-    return parse_rl_config(data, "test")
+    merged = {k: {**base.get(k, {}), **sections.get(k, {})} for k in base.keys() | sections.keys()}
+    return rl_loop_config(tmp_path, name, **merged)
 
 
 def test_an_rl_checkpoint_holds_every_rng_the_cuda_one_included(tmp_path, tiny_tokenizer, monkeypatch):

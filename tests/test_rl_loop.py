@@ -10,23 +10,19 @@ import torch
 
 from conftest import make_tiny_model
 from infir2.cli import main
-from infir2.rl import REWARDS, parse_rl_config, rl
+from infir2.eval import GRADERS, Graded
 from infir2.rl import loop as rl_loop
+from infir2.rl import parse_rl_config, rl
 from infir2.rl import update as rl_update
+from train_synthetic import one_thread
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+_one_thread = pytest.fixture(autouse=True)(one_thread)
 
 
 @pytest.fixture
 def parity_reward(monkeypatch):
     """A reward with variance for an untrained model: 1 for an odd number of characters."""
-    monkeypatch.setitem(REWARDS, "parity", lambda text, gold: float(len(text) % 2))
+    monkeypatch.setitem(GRADERS, "parity", lambda problem, text: Graded(None, len(text) % 2 == 1))
 
 
 def _prompts(path, n=6):
@@ -99,7 +95,7 @@ def test_rl_run_writes_the_train_conventions(tmp_path, tiny_tokenizer, parity_re
 
 
 def test_dynamic_sampling_drops_groups_that_agree(tmp_path, tiny_tokenizer, monkeypatch):
-    monkeypatch.setitem(REWARDS, "constant", lambda text, gold: 1.0)
+    monkeypatch.setitem(GRADERS, "constant", lambda problem, text: Graded(None, True))
     cfg = _config(
         tmp_path,
         "flat",
@@ -204,7 +200,7 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(
 @pytest.mark.slow
 def test_rl_raises_the_reward_it_is_given(tmp_path, tiny_tokenizer, monkeypatch):
     """The objective points the right way: rewarded for short answers, an untrained model learns to stop."""
-    monkeypatch.setitem(REWARDS, "short", lambda text, gold: float(len(text) < 12))
+    monkeypatch.setitem(GRADERS, "short", lambda problem, text: Graded(None, len(text) < 12))
     cfg = _config(
         tmp_path,
         "short",

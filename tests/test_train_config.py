@@ -64,7 +64,7 @@ def _write(tmp_path, text: str) -> Path:
         ("train:\n  max_steps: 1.5\n", "train.max_steps", "expected an integer"),
         ("data:\n  shuffle: maybe\n", "data.shuffle", "expected true or false"),
         ("schedule:\n  name: linear\n", "schedule.name", "expected one of"),
-        ("fp8:\n  recipe: fp4\n", "fp8.recipe", "expected one of"),
+        ("fp8:\n  recipe: fp4\n", "fp8.recipe", "known recipes"),
         ("optim:\n  betas: [0.9]\n", "optim.betas", "list of 2"),
         ("optim:\n  lr: -1.0\n", "optim.lr", "> 0"),
         ("optim:\n  lr: 0.0\n", "optim.lr", "> 0"),

@@ -39,7 +39,7 @@ from infir2.fp8.quantize import amax_to_scale, expand_blocks, quantize
 from infir2.fp8.recipe import Cast
 from infir2.kernels import BACKENDS, Operand, emulated
 
-pytest.importorskip("triton", reason="triton is not installed (pip install triton==3.9.0)")
+pytest.importorskip("triton", reason="triton is not installed (the test extra: pip install -e '.[test]')")
 
 BLOCKS = [(1, 128), (128, 1), (128, 128)]
 
@@ -349,3 +349,77 @@ def test_pipeline_stages_follow_shared_memory(tg):
     assert tg.stages_for(101376) == 2  # Ada (SM89): 99 KiB, 3 stages of 32 KiB would not fit
     assert tg.stages_for(49152) == 1
     assert tg.num_stages(torch.device("cpu")) == 3
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_every_nan_is_the_byte_0x7f_on_both_paths(tq, fmt):
+    """NaN of either sign, NaN payloads and (E4M3) infinities: the kernel and the reference write the one
+    byte ``NAN_CODE`` (0x7F), and every special value has the same byte on both paths, no NaN leniency."""
+    from infir2.fp8.formats import NAN_CODE
+
+    x = torch.randn(128, 256, generator=torch.Generator().manual_seed(11))
+    # +NaN, -NaN, NaNs with payloads (signalling, all bits set), as fp32 bit patterns
+    nans = torch.tensor([0x7FC00000, -0x400000, 0x7F800001, -1], dtype=torch.int32).view(torch.float32)
+    x[0, :8] = torch.cat([nans, torch.tensor([float("inf"), float("-inf"), 0.0, -0.0])])
+    x[2, 130:140] = float("inf")  # a run: an E4M3 infinity becomes NaN (inf - inf on the CPU: negative)
+    for block in BLOCKS:
+        ref_data, _ = quantize(x, block, fmt, "pow2")
+        data, _ = tq.quantize(x, block, fmt, "pow2")
+        where = _special_positions(_reference_precast(x, block, fmt, "pow2"), fmt)
+        ref_bytes, bytes_ = ref_data.view(torch.uint8), data.view(torch.uint8)
+        assert torch.equal(bytes_[where], ref_bytes[where]), (block, fmt)
+        nan = ref_data.float().isnan()
+        assert int(nan.sum()) >= 4 and bool((ref_bytes[nan] == NAN_CODE).all()), (block, fmt)
+        assert bool((bytes_[nan] == NAN_CODE).all()), (block, fmt)
+
+
+@pytest.mark.parametrize(("rows", "offset"), [(100, 0), (100, 100), (37, 263), (0, 50)])
+def test_quantize_with_scale_is_the_shard_quantization_of_fsdp(tq, rows, offset):
+    """Rows ``offset ..`` of a ``[300, 260]`` weight with its 128x128 block scales (blocks straddle the
+    shard's edges): the values before the cast equal the reference's, and their FP8 bytes its codes."""
+    from infir2.fp8.quantize import block_amax, quantize_with_amax
+
+    x = _hard_input((300, 260), seed=rows + offset)
+    amax = block_amax(x, (128, 128))
+    shard = x[offset : offset + rows]
+    for fmt in ("e4m3", "e5m2"):
+        ref_data, ref_scale_inv = quantize_with_amax(
+            shard, amax, (128, 128), fmt, row_offset=offset, n_rows=300
+        )
+        scale = amax_to_scale(amax, get_format(fmt), "pow2")
+        precast = tq._quantize_with_scale(shard, scale, (128, 128), fmt, offset, data_dtype=torch.float32)
+        assert precast.shape == shard.shape and torch.equal(scale.reciprocal(), ref_scale_inv)
+        if rows:
+            full = _reference_precast(x, (128, 128), fmt, "pow2")[offset : offset + rows]
+            torch.testing.assert_close(precast, full, rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(precast.to(get_format(fmt).dtype).view(torch.uint8), ref_data.view(torch.uint8)), (
+            fmt
+        )
+
+
+def test_fsdp_quantizes_its_shard_with_the_triton_kernel_where_it_runs(tq, monkeypatch):
+    """``fsdp_pre_all_gather``'s quantization goes to the Triton kernel when the backend takes the shard
+    (a GPU: faked here), and gives the reference's codes and scales."""
+    from infir2.fp8.quantize import block_amax, quantize_with_amax
+    from infir2.kernels import triton_backend
+    from infir2.nn import fsdp
+
+    calls = []
+
+    def kernel(x, scale, block, fmt, row_offset):  # the interpreter's own FP8 cast misrounds: torch casts
+        calls.append(row_offset)
+        return tq._quantize_with_scale(x, scale, block, fmt, row_offset, torch.float32).to(
+            get_format(fmt).dtype
+        )
+
+    monkeypatch.setattr(tq, "quantize_with_scale", kernel)
+    x = _hard_input((300, 260), seed=1)
+    amax, shard, cast = block_amax(x, (128, 128)), x[150:300], Cast((128, 128))
+    ref_data, ref_scale_inv = quantize_with_amax(shard, amax, (128, 128), row_offset=150, n_rows=300)
+    assert not triton_backend.takes_shard(shard, cast)  # a CPU tensor: the reference runs
+    fsdp._quantize_shard(shard, amax, cast, 150, 300)
+    assert calls == []
+    monkeypatch.setattr(triton_backend, "takes_shard", lambda x, cast: True)
+    data, scale_inv = fsdp._quantize_shard(shard, amax, cast, 150, 300)
+    assert calls == [150] and torch.equal(scale_inv, ref_scale_inv)
+    assert torch.equal(data.view(torch.uint8), ref_data.view(torch.uint8))

@@ -6,7 +6,7 @@ block-scaled GEMM also needs SM90 and CUDA >= 12.9). On an H100/H200::
     python -m pytest tests/gpu -q
 
 - the Triton quantization kernels (single and fused two-tiling) against ``infir2.fp8.quantize``, bit
-  for bit (FP8 data with NaNs compared as NaN, and ``scale_inv``): 1x128, 128x1 and 128x128 blocks,
+  for bit (FP8 bytes, every NaN as 0x7F, and ``scale_inv``): 1x128, 128x1 and 128x128 blocks,
   pow2 and fp32 scales, E4M3 and E5M2, fp32 and bf16 inputs, partial edge blocks, zeros, outliers,
   tiny values, NaN and +-inf (the interpreter cannot check the kernel's own fp32 -> fp8 conversion);
 - the block-scaled GEMMs (cuBLAS through the ``scaled_mm`` backend, Triton) against the emulated
@@ -18,6 +18,8 @@ block-scaled GEMM also needs SM90 and CUDA >= 12.9). On an H100/H200::
   elements, their last blocks against the reference;
 - a layer on ``cuda:1`` while the current device is 0 (skipped with one GPU);
 - the K-major transposed weight of dgrad (``cache_fp8_weights``) gives the view's gradients;
+- the FSDP2 shard quantizer (``triton_quant.quantize_with_scale``) bit for bit against the reference;
+- token counts that are not a multiple of 128 stay on cuBLAS (padded inside the layer);
 - a world-size-1 NCCL FSDP2 run (FP8 all-gather, fused AdamW) under ``TORCH_CUDA_SANITIZER=1``
   (``fsdp_sanitizer_worker.py``).
 """
@@ -63,8 +65,8 @@ def _hard_input(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    nan = a.float().isnan() & b.float().isnan()
-    return bool(((a.view(torch.uint8) == b.view(torch.uint8)) | nan).all())
+    """The same bytes, NaNs included: every backend writes a NaN as ``NAN_CODE`` (0x7F)."""
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 @needs_triton
@@ -304,3 +306,58 @@ def test_fsdp_fp8_gather_under_the_cuda_sanitizer(tmp_path):
 def test_the_gpu_tests_are_collected_everywhere():
     """This file imports and collects on a CPU machine (its tests skip there): CI keeps it importable."""
     assert bind(get_recipe("blockwise"), "cpu").name == "fast_emulated"
+
+
+@needs_triton
+@pytest.mark.parametrize(("rows", "offset"), [(4480, 0), (4480, 4480), (1000, 333)])
+def test_fsdp_shard_kernel_is_bit_exact(rows, offset):
+    """The Triton shard quantizer of FSDP2's FP8 all-gather (``quantize_with_scale``) against
+    ``quantize_with_amax``: rows of an ``[8960, 1536]`` weight whose 128x128 blocks straddle the shard."""
+    from infir2.fp8.quantize import block_amax, quantize_with_amax
+    from infir2.kernels import triton_backend
+
+    x = _hard_input((8960, 1536), torch.float32)
+    amax = block_amax(x, (128, 128))
+    shard = x[offset : offset + rows]
+    assert triton_backend.takes_shard(shard, Cast((128, 128)))
+    for fmt in ("e4m3", "e5m2"):
+        data, scale_inv = triton_backend.quantize_with_amax(shard, amax, Cast((128, 128), fmt), offset)
+        ref_data, ref_scale_inv = quantize_with_amax(
+            shard, amax, (128, 128), fmt, row_offset=offset, n_rows=8960
+        )
+        assert torch.equal(scale_inv, ref_scale_inv) and _same_bits(data, ref_data), fmt
+
+
+@pytest.mark.parametrize("tokens", [1000, 8191])
+def test_token_counts_off_the_block_stay_on_cublas(tokens, monkeypatch):
+    """A token count that is not a multiple of 128 is padded inside the layer: every GEMM runs on cuBLAS
+    (none reaches the Triton or emulated GEMM) and the results are the emulated ones."""
+    from infir2.nn import Fp8Linear
+
+    if (
+        not CUDA
+        or blockwise_unavailable(torch.device("cuda")) is not None
+        or not _usable("triton", "blockwise")
+    ):
+        pytest.skip("needs the cuBLAS block-scaled scaled_mm and the Triton quantizer")
+    outs = {}
+    for backend in ("emulated", "scaled_mm"):
+        torch.manual_seed(0)
+        layer = Fp8Linear(1536, 1024, bias=False, device="cuda", dtype=torch.bfloat16, backend=backend)
+        x = torch.randn(tokens, 1536, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        elsewhere: list[str] = []
+        if backend == "scaled_mm":
+            for name in ("triton", "emulated"):
+                real = BACKENDS[name].gemm_nt
+                monkeypatch.setattr(
+                    BACKENDS[name],
+                    "gemm_nt",
+                    lambda a, b, d, real=real, name=name, seen=elsewhere: seen.append(name) or real(a, b, d),
+                )
+        y = layer(x)
+        y.float().sum().backward()
+        assert elsewhere == [], elsewhere
+        outs[backend] = (y, x.grad, layer.weight.grad)
+        monkeypatch.undo()
+    for ref, got in zip(outs["emulated"], outs["scaled_mm"], strict=True):
+        assert calc_diff(got.float(), ref.float()) < 1e-3

@@ -26,8 +26,12 @@ summary.md (avg@n, pass@k, unparseable and truncated counts) under --out.
 --model is a Hugging Face folder (BF16/FP32) or an FP8 folder written by `infir2 export` (dequantized
 on load); with --engine server, the served model name. Math items: {"problem", "answer", "id"?};
 multiple choice: {"question", "choices", "answer" letter, "id"?}. Without --data the small sample
-benchmark shipped with infir2 is used. FP8 is off during local evaluation unless --fp8 (which converts
-the projections with the blockwise recipe).
+benchmark shipped with infir2 is used. FP8 is off during local evaluation unless --fp8: `--fp8`
+(or `--fp8 served`) runs the model as an FP8 serving engine runs its FP8 export (128x128 weights made
+by the export's quantizer, 1x128 activations, --scale-encoding pow2 or fp32); `--fp8 RECIPE` converts the
+projections with a training recipe (`infir2 config --keys` lists fp8.recipe's names) and runs them in FP8.
+--engine takes any engine of the registry (infir2.generation.ENGINES): local, server, or one registered
+by name.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ import torch
 
 from ..data.chat import SYSTEM_PROMPT, THINK_PREFIX
 from ..data.tokenizer import load_tokenizer
+from ..generation import ENGINES
+from ..model import check_model_folder
 from .presets import PRESETS
 from .tasks import TASKS, sample_path
 
@@ -113,14 +119,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--engine",
-        choices=["local", "server"],
+        choices=list(ENGINES),
         default="local",
-        help="local: transformers generate in this process; server: an OpenAI-compatible "
-        "/v1/completions endpoint (vLLM, SGLang, transformers serve)",
+        help="local: the built-in KV-cache engine in this process; server: an OpenAI-compatible "
+        "/v1/completions endpoint (vLLM, SGLang, transformers serve); or an engine registered by name",
     )
+    _add_engine_arguments(p)
+    g = p.add_argument_group("held-out loss (instead of a benchmark)")
+    g.add_argument("--perplexity", metavar="TOKEN_DIR", help="folder with val.bin + meta.json")
+    g.add_argument("--split", default="val", help="token file name without .bin (default: val)")
+    g.add_argument("--seq-len", type=int, default=1024, help="context per window (default 1024)")
+    g.add_argument("--max-windows", type=int, help="score only the first N windows")
+
+
+def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of the built-in (local) engine and of the server engine."""
     g = p.add_argument_group("local engine")
     g.add_argument("--batch-size", type=int, default=8, help="sequences generated together")
-    g.add_argument("--fp8", action="store_true", help="run the projections in FP8 (blockwise recipe)")
+    g.add_argument(
+        "--fp8",
+        nargs="?",
+        const="served",
+        metavar="served|RECIPE",
+        help="run the projections in FP8: 'served' (the default of a bare --fp8) as a serving engine runs "
+        "the FP8 export, or a training recipe's name (e.g. blockwise)",
+    )
+    g.add_argument(
+        "--scale-encoding",
+        choices=["pow2", "fp32"],
+        default="pow2",
+        help="--fp8 served: the export's block scales (as `infir2 export --scale-encoding`; default pow2)",
+    )
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     s = p.add_argument_group("server engine")
     s.add_argument("--base-url", help="the server, e.g. http://127.0.0.1:8000 (the /v1 is added)")
@@ -144,11 +173,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="{}",
         help="JSON merged into every request, for engine extensions, e.g. '{\"top_k\": -1}' (default: {})",
     )
-    g = p.add_argument_group("held-out loss (instead of a benchmark)")
-    g.add_argument("--perplexity", metavar="TOKEN_DIR", help="folder with val.bin + meta.json")
-    g.add_argument("--split", default="val", help="token file name without .bin (default: val)")
-    g.add_argument("--seq-len", type=int, default=1024, help="context per window (default 1024)")
-    g.add_argument("--max-windows", type=int, help="score only the first N windows")
 
 
 def _resolve(args: argparse.Namespace) -> None:
@@ -174,15 +198,20 @@ def _resolve(args: argparse.Namespace) -> None:
 
 
 def _load(args: argparse.Namespace):
+    """The model of --model; with --fp8 RECIPE its projections converted to ``Fp8Linear``."""
     from ..export import load_checkpoint
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     model = load_checkpoint(args.model, device=device)
-    if args.fp8:
+    if args.fp8 not in (None, "served"):
         from ..nn import convert_to_fp8
 
-        convert_to_fp8(model, "blockwise")
+        convert_to_fp8(model, args.fp8)  # an unknown recipe name is a ValueError naming the choices
     return model
+
+
+def _precision(args: argparse.Namespace) -> str:
+    return "high" if args.fp8 is None else "served" if args.fp8 == "served" else "fp8"
 
 
 def _settings(args: argparse.Namespace, engine) -> dict[str, Any]:
@@ -202,15 +231,25 @@ def _settings(args: argparse.Namespace, engine) -> dict[str, Any]:
     }
 
 
-def _engine(args: argparse.Namespace):
-    from .runner import LocalEngine, ServerEngine
+def _engine(args: argparse.Namespace, tokenizer):
+    from ..generation import EngineOptions, build_engine
 
-    if args.engine == "local":
-        if args.base_url:
+    options = EngineOptions(
+        tokenizer,
+        model=lambda: _load(args),
+        precision=_precision(args),
+        scale_encoding=args.scale_encoding,
+        server=_server_config(args) if args.base_url else None,
+    )
+    return build_engine(args.engine, options)
+
+
+def _check_engine_flags(args: argparse.Namespace) -> None:
+    """The server engine's flags, before anything is loaded."""
+    if args.engine != "server":
+        if args.base_url and args.engine == "local":
             raise ValueError("--base-url is for --engine server")
-        return LocalEngine(_load(args), fp8=args.fp8, seed=args.seed)
-    from .server import ServerConfig, check_server
-
+        return
     if not args.base_url:
         raise ValueError("--engine server needs --base-url (e.g. http://127.0.0.1:8000)")
     if args.fp8:
@@ -220,13 +259,18 @@ def _engine(args: argparse.Namespace):
             f"--engine server needs --tokenizer FOLDER to render the prompts (--model {args.model!r} "
             f"is the served name, not a folder)"
         )
+
+
+def _server_config(args: argparse.Namespace):
+    from ..generation import ServerConfig
+
     try:
         extra = json.loads(args.extra_body)
     except json.JSONDecodeError as e:
         raise ValueError(f"--extra-body is not JSON ({e.msg}): {args.extra_body!r}") from None
     if not isinstance(extra, dict):
         raise ValueError(f"--extra-body must be a JSON object, got {args.extra_body!r}")
-    cfg = ServerConfig(
+    return ServerConfig(
         args.base_url,
         args.model,
         concurrency=args.concurrency,
@@ -236,12 +280,10 @@ def _engine(args: argparse.Namespace):
         api_key=args.api_key,
         extra_body=extra,
     )
-    check_server(cfg)
-    return ServerEngine(cfg, seed=args.seed)
 
 
 def run(args: argparse.Namespace) -> int:
-    from .server import ServerError
+    from ..generation import ServerError
 
     if args.perplexity:
         if args.engine != "local":
@@ -256,8 +298,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_benchmark(args: argparse.Namespace) -> int:
+    from ..generation import SamplingConfig
     from .completions import CompletionLog
-    from .generate import SamplingConfig
     from .runner import run_evaluation
     from .tasks import load_problems
 
@@ -273,8 +315,11 @@ def _run_benchmark(args: argparse.Namespace) -> int:
             PRESETS[args.preset].problems,
         )
     cfg = SamplingConfig(args.greedy, args.temperature, args.top_p, args.max_new_tokens, args.batch_size)
-    engine = _engine(args)
+    _check_engine_flags(args)
+    if args.engine != "server":  # the model folder is named before the tokenizer read from it
+        check_model_folder(args.model)
     tokenizer = load_tokenizer(args.tokenizer or args.model)
+    engine = _engine(args, tokenizer)
     with CompletionLog(out, _settings(args, engine)) as completions:
         if done := len(completions.done):
             log.info("resuming %s: %d samples already in %s", out, done, completions.path)
@@ -289,6 +334,7 @@ def _run_benchmark(args: argparse.Namespace) -> int:
                 args.system_prompt,
                 args.think_prefix,
                 log=completions,
+                seed=args.seed,
             )
         except Exception:
             log.error(
@@ -314,7 +360,11 @@ def _run_benchmark(args: argparse.Namespace) -> int:
 
 
 def _run_perplexity(model, args: argparse.Namespace, out: Path) -> int:
+    from ..generation import serve_fp8
     from .perplexity import evaluate_loss
+
+    if args.fp8 == "served":
+        serve_fp8(model, args.scale_encoding)
 
     result = evaluate_loss(
         model,
@@ -323,7 +373,7 @@ def _run_perplexity(model, args: argparse.Namespace, out: Path) -> int:
         batch_size=args.batch_size,
         max_windows=args.max_windows,
         split=args.split,
-        fp8=args.fp8,
+        fp8=_precision(args) == "fp8",
     )
     summary = {
         "model": str(args.model),

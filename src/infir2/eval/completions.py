@@ -23,17 +23,32 @@ import json
 import os
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .generate import Completion
-
-__all__ = ["COMPLETIONS_FILE", "CONFIG_FILE", "CompletionLog", "SettingsChanged", "prompt_sha256"]
+__all__ = [
+    "COMPLETIONS_FILE",
+    "CONFIG_FILE",
+    "Completion",
+    "CompletionLog",
+    "SettingsChanged",
+    "prompt_sha256",
+]
 
 COMPLETIONS_FILE = "completions.jsonl"
 CONFIG_FILE = "eval_config.json"
 
 Key = tuple[str, int]  # (problem id, sample index)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One graded sample as evaluation keeps it: the response text (no stop token), its token count."""
+
+    text: str
+    n_tokens: int
+    finished: bool  # stopped at a stop token (False: cut at max_new_tokens)
 
 
 class SettingsChanged(ValueError):

@@ -11,31 +11,33 @@ In-process use (the demo does this)::
 By default the model runs in high precision; ``fp8=True`` runs the model's ``Fp8Linear`` layers in
 FP8 (convert it first with ``infir2.convert_to_fp8``). Both through ``infir2.nn.fp8_enabled``.
 
-``infir2 eval`` calls ``run_evaluation(engine, ...)``: the prompts are rendered once, the engine
-(``LocalEngine``: transformers ``generate`` in this process; ``ServerEngine``: an OpenAI-compatible
-server) produces only the samples a ``CompletionLog`` lacks, and the grading, avg@n / pass@k and
-the report below are the same code whichever engine produced the samples.
+``infir2 eval`` calls ``run_evaluation(engine, ...)`` with an engine of ``generation.ENGINES`` (``local``:
+the built-in KV-cache engine in this process; ``server``: an OpenAI-compatible server; or one
+registered by name): the prompts are rendered once, the engine produces only the samples a
+``CompletionLog`` lacks, and the grading, avg@n / pass@k and the report below are the same code
+whichever engine produced the samples. Sample ``s`` of problem ``k`` (its place in the list) is drawn
+from seed ``seed * 1_000_003 + 1009 * k + s`` whatever else is generated with it (a resumed run draws
+the missing samples as the whole run would have).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from ..nn import fp8_enabled
-from .completions import CompletionLog
-from .generate import SYSTEM_PROMPT, THINK_PREFIX, Completion, SamplingConfig, generate, render_prompt
+from ..data.chat import SYSTEM_PROMPT, THINK_PREFIX, render_prompt
+from ..generation import BuiltinEngine, Engine, Prompt, Sample, SamplingConfig
+from .completions import Completion, CompletionLog
 from .metrics import avg_at_n, default_ks, pass_at_k
-from .server import Job, ServerConfig, server_generate
 from .tasks import TASKS, Problem, problems_from_dicts
 
-__all__ = ["Engine", "EvalResult", "LocalEngine", "ServerEngine", "evaluate", "run_evaluation"]
+__all__ = ["EvalResult", "evaluate", "run_evaluation", "sample_seed"]
 
 
 @dataclass
@@ -90,93 +92,10 @@ def evaluate(
     ``log``: a ``CompletionLog`` that keeps every finished sample (and supplies those of an earlier run).
     """
     cfg = SamplingConfig(greedy, temperature, top_p, max_new_tokens, batch_size)
-    engine = LocalEngine(model, fp8=fp8, seed=seed)
+    engine = BuiltinEngine(model, tokenizer, "fp8" if fp8 else "high", name="local")
     return run_evaluation(
-        engine, tokenizer, problems, task, n, cfg, system_prompt, think_prefix, log, progress
+        engine, tokenizer, problems, task, n, cfg, system_prompt, think_prefix, log, progress, seed
     )
-
-
-class Engine(Protocol):
-    """Where samples come from: ``generate`` calls ``record(problem id, sample, completion)`` as each finishes."""
-
-    name: str
-    precision: str
-
-    def generate(
-        self,
-        tokenizer,
-        jobs: Sequence[tuple[str, int, str]],
-        cfg: SamplingConfig,
-        record: Callable[[str, int, Completion], None],
-        progress: bool,
-    ) -> None: ...
-
-
-class LocalEngine:
-    """``transformers`` ``generate`` on an in-process model (batched, left-padded; see ``generate.py``)."""
-
-    name = "local"
-
-    def __init__(self, model: torch.nn.Module, fp8: bool = False, seed: int = 0) -> None:
-        self.model, self.fp8, self.seed = model, fp8, seed
-        self.precision = "fp8" if fp8 else "high (fp8 disabled)"
-
-    def generate(
-        self,
-        tokenizer,
-        jobs: Sequence[tuple[str, int, str]],
-        cfg: SamplingConfig,
-        record: Callable[[str, int, Completion], None],
-        progress: bool,
-    ) -> None:
-        torch.manual_seed(self.seed)
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with fp8_enabled(self.model, self.fp8):
-                generate(
-                    self.model,
-                    tokenizer,
-                    [prompt for _, _, prompt in jobs],
-                    cfg,
-                    desc="eval",
-                    progress=progress,
-                    on_done=lambda i, c: record(jobs[i][0], jobs[i][1], c),
-                )
-        finally:
-            self.model.train(was_training)
-
-
-class ServerEngine:
-    """An OpenAI-compatible ``/v1/completions`` server (vLLM, SGLang, ``transformers serve``; see ``server.py``)."""
-
-    name = "server"
-    precision = "as served"
-
-    def __init__(self, server: ServerConfig, seed: int = 0) -> None:
-        self.server, self.seed = server, seed
-        self.extra_body = dict(server.extra_body)  # part of the settings a resumed run must match
-
-    def generate(
-        self,
-        tokenizer,
-        jobs: Sequence[tuple[str, int, str]],
-        cfg: SamplingConfig,
-        record: Callable[[str, int, Completion], None],
-        progress: bool,
-    ) -> None:
-        samples: dict[str, list[int]] = {}
-        prompts: dict[str, str] = {}
-        for pid, s, prompt in jobs:
-            samples.setdefault(pid, []).append(s)
-            prompts[pid] = prompt
-        # a distinct seed per problem and sample, so that a server honouring "seed" reproduces a sample
-        requests = [
-            Job(pid, prompts[pid], tuple(ss), self.seed * 1_000_003 + 1009 * i)
-            for i, (pid, ss) in enumerate(samples.items())
-        ]
-        for pid, s, completion in server_generate(self.server, requests, cfg, tokenizer, progress=progress):
-            record(pid, s, completion)
 
 
 def run_evaluation(
@@ -190,6 +109,7 @@ def run_evaluation(
     think_prefix: str = THINK_PREFIX,
     log: CompletionLog | None = None,
     progress: bool = True,
+    seed: int = 0,
 ) -> EvalResult:
     """Render the prompts, generate the samples that ``log`` lacks with ``engine``, then score all of them.
 
@@ -209,21 +129,58 @@ def run_evaluation(
     if log is not None:
         log.check_prompts(prompts)
         done.update(log.done)
-    jobs = [(p.id, s, prompts[p.id]) for p in problems for s in range(n) if (p.id, s) not in done]
+    jobs = [(k, p.id, [s for s in range(n) if (p.id, s) not in done]) for k, p in enumerate(problems)]
+    jobs = [job for job in jobs if job[2]]
     fresh: list[Completion] = []
 
-    def record(pid: str, sample: int, completion: Completion) -> None:
+    def record(i: int, j: int, sample: Sample) -> None:
+        pid, s = jobs[i][1], jobs[i][2][j]
+        completion = _completion(sample, tokenizer)
         if log is not None:
-            log.append(pid, sample, prompts[pid], completion)
-        done[(pid, sample)] = completion
+            log.append(pid, s, prompts[pid], completion)
+        done[(pid, s)] = completion
         fresh.append(completion)
 
+    requests = [
+        Prompt(
+            tokenizer(prompts[pid], add_special_tokens=False)["input_ids"],
+            prompts[pid],
+            tuple(sample_seed(seed, k, s) for s in samples),
+        )
+        for k, pid, samples in jobs
+    ]
     start = time.perf_counter()
-    if jobs:
-        engine.generate(tokenizer, jobs, cfg, record, progress)
+    if requests:
+        engine.generate(requests, cfg, record, progress)
     seconds = time.perf_counter() - start
-    if missing := [job[:2] for job in jobs if job[:2] not in done]:
+    if missing := [(pid, s) for _, pid, ss in jobs for s in ss if (pid, s) not in done]:
         raise RuntimeError(f"the {engine.name} engine returned no completion for {missing[:3]}")
+    return _report(problems, task, n, cfg, engine, done, fresh, seconds)
+
+
+def sample_seed(seed: int, problem: int, sample: int) -> int:
+    """The seed of sample ``sample`` of the ``problem``-th problem (what a server is sent, too)."""
+    return seed * 1_000_003 + 1009 * problem + sample
+
+
+def _completion(sample: Sample, tokenizer) -> Completion:
+    """A sample as evaluation keeps it: an engine's own text, else its ids decoded as serving engines do."""
+    if sample.text is not None:
+        return Completion(sample.text, sample.tokens, sample.finished)
+    kept = sample.response_ids[:-1] if sample.finished else sample.response_ids
+    return Completion(tokenizer.decode(kept, skip_special_tokens=True), sample.tokens, sample.finished)
+
+
+def _report(
+    problems: Sequence[Problem],
+    task: str,
+    n: int,
+    cfg: SamplingConfig,
+    engine: Engine,
+    done: dict[tuple[str, int], Completion],
+    fresh: list[Completion],
+    seconds: float,
+) -> EvalResult:
     records = []
     for p in problems:
         for s in range(n):

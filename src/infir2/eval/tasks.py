@@ -14,8 +14,11 @@ One JSON object per line; blank lines are skipped. Two task types:
 ``A``.. for multiple choice (at most 26 choices). A missing ``id`` becomes ``<file stem>-<line>``.
 Unknown keys are an error (a typo like ``"anwser"`` must not silently drop the gold).
 
-``TASKS`` is the registry: a new task is one entry (its keys and its grader); the CLI's ``--task``
-choices and the runner's grading come from it.
+``TASKS`` is the registry of tasks: a new task is one entry (its keys and the name of its grader); the
+CLI's ``--task`` choices and the runner's grading come from it. ``GRADERS`` is the one registry of
+graders -- ``(problem, completion) -> Graded`` -- that evaluation scores with and RL rewards with
+(``reward``: 1.0 for a correct completion, else 0.0; ``algo.reward`` names a grader, the task's own by
+default). A new grader is one ``register_grader(NAME, fn)``.
 """
 
 from __future__ import annotations
@@ -29,7 +32,18 @@ from typing import Any
 
 from .answers import Graded, grade_choice, grade_math
 
-__all__ = ["TASKS", "Problem", "Task", "load_problems", "problems_from_dicts", "sample_path"]
+__all__ = [
+    "GRADERS",
+    "TASKS",
+    "Grader",
+    "Problem",
+    "Task",
+    "load_problems",
+    "problems_from_dicts",
+    "register_grader",
+    "reward",
+    "sample_path",
+]
 
 
 @dataclass(frozen=True)
@@ -51,14 +65,8 @@ class Problem:
         return self.question.rstrip() + "\n\n" + "\n".join(lines)
 
 
-@dataclass(frozen=True)
-class Task:
-    """One benchmark type: the key of the question text, the keys of an item, and its grader."""
-
-    text_key: str
-    required: frozenset[str]
-    grade: Callable[[Problem, str], Graded]  # (problem, completion) -> extracted answer, correct
-    optional: frozenset[str] = frozenset({"id"})
+#: ``(problem, completion) -> Graded`` (the extracted answer, whether it is correct)
+Grader = Callable[["Problem", str], Graded]
 
 
 def _grade_math(problem: Problem, completion: str) -> Graded:
@@ -69,10 +77,37 @@ def _grade_choice(problem: Problem, completion: str) -> Graded:
     return grade_choice(completion, problem.answer, n_choices=len(problem.choices))
 
 
+#: grader name -> grader: what `infir2 eval` scores with and `infir2 rl` rewards with (``algo.reward``)
+GRADERS: dict[str, Grader] = {"math": _grade_math, "multiple_choice": _grade_choice}
+
+
+def register_grader(name: str, grader: Grader) -> None:
+    """Add a grader (or replace one) under ``name``; ``algo.reward: NAME`` then rewards with it."""
+    GRADERS[name] = grader
+
+
+def reward(grader: str, problem: Problem, completion: str) -> float:
+    """RL's reward: 1.0 when grader ``grader`` finds ``completion`` correct, else 0.0."""
+    return 1.0 if GRADERS[grader](problem, completion).correct else 0.0
+
+
+@dataclass(frozen=True)
+class Task:
+    """One benchmark type: the key of the question text, the keys of an item, and its grader's name."""
+
+    text_key: str
+    required: frozenset[str]
+    grader: str  # a name in GRADERS
+    optional: frozenset[str] = frozenset({"id"})
+
+    def grade(self, problem: Problem, completion: str) -> Graded:
+        return GRADERS[self.grader](problem, completion)
+
+
 #: task name -> its schema and grader (the registry; ``--task`` choices come from here)
 TASKS: dict[str, Task] = {
-    "math": Task("problem", frozenset({"problem", "answer"}), _grade_math),
-    "multiple_choice": Task("question", frozenset({"question", "choices", "answer"}), _grade_choice),
+    "math": Task("problem", frozenset({"problem", "answer"}), "math"),
+    "multiple_choice": Task("question", frozenset({"question", "choices", "answer"}), "multiple_choice"),
 }
 
 

@@ -3,12 +3,13 @@
 from .formats import BLOCK, FORMATS, Fp8Format, get_format
 from .numerics import calc_diff, sqnr
 from .quantize import Block, amax_to_scale, dequantize, quantize, resolve_block
-from .recipe import RECIPES, Fp8Recipe, get_recipe
+from .recipe import RECIPES, SAME_RECIPE, Fp8Recipe, get_recipe
 
 __all__ = [
     "BLOCK",
     "FORMATS",
     "RECIPES",
+    "SAME_RECIPE",
     "Block",
     "Fp8Format",
     "Fp8Recipe",

@@ -21,6 +21,7 @@ __all__ = [
     "FLT_MAX",
     "FORMATS",
     "MX_BLOCK",
+    "NAN_CODE",
     "BitLayout",
     "Fp8Format",
     "bit_layout",
@@ -36,6 +37,11 @@ MX_BLOCK = 32
 #: codes 0..254 span 2**-127 .. 2**127 and 255 is NaN (``torch.float8_e8m0fnu``).
 E8M0_BIAS = 127
 E8M0_MAX_EXP = 127
+
+#: The FP8 byte every NaN is written as, in E4M3 and in E5M2 (both read it as NaN): sign clear, all
+#: seven magnitude bits set. What the GPU's fp32 -> fp8 conversion writes for any NaN, so every backend
+#: (the reference, the CPU emulations, the Triton kernels) gives one byte for one value.
+NAN_CODE = 0x7F
 
 #: Largest finite fp32; a scale that would overflow is clamped to it.
 FLT_MAX = float(torch.finfo(torch.float32).max)

@@ -28,7 +28,11 @@ gives the biased exponent codes, ``scale_inv.float()`` the fp32 values).
 
 Non-finite values are never hidden: NaN stays NaN, and an infinity becomes NaN in E4M3 (which has
 no infinity; saturating it to 448 would turn an overflow into a plausible number) and stays
-infinite in E5M2. A block holding one gets ``scale = 1``.
+infinite in E5M2. A block holding one gets ``scale = 1``. Every NaN is the byte 0x7F (``NAN_CODE``),
+on every backend.
+
+No host synchronization: every constant is made on the input's device (a fill, never a copy of a
+Python number to the GPU), and nothing reads a value back to the host.
 
 ``scale`` multiplies to quantize, ``scale_inv`` multiplies to dequantize; only ``scale_inv`` is stored.
 """
@@ -40,7 +44,7 @@ from typing import Literal, get_args
 import torch
 import torch.nn.functional as F
 
-from .formats import E8M0_BIAS, E8M0_MAX_EXP, EXPONENT_MASK, FLT_MAX, Fp8Format, get_format
+from .formats import E8M0_BIAS, E8M0_MAX_EXP, EXPONENT_MASK, FLT_MAX, NAN_CODE, Fp8Format, get_format
 
 __all__ = [
     "SCALE_ENCODINGS",
@@ -108,9 +112,10 @@ def amax_to_scale(amax: torch.Tensor, fmt: Fp8Format, scale_encoding: ScaleEncod
     usable = torch.isfinite(amax) & (amax != 0)
     if encoding == "e8m0":
         return _e8m0_scale_inv(amax, fmt, usable).reciprocal()  # a power of two: exact
-    # a true fp32 division (``python_scalar / tensor`` would multiply by a rounded reciprocal);
-    # an amax so small that fmax / amax overflows gets FLT_MAX
-    scale = (amax.new_tensor(fmt.max) / amax).clamp_(max=FLT_MAX)
+    # a true fp32 division (``python_scalar / tensor`` would multiply by a rounded reciprocal) of a
+    # numerator filled on amax's device (``amax.new_tensor(fmax)`` would be a blocking host-to-device
+    # copy on CUDA); an amax so small that fmax / amax overflows gets FLT_MAX
+    scale = torch.full_like(amax, fmt.max).div_(amax).clamp_(max=FLT_MAX)
     scale = torch.where(usable, scale, 1.0)
     if encoding == "pow2":  # floor to a power of two: keep sign and exponent, clear the mantissa
         scale = (scale.view(torch.int32) & EXPONENT_MASK).view(torch.float32)
@@ -135,13 +140,20 @@ def to_e8m0(scale_inv: torch.Tensor) -> torch.Tensor:
 
 
 def saturating_cast(y: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
-    """Clamp finite values to +-fmax; NaN stays NaN; +-inf stays inf (E5M2) or becomes NaN (E4M3)."""
+    """Clamp finite values to +-fmax; NaN stays NaN; +-inf stays inf (E5M2) or becomes NaN (E4M3).
+
+    Every NaN is written as the one byte :data:`~infir2.fp8.formats.NAN_CODE` (0x7F), whatever its
+    sign or payload: the byte the GPU's conversion and the Triton kernels write (torch's CPU cast keeps
+    the sign, and ``inf - inf`` is a negative NaN on x86).
+    """
     if fmt.has_inf:
-        return torch.where(torch.isinf(y), y, y.clamp(-fmt.max, fmt.max)).to(fmt.dtype)
-    # y - y is +0 where y is finite and NaN where it is +-inf or NaN; subtracting +0 keeps every finite
-    # value (and the sign of -0) bit for bit. Two cheap passes instead of isinf + where.
-    not_finite = y - y
-    return y.clamp(-fmt.max, fmt.max).sub_(not_finite).to(fmt.dtype)
+        saturated = torch.where(torch.isinf(y), y, y.clamp(-fmt.max, fmt.max))
+    else:
+        # y - y is +0 where y is finite and NaN where it is +-inf or NaN; subtracting +0 keeps every
+        # finite value (and the sign of -0) bit for bit. Two cheap passes instead of isinf + where.
+        saturated = y.clamp(-fmt.max, fmt.max).sub_(y - y)
+    data = saturated.to(fmt.dtype)
+    return data.view(torch.uint8).masked_fill_(saturated.isnan(), NAN_CODE).view(fmt.dtype)
 
 
 def block_amax(x: torch.Tensor, block: Block) -> torch.Tensor:

@@ -20,21 +20,20 @@ In every GEMM the blocks run along its reduction dimension: K in fprop, N in dgr
 E4M3 is used for every tensor, gradients included (docs/RECIPE.md). ``mxfp8`` is OCP Microscaling
 MXFP8 as Blackwell trains it: 32-element blocks along every reduction, one E8M0 scale per block.
 
-A recipe name is checked against ``RECIPES`` when a config is validated and turned into its
-``Fp8Recipe`` by ``get_recipe`` where a model is converted (``convert_to_fp8``; ``train.setup`` does it
-once per run for the model and the FSDP2 gather); the modules and kernels below only read its casts,
-never a name.
+A recipe name is checked by ``get_recipe`` (the one check, wherever a name arrives: a config, a
+command's option) and turned into its ``Fp8Recipe`` where a model is converted (``convert_to_fp8``;
+``harness.setup`` does it once per run for the model and the FSDP2 gather); the modules and kernels
+below only read its casts, never a name.
 """
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, fields, replace
 
 from .formats import BLOCK, MX_BLOCK, get_format
 from .quantize import Block, ScaleEncoding, resolve_block, resolve_encoding
 
-__all__ = ["RECIPES", "Cast", "Fp8Recipe", "get_recipe"]
+__all__ = ["RECIPES", "SAME_RECIPE", "Cast", "Fp8Recipe", "get_recipe"]
 
 TILE: Block = (1, BLOCK)  # 1x128: per token, 128 channels
 TOKEN_TILE: Block = (BLOCK, 1)  # 128x1: 128 tokens, one channel
@@ -145,16 +144,21 @@ RECIPES: dict[str, Fp8Recipe] = {
 }
 
 
+#: the training recipe whose GEMMs an FP8 export's weights (``infir2 export --scale-encoding``) compute:
+#: the one map from a scale encoding to a recipe (RL rollouts, TIS's "same numerics" test, serving)
+SAME_RECIPE = {"pow2": "blockwise", "fp32": "blockwise_fp32scale"}
+
+
 def get_recipe(recipe: str | Fp8Recipe, **cast_overrides: object) -> Fp8Recipe:
     """A named recipe; ``cast_overrides`` (``fmt=``, ``scale_encoding=``) replace that field in every cast.
 
-    ``scale=`` is the older name of ``scale_encoding=`` (deprecated: it warns).
+    The one check of a recipe name: an unknown one is a ``ValueError`` listing the known recipes.
     """
-    if "scale" in cast_overrides:
-        warnings.warn(
-            "get_recipe(scale=...) is deprecated: use scale_encoding=", DeprecationWarning, stacklevel=2
+    unknown = set(cast_overrides) - {f.name for f in fields(Cast)}
+    if unknown:
+        raise ValueError(
+            f"get_recipe: no cast field {', '.join(sorted(unknown))} (the fields: block, fmt, scale_encoding)"
         )
-        cast_overrides["scale_encoding"] = cast_overrides.pop("scale")
     if isinstance(recipe, Fp8Recipe):
         base = recipe
     elif recipe in RECIPES:

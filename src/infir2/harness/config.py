@@ -26,7 +26,7 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
-from ..fp8 import RECIPES
+from ..fp8 import RECIPES, get_recipe
 from ..model import ARCHS
 from .typed_yaml import apply_overrides, config_error, to_plain
 
@@ -39,6 +39,7 @@ __all__ = [
     "OptimConfig",
     "RunSection",
     "ScheduleConfig",
+    "StageConfig",
     "check_positive",
     "check_shared",
     "config_to_dict",
@@ -60,6 +61,7 @@ MAX_LR = 1.0
 RENAMED = {
     "load.accept_config_changes": "run.accept_config_changes",  # infir2 train before the harness
     "train.accept_config_changes": "run.accept_config_changes",  # infir2 rl before the harness
+    "rollout.scale": "rollout.scale_encoding",  # infir2 rl: the word of `infir2 export --scale-encoding`
 }
 
 Config = TypeVar("Config")
@@ -153,6 +155,19 @@ class ScheduleConfig:
     min_lr_ratio: float | None = _key(None, "final learning rate as a fraction of optim.lr")
 
 
+@dataclass(frozen=True)
+class StageConfig:
+    """The sections every stage's config opens with; a stage's config subclasses it with its own."""
+
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    fp8: Fp8Config = field(default_factory=Fp8Config)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.out_dir) / self.run.name
+
+
 # --------------------------------------------------------------------------------------------
 # Rules
 
@@ -185,8 +200,10 @@ def _check_model(m: ModelConfig, source: str) -> None:
 
 
 def _check_fp8(f: Fp8Config, source: str) -> None:
-    if f.recipe not in RECIPES:
-        raise config_error(source, "fp8.recipe", f"got {f.recipe!r}, expected one of {', '.join(RECIPES)}")
+    try:
+        get_recipe(f.recipe)
+    except ValueError as e:
+        raise config_error(source, "fp8.recipe", str(e)) from None
     check_positive(source, "fp8.stats_every", f.stats_every, allow_zero=True)
     if f.param_gather and not RECIPES[f.recipe].gathers_fp8_weight:
         raise config_error(

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._dist import (
+from .. import _dist
+from .._dist import (  # noqa: F401 - re-exported: the collectives the stages use
     DistEnv,
     all_gather_objects,
     all_reduce_max,
@@ -33,16 +34,7 @@ from .._dist import (
     gather_objects,
 )
 
-__all__ = [
-    "DistEnv",
-    "all_gather_objects",
-    "all_reduce_max",
-    "all_reduce_sum",
-    "broadcast_object",
-    "gather_objects",
-    "init_distributed",
-    "shard_model",
-]
+__all__ = [*_dist.__all__, "init_distributed", "shard_model"]  # the collectives, re-exported
 
 
 def _pick_device(preference: str) -> torch.device:

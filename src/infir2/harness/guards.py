@@ -1,7 +1,11 @@
 """The step guards every stage shares: the gradient norm, skipped-step streaks, a spike rule.
 
 * ``clip_grad_norm`` -- the global gradient norm (over all shards under FSDP2), clipped to ``max_norm``
-  (0: no clipping); a stage skips its update when the norm or the loss is not finite;
+  (0: no clipping); a stage skips its update when the norm or the loss is not finite. The squares are
+  summed in float64, per tensor and then over tensors and ranks: torch's fp32 ``vector_norm`` /
+  ``_foreach_norm`` (what ``clip_grad_norm_`` uses) accumulates in fp32 on CPUs, 2e-4 low at 4M elements
+  and 1e-3 at 16M (one embedding's gradient), and by a different amount on each shard -- so the clip
+  factor, and then the weights, depended on the number of processes;
 * ``SpikeRule`` -- a statistic more than ``margin`` above the median of its last ``window`` healthy
   values is a spike (``infir2 train``: the loss, 3 nats; a likelihood that jumps by e^3 = 20x is
   divergence, not noise); infinite without history, so it never fires on the first steps;
@@ -20,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-__all__ = ["NonFiniteError", "SpikeRule", "StepGuard", "clip_grad_norm"]
+__all__ = ["NonFiniteError", "SpikeRule", "StepGuard", "clip_grad_norm", "grad_norm"]
 
 
 class NonFiniteError(ValueError):
@@ -33,13 +38,54 @@ class NonFiniteError(ValueError):
     """
 
 
+#: elements squared at a time in float64 (a bounded temporary whatever the tensor's size)
+NORM_CHUNK = 1 << 24
+
+
+def _local(grad: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A gradient's local values and whether they are a shard of a DTensor (summed over ranks)."""
+    if hasattr(grad, "to_local"):
+        return grad.to_local(), True
+    return grad, False
+
+
+def _sum_of_squares(values: torch.Tensor) -> torch.Tensor:
+    flat = values.reshape(-1)
+    total = torch.zeros((), dtype=torch.float64, device=values.device)
+    for chunk in flat.split(NORM_CHUNK):
+        total += chunk.double().square().sum()
+    return total
+
+
+def grad_norm(model: nn.Module) -> float:
+    """The global L2 norm of ``model``'s gradients: float64 sums of squares, over every shard."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return 0.0
+    locals_ = [_local(g) for g in grads]
+    device = locals_[0][0].device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    replicated = torch.zeros((), dtype=torch.float64, device=device)
+    for values, sharded in locals_:
+        if sharded:
+            total += _sum_of_squares(values)
+        else:
+            replicated += _sum_of_squares(values)
+    if any(sharded for _, sharded in locals_) and dist.is_initialized():
+        dist.all_reduce(total)  # the shards of every rank (FSDP2 shards each parameter over all ranks)
+    return math.sqrt(float(total + replicated))
+
+
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
-    """The global gradient norm of ``model`` (all shards), clipping the gradients to ``max_norm`` (0: off)."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, foreach=True)
-    if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2: the norm over all shards
-        norm = norm.full_tensor()
-    return float(norm)
+    """The global gradient norm of ``model`` (``grad_norm``); gradients scaled by ``max_norm / (norm + 1e-6)``
+    when that is below 1 (torch's rule; ``max_norm`` 0: no clipping). Returns the norm before clipping."""
+    norm = grad_norm(model)
+    coef = max_norm / (norm + 1e-6)
+    if max_norm > 0 and coef < 1 and math.isfinite(norm):
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return norm
 
 
 class SpikeRule:

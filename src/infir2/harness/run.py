@@ -17,11 +17,12 @@ import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from .distributed import DistEnv, init_distributed
 from .lock import run_lock
 
-__all__ = ["add_run_arguments", "open_run", "run_overrides"]
+__all__ = ["add_run_arguments", "add_set_argument", "log_outputs", "open_run", "run_overrides"]
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +56,8 @@ def _remove_if_unstarted(run_dir: Path) -> None:
     log.info("removed %s: the run did not start", run_dir)
 
 
-def add_run_arguments(parser: argparse.ArgumentParser, meaningful: str) -> None:
-    """``--set``, ``--accept-config-changes`` and ``--no-progress``; ``meaningful``: the sections whose
-    change a resume refuses, for the help text."""
+def add_set_argument(parser: argparse.ArgumentParser) -> None:
+    """``--set KEY=VALUE`` (repeatable): config overrides, typed by the field (``args.overrides``)."""
     parser.add_argument(
         "--set",
         dest="overrides",
@@ -66,6 +66,12 @@ def add_run_arguments(parser: argparse.ArgumentParser, meaningful: str) -> None:
         metavar="KEY=VALUE",
         help="override a config field, e.g. --set optim.lr=3e-4 (repeatable)",
     )
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, meaningful: str) -> None:
+    """``--set``, ``--accept-config-changes`` and ``--no-progress``; ``meaningful``: the sections whose
+    change a resume refuses, for the help text."""
+    add_set_argument(parser)
     parser.add_argument(
         "--accept-config-changes",
         action="store_true",
@@ -78,3 +84,13 @@ def add_run_arguments(parser: argparse.ArgumentParser, meaningful: str) -> None:
 def run_overrides(args: argparse.Namespace) -> list[str]:
     """The ``--set`` overrides of ``args`` plus those of the shared flags."""
     return list(args.overrides) + (["run.accept_config_changes=true"] if args.accept_config_changes else [])
+
+
+def log_outputs(result: Any) -> None:
+    """The line a finished run ends with: its folder, last checkpoint and Hugging Face export."""
+    log.info(
+        "run folder %s; checkpoint %s; Hugging Face export %s",
+        result.run_dir,
+        result.checkpoint,
+        result.hf_dir,
+    )

@@ -144,8 +144,14 @@ class Kernels:
             if not takes(backend) or (self._broken and (backend.NAME, describe()) in self._broken):
                 continue
             if backend is not self.chain[0]:
+                slow = (
+                    backend.NAME == emulated.NAME and self.device.type == "cuda"
+                )  # loud, not slow and silent
                 log_once(
-                    log, f"FP8 {describe()}: {self.chain[0].NAME} does not take it; runs on {backend.NAME}"
+                    log,
+                    f"FP8 {describe()}: {self.chain[0].NAME} does not take it; runs on {backend.NAME}"
+                    + (" (the plain-torch emulation, on a GPU: slower than BF16)" if slow else ""),
+                    logging.WARNING if slow else logging.INFO,
                 )
             return backend
         raise AssertionError("no backend takes the job; the emulated backend ends every chain")

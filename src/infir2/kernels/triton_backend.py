@@ -12,12 +12,13 @@ imported on first use, so importing ``infir2`` never needs Triton.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
 
-from ..fp8.formats import BLOCK
-from ..fp8.quantize import resolve_block
+from ..fp8.formats import BLOCK, get_format
+from ..fp8.quantize import amax_to_scale, resolve_block
 from ..fp8.recipe import Cast, Fp8Recipe
 from .operand import Operand
 
@@ -26,8 +27,10 @@ __all__ = [
     "gemm_nt",
     "quantize",
     "quantize_pair",
+    "quantize_with_amax",
     "supports_gemm",
     "supports_quantize",
+    "takes_shard",
     "why_unavailable",
 ]
 
@@ -46,6 +49,37 @@ def why_unavailable(recipe: Fp8Recipe, device: torch.device) -> str | None:
     if torch.cuda.get_device_capability(device) < (8, 9):
         return "FP8 tensor cores need an SM89+ GPU"
     return None
+
+
+@functools.cache
+def _runs_on(device: torch.device) -> bool:
+    """CUDA, the triton package and FP8 tensor cores (asked once per device)."""
+    return (
+        device.type == "cuda"
+        and importlib.util.find_spec("triton") is not None
+        and torch.cuda.get_device_capability(device) >= (8, 9)
+    )
+
+
+def takes_shard(x: torch.Tensor, cast: Cast) -> bool:
+    """True when :func:`quantize_with_amax` runs ``x`` (a weight shard of FSDP2's FP8 all-gather) here."""
+    return (
+        x.is_cuda
+        and cast.scale_encoding in ("fp32", "pow2")
+        and all(b > 0 and (b == 1 or b == BLOCK) for b in cast.block)
+        and _runs_on(x.device)
+    )
+
+
+def quantize_with_amax(
+    x: torch.Tensor, amax: torch.Tensor, cast: Cast, row_offset: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``infir2.fp8.quantize_with_amax`` in one Triton pass: rows ``row_offset ..`` of a matrix whose
+    block ``amax`` is given; returns ``(data, scale_inv)`` with the whole matrix's ``scale_inv``."""
+    from . import triton_quant
+
+    scale = amax_to_scale(amax, get_format(cast.fmt), cast.scale_encoding)  # [Nb, Kb]: a few KB
+    return triton_quant.quantize_with_scale(x, scale, cast.block, cast.fmt, row_offset), scale.reciprocal()
 
 
 def supports_quantize(x: torch.Tensor, cast: Cast) -> bool:

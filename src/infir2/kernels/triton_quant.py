@@ -39,10 +39,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fp8.formats import BLOCK, EXPONENT_MASK, FLT_MAX, get_format
+from ..fp8.formats import BLOCK, EXPONENT_MASK, FLT_MAX, NAN_CODE, get_format
 from ..fp8.quantize import Block, ScaleEncoding, resolve_block
 
-__all__ = ["SUPPORTED_BLOCKS", "launch_guard", "quantize", "quantize_both", "supports_block"]
+__all__ = [
+    "SUPPORTED_BLOCKS",
+    "launch_guard",
+    "quantize",
+    "quantize_both",
+    "quantize_with_scale",
+    "supports_block",
+]
 
 #: The block shapes these kernels implement; others go to the reference.
 SUPPORTED_BLOCKS: tuple[Block, ...] = ((1, BLOCK), (BLOCK, 1), (BLOCK, BLOCK))
@@ -57,7 +64,7 @@ _EXPONENT_MASK = tl.constexpr(EXPONENT_MASK)
 
 #: FP8 bytes the kernels select explicitly (sign bit 0x80): E5M2 +inf, and the NaN both formats share
 _E5M2_INF = tl.constexpr(0x7C)
-_FP8_NAN = tl.constexpr(0x7F)
+_FP8_NAN = tl.constexpr(NAN_CODE)
 
 
 def launch_guard(t: torch.Tensor) -> AbstractContextManager[Any]:
@@ -371,3 +378,95 @@ def _quantize_both(
             num_warps=8,
         )
     return (row_data, row_scale_inv), (col_data, col_scale_inv)
+
+
+@triton.jit
+def _quantize_with_scale_kernel(  # type: ignore[no-untyped-def]  # a Triton kernel: no Python annotations
+    x_ptr,
+    scale_ptr,
+    data_ptr,
+    M,
+    K,
+    ROW_OFFSET,
+    stride_xm,
+    stride_xk,
+    stride_sm,
+    stride_sk,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+    TILE: tl.constexpr,
+    FMAX: tl.constexpr,
+    HAS_INF: tl.constexpr,
+    CODES: tl.constexpr,
+):
+    """Rows ``ROW_OFFSET ..`` of a matrix whose ``(BM, BK)`` block scales are given: one multiply, the
+    saturation and the cast per element (no amax: the scales are the whole matrix's)."""
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_k = tl.program_id(1).to(tl.int64)
+    offs_m = pid_m * TILE + tl.arange(0, TILE)
+    offs_k = pid_k * TILE + tl.arange(0, TILE)
+    mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask, other=0.0)
+    block_m = (offs_m + ROW_OFFSET) // BM
+    block_k = offs_k // BK
+    scale = tl.load(
+        scale_ptr + block_m[:, None] * stride_sm + block_k[None, :] * stride_sk, mask=mask, other=1.0
+    )
+    y = _saturate(x.to(tl.float32) * scale, FMAX, HAS_INF)
+    _store_data(data_ptr + offs_m[:, None] * K + offs_k[None, :], y, mask, CODES, HAS_INF)
+
+
+def quantize_with_scale(
+    x: torch.Tensor, scale: torch.Tensor, block: Block, fmt: str = "e4m3", row_offset: int = 0
+) -> torch.Tensor:
+    """FP8 data ``[M, K]`` of rows ``row_offset ..`` of a matrix with the block ``scale`` (fp32,
+    multiplies to quantize) of the whole matrix: the codes of ``infir2.fp8.quantize_with_amax`` for
+    ``scale = amax_to_scale(amax)`` (FSDP2's FP8 weight all-gather quantizes each rank's rows so)."""
+    return _quantize_with_scale(x, scale, block, fmt, row_offset, data_dtype=None)
+
+
+def _quantize_with_scale(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    block: Block,
+    fmt: str,
+    row_offset: int,
+    data_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """:func:`quantize_with_scale`, optionally writing the values before the FP8 cast (``data_dtype``)."""
+    if x.dim() != 2 or not x.dtype.is_floating_point or x.dtype.itemsize == 1:
+        raise ValueError(
+            f"quantize_with_scale expects a 2-D floating-point tensor, got {tuple(x.shape)} {x.dtype}"
+        )
+    if scale.dtype != torch.float32 or scale.dim() != 2:
+        raise ValueError(
+            f"quantize_with_scale expects a 2-D fp32 scale, got {tuple(scale.shape)} {scale.dtype}"
+        )
+    f = get_format(fmt)
+    m, k = x.shape
+    bm, bk = resolve_block(block, (row_offset + m, k))
+    data = torch.empty((m, k), dtype=data_dtype or f.dtype, device=x.device)
+    if x.numel() == 0:
+        return data
+    codes = data_dtype is None
+    with launch_guard(x):
+        _quantize_with_scale_kernel[(triton.cdiv(m, BLOCK), triton.cdiv(k, BLOCK))](
+            x,
+            scale,
+            _bytes(data) if codes else data,
+            m,
+            k,
+            row_offset,
+            x.stride(0),
+            x.stride(1),
+            scale.stride(0),
+            scale.stride(1),
+            BM=bm,
+            BK=bk,
+            TILE=BLOCK,
+            FMAX=f.max,
+            HAS_INF=f.has_inf,
+            CODES=codes,
+            num_warps=8,
+        )
+    return data

@@ -26,6 +26,7 @@ import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -192,6 +193,7 @@ def convert_to_fp8(
         parent_name, _, child = fqn.rpartition(".")
         parent = model.get_submodule(parent_name)
         layer = Fp8Linear.from_linear(getattr(parent, child), recipe, backend)
+        layer.fp8_name = fqn
         layer.bind_kernels(device)  # an unusable backend override fails here, before any training
         setattr(parent, child, layer)
     message = f"FP8 recipe {recipe.name!r}: converted {len(chosen)} linear layers"
@@ -272,10 +274,19 @@ def link_fsdp_params(fsdp_module: nn.Module) -> None:
     the one block-amax all-reduce per FSDP unit (``infir2.nn.fsdp``: each weight knows the unit's FP8
     weights in FSDP2's all-gather order).
     """
-    states = fsdp_module._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
-    for group in states:
+    for group in _param_groups(fsdp_module._get_fsdp_state()):  # type: ignore[operator]
         fp8_params = [p for p in group.fsdp_params if isinstance(p._sharded_local_tensor, Fp8ShardedWeight)]
         peers = tuple(weakref.ref(p) for p in fp8_params)
         for index, fsdp_param in enumerate(fp8_params):
             setattr(fsdp_param._module_info.module, "_fp8_fsdp_param", weakref.ref(fsdp_param))  # noqa: B010
             setattr(fsdp_param._module_info.module, "_fp8_amax_peers", (peers, index))  # noqa: B010
+
+
+def _param_groups(state: object) -> list[Any]:
+    """The parameter groups of an FSDP2 state: ``_fsdp_param_groups`` (torch >= 2.12, a list) or the
+    single ``_fsdp_param_group`` of torch 2.11 (None for a module without parameters of its own)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]

@@ -18,7 +18,9 @@ caches, the kernel binding and the C kernel stay outside the traced graph. ``lay
 autocast dtype the input is cast to inside the op, so that the input cache still sees the one tensor
 that q, k and v share. The FP8 copies backward needs are outputs of the forward op, so the compiled
 graph saves them; a weight that the weight cache holds dequantized (the CPU emulation) is found there
-again by backward rather than decoded twice. What a compiled step does not record: the backward half
+again by backward rather than decoded twice. CUDA graphs (``mode="reduce-overhead"``) are refused
+with an error: the caches the ops read and write are not declared to the graph, so a replay would
+reuse the FP8 weight of the captured step (``refuse_graph_capture``). What a compiled step does not record: the backward half
 of FP8 telemetry (``infir2.nn.telemetry``; the forward half is recorded).
 """
 
@@ -32,7 +34,7 @@ from ..fp8.formats import get_format
 from ..fp8.quantize import Block
 from ..fp8.recipe import Cast
 from ..kernels import Operand
-from .linear import _INPUT_CACHE, _Fp8LinearFunction, layer_by_key
+from .linear import _INPUT_CACHE, _Fp8LinearFunction, layer_by_key, refuse_graph_capture
 
 __all__ = ["fp8_linear", "fp8_linear_backward"]
 
@@ -47,6 +49,7 @@ class _Context:
         self.saved_tensors: tuple[torch.Tensor, ...] = ()
         self.w_kept: Operand | None = None  # the attributes _Fp8LinearFunction sets and reads
         self.w_transposed = False  # the K-major dgrad weight (CUDA eager only) is not used here
+        self.k_major_in_backward = False
         self.recipe: Any = None
         self.kernels: Any = None
         self.x_dtype: torch.dtype | None = None
@@ -75,6 +78,7 @@ def _empty(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: int, dtype: torch.dtype | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    refuse_graph_capture()  # the caches are not declared to the graph: see refuse_graph_capture
     module = layer_by_key(layer)
     original = x
     if dtype is not None:
@@ -130,6 +134,7 @@ def fp8_linear_backward(
     compute_dtype: torch.dtype,
     needs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    refuse_graph_capture()
     module = layer_by_key(layer)
     recipe, kernels = module.recipe, module._kernels_on(dy.device)
     ctx = _Context(tuple(needs))

@@ -62,8 +62,8 @@ from torch.utils._pytree import tree_map_only
 
 from ..fp8.formats import get_format
 from ..fp8.quantize import Block, expand_blocks, quantize_with_amax, resolve_block
-from ..fp8.recipe import Fp8Recipe
-from ..kernels import Operand
+from ..fp8.recipe import Cast, Fp8Recipe
+from ..kernels import Operand, triton_backend
 
 __all__ = ["AMAX_ALL_REDUCE_HOOKS", "Fp8GatheredWeight", "Fp8ShardedWeight", "partial_block_amax"]
 
@@ -225,9 +225,7 @@ class Fp8ShardedWeight(torch.Tensor):
         offset = rank * padded
         amax = _reduced_block_amax(module, shard, n_rows, mesh)
         w = recipe.w
-        codes, scale_inv = quantize_with_amax(
-            shard, amax, w.block, w.fmt, w.scale_encoding, row_offset=offset, n_rows=n_rows
-        )
+        codes, scale_inv = _quantize_shard(shard, amax, w, offset, n_rows)
         codes_u8 = F.pad(codes.view(torch.uint8), (0, 0, 0, padded - shard.shape[0]))  # [P, K]
         return (codes_u8,), (scale_inv, recipe.w.block, recipe.w.fmt, n_rows)
 
@@ -255,6 +253,18 @@ class Fp8ShardedWeight(torch.Tensor):
             out.operand = operand
             return None
         return Fp8GatheredWeight(operand, param_dtype), ()  # the codes live in FSDP's own buffer
+
+
+def _quantize_shard(
+    shard: torch.Tensor, amax: torch.Tensor, cast: Cast, row_offset: int, n_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows with the block scales of the whole weight: one Triton pass on a GPU that runs it,
+    the multi-pass reference elsewhere (the same codes either way)."""
+    if triton_backend.takes_shard(shard, cast):
+        return triton_backend.quantize_with_amax(shard, amax, cast, row_offset)
+    return quantize_with_amax(
+        shard, amax, cast.block, cast.fmt, cast.scale_encoding, row_offset=row_offset, n_rows=n_rows
+    )
 
 
 def _reduced_block_amax(module: nn.Module, shard: torch.Tensor, n_rows: int, mesh: Any) -> torch.Tensor:

@@ -22,13 +22,21 @@ The dgrad B operand is ``Q(W).T [K, N]``, whose reduction dimension (N) is the s
 quantized weight; FP8 tensor-core GEMMs want it contiguous (cuBLAS copies it, Triton transposes in
 registers, every call). On CUDA inside ``cache_fp8_weights`` the layer therefore keeps one K-major
 copy of the transposed FP8 weight per step beside the forward one (as torchao and DeepSeek-V3 do):
-one more byte per weight element for the step, no copy per micro-batch. Elsewhere (CPU, a weight
-all-gathered by FSDP2 and freed between forward and backward) backward uses ``Q(W).T`` as a view.
+one more byte per weight element for the step, no copy per micro-batch. A weight all-gathered by FSDP2 is freed
+between forward and backward and gathered again for backward: its K-major copy is made there, once
+per backward, and freed after the dgrad GEMM (keeping it from forward would hold every layer's whole
+FP8 weight at once). On a CPU backward uses ``Q(W).T`` as a view.
+
+Token counts: where cuBLAS runs the GEMMs, a micro-batch whose token count is not a multiple of 128
+is padded with zero tokens inside the layer (``pad_tokens``), because the block-scaled wgrad reduces
+over tokens in whole 128-token blocks. Zero rows change no block's amax, so every scale and every
+code of the real tokens is the same; the padded rows are sliced off the output.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import weakref
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
@@ -37,11 +45,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..fp8.formats import BLOCK
 from ..fp8.recipe import Fp8Recipe, get_recipe
-from ..kernels import Kernels, Operand, bind
+from ..kernels import BACKENDS, ORDER, Kernels, Operand, bind, emulated, scaled_mm
 from .fsdp import Fp8GatheredWeight
 
 __all__ = ["Fp8Linear", "StatsRecorder"]
+
+log = logging.getLogger(__name__)
+_WARNED_EMULATED: set[tuple[str, torch.device]] = set()  # (recipe, device) already warned about
 
 
 class StatsRecorder(Protocol):
@@ -98,6 +110,11 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.w_kept = w_dgrad if w_dgrad is not None and w_dgrad.keep_for_backward else None
         # The K-major transposed copy (module doc) replaces the forward weight as the saved dgrad operand.
         ctx.w_transposed = w_dgrad is not None and w_dgrad_t is not None
+        # an FSDP2-gathered weight is freed after forward and gathered again for backward: its K-major
+        # copy is made there, once per backward (not kept from forward to backward: module doc)
+        ctx.k_major_in_backward = (
+            isinstance(weight, Fp8GatheredWeight) and kernels.device.type == "cuda" and not ctx.w_transposed
+        )
         saved_w = w_dgrad_t if ctx.w_transposed else w_dgrad
         ctx.save_for_backward(
             x_wgrad.data,
@@ -135,7 +152,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
                     w_dgrad = Operand(w_saved[0], w_saved[1], recipe.w_dgrad.block)
                 else:
                     w_dgrad = kernels.quantize(weight, recipe.w_dgrad)
-                dx = kernels.gemm_nt(dyq, w_dgrad.t(), ctx.x_dtype)  # [T,N] @ [N,K] -> [T,K], fp32 accumulate
+                w_dgrad_t = w_dgrad.t()  # [K, N]
+                if ctx.k_major_in_backward and ctx.w_kept is None:
+                    w_dgrad_t = k_major(w_dgrad_t)
+                dx = kernels.gemm_nt(dyq, w_dgrad_t, ctx.x_dtype)  # [T,N] @ [N,K] -> [T,K], fp32 accumulate
                 if ctx.probe is not None:
                     ctx.probe.dgrad(dy, dyq, w_dgrad, weight, dx)
             if need_dw:
@@ -149,6 +169,36 @@ class _Fp8LinearFunction(torch.autograd.Function):
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 db = dy.to(_accumulation_dtype(weight.dtype)).sum(0).to(weight.dtype)
         return dx, dw, db, None, None, None, None, None, None
+
+
+def k_major(op: Operand) -> Operand:
+    """``op`` (the ``[K, N]`` view ``Q(W).t()``, N the slow dimension) copied so that N is contiguous:
+    the dgrad B operand FP8 tensor-core GEMMs want (cuBLAS would copy it per call)."""
+    return Operand(op.data.contiguous(), op.scale_inv.contiguous(), op.block)
+
+
+def pad_tokens(tokens: int, kernels: Kernels) -> int:
+    """Zero tokens to append so that ``tokens`` is a multiple of 128 where cuBLAS runs the GEMMs: its
+    block-scaled wgrad reduces over tokens and takes only whole 128-token blocks (else the GEMM would
+    go to Triton or the emulation). Zero rows change no scale, so the result is the same."""
+    if kernels.device.type != "cuda" or kernels.name != scaled_mm.NAME:
+        return 0
+    return -tokens % BLOCK
+
+
+def refuse_graph_capture() -> None:
+    """Raise inside CUDA graph capture (``torch.compile(mode="reduce-overhead")``, ``torch.cuda.graph``).
+
+    The FP8 weight cache and the input cache are Python state a captured graph does not see: a replay
+    would read the FP8 weight of the step it was captured in and train on it with no error. CUDA is
+    asked only once it is initialized (no capture can run before), so a CPU run never touches it.
+    """
+    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "Fp8Linear cannot run inside CUDA graph capture (torch.compile mode='reduce-overhead' or "
+            "torch.cuda.graph): its FP8 weight and input caches live outside the graph, so a replay "
+            "would train on stale FP8 weights; compile with mode='default' or 'max-autotune-no-cudagraphs'"
+        )
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -203,6 +253,28 @@ def layer_by_key(key: int) -> Fp8Linear:
     return layer
 
 
+def _warn_if_emulated_on_gpu(layer: Fp8Linear, kernels: Kernels) -> None:
+    """A warning, once per recipe and device, when a CUDA layer's GEMMs can only run on the emulated
+    backend (an A100; mxfp8 on Blackwell): the layer named, and why each GPU backend is out."""
+    key = (layer.recipe.name, kernels.device)
+    if kernels.device.type != "cuda" or kernels.chain[0].NAME != emulated.NAME or key in _WARNED_EMULATED:
+        return
+    _WARNED_EMULATED.add(key)
+    reasons = [
+        f"{name}: {why}"
+        for name in ORDER["cuda"]
+        if name != emulated.NAME and (why := BACKENDS[name].why_unavailable(layer.recipe, kernels.device))
+    ]
+    log.warning(
+        "FP8 recipe %r on %s: the GEMMs of %s (and of every other layer of this recipe here) run on the "
+        "emulated backend, dequantize + fp32 matmul, slower than BF16 (%s)",
+        layer.recipe.name,
+        kernels.device,
+        getattr(layer, "fp8_name", "") or f"Fp8Linear({layer.in_features}, {layer.out_features})",
+        "; ".join(reasons),
+    )
+
+
 class Fp8Linear(nn.Linear):
     """Drop-in ``nn.Linear`` (same parameters and state_dict keys) computing its GEMMs in FP8.
 
@@ -234,6 +306,7 @@ class Fp8Linear(nn.Linear):
         self.kernels: Kernels | None = None
         self.cache_weight = False
         self.stats: StatsRecorder | None = None  # set by infir2.nn.telemetry on stats steps only
+        self.fp8_name = ""  # its name in the model (convert_to_fp8 sets it), for warnings
         # (key, forward weight, its K-major transpose for dgrad or None): see quantized_weight
         self._weight_cache: tuple[tuple[Any, ...], Operand, Operand | None] | None = None
         self._register()
@@ -270,6 +343,8 @@ class Fp8Linear(nn.Linear):
     def bind_kernels(self, device: torch.device | str) -> Kernels:
         """Bind this layer to the kernels of its recipe on ``device`` (an error for an unusable backend)."""
         self.kernels = bind(self.recipe, device, self.backend_name)
+        if self.backend_name != emulated.NAME:
+            _warn_if_emulated_on_gpu(self, self.kernels)
         return self.kernels
 
     def _kernels_on(self, device: torch.device) -> Kernels:
@@ -304,10 +379,9 @@ class Fp8Linear(nn.Linear):
         ):
             return None
         if cache[2] is None:
-            t = w_fprop.t()  # [K, N] view, N the slow dimension
             with torch.no_grad():
-                k_major = Operand(t.data.contiguous(), t.scale_inv.contiguous(), t.block)  # one copy per step
-            self._weight_cache = cache = (cache[0], w_fprop, k_major)
+                transposed = k_major(w_fprop.t())  # one copy per step
+            self._weight_cache = cache = (cache[0], w_fprop, transposed)
         return cache[2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -317,16 +391,22 @@ class Fp8Linear(nn.Linear):
             device = x.device.type
             dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
             return torch.ops.infir2.fp8_linear(x, self.weight, self.bias, self.op_key, dtype)[0]
+        refuse_graph_capture()  # eager: the custom ops check it themselves
         original = x
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)  # [..., K] -> [T, K]
         kernels = self._kernels_on(x.device)
+        tokens = x2d.shape[0]
+        pad = pad_tokens(tokens, kernels)
+        if pad:  # [T, K] -> [T + pad, K], zero rows (sliced off the output below)
+            x2d = F.pad(x2d, (0, 0, 0, pad))
         w_fprop = self.quantized_weight(kernels)
         x_ops = _INPUT_CACHE.get(original, x2d, self.recipe, kernels)
         w_dgrad_t = self.dgrad_weight(w_fprop, kernels)
         y = _Fp8LinearFunction.apply(
             x2d, self.weight, self.bias, self.recipe, kernels, w_fprop, x_ops, self.stats, w_dgrad_t
         )
+        y = y[:tokens] if pad else y
         return y.reshape(*lead, self.out_features)

@@ -11,11 +11,11 @@ from typing import cast
 
 import torch
 
+from ..eval.tasks import reward
+from ..generation import Sample, derive_seeds
 from ..harness.distributed import all_gather_objects
 from .algorithm import overlong_penalty
 from .batch import Group
-from .engine import Rollout, derive_seeds
-from .rewards import REWARDS
 from .state import Run
 
 __all__ = ["collect_groups", "completion_text", "share"]
@@ -73,12 +73,12 @@ def _collect_stats(pool: list[Group], sampled: list[Group], rounds: int, trained
     }
 
 
-def _grade(run: Run, index: int, rollouts: list[Rollout]) -> Group:
+def _grade(run: Run, index: int, rollouts: list[Sample]) -> Group:
     """Prompt ``index``'s rollouts as a group (rewards graded and shaped); a group that dynamic sampling
     drops keeps only what the statistics need (no responses, no log-probabilities)."""
     r, a = run.cfg.rollout, run.cfg.algo
     texts = [completion_text(run, g.response_ids) for g in rollouts]
-    correct = [REWARDS[a.reward](t, run.problems[index].answer) for t in texts]
+    correct = [reward(a.reward, run.problems[index], t) for t in texts]
     lengths = [len(g.response_ids) for g in rollouts]
     shaped = torch.tensor(correct, dtype=torch.float64)
     if a.overlong == "penalty":

@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..harness.run import run_overrides
+    from ..harness.run import log_outputs, run_overrides
     from .config import load_rl_config
     from .loop import rl
 
@@ -50,10 +50,5 @@ def run(args: argparse.Namespace) -> int:
     last = result.history[-1] if result.history else {}
     if "val_accuracy" in last:
         log.info("done: step %d, held-out accuracy %.3f", result.step, last["val_accuracy"])
-    log.info(
-        "run folder %s; checkpoint %s; Hugging Face export %s",
-        result.run_dir,
-        result.checkpoint,
-        result.hf_dir,
-    )
+    log_outputs(result)
     return 0

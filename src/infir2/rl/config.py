@@ -7,8 +7,10 @@ where they published one, docs/RL.md)::
     model:    path | from_config, tokenizer, precision, ...    (as in `infir2 train`)
     fp8:      recipe, backend, ...                             (the *training* precision, as in `infir2 train`)
     optim:    lr 1e-6, betas (0.9, 0.98), eps, weight_decay 0.1, grad_clip 1.0   (constant lr)
-    data:     prompts_path (JSONL problem/answer, the `infir2 eval` math format), val_path, shuffle, seed
-    rollout:  engine, precision (bf16|fp8), scale (pow2|fp32), prompts_per_step, group_size,
+    data:     task (a task of infir2.eval.TASKS: the JSONL schema, default math), prompts_path, val_path,
+              shuffle, seed
+    rollout:  engine (a name in infir2.generation.ENGINES), precision (bf16|fp8), scale_encoding (pow2|fp32),
+              prompts_per_step, group_size,
               oversample_prompts, max_rounds, carry_over, max_new_tokens, temperature, batch_size
     algo:     reward, clip_low, clip_high, kl_coef, tis (auto|truncate|mask|off), tis_cap,
               overlong (none|mask|penalty), overlong_buffer, overlong_penalty, updates_per_batch,
@@ -18,7 +20,8 @@ where they published one, docs/RL.md)::
 
 The run, model, fp8 and optim sections, their rules, the YAML reader and ``run.accept_config_changes``
 are the run harness's (``infir2.harness.config``), shared with ``infir2 train``. Validation is strict (an unknown key or a bad value is a ``ValueError`` naming the dotted key and the
-file); ``--set key=value`` overrides use the same dotted keys.
+file); ``--set key=value`` overrides use the same dotted keys. ``rollout.scale`` is the older name of
+``rollout.scale_encoding`` (``harness.config.RENAMED``: read with a warning, a saved config alike).
 """
 
 from __future__ import annotations
@@ -27,11 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from ..eval.tasks import GRADERS, TASKS
+from ..generation import ENGINES, SAME_RECIPE
 from ..harness.config import (
-    Fp8Config,
-    ModelConfig,
     OptimConfig,
-    RunSection,
+    StageConfig,
     check_positive,
     check_shared,
     load_stage_config,
@@ -67,9 +70,8 @@ class RLOptim(OptimConfig):
 
 @dataclass(frozen=True)
 class RLData:
-    prompts_path: str = (
-        ""  # JSONL: {"problem", "answer", "id"?} per line (what `infir2 eval --task math` reads)
-    )
+    task: str = "math"  # the prompts' task (infir2.eval.TASKS): their JSONL schema and default grader
+    prompts_path: str = ""  # JSONL of data.task's schema (what `infir2 eval --task TASK` reads)
     val_path: str | None = None  # held-out problems, scored greedily every train.eval_every steps
     shuffle: bool = True  # a new prompt order every pass over the file
     seed: int | None = None  # prompt-order seed; default: run.seed
@@ -77,10 +79,11 @@ class RLData:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    engine: Literal["builtin"] = "builtin"  # in-process generation with a KV cache (rl/engine.py)
-    # the projections' GEMMs while generating: fp8 = the FP8 export's 128x128 weights + 1x128 activations
+    engine: str = "builtin"  # a name in infir2.generation.ENGINES (builtin: in-process, KV cache)
+    # the projections' GEMMs while generating: fp8 = the FP8 export's 128x128 weights + 1x128 activations;
+    # bf16 = the run's high precision, i.e. model.precision (fp32 / fp64 / bf16: not necessarily bf16)
     precision: Literal["bf16", "fp8"] = "fp8"
-    scale: Literal["pow2", "fp32"] = "pow2"  # fp8 block scales (weights as `infir2 export --scale-encoding`)
+    scale_encoding: Literal["pow2", "fp32"] = "pow2"  # fp8 block scales, as `infir2 export --scale-encoding`
     prompts_per_step: int = 128  # groups trained on per step
     group_size: int = 16  # samples per prompt
     oversample_prompts: int | None = (
@@ -95,7 +98,9 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class AlgoConfig:
-    reward: str = "math"  # a name in infir2.rl.REWARDS
+    reward: str = (
+        "math"  # a grader of infir2.eval.GRADERS (1.0 correct, else 0.0): data.task's, or a registered one
+    )
     dynamic_sampling: bool = True  # drop groups whose rewards all agree and refill (DAPO)
     clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high] (clip-higher)
     clip_high: float = 0.28
@@ -126,19 +131,12 @@ class RLTrain:
 
 
 @dataclass(frozen=True)
-class RLConfig:
-    run: RunSection = field(default_factory=RunSection)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    fp8: Fp8Config = field(default_factory=Fp8Config)
+class RLConfig(StageConfig):
     optim: RLOptim = field(default_factory=RLOptim)
     data: RLData = field(default_factory=RLData)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: RLTrain = field(default_factory=RLTrain)
-
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.run.out_dir) / self.run.name
 
 
 def tis_mode(cfg: RLConfig) -> str:
@@ -147,7 +145,7 @@ def tis_mode(cfg: RLConfig) -> str:
         return cfg.algo.tis
     same = (cfg.rollout.precision == "fp8") == (cfg.fp8.recipe != "bf16")
     if same and cfg.rollout.precision == "fp8":
-        same = cfg.fp8.recipe == {"pow2": "blockwise", "fp32": "blockwise_fp32scale"}[cfg.rollout.scale]
+        same = cfg.fp8.recipe == SAME_RECIPE[cfg.rollout.scale_encoding]
     return "off" if same else "truncate"
 
 
@@ -198,10 +196,25 @@ def _check(cfg: RLConfig, source: str) -> None:
             "train.max_prob_error",
             f"must be > 1 (1 is a perfect match) or null, got {t.max_prob_error}",
         )
-    from .rewards import REWARDS
+    _check_names(cfg, source)
 
-    if a.reward not in REWARDS:
-        raise config_error(source, "algo.reward", f"got {a.reward!r}, expected one of {', '.join(REWARDS)}")
+
+def _check_names(cfg: RLConfig, source: str) -> None:
+    """The registry names: engine, task, reward (and a task's grader that fits its task)."""
+    for key, value, names in (
+        ("rollout.engine", cfg.rollout.engine, ENGINES),
+        ("data.task", cfg.data.task, TASKS),
+        ("algo.reward", cfg.algo.reward, GRADERS),
+    ):
+        if value not in names:
+            raise config_error(source, key, f"got {value!r}, expected one of {', '.join(names)}")
+    task, reward = cfg.data.task, cfg.algo.reward
+    if reward in TASKS and reward != task:
+        raise config_error(
+            source,
+            "algo.reward",
+            f"{reward!r} grades {reward} answers, but data.task is {task!r}: set algo.reward: {task}",
+        )
 
 
 def parse_rl_config(data: dict[str, Any], source: str = "<dict>") -> RLConfig:

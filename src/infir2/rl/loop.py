@@ -29,14 +29,14 @@ Under ``torchrun --nproc_per_node N`` (every rank calls ``rl``) the policy is sh
 ``infir2 train``; each rank keeps a whole rollout engine (and reference), built before sharding:
 
 * **collect**: every rank draws the same prompts and the same seed per round; rank r generates and grades
-  its contiguous ``share`` of the round's prompts, each prompt with its own seed (``engine.derive_seeds``:
+  its contiguous ``share`` of the round's prompts, each prompt with its own seed (``generation.derive_seeds``:
   a group does not depend on which rank or batch generated it); the groups are all-gathered in prompt
   order, so every rank holds the same kept groups, buffer and batch -- those of one process;
 * **score / update**: the batch's mini-batches and micro-batches are one process's (``plan_batches``);
   micro-batch k of a mini-batch runs on rank ``k % N`` (``my_micro_batches``; a rank with one fewer runs
   a forward of zero weight, so FSDP2's collectives match). The loss is normalised by the whole
   mini-batch's tokens and multiplied by N (FSDP2 averages gradients); statistics are all-reduced;
-* **sync**: every rank's engine all-gathers the whole weights (``BuiltinEngine.load_weights``);
+* **sync**: every rank's engine all-gathers the whole weights (``generation.BuiltinEngine.load_weights``);
 * **validation**: each rank scores its share of the held-out problems; the counts are all-reduced;
 * **checkpoint / export**: full state dicts gathered to rank 0, which writes them. Prompt position,
   sampler, buffer and RNG are the same on every rank, so a checkpoint resumes on any number of processes.
@@ -55,7 +55,8 @@ import torch
 from torch import nn
 
 from ..data.chat import render_prompt, stop_token_ids
-from ..eval.tasks import Problem, load_problems
+from ..eval.tasks import Problem, load_problems, reward
+from ..generation import EngineOptions, RolloutEngine, SamplingConfig, build_engine
 from ..harness.config import config_to_dict
 from ..harness.config_changes import reconcile_saved_config
 from ..harness.distributed import DistEnv, all_reduce_sum
@@ -69,9 +70,7 @@ from .algorithm import group_advantages
 from .batch import RLBatch
 from .collect import collect_groups, completion_text, share
 from .config import MEANINGFUL, RLConfig, tis_mode
-from .engine import BuiltinEngine, RolloutEngine
 from .prompts import PromptStream
-from .rewards import REWARDS
 from .state import RLState, RolloutData, Run
 from .update import my_micro_batches, plan_batches, score, sequence_logprobs, update
 
@@ -103,11 +102,10 @@ class RLResult:
 
 def _evaluate(run: Run) -> float:
     """Greedy accuracy on the held-out problems with the engine's current weights (each rank its share)."""
-    reward = REWARDS[run.cfg.algo.reward]
     lo, hi = share(len(run.val), run.env.rank, run.env.world_size)
     groups = run.engine.generate(run.val_ids[lo:hi], 1, seed=0, greedy=True)
     scores = [
-        reward(completion_text(run, g[0].response_ids), p.answer)
+        reward(run.cfg.algo.reward, p, completion_text(run, g[0].response_ids))
         for g, p in zip(groups, run.val[lo:hi], strict=True)
     ]
     correct = torch.tensor([sum(scores)], dtype=torch.float64, device=run.env.device)
@@ -130,8 +128,9 @@ def _load_inputs(cfg: RLConfig, model_given: bool) -> tuple[list[Problem], list[
     the prompts and held-out problems (read here, once)."""
     if not cfg.data.prompts_path:
         raise ValueError('data.prompts_path: is required (a JSONL file of {"problem", "answer"} lines)')
-    problems = load_problems(cfg.data.prompts_path, "math")
-    val = load_problems(cfg.data.val_path, "math")[: cfg.train.eval_problems] if cfg.data.val_path else []
+    task = cfg.data.task
+    problems = load_problems(cfg.data.prompts_path, task)
+    val = load_problems(cfg.data.val_path, task)[: cfg.train.eval_problems] if cfg.data.val_path else []
     if not (model_given or cfg.model.path or cfg.model.from_config):
         raise ValueError(
             "model: give model.path (a local HF folder, e.g. the SFT run's <run>/hf) or model.from_config"
@@ -141,19 +140,19 @@ def _load_inputs(cfg: RLConfig, model_given: bool) -> tuple[list[Problem], list[
     return problems, val
 
 
-def _build_engine(cfg: RLConfig, model: nn.Module, stops: list[int], pad_id: int) -> RolloutEngine:
+def _build_engine(cfg: RLConfig, model: nn.Module, tokenizer: Any) -> RolloutEngine:
+    """``rollout.engine`` from the registry (``generation.ENGINES``), generating from a copy of the policy."""
     r = cfg.rollout
-    return BuiltinEngine(
-        model,
-        r.precision,
-        r.scale,
-        cfg.model.precision,
-        r.temperature,
-        r.max_new_tokens,
-        r.batch_size,
-        stops,
-        pad_id,
+    options = EngineOptions(
+        tokenizer,
+        model=lambda: model,
+        precision="served" if r.precision == "fp8" else "high",
+        scale_encoding=r.scale_encoding,
+        model_precision=cfg.model.precision,
+        copy_model=True,
     )
+    sampling = SamplingConfig(False, r.temperature, 1.0, r.max_new_tokens, r.batch_size)  # the policy itself
+    return RolloutEngine(build_engine(r.engine, options), sampling)
 
 
 def _setup(
@@ -169,7 +168,7 @@ def _setup(
     built: dict[str, Any] = {}
 
     def before_shard(whole: nn.Module) -> None:  # the engine and the reference copy the whole model
-        built["engine"] = _build_engine(cfg, whole, stops, pad_id)
+        built["engine"] = _build_engine(cfg, whole, tokenizer)
         if cfg.algo.kl_coef > 0:  # a whole copy on every rank (no collectives in its forwards)
             built["ref"] = copy.deepcopy(whole).eval().requires_grad_(False)
 

@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 from ..eval.tasks import Problem
+from ..generation import RolloutEngine
 from ..harness.distributed import DistEnv
 from ..harness.resume import SavePolicy
 from .batch import Group
 from .config import RLConfig
-from .engine import RolloutEngine
 from .prompts import PromptStream
 
 __all__ = ["RLState", "RolloutData", "Run"]

@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..harness.run import run_overrides
+    from ..harness.run import log_outputs, run_overrides
     from .config import load_config
     from .loop import train
 
@@ -83,10 +83,5 @@ def run(args: argparse.Namespace) -> int:
             result.final_loss or float("nan"),
             f", val loss {result.final_val_loss:.4f}" if result.final_val_loss is not None else "",
         )
-    log.info(
-        "run folder %s; checkpoint %s; Hugging Face export %s",
-        result.run_dir,
-        result.checkpoint,
-        result.hf_dir,
-    )
+    log_outputs(result)
     return 0

@@ -40,6 +40,7 @@ from ..harness.config import (
     OptimConfig,
     RunSection,
     ScheduleConfig,
+    StageConfig,
     check_positive,
     check_shared,
     config_to_dict,
@@ -164,19 +165,12 @@ class LoadConfig:
 
 
 @dataclass(frozen=True)
-class RunConfig:
-    run: RunSection = field(default_factory=RunSection)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    fp8: Fp8Config = field(default_factory=Fp8Config)
+class RunConfig(StageConfig):
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     load: LoadConfig = field(default_factory=LoadConfig)
-
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.run.out_dir) / self.run.name
 
 
 # --------------------------------------------------------------------------------------------

@@ -24,17 +24,12 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..harness.run import add_set_argument
+
     parser.add_argument(
         "config", nargs="?", help="a YAML run config or a shipped config's name (checked, printed)"
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config field, as in `infir2 train` (repeatable)",
-    )
+    add_set_argument(parser)
     parser.add_argument("--keys", action="store_true", help="print every key with its default and meaning")
     parser.add_argument("--list", action="store_true", help="list the shipped configs")
     parser.add_argument(

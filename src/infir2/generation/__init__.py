@@ -1,0 +1,32 @@
+"""Generation below ``eval`` and ``rl``: one engine interface, one KV-cache sampler, one FP8 serving linear,
+the OpenAI-compatible server client, and the engine registry both ``infir2 eval`` and ``infir2 rl`` read."""
+
+from .base import Engine, Prompt, RolloutEngine, Sample, SamplingConfig, derive_seeds
+from .builtin import BuiltinEngine
+from .fp8_linear import SAME_RECIPE, ServingFp8Linear, serve_fp8
+from .registry import ENGINES, EngineOptions, build_engine, register_engine
+from .sampler import left_pad, sample_batch
+from .server import ServerConfig, ServerEngine, ServerError, check_server
+
+__all__ = [
+    "ENGINES",
+    "SAME_RECIPE",
+    "BuiltinEngine",
+    "Engine",
+    "EngineOptions",
+    "Prompt",
+    "RolloutEngine",
+    "Sample",
+    "SamplingConfig",
+    "ServerConfig",
+    "ServerEngine",
+    "ServerError",
+    "ServingFp8Linear",
+    "build_engine",
+    "check_server",
+    "derive_seeds",
+    "left_pad",
+    "register_engine",
+    "sample_batch",
+    "serve_fp8",
+]

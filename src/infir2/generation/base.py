@@ -1,0 +1,140 @@
+"""What every engine speaks: a prompt with one seed per wanted sample in, samples out.
+
+An engine (``Engine``) is asked for samples of prompts, never for "a batch": ``Prompt.seeds`` holds one
+seed per sample, and sample j of a prompt is drawn from ``seeds[j]`` alone, so what a prompt gets does
+not depend on the other prompts of the call, on the batch size or on the rank that asked (an engine
+that honours seeds; the batched forward may still change a log-probability at float rounding). An
+engine returns for each sample the response token ids (the stop token included when it stopped) and
+the engine's log-probability of each (``returns_ids``), or, from a text API, the response text.
+
+``infir2 eval`` and ``infir2 rl`` both build their engine by name from ``generation.registry.ENGINES``;
+RL talks to it through ``RolloutEngine`` (``n`` samples per prompt from one seed per prompt).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+import torch
+from torch import nn
+
+__all__ = ["Engine", "OnSample", "Prompt", "RolloutEngine", "Sample", "SamplingConfig", "derive_seeds"]
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Decoding settings. ``greedy`` ignores temperature / top_p / top_k; ``top_k`` 0 = no top-k.
+
+    The defaults are the InfiR2 evaluation protocol (0.65 / 0.95); RL samples the policy itself
+    (``top_p`` 1, ``top_k`` 0), so the trainer's log-probabilities compare with the engine's.
+    """
+
+    greedy: bool = False
+    temperature: float = 0.65
+    top_p: float = 0.95
+    max_new_tokens: int = 1024
+    batch_size: int = 8  # sequences an in-process engine generates together
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.greedy and not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: off), got {self.top_k}")
+        if self.max_new_tokens < 1 or self.batch_size < 1:
+            raise ValueError(
+                f"max_new_tokens and batch_size must be >= 1, got {self.max_new_tokens}, {self.batch_size}"
+            )
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: its token ids, its text (what a text API is sent; None: ids only), a seed per sample."""
+
+    ids: list[int]
+    text: str | None
+    seeds: tuple[int, ...]
+
+
+@dataclass
+class Sample:
+    """One sampled response.
+
+    ``response_ids`` includes the stop token when it stopped (``[]`` from an engine that returns text
+    only); ``logprobs`` the engine's log-probability of each (``softmax(logits / temperature)``, before
+    any top-p / top-k); ``text`` the engine's own text of it (a server's, without the stop token);
+    ``n_tokens`` the engine's count when it returns no ids.
+    """
+
+    response_ids: list[int]
+    logprobs: list[float]
+    finished: bool  # stopped at a stop token (False: cut at max_new_tokens)
+    text: str | None = None
+    n_tokens: int | None = field(default=None)
+
+    @property
+    def tokens(self) -> int:
+        return self.n_tokens if self.n_tokens is not None else len(self.response_ids)
+
+
+#: ``on_sample(prompt index, sample index, sample)``, called as each sample is finished
+OnSample = Callable[[int, int, Sample], None]
+
+
+class Engine(Protocol):
+    """Where samples come from. ``name`` is its registry name, ``precision`` what its projections run in."""
+
+    name: str
+    precision: str
+    returns_ids: bool  # response ids and log-probabilities (what RL trains on); False: text only
+
+    def load_weights(self, policy: nn.Module) -> None:
+        """Take new weights (RL, after every update); every rank calls it."""
+        ...
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        sampling: SamplingConfig,
+        on_sample: OnSample | None = None,
+        progress: bool = False,
+    ) -> list[list[Sample]]:
+        """``result[i][j]``: prompt i's sample j, drawn from ``prompts[i].seeds[j]``."""
+        ...
+
+
+def derive_seeds(seed: int, k: int) -> list[int]:
+    """``k`` seeds drawn from ``seed`` (a seeded ``torch.Generator``): the per-prompt and per-sample seeds."""
+    return torch.randint(0, 2**62, (k,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+class RolloutEngine:
+    """RL's view of an engine: ``n`` samples of each prompt (token ids) from one seed per prompt.
+
+    ``generate(prompts, n, seed, greedy)``: ``seed`` is an int (``derive_seeds(seed, len(prompts))``) or
+    one seed per prompt; sample j of prompt i is drawn from ``derive_seeds(seed_i, n)[j]``.
+    """
+
+    def __init__(self, engine: Engine, sampling: SamplingConfig) -> None:
+        if not engine.returns_ids:
+            raise ValueError(
+                f"rollout.engine: {engine.name} returns text only; RL trains on the engine's token ids "
+                "and log-probabilities"
+            )
+        self.engine, self.sampling = engine, sampling
+
+    def load_weights(self, policy: nn.Module) -> None:
+        self.engine.load_weights(policy)
+
+    def generate(
+        self, prompts: Sequence[list[int]], n: int, seed: int | Sequence[int], greedy: bool = False
+    ) -> list[list[Sample]]:
+        seeds = derive_seeds(seed, len(prompts)) if isinstance(seed, int) else list(seed)
+        if len(seeds) != len(prompts):
+            raise ValueError(f"generate: {len(seeds)} seeds for {len(prompts)} prompts")
+        requests = [Prompt(p, None, tuple(derive_seeds(s, n))) for p, s in zip(prompts, seeds, strict=True)]
+        return self.engine.generate(requests, replace(self.sampling, greedy=greedy))

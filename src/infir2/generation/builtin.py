@@ -1,0 +1,138 @@
+"""The built-in engine: KV-cache generation in this process (``sampler.sample_batch``).
+
+``precision`` names what the seven decoder projections run in while generating:
+
+* ``high``   -- as the model's high-precision parts (an ``Fp8Linear`` runs as a plain linear);
+* ``fp8``    -- the model's own ``Fp8Linear`` layers in FP8 (a model converted with a recipe:
+  ``infir2 eval --fp8 RECIPE``, ``evaluate(fp8=True)``);
+* ``served`` -- the FP8 export as a serving engine runs it: ``ServingFp8Linear`` (128x128 weights from
+  ``export.layout.quantize_weight``, 1x128 activations, ``scale_encoding`` pow2 or fp32).
+
+``copy_model``: generate from a copy that ``load_weights(policy)`` refreshes (RL: gathered whole from an
+FSDP2-sharded policy, one tensor at a time in the same order on every rank), else from the model itself
+(evaluation; ``served`` then swaps its projections in place). Samples are batched ``batch_size`` at a
+time in the order asked, each from a generator seeded with its own seed.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..data.chat import stop_token_ids
+from ..nn import fp8_enabled, fp8_modules
+from .base import OnSample, Prompt, Sample, SamplingConfig
+from .fp8_linear import ServingFp8Linear, serve_fp8
+from .sampler import sample_batch
+
+__all__ = ["PRECISIONS", "BuiltinEngine", "stops_and_pad"]
+
+PRECISIONS = ("high", "fp8", "served")
+
+
+def stops_and_pad(tokenizer) -> tuple[list[int], int]:
+    """The stop ids (``data.chat.stop_token_ids``, sorted) and the pad id (the tokenizer's, else a stop id)."""
+    stops = sorted(set(stop_token_ids(tokenizer)))
+    if not stops:
+        raise ValueError("the tokenizer has neither <|im_end|> nor an eos token: generation could never stop")
+    return stops, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_token_ids(tokenizer)[
+        0
+    ]
+
+
+class BuiltinEngine:
+    """In-process generation with a KV cache (see the module doc)."""
+
+    returns_ids = True
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        precision: str = "high",
+        scale_encoding: str = "pow2",
+        model_precision: str | None = None,
+        copy_model: bool = False,
+        name: str = "builtin",
+    ) -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        self.name, self.model_precision, self.copy_model = name, model_precision, copy_model
+        self.stop_ids, self.pad_id = stops_and_pad(tokenizer)
+        self.mode = precision
+        recipes = ", ".join(sorted({m.recipe.name for _, m in fp8_modules(model)}))
+        self.precision = {
+            "high": "high (fp8 disabled)",
+            "fp8": f"fp8 ({recipes})" if recipes else "fp8",
+            "served": f"fp8 served ({scale_encoding} scales)",
+        }[precision]
+        self.model = copy.deepcopy(model).eval().requires_grad_(False) if copy_model else model
+        self.fp8_layers: dict[str, ServingFp8Linear] = {}
+        if copy_model or precision == "served":
+            self.fp8_layers = serve_fp8(self.model, scale_encoding if precision == "served" else None)
+        if hasattr(self.model.config, "use_cache"):
+            self.model.config.use_cache = True
+        if copy_model:
+            self.load_weights(model)
+
+    @torch.no_grad()
+    def load_weights(self, policy: nn.Module) -> None:
+        """Copy the policy's weights (gathered whole if FSDP2 shards them; every rank calls this), the FP8
+        projections quantized by the export's function."""
+        own = dict(self.model.named_parameters())
+        for name, p in policy.named_parameters():
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p  # a DTensor shard under FSDP2
+            fqn, _, kind = name.rpartition(".")
+            if fqn in self.fp8_layers:
+                self.fp8_layers[fqn].load_tensor(kind, full.detach())
+            else:
+                own[name].copy_(full.detach())
+
+    def quantized_weights(self) -> dict[str, torch.Tensor]:
+        """The FP8 projection tensors as the export names them (``<fqn>.weight``, ``<fqn>.weight_scale_inv``)."""
+        out = {}
+        for fqn, layer in self.fp8_layers.items():
+            out[f"{fqn}.weight"] = layer.weight
+            out[f"{fqn}.weight_scale_inv"] = layer.weight_scale_inv
+        return out
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        sampling: SamplingConfig,
+        on_sample: OnSample | None = None,
+        progress: bool = False,
+    ) -> list[list[Sample]]:
+        flat = [(i, j, p.ids, seed) for i, p in enumerate(prompts) for j, seed in enumerate(p.seeds)]
+        out: list[list[Sample]] = [[] for _ in prompts]
+        was_training = self.model.training
+        self.model.eval()
+        switch = fp8_enabled(self.model, self.mode == "fp8") if self.mode != "served" else nullcontext()
+        try:
+            with switch, tqdm(total=len(flat), desc=self.name, unit="seq", disable=not progress) as bar:
+                for start in range(0, len(flat), sampling.batch_size):
+                    chunk = flat[start : start + sampling.batch_size]
+                    device = next(self.model.parameters()).device
+                    gens = [torch.Generator(device=device).manual_seed(s) for *_, s in chunk]
+                    samples = sample_batch(
+                        self.model,
+                        [ids for _, _, ids, _ in chunk],
+                        gens,
+                        sampling,
+                        self.stop_ids,
+                        self.pad_id,
+                        self.model_precision,
+                    )
+                    for (i, j, _, _), s in zip(chunk, samples, strict=True):
+                        out[i].append(s)
+                        if on_sample is not None:
+                            on_sample(i, j, s)
+                    bar.update(len(chunk))
+        finally:
+            self.model.train(was_training)
+        return out

@@ -1,0 +1,124 @@
+"""The one KV-cache sampler: a batch of prompts (token ids), one ``torch.Generator`` per sequence.
+
+Prompts are left-padded (all continuations start at the same column, positions counted from each
+prompt's first real token); the prompt is run once (``logits_to_keep=1``), then one token per step
+through a ``transformers.DynamicCache``. Per step and sequence: ``logprobs = log_softmax(logits / T)``;
+greedy takes the argmax, sampling draws one token from the sequence's own generator -- from
+``softmax(logits / T)`` itself (RL: the policy the trainer scores), or after top-k / top-p filtering
+(evaluation: the kept tokens renormalised, as transformers' ``TopKLogitsWarper`` / ``TopPLogitsWarper``
+keep them). The log-probability returned is always that of ``softmax(logits / T)``. A sequence stops at
+its first stop token (kept) or after ``max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..model import autocast
+from .base import Sample, SamplingConfig
+
+__all__ = ["filter_probs", "left_pad", "sample_batch"]
+
+
+def left_pad(
+    seqs: Sequence[list[int]], pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, W]`` ids and attention mask, each sequence right-aligned (W = the longest)."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+        mask[i, width - len(s) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def filter_probs(probs: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
+    """``[B, V]`` probabilities with all but the top-k and the top-p nucleus zeroed (at least one kept)."""
+    if top_k > 0 and top_k < probs.shape[-1]:
+        kth = probs.topk(top_k, dim=-1).values[:, -1:]
+        probs = probs.masked_fill(probs < kth, 0.0)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(-1) - sorted_p  # the mass of the tokens ranked above each
+        drop_sorted = before >= top_p * sorted_p.sum(-1, keepdim=True)
+        drop_sorted[:, 0] = False
+        probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), 0.0)
+    return probs
+
+
+def _next_tokens(
+    logprobs: torch.Tensor, gens: Sequence[torch.Generator], sampling: SamplingConfig
+) -> torch.Tensor:
+    if sampling.greedy:
+        return logprobs.argmax(-1)
+    probs = logprobs.exp()
+    if sampling.top_p < 1.0 or sampling.top_k > 0:
+        probs = filter_probs(probs, sampling.top_p, sampling.top_k)
+    # each row from its own generator (one draw per row and token): a sample does not depend on its batch
+    return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(gens)])
+
+
+@torch.no_grad()
+def sample_batch(
+    model: nn.Module,
+    prompts: Sequence[list[int]],
+    gens: Sequence[torch.Generator],
+    sampling: SamplingConfig,
+    stop_ids: Sequence[int],
+    pad_id: int,
+    precision: str | None,
+) -> list[Sample]:
+    """One response per prompt (``gens[i]`` draws prompt i's tokens); ``precision`` the autocast of the
+    high-precision parts (``model.autocast``; None: the model as it is)."""
+    from contextlib import nullcontext
+
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    ids, mask = left_pad(prompts, pad_id, device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache()
+    stops = torch.tensor(list(stop_ids), device=device)
+    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
+    tokens, logps = [], []
+    temperature = sampling.temperature if sampling.temperature > 0 else 1.0  # greedy may say 0
+    with nullcontext() if precision is None else autocast(precision, device):
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        next_pos = positions[:, -1:] + 1
+        for _ in range(sampling.max_new_tokens):
+            logprobs = F.log_softmax(out.logits[:, -1].float() / temperature, dim=-1)
+            tok = _next_tokens(logprobs, gens, sampling)
+            tokens.append(torch.where(done, pad_id, tok))
+            logps.append(logprobs.gather(1, tok[:, None]).squeeze(1))
+            done = done | torch.isin(tok, stops)
+            if bool(done.all()):
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            out = model(
+                input_ids=tok[:, None],
+                attention_mask=mask,
+                position_ids=next_pos,
+                cache=cache,
+                use_cache=True,
+            )
+            next_pos = next_pos + 1
+    all_ids, all_logps = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()
+    return [_sample(all_ids[i], all_logps[i], stop_ids) for i in range(len(prompts))]
+
+
+def _sample(ids: list[int], logps: list[float], stop_ids: Sequence[int]) -> Sample:
+    stop_at = next((j for j, t in enumerate(ids) if t in stop_ids), None)
+    keep = len(ids) if stop_at is None else stop_at + 1
+    return Sample(ids[:keep], logps[:keep], finished=stop_at is not None)
