@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,7 @@ import torch
 
 from ...fp8 import RECIPES, get_recipe
 from ...kernels import BACKENDS, bind
-from .measure import BenchConfig, StepModel, bench_linear, bench_quantize, bench_step
+from .measure import BenchConfig, StepModel, bench_linear, bench_quantize, bench_step, device_name
 
 __all__ = ["PRESETS", "SECTIONS", "add_arguments", "main_table", "run", "run_bench"]
 
@@ -120,9 +119,7 @@ def run_bench(
         rows += bench_step(cfg, device, base_dtype, arms)
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or "cpu",
+        "device": device_name(device),
         "cpu_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,

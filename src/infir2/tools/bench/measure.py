@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import platform
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ __all__ = [
     "bench_linear",
     "bench_quantize",
     "bench_step",
+    "device_name",
     "saved_bytes",
     "step_flops",
     "step_model_config",
@@ -108,6 +110,11 @@ class BenchConfig:
 
 # ----------------------------------------------------------------------------------------------
 # timing and memory helpers
+
+
+def device_name(device: torch.device) -> str:
+    """What a measurement ran on: the GPU's name, or the CPU's processor name ("cpu" where it has none)."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
 
 
 def _sync(device: torch.device) -> None:
