@@ -16,11 +16,14 @@ from __future__ import annotations
 import argparse
 import gc
 import shutil
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from conftest import make_tiny_model
 from infir2 import checkpoint as ckpt
 from infir2.harness.distributed import gather_objects, init_distributed, shard_model
 from infir2.harness.optim import build_optimizer
@@ -37,19 +40,10 @@ def rss_kib(field: str) -> int:
 
 
 def model_100m() -> torch.nn.Module:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(
-        vocab_size=32000,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=8,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        tie_word_embeddings=False,
+    """A ~100M-parameter Qwen2 (the tests' builder; HF's default context length)."""
+    return make_tiny_model(
+        vocab_size=32000, hidden=768, layers=8, intermediate=2048, heads=12, kv_heads=4, max_positions=None
     )
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(cfg).float()
 
 
 def save_full(root: Path, model, optimizer, env) -> None:

@@ -66,12 +66,12 @@ def compile_model(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.nn.M
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--hidden", type=int, default=256, help="model width (a multiple of 64)")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers")
+    parser.add_argument("--batch", type=int, default=4, help="sequences a step")
+    parser.add_argument("--seq", type=int, default=256, help="tokens a sequence")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds after compiling")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds (the fastest is reported)")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     ids = torch.randint(0, 2048, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))

@@ -61,7 +61,7 @@ from infir2.fp8 import RECIPES, get_recipe
 from infir2.fp8.formats import BLOCK
 from infir2.fp8.recipe import Cast
 from infir2.kernels import BACKENDS, Operand, bind
-from infir2.tools.bench.measure import QWEN25_LAYERS, StepModel, step_flops, step_model_config
+from infir2.tools.bench.measure import QWEN25_LAYERS, StepModel, device_name, step_flops, step_model_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("env", "checks", "gemm", "quantize", "step")
@@ -469,9 +469,7 @@ def _meta(device: torch.device, argv: list[str]) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["PYTHONPATH=src python3 benchmarks/gpu_bench.py", *argv]),
-        "device": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or "cpu",
+        "device": device_name(device),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,

@@ -26,20 +26,12 @@ from pathlib import Path
 import torch
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from infir2.checkpoint import latest_checkpoint, load_checkpoint
 from infir2.data.cpt import prepare_cpt
 from infir2.data.tokenizer import train_bpe_tokenizer
 from infir2.tools.demo.data import make_demo_data, tokenizer_training_texts
-
-TINY = {
-    "arch": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-}
+from train_synthetic import cpt_data, tiny_llama
 
 
 def _configs(root: Path) -> dict[str, dict]:
@@ -51,21 +43,15 @@ def _configs(root: Path) -> dict[str, dict]:
     cpt = {
         **common,
         "run": {"name": "cpt", "device": "cpu"},
-        "model": {"from_config": TINY, "tokenizer": str(root / "tokenizer"), "precision": "fp32"},
-        "data": {
-            "kind": "cpt",
-            "train_path": str(root / "cpt"),
-            "seq_len": 64,
-            "global_batch_size": 8,
-            "micro_batch_size": 4,
-        },
+        "model": {"from_config": tiny_llama(), "tokenizer": str(root / "tokenizer"), "precision": "fp32"},
+        "data": cpt_data(root / "cpt", 64, 8, 4),
         "schedule": {"name": "wsd", "warmup_steps": 2, "decay_steps": 4},
         "train": {"max_steps": 12, "save_every": 3, "keep_last": 2, "eval_every": 6, "eval_batches": 2},
     }
     sft = {
         **common,
         "run": {"name": "sft", "device": "cpu"},
-        "model": {"from_config": TINY, "tokenizer": str(root / "tokenizer"), "precision": "fp32"},
+        "model": {"from_config": tiny_llama(), "tokenizer": str(root / "tokenizer"), "precision": "fp32"},
         "data": {
             "kind": "sft",
             "train_path": str(data["sft_train"]),

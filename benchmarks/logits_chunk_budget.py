@@ -16,9 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
-import sys
 import time
+
+from logits_memory import child_json  # the same one-process-per-measurement runner
 
 GIB = 2**30
 
@@ -66,24 +66,8 @@ def main() -> None:
 
     rows = []
     for chunk in map(int, args.chunks.split(",")):
-        cmd = [
-            sys.executable,
-            __file__,
-            "--child",
-            str(chunk),
-            "--tokens",
-            str(args.tokens),
-            "--vocab",
-            str(args.vocab),
-            "--hidden",
-            str(args.hidden),
-            "--repeats",
-            str(args.repeats),
-        ]
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        if out.returncode != 0:
-            sys.exit(f"chunk {chunk} failed:\n{out.stderr[-2000:]}")
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        flags = {"tokens": args.tokens, "vocab": args.vocab, "hidden": args.hidden, "repeats": args.repeats}
+        rows.append(child_json(__file__, f"chunk {chunk}", str(chunk), **flags))
     print(
         f"T={args.tokens} V={args.vocab} H={args.hidden} fp32; chunked CE + backward, best of {args.repeats}; "
         f"auto picks chunk {use_chunked_loss('auto', args.tokens, args.vocab)}"

@@ -55,6 +55,18 @@ def child(variant: str, tokens: int, vocab: int, hidden: int, chunk: int, max_gi
     }
 
 
+def child_json(script: str, label: str, child: str, **flags: object) -> dict:
+    """Run ``python script --child CHILD --flag value ...`` in a fresh process (one high-water mark per
+    process); the JSON object on its last stdout line. Exits with the child's stderr tail if it fails."""
+    cmd = [sys.executable, script, "--child", child]
+    for name, value in flags.items():
+        cmd += [f"--{name.replace('_', '-')}", str(value)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"{label} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=8192)
@@ -71,24 +83,8 @@ def main() -> None:
     runs = [("plain", 0)] + [("chunked", int(c)) for c in args.chunks.split(",")]
     rows = []
     for variant, chunk in runs:
-        cmd = [
-            sys.executable,
-            __file__,
-            "--child",
-            f"{variant}:{chunk}",
-            "--tokens",
-            str(args.tokens),
-            "--vocab",
-            str(args.vocab),
-            "--hidden",
-            str(args.hidden),
-            "--max-gib",
-            str(args.max_gib),
-        ]
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        if out.returncode != 0:
-            sys.exit(f"{variant}:{chunk} failed:\n{out.stderr[-2000:]}")
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        flags = {"tokens": args.tokens, "vocab": args.vocab, "hidden": args.hidden, "max_gib": args.max_gib}
+        rows.append(child_json(__file__, f"{variant}:{chunk}", f"{variant}:{chunk}", **flags))
     plain = rows[0]
     print(f"T={args.tokens} V={args.vocab} H={args.hidden} fp32 inputs; loss + backward; RSS high-water mark")
     head = f"{'variant':<14}{'peak GiB':>10}{'above setup':>13}{'peak/plain':>12}{'above/plain':>13}"

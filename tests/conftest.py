@@ -36,22 +36,35 @@ def make_tokenizer(vocab_size: int = 300):
 
 
 def make_tiny_model(
-    arch: str = "qwen2", vocab_size: int = 300, hidden: int = 128, layers: int = 2, seed: int = 0
+    arch: str = "qwen2",
+    vocab_size: int = 300,
+    hidden: int = 128,
+    layers: int = 2,
+    seed: int = 0,
+    *,
+    intermediate: int | None = None,
+    heads: int = 4,
+    kv_heads: int = 2,
+    max_positions: int | None = 512,
 ):
+    """A randomly initialized fp32 Qwen2 / Llama causal LM (``torch.manual_seed(seed)`` first), untied
+    embeddings. ``intermediate`` defaults to ``2 * hidden + 128``; ``max_positions=None`` keeps the HF
+    config's own default. The one builder of the tests' and benchmarks' hand-made models."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     cfg_cls, model_cls = (
         (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
     )
+    positions = {} if max_positions is None else {"max_position_embeddings": max_positions}
     cfg = cfg_cls(
         vocab_size=vocab_size,
         hidden_size=hidden,
-        intermediate_size=2 * hidden + 128,
+        intermediate_size=2 * hidden + 128 if intermediate is None else intermediate,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         tie_word_embeddings=False,
+        **positions,
     )
     torch.manual_seed(seed)
     return model_cls(cfg).float()

@@ -18,6 +18,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from conftest import make_tiny_model
 from infir2.fp8.quantize import quantize
 from infir2.harness.distributed import init_distributed, shard_model
 from infir2.harness.optim import build_optimizer
@@ -34,20 +35,7 @@ SOURCE = {"seed": 3, "global_batch_size": 4, "micro_batch_size": 1, "seq_len": 1
 
 
 def tiny_qwen2(seed: int = 0) -> torch.nn.Module:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(
-        vocab_size=300,
-        hidden_size=128,
-        intermediate_size=201,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(cfg).float()
+    return make_tiny_model(seed=seed, intermediate=201, max_positions=64)
 
 
 def train_and_eval(model: torch.nn.Module, precision: str, env, rank: int, world: int) -> list[float]:

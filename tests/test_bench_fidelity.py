@@ -19,38 +19,34 @@ from infir2.tools.bench import fidelity
 from infir2.tools.bench.fidelity_report import RunResult, summarize, table
 
 
-def _run(width: int, recipe: str, seed: int, loss: float) -> RunResult:
+def fidelity_run(
+    width: int, recipe: str, seed: int, loss: float, tail_drop: float = 0.5, steps: int = 10
+) -> RunResult:
+    """A made-up finished run (``loss`` as both its held-out and its last training loss)."""
     return RunResult(
-        width=width,
-        recipe=recipe,
-        seed=seed,
-        val_loss=loss,
-        train_loss=loss,
-        tail_drop=0.5,
-        steps=10,
-        seconds=1.0,
+        width, recipe, seed, val_loss=loss, train_loss=loss, tail_drop=tail_drop, steps=steps, seconds=1.0
     )
 
 
 PLANTED = [
-    _run(128, "bf16", 0, 5.0),
-    _run(128, "bf16", 1, 5.2),
-    _run(128, "bf16", 2, 5.1),
-    _run(128, "blockwise", 0, 5.05),
-    _run(128, "blockwise", 1, 5.2),
-    _run(128, "blockwise", 2, 5.1),  # +1, 0, 0 %
-    _run(128, "tensorwise", 0, 5.5),
-    _run(128, "tensorwise", 1, 5.72),
-    _run(128, "tensorwise", 2, 5.61),  # +10 %
-    _run(256, "bf16", 0, 4.0),
-    _run(256, "bf16", 1, 4.1),
-    _run(256, "bf16", 2, 4.0),
-    _run(256, "blockwise", 0, 4.004),
-    _run(256, "blockwise", 1, 4.1),
-    _run(256, "blockwise", 2, 4.004),  # +0.1, 0, +0.1
-    _run(256, "tensorwise", 0, 4.8),
-    _run(256, "tensorwise", 1, 4.92),
-    _run(256, "tensorwise", 2, 4.8),  # +20 %
+    fidelity_run(128, "bf16", 0, 5.0),
+    fidelity_run(128, "bf16", 1, 5.2),
+    fidelity_run(128, "bf16", 2, 5.1),
+    fidelity_run(128, "blockwise", 0, 5.05),
+    fidelity_run(128, "blockwise", 1, 5.2),
+    fidelity_run(128, "blockwise", 2, 5.1),  # +1, 0, 0 %
+    fidelity_run(128, "tensorwise", 0, 5.5),
+    fidelity_run(128, "tensorwise", 1, 5.72),
+    fidelity_run(128, "tensorwise", 2, 5.61),  # +10 %
+    fidelity_run(256, "bf16", 0, 4.0),
+    fidelity_run(256, "bf16", 1, 4.1),
+    fidelity_run(256, "bf16", 2, 4.0),
+    fidelity_run(256, "blockwise", 0, 4.004),
+    fidelity_run(256, "blockwise", 1, 4.1),
+    fidelity_run(256, "blockwise", 2, 4.004),  # +0.1, 0, +0.1
+    fidelity_run(256, "tensorwise", 0, 4.8),
+    fidelity_run(256, "tensorwise", 1, 4.92),
+    fidelity_run(256, "tensorwise", 2, 4.8),  # +20 %
 ]
 
 
@@ -75,7 +71,11 @@ def test_summary_pairs_each_fp8_run_with_the_baseline_of_its_seed():
 
 
 def test_a_run_without_its_baseline_seed_is_not_paired():
-    runs = [_run(128, "bf16", 0, 5.0), _run(128, "blockwise", 0, 5.1), _run(128, "blockwise", 1, 9.9)]
+    runs = [
+        fidelity_run(128, "bf16", 0, 5.0),
+        fidelity_run(128, "blockwise", 0, 5.1),
+        fidelity_run(128, "blockwise", 1, 9.9),
+    ]
     s = summarize(runs)
     (g,) = s["gaps"]
     assert g["seeds"] == [0] and g["gaps_pct"] == pytest.approx([2.0]) and g["sd_pct"] is None

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import make_tiny_model
 from infir2.train import train
 from train_synthetic import SyntheticSource, one_thread, tiny_run_config
 
@@ -32,20 +33,8 @@ _one_thread = pytest.fixture(autouse=True)(one_thread)
 
 
 def _model() -> torch.nn.Module:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(cfg).float()
+    """The model the fixture was written with (keep it: the saved weights are this model's)."""
+    return make_tiny_model(vocab_size=64, hidden=32, layers=1, intermediate=64, max_positions=64)
 
 
 def _config(out_dir: Path, fmt: str):

@@ -16,19 +16,10 @@ import yaml
 from conftest import make_tiny_model, make_tokenizer
 from infir2.cli import main
 from infir2.data import load_tokenizer, prepare_cpt
-from train_synthetic import one_thread
+from train_synthetic import one_thread, tiny_llama
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
 
-TINY = {
-    "arch": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-}
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
@@ -56,7 +47,11 @@ def world(tmp_path_factory):
     prepare_cpt([docs], root / "cpt", load_tokenizer(root / "tok"), val_fraction=0.1, progress=False)
     cfg = {
         "run": {"name": "r", "out_dir": str(root / "runs"), "device": "cpu"},
-        "model": {"from_config": TINY, "tokenizer": str(root / "tok"), "precision": "fp32"},
+        "model": {
+            "from_config": tiny_llama(layers=1, max_positions=64),
+            "tokenizer": str(root / "tok"),
+            "precision": "fp32",
+        },
         "data": {"kind": "cpt", "train_path": str(root / "cpt"), "seq_len": 16, "global_batch_size": 2},
         "optim": {"lr": 1e-3},
         "schedule": {"name": "constant"},

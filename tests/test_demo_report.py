@@ -19,6 +19,7 @@ from infir2.tools.demo import QUICK, DemoRecord, RecipeResult
 from infir2.tools.demo.command import parse_seeds
 from infir2.tools.demo.report import README_END, README_START, readme_table, update_readme
 from infir2.tools.demo.summary import summarize, verdict_sentence
+from test_bench_fidelity import fidelity_run
 
 
 def _run(
@@ -154,21 +155,11 @@ def test_readme_table_rows_and_verdicts():
 
 def test_real_text_verdict_is_computed_from_its_runs():
     """The real-text part: paired gaps with their intervals against +-1%, one sentence per recipe."""
-    from infir2.tools.bench.fidelity_report import RunResult as TextRun
     from infir2.tools.bench.fidelity_report import summarize as summarize_text
     from infir2.tools.demo.text import text_section
 
     def run(recipe, seed, loss):
-        return TextRun(
-            width=256,
-            recipe=recipe,
-            seed=seed,
-            val_loss=loss,
-            train_loss=loss,
-            tail_drop=1.0,
-            steps=100,
-            seconds=1.0,
-        )
+        return fidelity_run(256, recipe, seed, loss, tail_drop=1.0, steps=100)
 
     runs = [
         run("bf16", 0, 5.00),

@@ -20,41 +20,33 @@ from infir2.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-
-
-def _state(step: int, numel: int = 1000) -> dict:
-    g = torch.Generator().manual_seed(step)
-    return {
-        "model": {"w": torch.randn(numel, generator=g)},
-        "optimizer": {},
-        "scheduler": {"step": step},
-        "data": [{"step": step}],
-        "train_state": {"step": step, "world_size": 1},
-    }
+from train_synthetic import checkpoint_state
 
 
 def test_save_load_and_keep_last(tmp_path):
     for step in (1, 2, 3):
-        save_checkpoint(tmp_path, step, _state(step), keep_last=2)
+        save_checkpoint(tmp_path, step, checkpoint_state(step, 1000), keep_last=2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002", "step_00000003"]
     state = load_checkpoint(latest_checkpoint(tmp_path))
-    assert tuple(state) == CHECKPOINT_KEYS and torch.equal(state["model"]["w"], _state(3)["model"]["w"])
+    assert tuple(state) == CHECKPOINT_KEYS and torch.equal(
+        state["model"]["w"], checkpoint_state(3, 1000)["model"]["w"]
+    )
     with pytest.raises(ValueError, match="lacks keys"):
         save_checkpoint(tmp_path, 4, {"model": {}})
 
 
 def test_writer_dying_mid_write_keeps_previous(tmp_path):
-    save_checkpoint(tmp_path, 1, _state(1))
+    save_checkpoint(tmp_path, 1, checkpoint_state(1, 1000))
 
     def dies(state, path):
         path.write_bytes(b"\x80partial")
         raise KeyboardInterrupt("killed mid-write")
 
     with pytest.raises(KeyboardInterrupt):
-        save_checkpoint(tmp_path, 2, _state(2), writer=dies)
+        save_checkpoint(tmp_path, 2, checkpoint_state(2, 1000), writer=dies)
     assert latest_checkpoint(tmp_path).name == "step_00000001"
     assert load_checkpoint(latest_checkpoint(tmp_path))["scheduler"] == {"step": 1}
-    save_checkpoint(tmp_path, 2, _state(2))  # the next save cleans the leftover temp folder
+    save_checkpoint(tmp_path, 2, checkpoint_state(2, 1000))  # the next save cleans the leftover temp folder
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001", "step_00000002"]
 
 

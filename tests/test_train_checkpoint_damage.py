@@ -19,21 +19,11 @@ from infir2.checkpoint import (
     load_latest_valid,
     save_checkpoint,
 )
-
-
-def _state(step: int, numel: int = 4096) -> dict:
-    g = torch.Generator().manual_seed(step)
-    return {
-        "model": {"w": torch.randn(numel, generator=g)},
-        "optimizer": {"state": {}, "param_groups": []},
-        "scheduler": {"step": step},
-        "data": [{"epoch": 0, "step_in_epoch": step}],
-        "train_state": {"step": step, "world_size": 1, "rng": [{"python": (3, (1, 2), None)}]},
-    }
+from train_synthetic import checkpoint_state
 
 
 def _two_checkpoints(root):
-    return [save_checkpoint(root, step, _state(step)) for step in (1, 2)]
+    return [save_checkpoint(root, step, checkpoint_state(step)) for step in (1, 2)]
 
 
 def _garble_same_size(state_file):
@@ -55,7 +45,7 @@ def _rewrite_meta_to_match(folder):
 
 def test_meta_records_an_independent_sha256(tmp_path):
 
-    folder = save_checkpoint(tmp_path, 1, _state(1))
+    folder = save_checkpoint(tmp_path, 1, checkpoint_state(1))
     meta = json.loads((folder / "meta.json").read_text())
     assert meta["format"] == "full" and meta["step"] == 1
     recorded = meta["files"]["state.pt"]["sha256"]
@@ -80,7 +70,7 @@ def test_damaged_newest_is_skipped_with_a_warning_and_the_older_one_is_used(tmp_
         load_checkpoint(newest)
     with caplog.at_level(logging.WARNING, logger="infir2.checkpoint"):
         path, state = load_latest_valid(tmp_path)
-    assert path == older and torch.equal(state["model"]["w"], _state(1)["model"]["w"])
+    assert path == older and torch.equal(state["model"]["w"], checkpoint_state(1)["model"]["w"])
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and str(newest) in warnings[0], warnings
 
@@ -129,8 +119,8 @@ class _Payload:
 def test_a_pickle_with_a_payload_is_refused_and_runs_nothing(tmp_path):
     marker = tmp_path / "payload_ran"
     root = tmp_path / "ckpts"
-    folder = save_checkpoint(root, 1, _state(1))
-    evil = {**_state(1), "scheduler": {"step": 1, "hook": _Payload(marker)}}
+    folder = save_checkpoint(root, 1, checkpoint_state(1))
+    evil = {**checkpoint_state(1), "scheduler": {"step": 1, "hook": _Payload(marker)}}
     torch.save(evil, folder / "state.pt")
     _rewrite_meta_to_match(folder)  # a crafted checkpoint comes with a matching meta.json
     with pytest.raises(ValueError, match=r"does not load safely.*"):

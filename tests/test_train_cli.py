@@ -11,19 +11,9 @@ from conftest import make_tokenizer
 from infir2.checkpoint import load_checkpoint
 from infir2.cli import main
 from infir2.data import prepare_cpt
-from train_synthetic import one_thread
+from train_synthetic import cpt_data, one_thread, tiny_llama
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
-
-TINY = {
-    "arch": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-}
 
 
 def _write(path, data):
@@ -46,15 +36,9 @@ def test_cpt_decay_only_and_sft_through_the_command(tmp_path):
     prepare_cpt([docs], tmp_path / "cpt", load_tokenizer(tok_dir), val_fraction=0.1, progress=False)
     cpt = {
         "run": {"name": "cpt", "out_dir": str(tmp_path / "runs"), "device": "cpu"},
-        "model": {"from_config": TINY, "tokenizer": str(tok_dir), "precision": "fp32"},
+        "model": {"from_config": tiny_llama(), "tokenizer": str(tok_dir), "precision": "fp32"},
         "fp8": {"recipe": "blockwise"},
-        "data": {
-            "kind": "cpt",
-            "train_path": str(tmp_path / "cpt"),
-            "seq_len": 32,
-            "global_batch_size": 4,
-            "micro_batch_size": 2,
-        },
+        "data": cpt_data(tmp_path / "cpt", 32, 4, 2),
         "optim": {"lr": 3e-3},
         "schedule": {"name": "wsd", "warmup_steps": 1, "decay_steps": 2},
         "train": {"max_steps": 4, "save_every": 2, "eval_every": 2, "eval_batches": 2},

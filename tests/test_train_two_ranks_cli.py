@@ -12,18 +12,9 @@ import yaml
 
 from conftest import make_tokenizer
 from infir2.data import load_tokenizer, prepare_cpt
-from train_synthetic import torchrun
+from train_synthetic import cpt_data, tiny_llama, torchrun
 
 TESTS = Path(__file__).parent
-TINY = {
-    "arch": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-}
 
 
 @pytest.fixture(scope="module")
@@ -40,15 +31,9 @@ def two_rank_run(tmp_path_factory):
     assert meta["val_documents"] == 6
     config = {
         "run": {"name": "two", "out_dir": str(root / "runs"), "device": "cpu"},
-        "model": {"from_config": TINY, "tokenizer": str(root / "tok"), "precision": "fp32"},
+        "model": {"from_config": tiny_llama(), "tokenizer": str(root / "tok"), "precision": "fp32"},
         "fp8": {"recipe": "blockwise"},
-        "data": {
-            "kind": "cpt",
-            "train_path": str(root / "cpt"),
-            "seq_len": 64,
-            "global_batch_size": 8,
-            "micro_batch_size": 4,
-        },
+        "data": cpt_data(root / "cpt", 64, 8, 4),
         "train": {"max_steps": 2},
     }
     (root / "two.yaml").write_text(yaml.safe_dump(config))

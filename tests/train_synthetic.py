@@ -24,12 +24,12 @@ class SyntheticSource:
         self,
         vocab_size: int = 300,
         seq_len: int = 32,
-        global_batch_size: int = 8,
+        global_batch_size: int = 8,  # rows a step, all ranks together
         micro_batch_size: int = 2,
         rank: int = 0,
         world_size: int = 1,
         seed: int = 0,
-        steps: int | None = None,
+        steps: int | None = None,  # None: endless
     ) -> None:
         assert global_batch_size % (world_size * micro_batch_size) == 0
         self.vocab_size, self.seq_len, self.global_batch_size = vocab_size, seq_len, global_batch_size
@@ -127,6 +127,43 @@ def tiny_run_config(out_dir: str, name: str = "run", **sections: dict[str, Any])
     for section, values in sections.items():
         data.setdefault(section, {}).update(values)
     return parse_config(data, "<test>")
+
+
+def checkpoint_state(step: int, numel: int = 4096) -> dict[str, Any]:
+    """A state with the trainer's checkpoint keys: ``numel`` random model floats (seeded by ``step``), an
+    empty optimizer, the data position and a train state with an RNG entry (tuples, like Python's)."""
+    g = torch.Generator().manual_seed(step)
+    return {
+        "model": {"w": torch.randn(numel, generator=g)},
+        "optimizer": {"state": {}, "param_groups": []},
+        "scheduler": {"step": step},
+        "data": [{"epoch": 0, "step_in_epoch": step}],
+        "train_state": {"step": step, "world_size": 1, "rng": [{"python": (3, (1, 2), None)}]},
+    }
+
+
+def tiny_llama(layers: int = 2, max_positions: int = 256) -> dict[str, Any]:
+    """``model.from_config`` of the command-line tests' tiny Llama: hidden 64, MLP 128, 4 heads, 2 KV heads."""
+    return {
+        "arch": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": max_positions,
+    }
+
+
+def cpt_data(path: Any, seq_len: int, global_batch_size: int, micro_batch_size: int) -> dict[str, Any]:
+    """A run config's ``data`` section that reads the ``prepare-cpt`` folder ``path``."""
+    return {
+        "kind": "cpt",
+        "train_path": str(path),
+        "seq_len": seq_len,
+        "global_batch_size": global_batch_size,
+        "micro_batch_size": micro_batch_size,
+    }
 
 
 def one_thread():

@@ -52,6 +52,7 @@ __all__ = [
     "find_input_files",
     "is_val_document",
     "iter_documents",
+    "open_parquet",
     "prepare_cpt",
     "token_dtype",
 ]
@@ -109,14 +110,19 @@ def _without_foreign_parquet(files: list[Path], inputs: Sequence[str | Path], te
     return kept
 
 
-def _parquet_columns(path: Path) -> list[str]:
+def open_parquet(path: Path) -> Any:
+    """``pyarrow.parquet.ParquetFile(path)``; without pyarrow, an ImportError naming ``path`` and the install."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise ImportError(
             f"{path}: reading Parquet needs pyarrow: pip install 'infir2[parquet]' (or pip install pyarrow)"
         ) from None
-    return list(pq.ParquetFile(path).schema_arrow.names)
+    return pq.ParquetFile(path)
+
+
+def _parquet_columns(path: Path) -> list[str]:
+    return list(open_parquet(path).schema_arrow.names)
 
 
 def iter_documents(path: Path, text_field: str = "text") -> Iterator[str]:
@@ -166,13 +172,7 @@ def _iter_jsonl(path: Path, text_field: str) -> Iterator[str]:
 
 
 def _iter_parquet(path: Path, text_field: str) -> Iterator[str]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ImportError(
-            f"{path}: reading Parquet needs pyarrow: pip install 'infir2[parquet]' (or pip install pyarrow)"
-        ) from None
-    parquet = pq.ParquetFile(path)
+    parquet = open_parquet(path)
     if text_field not in parquet.schema_arrow.names:
         raise ValueError(
             f"{path}: no column {text_field!r}; columns are {parquet.schema_arrow.names} (see --text-field)"

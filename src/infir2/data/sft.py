@@ -34,6 +34,7 @@ from transformers import PreTrainedTokenizerBase
 
 from .base import IGNORE_INDEX, MicroBatch
 from .chat import Conversation, render_conversation
+from .cpt import open_parquet
 
 __all__ = [
     "ROLES",
@@ -43,9 +44,9 @@ __all__ = [
     "split_across_ranks",
 ]
 
-log = logging.getLogger(__name__)
-
 ROLES = ("system", "user", "assistant")
+
+log = logging.getLogger(__name__)
 
 _DUMMY_LEN = 2  # tokens in a padding micro-batch (all labels IGNORE_INDEX)
 
@@ -79,16 +80,13 @@ def load_conversations(path: str | Path) -> list[Conversation]:
 
 
 def _load_parquet_conversations(path: Path) -> list[Conversation]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ImportError(f"{path}: reading Parquet needs pyarrow: pip install 'infir2[parquet]'") from None
-    names = pq.ParquetFile(path).schema_arrow.names
+    parquet = open_parquet(path)
+    names = parquet.schema_arrow.names
     if "messages" not in names:
         raise ValueError(
             f"{path}: no column 'messages' (a list of {{role, content}} per row); columns are {names}"
         )
-    rows = pq.read_table(path, columns=["messages"]).column("messages").to_pylist()
+    rows = parquet.read(columns=["messages"]).column("messages").to_pylist()
     conversations = [_parse_record({"messages": m}, f"{path}: row {i}") for i, m in enumerate(rows, start=1)]
     if not conversations:
         raise ValueError(f"{path}: no rows")

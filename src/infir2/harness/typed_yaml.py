@@ -73,29 +73,27 @@ def _coerce_scalar(value: Any, tp: Any, key: str, source: str) -> Any:
         if isinstance(value, str) and value.lower() in ("true", "false"):
             return value.lower() == "true"
         raise config_error(source, key, f"expected true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        raise config_error(source, key, f"expected an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # PyYAML reads `1e-4` as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise config_error(source, key, f"expected a number, got {value!r}")
+    if tp is int or tp is float:
+        return _coerce_number(value, tp, key, source)
     if tp is str:
         if isinstance(value, str):
             return value
         raise config_error(source, key, f"expected a string, got {value!r}")
     raise TypeError(f"unsupported config field type {tp!r} for {key}")
+
+
+def _coerce_number(value: Any, tp: type, key: str, source: str) -> Any:
+    """An int field takes an int, a float field an int or a float; either takes a string that parses
+    (PyYAML reads `1e-4` as a string). A bool is neither."""
+    numeric = (int,) if tp is int else (int, float)
+    if isinstance(value, numeric) and not isinstance(value, bool):
+        return tp(value)
+    if isinstance(value, str):
+        try:
+            return tp(value)
+        except ValueError:
+            pass
+    raise config_error(source, key, f"expected {'an integer' if tp is int else 'a number'}, got {value!r}")
 
 
 def build(cls: Any, data: Any, prefix: str, source: str) -> Any:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -40,29 +39,29 @@ import torch
 from ...fp8 import RECIPES, get_recipe
 from ...kernels import BACKENDS, bind
 from ...model import resolve_device
-from .measure import BenchConfig, StepModel, bench_linear, bench_quantize, bench_step
+from .measure import BenchConfig, StepModel, bench_linear, bench_quantize, bench_step, device_name
 
 __all__ = ["PRESETS", "SECTIONS", "add_arguments", "main_table", "run", "run_bench"]
 
+
+def _cpu_preset(tokens: int, scale: int, step: StepModel) -> BenchConfig:
+    """A CPU preset: the 1.5B layer shapes divided by ``scale``, one warm-up and three timed runs."""
+    return BenchConfig(tokens=tokens, models=("1.5B",), scale=scale, warmup=1, iters=3, step=step)
+
+
 PRESETS: dict[str, BenchConfig] = {
     # CPU, well under a minute: 1.5B shapes / 4, 256 tokens, a 2-layer 256-wide model.
-    "quick": BenchConfig(
+    "quick": _cpu_preset(
         tokens=256,
-        models=("1.5B",),
         scale=4,
-        warmup=1,
-        iters=3,
         step=StepModel(
             hidden=256, intermediate=1536, heads=4, kv_heads=2, head_dim=64, layers=2, vocab=2048, seq=256
         ),
     ),
     # CPU, a few minutes: real 1.5B layer shapes at 1024 tokens, a 4-layer 512-wide model at 512.
-    "medium": BenchConfig(
+    "medium": _cpu_preset(
         tokens=1024,
-        models=("1.5B",),
         scale=1,
-        warmup=1,
-        iters=3,
         step=StepModel(
             hidden=512, intermediate=2816, heads=4, kv_heads=2, head_dim=128, layers=4, vocab=8192, seq=512
         ),
@@ -121,9 +120,7 @@ def run_bench(
         rows += bench_step(cfg, device, base_dtype, arms)
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or "cpu",
+        "device": device_name(device),
         "cpu_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,

@@ -63,6 +63,8 @@ __all__ = [
     "QUICK",
     "FidelitySettings",
     "add_arguments",
+    "cpt_data_section",
+    "cpu_run_section",
     "finished_runs",
     "kjv_chapters",
     "report_finished",
@@ -160,6 +162,22 @@ def prepare(out: Path, s: FidelitySettings) -> tuple[Any, dict[str, Any]]:
     return tokenizer, meta
 
 
+def cpu_run_section(name: str, out_dir: Path, seed: int) -> dict[str, Any]:
+    """The ``run`` section of a config of these tools' runs: named ``name`` in ``out_dir``, on the CPU."""
+    return {"name": name, "out_dir": str(out_dir), "seed": seed, "device": "cpu"}
+
+
+def cpt_data_section(path: Path, seq_len: int, batch: int) -> dict[str, Any]:
+    """The ``data`` section that reads the token shards in ``path``: ``batch`` windows a step, one micro-batch."""
+    return {
+        "kind": "cpt",
+        "train_path": str(path),
+        "seq_len": seq_len,
+        "global_batch_size": batch,
+        "micro_batch_size": batch,
+    }
+
+
 def _run_config(
     s: FidelitySettings, out: Path, width: int, recipe: str, seed: int, vocab: int
 ) -> dict[str, Any]:
@@ -176,21 +194,10 @@ def _run_config(
         "vocab_size": vocab,
     }
     return {
-        "run": {
-            "name": _run_name(width, recipe, seed),
-            "out_dir": str(out / "runs"),
-            "seed": seed,
-            "device": "cpu",
-        },
+        "run": cpu_run_section(_run_name(width, recipe, seed), out / "runs", seed),
         "model": {"from_config": model, "tokenizer": str(out / "tokenizer"), "precision": "fp32"},
         "fp8": {"recipe": recipe},
-        "data": {
-            "kind": "cpt",
-            "train_path": str(out / "tokens"),
-            "seq_len": s.seq_len,
-            "global_batch_size": s.batch,
-            "micro_batch_size": s.batch,
-        },
+        "data": cpt_data_section(out / "tokens", s.seq_len, s.batch),
         "optim": {"lr": s.lr, "weight_decay": 0.1, "grad_clip": 1.0},
         "schedule": {"name": "wsd", "warmup_fraction": 0.05, "decay_fraction": 0.2, "min_lr_ratio": 0.1},
         "train": {

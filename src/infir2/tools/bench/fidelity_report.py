@@ -30,7 +30,7 @@ from typing import Any
 
 from ..paired import EQUIVALENT, gap_pct, paired_verdict, spread_pct
 
-__all__ = ["MARGIN_PCT", "RunResult", "plot", "summarize", "table", "write_outputs"]
+__all__ = ["MARGIN_PCT", "RunResult", "plot", "save_figure", "summarize", "table", "write_outputs"]
 
 _BASELINE = "bf16"
 MARGIN_PCT = 1.0  # equivalence margin of the held-out loss gap, in % of the baseline
@@ -192,6 +192,13 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     ax.set_title("FP8 fidelity on the King James Bible")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    save_figure(fig, path)
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """Write a matplotlib figure as a 110-dpi PNG (tight layout) and close it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import platform
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ __all__ = [
     "bench_linear",
     "bench_quantize",
     "bench_step",
+    "device_name",
     "saved_bytes",
     "step_flops",
     "step_model_config",
@@ -73,16 +75,17 @@ _CPU_BF16_MAX_MACS = 5e8  # time nn.Linear in bf16 on a CPU only up to this GEMM
 
 @dataclass(frozen=True)
 class StepModel:
-    """A Qwen2-architecture model for the training-step section."""
+    """A Qwen2-architecture model for the training-step section (the defaults: Qwen2.5-1.5B); the
+    comments name the Hugging Face config key of each field (``step_model_config``)."""
 
-    hidden: int = 1536
-    intermediate: int = 8960
-    heads: int = 12
-    kv_heads: int = 2
-    head_dim: int = 128
-    layers: int = 28
-    vocab: int = 151936
-    seq: int = 8192
+    hidden: int = 1536  # hidden_size
+    intermediate: int = 8960  # intermediate_size
+    heads: int = 12  # num_attention_heads
+    kv_heads: int = 2  # num_key_value_heads
+    head_dim: int = 128  # hidden = heads x head_dim
+    layers: int = 28  # num_hidden_layers
+    vocab: int = 151936  # vocab_size
+    seq: int = 8192  # tokens of the one sequence a step trains on
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,11 @@ class BenchConfig:
 
 # ----------------------------------------------------------------------------------------------
 # timing and memory helpers
+
+
+def device_name(device: torch.device) -> str:
+    """What a measurement ran on: the GPU's name, or the CPU's processor name ("cpu" where it has none)."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
 
 
 def _sync(device: torch.device) -> None:

@@ -6,7 +6,7 @@ from .command import add_arguments, run
 from .pipeline import run_demo, run_recipe
 from .results import FULL, QUICK, DemoRecord, DemoSettings, RecipeResult
 
-__all__ = [
+__all__ = [  # the settings and records of results.py, the entry points of command.py and pipeline.py
     "FULL",
     "QUICK",
     "DemoRecord",

@@ -29,11 +29,12 @@ from ...data.cpt import prepare_cpt
 from ...data.tokenizer import train_bpe_tokenizer
 from ...data.tokens import heldout_windows, load_tokens
 from ...train import parse_config, train
+from ..bench.fidelity import cpt_data_section, cpu_run_section
 from .data import NUMBERS, make_demo_data, tokenizer_training_texts
 from .report import render
 from .results import FULL, QUICK, DemoRecord, DemoSettings, RecipeResult, machine_description
 from .text import plan_text, run_text, text_result, text_worker
-from .workers import die_with_parent
+from .workers import die_with_parent, start_worker
 
 __all__ = [
     "FULL",
@@ -81,12 +82,7 @@ def _cpt_eval_batches(out: Path, s: DemoSettings) -> int:
 
 def _cpt_config(s: DemoSettings, out: Path, recipe: str, seed: int, vocab_size: int) -> dict[str, Any]:
     return {
-        "run": {
-            "name": _run_name(recipe, seed, "cpt"),
-            "out_dir": str(out / "runs"),
-            "seed": seed,
-            "device": "cpu",
-        },
+        "run": cpu_run_section(_run_name(recipe, seed, "cpt"), out / "runs", seed),
         "model": {
             "from_config": _model_config(s, vocab_size),
             "tokenizer": str(out / "tokenizer"),
@@ -94,13 +90,7 @@ def _cpt_config(s: DemoSettings, out: Path, recipe: str, seed: int, vocab_size: 
             "recompute_mlp": False,
         },  # a tiny model: memory is no concern
         "fp8": {"recipe": recipe},
-        "data": {
-            "kind": "cpt",
-            "train_path": str(out / "cpt_tokens"),
-            "seq_len": s.seq_len,
-            "global_batch_size": s.cpt_batch,
-            "micro_batch_size": s.cpt_batch,
-        },
+        "data": cpt_data_section(out / "cpt_tokens", s.seq_len, s.cpt_batch),
         "optim": {"lr": s.cpt_lr, "weight_decay": 0.1, "grad_clip": 1.0},
         "schedule": {
             "name": "wsd",
@@ -129,12 +119,7 @@ def _sft_config(
     s: DemoSettings, out: Path, recipe: str, seed: int, cpt_model: Path, data: dict[str, Path]
 ) -> dict[str, Any]:
     return {
-        "run": {
-            "name": _run_name(recipe, seed, "sft"),
-            "out_dir": str(out / "runs"),
-            "seed": seed,
-            "device": "cpu",
-        },
+        "run": cpu_run_section(_run_name(recipe, seed, "sft"), out / "runs", seed),
         "model": {
             "path": str(cpt_model),
             "tokenizer": str(out / "tokenizer"),
@@ -324,17 +309,9 @@ def _run_worker(
     recipe: str, seed: int, out: Path, s: DemoSettings, data: dict[str, Path], threads: int
 ) -> RecipeResult:
     """One (recipe, seed) run in a worker process: its own threads, log lines instead of progress bars."""
-    import torch
-
     from ...data.tokenizer import load_tokenizer
 
-    torch.set_num_threads(threads)
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s [{recipe} s{seed}] %(message)s",
-        datefmt="%H:%M:%S",
-        force=True,
-    )  # a reused worker process logs under its new run
+    start_worker(threads, f"{recipe} s{seed}")
     return run_recipe(recipe, seed, out, s, data, load_tokenizer(out / "tokenizer"), progress=False)
 
 

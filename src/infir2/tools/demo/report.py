@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..bench.fidelity_report import save_figure
 from .results import DemoRecord, RecipeResult
 from .summary import (
     METRICS,
@@ -65,9 +66,7 @@ def plot(record: DemoRecord, path: Path) -> None:
         ax.set_ylabel("loss (per token)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _num(value: float | None, digits: int = 4) -> str:

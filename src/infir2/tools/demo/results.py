@@ -51,9 +51,9 @@ class DemoSettings:
     num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 2
-    intermediate_size: int = 512
+    intermediate_size: int = 512  # the MLP's width
     seq_len: int = 64  # CPT window
-    sft_max_length: int = 256
+    sft_max_length: int = 256  # tokens; a longer conversation is dropped
     cpt_steps: int = 700
     cpt_batch: int = 8
     sft_epochs: int = 8
@@ -63,7 +63,7 @@ class DemoSettings:
     sft_lr: float = 2e-3
     min_lr_ratio: float = 0.0  # both schedules end at this fraction of their peak lr
     max_new_tokens: int = 64
-    eval_batch_size: int = 50
+    eval_batch_size: int = 50  # held-out problems generated at once
     # the real-text part (demo/text.py; infir2 fidelity's runs): 0 = skip it
     text_width: int = 256
     text_layers: int = 4
@@ -179,10 +179,10 @@ class DemoRecord:
     @classmethod
     def load(cls, path: Path) -> DemoRecord:
         """Read ``results.json``; a missing file or key is an error that names the file and the key."""
-        if not path.is_file():
-            raise ValueError(f"{path}: not found; run `infir2 demo --out {path.parent}` first")
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):  # no file at `path`
+            raise ValueError(f"{path}: not found; run `infir2 demo --out {path.parent}` first") from None
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e})") from None
         if not isinstance(raw, dict):

@@ -27,6 +27,7 @@ from ..bench.fidelity import BASELINE, EXTRA, FidelitySettings, prepare, run_one
 from ..bench.fidelity_report import RunResult, summarize, table
 from .results import DemoSettings
 from .summary import NULL_CONTROL
+from .workers import start_worker
 
 __all__ = [
     "TextPlan",
@@ -49,35 +50,25 @@ def corpus_available() -> bool:
     return importlib.util.find_spec(_CORPUS_MODULE) is not None
 
 
+#: the fidelity settings that ``DemoSettings`` holds as ``text_<name>``
+_TEXT_FIELDS = ("layers", "vocab_size", "seq_len", "batch", "steps", "eval_batches", "max_chars")
+
+
 def text_settings(s: DemoSettings, recipes: list[str]) -> FidelitySettings:
     """The fidelity settings of the demo's real-text part (one width, the demo's recipes and seeds)."""
     return FidelitySettings(
         widths=(s.text_width,),
         recipes=tuple(recipes),
         seeds=tuple(s.seeds),
-        layers=s.text_layers,
-        vocab_size=s.text_vocab_size,
-        seq_len=s.text_seq_len,
-        batch=s.text_batch,
-        steps=s.text_steps,
-        eval_batches=s.text_eval_batches,
-        max_chars=s.text_max_chars,
+        **{name: getattr(s, f"text_{name}") for name in _TEXT_FIELDS},
     )
 
 
 def text_worker(out: Path, ts: FidelitySettings, recipe: str, seed: int, threads: int) -> RunResult:
     """One real-text run in a worker process (its own threads, log lines instead of progress bars)."""
-    import torch
-
     from ...data.tokenizer import load_tokenizer
 
-    torch.set_num_threads(threads)
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s [text {recipe} s{seed}] %(message)s",
-        datefmt="%H:%M:%S",
-        force=True,
-    )
+    start_worker(threads, f"text {recipe} s{seed}")
     return run_one(out, ts, ts.widths[0], recipe, seed, load_tokenizer(out / "tokenizer"))
 
 
