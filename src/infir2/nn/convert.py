@@ -33,6 +33,7 @@ from torch import nn
 from ..fp8.recipe import Fp8Recipe, get_recipe
 from .fsdp import Fp8ShardedWeight
 from .linear import Fp8Linear
+from .moe import Fp8Experts, is_routed_experts, unsupported_experts_reason
 
 __all__ = [
     "DECODER_PROJECTIONS",
@@ -42,6 +43,7 @@ __all__ = [
     "disable_fp8",
     "enable_fp8_param_gather",
     "fp8_enabled",
+    "fp8_expert_modules",
     "fp8_modules",
     "link_fsdp_params",
     "why_high_precision",
@@ -150,10 +152,10 @@ def convert_to_fp8(
     converts nothing.
     """
     recipe = get_recipe(recipe)
-    existing = [fqn for fqn, m in model.named_modules() if isinstance(m, Fp8Linear)]
+    existing = [fqn for fqn, m in model.named_modules() if isinstance(m, Fp8Linear | Fp8Experts)]
     if existing:
         raise ValueError(
-            f"model is already converted to FP8 ({len(existing)} Fp8Linear modules, e.g. "
+            f"model is already converted to FP8 ({len(existing)} FP8 modules, e.g. "
             f"{existing[0]!r}); convert_to_fp8 runs once per model"
         )
     if not recipe.enabled:
@@ -172,21 +174,11 @@ def convert_to_fp8(
             reason = why_high_precision(m, fqn) or "excluded by module_filter_fn"
         kept[reason].append(fqn)
         notable = notable or _looks_convertible(m, fqn, reason)
-    if not chosen:
+    experts = _select_experts(model, module_filter_fn, kept)
+    notable = notable or any(r.startswith(_UNRECOGNISED) for r in kept)
+    if not chosen and not experts:
         raise _no_layer_error(model)
-    low = sorted(
-        {
-            str(m.weight.dtype)
-            for fqn in chosen
-            if (m := model.get_submodule(fqn)).weight.dtype not in (torch.float32, torch.float64)
-        }
-    )
-    if low:
-        log.warning(
-            "FP8 layers will wrap %s parameters: the recipe keeps fp32 master weights (load the model "
-            "with dtype=torch.float32, or call model.float() first)",
-            "/".join(low),
-        )
+    _warn_low_precision(model, chosen, experts)
     device = _device_of(model)
     for fqn in chosen:
         parent_name, _, child = fqn.rpartition(".")
@@ -194,11 +186,92 @@ def convert_to_fp8(
         layer = Fp8Linear.from_linear(getattr(parent, child), recipe, backend)
         layer.bind_kernels(device)  # an unusable backend override fails here, before any training
         setattr(parent, child, layer)
+    for fqn in experts:
+        parent_name, _, child = fqn.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        group = Fp8Experts(getattr(parent, child), recipe, backend)
+        group.bind_kernels(device)
+        setattr(parent, child, group)
     message = f"FP8 recipe {recipe.name!r}: converted {len(chosen)} linear layers"
+    if experts:
+        message += _experts_summary(model, chosen, experts)
     if kept:
         message += f"; high precision: {_summary(kept)}"
     log.log(logging.WARNING if notable else logging.INFO, message)
     return model
+
+
+def _warn_low_precision(model: nn.Module, chosen: list[str], experts: list[str]) -> None:
+    weights = [model.get_submodule(fqn).weight for fqn in chosen]
+    weights += [model.get_submodule(fqn).gate_up_proj for fqn in experts]
+    low = sorted({str(w.dtype) for w in weights if w.dtype not in (torch.float32, torch.float64)})
+    if low:
+        log.warning(
+            "FP8 layers will wrap %s parameters: the recipe keeps fp32 master weights (load the model "
+            "with dtype=torch.float32, or call model.float() first)",
+            "/".join(low),
+        )
+
+
+#: the reason a module with 3-D expert weights that ``Fp8Experts`` cannot run stays high precision
+_UNRECOGNISED = "MoE experts not recognised"
+_SHARED_OR_LISTED_EXPERT = re.compile(r"(^|\.)(shared_experts?|experts\.\d+)\.")
+
+
+def why_experts_high_precision(module: nn.Module, fqn: str) -> str | None:
+    """Why the default filter keeps a routed-experts module in high precision; ``None``: it runs in FP8."""
+    if _IN_BLOCK.search(fqn) is None:
+        return "outside the decoder layers"
+    _, two_i, h = module.gate_up_proj.shape
+    if h % SHAPE_MULTIPLE or (two_i // 2) % SHAPE_MULTIPLE:
+        return f"expert shape [{two_i // 2}, {h}] not a multiple of {SHAPE_MULTIPLE}"
+    return None
+
+
+def _owns_expert_weights(module: nn.Module) -> bool:
+    return any(p.dim() == 3 and p.is_floating_point() for p in module.parameters(recurse=False))
+
+
+def _select_experts(model: nn.Module, module_filter_fn: ModuleFilter | None, kept: dict[str, list[str]]) -> list[str]:
+    """The routed-experts modules to convert; the others (and the routers) recorded in ``kept``."""
+    chosen = []
+    for fqn, m in model.named_modules():
+        names = fqn.split(".")
+        if names[-1] in _ROUTERS and not isinstance(m, nn.Linear) and isinstance(getattr(m, "weight", None), nn.Parameter):
+            kept["MoE router"].append(fqn)
+        if not _owns_expert_weights(m):
+            continue
+        if not is_routed_experts(m):
+            kept[f"{_UNRECOGNISED}: {type(m).__name__}, {unsupported_experts_reason(m)}"].append(fqn)
+        elif module_filter_fn is not None and not module_filter_fn(m, fqn):
+            kept["excluded by module_filter_fn"].append(fqn)
+        elif module_filter_fn is None and (reason := why_experts_high_precision(m, fqn)) is not None:
+            kept[reason].append(fqn)
+        else:
+            chosen.append(fqn)
+    return chosen
+
+
+def _experts_summary(model: nn.Module, chosen: list[str], experts: list[str]) -> str:
+    """`` and N routed-expert groups ...``: the expert GEMMs and their share of the GEMM parameters."""
+    groups = [model.get_submodule(fqn) for fqn in experts]
+    routed = sum(2 * g.num_experts for g in groups)  # per expert: gate_up (fused) and down
+    shared = [fqn for fqn in chosen if _SHARED_OR_LISTED_EXPERT.search(fqn)]
+    expert_params = sum(g.gate_up_proj.numel() + g.down_proj.numel() for g in groups)
+    expert_params += sum(model.get_submodule(fqn).weight.numel() for fqn in shared)
+    total = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    total += sum(p.numel() for m in model.modules() for p in m.parameters(recurse=False) if p.dim() == 3)
+    return (
+        f" and {len(groups)} routed-expert groups ({routed} expert GEMMs, 2 per expert"
+        + (f", plus {len(shared)} shared-expert linears" if shared else "")
+        + f"; experts hold {100 * expert_params / max(total, 1):.1f}% of the GEMM weight parameters)"
+    )
+
+
+def fp8_expert_modules(model: nn.Module) -> Iterator[tuple[str, Fp8Experts]]:
+    for fqn, m in model.named_modules():
+        if isinstance(m, Fp8Experts):
+            yield fqn, m
 
 
 def fp8_modules(model: nn.Module) -> Iterator[tuple[str, Fp8Linear]]:
@@ -214,7 +287,8 @@ def fp8_enabled(model: nn.Module, on: bool) -> Iterator[nn.Module]:
     The one switch for "FP8 or not" around evaluation and generation; restores each layer's state after.
     ``on=True`` on a model with no ``Fp8Linear`` is an error (it would silently measure high precision).
     """
-    modules = [m for _, m in fp8_modules(model)]
+    modules: list[Fp8Linear | Fp8Experts] = [m for _, m in fp8_modules(model)]
+    modules += [m for _, m in fp8_expert_modules(model)]
     if on and not modules:
         raise ValueError(
             "FP8 requested but the model has no Fp8Linear layers; call infir2.convert_to_fp8 first"
@@ -243,11 +317,16 @@ def cache_fp8_weights(model: nn.Module) -> Iterator[nn.Module]:
     modules = [m for _, m in fp8_modules(model)]
     for m in modules:
         m.cache_weight, m._weight_cache = True, None
+    groups = [m for _, m in fp8_expert_modules(model)]
+    for g in groups:
+        g.cache_weight, g._weight_cache = True, {}
     try:
         yield model
     finally:
         for m in modules:
             m.cache_weight, m._weight_cache = False, None
+        for g in groups:
+            g.cache_weight, g._weight_cache = False, {}
 
 
 def enable_fp8_param_gather(module: nn.Module) -> list[str]:
