@@ -232,12 +232,18 @@ def _owns_expert_weights(module: nn.Module) -> bool:
     return any(p.dim() == 3 and p.is_floating_point() for p in module.parameters(recurse=False))
 
 
-def _select_experts(model: nn.Module, module_filter_fn: ModuleFilter | None, kept: dict[str, list[str]]) -> list[str]:
+def _select_experts(
+    model: nn.Module, module_filter_fn: ModuleFilter | None, kept: dict[str, list[str]]
+) -> list[str]:
     """The routed-experts modules to convert; the others (and the routers) recorded in ``kept``."""
     chosen = []
     for fqn, m in model.named_modules():
         names = fqn.split(".")
-        if names[-1] in _ROUTERS and not isinstance(m, nn.Linear) and isinstance(getattr(m, "weight", None), nn.Parameter):
+        if (
+            names[-1] in _ROUTERS
+            and not isinstance(m, nn.Linear)
+            and isinstance(getattr(m, "weight", None), nn.Parameter)
+        ):
             kept["MoE router"].append(fqn)
         if not _owns_expert_weights(m):
             continue

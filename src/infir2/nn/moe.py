@@ -102,7 +102,13 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
         ctx.w_kept = w_ops if reuse and all(w.keep_for_backward for w in w_ops) else None
         w_saved = [t for w in w_ops for t in (w.data, w.scale_inv)] if reuse and ctx.w_kept is None else []
         ctx.save_for_backward(weight, *saved, *w_saved)
-        ctx.n_x, ctx.bounds, ctx.recipe, ctx.kernels, ctx.x_dtype = len(saved), bounds, recipe, kernels, x.dtype
+        ctx.n_x, ctx.bounds, ctx.recipe, ctx.kernels, ctx.x_dtype = (
+            len(saved),
+            bounds,
+            recipe,
+            kernels,
+            x.dtype,
+        )
         return y
 
     @staticmethod
@@ -112,7 +118,9 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
         weight, *rest = ctx.saved_tensors
         x_saved, w_saved = rest[: ctx.n_x], rest[ctx.n_x :]
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dy_ops = quantize_pair_groups(kernels, dy, ctx.bounds, recipe.dy, recipe.dy_wgrad)  # per expert [S_e,N]
+        dy_ops = quantize_pair_groups(
+            kernels, dy, ctx.bounds, recipe.dy, recipe.dy_wgrad
+        )  # per expert [S_e,N]
         dx = dw = None
         if need_dx:
             w_dgrad = _dgrad_weights(ctx, weight, w_saved)
@@ -245,7 +253,12 @@ class Fp8Experts(nn.Module):
         counts = torch.bincount(expert_ids, minlength=self.num_experts).tolist()
         kernels = self._kernels_on(x.device)
         h = fp8_grouped_linear(
-            x, self.gate_up_proj, counts, self.recipe, kernels, self.quantized_weights("gate_up_proj", kernels)
+            x,
+            self.gate_up_proj,
+            counts,
+            self.recipe,
+            kernels,
+            self.quantized_weights("gate_up_proj", kernels),
         )  # [S, 2I]
         h = self._apply_gate(h)  # [S, I]
         y = fp8_grouped_linear(
