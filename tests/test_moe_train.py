@@ -35,3 +35,45 @@ def test_converted_moe_trains_and_resumes_exactly(tmp_path, family):
         cfg, model=make_tiny_moe(family, seed=5), train_source=SyntheticSource(**_DATA), progress=False
     )
     assert [m["loss"] for m in resumed.history] == losses[4:]  # bit-identical after the crash
+
+
+def _step(model, ids):
+    from infir2.nn import cache_fp8_weights
+
+    model.zero_grad()
+    with cache_fp8_weights(model), torch.autocast("cpu", torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return [loss.detach(), *(p.grad.clone() for p in model.parameters() if p.grad is not None)]
+
+
+@pytest.mark.slow
+def test_compiled_fp8_moe_has_no_graph_break_and_eager_numerics():
+    """fullgraph=True: a graph break is an error; each grouped linear is one custom op per direction."""
+    import copy
+
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.utils import counters
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return torch._functorch.aot_autograd.make_boxed_func(gm.forward)
+
+    model = make_tiny_moe("qwen3_moe")
+    convert_to_fp8(model)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(
+        copy.deepcopy(model), backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True
+    )
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    for eager, traced in zip(_step(model, ids), _step(compiled, ids), strict=True):
+        assert torch.equal(eager, traced)
+    assert not counters["graph_break"]
+    ops = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert sum(o.startswith("infir2.fp8_grouped_linear.") for o in ops) == 4  # 2 layers x (gate_up, down)
+    assert sum(o.startswith("infir2.fp8_grouped_linear_backward.") for o in ops) == 4
+    assert isinstance(model.model.layers[0].self_attn.q_proj, Fp8Linear)
+    assert isinstance(compiled.model.layers[0].mlp.experts, Fp8Experts)

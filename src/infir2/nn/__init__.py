@@ -1,6 +1,7 @@
 """FP8 modules: ``Fp8Linear`` and the model conversion around it."""
 
 from . import custom_ops as _custom_ops  # noqa: F401  (registers the torch.compile custom ops)
+from . import moe_ops as _moe_ops  # noqa: F401  (and those of the FP8 experts)
 from .convert import (
     DECODER_PROJECTIONS,
     cache_fp8_weights,

@@ -30,6 +30,8 @@ original experts implementation runs on the same parameters.
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from typing import Any
 
 import torch
@@ -39,7 +41,14 @@ from ..fp8.recipe import Fp8Recipe, get_recipe
 from ..kernels import Kernels, Operand, bind
 from ..kernels.grouped import gemm_nt_grouped, group_bounds, quantize_groups, quantize_pair_groups
 
-__all__ = ["Fp8Experts", "fp8_grouped_linear", "is_routed_experts", "unsupported_experts_reason"]
+__all__ = [
+    "Fp8Experts",
+    "expert_counts",
+    "experts_by_key",
+    "fp8_grouped_linear",
+    "is_routed_experts",
+    "unsupported_experts_reason",
+]
 
 #: the attributes ``use_experts_implementation`` sets on an experts class, and the values supported
 _LAYOUT = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True}
@@ -185,6 +194,25 @@ def fp8_grouped_linear(
     return out
 
 
+# Every Fp8Experts by key, for the torch.compile custom ops (infir2.nn.moe_ops), which take plain values.
+_EXPERTS: weakref.WeakValueDictionary[int, Fp8Experts] = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+
+def experts_by_key(key: int) -> Fp8Experts:
+    """The ``Fp8Experts`` registered under ``key`` (its ``op_key``)."""
+    module = _EXPERTS.get(key)
+    if module is None:
+        raise RuntimeError(f"no Fp8Experts with key {key}: the module was freed")
+    return module
+
+
+def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Rows per expert, ``[E]`` int64 (a static shape: traceable, unlike ``bincount``)."""
+    counts = torch.zeros(num_experts, dtype=torch.long, device=expert_ids.device)
+    return counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids))
+
+
 class Fp8Experts(nn.Module):
     """The routed experts of one MoE block, their grouped GEMMs in FP8 (module doc).
 
@@ -211,6 +239,15 @@ class Fp8Experts(nn.Module):
         self.cache_weight = False
         self._weight_cache: dict[str, tuple[tuple[Any, ...], list[Operand]]] = {}
         self.train(experts.training)
+        self._register()
+
+    def _register(self) -> None:
+        self.op_key = next(_KEYS)
+        _EXPERTS[self.op_key] = self
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._register()  # a copy (deepcopy, pickle) is another module: its own key
 
     def extra_repr(self) -> str:
         e, two_i, h = self.gate_up_proj.shape
@@ -250,20 +287,18 @@ class Fp8Experts(nn.Module):
         tokens, top_k = top_k_index.shape
         expert_ids, order = torch.sort(top_k_index.reshape(-1), stable=True)  # rows grouped by expert
         x = hidden_states[order // top_k].to(_autocast_dtype(hidden_states))  # [S, H], S = tokens * top_k
-        counts = torch.bincount(expert_ids, minlength=self.num_experts).tolist()
-        kernels = self._kernels_on(x.device)
-        h = fp8_grouped_linear(
-            x,
-            self.gate_up_proj,
-            counts,
-            self.recipe,
-            kernels,
-            self.quantized_weights("gate_up_proj", kernels),
-        )  # [S, 2I]
+        counts = expert_counts(expert_ids, self.num_experts)
+        h = self._grouped_linear(x, "gate_up_proj", counts)  # [S, 2I]
         h = self._apply_gate(h)  # [S, I]
-        y = fp8_grouped_linear(
-            h, self.down_proj, counts, self.recipe, kernels, self.quantized_weights("down_proj", kernels)
-        )  # [S, H]
+        y = self._grouped_linear(h, "down_proj", counts)  # [S, H]
         y = y * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
         combined = torch.empty_like(y).index_copy_(0, order, y)  # back to (token, k) order
         return combined.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+    def _grouped_linear(self, x: torch.Tensor, name: str, counts: torch.Tensor) -> torch.Tensor:
+        weight = getattr(self, name)
+        if torch.compiler.is_compiling():  # one custom op: the per-expert loop stays outside the graph
+            return torch.ops.infir2.fp8_grouped_linear(x, weight, counts, self.op_key, name)[0]  # type: ignore[no-any-return]
+        kernels = self._kernels_on(x.device)
+        w_ops = self.quantized_weights(name, kernels)
+        return fp8_grouped_linear(x, weight, counts.tolist(), self.recipe, kernels, w_ops)
