@@ -1,7 +1,8 @@
 """Tiny transformers v5 mixture-of-experts models from ``from_config`` (no download), one per family.
 
-Two layers, four experts (top-2), hidden 128 and expert width 128: every expert GEMM has whole
-128-element blocks, as the FP8 export's 128x128 weight blocks need for transformers to load it.
+Two layers, four experts (top-2), hidden 128 and expert width 128: every GEMM of more than 128
+rows has whole 128-row blocks (DeepSeek-V3's attention widths too), which transformers' CPU
+dequantizer of the FP8 export needs (it takes the block size from weight rows / scale rows).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def moe_config(family: str):
         return MixtralConfig(**_COMMON, intermediate_size=128, num_local_experts=4, num_experts_per_tok=2)
     if family == "deepseek_v3":
         return DeepseekV3Config(
-            **_COMMON,
+            **{**_COMMON, "num_key_value_heads": 2},
             intermediate_size=256,
             moe_intermediate_size=128,
             n_routed_experts=4,
@@ -56,8 +57,8 @@ def moe_config(family: str):
             first_k_dense_replace=0,
             q_lora_rank=None,
             kv_lora_rank=64,
-            qk_rope_head_dim=32,
-            qk_nope_head_dim=32,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=64,
             v_head_dim=64,
             n_shared_experts=1,
         )

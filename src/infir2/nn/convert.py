@@ -45,6 +45,7 @@ __all__ = [
     "fp8_enabled",
     "fp8_expert_modules",
     "fp8_modules",
+    "fp8_weight_names",
     "link_fsdp_params",
     "why_high_precision",
 ]
@@ -272,6 +273,22 @@ def _experts_summary(model: nn.Module, chosen: list[str], experts: list[str]) ->
         + (f", plus {len(shared)} shared-expert linears" if shared else "")
         + f"; experts hold {100 * expert_params / max(total, 1):.1f}% of the GEMM weight parameters)"
     )
+
+
+def fp8_weight_names(model: nn.Module) -> set[str]:
+    """The parameter names of ``model`` whose GEMMs run in FP8 (``weight`` of each ``Fp8Linear``,
+    ``gate_up_proj`` / ``down_proj`` of each ``Fp8Experts``); for a model not converted, those that
+    ``convert_to_fp8`` with the default filter would convert. What an FP8 export stores in FP8."""
+    names = {f"{fqn}.weight" for fqn, _ in fp8_modules(model)}
+    names |= {f"{fqn}.{p}" for fqn, _ in fp8_expert_modules(model) for p in ("gate_up_proj", "down_proj")}
+    if names:
+        return names
+    for fqn, m in model.named_modules():
+        if type(m) is nn.Linear and default_module_filter(m, fqn):
+            names.add(f"{fqn}.weight")
+        elif is_routed_experts(m) and why_experts_high_precision(m, fqn) is None:
+            names |= {f"{fqn}.gate_up_proj", f"{fqn}.down_proj"}
+    return names
 
 
 def fp8_expert_modules(model: nn.Module) -> Iterator[tuple[str, Fp8Experts]]:
