@@ -195,7 +195,7 @@ def export_model(
         state = _unique_state_dict(model, model.state_dict() if state_dict is None else state_dict)
         state, fp8 = checkpoint_tensors(model, state)  # the checkpoint layout (per-expert weights)
         stream = _convert_tensors(
-            state, lambda name: prepared(state[name]), fmt, scale_encoding, lambda name, _t: name in fp8
+            state, lambda name: prepared(state[name]), fmt, scale_encoding, _member_of(fp8)
         )
     else:
         stream = _convert_stream(tensors, model, prepared, fmt, scale_encoding)
@@ -229,9 +229,12 @@ def _convert_stream(
             log.info("export: %s is tied to %s; not stored twice", name, tied[name])
             continue
         parts, fp8 = checkpoint_tensors(model, {name: prepared(tensor)}, fp8_names)
-        yield from _convert_tensors(
-            parts, parts.__getitem__, fmt, scale_encoding, lambda part, _t: part in fp8
-        )
+        yield from _convert_tensors(parts, parts.__getitem__, fmt, scale_encoding, _member_of(fp8))
+
+
+def _member_of(names: set[str]) -> Callable[[str, torch.Tensor], bool]:
+    """The ``is_fp8`` test of ``_convert_tensors`` for a set of tensor names."""
+    return lambda name, _tensor: name in names
 
 
 def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:

@@ -29,7 +29,7 @@ from ..fp8.recipe import Cast
 from .operand import Operand
 from .registry import Kernels
 
-__all__ = ["group_bounds", "gemm_nt_grouped", "quantize_groups", "quantize_pair_groups"]
+__all__ = ["gemm_nt_grouped", "group_bounds", "quantize_pair_groups"]
 
 
 def group_bounds(counts: Sequence[int]) -> list[tuple[int, int]]:
@@ -41,13 +41,6 @@ def group_bounds(counts: Sequence[int]) -> list[tuple[int, int]]:
         bounds.append((start, start + count))
         start += count
     return bounds
-
-
-def quantize_groups(
-    kernels: Kernels, x: torch.Tensor, bounds: Sequence[tuple[int, int]], cast: Cast
-) -> list[Operand | None]:
-    """``x [S, K]`` quantized group by group (``None`` for an empty group)."""
-    return [kernels.quantize(x[s:e], cast) if e > s else None for s, e in bounds]
 
 
 def quantize_pair_groups(

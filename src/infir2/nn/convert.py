@@ -26,6 +26,7 @@ import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from typing import cast
 
 import torch
 from torch import nn
@@ -223,7 +224,7 @@ def why_experts_high_precision(module: nn.Module, fqn: str) -> str | None:
     """Why the default filter keeps a routed-experts module in high precision; ``None``: it runs in FP8."""
     if _IN_BLOCK.search(fqn) is None:
         return "outside the decoder layers"
-    _, two_i, h = module.gate_up_proj.shape
+    _, two_i, h = cast(torch.Tensor, module.gate_up_proj).shape
     if h % SHAPE_MULTIPLE or (two_i // 2) % SHAPE_MULTIPLE:
         return f"expert shape [{two_i // 2}, {h}] not a multiple of {SHAPE_MULTIPLE}"
     return None
@@ -261,11 +262,11 @@ def _select_experts(
 
 def _experts_summary(model: nn.Module, chosen: list[str], experts: list[str]) -> str:
     """`` and N routed-expert groups ...``: the expert GEMMs and their share of the GEMM parameters."""
-    groups = [model.get_submodule(fqn) for fqn in experts]
+    groups = [g for g in map(model.get_submodule, experts) if isinstance(g, Fp8Experts)]
     routed = sum(2 * g.num_experts for g in groups)  # per expert: gate_up (fused) and down
     shared = [fqn for fqn in chosen if _SHARED_OR_LISTED_EXPERT.search(fqn)]
     expert_params = sum(g.gate_up_proj.numel() + g.down_proj.numel() for g in groups)
-    expert_params += sum(model.get_submodule(fqn).weight.numel() for fqn in shared)
+    expert_params += sum(cast(torch.Tensor, model.get_submodule(fqn).weight).numel() for fqn in shared)
     total = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     total += sum(p.numel() for m in model.modules() for p in m.parameters(recurse=False) if p.dim() == 3)
     return (

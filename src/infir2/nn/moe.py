@@ -32,14 +32,14 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from ..fp8.recipe import Fp8Recipe, get_recipe
 from ..kernels import Kernels, Operand, bind
-from ..kernels.grouped import gemm_nt_grouped, group_bounds, quantize_groups, quantize_pair_groups
+from ..kernels.grouped import gemm_nt_grouped, group_bounds, quantize_pair_groups
 
 __all__ = [
     "Fp8Experts",
@@ -221,13 +221,17 @@ class Fp8Experts(nn.Module):
     ``infir2.nn.cache_fp8_weights`` each expert's weight is quantized once per step.
     """
 
+    gate_up_proj: nn.Parameter  # [E, 2I, H]
+    down_proj: nn.Parameter  # [E, H, I]
+    num_experts: int
+
     def __init__(self, experts: nn.Module, recipe: str | Fp8Recipe = "blockwise", backend: str | None = None):
         super().__init__()
         reason = unsupported_experts_reason(experts)
         if reason is not None:
             raise ValueError(f"cannot run {type(experts).__name__} in FP8: {reason}")
-        self.gate_up_proj = experts.gate_up_proj
-        self.down_proj = experts.down_proj
+        self.gate_up_proj = cast(nn.Parameter, experts.gate_up_proj)
+        self.down_proj = cast(nn.Parameter, experts.down_proj)
         self.act_fn = experts.act_fn
         self.experts_class = type(experts)  # its forward is the high-precision path (fp8 off)
         for name in ("config", "num_experts", *_LAYOUT, "has_post_expert_norm", "_is_expert_parallel"):
@@ -283,7 +287,7 @@ class Fp8Experts(nn.Module):
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         if not self.fp8_enabled:
-            return self.experts_class.forward(self, hidden_states, top_k_index, top_k_weights)  # type: ignore[no-any-return]
+            return self.experts_class.forward(self, hidden_states, top_k_index, top_k_weights)
         tokens, top_k = top_k_index.shape
         expert_ids, order = torch.sort(top_k_index.reshape(-1), stable=True)  # rows grouped by expert
         x = hidden_states[order // top_k].to(_autocast_dtype(hidden_states))  # [S, H], S = tokens * top_k
@@ -298,7 +302,7 @@ class Fp8Experts(nn.Module):
     def _grouped_linear(self, x: torch.Tensor, name: str, counts: torch.Tensor) -> torch.Tensor:
         weight = getattr(self, name)
         if torch.compiler.is_compiling():  # one custom op: the per-expert loop stays outside the graph
-            return torch.ops.infir2.fp8_grouped_linear(x, weight, counts, self.op_key, name)[0]  # type: ignore[no-any-return]
+            return torch.ops.infir2.fp8_grouped_linear(x, weight, counts, self.op_key, name)[0]
         kernels = self._kernels_on(x.device)
         w_ops = self.quantized_weights(name, kernels)
         return fp8_grouped_linear(x, weight, counts.tolist(), self.recipe, kernels, w_ops)
