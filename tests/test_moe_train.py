@@ -19,7 +19,7 @@ _DATA = {"vocab_size": 256, "seq_len": 32, "seed": 1}
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_converted_moe_trains_and_resumes_exactly(tmp_path, family):
-    kw = {"train": {"max_steps": 8, "save_every": 4, "keep_last": 2}, "optim": {"lr": 1e-2}}
+    kw = {"train": {"max_steps": 8, "save_every": 4, "keep_last": 2}, "optim": {"lr": 3e-3}}
     full = train(
         tiny_run_config(tmp_path, "full", **kw),
         model=make_tiny_moe(family),
