@@ -111,3 +111,20 @@ def test_fp8_export_stores_what_was_converted_phi3_fused_projections(tmp_path):
         assert dtypes[f"model.layers.0.{proj}.weight"] == "F8_E4M3", proj
         assert f"model.layers.0.{proj}.weight_scale_inv" in dtypes
     assert dtypes["lm_head.weight"] == "BF16"
+
+
+def test_folder_conversion_quantizes_per_expert_weights(tmp_path):
+    """``infir2 export --model <bf16 MoE folder> --format fp8``: the experts of a checkpoint folder (per-expert
+    keys, as transformers saves them) become FP8 too; the router and lm_head do not."""
+    from infir2.export import convert_checkpoint
+
+    model = make_tiny_moe("mixtral")
+    model.save_pretrained(tmp_path / "bf16")
+    out = convert_checkpoint(tmp_path / "bf16", tmp_path / "fp8", "fp8")
+    with safe_open(str(next(out.glob("*.safetensors"))), framework="pt") as f:
+        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118
+    experts = [k for k in dtypes if ".experts." in k and k.endswith(".weight")]
+    assert len(experts) == 2 * 4 * 3 and all(dtypes[k] == "F8_E4M3" for k in experts), experts[:3]
+    assert all(dtypes[k.replace(".weight", ".weight_scale_inv")] == "F32" for k in experts)
+    assert dtypes["model.layers.0.block_sparse_moe.gate.weight"] != "F8_E4M3"
+    assert dtypes["lm_head.weight"] != "F8_E4M3"

@@ -10,13 +10,16 @@ from .convert import (
     disable_fp8,
     fp8_enabled,
     fp8_modules,
+    fp8_weight_names,
     why_high_precision,
 )
 from .linear import Fp8Linear
+from .moe import Fp8Experts
 from .swiglu import recompute_swiglu
 
 __all__ = [
     "DECODER_PROJECTIONS",
+    "Fp8Experts",
     "Fp8Linear",
     "cache_fp8_weights",
     "convert_to_fp8",
@@ -24,6 +27,7 @@ __all__ = [
     "disable_fp8",
     "fp8_enabled",
     "fp8_modules",
+    "fp8_weight_names",
     "recompute_swiglu",
     "why_high_precision",
 ]

@@ -13,6 +13,13 @@ multiples of 16 (what FP8 tensor-core GEMMs need) stays high precision. After co
 summary of what stayed high precision and why; a warning when any of it looks like it was meant to
 be converted (a decoder linear of an odd shape, a GPT-2 style ``Conv1D``, an ``nn.Linear`` subclass).
 
+Mixture-of-experts: the routed experts of transformers v5 MoE blocks (3-D ``gate_up_proj`` /
+``down_proj``: Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3 and the families that share the layout)
+become ``infir2.nn.moe.Fp8Experts`` (same parameters, same keys); shared experts are plain linears
+and convert as such; routers stay high precision. ``module_filter_fn`` is asked about each experts
+module too. The summary counts the expert GEMMs and their share of the GEMM weights, and warns on
+a module with 3-D expert weights that ``Fp8Experts`` does not run.
+
 PEFT LoRA works in both orders: convert then ``get_peft_model`` (LoRA wraps the ``Fp8Linear``), or
 LoRA first (the default filter converts each LoRA layer's ``base_layer``; the adapters ``lora_A`` /
 ``lora_B`` stay high precision, as in QLoRA).
