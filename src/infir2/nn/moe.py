@@ -30,8 +30,6 @@ original experts implementation runs on the same parameters.
 
 from __future__ import annotations
 
-import itertools
-import weakref
 from typing import Any, cast
 
 import torch
@@ -40,6 +38,7 @@ from torch import nn
 from ..fp8.recipe import Fp8Recipe, get_recipe
 from ..kernels import Kernels, Operand, bind
 from ..kernels.grouped import gemm_nt_grouped, group_bounds, quantize_pair_groups
+from ._keyed import KeyedRegistry
 
 __all__ = [
     "Fp8Experts",
@@ -195,16 +194,12 @@ def fp8_grouped_linear(
 
 
 # Every Fp8Experts by key, for the torch.compile custom ops (infir2.nn.moe_ops), which take plain values.
-_EXPERTS: weakref.WeakValueDictionary[int, Fp8Experts] = weakref.WeakValueDictionary()
-_KEYS = itertools.count()
+_EXPERTS: KeyedRegistry[Fp8Experts] = KeyedRegistry("Fp8Experts")
 
 
 def experts_by_key(key: int) -> Fp8Experts:
     """The ``Fp8Experts`` registered under ``key`` (its ``op_key``)."""
-    module = _EXPERTS.get(key)
-    if module is None:
-        raise RuntimeError(f"no Fp8Experts with key {key}: the module was freed")
-    return module
+    return _EXPERTS.get(key)
 
 
 def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -246,8 +241,7 @@ class Fp8Experts(nn.Module):
         self._register()
 
     def _register(self) -> None:
-        self.op_key = next(_KEYS)
-        _EXPERTS[self.op_key] = self
+        self.op_key = _EXPERTS.add(self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
