@@ -77,3 +77,21 @@ def test_compiled_fp8_moe_has_no_graph_break_and_eager_numerics():
     assert sum(o.startswith("infir2.fp8_grouped_linear_backward.") for o in ops) == 4
     assert isinstance(model.model.layers[0].self_attn.q_proj, Fp8Linear)
     assert isinstance(compiled.model.layers[0].mlp.experts, Fp8Experts)
+
+
+@pytest.mark.slow
+def test_tiny_moe_cpt_config_runs_as_shipped(tmp_path, monkeypatch):
+    """The shipped MoE config: the demo's data, two steps, the FP8 export at the end loads."""
+    from pathlib import Path
+
+    import infir2
+    from infir2.cli import main
+    from infir2.export import load_checkpoint
+
+    config = Path(infir2.__file__).parent / "configs" / "tiny-moe-cpt.yaml"
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo", "--data-only", "--quick", "--out", "runs/tiny"]) == 0
+    short = ["--no-progress", "--set", "train.max_steps=2", "--set", "run.device=cpu"]
+    assert main(["train", str(config), *short]) == 0
+    model = load_checkpoint(tmp_path / "runs/tiny-moe-cpt/hf")
+    assert type(model).__name__ == "Qwen3MoeForCausalLM" and model.config.num_experts == 8

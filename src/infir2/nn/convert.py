@@ -42,6 +42,7 @@ from ..fp8.recipe import Fp8Recipe, get_recipe
 from .fsdp import Fp8ShardedWeight
 from .linear import Fp8Linear
 from .moe import Fp8Experts, is_routed_experts, unsupported_experts_reason
+from .moe_fsdp import EXPERT_WEIGHTS, Fp8ShardedExperts, link_fsdp_experts
 
 __all__ = [
     "DECODER_PROJECTIONS",
@@ -361,10 +362,11 @@ def cache_fp8_weights(model: nn.Module) -> Iterator[nn.Module]:
 
 
 def enable_fp8_param_gather(module: nn.Module) -> list[str]:
-    """Before ``fully_shard``: make the weights of ``module``'s FP8 linears all-gather as FP8 codes.
+    """Before ``fully_shard``: make the weights of ``module``'s FP8 linears and experts all-gather as FP8 codes.
 
     Only layers whose recipe :attr:`~infir2.fp8.recipe.Fp8Recipe.gathers_fp8_weight` are changed (their
-    weight becomes an ``infir2.nn.fsdp.Fp8ShardedWeight``); returns their names.
+    weight becomes an ``infir2.nn.fsdp.Fp8ShardedWeight``, an expert weight an
+    ``infir2.nn.moe_fsdp.Fp8ShardedExperts``); returns their names.
     """
     changed = []
     for name, m in fp8_modules(module):
@@ -372,6 +374,13 @@ def enable_fp8_param_gather(module: nn.Module) -> list[str]:
             if not isinstance(m.weight.data, Fp8ShardedWeight):
                 m.weight = nn.Parameter(Fp8ShardedWeight(m.weight.data), requires_grad=m.weight.requires_grad)
             changed.append(name)
+    for name, g in fp8_expert_modules(module):  # whole experts per rank: infir2.nn.moe_fsdp
+        if g.fp8_enabled and g.recipe.gathers_fp8_weight:
+            for p in EXPERT_WEIGHTS:
+                w = getattr(g, p)
+                if not isinstance(w.data, Fp8ShardedExperts):
+                    setattr(g, p, nn.Parameter(Fp8ShardedExperts(w.data), requires_grad=w.requires_grad))
+                changed.append(f"{name}.{p}")
     return changed
 
 
@@ -384,7 +393,8 @@ def link_fsdp_params(fsdp_module: nn.Module) -> None:
     """
     states = fsdp_module._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
     for group in states:
-        fp8_params = [p for p in group.fsdp_params if isinstance(p._sharded_local_tensor, Fp8ShardedWeight)]
+        link_fsdp_experts(group.fsdp_params)  # the experts' FP8 weights (no amax all-reduce)
+        fp8_params = [p for p in group.fsdp_params if type(p._sharded_local_tensor) is Fp8ShardedWeight]
         peers = tuple(weakref.ref(p) for p in fp8_params)
         for index, fsdp_param in enumerate(fp8_params):
             setattr(fsdp_param._module_info.module, "_fp8_fsdp_param", weakref.ref(fsdp_param))  # noqa: B010

@@ -39,6 +39,7 @@ from ..fp8.recipe import Fp8Recipe, get_recipe
 from ..kernels import Kernels, Operand, bind
 from ..kernels.grouped import gemm_nt_grouped, group_bounds, quantize_pair_groups
 from ._keyed import KeyedRegistry
+from .fsdp import Fp8GatheredWeight
 
 __all__ = [
     "Fp8Experts",
@@ -159,7 +160,9 @@ def _wgrad(
     x_saved: list[torch.Tensor],
 ) -> torch.Tensor:
     """``dW[e] = Q(dY_e, 128x1).T @ Q(X_e, 128x1)``; zero for an expert without rows."""
-    dw = torch.zeros_like(weight)
+    dw = torch.zeros(
+        weight.shape, dtype=weight.dtype, device=weight.device
+    )  # (not a gathered FP8 weight's kind)
     i = 0
     for e, ops in enumerate(dy_ops):
         if ops is None:
@@ -267,6 +270,8 @@ class Fp8Experts(nn.Module):
     def quantized_weights(self, name: str, kernels: Kernels) -> list[Operand]:
         """Per-expert fprop operands of ``gate_up_proj`` or ``down_proj``, cached within a step."""
         w: torch.Tensor = getattr(self, name)
+        if isinstance(w, Fp8GatheredWeight):  # all-gathered as FP8 codes by FSDP2 (infir2.nn.moe_fsdp)
+            return list(w.operand.operands)  # type: ignore[attr-defined]
         key = (w._version, w.data_ptr(), w.device, w.dtype, self.recipe, kernels.name)
         cached = self._weight_cache.get(name)
         if self.cache_weight and cached is not None and cached[0] == key:
