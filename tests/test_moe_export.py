@@ -128,3 +128,28 @@ def test_folder_conversion_quantizes_per_expert_weights(tmp_path):
     assert all(dtypes[k.replace(".weight", ".weight_scale_inv")] == "F32" for k in experts)
     assert dtypes["model.layers.0.block_sparse_moe.gate.weight"] != "F8_E4M3"
     assert dtypes["lm_head.weight"] != "F8_E4M3"
+
+
+def test_streamed_export_equals_the_in_memory_one(tmp_path):
+    """``tensors=`` (a sharded checkpoint read one tensor at a time): each fused expert tensor is split on
+    its own, into the same per-expert FP8 tensors as the whole-state export."""
+    model = _trained("qwen3_moe")
+    whole = export_model(model, None, tmp_path / "whole", fmt="fp8")
+    streamed = export_model(
+        model, None, tmp_path / "streamed", fmt="fp8", tensors=iter(model.state_dict().items())
+    )
+
+    def read(folder):
+        out = {}
+        for file in folder.glob("*.safetensors"):
+            with safe_open(str(file), framework="pt") as f:
+                out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
+        return out
+
+    a, b = read(whole), read(streamed)
+    assert set(a) == set(b) and any(".experts.3.down_proj.weight_scale_inv" in k for k in a)
+    for key, value in a.items():
+        assert torch.equal(
+            value.view(torch.uint8) if value.dtype == torch.float8_e4m3fn else value,
+            b[key].view(torch.uint8) if b[key].dtype == torch.float8_e4m3fn else b[key],
+        ), key

@@ -203,3 +203,18 @@ def test_fp8_experts_gradients_reach_every_routed_expert_and_the_router():
     experts = model.model.layers[0].mlp.experts
     assert experts.gate_up_proj.grad is not None and experts.down_proj.grad is not None
     assert model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0  # routing stays differentiable
+
+
+def test_converted_moe_model_pickles_and_copies():
+    """``torch.save(model)`` / spawn (pickle) and ``deepcopy`` keep the FP8 experts, each with its own key."""
+    import copy
+    import pickle
+
+    model = make_tiny_moe("mixtral")
+    convert_to_fp8(model)
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(3))
+    expected = model(ids).logits
+    for other in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
+        experts = other.model.layers[0].mlp.experts
+        assert isinstance(experts, Fp8Experts) and experts.op_key != model.model.layers[0].mlp.experts.op_key
+        assert torch.equal(other(ids).logits, expected)
