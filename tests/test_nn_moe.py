@@ -181,6 +181,15 @@ def test_unrecognised_experts_warn(caplog):
     assert not isinstance(model.model.layers[1].mlp.experts, Fp8Experts)
 
 
+def test_a_router_without_known_experts_warns(caplog):
+    model = make_tiny_moe("qwen3_moe")
+    model.model.layers[1].mlp.experts = nn.Identity()  # experts of a kind convert_to_fp8 does not know
+    with caplog.at_level(logging.INFO, logger="infir2.nn.convert"):
+        convert_to_fp8(model)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("has a router but no experts module" in w and "model.layers.1.mlp" in w for w in warnings)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_exact_casts_reproduce_the_high_precision_experts(family):
     """With ``fp8_exact`` (every element its own block) only fp32 rounding separates the FP8 experts from

@@ -265,7 +265,24 @@ def _select_experts(
             kept[reason].append(fqn)
         else:
             chosen.append(fqn)
+    _routers_without_experts(model, kept)
     return chosen
+
+
+def _routers_without_experts(model: nn.Module, kept: dict[str, list[str]]) -> None:
+    """An MoE block whose router has no experts this module knows beside it (``experts`` neither a
+    module with 3-D expert weights nor a ModuleList of linears) is recorded as not recognised."""
+    for fqn in kept.get("MoE router", []):
+        block_name = fqn.rpartition(".")[0]
+        block = model.get_submodule(block_name)
+        experts = getattr(block, "experts", None)
+        if isinstance(experts, nn.ModuleList) or (
+            isinstance(experts, nn.Module) and _owns_expert_weights(experts)
+        ):
+            continue
+        reason = f"{_UNRECOGNISED}: {type(block).__name__} has a router but no experts module infir2 runs"
+        if block_name not in kept[reason]:
+            kept[reason].append(block_name)
 
 
 def _experts_summary(model: nn.Module, chosen: list[str], experts: list[str]) -> str:
@@ -279,7 +296,7 @@ def _experts_summary(model: nn.Module, chosen: list[str], experts: list[str]) ->
     total += sum(p.numel() for m in model.modules() for p in m.parameters(recurse=False) if p.dim() == 3)
     return (
         f" and {len(groups)} routed-expert groups ({routed} expert GEMMs, 2 per expert"
-        + (f", plus {len(shared)} shared-expert linears" if shared else "")
+        + (f", plus {len(shared)} linears of shared or per-module experts" if shared else "")
         + f"; experts hold {100 * expert_params / max(total, 1):.1f}% of the GEMM weight parameters)"
     )
 

@@ -291,17 +291,21 @@ class Fp8Experts(nn.Module):
         expert_ids, order = torch.sort(top_k_index.reshape(-1), stable=True)  # rows grouped by expert
         x = hidden_states[order // top_k].to(_autocast_dtype(hidden_states))  # [S, H], S = tokens * top_k
         counts = expert_counts(expert_ids, self.num_experts)
-        h = self._grouped_linear(x, "gate_up_proj", counts)  # [S, 2I]
+        rows = None if torch.compiler.is_compiling() else counts.tolist()  # one host read per block
+        h = self._grouped_linear(x, "gate_up_proj", counts, rows)  # [S, 2I]
         h = self._apply_gate(h)  # [S, I]
-        y = self._grouped_linear(h, "down_proj", counts)  # [S, H]
-        y = y * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
+        y = self._grouped_linear(h, "down_proj", counts, rows)  # [S, H]
+        # weighted and summed over the k experts in fp32 (as transformers' grouped implementation does)
+        y = y.to(_accumulation_dtype(y.dtype)) * top_k_weights.reshape(-1)[order].unsqueeze(-1)
         combined = torch.empty_like(y).index_copy_(0, order, y)  # back to (token, k) order
         return combined.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
 
-    def _grouped_linear(self, x: torch.Tensor, name: str, counts: torch.Tensor) -> torch.Tensor:
+    def _grouped_linear(
+        self, x: torch.Tensor, name: str, counts: torch.Tensor, rows: list[int] | None
+    ) -> torch.Tensor:
         weight = getattr(self, name)
-        if torch.compiler.is_compiling():  # one custom op: the per-expert loop stays outside the graph
+        if rows is None:  # compiling: one custom op, the per-expert loop stays outside the graph
             return torch.ops.infir2.fp8_grouped_linear(x, weight, counts, self.op_key, name)[0]
         kernels = self._kernels_on(x.device)
         w_ops = self.quantized_weights(name, kernels)
-        return fp8_grouped_linear(x, weight, counts.tolist(), self.recipe, kernels, w_ops)
+        return fp8_grouped_linear(x, weight, rows, self.recipe, kernels, w_ops)
