@@ -227,3 +227,25 @@ def test_converted_moe_model_pickles_and_copies():
         experts = other.model.layers[0].mlp.experts
         assert isinstance(experts, Fp8Experts) and experts.op_key != model.model.layers[0].mlp.experts.op_key
         assert torch.equal(other(ids).logits, expected)
+
+
+def test_telemetry_records_every_expert_operand():
+    """``fp8.stats_every``: per expert weight, the six operands and three SQNRs, over all its experts."""
+    from infir2.nn.telemetry import OPERAND_STATS, Fp8Telemetry
+
+    model = make_tiny_moe("qwen3_moe")
+    convert_to_fp8(model)
+    telemetry = Fp8Telemetry(model, every=1)
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(4))
+    with telemetry.record(1) as out:
+        model(input_ids=ids, labels=ids).loss.backward()
+    name = "fp8/model.layers.0.mlp.experts.gate_up_proj"
+    operands = ("fprop.x", "fprop.w", "dgrad.dy", "dgrad.w", "wgrad.dy", "wgrad.x")
+    for operand in operands:
+        for stat in OPERAND_STATS:
+            assert f"{name}/{operand}/{stat}" in out, f"{operand}/{stat}"
+    weight = model.model.layers[0].mlp.experts.gate_up_proj
+    assert out[f"{name}/fprop.w/amax"] == weight.detach().abs().max().item()  # all experts together
+    for result in ("fprop.y", "dgrad.dx", "wgrad.dw"):
+        assert out[f"{name}/{result}/sqnr_db"] > 25, result
+    assert model.model.layers[0].mlp.experts.stats is None  # detached after the step

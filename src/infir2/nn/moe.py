@@ -40,6 +40,7 @@ from ..kernels import Kernels, Operand, bind
 from ..kernels.grouped import gemm_nt_grouped, group_bounds, quantize_pair_groups
 from ._keyed import KeyedRegistry
 from .fsdp import Fp8GatheredWeight
+from .moe_telemetry import ExpertsProbe, ExpertsRecorder
 
 __all__ = [
     "Fp8Experts",
@@ -100,12 +101,16 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
         recipe: Fp8Recipe,
         kernels: Kernels,
         w_ops: list[Operand],
+        stats: ExpertsRecorder | None = None,
     ) -> torch.Tensor:
         bounds = group_bounds(counts)
         x_ops = quantize_pair_groups(kernels, x, bounds, recipe.x, recipe.x_wgrad)  # per expert [S_e,K]
         y = gemm_nt_grouped(
             kernels, [o[0] if o else None for o in x_ops], w_ops, x.dtype, x
         )  # [S,K] -> [S,N], per expert [S_e,K] @ [K,N], fp32 accumulate
+        ctx.probe = ExpertsProbe(stats, recipe, weight, bounds) if stats is not None else None
+        if ctx.probe is not None:  # telemetry on a stats step only: reads the operands, changes nothing
+            ctx.probe.forward(x, x_ops, w_ops, y)
         saved = [t for o in x_ops if o is not None for t in (o[1].data, o[1].scale_inv)]
         reuse = recipe.reuses_weight
         ctx.w_kept = w_ops if reuse and all(w.keep_for_backward for w in w_ops) else None
@@ -130,7 +135,7 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
         dy_ops = quantize_pair_groups(
             kernels, dy, ctx.bounds, recipe.dy, recipe.dy_wgrad
         )  # per expert [S_e,N]
-        dx = dw = None
+        dx = dw = w_dgrad = None
         if need_dx:
             w_dgrad = _dgrad_weights(ctx, weight, w_saved)
             dx = gemm_nt_grouped(
@@ -138,7 +143,9 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
             )  # per expert [S_e,N] @ [N,K] -> [S_e,K], fp32 accumulate
         if need_dw:
             dw = _wgrad(kernels, recipe, weight, dy_ops, x_saved)
-        return dx, dw, None, None, None, None
+        if ctx.probe is not None:
+            ctx.probe.backward(dy, dy_ops, w_dgrad, dx, dw)
+        return dx, dw, None, None, None, None, None
 
 
 def _dgrad_weights(ctx: Any, weight: torch.Tensor, w_saved: list[torch.Tensor]) -> list[Operand]:
@@ -182,9 +189,11 @@ def fp8_grouped_linear(
     recipe: Fp8Recipe,
     kernels: Kernels,
     w_ops: list[Operand] | None = None,
+    stats: ExpertsRecorder | None = None,
 ) -> torch.Tensor:
     """``x [S, K]`` (rows sorted by expert, ``counts[e]`` rows for expert e) through ``weight [E, N, K]``
-    in FP8: ``[S, N]``. ``w_ops``: the per-expert quantized weights (quantized here when not given)."""
+    in FP8: ``[S, N]``. ``w_ops``: the per-expert quantized weights (quantized here when not given);
+    ``stats``: a telemetry recorder (``infir2.nn.moe_telemetry``) on a stats step."""
     if weight.dim() != 3 or x.dim() != 2 or x.shape[1] != weight.shape[2]:
         raise ValueError(f"grouped linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
     if len(counts) != weight.shape[0] or sum(counts) != x.shape[0]:
@@ -192,7 +201,7 @@ def fp8_grouped_linear(
     if w_ops is None:
         with torch.no_grad():
             w_ops = [kernels.quantize(weight[e].detach(), recipe.w) for e in range(weight.shape[0])]
-    out: torch.Tensor = _Fp8GroupedLinearFunction.apply(x, weight, counts, recipe, kernels, w_ops)
+    out: torch.Tensor = _Fp8GroupedLinearFunction.apply(x, weight, counts, recipe, kernels, w_ops, stats)
     return out
 
 
@@ -240,6 +249,7 @@ class Fp8Experts(nn.Module):
         self.kernels: Kernels | None = None
         self.cache_weight = False
         self._weight_cache: dict[str, tuple[tuple[Any, ...], list[Operand]]] = {}
+        self.stats: dict[str, ExpertsRecorder] | None = None  # per weight, set by infir2.nn.telemetry
         self.train(experts.training)
         self._register()
 
@@ -308,4 +318,5 @@ class Fp8Experts(nn.Module):
             return torch.ops.infir2.fp8_grouped_linear(x, weight, counts, self.op_key, name)[0]
         kernels = self._kernels_on(x.device)
         w_ops = self.quantized_weights(name, kernels)
-        return fp8_grouped_linear(x, weight, rows, self.recipe, kernels, w_ops)
+        stats = self.stats.get(name) if self.stats is not None else None
+        return fp8_grouped_linear(x, weight, rows, self.recipe, kernels, w_ops, stats)

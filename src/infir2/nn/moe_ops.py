@@ -44,6 +44,7 @@ class _Context:
         self.recipe: Any = None
         self.kernels: Any = None
         self.x_dtype: torch.dtype | None = None
+        self.probe: Any = None  # telemetry does not record compiled experts
 
     def save_for_backward(self, *tensors: torch.Tensor) -> None:
         self.saved_tensors = tensors
