@@ -23,9 +23,14 @@ What backward keeps per expert is the FP8 wgrad copy of its rows, as for a dense
 
 Routing stays where transformers does it and in high precision: the router (``mlp.gate``: linear,
 softmax / sigmoid, top-k, bias or aux-loss balancing) gives ``top_k_index`` / ``top_k_weights``, and
-this module only gathers the rows, runs the experts and combines the weighted outputs in the input's
-precision (as transformers' grouped implementation does). With FP8 off (``infir2.disable_fp8``) the
-original experts implementation runs on the same parameters.
+this module only gathers the rows, runs the experts and combines the weighted outputs in fp32 (as
+transformers' grouped implementation does). The rows enter the experts in the autocast dtype, as a
+dense ``Fp8Linear``'s input does. With FP8 off (``infir2.disable_fp8``) the original experts
+implementation runs on the same parameters. A tensor with per-expert data-dependent shapes never
+enters a ``torch.compile`` graph: each grouped linear is one custom op there (``infir2.nn.moe_ops``).
+Supported: the layout of ``use_experts_implementation`` with a gate (concatenated ``[gate; up]``, no
+bias, not transposed, no post-expert norm, no expert parallelism); other experts modules stay high
+precision and ``convert_to_fp8`` warns about them.
 """
 
 from __future__ import annotations
