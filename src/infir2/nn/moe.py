@@ -23,8 +23,8 @@ What backward keeps per expert is the FP8 wgrad copy of its rows, as for a dense
 
 Routing stays where transformers does it and in high precision: the router (``mlp.gate``: linear,
 softmax / sigmoid, top-k, bias or aux-loss balancing) gives ``top_k_index`` / ``top_k_weights``, and
-this module only gathers the rows, runs the experts and combines the weighted outputs in fp32 (as
-transformers' grouped implementation does). The rows enter the experts in the autocast dtype, as a
+this module only gathers the rows, runs the experts, weights each row by its routing weight and sums
+a token's k rows in fp32. The rows enter the experts in the autocast dtype, as a
 dense ``Fp8Linear``'s input does. With FP8 off (``infir2.disable_fp8``) the original experts
 implementation runs on the same parameters. A tensor with per-expert data-dependent shapes never
 enters a ``torch.compile`` graph: each grouped linear is one custom op there (``infir2.nn.moe_ops``).
@@ -310,10 +310,11 @@ class Fp8Experts(nn.Module):
         h = self._grouped_linear(x, "gate_up_proj", counts, rows)  # [S, 2I]
         h = self._apply_gate(h)  # [S, I]
         y = self._grouped_linear(h, "down_proj", counts, rows)  # [S, H]
-        # weighted and summed over the k experts in fp32 (as transformers' grouped implementation does)
-        y = y.to(_accumulation_dtype(y.dtype)) * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+        # weighted in the rows' dtype (backward keeps y as it is), summed over the k experts in fp32
+        y = y * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
         combined = torch.empty_like(y).index_copy_(0, order, y)  # back to (token, k) order
-        return combined.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+        summed = combined.view(tokens, top_k, -1).sum(dim=1, dtype=_accumulation_dtype(y.dtype))
+        return summed.to(hidden_states.dtype)
 
     def _grouped_linear(
         self, x: torch.Tensor, name: str, counts: torch.Tensor, rows: list[int] | None
