@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from ..data.chat import stop_token_ids
 from ..fp8.quantize import ScaleEncoding
+from .hf_keys import checkpoint_tensors, fp8_weight_names, modules_to_not_convert
 from .layout import (
     QUANTIZATION_CONFIG,
     SCALE_SUFFIX,
@@ -56,9 +57,14 @@ def _check_format(fmt: str) -> None:
 
 
 def _convert_tensors(
-    names: Iterable[str], get: Callable[[str], torch.Tensor], fmt: str, scale_encoding: ScaleEncoding
+    names: Iterable[str],
+    get: Callable[[str], torch.Tensor],
+    fmt: str,
+    scale_encoding: ScaleEncoding,
+    is_fp8: Callable[[str, torch.Tensor], bool] = is_projection_weight,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Per tensor: dequantize an FP8 source weight, then cast (bf16/fp32) or quantize projections (fp8)."""
+    """Per tensor: dequantize an FP8 source weight, then cast (bf16/fp32) or quantize the tensors
+    ``is_fp8`` names (fp8; default: the decoder projections by name)."""
     for name in names:
         if name.endswith(SCALE_SUFFIX):
             continue  # consumed together with its weight
@@ -66,7 +72,7 @@ def _convert_tensors(
         if tensor.dtype == torch.float8_e4m3fn:
             tensor = dequantize_weight(tensor, get(scale_inv_name(name)), torch.float32)
         if fmt == "fp8":
-            if is_projection_weight(name, tensor):
+            if is_fp8(name, tensor):
                 data, scale_inv = quantize_weight(tensor, scale_encoding)
                 yield name, data
                 yield scale_inv_name(name), scale_inv
@@ -76,13 +82,21 @@ def _convert_tensors(
             yield name, tensor.to(_DTYPES[fmt]) if tensor.is_floating_point() else tensor
 
 
-def _patch_config(path: Path, fmt: str, dtype_name: str, architecture: str | None = None) -> None:
+def _patch_config(
+    path: Path,
+    fmt: str,
+    dtype_name: str,
+    architecture: str | None = None,
+    not_converted: list[str] | None = None,
+) -> None:
     config = json.loads(path.read_text(encoding="utf-8"))
     if architecture and not config.get("architectures"):  # a model built from a config has none
         config["architectures"] = [architecture]  # serving engines (vLLM, transformers serve) need it
     config.pop("quantization_config", None)
     if fmt == "fp8":
         config["quantization_config"] = copy.deepcopy(QUANTIZATION_CONFIG)
+        if not_converted:  # what stayed high precision, so that loaders do not expect FP8 there
+            config["quantization_config"]["modules_to_not_convert"] = not_converted
     config["dtype"] = dtype_name
     if "torch_dtype" in config:  # older transformers spell it this way
         config["torch_dtype"] = dtype_name
@@ -179,14 +193,19 @@ def export_model(
 
     if tensors is None:
         state = _unique_state_dict(model, model.state_dict() if state_dict is None else state_dict)
-        stream = _convert_tensors(state, lambda name: prepared(state[name]), fmt, scale_encoding)
+        state, fp8 = checkpoint_tensors(model, state)  # the checkpoint layout (per-expert weights)
+        stream = _convert_tensors(
+            state, lambda name: prepared(state[name]), fmt, scale_encoding, _member_of(fp8)
+        )
     else:
-        stream = _convert_stream(tensors, _tied_names(model), prepared, fmt, scale_encoding)
+        stream = _convert_stream(tensors, model, prepared, fmt, scale_encoding)
     for name, tensor in tqdm(stream, desc=f"export {fmt}", unit="tensor"):
         writer.add(name, tensor)
     writer.close()
     _inference_config(config, tokenizer).save_pretrained(tmp)
-    _patch_config(tmp / "config.json", fmt, _DTYPE_NAMES[cast], _architecture(model))
+    _patch_config(
+        tmp / "config.json", fmt, _DTYPE_NAMES[cast], _architecture(model), modules_to_not_convert(model)
+    )
     _save_generation_config(model, tokenizer, tmp)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
@@ -197,18 +216,25 @@ def export_model(
 
 def _convert_stream(
     tensors: Iterable[tuple[str, torch.Tensor]],
-    tied: Mapping[str, str],
+    model: torch.nn.Module,
     prepared: Callable[[torch.Tensor], torch.Tensor],
     fmt: str,
     scale_encoding: ScaleEncoding,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``_convert_tensors`` over a stream: one source tensor at a time (tied names skipped)."""
+    """``_convert_tensors`` over a stream: one source tensor at a time (tied names skipped), each in the
+    checkpoint layout (a fused expert tensor becomes its per-expert tensors)."""
+    tied, fp8_names = _tied_names(model), fp8_weight_names(model)
     for name, tensor in tensors:
         if name in tied:
             log.info("export: %s is tied to %s; not stored twice", name, tied[name])
             continue
-        one = prepared(tensor)
-        yield from _convert_tensors([name], lambda _, t=one: t, fmt, scale_encoding)  # type: ignore[misc]
+        parts, fp8 = checkpoint_tensors(model, {name: prepared(tensor)}, fp8_names)
+        yield from _convert_tensors(parts, parts.__getitem__, fmt, scale_encoding, _member_of(fp8))
+
+
+def _member_of(names: set[str]) -> Callable[[str, torch.Tensor], bool]:
+    """The ``is_fp8`` test of ``_convert_tensors`` for a set of tensor names."""
+    return lambda name, _tensor: name in names
 
 
 def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:

@@ -48,12 +48,17 @@ QUANTIZATION_CONFIG: dict[str, Any] = {
     "weight_block_size": list(WEIGHT_BLOCK),
 }
 _PROJECTION_KEY = re.compile(
-    r"(^|\.)layers\.\d+\.(self_attn|mlp)\.(" + "|".join(DECODER_PROJECTIONS) + r")\.weight$"
+    r"(^|\.)layers\.\d+\.(self_attn|mlp)\.((experts\.\d+|shared_experts?)\.)?("
+    + "|".join(DECODER_PROJECTIONS)
+    + r")\.weight$"
+    + r"|(^|\.)layers\.\d+\.block_sparse_moe\.experts\.\d+\.w[123]\.weight$"  # Mixtral's experts
 )
 
 
 def is_projection_weight(name: str, tensor: torch.Tensor) -> bool:
-    """True for a 2-D floating weight of a decoder projection (the same layers ``convert_to_fp8`` swaps)."""
+    """True for a 2-D floating weight of a decoder projection, by name: the seven projections, and the
+    per-expert and shared-expert projections of MoE checkpoints (a folder converted without its model;
+    an in-memory export uses what ``convert_to_fp8`` converted)."""
     return _PROJECTION_KEY.search(name) is not None and tensor.dim() == 2 and tensor.dtype.is_floating_point
 
 

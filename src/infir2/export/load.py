@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .hf_keys import fold_checkpoint_tensors
 from .layout import SCALE_SUFFIX, dequantize_weight, is_fp8_config, scale_inv_name
 from .shards import CheckpointReader
 
@@ -61,7 +62,7 @@ def load_checkpoint(folder: str | Path, dtype: torch.dtype | None = None, device
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    state = load_fp8_state_dict(folder, dtype)
+    state = fold_checkpoint_tensors(model, load_fp8_state_dict(folder, dtype))  # per-expert -> fused
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:

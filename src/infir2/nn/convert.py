@@ -13,6 +13,13 @@ multiples of 16 (what FP8 tensor-core GEMMs need) stays high precision. After co
 summary of what stayed high precision and why; a warning when any of it looks like it was meant to
 be converted (a decoder linear of an odd shape, a GPT-2 style ``Conv1D``, an ``nn.Linear`` subclass).
 
+Mixture-of-experts: the routed experts of transformers v5 MoE blocks (3-D ``gate_up_proj`` /
+``down_proj``: Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3 and the families that share the layout)
+become ``infir2.nn.moe.Fp8Experts`` (same parameters, same keys); shared experts are plain linears
+and convert as such; routers stay high precision. ``module_filter_fn`` is asked about each experts
+module too. The summary counts the expert GEMMs and their share of the GEMM weights, and warns on
+a module with 3-D expert weights that ``Fp8Experts`` does not run.
+
 PEFT LoRA works in both orders: convert then ``get_peft_model`` (LoRA wraps the ``Fp8Linear``), or
 LoRA first (the default filter converts each LoRA layer's ``base_layer``; the adapters ``lora_A`` /
 ``lora_B`` stay high precision, as in QLoRA).
@@ -26,7 +33,7 @@ import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -34,6 +41,8 @@ from torch import nn
 from ..fp8.recipe import Fp8Recipe, get_recipe
 from .fsdp import Fp8ShardedWeight
 from .linear import Fp8Linear
+from .moe import Fp8Experts, is_routed_experts, unsupported_experts_reason
+from .moe_fsdp import EXPERT_WEIGHTS, Fp8ShardedExperts, link_fsdp_experts
 
 __all__ = [
     "DECODER_PROJECTIONS",
@@ -43,7 +52,9 @@ __all__ = [
     "disable_fp8",
     "enable_fp8_param_gather",
     "fp8_enabled",
+    "fp8_expert_modules",
     "fp8_modules",
+    "fp8_weight_names",
     "link_fsdp_params",
     "why_high_precision",
 ]
@@ -151,10 +162,10 @@ def convert_to_fp8(
     converts nothing.
     """
     recipe = get_recipe(recipe)
-    existing = [fqn for fqn, m in model.named_modules() if isinstance(m, Fp8Linear)]
+    existing = [fqn for fqn, m in model.named_modules() if isinstance(m, Fp8Linear | Fp8Experts)]
     if existing:
         raise ValueError(
-            f"model is already converted to FP8 ({len(existing)} Fp8Linear modules, e.g. "
+            f"model is already converted to FP8 ({len(existing)} FP8 modules, e.g. "
             f"{existing[0]!r}); convert_to_fp8 runs once per model"
         )
     if not recipe.enabled:
@@ -173,21 +184,11 @@ def convert_to_fp8(
             reason = why_high_precision(m, fqn) or "excluded by module_filter_fn"
         kept[reason].append(fqn)
         notable = notable or _looks_convertible(m, fqn, reason)
-    if not chosen:
+    experts = _select_experts(model, module_filter_fn, kept)
+    notable = notable or any(r.startswith(_UNRECOGNISED) for r in kept)
+    if not chosen and not experts:
         raise _no_layer_error(model)
-    low = sorted(
-        {
-            str(m.weight.dtype)
-            for fqn in chosen
-            if (m := model.get_submodule(fqn)).weight.dtype not in (torch.float32, torch.float64)
-        }
-    )
-    if low:
-        log.warning(
-            "FP8 layers will wrap %s parameters: the recipe keeps fp32 master weights (load the model "
-            "with dtype=torch.float32, or call model.float() first)",
-            "/".join(low),
-        )
+    _warn_low_precision(model, chosen, experts)
     device = _device_of(model)
     for fqn in chosen:
         parent_name, _, child = fqn.rpartition(".")
@@ -196,11 +197,131 @@ def convert_to_fp8(
         layer.fp8_name = fqn
         layer.bind_kernels(device)  # an unusable backend override fails here, before any training
         setattr(parent, child, layer)
+    for fqn in experts:
+        parent_name, _, child = fqn.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        group = Fp8Experts(getattr(parent, child), recipe, backend)
+        group.bind_kernels(device)
+        setattr(parent, child, group)
     message = f"FP8 recipe {recipe.name!r}: converted {len(chosen)} linear layers"
+    if experts:
+        message += _experts_summary(model, chosen, experts)
     if kept:
         message += f"; high precision: {_summary(kept)}"
     log.log(logging.WARNING if notable else logging.INFO, message)
     return model
+
+
+def _warn_low_precision(model: nn.Module, chosen: list[str], experts: list[str]) -> None:
+    weights = [model.get_submodule(fqn).weight for fqn in chosen]
+    weights += [model.get_submodule(fqn).gate_up_proj for fqn in experts]
+    low = sorted({str(w.dtype) for w in weights if w.dtype not in (torch.float32, torch.float64)})
+    if low:
+        log.warning(
+            "FP8 layers will wrap %s parameters: the recipe keeps fp32 master weights (load the model "
+            "with dtype=torch.float32, or call model.float() first)",
+            "/".join(low),
+        )
+
+
+#: the reason a module with 3-D expert weights that ``Fp8Experts`` cannot run stays high precision
+_UNRECOGNISED = "MoE experts not recognised"
+_SHARED_OR_LISTED_EXPERT = re.compile(r"(^|\.)(shared_experts?|experts\.\d+)\.")
+
+
+def why_experts_high_precision(module: nn.Module, fqn: str) -> str | None:
+    """Why the default filter keeps a routed-experts module in high precision; ``None``: it runs in FP8."""
+    if _IN_BLOCK.search(fqn) is None:
+        return "outside the decoder layers"
+    _, two_i, h = cast(torch.Tensor, module.gate_up_proj).shape
+    if h % SHAPE_MULTIPLE or (two_i // 2) % SHAPE_MULTIPLE:
+        return f"expert shape [{two_i // 2}, {h}] not a multiple of {SHAPE_MULTIPLE}"
+    return None
+
+
+def _owns_expert_weights(module: nn.Module) -> bool:
+    return any(p.dim() == 3 and p.is_floating_point() for p in module.parameters(recurse=False))
+
+
+def _select_experts(
+    model: nn.Module, module_filter_fn: ModuleFilter | None, kept: dict[str, list[str]]
+) -> list[str]:
+    """The routed-experts modules to convert; the others (and the routers) recorded in ``kept``."""
+    chosen = []
+    for fqn, m in model.named_modules():
+        names = fqn.split(".")
+        if (
+            names[-1] in _ROUTERS
+            and not isinstance(m, nn.Linear)
+            and isinstance(getattr(m, "weight", None), nn.Parameter)
+        ):
+            kept["MoE router"].append(fqn)
+        if not _owns_expert_weights(m):
+            continue
+        if not is_routed_experts(m):
+            kept[f"{_UNRECOGNISED}: {type(m).__name__}, {unsupported_experts_reason(m)}"].append(fqn)
+        elif module_filter_fn is not None and not module_filter_fn(m, fqn):
+            kept["excluded by module_filter_fn"].append(fqn)
+        elif module_filter_fn is None and (reason := why_experts_high_precision(m, fqn)) is not None:
+            kept[reason].append(fqn)
+        else:
+            chosen.append(fqn)
+    _routers_without_experts(model, kept)
+    return chosen
+
+
+def _routers_without_experts(model: nn.Module, kept: dict[str, list[str]]) -> None:
+    """An MoE block whose router has no experts this module knows beside it (``experts`` neither a
+    module with 3-D expert weights nor a ModuleList of linears) is recorded as not recognised."""
+    for fqn in kept.get("MoE router", []):
+        block_name = fqn.rpartition(".")[0]
+        block = model.get_submodule(block_name)
+        experts = getattr(block, "experts", None)
+        if isinstance(experts, nn.ModuleList) or (
+            isinstance(experts, nn.Module) and _owns_expert_weights(experts)
+        ):
+            continue
+        reason = f"{_UNRECOGNISED}: {type(block).__name__} has a router but no experts module infir2 runs"
+        if block_name not in kept[reason]:
+            kept[reason].append(block_name)
+
+
+def _experts_summary(model: nn.Module, chosen: list[str], experts: list[str]) -> str:
+    """`` and N routed-expert groups ...``: the expert GEMMs and their share of the GEMM parameters."""
+    groups = [g for g in map(model.get_submodule, experts) if isinstance(g, Fp8Experts)]
+    routed = sum(2 * g.num_experts for g in groups)  # per expert: gate_up (fused) and down
+    shared = [fqn for fqn in chosen if _SHARED_OR_LISTED_EXPERT.search(fqn)]
+    expert_params = sum(g.gate_up_proj.numel() + g.down_proj.numel() for g in groups)
+    expert_params += sum(cast(torch.Tensor, model.get_submodule(fqn).weight).numel() for fqn in shared)
+    total = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    total += sum(p.numel() for m in model.modules() for p in m.parameters(recurse=False) if p.dim() == 3)
+    return (
+        f" and {len(groups)} routed-expert groups ({routed} expert GEMMs, 2 per expert"
+        + (f", plus {len(shared)} linears of shared or per-module experts" if shared else "")
+        + f"; experts hold {100 * expert_params / max(total, 1):.1f}% of the GEMM weight parameters)"
+    )
+
+
+def fp8_weight_names(model: nn.Module) -> set[str]:
+    """The parameter names of ``model`` whose GEMMs run in FP8 (``weight`` of each ``Fp8Linear``,
+    ``gate_up_proj`` / ``down_proj`` of each ``Fp8Experts``); for a model not converted, those that
+    ``convert_to_fp8`` with the default filter would convert. What an FP8 export stores in FP8."""
+    names = {f"{fqn}.weight" for fqn, _ in fp8_modules(model)}
+    names |= {f"{fqn}.{p}" for fqn, _ in fp8_expert_modules(model) for p in ("gate_up_proj", "down_proj")}
+    if names:
+        return names
+    for fqn, m in model.named_modules():
+        if type(m) is nn.Linear and default_module_filter(m, fqn):
+            names.add(f"{fqn}.weight")
+        elif is_routed_experts(m) and why_experts_high_precision(m, fqn) is None:
+            names |= {f"{fqn}.gate_up_proj", f"{fqn}.down_proj"}
+    return names
+
+
+def fp8_expert_modules(model: nn.Module) -> Iterator[tuple[str, Fp8Experts]]:
+    for fqn, m in model.named_modules():
+        if isinstance(m, Fp8Experts):
+            yield fqn, m
 
 
 def fp8_modules(model: nn.Module) -> Iterator[tuple[str, Fp8Linear]]:
@@ -216,7 +337,8 @@ def fp8_enabled(model: nn.Module, on: bool) -> Iterator[nn.Module]:
     The one switch for "FP8 or not" around evaluation and generation; restores each layer's state after.
     ``on=True`` on a model with no ``Fp8Linear`` is an error (it would silently measure high precision).
     """
-    modules = [m for _, m in fp8_modules(model)]
+    modules: list[Fp8Linear | Fp8Experts] = [m for _, m in fp8_modules(model)]
+    modules += [m for _, m in fp8_expert_modules(model)]
     if on and not modules:
         raise ValueError(
             "FP8 requested but the model has no Fp8Linear layers; call infir2.convert_to_fp8 first"
@@ -245,18 +367,24 @@ def cache_fp8_weights(model: nn.Module) -> Iterator[nn.Module]:
     modules = [m for _, m in fp8_modules(model)]
     for m in modules:
         m.cache_weight, m._weight_cache = True, None
+    groups = [m for _, m in fp8_expert_modules(model)]
+    for g in groups:
+        g.cache_weight, g._weight_cache = True, {}
     try:
         yield model
     finally:
         for m in modules:
             m.cache_weight, m._weight_cache = False, None
+        for g in groups:
+            g.cache_weight, g._weight_cache = False, {}
 
 
 def enable_fp8_param_gather(module: nn.Module) -> list[str]:
-    """Before ``fully_shard``: make the weights of ``module``'s FP8 linears all-gather as FP8 codes.
+    """Before ``fully_shard``: make the weights of ``module``'s FP8 linears and experts all-gather as FP8 codes.
 
     Only layers whose recipe :attr:`~infir2.fp8.recipe.Fp8Recipe.gathers_fp8_weight` are changed (their
-    weight becomes an ``infir2.nn.fsdp.Fp8ShardedWeight``); returns their names.
+    weight becomes an ``infir2.nn.fsdp.Fp8ShardedWeight``, an expert weight an
+    ``infir2.nn.moe_fsdp.Fp8ShardedExperts``); returns their names.
     """
     changed = []
     for name, m in fp8_modules(module):
@@ -264,6 +392,13 @@ def enable_fp8_param_gather(module: nn.Module) -> list[str]:
             if not isinstance(m.weight.data, Fp8ShardedWeight):
                 m.weight = nn.Parameter(Fp8ShardedWeight(m.weight.data), requires_grad=m.weight.requires_grad)
             changed.append(name)
+    for name, g in fp8_expert_modules(module):  # whole experts per rank: infir2.nn.moe_fsdp
+        if g.fp8_enabled and g.recipe.gathers_fp8_weight:
+            for p in EXPERT_WEIGHTS:
+                w = getattr(g, p)
+                if not isinstance(w.data, Fp8ShardedExperts):
+                    setattr(g, p, nn.Parameter(Fp8ShardedExperts(w.data), requires_grad=w.requires_grad))
+                changed.append(f"{name}.{p}")
     return changed
 
 
@@ -275,7 +410,8 @@ def link_fsdp_params(fsdp_module: nn.Module) -> None:
     weights in FSDP2's all-gather order).
     """
     for group in _param_groups(fsdp_module._get_fsdp_state()):  # type: ignore[operator]
-        fp8_params = [p for p in group.fsdp_params if isinstance(p._sharded_local_tensor, Fp8ShardedWeight)]
+        link_fsdp_experts(group.fsdp_params)  # the experts' FP8 weights (no amax all-reduce)
+        fp8_params = [p for p in group.fsdp_params if type(p._sharded_local_tensor) is Fp8ShardedWeight]
         peers = tuple(weakref.ref(p) for p in fp8_params)
         for index, fsdp_param in enumerate(fp8_params):
             setattr(fsdp_param._module_info.module, "_fp8_fsdp_param", weakref.ref(fsdp_param))  # noqa: B010

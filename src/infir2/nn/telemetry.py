@@ -33,7 +33,9 @@ one), which the training loop writes to ``metrics.jsonl`` and TensorBoard; ``inf
 ranks the layers and draws them over steps. Under torchrun each rank records its own micro-batches
 and the main rank's are written. Under activation checkpointing a recomputed forward counts its
 operands twice, which leaves every fraction, amax and range unchanged. Weights all-gathered as FP8 codes (``fp8.param_gather``) have no
-high-precision copy on the rank: their ``w`` statistics and the SQNRs are not recorded.
+high-precision copy on the rank: their ``w`` statistics and the SQNRs are not recorded. The experts
+of an MoE block (``Fp8Experts``) report per expert weight, over all their experts
+(``infir2.nn.moe_telemetry``).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from ..fp8.recipe import Cast
 from ..kernels import Operand
 from .fsdp import Fp8GatheredWeight
 from .linear import Fp8Linear
+from .moe import Fp8Experts
 
 __all__ = [
     "OPERAND_STATS",
@@ -147,7 +150,7 @@ class _Probe:
 class LayerStats:
     """The recorder one ``Fp8Linear`` calls while it is attached (its ``stats`` attribute)."""
 
-    def __init__(self, telemetry: Fp8Telemetry, name: str, layer: Fp8Linear) -> None:
+    def __init__(self, telemetry: Fp8Telemetry, name: str, layer: Fp8Linear | Fp8Experts) -> None:
         self.telemetry, self.name, self.recipe = telemetry, name, layer.recipe
         self.sqnr_taken = False  # the first forward of the step measures SQNR, the others only count
 
@@ -196,7 +199,7 @@ class Fp8Telemetry:
         if every < 0:
             raise ValueError(f"stats_every must be >= 0 (0 = off), got {every}")
         self.every = every
-        self.layers = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, Fp8Linear)]
+        self.layers = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, Fp8Linear | Fp8Experts)]
         self.counts: dict[str, torch.Tensor] = {}
         self.sqnrs: dict[str, float] = {}
 
@@ -211,7 +214,10 @@ class Fp8Telemetry:
             yield out
             return
         for fqn, m in self.layers:
-            m.stats = LayerStats(self, fqn, m)
+            if isinstance(m, Fp8Experts):  # one recorder per expert weight (infir2.nn.moe_telemetry)
+                m.stats = {p: LayerStats(self, f"{fqn}.{p}", m) for p in ("gate_up_proj", "down_proj")}
+            else:
+                m.stats = LayerStats(self, fqn, m)
         try:
             yield out
             out.update(self._collect())

@@ -1,0 +1,328 @@
+"""``Fp8Experts``: the routed experts of a transformers v5 MoE block with their GEMMs in blockwise FP8.
+
+transformers v5 stores the routed experts of Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3 (and the
+other families built on ``use_experts_implementation``) as two 3-D parameters of one module::
+
+    gate_up_proj  [E, 2I, H]    expert e: [gate; up] = X_e @ gate_up_proj[e].T
+    down_proj     [E, H, I]     expert e: Y_e = act(gate) * up @ down_proj[e].T
+
+and runs them through an experts implementation (eager loop, batched or grouped MM). ``Fp8Experts``
+takes the place of that module (same parameter objects, same names: state-dict keys and HF
+checkpoints are unchanged) and runs each projection as a grouped FP8 GEMM, the dense recipe per
+expert (docs/RECIPE.md section 4)::
+
+    fprop  Y_e  = Q(X_e, 1x128)  @ Q(W_e, 128x128).T      [S_e,K] @ [K,N] -> [S_e,N]
+    dgrad  dX_e = Q(dY_e, 1x128) @ Q(W_e, 128x128)        [S_e,N] @ [N,K] -> [S_e,K]
+    wgrad  dW_e = Q(dY_e, 128x1).T @ Q(X_e, 128x1)        [N,S_e] @ [S_e,K] -> [N,K]
+
+X_e are the rows routed to expert e (a token routed to k experts is k rows), sorted by expert; the
+128x1 wgrad tiles run along each expert's own rows, so no tile mixes experts. Every expert is
+exactly an ``Fp8Linear`` over its rows (same casts, same kernels, bit for bit on a CPU); an expert
+that got no token runs no GEMM and gets a zero weight gradient. No row is dropped or padded.
+What backward keeps per expert is the FP8 wgrad copy of its rows, as for a dense layer.
+
+Routing stays where transformers does it and in high precision: the router (``mlp.gate``: linear,
+softmax / sigmoid, top-k, bias or aux-loss balancing) gives ``top_k_index`` / ``top_k_weights``, and
+this module only gathers the rows, runs the experts, weights each row by its routing weight and sums
+a token's k rows in fp32. The rows enter the experts in the autocast dtype, as a
+dense ``Fp8Linear``'s input does. With FP8 off (``infir2.disable_fp8``) the original experts
+implementation runs on the same parameters. A tensor with per-expert data-dependent shapes never
+enters a ``torch.compile`` graph: each grouped linear is one custom op there (``infir2.nn.moe_ops``).
+Supported: the layout of ``use_experts_implementation`` with a gate (concatenated ``[gate; up]``, no
+bias, not transposed, no post-expert norm, no expert parallelism); other experts modules stay high
+precision and ``convert_to_fp8`` warns about them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from ..fp8.recipe import Fp8Recipe, get_recipe
+from ..kernels import Kernels, Operand, bind
+from ..kernels.grouped import gemm_nt_grouped, group_bounds, quantize_pair_groups
+from ._keyed import KeyedRegistry
+from .fsdp import Fp8GatheredWeight
+from .moe_telemetry import ExpertsProbe, ExpertsRecorder
+
+__all__ = [
+    "Fp8Experts",
+    "expert_counts",
+    "experts_by_key",
+    "fp8_grouped_linear",
+    "is_routed_experts",
+    "unsupported_experts_reason",
+]
+
+#: the attributes ``use_experts_implementation`` sets on an experts class, and the values supported
+_LAYOUT = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True}
+
+
+def unsupported_experts_reason(module: nn.Module) -> str | None:
+    """Why ``module`` (which owns 3-D expert weights) is not a supported experts module; None if it is."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not isinstance(gate_up, nn.Parameter) or not isinstance(down, nn.Parameter):
+        return "no gate_up_proj / down_proj parameters"
+    if gate_up.dim() != 3 or down.dim() != 3:
+        return f"expert weights of {gate_up.dim()} / {down.dim()} dimensions, expected 3"
+    e, two_i, h = gate_up.shape
+    if tuple(down.shape) != (e, h, two_i // 2) or two_i % 2:
+        return f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not (E, 2I, H) / (E, H, I)"
+    if not hasattr(getattr(module, "config", None), "_experts_implementation"):
+        return "not a transformers v5 experts module (no config._experts_implementation)"
+    for name, value in _LAYOUT.items():
+        if getattr(module, name, None) != value:
+            return f"{name}={getattr(module, name, None)} (supported: {value})"
+    if getattr(module, "has_post_expert_norm", False) or getattr(module, "_is_expert_parallel", False):
+        return "post-expert norm or expert parallelism"
+    return None
+
+
+def is_routed_experts(module: nn.Module) -> bool:
+    """True for a transformers v5 experts module ``Fp8Experts`` can replace."""
+    return not isinstance(module, Fp8Experts) and unsupported_experts_reason(module) is None
+
+
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype:
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+class _Fp8GroupedLinearFunction(torch.autograd.Function):
+    """``Y[rows_e] = X[rows_e] @ W[e].T`` per expert, the three GEMMs in FP8 (module doc)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        counts: list[int],
+        recipe: Fp8Recipe,
+        kernels: Kernels,
+        w_ops: list[Operand],
+        stats: ExpertsRecorder | None = None,
+    ) -> torch.Tensor:
+        bounds = group_bounds(counts)
+        x_ops = quantize_pair_groups(kernels, x, bounds, recipe.x, recipe.x_wgrad)  # per expert [S_e,K]
+        y = gemm_nt_grouped(
+            kernels, [o[0] if o else None for o in x_ops], w_ops, x.dtype, x
+        )  # [S,K] -> [S,N], per expert [S_e,K] @ [K,N], fp32 accumulate
+        ctx.probe = ExpertsProbe(stats, recipe, weight, bounds) if stats is not None else None
+        if ctx.probe is not None:  # telemetry on a stats step only: reads the operands, changes nothing
+            ctx.probe.forward(x, x_ops, w_ops, y)
+        saved = [t for o in x_ops if o is not None for t in (o[1].data, o[1].scale_inv)]
+        reuse = recipe.reuses_weight
+        ctx.w_kept = w_ops if reuse and all(w.keep_for_backward for w in w_ops) else None
+        w_saved = [t for w in w_ops for t in (w.data, w.scale_inv)] if reuse and ctx.w_kept is None else []
+        ctx.save_for_backward(weight, *saved, *w_saved)
+        ctx.n_x, ctx.bounds, ctx.recipe, ctx.kernels, ctx.x_dtype = (
+            len(saved),
+            bounds,
+            recipe,
+            kernels,
+            x.dtype,
+        )
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        recipe: Fp8Recipe = ctx.recipe
+        kernels: Kernels = ctx.kernels
+        weight, *rest = ctx.saved_tensors
+        x_saved, w_saved = rest[: ctx.n_x], rest[ctx.n_x :]
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dy_ops = quantize_pair_groups(
+            kernels, dy, ctx.bounds, recipe.dy, recipe.dy_wgrad
+        )  # per expert [S_e,N]
+        dx = dw = w_dgrad = None
+        if need_dx:
+            w_dgrad = _dgrad_weights(ctx, weight, w_saved)
+            dx = gemm_nt_grouped(
+                kernels, [o[0] if o else None for o in dy_ops], [w.t() for w in w_dgrad], ctx.x_dtype, dy
+            )  # per expert [S_e,N] @ [N,K] -> [S_e,K], fp32 accumulate
+        if need_dw:
+            dw = _wgrad(kernels, recipe, weight, dy_ops, x_saved)
+        if ctx.probe is not None:
+            ctx.probe.backward(dy, dy_ops, w_dgrad, dx, dw)
+        return dx, dw, None, None, None, None, None
+
+
+def _dgrad_weights(ctx: Any, weight: torch.Tensor, w_saved: list[torch.Tensor]) -> list[Operand]:
+    """The per-expert dgrad weights: the forward's (kept or saved) or quantized again for another cast."""
+    if ctx.w_kept is not None:
+        return ctx.w_kept
+    block = ctx.recipe.w_dgrad.block
+    if w_saved:
+        return [Operand(w_saved[2 * e], w_saved[2 * e + 1], block) for e in range(weight.shape[0])]
+    with torch.no_grad():
+        return [ctx.kernels.quantize(weight[e].detach(), ctx.recipe.w_dgrad) for e in range(weight.shape[0])]
+
+
+def _wgrad(
+    kernels: Kernels,
+    recipe: Fp8Recipe,
+    weight: torch.Tensor,
+    dy_ops: list[tuple[Operand, Operand] | None],
+    x_saved: list[torch.Tensor],
+) -> torch.Tensor:
+    """``dW[e] = Q(dY_e, 128x1).T @ Q(X_e, 128x1)``; zero for an expert without rows."""
+    dw = torch.zeros(
+        weight.shape, dtype=weight.dtype, device=weight.device
+    )  # (not a gathered FP8 weight's kind)
+    i = 0
+    for e, ops in enumerate(dy_ops):
+        if ops is None:
+            continue
+        x_w = Operand(x_saved[i], x_saved[i + 1], recipe.x_wgrad.block)  # [S_e, K]
+        i += 2
+        dw[e] = kernels.gemm_nt(
+            ops[1].t(), x_w.t(), _accumulation_dtype(weight.dtype)
+        )  # [N,S_e] @ [S_e,K] -> [N,K], fp32 accumulate
+    return dw
+
+
+def fp8_grouped_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    counts: list[int],
+    recipe: Fp8Recipe,
+    kernels: Kernels,
+    w_ops: list[Operand] | None = None,
+    stats: ExpertsRecorder | None = None,
+) -> torch.Tensor:
+    """``x [S, K]`` (rows sorted by expert, ``counts[e]`` rows for expert e) through ``weight [E, N, K]``
+    in FP8: ``[S, N]``. ``w_ops``: the per-expert quantized weights (quantized here when not given);
+    ``stats``: a telemetry recorder (``infir2.nn.moe_telemetry``) on a stats step."""
+    if weight.dim() != 3 or x.dim() != 2 or x.shape[1] != weight.shape[2]:
+        raise ValueError(f"grouped linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
+    if len(counts) != weight.shape[0] or sum(counts) != x.shape[0]:
+        raise ValueError(f"grouped linear: {x.shape[0]} rows, {weight.shape[0]} experts, counts {counts}")
+    if w_ops is None:
+        with torch.no_grad():
+            w_ops = [kernels.quantize(weight[e].detach(), recipe.w) for e in range(weight.shape[0])]
+    out: torch.Tensor = _Fp8GroupedLinearFunction.apply(x, weight, counts, recipe, kernels, w_ops, stats)
+    return out
+
+
+# Every Fp8Experts by key, for the torch.compile custom ops (infir2.nn.moe_ops), which take plain values.
+_EXPERTS: KeyedRegistry[Fp8Experts] = KeyedRegistry("Fp8Experts")
+
+
+def experts_by_key(key: int) -> Fp8Experts:
+    """The ``Fp8Experts`` registered under ``key`` (its ``op_key``)."""
+    return _EXPERTS.get(key)
+
+
+def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Rows per expert, ``[E]`` int64 (a static shape: traceable, unlike ``bincount``)."""
+    counts = torch.zeros(num_experts, dtype=torch.long, device=expert_ids.device)
+    return counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids))
+
+
+class Fp8Experts(nn.Module):
+    """The routed experts of one MoE block, their grouped GEMMs in FP8 (module doc).
+
+    Holds the replaced module's own ``gate_up_proj`` / ``down_proj`` parameters (no copy) and its
+    activation; ``fp8_enabled = False`` runs the original experts implementation instead. Inside
+    ``infir2.nn.cache_fp8_weights`` each expert's weight is quantized once per step.
+    """
+
+    gate_up_proj: nn.Parameter  # [E, 2I, H]
+    down_proj: nn.Parameter  # [E, H, I]
+    num_experts: int
+
+    def __init__(self, experts: nn.Module, recipe: str | Fp8Recipe = "blockwise", backend: str | None = None):
+        super().__init__()
+        reason = unsupported_experts_reason(experts)
+        if reason is not None:
+            raise ValueError(f"cannot run {type(experts).__name__} in FP8: {reason}")
+        self.gate_up_proj = cast(nn.Parameter, experts.gate_up_proj)
+        self.down_proj = cast(nn.Parameter, experts.down_proj)
+        self.act_fn = experts.act_fn
+        self.experts_class = type(experts)  # its forward is the high-precision path (fp8 off)
+        for name in ("config", "num_experts", *_LAYOUT, "has_post_expert_norm", "_is_expert_parallel"):
+            setattr(self, name, getattr(experts, name))
+        self.recipe = get_recipe(recipe)
+        self.backend_name = backend
+        self.fp8_enabled = self.recipe.enabled
+        self.kernels: Kernels | None = None
+        self.cache_weight = False
+        self._weight_cache: dict[str, tuple[tuple[Any, ...], list[Operand]]] = {}
+        self.stats: dict[str, ExpertsRecorder] | None = None  # per weight, set by infir2.nn.telemetry
+        self.train(experts.training)
+        self._register()
+
+    def _register(self) -> None:
+        self.op_key = _EXPERTS.add(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._register()  # a copy (deepcopy, pickle) is another module: its own key
+
+    def extra_repr(self) -> str:
+        e, two_i, h = self.gate_up_proj.shape
+        return f"experts={e}, hidden={h}, intermediate={two_i // 2}, recipe={self.recipe.name}, fp8_enabled={self.fp8_enabled}"
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The experts class's own gating (``act(gate) * up`` unless the family overrides it)."""
+        return self.experts_class._apply_gate(self, gate_up)  # type: ignore[attr-defined]
+
+    def bind_kernels(self, device: torch.device | str) -> Kernels:
+        self.kernels = bind(self.recipe, device, self.backend_name)
+        return self.kernels
+
+    def _kernels_on(self, device: torch.device) -> Kernels:
+        if self.kernels is None or self.kernels.device != device:
+            return self.bind_kernels(device)
+        return self.kernels
+
+    def quantized_weights(self, name: str, kernels: Kernels) -> list[Operand]:
+        """Per-expert fprop operands of ``gate_up_proj`` or ``down_proj``, cached within a step."""
+        w: torch.Tensor = getattr(self, name)
+        if isinstance(w, Fp8GatheredWeight):  # all-gathered as FP8 codes by FSDP2 (infir2.nn.moe_fsdp)
+            return list(w.operand.operands)  # type: ignore[attr-defined]
+        key = (w._version, w.data_ptr(), w.device, w.dtype, self.recipe, kernels.name)
+        cached = self._weight_cache.get(name)
+        if self.cache_weight and cached is not None and cached[0] == key:
+            return cached[1]
+        with torch.no_grad():
+            ops = [kernels.quantize(w[e].detach(), self.recipe.w) for e in range(w.shape[0])]
+        if self.cache_weight:
+            self._weight_cache[name] = (key, ops)
+        return ops
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        if not self.fp8_enabled:
+            return self.experts_class.forward(self, hidden_states, top_k_index, top_k_weights)
+        tokens, top_k = top_k_index.shape
+        expert_ids, order = torch.sort(top_k_index.reshape(-1), stable=True)  # rows grouped by expert
+        x = hidden_states[order // top_k].to(_autocast_dtype(hidden_states))  # [S, H], S = tokens * top_k
+        counts = expert_counts(expert_ids, self.num_experts)
+        rows = None if torch.compiler.is_compiling() else counts.tolist()  # one host read per block
+        h = self._grouped_linear(x, "gate_up_proj", counts, rows)  # [S, 2I]
+        h = self._apply_gate(h)  # [S, I]
+        y = self._grouped_linear(h, "down_proj", counts, rows)  # [S, H]
+        # weighted in the rows' dtype (backward keeps y as it is), summed over the k experts in fp32
+        y = y * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
+        combined = torch.empty_like(y).index_copy_(0, order, y)  # back to (token, k) order
+        summed = combined.view(tokens, top_k, -1).sum(dim=1, dtype=_accumulation_dtype(y.dtype))
+        return summed.to(hidden_states.dtype)
+
+    def _grouped_linear(
+        self, x: torch.Tensor, name: str, counts: torch.Tensor, rows: list[int] | None
+    ) -> torch.Tensor:
+        weight = getattr(self, name)
+        if rows is None:  # compiling: one custom op, the per-expert loop stays outside the graph
+            return torch.ops.infir2.fp8_grouped_linear(x, weight, counts, self.op_key, name)[0]
+        kernels = self._kernels_on(x.device)
+        w_ops = self.quantized_weights(name, kernels)
+        stats = self.stats.get(name) if self.stats is not None else None
+        return fp8_grouped_linear(x, weight, rows, self.recipe, kernels, w_ops, stats)
