@@ -17,14 +17,14 @@ import torch
 import torch.distributed as dist
 
 from infir2.fp8.quantize import quantize
+from infir2.harness.distributed import init_distributed, shard_model
+from infir2.harness.optim import build_optimizer
 from infir2.model import prepare_for_training
 from infir2.nn.fsdp import Fp8GatheredWeight
 from infir2.nn.moe import Fp8Experts
 from infir2.tools.wire_bytes import WireBytes
 from infir2.train.config import OptimConfig
-from infir2.train.distributed import init_distributed, shard_model
 from infir2.train.loop import evaluate, train_step
-from infir2.train.optim import build_optimizer
 from moe_models import make_tiny_moe
 from train_synthetic import SyntheticSource
 

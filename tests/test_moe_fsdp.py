@@ -21,7 +21,7 @@ TESTS = Path(__file__).parent
 
 @pytest.mark.slow
 def test_fp8_moe_fsdp_two_processes_equal_one(tmp_path):
-    from infir2.train.distributed import DistEnv
+    from infir2.harness.distributed import DistEnv
     from moe_fsdp_worker import moe_model, train_losses
 
     modes = ["fp32", "fp32-fp8gather"]

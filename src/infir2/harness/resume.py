@@ -144,7 +144,7 @@ def save(
         }
         path = ckpt.save_checkpoint(policy.root, state.step, full, keep_last=policy.keep_last)
     written = broadcast_object(path, env)
-    return PendingSave(None, lambda: written)  # type: ignore[arg-type, return-value]
+    return PendingSave(None, lambda: written)
 
 
 def _small_state(loaded: dict[str, Any]) -> dict[str, Any]:
