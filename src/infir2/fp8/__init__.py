@@ -3,7 +3,7 @@
 from .formats import BLOCK, FORMATS, Fp8Format, get_format
 from .numerics import calc_diff, sqnr
 from .quantize import Block, amax_to_scale, dequantize, quantize, resolve_block
-from .recipe import RECIPES, SAME_RECIPE, Fp8Recipe, get_recipe
+from .recipe import RECIPES, SAME_RECIPE, Fp8Recipe, get_recipe, recipe_names
 
 __all__ = [
     "BLOCK",
@@ -18,6 +18,7 @@ __all__ = [
     "dequantize",
     "get_format",
     "get_recipe",
+    "recipe_names",
     "quantize",
     "resolve_block",
     "sqnr",

@@ -33,7 +33,7 @@ from dataclasses import dataclass, fields, replace
 from .formats import BLOCK, MX_BLOCK, get_format
 from .quantize import Block, ScaleEncoding, resolve_block, resolve_encoding
 
-__all__ = ["RECIPES", "SAME_RECIPE", "Cast", "Fp8Recipe", "get_recipe"]
+__all__ = ["RECIPES", "SAME_RECIPE", "Cast", "Fp8Recipe", "get_recipe", "recipe_names"]
 
 TILE: Block = (1, BLOCK)  # 1x128: per token, 128 channels
 TOKEN_TILE: Block = (BLOCK, 1)  # 128x1: 128 tokens, one channel
@@ -169,3 +169,17 @@ def get_recipe(recipe: str | Fp8Recipe, **cast_overrides: object) -> Fp8Recipe:
         return base
     casts = {name: replace(cast, **cast_overrides) for name, cast in base.casts.items()}  # type: ignore[arg-type]
     return replace(base, **casts)  # type: ignore[arg-type]
+
+
+def recipe_names(text: str, option: str = "--recipes") -> list[str]:
+    """A comma-separated list of recipe names (a command's option), each checked by ``get_recipe``; an
+    empty list or an unknown name is a ``ValueError`` naming ``option``."""
+    names = [r.strip() for r in text.split(",") if r.strip()]
+    if not names:
+        raise ValueError(f"{option}: an empty list; known recipes: {', '.join(RECIPES)}")
+    for name in names:
+        try:
+            get_recipe(name)
+        except ValueError as e:
+            raise ValueError(f"{option}: {e}") from None
+    return names

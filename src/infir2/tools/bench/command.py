@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ...fp8 import RECIPES, get_recipe
+from ...fp8 import RECIPES, get_recipe, recipe_names
 from ...kernels import BACKENDS, bind
 from ...model import resolve_device
 from .measure import BenchConfig, StepModel, bench_linear, bench_quantize, bench_step, device_name
@@ -88,13 +88,11 @@ def _fp8_backends(requested: str | None, device: torch.device, recipe: str = "bl
 
 
 def _recipes(requested: str) -> list[str]:
-    names = [r.strip() for r in requested.split(",") if r.strip()]
-    bad = [r for r in names if r not in RECIPES or not RECIPES[r].enabled]
-    if bad or not names:
+    names = recipe_names(requested)
+    bad = [r for r in names if not RECIPES[r].enabled]
+    if bad:
         fp8 = [r for r in RECIPES if RECIPES[r].enabled]
-        raise ValueError(
-            f"--recipes: {bad or 'empty list'} is not an FP8 recipe; expected some of {', '.join(fp8)}"
-        )
+        raise ValueError(f"--recipes: {bad} is not an FP8 recipe; expected some of {', '.join(fp8)}")
     return names
 
 

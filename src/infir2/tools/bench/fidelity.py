@@ -53,7 +53,7 @@ from typing import Any
 
 from ...data.cpt import is_val_document, prepare_cpt
 from ...data.tokenizer import train_bpe_tokenizer
-from ...fp8 import RECIPES
+from ...fp8 import RECIPES, recipe_names
 from ...train import parse_config, train
 from .fidelity_report import RunResult, summarize, table, write_outputs
 
@@ -337,10 +337,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     s = QUICK if args.quick else FULL
     if args.recipes:
-        recipes = tuple(r.strip() for r in args.recipes.split(",") if r.strip())
-        bad = [r for r in recipes if r not in RECIPES]
-        if bad:
-            raise ValueError(f"--recipes: unknown {bad}; expected some of {', '.join(RECIPES)}")
+        recipes = tuple(recipe_names(args.recipes))
         s = replace(s, recipes=(BASELINE, *(r for r in recipes if r != BASELINE)))
     if args.widths:
         s = replace(s, widths=_ints(args.widths))

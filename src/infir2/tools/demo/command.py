@@ -48,7 +48,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from ...fp8 import RECIPES
+from ...fp8 import recipe_names
 from .pipeline import FULL, QUICK, data_only, run_demo
 from .report import README_END, README_START, render, update_readme
 from .results import DemoRecord
@@ -123,10 +123,7 @@ def parse_seeds(text: str) -> tuple[int, ...]:
 def run(args: argparse.Namespace) -> int:
     default = QUICK_RECIPES if args.quick else DEFAULT_RECIPES
     text = args.recipes if args.recipes is not None else ",".join(default)
-    recipes = [r.strip() for r in text.split(",") if r.strip()]
-    unknown = [r for r in recipes if r not in RECIPES]
-    if unknown or not recipes:
-        raise ValueError(f"--recipes: unknown {unknown or 'empty list'}; known recipes: {', '.join(RECIPES)}")
+    recipes = recipe_names(text)
     if args.jobs is not None and args.jobs < 1:
         raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
     settings = QUICK if args.quick else FULL
