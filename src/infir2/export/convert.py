@@ -56,9 +56,14 @@ def _check_format(fmt: str) -> None:
 
 
 def _convert_tensors(
-    names: Iterable[str], get: Callable[[str], torch.Tensor], fmt: str, scale_encoding: ScaleEncoding
+    names: Iterable[str],
+    get: Callable[[str], torch.Tensor],
+    fmt: str,
+    scale_encoding: ScaleEncoding,
+    base_dtype: torch.dtype,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Per tensor: dequantize an FP8 source weight, then cast (bf16/fp32) or quantize projections (fp8)."""
+    """Per tensor: dequantize an FP8 source weight, then cast (bf16/fp32) or quantize projections (fp8)
+    from the source's own precision (the fp32 masters of a CPU run) and cast the rest to ``base_dtype``."""
     for name in names:
         if name.endswith(SCALE_SUFFIX):
             continue  # consumed together with its weight
@@ -71,9 +76,18 @@ def _convert_tensors(
                 yield name, data
                 yield scale_inv_name(name), scale_inv
             else:
-                yield name, tensor  # embeddings, lm_head, norms, biases: untouched
+                yield name, _cast(tensor, base_dtype)  # embeddings, lm_head, norms, biases
         else:
-            yield name, tensor.to(_DTYPES[fmt]) if tensor.is_floating_point() else tensor
+            yield name, _cast(tensor, _DTYPES[fmt])
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+def _check_base_dtype(base_dtype: torch.dtype) -> None:
+    if base_dtype not in _DTYPE_NAMES:
+        raise ValueError(f"base_dtype must be one of {sorted(map(str, _DTYPE_NAMES))}, got {base_dtype}")
 
 
 def _patch_config(path: Path, fmt: str, dtype_name: str, architecture: str | None = None) -> None:
@@ -161,8 +175,7 @@ def export_model(
         raise ValueError(
             f"cannot export a {type(model).__name__}: expected a transformers model with a .config"
         )
-    if base_dtype not in _DTYPE_NAMES:
-        raise ValueError(f"base_dtype must be one of {sorted(map(str, _DTYPE_NAMES))}, got {base_dtype}")
+    _check_base_dtype(base_dtype)
     out = Path(out_dir)
     if not overwrite and out.is_dir() and ((out / INDEX_NAME).exists() or any(out.glob("*.safetensors"))):
         raise ValueError(f"output folder {out} already holds a checkpoint; choose a new or empty folder")
@@ -173,15 +186,15 @@ def export_model(
     writer = ShardWriter(tmp, max_shard_size)
     cast = base_dtype if fmt == "fp8" else _DTYPES[fmt]
 
-    def prepared(t: torch.Tensor) -> torch.Tensor:
+    def prepared(t: torch.Tensor) -> torch.Tensor:  # fp8: cast after quantizing (_convert_tensors)
         t = t.detach().cpu()
-        return t.to(cast) if t.is_floating_point() else t
+        return t if fmt == "fp8" else _cast(t, cast)
 
     if tensors is None:
         state = _unique_state_dict(model, model.state_dict() if state_dict is None else state_dict)
-        stream = _convert_tensors(state, lambda name: prepared(state[name]), fmt, scale_encoding)
+        stream = _convert_tensors(state, lambda name: prepared(state[name]), fmt, scale_encoding, cast)
     else:
-        stream = _convert_stream(tensors, _tied_names(model), prepared, fmt, scale_encoding)
+        stream = _convert_stream(tensors, _tied_names(model), prepared, fmt, scale_encoding, cast)
     for name, tensor in tqdm(stream, desc=f"export {fmt}", unit="tensor"):
         writer.add(name, tensor)
     writer.close()
@@ -201,6 +214,7 @@ def _convert_stream(
     prepared: Callable[[torch.Tensor], torch.Tensor],
     fmt: str,
     scale_encoding: ScaleEncoding,
+    base_dtype: torch.dtype,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``_convert_tensors`` over a stream: one source tensor at a time (tied names skipped)."""
     for name, tensor in tensors:
@@ -208,7 +222,7 @@ def _convert_stream(
             log.info("export: %s is tied to %s; not stored twice", name, tied[name])
             continue
         one = prepared(tensor)
-        yield from _convert_tensors([name], lambda _, t=one: t, fmt, scale_encoding)  # type: ignore[misc]
+        yield from _convert_tensors([name], lambda _, t=one: t, fmt, scale_encoding, base_dtype)  # type: ignore[misc]
 
 
 def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
@@ -263,11 +277,16 @@ def convert_checkpoint(
     scale_encoding: ScaleEncoding = "pow2",
     max_shard_size: int | str = "5GB",
     overwrite: bool = False,
+    base_dtype: torch.dtype = torch.bfloat16,
     *,
     pow2_scale: bool | None = None,
 ) -> Path:
     """Convert a safetensors HF folder to ``fmt``, one input shard in memory at a time.
 
+    ``fp8``: the projections are quantized from the source's own values (an fp32 folder: its fp32
+    masters), every other floating tensor (embeddings, lm_head, norms, biases) is written in
+    ``base_dtype`` -- bf16 by default, the layout of the published FP8 checkpoints; ``torch.float32``
+    keeps an fp32 source's precision -- and ``config.json`` names that dtype.
     All other top-level files (tokenizer, generation config, chat template, README) are copied.
     An FP8 source (``quantization_config`` of this layout) can be converted to ``bf16`` / ``fp32``.
     ``out_dir`` must be new or empty unless ``overwrite`` (then it is replaced); the files are
@@ -275,6 +294,7 @@ def convert_checkpoint(
     ``scale_encoding`` as in :func:`export_model`.
     """
     _check_format(fmt)
+    _check_base_dtype(base_dtype)
     scale_encoding = export_scale_encoding(scale_encoding, pow2_scale)
     src, out = Path(src_dir), Path(out_dir)
     config_path = src / "config.json"
@@ -298,7 +318,7 @@ def convert_checkpoint(
     final, out = out, out.with_name(f".tmp-{out.name}-{os.getpid()}")
     shutil.rmtree(out, ignore_errors=True)
     try:
-        _convert_into(reader, src, out, fmt, scale_encoding, max_shard_size)
+        _convert_into(reader, src, out, fmt, scale_encoding, max_shard_size, base_dtype)
         if final.is_dir() and not final.is_symlink():
             shutil.rmtree(final)  # empty, or replaced with overwrite (checked above)
         elif final.exists():
@@ -317,26 +337,17 @@ def _convert_into(
     fmt: str,
     scale_encoding: ScaleEncoding,
     max_shard_size: int | str,
+    base_dtype: torch.dtype,
 ) -> None:
     writer = ShardWriter(out, max_shard_size)
-    float_dtypes: set[torch.dtype] = set()
     for _file, names in tqdm(
         reader.iter_shards(), total=len(reader.files), desc=f"convert to {fmt}", unit="shard"
     ):
-        for name, tensor in _convert_tensors(names, reader.get, fmt, scale_encoding):
-            if (
-                tensor.is_floating_point()
-                and tensor.dtype != torch.float8_e4m3fn
-                and not name.endswith(SCALE_SUFFIX)
-            ):
-                float_dtypes.add(tensor.dtype)
+        for name, tensor in _convert_tensors(names, reader.get, fmt, scale_encoding, base_dtype):
             writer.add(name, tensor)
     writer.close()
     _copy_side_files(src, out)
-    dtype_name = (
-        _DTYPE_NAMES.get(next(iter(float_dtypes)), "bfloat16") if len(float_dtypes) == 1 else "bfloat16"
-    )
-    _patch_config(out / "config.json", fmt, dtype_name if fmt == "fp8" else _DTYPE_NAMES[_DTYPES[fmt]])
+    _patch_config(out / "config.json", fmt, _DTYPE_NAMES[base_dtype if fmt == "fp8" else _DTYPES[fmt]])
 
 
 def _copy_side_files(src: Path, out: Path) -> None:
