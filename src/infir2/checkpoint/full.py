@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
 from .folder import Meta, begin, finish, newest_loadable, record_file, verify
+from .space import clear_disk_full, require_free_space, state_bytes
 
 __all__ = [
     "CHECKPOINT_KEYS",
@@ -61,16 +62,22 @@ def save_checkpoint(
 ) -> Path:
     """Write ``state`` (keys ``CHECKPOINT_KEYS``) as ``root/step_<step>`` atomically; prune to ``keep_last``.
 
-    Call on one process only (rank 0). ``writer`` writes ``state.pt`` (a hook for tests).
+    Call on one process only (rank 0). ``writer`` writes ``state.pt`` (a hook for tests). A disk
+    without room for the state's tensor bytes is an ``InsufficientSpaceError`` before anything is
+    written, and a write that runs out of space becomes one (``checkpoint.space``); the previous
+    checkpoints stay as they were either way.
     """
     missing = [k for k in CHECKPOINT_KEYS if k not in state]
     if missing:
         raise ValueError(f"checkpoint state lacks keys {missing}; expected {CHECKPOINT_KEYS}")
     tmp, final = begin(root, step)
-    writer(state, tmp / STATE_FILE)
-    world_size = state["train_state"].get("world_size", 1)
-    meta = Meta(FORMAT, step, world_size, {STATE_FILE: record_file(tmp / STATE_FILE)})
-    return finish(tmp, final, meta, keep_last)
+    nbytes = state_bytes(state)
+    with clear_disk_full(tmp, final.parent, nbytes, f"checkpoint {final.name}"):
+        require_free_space(final.parent, nbytes, f"checkpoint {final.name}")  # before writing anything
+        writer(state, tmp / STATE_FILE)
+        world_size = state["train_state"].get("world_size", 1)
+        meta = Meta(FORMAT, step, world_size, {STATE_FILE: record_file(tmp / STATE_FILE)})
+        return finish(tmp, final, meta, keep_last)
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:

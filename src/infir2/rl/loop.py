@@ -650,6 +650,7 @@ def _run(cfg: RLConfig, env: DistEnv, model: nn.Module | None, tokenizer: Any, p
     random.seed(cfg.run.seed)
     run = _setup(cfg, env, model, tokenizer)
     state, resumed_from = _restore(run)
+    ckpt.check_room_for_saves(cfg.run_dir, run.model, run.optimizer, cfg.train.keep_last)  # disk full: now
     run.engine.load_weights(run.model)
     if env.is_main:
         save_rl_config(cfg, cfg.run_dir / "config.yaml")

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..checkpoint import check_room_for_saves
 from ..data import first_difference, load_tokenizer
 from ..data.base import MicroBatch, StepSource, count_loss_tokens
 from ..loss import heldout_loss, token_ce_sum
@@ -337,6 +338,7 @@ def _run(
     torch.manual_seed(cfg.run.seed + env.rank)
     random.seed(cfg.run.seed + env.rank)
     state, resumed_from = restore(cfg, env, model, optimizer, train_source)
+    check_room_for_saves(run_dir, model, optimizer, cfg.train.keep_last)  # a full disk: refused at the start
     result = TrainResult(run_dir, state.step, resumed_from=resumed_from)
     telemetry = Fp8Telemetry(model, cfg.fp8.stats_every)  # fp8.stats_every: 0 = off, no layer touched
     with MetricsLogger(run_dir, env.is_main, state.step, n_steps, cfg.train.log_every, progress) as logger:
