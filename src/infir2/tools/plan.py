@@ -1,5 +1,8 @@
 """Per-GPU memory and all-gather bytes of a training run, BF16 vs FP8, before you launch it.
 
+It plans a GPU run (bf16 autocast over fp32 masters) unless ``--device cpu``: then a CPU run, per
+process, as infir2 runs on CPUs (fp32 throughout, FP8 GEMMs emulated in fp32; the baseline is fp32).
+
 ``infir2 plan qwen2.5-7b --gpus 8 --seq-len 32768`` (or a Hugging Face ``config.json``) prints, per
 GPU, what the run holds at its peak (the start of backward) for the BF16 baseline and the chosen FP8
 recipe side by side, next to InfiR2's published FP8/BF16 peak-memory ratios where they exist:
@@ -41,6 +44,7 @@ from typing import Any
 
 from ..fp8 import RECIPES
 from ..fp8.formats import BLOCK
+from .memory import DEVICES
 
 __all__ = ["MODELS", "PUBLISHED", "ModelShape", "Plan", "add_arguments", "layer_figures", "plan", "run"]
 
@@ -106,6 +110,9 @@ MEASURED: dict[tuple[int, int, int, int, bool], dict[str, tuple[float, int]]] = 
         "tensorwise": (179320, 233046044),
     },
 }
+
+#: the same figures for a CPU run (``device="cpu"``), measured when first asked for
+MEASURED_CPU: dict[tuple[int, int, int, int, bool], dict[str, tuple[float, int]]] = {}
 
 FP32_BYTES, BF16_BYTES = 4, 2
 PLAIN_LOGITS_SAVED, PLAIN_LOGITS_BACKWARD = 4, 8  # bytes per logit: fp32 log-softmax; its + the logits' grads
@@ -173,10 +180,14 @@ def load_shape(model: str) -> tuple[str, ModelShape]:
     return str(path), ModelShape.from_config(config, str(path))
 
 
-def layer_figures(shape: ModelShape, recipe: str, recompute_mlp: bool = True) -> tuple[float, int]:
-    """(activation bytes per token, weight-copy bytes) of one decoder layer: measured, cached."""
+def layer_figures(
+    shape: ModelShape, recipe: str, recompute_mlp: bool = True, device: str = "cuda"
+) -> tuple[float, int]:
+    """(activation bytes per token, weight-copy bytes) of one decoder layer: measured, cached.
+    ``MEASURED`` holds GPU figures; a CPU run's (fp32, no autocast) are measured on the fly."""
     key = (shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, recompute_mlp)
-    if recipe not in MEASURED.get(key, {}):
+    table = MEASURED if device == "cuda" else MEASURED_CPU
+    if recipe not in table.get(key, {}):
         from .memory import layer_memory, safe_tokens
 
         kv = shape.kv_heads * (shape.hidden // shape.heads)
@@ -187,13 +198,14 @@ def layer_figures(shape: ModelShape, recipe: str, recompute_mlp: bool = True) ->
             recipe,
             tokens,
             recompute_mlp,
+            device,
             hidden_size=shape.hidden,
             intermediate_size=shape.intermediate,
             num_attention_heads=shape.heads,
             num_key_value_heads=shape.kv_heads,
         )
-        MEASURED.setdefault(key, {})[recipe] = (m.per_token, m.total("weight"))
-    return MEASURED[key][recipe]
+        table.setdefault(key, {})[recipe] = (m.per_token, m.total("weight"))
+    return table[key][recipe]
 
 
 @dataclass(frozen=True)
@@ -238,8 +250,13 @@ def plan(
     recompute_mlp: bool = True,
     precision: str = "bf16",
     param_gather: bool | None = None,
+    device: str = "cuda",
 ) -> Plan:
     """The memory and traffic of one GPU; ``recipe`` is ``bf16`` (baseline) or an FP8 recipe.
+
+    ``device="cpu"`` plans a CPU run instead (per process): fp32 compute without autocast
+    (``precision`` is then fp32), so no bf16 weight or lm_head copies, fp32 activations, and an FP8
+    recipe's weight cache holds the FP8 codes of every layer (the CPU emulation decodes them per GEMM).
 
     Under FSDP (``gpus > 1``) parameters travel in ``precision`` (bf16 mixed precision, or fp32), and
     an FP8 recipe's projection weights as FP8 codes (1 byte) when ``param_gather`` (default: as
@@ -248,8 +265,12 @@ def plan(
     """
     from ..chunked_loss import use_chunked_loss
 
+    if device not in DEVICES:
+        raise ValueError(f"device: expected one of {', '.join(DEVICES)}, got {device!r}")
+    cpu = device == "cpu"
+    precision = "fp32" if cpu else precision
     tokens = seq_len * micro_batch
-    per_token, weight_copy = layer_figures(shape, recipe, recompute_mlp)
+    per_token, weight_copy = layer_figures(shape, recipe, recompute_mlp, device)
     p, shard = shape.params, 1 / gpus
     if activation_checkpointing:
         activations = tokens * (shape.layers * shape.hidden * FP32_BYTES + per_token)
@@ -266,7 +287,7 @@ def plan(
         )
     else:
         saved, backward = tokens * FP32_BYTES, 2 * min(chunk, tokens) * shape.vocab * FP32_BYTES
-    head_copy = shape.vocab * shape.hidden * BF16_BYTES  # the lm_head GEMM's bf16 weight
+    head_copy = 0 if cpu else shape.vocab * shape.hidden * BF16_BYTES  # the lm_head GEMM's bf16 weight
     # autocast's bf16 copies live as long as a saved tensor holds them: one layer under activation
     # checkpointing; the FP8 copies live for the whole step (cache_fp8_weights), checkpointing or not
     copied_layers = 1 if activation_checkpointing and recipe == "bf16" else shape.layers
@@ -310,16 +331,18 @@ ROWS = (
 )
 
 
-def format_plan(name: str, base: Plan, fp8: Plan, recipe: str, seq_len: int) -> str:
+def format_plan(name: str, base: Plan, fp8: Plan, recipe: str, seq_len: int, device: str = "cuda") -> str:
     gib = 2**30
-    lines = [f"{'per GPU (GiB)':<22}{'bf16':>10}{recipe:>22}{'fp8/bf16':>10}"]
+    where, baseline = ("per GPU (GiB)", "bf16") if device == "cuda" else ("per process (GiB)", "fp32")
+    lines = [f"{where:<22}{baseline:>10}{recipe:>22}{'fp8/' + baseline:>10}"]
     for row in ROWS:
         b, f = getattr(base, row), getattr(fp8, row)
-        lines.append(f"{row:<22}{b / gib:>10.2f}{f / gib:>22.2f}{(f / b if b else 1.0):>10.3f}")
+        ratio = f"{f / b:.3f}" if b else "1.000" if not f else "-"
+        lines.append(f"{row:<22}{b / gib:>10.2f}{f / gib:>22.2f}{ratio:>10}")
     lines.append(f"{'peak':<22}{base.peak / gib:>10.2f}{fp8.peak / gib:>22.2f}{fp8.peak / base.peak:>10.3f}")
     for row in ("all_gather", "reduce_scatter"):
         lines.append(f"{row + ' /step':<22}{getattr(base, row) / gib:>10.2f}{getattr(fp8, row) / gib:>22.2f}")
-    published = PUBLISHED.get(name, {})
+    published = PUBLISHED.get(name, {}) if device == "cuda" else {}
     if published:
         rows = ", ".join(f"{ratio:.2f}x at {length // 1024}k" for length, ratio in sorted(published.items()))
         lines.append(
@@ -355,6 +378,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="without the SwiGLU recompute (model.recompute_mlp: false)",
     )
     parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cuda",
+        help="the run planned: cuda (GPUs, bf16 autocast; default) or cpu (fp32 emulation, per process)",
+    )
+    parser.add_argument(
         "--no-param-gather",
         action="store_true",
         help="FP8 projections gathered in --precision, not as FP8 (fp8.param_gather: false)",
@@ -382,15 +411,14 @@ def run(args: argparse.Namespace) -> int:
         "precision": args.precision,
         "recompute_mlp": not args.no_recompute_mlp,
         "param_gather": False if args.no_param_gather else None,
+        "device": args.device,
     }
+    where = f"{args.gpus} GPUs" if args.device == "cuda" else f"{args.gpus} CPU processes, fp32 emulation"
     print(
-        f"{name}: {shape.params / 1e9:.2f}B parameters, {args.gpus} GPUs, {args.seq_len} x {args.micro_batch} "
+        f"{name}: {shape.params / 1e9:.2f}B parameters, {where}, {args.seq_len} x {args.micro_batch} "
         f"tokens per micro-batch, AC {'on' if args.activation_checkpointing else 'off'}, AdamW moments "
         f"{args.state_dtype}, loss chunk {chunk}"
     )
-    print(
-        format_plan(
-            name, plan(shape, "bf16", **kw), plan(shape, args.recipe, **kw), args.recipe, args.seq_len
-        )
-    )
+    base, fp8 = plan(shape, "bf16", **kw), plan(shape, args.recipe, **kw)
+    print(format_plan(name, base, fp8, args.recipe, args.seq_len, args.device))
     return 0
