@@ -285,3 +285,35 @@ def test_infir2_train_on_a_full_disk_is_one_line_and_exit_2(tmp_path: Path, monk
     assert err.startswith("infir2 train: error: not enough disk space in") and len(err.splitlines()) == 1
     assert f"{tmp_path / 'runs' / 'full-disk' / 'checkpoints'}: the first checkpoint needs" in err
     assert not list((tmp_path / "runs").glob("*/checkpoints/step_*"))
+
+
+def test_loading_a_full_checkpoint_takes_no_initializing_step(tmp_path: Path, monkeypatch) -> None:
+    """A resumed process must not peak above the run it resumes: loading into a fresh optimizer makes
+    no zero-gradient step (gradients, moments and AdamW's temporaries beside the loading state), and
+    the loaded state is exact."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from infir2.checkpoint import load_full
+
+    model, optimizer = _trained()
+    msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    state = {
+        "model": msd,
+        "optimizer": osd,
+        "scheduler": {},
+        "data": [None],
+        "train_state": {"world_size": 1},
+    }
+    folder = save_checkpoint(tmp_path, 1, state)
+    other = prepare_for_training(make_tiny_model(hidden=64, layers=1, seed=1), "bf16")
+    other_optimizer = build_optimizer(other, OptimConfig(lr=1e-2))
+    steps = []
+    monkeypatch.setattr(other_optimizer, "step", lambda *a, **kw: steps.append(1))
+    load_full(folder, other, other_optimizer)
+    assert steps == [] and all(p.grad is None for p in other.parameters())
+    names = dict(zip(other.parameters(), (n for n, _ in other.named_parameters()), strict=True))
+    saved = {n: s for n, s in osd["state"].items()}
+    assert {names[p] for p in other_optimizer.state} == set(saved)
+    for p, s in other_optimizer.state.items():
+        assert s.keys() == saved[names[p]].keys()
+        assert all(torch.equal(v, saved[names[p]][k]) for k, v in s.items())
