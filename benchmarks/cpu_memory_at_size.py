@@ -17,12 +17,19 @@ fp32``). It reports the peak RSS above the RSS before the model was built
 
     python benchmarks/cpu_memory_at_size.py                       # 2 layers, seq 1024, 3 steps
     python benchmarks/cpu_memory_at_size.py --layers 4 --seq-len 512 --variants baseline,fp8
+    python benchmarks/cpu_memory_at_size.py --mmap-threshold 131072   # glibc: large blocks mmap'd
+
+RSS counts what glibc keeps after a free: with its default dynamic mmap threshold, freed blocks up
+to 32 MiB (a decoded weight, a quantizer's temporaries) are reused from the heap and stay resident.
+``--mmap-threshold`` sets ``MALLOC_MMAP_THRESHOLD_`` in the children, so that blocks above it are
+mapped and unmapped on free and the peak is closer to the tensors' bytes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -104,6 +111,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--mmap-threshold", type=int, default=None, help="MALLOC_MMAP_THRESHOLD_ of the children")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -111,14 +119,18 @@ def main() -> None:
         return
     print(
         f"CPU: {_cpu()}; 1 thread; hidden 896, intermediate 4864, 14/2 heads, vocab 151936 (tied), "
-        f"{args.layers} layers, seq {args.seq_len}, {args.steps} steps"
+        f"{args.layers} layers, seq {args.seq_len}, {args.steps} steps, "
+        f"MALLOC_MMAP_THRESHOLD_ {args.mmap_threshold or 'glibc default'}"
     )
+    env = dict(os.environ)
+    if args.mmap_threshold:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     print(f"{'variant':<10}{'peak GiB':>10}{'planned GiB':>13}{'measured/plan':>15}{'step s':>9}  losses")
     results = {}
     for variant in args.variants.split(","):
         cmd = [sys.executable, __file__, "--child", variant]
         cmd += ["--layers", str(args.layers), "--seq-len", str(args.seq_len), "--steps", str(args.steps)]
-        run = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        run = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
         r = results[variant] = json.loads(run.stdout.strip().splitlines()[-1])
         plan_bytes = planned(VARIANTS[variant], args.layers, args.seq_len) if variant != "fp8-kept" else None
         shown = "-" if plan_bytes is None else f"{plan_bytes / GIB:.2f}"

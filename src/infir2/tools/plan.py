@@ -22,6 +22,10 @@ recipe side by side, next to InfiR2's published FP8/BF16 peak-memory ratios wher
                input plus one layer's full set (the one being recomputed); plus the final norm
 * logits       plain loss: the fp32 log-softmax kept for backward (4 T V) and, during backward, its
                gradient and the logits' gradient (8 T V more); chunked: two ``[chunk, V]`` fp32 blocks
+* optimizer step  AdamW's temporaries during its step, when the activations are gone: torch's foreach
+               AdamW on a CPU (fp32 moments) makes 4 bytes per parameter at once, the fused one on
+               CUDA none, ``LowPrecisionAdamW`` three fp32 copies of the largest parameter; the peak
+               is the larger of the start of backward and the step
 * all-gather   bytes each GPU receives per optimizer step: fp32 parameters gathered in forward and
                again for backward (the root once), per micro-batch; reduce-scatter of fp32 gradients
 
@@ -222,9 +226,10 @@ class Plan:
     logits_backward: float
     all_gather: float
     reduce_scatter: float
+    optimizer_step: float = 0.0  # AdamW's temporaries during its step (activations are gone by then)
 
     @property
-    def peak(self) -> float:
+    def backward_peak(self) -> float:
         return (
             self.parameters
             + self.gradients
@@ -235,6 +240,15 @@ class Plan:
             + self.logits_saved
             + self.logits_backward
         )
+
+    @property
+    def step_peak(self) -> float:
+        return self.parameters + self.gradients + self.optimizer + self.optimizer_step
+
+    @property
+    def peak(self) -> float:
+        """The larger of the start of backward and the optimizer step."""
+        return max(self.backward_peak, self.step_peak)
 
 
 def plan(
@@ -316,7 +330,18 @@ def plan(
         logits_backward=backward,
         all_gather=gather * micro_steps,
         reduce_scatter=FP32_BYTES * p * (1 - shard) * micro_steps,
+        optimizer_step=_optimizer_step_bytes(shape, state_dtype, cpu) * shard,
     )
+
+
+def _optimizer_step_bytes(shape: ModelShape, state_dtype: str, cpu: bool) -> float:
+    """AdamW's temporaries in its step: fp32 moments on a CPU run torch's foreach AdamW, whose step
+    makes an fp32 tensor per parameter at once (``sqrt(v)``: 4 bytes per parameter); on CUDA the fused
+    one makes none. bf16 moments (``LowPrecisionAdamW``) go parameter by parameter: three fp32
+    copies of the largest (the embedding)."""
+    if state_dtype != "fp32":
+        return 3 * FP32_BYTES * shape.vocab * shape.hidden
+    return FP32_BYTES * shape.params if cpu else 0.0
 
 
 ROWS = (
@@ -339,6 +364,11 @@ def format_plan(name: str, base: Plan, fp8: Plan, recipe: str, seq_len: int, dev
         b, f = getattr(base, row), getattr(fp8, row)
         ratio = f"{f / b:.3f}" if b else "1.000" if not f else "-"
         lines.append(f"{row:<22}{b / gib:>10.2f}{f / gib:>22.2f}{ratio:>10}")
+    b, f = base.optimizer_step, fp8.optimizer_step
+    lines.append(f"{'optimizer_step':<22}{b / gib:>10.2f}{f / gib:>22.2f}{(f / b if b else 1.0):>10.3f}")
+    for label, attr in (("peak in backward", "backward_peak"), ("peak in the step", "step_peak")):
+        b, f = getattr(base, attr), getattr(fp8, attr)
+        lines.append(f"{label:<22}{b / gib:>10.2f}{f / gib:>22.2f}{f / b:>10.3f}")
     lines.append(f"{'peak':<22}{base.peak / gib:>10.2f}{fp8.peak / gib:>22.2f}{fp8.peak / base.peak:>10.3f}")
     for row in ("all_gather", "reduce_scatter"):
         lines.append(f"{row + ' /step':<22}{getattr(base, row) / gib:>10.2f}{getattr(fp8, row) / gib:>22.2f}")
