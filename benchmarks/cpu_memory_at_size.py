@@ -47,7 +47,7 @@ SHAPE = {
 VARIANTS = {"baseline": "bf16", "fp8": "blockwise", "fp8-kept": "blockwise"}
 
 
-def _rss_bytes() -> int:
+def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
 
@@ -67,7 +67,7 @@ def child(variant: str, layers: int, seq_len: int, steps: int) -> dict:
     torch.set_num_threads(1)
     if variant == "fp8-kept":  # weights quantized with their fp32 copy, as before
         BACKENDS["fast_emulated"].quantize = fast_emulated.quantize_kept_operand  # type: ignore[method-assign]
-    start = _rss_bytes()
+    start = rss_bytes()
     config = Qwen2Config(**SHAPE, num_hidden_layers=layers, max_position_embeddings=max(seq_len, 1024))
     torch.manual_seed(0)
     model = prepare_for_training(Qwen2ForCausalLM(config), VARIANTS[variant])

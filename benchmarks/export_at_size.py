@@ -21,20 +21,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-SHAPE = {
-    "hidden_size": 896,
-    "intermediate_size": 4864,
-    "num_attention_heads": 14,
-    "num_key_value_heads": 2,
-    "vocab_size": 151936,
-    "tie_word_embeddings": True,
-}
+from cpu_memory_at_size import SHAPE, rss_bytes  # the same shape, the same RSS reading
+
 GIB = 2**30
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
 
 
 def load_child(folder: str, how: str) -> dict:
@@ -42,7 +31,7 @@ def load_child(folder: str, how: str) -> dict:
 
     from infir2.export import load_checkpoint, load_fp8_state_dict
 
-    start = _rss()
+    start = rss_bytes()
     if how == "fp8-whole":  # the loader before: the whole dequantized state dict, then load_state_dict
         from transformers import AutoConfig, AutoModelForCausalLM
 
