@@ -311,3 +311,72 @@ def test_transformers_reads_our_fp8_layout(tiny_tokenizer, tmp_path: Path, encod
     assert set(theirs) == set(ours)
     for name, tensor in ours.items():
         assert torch.equal(theirs[name], tensor), name
+
+
+def _weight_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+
+
+def test_fp8_export_of_an_fp32_folder_writes_bf16_beside_the_fp8_projections(
+    tiny_tokenizer, tmp_path: Path
+) -> None:
+    """A CPU run's fp32 folder -> FP8: projections quantized from the fp32 masters, everything else bf16
+    (the published FP8 checkpoints' layout), config.json says bfloat16, transformers loads it."""
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load FP8 checkpoints")
+    from transformers import AutoModelForCausalLM
+
+    fp32 = make_tiny_model(hidden=128)
+    src = tmp_path / "fp32"
+    fp32.save_pretrained(src)
+    masters = _read_folder_any(src)
+    assert all(t.dtype == torch.float32 for t in masters.values())
+    argv = ["export", "--model", str(src), "--format"]
+    assert main([*argv, "fp8", "--out", str(tmp_path / "fp8")]) == 0
+    assert main([*argv, "bf16", "--out", str(tmp_path / "bf16")]) == 0
+    out = tmp_path / "fp8"
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    saved = _read_folder(out)
+    for name, master in masters.items():
+        if _is_projection(name):  # quantized from fp32, not from a bf16 rounding of it
+            expected, scale_inv = _quantize_ref(master)
+            assert torch.equal(saved[name].view(torch.uint8), expected.view(torch.uint8)), name
+            assert torch.equal(saved[name + "_scale_inv"], scale_inv.float()), name
+        else:
+            assert saved[name].dtype == torch.bfloat16 and torch.equal(saved[name], master.bfloat16()), name
+    # the folder's size: 1 byte per projection weight (+ its scales), 2 per other weight, vs 2 for all
+    proj = sum(t.numel() for k, t in masters.items() if _is_projection(k))
+    scales = sum(t.numel() for k, t in saved.items() if k.endswith("_scale_inv"))
+    total = sum(t.numel() for t in masters.values())
+    expected_ratio = (proj + 4 * scales + 2 * (total - proj)) / (2 * total)
+    ratio = _weight_bytes(out) / _weight_bytes(tmp_path / "bf16")
+    assert abs(ratio - expected_ratio) < 0.01, (ratio, expected_ratio)
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    ours = load_fp8_state_dict(out)
+    assert set(theirs) >= set(ours) and all(torch.equal(theirs[k], ours[k]) for k in ours)
+    # --base-dtype fp32 keeps the fp32 precision of the non-FP8 tensors
+    assert main([*argv, "fp8", "--base-dtype", "fp32", "--out", str(tmp_path / "fp8-32")]) == 0
+    kept = _read_folder(tmp_path / "fp8-32")
+    assert json.loads((tmp_path / "fp8-32" / "config.json").read_text())["dtype"] == "float32"
+    assert all(torch.equal(kept[k], t) for k, t in masters.items() if not _is_projection(k))
+
+
+def test_export_model_quantizes_the_fp32_masters_and_writes_the_rest_in_bf16(
+    model, tiny_tokenizer, tmp_path: Path
+) -> None:
+    out = export_model(model, tiny_tokenizer, tmp_path / "fp8", fmt="fp8")
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    saved = _read_folder(out)
+    for name, master in model.state_dict().items():
+        if _is_projection(name):
+            expected, _ = _quantize_ref(master)
+            assert torch.equal(saved[name].view(torch.uint8), expected.view(torch.uint8)), name
+        elif name in saved:
+            assert saved[name].dtype == torch.bfloat16 and torch.equal(saved[name], master.bfloat16()), name
+
+
+def _read_folder_any(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
+    return out

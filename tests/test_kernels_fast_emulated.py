@@ -284,3 +284,27 @@ def test_native_off_by_environment(monkeypatch):
         )
         is None
     )
+
+
+def test_the_weight_cache_keeps_one_byte_per_weight_on_a_cpu():
+    """A weight quantized for the whole step (``cache_fp8_weights``) keeps its FP8 bytes and scales
+    only, not an fp32 copy (4 more bytes per weight: CPU FP8 memory above the baseline's); the GEMMs
+    decode it and give the same bits as the kept copy did."""
+    from infir2.nn import Fp8Linear, cache_fp8_weights
+
+    model = convert_to_fp8(
+        make_tiny_model("qwen2", hidden=128, layers=1), "blockwise", backend="fast_emulated"
+    )
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    with cache_fp8_weights(model):
+        model(input_ids=ids, labels=ids).loss.backward()
+        layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+        for layer in layers:
+            op = layer.quantized_weight()
+            assert getattr(op, "dequantized", None) is None, "an fp32 copy of the weight is kept all step"
+            assert op.nbytes() <= layer.weight.numel() * (1 + 4 / 128**2) + 4 * 4
+    cast = Cast((128, 128))
+    w = hard_tensor((256, 384), torch.float32, seed=5)
+    kept, plain = fe.quantize_kept_operand(w, cast), fe.quantize(w, cast)
+    x = fe.quantize_kept_operand(hard_tensor((64, 384), torch.float32, seed=6), Cast((1, 128)))
+    assert same_bits(fe.gemm_nt(x, kept, torch.float32), fe.gemm_nt(x, plain, torch.float32))

@@ -116,3 +116,33 @@ def test_embedded_figures_are_what_infir2_memory_measures() -> None:
     plain = MEASURED[(shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, False)]
     for recipe in recomputed.keys() & plain.keys():
         assert plain[recipe][0] - recomputed[recipe][0] == 2 * shape.intermediate, recipe
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "blockwise"])
+def test_a_cpu_run_is_planned_as_it_runs(recipe: str, tmp_path, capsys) -> None:
+    """``device="cpu"``: fp32 without autocast (no bf16 weight or lm_head copies), the FP8 weight cache
+    holding 1 byte per projection weight; activations + logits + weight copies == a tiny model's."""
+    model = make_tiny_model(hidden=128, layers=3)
+    recompute_swiglu(model)
+    if recipe != "bf16":
+        convert_to_fp8(model, recipe)
+    ids = torch.randint(0, 300, (BATCH, SEQ))
+    with cache_fp8_weights(model):  # no autocast: a CPU run in fp32
+        loss = lm_loss_sum(model, ids, ids, chunk_tokens=None)
+        params = {t.untyped_storage().data_ptr() for t in model.parameters()}
+        storages = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for _, t in saved_in_graph(loss.grad_fn)
+        }
+    measured = sum(n for ptr, n in storages.items() if ptr not in params)
+    shape = _shape(model)
+    p = plan(shape, recipe, gpus=1, seq_len=SEQ, micro_batch=BATCH, loss_chunk_tokens=0, device="cpu")
+    _within(p.activations + p.logits_saved + p.weight_copies, measured)
+    codes = shape.layers * shape.projection_weights
+    assert p.weight_copies == 0 if recipe == "bf16" else codes < p.weight_copies < 1.01 * codes
+    gpu = plan(shape, recipe, gpus=1, seq_len=SEQ, micro_batch=BATCH, loss_chunk_tokens=0)
+    assert p.activations > gpu.activations  # fp32, not bf16
+    (tmp_path / "config.json").write_text(json.dumps(model.config.to_dict(), default=str))
+    assert main(["plan", str(tmp_path), "--gpus", "1", "--device", "cpu", "--seq-len", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "per process (GiB)" in out and "fp8/fp32" in out and "fp32 emulation" in out

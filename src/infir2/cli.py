@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib import metadata
 
+from ._logging import setup_logging
+
 __all__ = ["COMMANDS", "build_parser", "main"]
 
 #: subcommand -> (module, one-line help). Modules are imported lazily: `infir2 --help` stays fast.
@@ -147,9 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     level = logging.DEBUG if args.verbose or os.environ.get("INFIR2_DEBUG") else logging.INFO
-    logging.basicConfig(
-        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
-    )
+    # under torchrun: INFO from rank 0 only, warnings and errors from every rank with its number
+    setup_logging(level, int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2

@@ -5,7 +5,9 @@
   list, verify, prune, and the newest checkpoint that loads;
 * ``full.py`` -- ``full``: the whole state in one ``state.pt``, gathered to rank 0;
 * ``sharded.py`` -- ``dcp``: every rank writes its own shards (``torch.distributed.checkpoint``),
-  resharded on load, optionally written in the background.
+  resharded on load, optionally written in the background;
+* ``space.py`` -- disk space: every save checks the room it needs before writing and turns a full
+  disk into one ``InsufficientSpaceError`` line; ``check_room_for_saves`` is the check before a run.
 
 Both load into a model and optimizer (``load_full``, ``load_sharded``; :func:`load_into` picks by
 ``meta.json``) and return the same small state: ``scheduler``, ``train_state``, and ``data`` and
@@ -42,14 +44,17 @@ from .sharded import (
     save_sharded,
     verify_sharded,
 )
+from .space import InsufficientSpaceError, check_room_for_saves, require_free_space, save_bytes
 
 __all__ = [
     "CHECKPOINT_KEYS",
     "DAMAGED_PREFIX",
     "META_FILE",
     "STATE_FILE",
+    "InsufficientSpaceError",
     "NoLoadableCheckpointError",
     "PendingSave",
+    "check_room_for_saves",
     "is_sharded_checkpoint",
     "is_sharded_folder",
     "iter_model_tensors",
@@ -62,6 +67,8 @@ __all__ = [
     "load_latest_valid",
     "load_sharded",
     "read_meta",
+    "require_free_space",
+    "save_bytes",
     "save_checkpoint",
     "save_sharded",
     "sha256_file",

@@ -2,14 +2,18 @@
 
 FP8 uses the DeepSeek-V3 layout that vLLM, SGLang and transformers load: every q/k/v/o/gate/up/down
 projection weight [N, K] of the decoder layers becomes float8_e4m3fn plus `<name>_scale_inv`
-(float32, [ceil(N/128), ceil(K/128)], one scale per block); embeddings, lm_head, norms and biases are
-kept as they are; config.json gets quantization_config = {"quant_method": "fp8", "fmt": "e4m3",
-"activation_scheme": "dynamic", "weight_block_size": [128, 128]}. The input is streamed shard by shard,
+(float32, [ceil(N/128), ceil(K/128)], one scale per block); embeddings, lm_head, norms and biases
+are written in bf16 (--base-dtype fp32 keeps an fp32 source's precision); config.json gets
+quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+"weight_block_size": [128, 128]}. The input is streamed shard by shard,
 so checkpoints larger than memory convert. An FP8 folder converts back to bf16 / fp32 (dequantized).
 
   infir2 export --model runs/qwen2.5-7b-sft-stage2/hf --out out/model-fp8 --format fp8
   infir2 export --model Qwen2.5-7B-local --out out/qwen-fp8 --format fp8 --scale-encoding fp32
   infir2 export --model runs/qwen2.5-7b-sft-stage2/hf --out out/model-bf16 --format bf16 --max-shard-size 2GB
+
+The projections are quantized from the source's values (an fp32 folder of a CPU run: its fp32 masters);
+"dtype" in config.json names the dtype of the tensors that stay high precision.
 
 --scale-encoding pow2 (default) rounds each block scale down to a power of two, as the training recipe
 does; --scale-encoding fp32 keeps exact fp32 scales (a little more accurate). Both load the same way.
@@ -44,6 +48,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="deprecated: --scale-encoding pow2 / fp32",
     )
     p.add_argument(
+        "--base-dtype",
+        choices=["bf16", "fp32"],
+        default="bf16",
+        help="fp8: dtype of the tensors that stay high precision (embeddings, lm_head, norms, biases); "
+        "default bf16, the published FP8 checkpoints' layout",
+    )
+    p.add_argument(
         "--overwrite",
         action="store_true",
         help="replace --out even if it is not empty (otherwise a non-empty folder is refused)",
@@ -54,6 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from ..fp8.quantize import ScaleEncoding
     from .convert import convert_checkpoint, describe
 
@@ -74,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         scale_encoding=encoding,
         max_shard_size=args.max_shard_size,
         overwrite=args.overwrite,
+        base_dtype=torch.bfloat16 if args.base_dtype == "bf16" else torch.float32,
     )
     info = describe(out)
     print(

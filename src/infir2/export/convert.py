@@ -61,10 +61,12 @@ def _convert_tensors(
     get: Callable[[str], torch.Tensor],
     fmt: str,
     scale_encoding: ScaleEncoding,
+    base_dtype: torch.dtype,
     is_fp8: Callable[[str, torch.Tensor], bool] = is_projection_weight,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Per tensor: dequantize an FP8 source weight, then cast (bf16/fp32) or quantize the tensors
-    ``is_fp8`` names (fp8; default: the decoder projections by name)."""
+    ``is_fp8`` names (fp8; default: the decoder projections by name) from the source's own precision (the
+    fp32 masters of a CPU run), and cast the rest to ``base_dtype``."""
     for name in names:
         if name.endswith(SCALE_SUFFIX):
             continue  # consumed together with its weight
@@ -77,9 +79,18 @@ def _convert_tensors(
                 yield name, data
                 yield scale_inv_name(name), scale_inv
             else:
-                yield name, tensor  # embeddings, lm_head, norms, biases: untouched
+                yield name, _cast(tensor, base_dtype)  # embeddings, lm_head, norms, biases
         else:
-            yield name, tensor.to(_DTYPES[fmt]) if tensor.is_floating_point() else tensor
+            yield name, _cast(tensor, _DTYPES[fmt])
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+def _check_base_dtype(base_dtype: torch.dtype) -> None:
+    if base_dtype not in _DTYPE_NAMES:
+        raise ValueError(f"base_dtype must be one of {sorted(map(str, _DTYPE_NAMES))}, got {base_dtype}")
 
 
 def _patch_config(
@@ -175,8 +186,7 @@ def export_model(
         raise ValueError(
             f"cannot export a {type(model).__name__}: expected a transformers model with a .config"
         )
-    if base_dtype not in _DTYPE_NAMES:
-        raise ValueError(f"base_dtype must be one of {sorted(map(str, _DTYPE_NAMES))}, got {base_dtype}")
+    _check_base_dtype(base_dtype)
     out = Path(out_dir)
     if not overwrite and out.is_dir() and ((out / INDEX_NAME).exists() or any(out.glob("*.safetensors"))):
         raise ValueError(f"output folder {out} already holds a checkpoint; choose a new or empty folder")
@@ -187,18 +197,17 @@ def export_model(
     writer = ShardWriter(tmp, max_shard_size)
     cast = base_dtype if fmt == "fp8" else _DTYPES[fmt]
 
-    def prepared(t: torch.Tensor) -> torch.Tensor:
+    def prepared(t: torch.Tensor) -> torch.Tensor:  # fp8: cast after quantizing (_convert_tensors)
         t = t.detach().cpu()
-        return t.to(cast) if t.is_floating_point() else t
+        return t if fmt == "fp8" else _cast(t, cast)
 
     if tensors is None:
         state = _unique_state_dict(model, model.state_dict() if state_dict is None else state_dict)
         state, fp8 = checkpoint_tensors(model, state)  # the checkpoint layout (per-expert weights)
-        stream = _convert_tensors(
-            state, lambda name: prepared(state[name]), fmt, scale_encoding, _member_of(fp8)
-        )
+        getter = lambda name: prepared(state[name])  # noqa: E731
+        stream = _convert_tensors(state, getter, fmt, scale_encoding, cast, _member_of(fp8))
     else:
-        stream = _convert_stream(tensors, model, prepared, fmt, scale_encoding)
+        stream = _convert_stream(tensors, model, prepared, fmt, scale_encoding, cast)
     for name, tensor in tqdm(stream, desc=f"export {fmt}", unit="tensor"):
         writer.add(name, tensor)
     writer.close()
@@ -220,6 +229,7 @@ def _convert_stream(
     prepared: Callable[[torch.Tensor], torch.Tensor],
     fmt: str,
     scale_encoding: ScaleEncoding,
+    base_dtype: torch.dtype,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``_convert_tensors`` over a stream: one source tensor at a time (tied names skipped), each in the
     checkpoint layout (a fused expert tensor becomes its per-expert tensors)."""
@@ -229,7 +239,9 @@ def _convert_stream(
             log.info("export: %s is tied to %s; not stored twice", name, tied[name])
             continue
         parts, fp8 = checkpoint_tensors(model, {name: prepared(tensor)}, fp8_names)
-        yield from _convert_tensors(parts, parts.__getitem__, fmt, scale_encoding, _member_of(fp8))
+        yield from _convert_tensors(
+            parts, parts.__getitem__, fmt, scale_encoding, base_dtype, _member_of(fp8)
+        )
 
 
 def _member_of(names: set[str]) -> Callable[[str, torch.Tensor], bool]:
@@ -289,11 +301,16 @@ def convert_checkpoint(
     scale_encoding: ScaleEncoding = "pow2",
     max_shard_size: int | str = "5GB",
     overwrite: bool = False,
+    base_dtype: torch.dtype = torch.bfloat16,
     *,
     pow2_scale: bool | None = None,
 ) -> Path:
     """Convert a safetensors HF folder to ``fmt``, one input shard in memory at a time.
 
+    ``fp8``: the projections are quantized from the source's own values (an fp32 folder: its fp32
+    masters), every other floating tensor (embeddings, lm_head, norms, biases) is written in
+    ``base_dtype`` -- bf16 by default, the layout of the published FP8 checkpoints; ``torch.float32``
+    keeps an fp32 source's precision -- and ``config.json`` names that dtype.
     All other top-level files (tokenizer, generation config, chat template, README) are copied.
     An FP8 source (``quantization_config`` of this layout) can be converted to ``bf16`` / ``fp32``.
     ``out_dir`` must be new or empty unless ``overwrite`` (then it is replaced); the files are
@@ -301,6 +318,7 @@ def convert_checkpoint(
     ``scale_encoding`` as in :func:`export_model`.
     """
     _check_format(fmt)
+    _check_base_dtype(base_dtype)
     scale_encoding = export_scale_encoding(scale_encoding, pow2_scale)
     src, out = Path(src_dir), Path(out_dir)
     config_path = src / "config.json"
@@ -324,7 +342,7 @@ def convert_checkpoint(
     final, out = out, out.with_name(f".tmp-{out.name}-{os.getpid()}")
     shutil.rmtree(out, ignore_errors=True)
     try:
-        _convert_into(reader, src, out, fmt, scale_encoding, max_shard_size)
+        _convert_into(reader, src, out, fmt, scale_encoding, max_shard_size, base_dtype)
         if final.is_dir() and not final.is_symlink():
             shutil.rmtree(final)  # empty, or replaced with overwrite (checked above)
         elif final.exists():
@@ -343,26 +361,17 @@ def _convert_into(
     fmt: str,
     scale_encoding: ScaleEncoding,
     max_shard_size: int | str,
+    base_dtype: torch.dtype,
 ) -> None:
     writer = ShardWriter(out, max_shard_size)
-    float_dtypes: set[torch.dtype] = set()
     for _file, names in tqdm(
         reader.iter_shards(), total=len(reader.files), desc=f"convert to {fmt}", unit="shard"
     ):
-        for name, tensor in _convert_tensors(names, reader.get, fmt, scale_encoding):
-            if (
-                tensor.is_floating_point()
-                and tensor.dtype != torch.float8_e4m3fn
-                and not name.endswith(SCALE_SUFFIX)
-            ):
-                float_dtypes.add(tensor.dtype)
+        for name, tensor in _convert_tensors(names, reader.get, fmt, scale_encoding, base_dtype):
             writer.add(name, tensor)
     writer.close()
     _copy_side_files(src, out)
-    dtype_name = (
-        _DTYPE_NAMES.get(next(iter(float_dtypes)), "bfloat16") if len(float_dtypes) == 1 else "bfloat16"
-    )
-    _patch_config(out / "config.json", fmt, dtype_name if fmt == "fp8" else _DTYPE_NAMES[_DTYPES[fmt]])
+    _patch_config(out / "config.json", fmt, _DTYPE_NAMES[base_dtype if fmt == "fp8" else _DTYPES[fmt]])
 
 
 def _copy_side_files(src: Path, out: Path) -> None:

@@ -1,15 +1,18 @@
 """Load a checkpoint folder into a ``transformers`` model: plain HF folders, or FP8 folders (dequantized).
 
-``transformers`` itself loads the FP8 layout only on GPUs with its fine-grained FP8 kernels; this
-loader reads the shards with ``safe_open``, turns every ``weight`` + ``weight_scale_inv`` pair back
-into ``dtype`` (``data * scale_inv`` per 128x128 block), and builds a plain model, so ``infir2 eval``
-can score an FP8 export on any machine.
+``transformers`` itself loads the FP8 layout only on GPUs with its fine-grained FP8 kernels (on a
+CPU ``from_pretrained`` dequantizes, logging "we will default to dequantizing the model to bf16"
+although it then gives the ``dtype`` asked for); this loader reads the shards with ``safe_open``,
+turns every ``weight`` + ``weight_scale_inv`` pair back into ``dtype`` (``data * scale_inv`` per
+128x128 block), and copies each tensor into a plain model as it is read, so ``infir2 eval`` can score
+an FP8 export on any machine in about the memory of the model itself (never a second full copy).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +27,10 @@ __all__ = ["load_checkpoint", "load_fp8_state_dict"]
 log = logging.getLogger(__name__)
 
 
-def load_fp8_state_dict(folder: str | Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """All tensors of an FP8 folder with projections dequantized to ``dtype`` (others cast to ``dtype``)."""
+def _fp8_tensors(folder: str | Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of an FP8 folder, one at a time: projections dequantized to ``dtype``, the
+    other floating tensors cast to it."""
     reader = CheckpointReader(folder)
-    state = {}
     for _file, names in reader.iter_shards():
         for name in names:
             if name.endswith(SCALE_SUFFIX):
@@ -37,8 +40,30 @@ def load_fp8_state_dict(folder: str | Path, dtype: torch.dtype = torch.float32) 
                 if scale_inv_name(name) not in reader:
                     raise ValueError(f"{folder}: FP8 tensor {name} has no {scale_inv_name(name)}")
                 t = dequantize_weight(t, reader.get(scale_inv_name(name)), dtype)
-            state[name] = t.to(dtype) if t.is_floating_point() else t
-    return state
+            yield name, t.to(dtype) if t.is_floating_point() else t
+
+
+def load_fp8_state_dict(folder: str | Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """All tensors of an FP8 folder with projections dequantized to ``dtype`` (others cast to ``dtype``)."""
+    return dict(_fp8_tensors(folder, dtype))
+
+
+def _copy_into(model: torch.nn.Module, folder: Path, dtype: torch.dtype) -> tuple[list[str], list[str]]:
+    """Copy each tensor of an FP8 folder into ``model`` as it is read; ``(missing, unexpected)`` names."""
+    targets = model.state_dict()  # shares the parameters' storage
+    unexpected = []
+    with torch.no_grad():
+        for name, tensor in _fp8_tensors(folder, dtype):
+            target = targets.pop(name, None)
+            if target is None:
+                unexpected.append(name)
+            elif target.shape != tensor.shape:
+                raise ValueError(
+                    f"{folder}: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
+                )
+            else:
+                target.copy_(tensor)
+    return sorted(targets), unexpected
 
 
 def load_checkpoint(folder: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
@@ -62,8 +87,10 @@ def load_checkpoint(folder: str | Path, dtype: torch.dtype | None = None, device
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    state = fold_checkpoint_tensors(model, load_fp8_state_dict(folder, dtype))  # per-expert -> fused
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing, unexpected = _copy_into(model, folder, dtype)  # one tensor at a time
+    if unexpected:  # the checkpoint layout of fused experts (per-expert weights): fold them, then load
+        state = fold_checkpoint_tensors(model, load_fp8_state_dict(folder, dtype))
+        missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:
         raise ValueError(

@@ -18,8 +18,8 @@ __all__ = [
     "dequantize",
     "get_format",
     "get_recipe",
-    "recipe_names",
     "quantize",
+    "recipe_names",
     "resolve_block",
     "sqnr",
 ]

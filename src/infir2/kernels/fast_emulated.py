@@ -1,4 +1,4 @@
-"""Fast CPU emulation: decode FP8 with integer arithmetic and keep the dequantized operands.
+"""Fast CPU emulation: decode FP8 with integer arithmetic, keep an activation's dequantized copy for its GEMM.
 
 Same contract as the reference (``infir2.fp8.quantize``), bit for bit: ``data`` and ``scale_inv``
 are identical to ``quantize(x, block, fmt, scale_encoding)`` and ``dequantized`` to
@@ -40,8 +40,10 @@ without a compiler (or with ``INFIR2_NATIVE=0``); both are tested against the re
 Cost (``benchmarks/cpu_emulation.py``): the C kernel quantizes 7-14x faster than the reference's
 quantize + dequantize; the eager code ~2x (~8 elementwise passes plus the fp32 -> fp8 cast); the
 GEMMs on kept operands are the fp32 GEMMs of ``nn.Linear``. Memory: ``dequantized`` is an fp32
-copy of the operand. Keep it only while its GEMM needs it and save the FP8 ``data`` for backward:
-:func:`dequantize` brings it back at the cost of one decode.
+copy of the operand. It is kept only while its GEMM needs it (an activation's first tiling, made by
+:func:`quantize_pair` just before its GEMM); a weight (:func:`quantize`, held by the weight cache
+all step) keeps its FP8 bytes only, and each GEMM decodes them, as backward does with the saved FP8
+``data``: :func:`dequantize` brings it back at the cost of one decode.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ __all__ = [
     "quantize",
     "quantize_fp8",
     "quantize_kept",
+    "quantize_kept_operand",
     "quantize_pair",
     "supports_gemm",
     "supports_quantize",
@@ -240,8 +243,8 @@ class KeptOperand(Operand):
 
     @property
     def keep_for_backward(self) -> bool:
-        """Kept whole when it carries its fp32 values (the weight cache holds them all step anyway):
-        backward then skips decoding the weight again."""
+        """Kept whole when it carries its fp32 values (backward then skips decoding them again); a
+        weight from :func:`quantize` carries none, so backward saves its FP8 bytes only."""
         return self.dequantized is not None
 
     def stored(self) -> Operand:
@@ -270,7 +273,21 @@ def supports_quantize(x: torch.Tensor, cast: Cast) -> bool:
 
 
 def quantize(x: torch.Tensor, cast: Cast) -> KeptOperand:
-    """:func:`quantize_kept` as a :class:`KeptOperand` (FP8 bytes, scales and the fp32 copy)."""
+    """The FP8 bytes and scales of ``x``, no fp32 copy: each GEMM decodes them when it runs.
+
+    This is how a weight is quantized, and the weight cache (``nn.cache_fp8_weights``) holds the
+    result for the whole step, every layer at once: a kept fp32 copy would be 4 more bytes per weight
+    beside the 1 of the codes (71 MiB per layer at the Qwen2.5-0.5B shape), above the baseline's memory.
+    Decoding a weight costs one pass over its codes per GEMM (fprop, dgrad): small next to the GEMM's
+    ``2 T`` multiply-adds per weight (BENCHMARKS.md, "At the Qwen2.5-0.5B width": no measurable cost).
+    """
+    data, scale_inv = quantize_fp8(x, cast.block, cast.fmt, cast.scale_encoding)
+    return KeptOperand(data, scale_inv, cast.block)
+
+
+def quantize_kept_operand(x: torch.Tensor, cast: Cast) -> KeptOperand:
+    """:func:`quantize_kept` as a :class:`KeptOperand` (FP8 bytes, scales and the fp32 copy), for an
+    operand whose GEMM runs now (an activation's first tiling)."""
     data, scale_inv, dequantized = quantize_kept(x, cast.block, cast.fmt, cast.scale_encoding)
     return KeptOperand(data, scale_inv, cast.block, dequantized)
 
@@ -280,9 +297,9 @@ def quantize_pair(x: torch.Tensor, a: Cast, b: Cast) -> tuple[KeptOperand, KeptO
     GEMM runs. For X the second is the wgrad copy saved for backward (only its bytes are), so forward
     never decodes it; for dY both GEMMs follow at once. With the C kernel (``kernels.native``) the
     second keeps the fp32 copy the kernel writes anyway, so dY's wgrad GEMM decodes nothing."""
-    first = quantize(x, a)
+    first = quantize_kept_operand(x, a)
     if native.available():  # the C kernel writes the fp32 copy anyway: keep it for dY's wgrad GEMM
-        return first, quantize(x, b)
+        return first, quantize_kept_operand(x, b)
     data, scale_inv = quantize_fp8(x, b.block, b.fmt, b.scale_encoding)
     return first, KeptOperand(data, scale_inv, b.block)
 

@@ -14,7 +14,9 @@ it, and nothing else in the model does.
 
 The baseline is what users run today: the Hugging Face layer under ``torch.autocast(bfloat16)`` with
 fp32 master weights. An FP8 recipe swaps the seven projections for ``Fp8Linear`` (``convert_to_fp8``)
-and runs under the same autocast. The SDPA kernel keeps ``q``, ``k``, ``v``, its output and a
+and runs under the same autocast. That is a GPU run (``--device cuda``, the default, measured on the
+CPU with the same tensors); ``--device cpu`` models a CPU run instead: fp32 throughout, no autocast
+(``model.precision: fp32``), so the baseline keeps fp32 activations and no weight copies. The SDPA kernel keeps ``q``, ``k``, ``v``, its output and a
 per-row logsumexp (no ``[T, T]`` matrix), so every saved tensor is linear in tokens: the figures at a
 CPU-sized token count scale linearly to 8k or 32k (``per_token`` is what ``infir2 plan`` uses).
 Only the forward runs (saved tensors are made there), but bf16 GEMMs are slow on CPUs without native
@@ -33,6 +35,7 @@ like for like, since the recompute is not FP8's own doing).
 from __future__ import annotations
 
 import argparse
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +47,7 @@ from ..fp8.formats import BLOCK
 from ..nn import cache_fp8_weights, convert_to_fp8, recompute_swiglu
 
 __all__ = [
+    "DEVICES",
     "LAYER_SHAPES",
     "LayerMemory",
     "SavedTensor",
@@ -152,18 +156,35 @@ def safe_tokens(dims: set[int], at_least: int = 256) -> int:
     return tokens
 
 
+#: the runs ``infir2 memory`` / ``infir2 plan`` model: a GPU run (bf16 autocast over fp32 masters) or a
+#: CPU run (fp32 throughout: ``model.precision: fp32``, the FP8 GEMMs emulated in fp32)
+DEVICES = ("cuda", "cpu")
+
+
+def _autocast(device: str) -> AbstractContextManager[Any]:
+    return torch.autocast("cpu", dtype=torch.bfloat16) if device == "cuda" else nullcontext()
+
+
 def _key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
 def layer_memory(
-    model: str, recipe: str, tokens: int, recompute_mlp: bool = False, **overrides: int
+    model: str,
+    recipe: str,
+    tokens: int,
+    recompute_mlp: bool = False,
+    device: str = "cuda",
+    **overrides: int,
 ) -> LayerMemory:
     """Run one layer's forward on ``tokens`` tokens and list what it keeps for backward.
 
     ``recompute_mlp``: the SwiGLU recompute training applies by default (``model.recompute_mlp``,
-    ``infir2.nn.recompute_swiglu``); off, the layer is the plain Hugging Face one.
+    ``infir2.nn.recompute_swiglu``); off, the layer is the plain Hugging Face one. ``device``: the run
+    modelled (:data:`DEVICES`): ``cuda`` under bf16 autocast, ``cpu`` in fp32 without autocast.
     """
+    if device not in DEVICES:
+        raise ValueError(f"device: expected one of {', '.join(DEVICES)}, got {device!r}")
     layer, rotary = build_layer(model, **overrides)
     if recompute_mlp:
         recompute_swiglu(layer)
@@ -183,7 +204,7 @@ def layer_memory(
         return hook
 
     hooks = [m.register_forward_hook(record(name)) for name, m in layer.named_modules() if name]
-    with torch.autocast("cpu", dtype=torch.bfloat16), cache_fp8_weights(layer):
+    with _autocast(device), cache_fp8_weights(layer):
         cos_sin = rotary(x, positions)
         out = layer(x, position_embeddings=cos_sin, position_ids=positions)
         out = out[0] if isinstance(out, tuple) else out
@@ -239,6 +260,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--table", action="store_true", help="print every saved tensor, per recipe")
     parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cuda",
+        help="the run modelled: cuda (bf16 autocast, default) or cpu (fp32, no autocast)",
+    )
+    parser.add_argument(
         "--no-recompute-mlp",
         action="store_true",
         help="FP8 layers without the SwiGLU recompute training uses by default (model.recompute_mlp: true)",
@@ -255,9 +282,8 @@ def run(args: argparse.Namespace) -> int:
         if bad:
             raise ValueError(f"{what}: unknown {sorted(bad)}; known: {', '.join(known)}")
     torch.set_num_threads(max(torch.get_num_threads(), 1))
-    print(
-        f"saved for backward by ONE decoder layer, {args.tokens} tokens, bf16 autocast; MiB (per-token bytes)"
-    )
+    how = "bf16 autocast (a GPU run)" if args.device == "cuda" else "fp32, no autocast (a CPU run)"
+    print(f"saved for backward by ONE decoder layer, {args.tokens} tokens, {how}; MiB (per-token bytes)")
     print(
         f"{'model':<7}{'recipe':<26}{'activations':>12}{'B/token':>10}{'vs bf16':>9}{'vs bf16+rc':>11}"
         f"{'weight copies':>15}{'shared':>9}"
@@ -266,12 +292,15 @@ def run(args: argparse.Namespace) -> int:
     for model in models:
         # the baseline users run (plain HF MLP) and the like-for-like one (the same recompute)
         base, base_rc = (
-            layer_memory(model, "bf16", args.tokens),
-            layer_memory(model, "bf16", args.tokens, True),
+            layer_memory(model, "bf16", args.tokens, device=args.device),
+            layer_memory(model, "bf16", args.tokens, True, device=args.device),
         )
         rows = [("bf16", base), ("bf16 + recompute_mlp", base_rc)]
         rows += [
-            (r + (" + recompute_mlp" if recompute else ""), layer_memory(model, r, args.tokens, recompute))
+            (
+                r + (" + recompute_mlp" if recompute else ""),
+                layer_memory(model, r, args.tokens, recompute, device=args.device),
+            )
             for r in recipes
         ]
         for label, m in rows:

@@ -1,5 +1,8 @@
 """Per-GPU memory and all-gather bytes of a training run, BF16 vs FP8, before you launch it.
 
+It plans a GPU run (bf16 autocast over fp32 masters) unless ``--device cpu``: then a CPU run, per
+process, as infir2 runs on CPUs (fp32 throughout, FP8 GEMMs emulated in fp32; the baseline is fp32).
+
 ``infir2 plan qwen2.5-7b --gpus 8 --seq-len 32768`` (or a Hugging Face ``config.json``) prints, per
 GPU, what the run holds at its peak (the start of backward) for the BF16 baseline and the chosen FP8
 recipe side by side, next to InfiR2's published FP8/BF16 peak-memory ratios where they exist:
@@ -19,6 +22,10 @@ recipe side by side, next to InfiR2's published FP8/BF16 peak-memory ratios wher
                input plus one layer's full set (the one being recomputed); plus the final norm
 * logits       plain loss: the fp32 log-softmax kept for backward (4 T V) and, during backward, its
                gradient and the logits' gradient (8 T V more); chunked: two ``[chunk, V]`` fp32 blocks
+* optimizer step  AdamW's temporaries during its step, when the activations are gone: torch's foreach
+               AdamW on a CPU (fp32 moments) makes 4 bytes per parameter at once, the fused one on
+               CUDA none, ``LowPrecisionAdamW`` three fp32 copies of the largest parameter; the peak
+               is the larger of the start of backward and the step
 * all-gather   bytes each GPU receives per optimizer step: fp32 parameters gathered in forward and
                again for backward (the root once), per micro-batch; reduce-scatter of fp32 gradients
 
@@ -45,8 +52,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..fp8 import RECIPES
+from ..fp8 import RECIPES, recipe_names
 from ..fp8.formats import BLOCK
+from .memory import DEVICES
 
 __all__ = ["MODELS", "PUBLISHED", "ModelShape", "Plan", "add_arguments", "layer_figures", "plan", "run"]
 
@@ -112,6 +120,9 @@ MEASURED: dict[tuple[int, int, int, int, bool], dict[str, tuple[float, int]]] = 
         "tensorwise": (179320, 233046044),
     },
 }
+
+#: the same figures for a CPU run (``device="cpu"``), measured when first asked for
+MEASURED_CPU: dict[tuple[int, int, int, int, bool], dict[str, tuple[float, int]]] = {}
 
 FP32_BYTES, BF16_BYTES = 4, 2
 PLAIN_LOGITS_SAVED, PLAIN_LOGITS_BACKWARD = 4, 8  # bytes per logit: fp32 log-softmax; its + the logits' grads
@@ -232,8 +243,11 @@ def load_shape(model: str) -> tuple[str, ModelShape]:
     return str(path), ModelShape.from_config(config, str(path))
 
 
-def layer_figures(shape: ModelShape, recipe: str, recompute_mlp: bool = True) -> tuple[float, int]:
+def layer_figures(
+    shape: ModelShape, recipe: str, recompute_mlp: bool = True, device: str = "cuda"
+) -> tuple[float, int]:
     """(activation bytes per token, weight-copy bytes) of one decoder layer: measured, cached.
+    ``MEASURED`` holds GPU figures; a CPU run's (fp32, no autocast) are measured on the fly.
 
     An MoE layer is estimated from the dense layer of its active width (``active_intermediate``: what
     one token's top-k experts and the shared expert keep), plus the k - 1 extra copies of each token's
@@ -250,7 +264,8 @@ def layer_figures(shape: ModelShape, recipe: str, recompute_mlp: bool = True) ->
         shape.tied,
     )
     key = (dense.hidden, dense.intermediate, dense.heads, dense.kv_heads, recompute_mlp)
-    if recipe not in MEASURED.get(key, {}):
+    table = MEASURED if device == "cuda" else MEASURED_CPU
+    if recipe not in table.get(key, {}):
         from .memory import layer_memory, safe_tokens
 
         kv = dense.kv_heads * (dense.hidden // dense.heads)
@@ -261,13 +276,14 @@ def layer_figures(shape: ModelShape, recipe: str, recompute_mlp: bool = True) ->
             recipe,
             tokens,
             recompute_mlp,
+            device,
             hidden_size=dense.hidden,
             intermediate_size=dense.intermediate,
             num_attention_heads=dense.heads,
             num_key_value_heads=dense.kv_heads,
         )
-        MEASURED.setdefault(key, {})[recipe] = (m.per_token, m.total("weight"))
-    per_token, weight_copy = MEASURED[key][recipe]
+        table.setdefault(key, {})[recipe] = (m.per_token, m.total("weight"))
+    per_token, weight_copy = table[key][recipe]
     if not shape.experts:
         return per_token, weight_copy
     row_bytes = 1 if RECIPES[recipe].enabled else BF16_BYTES
@@ -289,9 +305,10 @@ class Plan:
     logits_backward: float
     all_gather: float
     reduce_scatter: float
+    optimizer_step: float = 0.0  # AdamW's temporaries during its step (activations are gone by then)
 
     @property
-    def peak(self) -> float:
+    def backward_peak(self) -> float:
         return (
             self.parameters
             + self.gradients
@@ -302,6 +319,15 @@ class Plan:
             + self.logits_saved
             + self.logits_backward
         )
+
+    @property
+    def step_peak(self) -> float:
+        return self.parameters + self.gradients + self.optimizer + self.optimizer_step
+
+    @property
+    def peak(self) -> float:
+        """The larger of the start of backward and the optimizer step."""
+        return max(self.backward_peak, self.step_peak)
 
 
 def plan(
@@ -317,8 +343,13 @@ def plan(
     recompute_mlp: bool = True,
     precision: str = "bf16",
     param_gather: bool | None = None,
+    device: str = "cuda",
 ) -> Plan:
     """The memory and traffic of one GPU; ``recipe`` is ``bf16`` (baseline) or an FP8 recipe.
+
+    ``device="cpu"`` plans a CPU run instead (per process): fp32 compute without autocast
+    (``precision`` is then fp32), so no bf16 weight or lm_head copies, fp32 activations, and an FP8
+    recipe's weight cache holds the FP8 codes of every layer (the CPU emulation decodes them per GEMM).
 
     Under FSDP (``gpus > 1``) parameters travel in ``precision`` (bf16 mixed precision, or fp32), and
     an FP8 recipe's projection weights as FP8 codes (1 byte) when ``param_gather`` (default: as
@@ -327,8 +358,12 @@ def plan(
     """
     from ..chunked_loss import use_chunked_loss
 
+    if device not in DEVICES:
+        raise ValueError(f"device: expected one of {', '.join(DEVICES)}, got {device!r}")
+    cpu = device == "cpu"
+    precision = "fp32" if cpu else precision
     tokens = seq_len * micro_batch
-    per_token, weight_copy = layer_figures(shape, recipe, recompute_mlp)
+    per_token, weight_copy = layer_figures(shape, recipe, recompute_mlp, device)
     p, shard = shape.params, 1 / gpus
     if activation_checkpointing:
         activations = tokens * (shape.layers * shape.hidden * FP32_BYTES + per_token)
@@ -345,7 +380,7 @@ def plan(
         )
     else:
         saved, backward = tokens * FP32_BYTES, 2 * min(chunk, tokens) * shape.vocab * FP32_BYTES
-    head_copy = shape.vocab * shape.hidden * BF16_BYTES  # the lm_head GEMM's bf16 weight
+    head_copy = 0 if cpu else shape.vocab * shape.hidden * BF16_BYTES  # the lm_head GEMM's bf16 weight
     # autocast's bf16 copies live as long as a saved tensor holds them: one layer under activation
     # checkpointing; the FP8 copies live for the whole step (cache_fp8_weights), checkpointing or not
     copied_layers = 1 if activation_checkpointing and recipe == "bf16" else shape.layers
@@ -374,7 +409,18 @@ def plan(
         logits_backward=backward,
         all_gather=gather * micro_steps,
         reduce_scatter=FP32_BYTES * p * (1 - shard) * micro_steps,
+        optimizer_step=_optimizer_step_bytes(shape, state_dtype, cpu) * shard,
     )
+
+
+def _optimizer_step_bytes(shape: ModelShape, state_dtype: str, cpu: bool) -> float:
+    """AdamW's temporaries in its step: fp32 moments on a CPU run torch's foreach AdamW, whose step
+    makes an fp32 tensor per parameter at once (``sqrt(v)``: 4 bytes per parameter); on CUDA the fused
+    one makes none. bf16 moments (``LowPrecisionAdamW``) go parameter by parameter: three fp32
+    copies of the largest (the embedding)."""
+    if state_dtype != "fp32":
+        return 3 * FP32_BYTES * shape.vocab * shape.hidden
+    return FP32_BYTES * shape.params if cpu else 0.0
 
 
 ROWS = (
@@ -389,16 +435,23 @@ ROWS = (
 )
 
 
-def format_plan(name: str, base: Plan, fp8: Plan, recipe: str, seq_len: int) -> str:
+def format_plan(name: str, base: Plan, fp8: Plan, recipe: str, seq_len: int, device: str = "cuda") -> str:
     gib = 2**30
-    lines = [f"{'per GPU (GiB)':<22}{'bf16':>10}{recipe:>22}{'fp8/bf16':>10}"]
+    where, baseline = ("per GPU (GiB)", "bf16") if device == "cuda" else ("per process (GiB)", "fp32")
+    lines = [f"{where:<22}{baseline:>10}{recipe:>22}{'fp8/' + baseline:>10}"]
     for row in ROWS:
         b, f = getattr(base, row), getattr(fp8, row)
-        lines.append(f"{row:<22}{b / gib:>10.2f}{f / gib:>22.2f}{(f / b if b else 1.0):>10.3f}")
+        ratio = f"{f / b:.3f}" if b else "1.000" if not f else "-"
+        lines.append(f"{row:<22}{b / gib:>10.2f}{f / gib:>22.2f}{ratio:>10}")
+    b, f = base.optimizer_step, fp8.optimizer_step
+    lines.append(f"{'optimizer_step':<22}{b / gib:>10.2f}{f / gib:>22.2f}{(f / b if b else 1.0):>10.3f}")
+    for label, attr in (("peak in backward", "backward_peak"), ("peak in the step", "step_peak")):
+        b, f = getattr(base, attr), getattr(fp8, attr)
+        lines.append(f"{label:<22}{b / gib:>10.2f}{f / gib:>22.2f}{f / b:>10.3f}")
     lines.append(f"{'peak':<22}{base.peak / gib:>10.2f}{fp8.peak / gib:>22.2f}{fp8.peak / base.peak:>10.3f}")
     for row in ("all_gather", "reduce_scatter"):
         lines.append(f"{row + ' /step':<22}{getattr(base, row) / gib:>10.2f}{getattr(fp8, row) / gib:>22.2f}")
-    published = PUBLISHED.get(name, {})
+    published = PUBLISHED.get(name, {}) if device == "cuda" else {}
     if published:
         rows = ", ".join(f"{ratio:.2f}x at {length // 1024}k" for length, ratio in sorted(published.items()))
         lines.append(
@@ -434,6 +487,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="without the SwiGLU recompute (model.recompute_mlp: false)",
     )
     parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cuda",
+        help="the run planned: cuda (GPUs, bf16 autocast; default) or cpu (fp32 emulation, per process)",
+    )
+    parser.add_argument(
         "--no-param-gather",
         action="store_true",
         help="FP8 projections gathered in --precision, not as FP8 (fp8.param_gather: false)",
@@ -441,8 +500,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.recipe not in RECIPES:
-        raise ValueError(f"--recipe: unknown {args.recipe!r}; known: {', '.join(RECIPES)}")
+    recipe_names(args.recipe, "--recipe")  # one name, checked by get_recipe
     for key in ("gpus", "seq_len", "micro_batch"):
         if getattr(args, key) <= 0:
             raise ValueError(f"--{key.replace('_', '-')}: must be > 0, got {getattr(args, key)}")
@@ -461,22 +519,21 @@ def run(args: argparse.Namespace) -> int:
         "precision": args.precision,
         "recompute_mlp": not args.no_recompute_mlp,
         "param_gather": False if args.no_param_gather else None,
+        "device": args.device,
     }
     experts = (
         f" ({shape.active_params / 1e9:.2f}B active: {shape.top_k} of {shape.experts} experts per layer)"
         if shape.experts
         else ""
     )
+    where = f"{args.gpus} GPUs" if args.device == "cuda" else f"{args.gpus} CPU processes, fp32 emulation"
     print(
-        f"{name}: {shape.params / 1e9:.2f}B parameters{experts}, {args.gpus} GPUs, {args.seq_len} x {args.micro_batch} "
+        f"{name}: {shape.params / 1e9:.2f}B parameters{experts}, {where}, {args.seq_len} x {args.micro_batch} "
         f"tokens per micro-batch, AC {'on' if args.activation_checkpointing else 'off'}, AdamW moments "
         f"{args.state_dtype}, loss chunk {chunk}"
     )
-    print(
-        format_plan(
-            name, plan(shape, "bf16", **kw), plan(shape, args.recipe, **kw), args.recipe, args.seq_len
-        )
-    )
+    base, fp8 = plan(shape, "bf16", **kw), plan(shape, args.recipe, **kw)
+    print(format_plan(name, base, fp8, args.recipe, args.seq_len, args.device))
     if shape.experts:
         print(
             "mixture of experts: activations and weight copies estimated from a dense layer of the active "
