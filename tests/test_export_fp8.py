@@ -206,8 +206,6 @@ def test_fp8_folder_loads_back_and_converts_back(model, tiny_tokenizer, tmp_path
         (["--scale-encoding", "pow2"], True),
         (["--scale-encoding", "fp32"], False),
         ([], True),
-        (["--pow2-scale"], True),
-        (["--no-pow2-scale"], False),
     ],
 )
 def test_cli_scale_encoding_parses_both_ways(
@@ -219,23 +217,18 @@ def test_cli_scale_encoding_parses_both_ways(
     assert main(argv + flags) == 0
     scales = [t for k, t in _read_folder(tmp_path / "out").items() if k.endswith("_scale_inv")]
     assert scales and all(bool((torch.frexp(s).mantissa == 0.5).all()) is pow2 for s in scales)
-    deprecated = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
-    assert bool(deprecated) == ("pow2-scale" in " ".join(flags)), deprecated
 
 
-def test_cli_contradicting_scale_flags_are_an_error(model, tmp_path: Path, capsys) -> None:
+def test_the_old_scale_spellings_are_gone(model, tmp_path: Path, capsys) -> None:
+    """0.1.0 was never released: --pow2-scale and pow2_scale= are not kept as aliases."""
     src = tmp_path / "hf"
     model.save_pretrained(src)
     argv = ["export", "--model", str(src), "--out", str(tmp_path / "out"), "--format", "fp8"]
-    assert main([*argv, "--no-pow2-scale", "--scale-encoding", "pow2"]) == 2
-    assert "contradicts --scale-encoding pow2" in capsys.readouterr().err
-
-
-def test_the_old_python_keyword_still_works_and_warns(model, tmp_path: Path) -> None:
-    with pytest.warns(DeprecationWarning, match="scale_encoding"):
-        out = export_model(model, None, tmp_path / "fp8", fmt="fp8", pow2_scale=False)
-    scales = [t for k, t in _read_folder(out).items() if k.endswith("_scale_inv")]
-    assert scales and not all(bool((torch.frexp(s).mantissa == 0.5).all()) for s in scales)
+    with pytest.raises(SystemExit):
+        main([*argv, "--no-pow2-scale"])
+    assert "unrecognized arguments: --no-pow2-scale" in capsys.readouterr().err
+    with pytest.raises(TypeError, match="pow2_scale"):
+        export_model(model, None, tmp_path / "fp8", fmt="fp8", pow2_scale=False)  # type: ignore[call-arg]
 
 
 def test_cli_errors_are_one_line(tmp_path: Path, capsys) -> None:

@@ -17,7 +17,7 @@ The projections are quantized from the source's values (an fp32 folder of a CPU 
 
 --scale-encoding pow2 (default) rounds each block scale down to a power of two, as the training recipe
 does; --scale-encoding fp32 keeps exact fp32 scales (a little more accurate). Both load the same way.
-(--pow2-scale / --no-pow2-scale, the older spelling, still work and warn.)
+
 """
 
 from __future__ import annotations
@@ -40,12 +40,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["pow2", "fp32"],
         default=None,
         help="fp8 block scales: pow2 (power of two, as in training) or fp32 (default: pow2)",
-    )
-    p.add_argument(
-        "--pow2-scale",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="deprecated: --scale-encoding pow2 / fp32",
     )
     p.add_argument(
         "--base-dtype",
@@ -71,15 +65,6 @@ def run(args: argparse.Namespace) -> int:
     from .convert import convert_checkpoint, describe
 
     encoding: ScaleEncoding = args.scale_encoding or "pow2"
-    if args.pow2_scale is not None:
-        old: ScaleEncoding = "pow2" if args.pow2_scale else "fp32"
-        flag = "--pow2-scale" if args.pow2_scale else "--no-pow2-scale"
-        if args.scale_encoding not in (None, old):
-            raise ValueError(
-                f"{flag} contradicts --scale-encoding {args.scale_encoding}; give only --scale-encoding"
-            )
-        log.warning("%s is deprecated; use --scale-encoding %s", flag, old)
-        encoding = old
     out = convert_checkpoint(
         args.model,
         args.out,

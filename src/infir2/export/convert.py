@@ -163,8 +163,6 @@ def export_model(
     state_dict: Mapping[str, torch.Tensor] | None = None,
     overwrite: bool = False,
     tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
-    *,
-    pow2_scale: bool | None = None,
 ) -> Path:
     """Save an in-memory HF causal LM as a ``fmt`` folder; for ``fp8`` the other tensors are in ``base_dtype``.
 
@@ -176,11 +174,10 @@ def export_model(
     ``tokenizer`` may be None (no tokenizer files are written then). A folder that already holds a
     checkpoint is an error unless ``overwrite`` (then it is replaced). The files are written next to
     ``out_dir`` first and renamed into place, so a new folder appears whole or not at all.
-    ``scale_encoding`` (fp8): ``pow2`` block scales, as the training recipe, or ``fp32``
-    (``pow2_scale=True`` / ``False`` is the deprecated spelling).
+    ``scale_encoding`` (fp8): ``pow2`` block scales, as the training recipe, or ``fp32``.
     """
     _check_format(fmt)
-    scale_encoding = export_scale_encoding(scale_encoding, pow2_scale)
+    scale_encoding = export_scale_encoding(scale_encoding)
     config: Any = getattr(model, "config", None)
     if config is None:
         raise ValueError(
@@ -302,8 +299,6 @@ def convert_checkpoint(
     max_shard_size: int | str = "5GB",
     overwrite: bool = False,
     base_dtype: torch.dtype = torch.bfloat16,
-    *,
-    pow2_scale: bool | None = None,
 ) -> Path:
     """Convert a safetensors HF folder to ``fmt``, one input shard in memory at a time.
 
@@ -319,7 +314,7 @@ def convert_checkpoint(
     """
     _check_format(fmt)
     _check_base_dtype(base_dtype)
-    scale_encoding = export_scale_encoding(scale_encoding, pow2_scale)
+    scale_encoding = export_scale_encoding(scale_encoding)
     src, out = Path(src_dir), Path(out_dir)
     config_path = src / "config.json"
     if not src.is_dir():

@@ -14,7 +14,6 @@ fp32 (``scale_encoding="fp32"``, slightly more accurate); both load the same way
 from __future__ import annotations
 
 import re
-import warnings
 from typing import Any
 
 import torch
@@ -66,14 +65,8 @@ def scale_inv_name(name: str) -> str:
     return name + SCALE_SUFFIX
 
 
-def export_scale_encoding(scale_encoding: str, pow2_scale: bool | None = None) -> ScaleEncoding:
-    """Check an export's scale encoding (``pow2`` or ``fp32``); ``pow2_scale`` is its deprecated
-    boolean spelling (True: pow2), which warns and wins when given."""
-    if pow2_scale is not None:
-        warnings.warn(
-            "pow2_scale is deprecated: pass scale_encoding='pow2' or 'fp32'", DeprecationWarning, stacklevel=3
-        )
-        return "pow2" if pow2_scale else "fp32"
+def export_scale_encoding(scale_encoding: str) -> ScaleEncoding:
+    """Check an export's scale encoding (``pow2`` or ``fp32``)."""
     if scale_encoding not in EXPORT_SCALE_ENCODINGS:
         raise ValueError(
             f"export scale_encoding must be one of {EXPORT_SCALE_ENCODINGS}, got {scale_encoding!r}"
