@@ -54,9 +54,9 @@ def rss_bytes() -> int:
 
 def child(variant: str, layers: int, seq_len: int, steps: int) -> dict:
     import torch
-    from infir2.train.optim import build_optimizer
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from infir2.harness.optim import build_optimizer
     from infir2.kernels import fast_emulated
     from infir2.kernels.registry import BACKENDS
     from infir2.loss import token_ce_sum

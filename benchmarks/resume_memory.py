@@ -31,11 +31,11 @@ def _peak() -> float:
 
 def child(mode: str, out: Path) -> None:
     import torch
-    from infir2.train.optim import build_optimizer
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from infir2.checkpoint import load_full, save_checkpoint
+    from infir2.harness.optim import build_optimizer
     from infir2.model import prepare_for_training
     from infir2.train.config import OptimConfig
 

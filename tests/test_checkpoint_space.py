@@ -14,8 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from infir2.train.distributed import DistEnv
-from infir2.train.optim import build_optimizer
 
 from conftest import make_tiny_model
 from infir2.checkpoint import (
@@ -31,6 +29,8 @@ from infir2.checkpoint import (
 )
 from infir2.checkpoint import full as full_module
 from infir2.checkpoint import space as space_module
+from infir2.harness.distributed import DistEnv
+from infir2.harness.optim import build_optimizer
 from infir2.model import prepare_for_training
 from infir2.train.config import OptimConfig
 
