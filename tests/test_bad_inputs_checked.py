@@ -138,5 +138,5 @@ def test_an_output_folder_that_is_a_file_is_one_line(model_dir, tmp_path, capsys
 
 
 def test_a_run_name_cannot_leave_the_out_dir():
-    with pytest.raises(ValueError, match=r"run.name: must be one folder name inside run.out_dir"):
+    with pytest.raises(ValueError, match=r"run.name: must name a folder inside run.out_dir"):
         parse_rl_config({"run": {"name": "../../escape"}}, "rl.yaml")

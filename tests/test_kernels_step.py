@@ -75,15 +75,29 @@ def test_bias_is_added_in_fp32_before_the_single_rounding(recording):
     assert torch.equal(y, expected)
 
 
+#: the one host read the experts take (nn/moe*.py): each block's per-expert row counts, which the loop of
+#: dense GEMMs needs on the host (a fused grouped kernel with device offsets would not; none is built yet)
+MOE_ROUTING = "# MoE routing:"
+
+
 def test_no_host_sync_in_the_hot_path():
     pattern = re.compile(r"\.item\(\)|\.tolist\(\)|\.cpu\(\)|\.numpy\(\)|cuda\.synchronize")
+    routing = [
+        f"{path.name}:{i}"
+        for path in sorted((SRC / "nn").glob("moe*.py"))
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line) and MOE_ROUTING in line
+    ]
+    assert len(routing) <= 3, routing  # forward (eager), and the compiled path's forward and backward
     hits = [
         f"{path.relative_to(SRC)}:{i}: {line.strip()}"
         for folder in ("kernels", "nn")
         for path in sorted((SRC / folder).glob("*.py"))
         if path.name != "telemetry.py"  # reads its numbers back on opt-in stats steps only, by design
         for i, line in enumerate(path.read_text().splitlines(), 1)
-        if pattern.search(line) and "# off the hot path:" not in line  # e.g. only after a backend failed
+        if pattern.search(line)
+        and "# off the hot path:" not in line  # e.g. only after a backend failed
+        and not (path.name.startswith("moe") and MOE_ROUTING in line)
     ]
     assert not hits, "host syncs in the FP8 hot path:\n" + "\n".join(hits)
 

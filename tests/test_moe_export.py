@@ -41,17 +41,19 @@ def _trained(family: str) -> torch.nn.Module:
 
 
 def _fp8_weight_reference(model: torch.nn.Module) -> torch.nn.Module:
-    """infir2's FP8-weight forward: each FP8 weight (per expert) as its 128x128-block E4M3 codes times
-    scale_inv, the rest as stored (bf16), activations in high precision."""
+    """infir2's FP8-weight forward: each FP8 weight (per expert) as its 128x128-block E4M3 codes (quantized
+    from the fp32 masters) times scale_inv, the rest as stored (bf16), activations in high precision."""
     ref = copy.deepcopy(model)
     fp8 = fp8_weight_names(model)
     with torch.no_grad():
         for name, p in ref.named_parameters():
-            w = p.detach().to(torch.bfloat16)
+            w = p.detach().float()
             if name in fp8:
                 rows = [w] if w.dim() == 2 else list(w)
                 w = torch.stack([dequantize_weight(*quantize_weight(r), torch.float32) for r in rows])
                 w = w.reshape(p.shape)
+            else:
+                w = w.to(torch.bfloat16)
             p.copy_(w.float())
     return ref
 

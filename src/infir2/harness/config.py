@@ -238,9 +238,9 @@ def _check_optim(o: OptimConfig, source: str) -> None:
 
 def _check_run(r: RunSection, source: str) -> None:
     name = Path(r.name)
-    if not r.name or name.is_absolute() or len(name.parts) != 1 or r.name in (".", ".."):
+    if not r.name.strip() or name.is_absolute() or ".." in name.parts or r.name == ".":
         raise config_error(
-            source, "run.name", f"must be one folder name inside run.out_dir (no '/' or '..'), got {r.name!r}"
+            source, "run.name", f"must name a folder inside run.out_dir (relative, no '..'), got {r.name!r}"
         )
 
 

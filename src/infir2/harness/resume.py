@@ -39,7 +39,13 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
 from .. import checkpoint as ckpt
-from ..checkpoint import PendingSave, is_sharded_folder, iter_model_tensors, save_sharded
+from ..checkpoint import (
+    PendingSave,
+    check_room_for_saves,
+    is_sharded_folder,
+    iter_model_tensors,
+    save_sharded,
+)
 from ..export import export_model
 from .distributed import DistEnv, broadcast_object, gather_objects
 
@@ -220,7 +226,25 @@ def restore(
     load: LoadRequest | None = None,
     start_fresh: bool = False,
 ) -> tuple[State, Path | None]:
-    """Resume from the run folder's latest checkpoint, else from ``load.path``; returns the counters."""
+    """Resume from the run folder's latest checkpoint, else from ``load.path``; returns the counters.
+    Then the disk is checked for the run's saves (``checkpoint.check_room_for_saves``): a first save that
+    cannot fit is refused now, in one line, not after the first ``save_every`` steps."""
+    found = _restore(policy, env, model, optimizer, data, state_type, optim_cfg, load, start_fresh)
+    check_room_for_saves(policy.root.parent, model, optimizer, policy.keep_last)
+    return found
+
+
+def _restore(
+    policy: SavePolicy,
+    env: DistEnv,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: Resumable,
+    state_type: type[State],
+    optim_cfg: Any,
+    load: LoadRequest | None = None,
+    start_fresh: bool = False,
+) -> tuple[State, Path | None]:
     load = load or LoadRequest()
     found = _find(policy, env, model, optimizer, load, start_fresh)
     if found is None:

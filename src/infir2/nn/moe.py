@@ -306,7 +306,7 @@ class Fp8Experts(nn.Module):
         expert_ids, order = torch.sort(top_k_index.reshape(-1), stable=True)  # rows grouped by expert
         x = hidden_states[order // top_k].to(_autocast_dtype(hidden_states))  # [S, H], S = tokens * top_k
         counts = expert_counts(expert_ids, self.num_experts)
-        rows = None if torch.compiler.is_compiling() else counts.tolist()  # one host read per block
+        rows = None if torch.compiler.is_compiling() else counts.tolist()  # MoE routing: 1 read a block
         h = self._grouped_linear(x, "gate_up_proj", counts, rows)  # [S, 2I]
         h = self._apply_gate(h)  # [S, I]
         y = self._grouped_linear(h, "down_proj", counts, rows)  # [S, H]

@@ -73,8 +73,9 @@ def fp8_grouped_linear(
     kernels = module._kernels_on(x.device)
     ctx = _Context()
     with torch.no_grad():
+        rows = counts.tolist()  # MoE routing: the experts' row split, read on the host (compiled path)
         y = _Fp8GroupedLinearFunction.forward(
-            ctx, x, weight, counts.tolist(), module.recipe, kernels, module.quantized_weights(name, kernels)
+            ctx, x, weight, rows, module.recipe, kernels, module.quantized_weights(name, kernels)
         )
     saved = ctx.saved_tensors[1 : 1 + ctx.n_x]  # per expert with rows: data, scale_inv
     cast = module.recipe.x_wgrad
@@ -116,7 +117,7 @@ def fp8_grouped_linear_backward(
     recipe, kernels = module.recipe, module._kernels_on(dy.device)
     ctx = _Context(tuple(needs))
     ctx.bounds, ctx.recipe, ctx.kernels, ctx.x_dtype = (
-        group_bounds(counts.tolist()),
+        group_bounds(counts.tolist()),  # MoE routing: the row split again, in the backward op
         recipe,
         kernels,
         dy.dtype,

@@ -54,7 +54,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..checkpoint import check_room_for_saves
 from ..data.chat import render_prompt, stop_token_ids
 from ..eval.tasks import Problem, load_problems, reward
 from ..generation import EngineOptions, RolloutEngine, SamplingConfig, build_engine
@@ -223,7 +222,6 @@ def rl(
 def _run(run: Run, progress: bool) -> RLResult:
     cfg, env = run.cfg, run.env
     state, resumed_from = restore(run.policy, env, run.model, run.optimizer, run.data, RLState, cfg.optim)
-    check_room_for_saves(cfg.run_dir, run.model, run.optimizer, cfg.train.keep_last)  # a full disk: now
     run.engine.load_weights(run.model)
     result = RLResult(cfg.run_dir, state.step, resumed_from=resumed_from)
     t = cfg.train

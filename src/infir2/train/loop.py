@@ -40,7 +40,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..checkpoint import check_room_for_saves
 from ..data import first_difference, load_tokenizer
 from ..data.base import MicroBatch, StepSource, count_loss_tokens
 from ..harness.config import config_to_dict
@@ -322,9 +321,6 @@ def _run(run: _Run, progress: bool) -> TrainResult:
         load,
         cfg.load.start_fresh,
     )
-    check_room_for_saves(
-        cfg.run_dir, run.model, run.optimizer, cfg.train.keep_last
-    )  # a full disk: refused now
     result = TrainResult(cfg.run_dir, state.step, resumed_from=resumed_from)
     t = cfg.train
     with MetricsLogger(cfg.run_dir, env.is_main, state.step, run.n_steps, t.log_every, progress) as logger:
