@@ -200,7 +200,10 @@ def _apply_optim_config(optimizer: torch.optim.Optimizer, optim_cfg: Any) -> Non
 def _find(
     policy: SavePolicy, env: DistEnv, model: nn.Module, optimizer: Any, load: LoadRequest, start_fresh: bool
 ) -> tuple[Path, dict[str, Any], str] | None:
-    """The checkpoint to start from: the run's own newest loadable one, else ``load.path``; loaded."""
+    """The checkpoint to start from: the run's own newest loadable one, else ``load.path``; loaded.
+    First the disk is checked for the run's saves (``checkpoint.check_room_for_saves``: their bytes are
+    known from the model and the optimizer's config): a first save that cannot fit is refused now."""
+    check_room_for_saves(policy.root.parent, model, optimizer, policy.keep_last)
 
     def loader(weights_only: bool) -> Any:
         return lambda folder: ckpt.load_into(folder, model, None if weights_only else optimizer, env)
@@ -226,25 +229,7 @@ def restore(
     load: LoadRequest | None = None,
     start_fresh: bool = False,
 ) -> tuple[State, Path | None]:
-    """Resume from the run folder's latest checkpoint, else from ``load.path``; returns the counters.
-    Then the disk is checked for the run's saves (``checkpoint.check_room_for_saves``): a first save that
-    cannot fit is refused now, in one line, not after the first ``save_every`` steps."""
-    found = _restore(policy, env, model, optimizer, data, state_type, optim_cfg, load, start_fresh)
-    check_room_for_saves(policy.root.parent, model, optimizer, policy.keep_last)
-    return found
-
-
-def _restore(
-    policy: SavePolicy,
-    env: DistEnv,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    data: Resumable,
-    state_type: type[State],
-    optim_cfg: Any,
-    load: LoadRequest | None = None,
-    start_fresh: bool = False,
-) -> tuple[State, Path | None]:
+    """Resume from the run folder's latest checkpoint, else from ``load.path``; returns the counters."""
     load = load or LoadRequest()
     found = _find(policy, env, model, optimizer, load, start_fresh)
     if found is None:
