@@ -13,9 +13,9 @@ import yaml
 
 from conftest import make_tiny_model, make_tokenizer
 from infir2.cli import main
-from infir2.data import load_tokenizer, prepare_cpt
+from infir2.data import load_tokenizer
 from infir2.rl import parse_rl_config
-from train_synthetic import one_thread
+from train_synthetic import one_thread, prepared_cpt
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -105,11 +105,7 @@ def test_an_rl_round_that_cannot_fill_a_step_is_refused():
 
 
 def test_train_refuses_windows_past_the_models_positions_unless_asked(tmp_path, capsys):
-    tok_dir = tmp_path / "tokenizer"
-    make_tokenizer().save_pretrained(tok_dir)
-    docs = tmp_path / "docs.jsonl"
-    docs.write_text("".join(json.dumps({"text": f"{i} + {i} = {2 * i}."}) + "\n" for i in range(200)))
-    prepare_cpt([docs], tmp_path / "cpt", load_tokenizer(tok_dir), val_fraction=0.1, progress=False)
+    tok_dir, _ = prepared_cpt(tmp_path, documents=200)
     arch = {"arch": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1}
     arch |= {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 16}
     cfg = {

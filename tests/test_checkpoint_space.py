@@ -256,19 +256,12 @@ def test_a_real_full_disk(tmp_path: Path, monkeypatch) -> None:
 
 
 def test_infir2_train_on_a_full_disk_is_one_line_and_exit_2(tmp_path: Path, monkeypatch, capsys) -> None:
-    import json
-
     import yaml
 
-    from conftest import make_tokenizer
     from infir2.cli import main
-    from infir2.data import load_tokenizer, prepare_cpt
+    from train_synthetic import prepared_cpt
 
-    tok_dir = tmp_path / "tokenizer"
-    make_tokenizer().save_pretrained(tok_dir)
-    docs = tmp_path / "docs.jsonl"
-    docs.write_text("".join(json.dumps({"text": f"{i} + {i} = {2 * i}."}) + "\n" for i in range(100)))
-    prepare_cpt([docs], tmp_path / "cpt", load_tokenizer(tok_dir), val_fraction=0.1, progress=False)
+    tok_dir, _ = prepared_cpt(tmp_path)
     tiny = {"arch": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
     config = {
         "run": {"name": "full-disk", "out_dir": str(tmp_path / "runs"), "device": "cpu"},

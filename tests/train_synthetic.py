@@ -155,6 +155,24 @@ def tiny_llama(layers: int = 2, max_positions: int = 256) -> dict[str, Any]:
     }
 
 
+def prepared_cpt(folder: Any, documents: int = 100) -> tuple[Any, Any]:
+    """``folder/tokenizer`` (the tests' tiny BPE) and ``folder/cpt`` (``prepare-cpt`` of ``documents`` short
+    arithmetic lines): the two folders a command-line CPT test names."""
+    import json
+    from pathlib import Path
+
+    from conftest import make_tokenizer
+    from infir2.data import load_tokenizer, prepare_cpt
+
+    folder = Path(folder)
+    make_tokenizer().save_pretrained(folder / "tokenizer")
+    docs = folder / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"{i} + {i} = {2 * i}."}) + "\n" for i in range(documents)))
+    tokenizer = load_tokenizer(folder / "tokenizer")
+    prepare_cpt([docs], folder / "cpt", tokenizer, val_fraction=0.1, progress=False)
+    return folder / "tokenizer", folder / "cpt"
+
+
 def cpt_data(path: Any, seq_len: int, global_batch_size: int, micro_batch_size: int) -> dict[str, Any]:
     """A run config's ``data`` section that reads the ``prepare-cpt`` folder ``path``."""
     return {
