@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 MIB = 2**20
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # conftest's make_tiny_model
 
 
 def _rss() -> float:
@@ -32,30 +33,22 @@ def _peak() -> float:
 def child(mode: str, out: Path) -> None:
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from conftest import make_tiny_model
     from infir2.checkpoint import load_full, save_checkpoint
     from infir2.harness.optim import build_optimizer
     from infir2.model import prepare_for_training
     from infir2.train.config import OptimConfig
 
     torch.set_num_threads(1)
-    config = Qwen2Config(
-        vocab_size=32000,
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
     start = _rss()
-    torch.manual_seed(0)
-    model = prepare_for_training(Qwen2ForCausalLM(config), "bf16")
+    model = prepare_for_training(
+        make_tiny_model(vocab_size=32000, hidden=512, intermediate=1024, heads=8, max_positions=None), "bf16"
+    )
     optimizer = build_optimizer(model, OptimConfig(lr=1e-4))
 
     def step() -> None:
-        ids = torch.randint(0, config.vocab_size, (1, 64))
+        ids = torch.randint(0, model.config.vocab_size, (1, 64))
         model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -35,6 +35,14 @@ def make_tokenizer(vocab_size: int = 300):
     return fast
 
 
+_ARCHS = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+}
+
+
 def make_tiny_model(
     arch: str = "qwen2",
     vocab_size: int = 300,
@@ -46,28 +54,30 @@ def make_tiny_model(
     heads: int = 4,
     kv_heads: int = 2,
     max_positions: int | None = 512,
+    tie: bool = False,
+    **config,
 ):
-    """A randomly initialized fp32 Qwen2 / Llama causal LM (``torch.manual_seed(seed)`` first), untied
-    embeddings. ``intermediate`` defaults to ``2 * hidden + 128``; ``max_positions=None`` keeps the HF
-    config's own default. The one builder of the tests' and benchmarks' hand-made models."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """A randomly initialized fp32 causal LM of ``arch`` (qwen2, llama, mistral, phi3;
+    ``torch.manual_seed(seed)`` first), untied embeddings unless ``tie``. ``intermediate`` defaults to
+    ``2 * hidden + 128``; ``max_positions=None`` keeps the HF config's own default; ``config`` goes to
+    the HF config as is (token ids, ...). The one builder of the tests' and benchmarks' hand-made models."""
+    import transformers
 
-    cfg_cls, model_cls = (
-        (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
-    )
+    cfg_name, model_name = _ARCHS[arch]
     positions = {} if max_positions is None else {"max_position_embeddings": max_positions}
-    cfg = cfg_cls(
+    cfg = getattr(transformers, cfg_name)(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=2 * hidden + 128 if intermediate is None else intermediate,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie,
         **positions,
+        **config,
     )
     torch.manual_seed(seed)
-    return model_cls(cfg).float()
+    return getattr(transformers, model_name)(cfg).float()
 
 
 @pytest.fixture(scope="session")

@@ -170,20 +170,11 @@ def _failed_future():
 
 
 def test_sharded_checkpoint_stores_a_tied_embedding_once(tmp_path: Path) -> None:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     def tied_model(seed: int):
-        config = Qwen2Config(
-            vocab_size=4096,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=True,
+        tiny = make_tiny_model(
+            vocab_size=4096, hidden=64, layers=1, seed=seed, intermediate=128, max_positions=None, tie=True
         )
-        torch.manual_seed(seed)
-        model = prepare_for_training(Qwen2ForCausalLM(config).float(), "bf16")
+        model = prepare_for_training(tiny, "bf16")
         return model, build_optimizer(model, OptimConfig(lr=1e-2))
 
     model, optimizer = tied_model(0)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from conftest import make_tiny_model
 from infir2 import convert_to_fp8
 from infir2.export import export_model, load_checkpoint
 from infir2.export.layout import dequantize_weight, quantize_weight
@@ -91,21 +92,10 @@ def test_fp8_moe_export_loads_in_transformers_with_infir2_logits(family, tmp_pat
 
 def test_fp8_export_stores_what_was_converted_phi3_fused_projections(tmp_path):
     """Phi-3's fused qkv_proj / gate_up_proj train in FP8, so they export in FP8 (not by a list of names)."""
-    from transformers import Phi3Config, Phi3ForCausalLM
-
-    cfg = Phi3Config(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        tie_word_embeddings=False,
+    tiny = make_tiny_model(
+        "phi3", 256, layers=1, intermediate=256, heads=2, kv_heads=2, max_positions=64, pad_token_id=0
     )
-    torch.manual_seed(0)
-    model = convert_to_fp8(Phi3ForCausalLM(cfg).float())
+    model = convert_to_fp8(tiny)
     out = export_model(model, None, tmp_path / "fp8", fmt="fp8")
     with safe_open(str(next(out.glob("*.safetensors"))), framework="pt") as f:
         dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118

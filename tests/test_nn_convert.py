@@ -138,29 +138,9 @@ def test_wrapping_non_fp32_parameters_warns(caplog):
 
 def _tiny_from_config(arch: str) -> nn.Module:
     """A 2-layer model of ``arch`` built from its transformers config (no download)."""
-    import transformers
-
-    config_cls, model_cls = {
-        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-        "llama": ("LlamaConfig", "LlamaForCausalLM"),
-        "mistral": ("MistralConfig", "MistralForCausalLM"),
-        "phi3": ("Phi3Config", "Phi3ForCausalLM"),
-    }[arch]
-    config = getattr(transformers, config_cls)(
-        vocab_size=300,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
+    return make_tiny_model(
+        arch, intermediate=384, max_positions=256, pad_token_id=0, bos_token_id=1, eos_token_id=2
     )
-    torch.manual_seed(0)
-    return getattr(transformers, model_cls)(config).float()
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "mistral", "phi3"])

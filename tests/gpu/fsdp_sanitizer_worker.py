@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -34,20 +35,10 @@ LR, EPS = 1e-3, 1e-8
 
 
 def tiny_qwen2() -> torch.nn.Module:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for conftest
+    from conftest import make_tiny_model
 
-    cfg = Qwen2Config(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=640,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(cfg).float()
+    return make_tiny_model(vocab_size=512, hidden=256, max_positions=256)
 
 
 def fused_adamw_first_step(model: torch.nn.Module, env) -> float:
