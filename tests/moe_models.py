@@ -22,47 +22,45 @@ _COMMON = dict(
 )
 
 
-def moe_config(family: str):
-    from transformers import DeepseekV3Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+#: the routed-expert shape of the families whose config has ``moe_intermediate_size``
+_MOE = dict(intermediate_size=256, moe_intermediate_size=128, num_experts_per_tok=2)
 
-    if family == "qwen3_moe":
-        return Qwen3MoeConfig(
-            **_COMMON,
-            intermediate_size=256,
-            moe_intermediate_size=128,
-            num_experts=4,
-            num_experts_per_tok=2,
-            head_dim=64,
-        )
-    if family == "qwen2_moe":
-        return Qwen2MoeConfig(
-            **_COMMON,
-            intermediate_size=256,
-            moe_intermediate_size=128,
-            shared_expert_intermediate_size=128,
-            num_experts=4,
-            num_experts_per_tok=2,
-        )
-    if family == "mixtral":
-        return MixtralConfig(**_COMMON, intermediate_size=128, num_local_experts=4, num_experts_per_tok=2)
-    if family == "deepseek_v3":
-        return DeepseekV3Config(
-            **{**_COMMON, "num_key_value_heads": 2},
-            intermediate_size=256,
-            moe_intermediate_size=128,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            n_group=1,
-            topk_group=1,
-            first_k_dense_replace=0,
-            q_lora_rank=None,
-            kv_lora_rank=64,
-            qk_rope_head_dim=64,
-            qk_nope_head_dim=64,
-            v_head_dim=64,
-            n_shared_experts=1,
-        )
-    raise ValueError(f"unknown MoE family {family!r}; known: {', '.join(FAMILIES)}")
+#: per family: the transformers config class and its keys over ``_COMMON``
+_FAMILY_CONFIG = {
+    "qwen3_moe": ("Qwen3MoeConfig", {**_MOE, "num_experts": 4, "head_dim": 64}),
+    "qwen2_moe": ("Qwen2MoeConfig", {**_MOE, "num_experts": 4, "shared_expert_intermediate_size": 128}),
+    "mixtral": (
+        "MixtralConfig",
+        {"intermediate_size": 128, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        {
+            **_MOE,
+            "num_key_value_heads": 2,
+            "n_routed_experts": 4,
+            "n_group": 1,
+            "topk_group": 1,
+            "first_k_dense_replace": 0,
+            "q_lora_rank": None,
+            "kv_lora_rank": 64,
+            "qk_rope_head_dim": 64,
+            "qk_nope_head_dim": 64,
+            "v_head_dim": 64,
+            "n_shared_experts": 1,
+        },
+    ),
+}
+assert tuple(_FAMILY_CONFIG) == FAMILIES
+
+
+def moe_config(family: str):
+    import transformers
+
+    if family not in _FAMILY_CONFIG:
+        raise ValueError(f"unknown MoE family {family!r}; known: {', '.join(FAMILIES)}")
+    config_name, keys = _FAMILY_CONFIG[family]
+    return getattr(transformers, config_name)(**{**_COMMON, **keys})
 
 
 def make_tiny_moe(family: str, seed: int = 0) -> torch.nn.Module:
