@@ -181,45 +181,15 @@ def test_a_server_that_ignores_n_is_asked_again(
 
 def test_prompt_flags_reach_the_request(server, tok_dir: Path, problems: Path, tmp_path: Path) -> None:
     url, script = server
-    assert (
-        main(
-            _argv(
-                url,
-                tok_dir,
-                problems,
-                tmp_path / "o",
-                "--greedy",
-                "--limit",
-                "1",
-                "--no-system-prompt",
-                "--no-think-prefix",
-                "--extra-body",
-                '{"top_k": -1}',
-            )
-        )
-        == 0
-    )
+
+    def run(out: str, *flags: str) -> int:
+        return main(_argv(url, tok_dir, problems, tmp_path / out, "--greedy", "--limit", "1", *flags))
+
+    assert run("o", "--no-system-prompt", "--no-think-prefix", "--extra-body", '{"top_k": -1}') == 0
     body = script.requests[0]
     assert body["prompt"] == "<|im_start|>user\nabc<|im_end|>\n<|im_start|>assistant\n"
     assert body["temperature"] == 0.0 and "top_p" not in body and body["top_k"] == -1
-    assert (
-        main(
-            _argv(
-                url,
-                tok_dir,
-                problems,
-                tmp_path / "o2",
-                "--greedy",
-                "--limit",
-                "1",
-                "--system-prompt",
-                "Be brief.",
-                "--think-prefix",
-                "<t>",
-            )
-        )
-        == 0
-    )
+    assert run("o2", "--system-prompt", "Be brief.", "--think-prefix", "<t>") == 0
     assert script.requests[1]["prompt"].startswith("<|im_start|>system\nBe brief.<|im_end|>")
     assert script.requests[1]["prompt"].endswith("assistant\n<t>")
 

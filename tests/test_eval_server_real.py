@@ -57,43 +57,11 @@ def test_server_greedy_equals_local(folders: dict[str, Path], tmp_path: Path, fm
     common = ["--model", str(folder), "--greedy", "--max-new-tokens", "24"]
     assert main(["eval", *common, "--out", str(tmp_path / "local")]) == 0
     with transformers_serve(folder, tmp_path / "serve.log") as server:
-        assert (
-            main(
-                [
-                    "eval",
-                    *common,
-                    "--engine",
-                    "server",
-                    "--base-url",
-                    server.url,
-                    "--concurrency",
-                    "2",
-                    "--out",
-                    str(tmp_path / "server"),
-                ]
-            )
-            == 0
-        )
+        served = ["eval", *common, "--engine", "server", "--base-url", server.url]
+        assert main([*served, "--concurrency", "2", "--out", str(tmp_path / "server")]) == 0
         # the real server's model list: another name is refused before any request, in one line
-        assert (
-            main(
-                [
-                    "eval",
-                    *common,
-                    "--engine",
-                    "server",
-                    "--base-url",
-                    server.url,
-                    "--model",
-                    "other",
-                    "--tokenizer",
-                    str(folder),
-                    "--out",
-                    str(tmp_path / "other"),
-                ]
-            )
-            == 1
-        )
+        other = ["--model", "other", "--tokenizer", str(folder), "--out", str(tmp_path / "other")]
+        assert main([*served, *other]) == 1
         assert f"serves '{folder}', not 'other'" in capsys.readouterr().err
     local, served = (_read(tmp_path / d / "samples.jsonl") for d in ("local", "server"))
     assert len(local) == 8 and served == local  # text, token count, finished, extracted answer, verdict
