@@ -103,18 +103,24 @@ def test_custom_filter_and_bf16_recipe():
     assert converted(convert_to_fp8(baseline, "bf16")) == []
 
 
+def _two_layers(parent: str, proj: str) -> nn.Module:
+    """``layers.{0,1}.<parent>.<proj>``: nn.Linear(256, 256), then nn.Linear(256, 200) (not a multiple of 16)."""
+    model = nn.Sequential()
+    model.add_module("layers", nn.ModuleList())
+    for dims in [(256, 256), (256, 200)]:
+        block = nn.Module()
+        setattr(block, parent, nn.Module())
+        setattr(getattr(block, parent), proj, nn.Linear(*dims))
+        model.layers.append(block)
+    return model
+
+
 def test_shape_limits_live_in_the_backends(caplog):
     """Every layer a filter selects is converted whatever its shape; a GEMM the preferred backend cannot take
     (rowwise on CPU: none) runs on the next backend of the chain, and a fallback is logged once."""
     from infir2.kernels import bind
 
-    model = nn.Sequential()
-    model.add_module("layers", nn.ModuleList())
-    for dims in [(256, 256), (256, 200)]:
-        block = nn.Module()
-        block.self_attn = nn.Module()
-        block.self_attn.q_proj = nn.Linear(*dims)
-        model.layers.append(block)
+    model = _two_layers("self_attn", "q_proj")
     convert_to_fp8(model, module_filter_fn=lambda m, fqn: fqn.endswith("q_proj"))
     assert converted(model) == ["layers.0.self_attn.q_proj", "layers.1.self_attn.q_proj"]
     assert all(model.layers[i].self_attn.q_proj.kernels.device == torch.device("cpu") for i in range(2))
@@ -162,13 +168,7 @@ def test_default_converts_every_decoder_linear(arch, caplog):
 
 def test_decoder_linear_of_unsupported_shape_is_named_in_a_warning(caplog):
     """torchao's rule: dims that are not multiples of 16 stay high precision, loudly."""
-    model = nn.Sequential()
-    model.add_module("layers", nn.ModuleList())
-    for dims in [(256, 256), (256, 200)]:
-        block = nn.Module()
-        block.mlp = nn.Module()
-        block.mlp.down_proj = nn.Linear(*dims)
-        model.layers.append(block)
+    model = _two_layers("mlp", "down_proj")
     with caplog.at_level("INFO", logger="infir2.nn.convert"):
         convert_to_fp8(model)
     assert converted(model) == ["layers.0.mlp.down_proj"]
