@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import faulthandler
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from conftest import make_tiny_model
 from infir2.fp8.quantize import quantize
-from infir2.harness.distributed import init_distributed, shard_model
+from infir2.harness.distributed import DistEnv, init_distributed, shard_model
 from infir2.harness.optim import build_optimizer
 from infir2.model import prepare_for_training
 from infir2.nn import Fp8Linear, convert_to_fp8
@@ -88,18 +89,24 @@ def run(mode: str, rank: int, world: int, env) -> dict:
     return {"losses": losses, "weights": full, "wire_bytes": wire_bytes}
 
 
-def main(out_dir: str, modes: list[str]) -> None:
+def run_modes(out_dir: str, modes: list[str], run_mode: Callable[[str, DistEnv], dict]) -> None:
+    """Each mode's ``run_mode(mode, env)`` result saved by rank 0 as ``<out_dir>/<mode>.pt`` (one process
+    group for all, a traceback after 240 s)."""
     faulthandler.dump_traceback_later(240, exit=True)
     torch.set_num_threads(1)
     env = init_distributed("cpu")
     try:
         for mode in modes:
-            result = run(mode, env.rank, env.world_size, env)
+            result = run_mode(mode, env)
             if env.is_main:
                 torch.save(result, f"{out_dir}/{mode}.pt")
         dist.barrier()
     finally:
         env.close()
+
+
+def main(out_dir: str, modes: list[str]) -> None:
+    run_modes(out_dir, modes, lambda mode, env: run(mode, env.rank, env.world_size, env))
 
 
 if __name__ == "__main__":

@@ -10,14 +10,13 @@ Usage: torchrun --nproc_per_node 2 moe_fsdp_worker.py OUT_DIR MODE [MODE ...]
 
 from __future__ import annotations
 
-import faulthandler
 import sys
 
 import torch
-import torch.distributed as dist
 
+from fsdp_param_gather_worker import run_modes
 from infir2.fp8.quantize import quantize
-from infir2.harness.distributed import init_distributed, shard_model
+from infir2.harness.distributed import DistEnv, shard_model
 from infir2.harness.optim import build_optimizer
 from infir2.model import prepare_for_training
 from infir2.nn.fsdp import Fp8GatheredWeight
@@ -73,27 +72,20 @@ def experts_fqn(model: torch.nn.Module, module: torch.nn.Module) -> str:
     return next(fqn for fqn, m in model.named_modules() if m is module)
 
 
+def run(mode: str, env: DistEnv) -> dict:
+    model = moe_model()
+    shard_model(model, "fp32", mode.endswith("fp8gather"))
+    wire = WireBytes.install(model)
+    losses = train_losses(model, env, env.rank, env.world_size)
+    wire_bytes = wire.bytes
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    if mode.endswith("fp8gather"):
+        assert check_gathered_experts(model, full) == 2 * 2 * 4  # layers x weights x experts
+    return {"losses": losses, "weights": full, "wire_bytes": wire_bytes}
+
+
 def main(out_dir: str, modes: list[str]) -> None:
-    faulthandler.dump_traceback_later(240, exit=True)
-    torch.set_num_threads(1)
-    env = init_distributed("cpu")
-    try:
-        for mode in modes:
-            model = moe_model()
-            shard_model(model, "fp32", mode.endswith("fp8gather"))
-            wire = WireBytes.install(model)
-            losses = train_losses(model, env, env.rank, env.world_size)
-            wire_bytes = wire.bytes
-            full = {k: v.full_tensor() for k, v in model.state_dict().items()}
-            if mode.endswith("fp8gather"):
-                assert check_gathered_experts(model, full) == 2 * 2 * 4  # layers x weights x experts
-            if env.is_main:
-                torch.save(
-                    {"losses": losses, "weights": full, "wire_bytes": wire_bytes}, f"{out_dir}/{mode}.pt"
-                )
-        dist.barrier()
-    finally:
-        env.close()
+    run_modes(out_dir, modes, run)
 
 
 if __name__ == "__main__":
