@@ -7,20 +7,14 @@ import json
 import pytest
 import torch
 
-from infir2.chunked_loss import lm_loss_sum
 from infir2.cli import main
-from infir2.nn import cache_fp8_weights, convert_to_fp8, recompute_swiglu
-from infir2.tools.memory import saved_in_graph
-from infir2.tools.plan import ModelShape, plan
+from infir2.nn import convert_to_fp8, recompute_swiglu
+from infir2.tools.plan import plan
 from moe_models import make_tiny_moe
+from test_plan import BATCH, SEQ, _shape, saved_bytes
 from train_synthetic import one_thread
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
-BATCH, SEQ = 2, 128
-
-
-def _shape(model) -> ModelShape:
-    return ModelShape.from_config(model.config.to_dict(), "<tiny>")
 
 
 def test_qwen2_moe_parameters_total_and_active():
@@ -47,14 +41,7 @@ def test_saved_bytes_near_a_whole_tiny_moe_model(recipe):
     if recipe != "bf16":
         convert_to_fp8(model, recipe)
     ids = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
-    with torch.autocast("cpu", dtype=torch.bfloat16), cache_fp8_weights(model):
-        loss = lm_loss_sum(model, ids, ids, chunk_tokens=None)
-        params = {t.untyped_storage().data_ptr() for t in model.parameters()}
-        storages = {
-            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-            for _, t in saved_in_graph(loss.grad_fn)
-        }
-    measured = sum(n for ptr, n in storages.items() if ptr not in params)
+    measured = saved_bytes(model, ids)
     p = plan(_shape(model), recipe, gpus=1, seq_len=SEQ, micro_batch=BATCH, loss_chunk_tokens=0)
     planned = p.activations + p.logits_saved + p.weight_copies
     assert 0.65 * measured <= planned <= measured, (planned, measured)

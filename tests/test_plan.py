@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -24,6 +25,20 @@ BATCH, SEQ = 2, 128
 
 def _shape(model) -> ModelShape:
     return ModelShape.from_config(model.config.to_dict(), "<tiny>")
+
+
+def saved_bytes(model, ids: torch.Tensor, chunk_tokens: int | None = None, autocast: bool = True) -> int:
+    """Bytes the forward of ``lm_loss_sum`` (FP8 weight cache on; bf16 autocast unless not ``autocast``)
+    keeps for backward, outside the parameters' storage."""
+    cast = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with cast, cache_fp8_weights(model):
+        loss = lm_loss_sum(model, ids, ids, chunk_tokens=chunk_tokens)
+        params = {t.untyped_storage().data_ptr() for t in model.parameters()}
+        storages = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for _, t in saved_in_graph(loss.grad_fn)
+        }
+    return sum(n for ptr, n in storages.items() if ptr not in params)
 
 
 def _within(planned: float, measured: float, tol: float = 0.10) -> None:
@@ -59,15 +74,7 @@ def test_saved_bytes_match_a_whole_tiny_model(recipe: str, chunk: int, recompute
         recompute_swiglu(model)
     if recipe != "bf16":
         convert_to_fp8(model, recipe)
-    ids = torch.randint(0, 300, (BATCH, SEQ))
-    with torch.autocast("cpu", dtype=torch.bfloat16), cache_fp8_weights(model):
-        loss = lm_loss_sum(model, ids, ids, chunk_tokens=chunk or None)
-        params = {t.untyped_storage().data_ptr() for t in model.parameters()}
-        storages = {
-            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-            for _, t in saved_in_graph(loss.grad_fn)
-        }
-    measured = sum(n for ptr, n in storages.items() if ptr not in params)
+    measured = saved_bytes(model, torch.randint(0, 300, (BATCH, SEQ)), chunk or None)
     p = plan(
         _shape(model),
         recipe,
@@ -126,15 +133,7 @@ def test_a_cpu_run_is_planned_as_it_runs(recipe: str, tmp_path, capsys) -> None:
     recompute_swiglu(model)
     if recipe != "bf16":
         convert_to_fp8(model, recipe)
-    ids = torch.randint(0, 300, (BATCH, SEQ))
-    with cache_fp8_weights(model):  # no autocast: a CPU run in fp32
-        loss = lm_loss_sum(model, ids, ids, chunk_tokens=None)
-        params = {t.untyped_storage().data_ptr() for t in model.parameters()}
-        storages = {
-            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-            for _, t in saved_in_graph(loss.grad_fn)
-        }
-    measured = sum(n for ptr, n in storages.items() if ptr not in params)
+    measured = saved_bytes(model, torch.randint(0, 300, (BATCH, SEQ)), autocast=False)  # a CPU run in fp32
     shape = _shape(model)
     p = plan(shape, recipe, gpus=1, seq_len=SEQ, micro_batch=BATCH, loss_chunk_tokens=0, device="cpu")
     _within(p.activations + p.logits_saved + p.weight_copies, measured)
