@@ -65,7 +65,13 @@ from ..fp8.quantize import Block, expand_blocks, quantize_with_amax, resolve_blo
 from ..fp8.recipe import Cast, Fp8Recipe
 from ..kernels import Operand, triton_backend
 
-__all__ = ["AMAX_ALL_REDUCE_HOOKS", "Fp8GatheredWeight", "Fp8ShardedWeight", "partial_block_amax"]
+__all__ = [
+    "AMAX_ALL_REDUCE_HOOKS",
+    "Fp8GatheredWeight",
+    "Fp8ShardedWeight",
+    "drop_gather_buffers",
+    "partial_block_amax",
+]
 
 aten = torch.ops.aten
 
@@ -203,7 +209,7 @@ class Fp8ShardedWeight(torch.Tensor):
         module: nn.Module,
         mp_policy: Any,
     ) -> tuple[tuple[torch.Tensor, ...], Any]:
-        """Quantize this rank's rows with the block scales of the full weight; send the codes as uint8.
+        """What this rank sends: ``_fp8_gather_inputs`` (FP8 codes), padded to FSDP2's rows per rank.
 
         With FP8 off on the module (``disable_fp8``: a high-precision evaluation) the shard is sent in
         the parameter dtype instead, as without ``param_gather``.
@@ -211,23 +217,28 @@ class Fp8ShardedWeight(torch.Tensor):
         if mesh.ndim != 1:
             raise ValueError(f"FP8 param all-gather needs a 1-D FSDP mesh (got {mesh.ndim}-D)")
         fp8 = bool(getattr(module, "fp8_enabled", False))
-        _switch_format(module, fp8)
-        world, rank = mesh.size(), mesh.get_local_rank()
-        n_rows = outer_size[0]
-        padded = math.ceil(
-            n_rows / world
-        )  # FSDP2's rows per rank (torch.chunk), the last ones may have fewer
+        self._switch_format(module, fp8)
         shard = self._tensor
+        padded = math.ceil(outer_size[0] / mesh.size())  # FSDP2's rows per rank (torch.chunk), the last fewer
+        pad = (0, 0) * (shard.dim() - 1) + (0, padded - shard.shape[0])  # dim 0 to ``padded`` rows
         if not fp8:
             param_dtype = getattr(mp_policy, "param_dtype", None) or shard.dtype
-            return (F.pad(shard.to(param_dtype), (0, 0, 0, padded - shard.shape[0])),), None
+            return (F.pad(shard.to(param_dtype), pad),), None
+        return self._fp8_gather_inputs(module, mesh, outer_size[0], pad)
+
+    def _switch_format(self, module: nn.Module, fp8: bool) -> None:
+        _switch_format(module, fp8)
+
+    def _fp8_gather_inputs(
+        self, module: nn.Module, mesh: Any, n_rows: int, pad: tuple[int, ...]
+    ) -> tuple[tuple[torch.Tensor, ...], Any]:
+        """Quantize this rank's rows with the block scales of the full weight; send the codes as uint8."""
         recipe: Fp8Recipe = module.recipe  # type: ignore[assignment]
-        offset = rank * padded
+        shard = self._tensor
+        offset = mesh.get_local_rank() * math.ceil(n_rows / mesh.size())
         amax = _reduced_block_amax(module, shard, n_rows, mesh)
-        w = recipe.w
-        codes, scale_inv = _quantize_shard(shard, amax, w, offset, n_rows)
-        codes_u8 = F.pad(codes.view(torch.uint8), (0, 0, 0, padded - shard.shape[0]))  # [P, K]
-        return (codes_u8,), (scale_inv, recipe.w.block, recipe.w.fmt, n_rows)
+        codes, scale_inv = _quantize_shard(shard, amax, recipe.w, offset, n_rows)
+        return (F.pad(codes.view(torch.uint8), pad),), (scale_inv, recipe.w.block, recipe.w.fmt, n_rows)
 
     def fsdp_post_all_gather(
         self,
@@ -237,14 +248,10 @@ class Fp8ShardedWeight(torch.Tensor):
         *,
         out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
-        """The gathered codes ``[W * P, K]`` (uint8) as the ``[N, K]`` FP8 operand of a gathered weight."""
+        """The gathered FP8 operand (``_gathered_operand``) as a gathered weight; FSDP's buffer holds the codes."""
         if metadata is None:  # high precision (FP8 off): FSDP takes the gathered tensor as it is
             return None if out is not None else (all_gather_outputs[0], ())
-        (codes_u8,) = all_gather_outputs
-        scale_inv, block, fmt, n_rows = metadata
-        if scale_inv.is_cuda:  # made on FSDP's copy-in stream, read on this (compute) one: module doc
-            scale_inv.record_stream(torch.cuda.current_stream(scale_inv.device))
-        operand = Operand(codes_u8.view(get_format(fmt).dtype)[:n_rows], scale_inv, block)
+        operand = self._gathered_operand(all_gather_outputs, metadata)
         if out is not None:  # later steps: same buffers, new scales
             if not isinstance(out, Fp8GatheredWeight):
                 raise TypeError(
@@ -253,6 +260,14 @@ class Fp8ShardedWeight(torch.Tensor):
             out.operand = operand
             return None
         return Fp8GatheredWeight(operand, param_dtype), ()  # the codes live in FSDP's own buffer
+
+    def _gathered_operand(self, all_gather_outputs: tuple[torch.Tensor, ...], metadata: Any) -> Operand:
+        """The gathered codes ``[W * P, K]`` (uint8) as the ``[N, K]`` FP8 operand."""
+        (codes_u8,) = all_gather_outputs
+        scale_inv, block, fmt, n_rows = metadata
+        if scale_inv.is_cuda:  # made on FSDP's copy-in stream, read on this (compute) one: module doc
+            scale_inv.record_stream(torch.cuda.current_stream(scale_inv.device))
+        return Operand(codes_u8.view(get_format(fmt).dtype)[:n_rows], scale_inv, block)
 
 
 def _quantize_shard(
@@ -309,10 +324,14 @@ def _switch_format(module: nn.Module, fp8: bool) -> None:
     if previous is None or previous == fp8:
         return
     ref = getattr(module, "_fp8_fsdp_param", None)
-    fsdp_param = ref() if ref is not None else None
+    drop_gather_buffers(ref() if ref is not None else None, "weight")
+
+
+def drop_gather_buffers(fsdp_param: Any, what: str) -> None:
+    """Make FSDP2 reallocate ``fsdp_param``'s all-gather buffers (``None``: not linked, an error naming ``what``)."""
     if fsdp_param is None:
         raise RuntimeError(
-            "switching an FP8 all-gather weight between FP8 and high precision needs "
+            f"switching an FP8 all-gather {what} between FP8 and high precision needs "
             "infir2.nn.convert.link_fsdp_params(module) after fully_shard (shard_model does it)"
         )
     fsdp_param.all_gather_outputs = []  # FSDP2 internals (torch 2.13): reallocated by the next all-gather

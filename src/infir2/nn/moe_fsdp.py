@@ -18,7 +18,6 @@ parameter dtype, as without ``param_gather``. The wrapper is installed by
 
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +30,7 @@ from ..fp8.formats import get_format
 from ..fp8.quantize import quantize
 from ..fp8.recipe import Fp8Recipe
 from ..kernels import Operand
-from .fsdp import Fp8GatheredWeight, Fp8ShardedWeight
+from .fsdp import Fp8ShardedWeight, drop_gather_buffers
 
 __all__ = ["ExpertOperands", "Fp8ShardedExperts", "link_fsdp_experts"]
 
@@ -66,25 +65,15 @@ class Fp8ShardedExperts(Fp8ShardedWeight):
     ) -> Fp8ShardedExperts:
         return Fp8ShardedExperts(inner["_tensor"])
 
-    def fsdp_pre_all_gather(
-        self,
-        mesh: Any,
-        outer_size: torch.Size,
-        outer_stride: tuple[int, ...],
-        module: nn.Module,
-        mp_policy: Any,
-    ) -> tuple[tuple[torch.Tensor, ...], Any]:
-        if mesh.ndim != 1:
-            raise ValueError(f"FP8 param all-gather needs a 1-D FSDP mesh (got {mesh.ndim}-D)")
-        fp8 = bool(getattr(module, "fp8_enabled", False))
+    def _switch_format(self, module: nn.Module, fp8: bool) -> None:
         _switch_format(module, self, fp8)
-        shard, experts = self._tensor, outer_size[0]
-        pad = (0, 0) * (shard.dim() - 1) + (0, math.ceil(experts / mesh.size()) - shard.shape[0])
-        if not fp8:
-            param_dtype = getattr(mp_policy, "param_dtype", None) or shard.dtype
-            return (F.pad(shard.to(param_dtype), pad),), None
+
+    def _fp8_gather_inputs(
+        self, module: nn.Module, mesh: Any, n_rows: int, pad: tuple[int, ...]
+    ) -> tuple[tuple[torch.Tensor, ...], Any]:
+        """Each local expert quantized as one process does (no amax all-reduce); codes as uint8, scales."""
         recipe: Fp8Recipe = module.recipe  # type: ignore[assignment]
-        w = recipe.w
+        w, shard = recipe.w, self._tensor
         parts = [quantize(shard[e], w.block, w.fmt, w.scale_encoding) for e in range(shard.shape[0])]
         n, k = shard.shape[1:]
         nb, kb = _blocks(n, k, w.block)
@@ -94,30 +83,15 @@ class Fp8ShardedExperts(Fp8ShardedWeight):
             else shard.new_empty((0, n, k), dtype=get_format(w.fmt).dtype)
         )
         scales = torch.stack([s for _, s in parts]) if parts else shard.new_empty((0, nb, kb))
-        return (F.pad(codes.view(torch.uint8), pad), F.pad(scales, pad)), (w.block, w.fmt, experts)
+        return (F.pad(codes.view(torch.uint8), pad), F.pad(scales, pad)), (w.block, w.fmt, n_rows)
 
-    def fsdp_post_all_gather(
-        self,
-        all_gather_outputs: tuple[torch.Tensor, ...],
-        metadata: Any,
-        param_dtype: torch.dtype,
-        *,
-        out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
-        if metadata is None:
-            return None if out is not None else (all_gather_outputs[0], ())
+    def _gathered_operand(  # type: ignore[override]
+        self, all_gather_outputs: tuple[torch.Tensor, ...], metadata: Any
+    ) -> ExpertOperands:
         codes_u8, scales = all_gather_outputs
         block, fmt, experts = metadata
         data = codes_u8.view(get_format(fmt).dtype)[:experts]
-        gathered = ExpertOperands(data, tuple(Operand(data[e], scales[e], block) for e in range(experts)))
-        if out is not None:
-            if not isinstance(out, Fp8GatheredWeight):
-                raise TypeError(
-                    f"expected the Fp8GatheredWeight of an earlier all-gather, got {type(out).__name__}"
-                )
-            out.operand = gathered  # type: ignore[assignment]
-            return None
-        return Fp8GatheredWeight(gathered, param_dtype), ()  # type: ignore[arg-type]
+        return ExpertOperands(data, tuple(Operand(data[e], scales[e], block) for e in range(experts)))
 
 
 def _blocks(n: int, k: int, block: tuple[int, int]) -> tuple[int, int]:
@@ -147,12 +121,4 @@ def _switch_format(module: nn.Module, shard: Fp8ShardedExperts, fp8: bool) -> No
     formats[key] = fp8
     if previous is None or previous == fp8:
         return
-    if fsdp_param is None:
-        raise RuntimeError(
-            "switching an FP8 all-gather expert weight between FP8 and high precision needs "
-            "infir2.nn.convert.link_fsdp_params(module) after fully_shard (shard_model does it)"
-        )
-    fsdp_param.all_gather_outputs = []  # FSDP2 internals (torch 2.13): reallocated by the next all-gather
-    fsdp_param._unsharded_inner_tensors = []
-    if hasattr(fsdp_param, "_unsharded_param"):
-        del fsdp_param._unsharded_param
+    drop_gather_buffers(fsdp_param, "expert weight")
