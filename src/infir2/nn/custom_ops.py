@@ -157,18 +157,9 @@ def fp8_linear_backward(
 
 
 @fp8_linear_backward.register_fake
-def _(
-    dy: torch.Tensor,
-    x_data: torch.Tensor,
-    x_scale_inv: torch.Tensor,
-    w_data: torch.Tensor,
-    w_scale_inv: torch.Tensor,
-    weight: torch.Tensor,
-    layer: int,
-    x_dtype: torch.dtype,
-    compute_dtype: torch.dtype,
-    needs: list[bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _(dy: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The op's arguments after ``dy`` (positional, as the dispatcher passes them): only shapes are read."""
+    _x_data, _x_scale_inv, _w_data, _w_scale_inv, weight, _layer, x_dtype, _compute_dtype, needs = args
     n, k = weight.shape
     dx = dy.new_empty((*dy.shape[:-1], k) if needs[0] else _EMPTY, dtype=x_dtype)
     dw = weight.new_empty((n, k) if needs[1] else _EMPTY)

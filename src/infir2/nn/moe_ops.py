@@ -140,16 +140,9 @@ def fp8_grouped_linear_backward(
 
 
 @fp8_grouped_linear_backward.register_fake
-def _(
-    dy: torch.Tensor,
-    x_data: torch.Tensor,
-    x_scales: torch.Tensor,
-    weight: torch.Tensor,
-    counts: torch.Tensor,
-    experts: int,
-    name: str,
-    needs: list[bool],
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _(dy: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's arguments after ``dy`` (positional, as the dispatcher passes them): only shapes are read."""
+    _x_data, _x_scales, weight, _counts, _experts, _name, needs = args
     dx = dy.new_empty((dy.shape[0], weight.shape[2]) if needs[0] else (0,))
     dw = weight.new_empty(tuple(weight.shape) if needs[1] else (0,))
     return dx, dw
