@@ -52,6 +52,7 @@ __all__ = [
     "LayerMemory",
     "SavedTensor",
     "add_arguments",
+    "add_run_arguments",
     "build_layer",
     "layer_memory",
     "run",
@@ -259,17 +260,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="FP8 recipes to compare with the bf16 baseline",
     )
     parser.add_argument("--table", action="store_true", help="print every saved tensor, per recipe")
-    parser.add_argument(
-        "--device",
-        choices=DEVICES,
-        default="cuda",
-        help="the run modelled: cuda (bf16 autocast, default) or cpu (fp32, no autocast)",
+    add_run_arguments(
+        parser,
+        device_help="the run modelled: cuda (bf16 autocast, default) or cpu (fp32, no autocast)",
+        recompute_help=(
+            "FP8 layers without the SwiGLU recompute training uses by default (model.recompute_mlp: true)"
+        ),
     )
-    parser.add_argument(
-        "--no-recompute-mlp",
-        action="store_true",
-        help="FP8 layers without the SwiGLU recompute training uses by default (model.recompute_mlp: true)",
-    )
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, device_help: str, recompute_help: str) -> None:
+    """``--device`` (cuda / cpu) and ``--no-recompute-mlp``: the run that ``infir2 memory`` and
+    ``infir2 plan`` model, each with its own help."""
+    parser.add_argument("--device", choices=DEVICES, default="cuda", help=device_help)
+    parser.add_argument("--no-recompute-mlp", action="store_true", help=recompute_help)
 
 
 def run(args: argparse.Namespace) -> int:

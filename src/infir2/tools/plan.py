@@ -54,7 +54,7 @@ from typing import Any
 
 from ..fp8 import RECIPES, recipe_names
 from ..fp8.formats import BLOCK
-from .memory import DEVICES
+from .memory import DEVICES, add_run_arguments
 
 __all__ = ["MODELS", "PUBLISHED", "ModelShape", "Plan", "add_arguments", "layer_figures", "plan", "run"]
 
@@ -481,16 +481,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="bf16",
         help="model.precision: the dtype parameters travel in under FSDP",
     )
-    parser.add_argument(
-        "--no-recompute-mlp",
-        action="store_true",
-        help="without the SwiGLU recompute (model.recompute_mlp: false)",
-    )
-    parser.add_argument(
-        "--device",
-        choices=DEVICES,
-        default="cuda",
-        help="the run planned: cuda (GPUs, bf16 autocast; default) or cpu (fp32 emulation, per process)",
+    add_run_arguments(
+        parser,
+        device_help=(
+            "the run planned: cuda (GPUs, bf16 autocast; default) or cpu (fp32 emulation, per process)"
+        ),
+        recompute_help="without the SwiGLU recompute (model.recompute_mlp: false)",
     )
     parser.add_argument(
         "--no-param-gather",
