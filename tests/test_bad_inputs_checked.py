@@ -136,3 +136,17 @@ def test_an_output_folder_that_is_a_file_is_one_line(model_dir, tmp_path, capsys
 def test_a_run_name_cannot_leave_the_out_dir():
     with pytest.raises(ValueError, match=r"run.name: must name a folder inside run.out_dir"):
         parse_rl_config({"run": {"name": "../../escape"}}, "rl.yaml")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage header"])
+def test_a_damaged_weight_file_is_named_in_one_line(model_dir, tmp_path, capsys, damage):
+    weights = model_dir / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\xff" * 64 + data[64:])
+    for argv in (
+        ["eval", "--model", str(model_dir), "--limit", "1", "--out", str(tmp_path / "e")],
+        ["export", "--model", str(model_dir), "--out", str(tmp_path / "x")],
+        ["rl", _rl_yaml(tmp_path, model_dir), "--no-progress"],
+    ):
+        assert main(argv) == 2, argv
+        _one_line(capsys, f"{weights} is damaged")

@@ -309,3 +309,44 @@ def test_settings_bind_only_once_a_sample_is_saved(
     assert main(_argv(url, tok_dir, problems, out, "--limit", "1")) == 1
     assert main(_argv(url, tok_dir, problems, out, "--limit", "1", "--temperature", "0.7")) == 0
     assert json.loads((out / "eval_config.json").read_text())["settings"]["temperature"] == 0.7
+
+
+def test_a_server_that_never_answers_is_said_within_the_startup_timeout(
+    tok_dir: Path, problems: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """The connection is accepted and no byte ever comes back: the start-up check gives up after its own
+    short timeout (here 1 s), not after --request-timeout (3600 s by default)."""
+    import time
+
+    from infir2.generation import server as server_module
+
+    monkeypatch.setattr(server_module, "STARTUP_TIMEOUT_S", 1.0)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # accepts (the kernel completes the handshake) and never answers
+    try:
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        start = time.monotonic()
+        assert main(_argv(url, tok_dir, problems, tmp_path / "o", "--retries", "0")) == 1
+        assert time.monotonic() - start < 20
+    finally:
+        silent.close()
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if line.startswith("infir2 eval: error:")]
+
+
+def test_a_failure_mid_run_is_one_line_with_what_is_saved(
+    server, tok_dir: Path, problems: Path, tmp_path: Path, capsys
+) -> None:
+    url, script = server
+    out = tmp_path / "o"
+    assert (
+        main(_argv(url, tok_dir, problems, out, "--retries", "0", "--limit", "2", "--concurrency", "1")) == 0
+    )
+    script.fail = [503]  # the next request fails: the server went away
+    capsys.readouterr()
+    assert main(_argv(url, tok_dir, problems, out, "--retries", "0", "--concurrency", "1")) == 1
+    bar = "sample/s]"  # the progress bar's lines
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and bar not in line]
+    assert len(err) == 1 and err[0].startswith("infir2 eval: error:"), err  # before: an ERROR log line too
+    assert "2 samples are saved in" in err[0] and "rerun the same command" in err[0]

@@ -46,10 +46,11 @@ ALLOWED: dict[str, set[str]] = {
     "__init__": {"fp8", "nn"},
     "_logging": set(),
     "_dist": set(),  # DistEnv and the collectives (torch.distributed only)
+    "_weights": set(),  # check_safetensors: a damaged weight file named (safetensors only)
 }
 
 #: Helpers every layer may import (they import nothing of infir2 themselves).
-UTILITIES = {"_dist", "_logging"}
+UTILITIES = {"_dist", "_logging", "_weights"}
 #: the folder of the tools beside the library: its modules and subpackages are layers ``tools.<name>``
 TOOLS = "tools"
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ._weights import check_safetensors
 from .nn import convert_to_fp8, recompute_swiglu
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ def check_model_folder(path: str | Path) -> Path:
             f"model folder {path} has a config.json but no weights (expected "
             f"{' or '.join(WEIGHT_PATTERNS)}); copy them there or point at another folder"
         )
+    check_safetensors(path)
     return path
 
 

@@ -300,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_benchmark(args: argparse.Namespace) -> int:
-    from ..generation import SamplingConfig
+    from ..generation import SamplingConfig, ServerError
     from .completions import CompletionLog
     from .runner import run_evaluation
     from .tasks import load_problems
@@ -338,6 +338,9 @@ def _run_benchmark(args: argparse.Namespace) -> int:
                 log=completions,
                 seed=args.seed,
             )
+        except (ServerError, ValueError) as e:  # one line: the error and what is kept
+            kept = f"{len(completions.done)} samples are saved in {completions.path}"
+            raise type(e)(f"{e} ({kept}; rerun the same command to generate only the rest)") from None
         except Exception:
             log.error(
                 "%d samples are saved in %s; rerun the same command to generate only the rest",

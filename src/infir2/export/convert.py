@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from .._weights import check_safetensors
 from ..data.chat import stop_token_ids
 from ..fp8.quantize import ScaleEncoding
 from .hf_keys import checkpoint_tensors, fp8_weight_names, modules_to_not_convert
@@ -321,6 +322,7 @@ def convert_checkpoint(
         raise FileNotFoundError(f"model folder {src} does not exist")
     if not config_path.is_file():
         raise FileNotFoundError(f"{src}: no config.json (expected a Hugging Face checkpoint folder)")
+    check_safetensors(src)
     if src.resolve() == out.resolve():
         raise ValueError(f"output folder {out} is the input folder; choose another")
     if out.resolve() in src.resolve().parents:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .._weights import check_safetensors
 from .hf_keys import fold_checkpoint_tensors
 from .layout import SCALE_SUFFIX, dequantize_weight, is_fp8_config, scale_inv_name
 from .shards import CheckpointReader
@@ -78,6 +79,7 @@ def load_checkpoint(folder: str | Path, dtype: torch.dtype | None = None, device
         raise FileNotFoundError(f"model folder {folder} has no weights (*.safetensors or pytorch_model*.bin)")
     if not config_path.is_file():
         raise FileNotFoundError(f"{folder}: no config.json (expected a Hugging Face checkpoint folder)")
+    check_safetensors(folder)
     dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
     config_dict = json.loads(config_path.read_text(encoding="utf-8"))
     if not is_fp8_config(config_dict, str(config_path)):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -42,6 +43,8 @@ from ..data.chat import STOP_TOKENS
 from .base import OnSample, Prompt, Sample, SamplingConfig
 
 __all__ = ["ServerConfig", "ServerEngine", "ServerError", "check_server", "complete", "normalize_base_url"]
+
+log = logging.getLogger(__name__)
 
 RETRY_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 MAX_BACKOFF_S = 60.0
@@ -91,12 +94,19 @@ class _Retryable(Exception):
     pass
 
 
-def _client(cfg: ServerConfig) -> httpx.AsyncClient:
+#: seconds the start-up check (``GET /models``) waits for an answer: a listing is instant on a live server,
+#: so a server that accepts the connection and never answers is said within this, not after the whole
+#: --request-timeout a long generation may need
+STARTUP_TIMEOUT_S = 30.0
+
+
+def _client(cfg: ServerConfig, timeout_s: float | None = None) -> httpx.AsyncClient:
     headers = {"Accept": "application/json"}
     if cfg.api_key:
         headers["Authorization"] = f"Bearer {cfg.api_key}"
     limits = httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency)
-    return httpx.AsyncClient(headers=headers, timeout=cfg.timeout_s, limits=limits)
+    timeout = cfg.timeout_s if timeout_s is None else timeout_s
+    return httpx.AsyncClient(headers=headers, timeout=timeout, limits=limits)
 
 
 async def _request(client: httpx.AsyncClient, cfg: ServerConfig, path: str, body: Mapping | None) -> Any:
@@ -152,10 +162,13 @@ async def _with_retries(
 def check_server(cfg: ServerConfig) -> list[str]:
     """The models the server lists (``GET /models``); one-line ``ServerError`` if unreachable or ``cfg.model`` is not served."""
 
+    wait = min(cfg.timeout_s, STARTUP_TIMEOUT_S)
+
     async def listing() -> Any:
-        async with _client(cfg) as client:
+        async with _client(cfg, wait) as client:
             return await _with_retries(client, cfg, "/models", None, retries=min(cfg.retries, 1))
 
+    log.info("asking %s/models which models it serves (waiting up to %.0f s)", cfg.base_url, wait)
     found = asyncio.run(listing())
     try:
         served = [str(m["id"]) for m in found["data"]]
