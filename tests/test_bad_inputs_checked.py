@@ -150,3 +150,31 @@ def test_a_damaged_weight_file_is_named_in_one_line(model_dir, tmp_path, capsys,
     ):
         assert main(argv) == 2, argv
         _one_line(capsys, f"{weights} is damaged")
+
+
+def test_eval_refuses_a_prompt_past_the_context_and_cuts_samples_at_it(tmp_path, capsys):
+    """A model of 160 positions: a long problem is refused in one line (unless --beyond-context); a short
+    problem with a budget past the positions stops at them, unfinished (counted as truncated)."""
+    folder = tmp_path / "short-model"
+    make_tiny_model(seed=1, max_positions=160).save_pretrained(folder)
+    make_tokenizer().save_pretrained(folder)
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"problem": "Compute 1 + 1.", "answer": "2"}) + "\n")
+    argv = ["eval", "--model", str(folder), "--data", str(data), "--greedy", "--max-new-tokens", "500"]
+    assert main([*argv, "--out", str(tmp_path / "a")]) == 0
+    record = json.loads((tmp_path / "a" / "completions.jsonl").read_text().splitlines()[0])
+    assert not record["finished"] and 0 < record["n_tokens"] < 160  # stopped at the positions, not at 500
+    long = tmp_path / "long.jsonl"
+    long.write_text(
+        json.dumps({"problem": "Compute " + " + ".join(["1"] * 200) + ".", "answer": "200"}) + "\n"
+    )
+    assert main(["eval", "--model", str(folder), "--data", str(long), "--out", str(tmp_path / "b")]) == 2
+    _one_line(capsys, "does not fit the model's 160 positions", "--beyond-context")
+
+
+def test_eval_refuses_a_tokenizer_larger_than_the_embedding(model_dir, tmp_path, capsys):
+    big = tmp_path / "big-tokenizer"
+    make_tokenizer(vocab_size=600).save_pretrained(big)
+    argv = ["eval", "--model", str(model_dir), "--tokenizer", str(big), "--limit", "1"]
+    assert main([*argv, "--out", str(tmp_path / "o")]) == 2
+    _one_line(capsys, "tokens but the model's embedding only 300 rows")

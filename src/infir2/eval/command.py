@@ -46,7 +46,7 @@ from typing import Any
 from ..data.chat import SYSTEM_PROMPT, THINK_PREFIX
 from ..data.tokenizer import load_tokenizer
 from ..generation import ENGINES
-from ..model import check_model_folder, resolve_device
+from ..model import check_model_folder, check_vocabulary, resolve_device
 from .presets import PRESETS
 from .tasks import TASKS, sample_path
 
@@ -94,6 +94,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--top-p", type=float, help="nucleus sampling threshold, unless a preset sets it (default: 0.95)"
+    )
+    p.add_argument(
+        "--beyond-context",
+        action="store_true",
+        help="local engine: run past the model's max_position_embeddings (RoPE extrapolation, on purpose); "
+        "by default a longer prompt is refused and each sample stops at the model's positions (truncated)",
     )
     p.add_argument(
         "--max-new-tokens",
@@ -230,6 +236,7 @@ def _settings(args: argparse.Namespace, engine) -> dict[str, Any]:
         "top_p": None if args.greedy else args.top_p,
         "max_new_tokens": args.max_new_tokens,
         "extra_body": getattr(engine, "extra_body", {}),
+        **({"beyond_context": True} if args.beyond_context else {}),  # absent by default: old folders resume
     }
 
 
@@ -316,12 +323,21 @@ def _run_benchmark(args: argparse.Namespace) -> int:
             args.preset,
             PRESETS[args.preset].problems,
         )
-    cfg = SamplingConfig(args.greedy, args.temperature, args.top_p, args.max_new_tokens, args.batch_size)
+    cfg = SamplingConfig(
+        args.greedy,
+        args.temperature,
+        args.top_p,
+        args.max_new_tokens,
+        args.batch_size,
+        beyond_context=args.beyond_context,
+    )
     _check_engine_flags(args)
     if args.engine != "server":  # the model folder is named before the tokenizer read from it
         check_model_folder(args.model)
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     engine = _engine(args, tokenizer)
+    if getattr(engine, "model", None) is not None:  # an in-process engine: every token id has a row
+        check_vocabulary(engine.model, tokenizer, args.tokenizer or args.model)
     with CompletionLog(out, _settings(args, engine)) as completions:
         if done := len(completions.done):
             log.info("resuming %s: %d samples already in %s", out, done, completions.path)

@@ -37,6 +37,9 @@ class SamplingConfig:
     max_new_tokens: int = 1024
     batch_size: int = 8  # sequences an in-process engine generates together
     top_k: int = 0
+    # an in-process engine stops each sequence at the model's trained positions (max_position_embeddings;
+    # such a sample is unfinished) and refuses a longer prompt; True: run past them (RoPE extrapolation)
+    beyond_context: bool = False
 
     def __post_init__(self) -> None:
         if not self.greedy and not self.temperature > 0:

@@ -108,6 +108,7 @@ class BuiltinEngine:
         on_sample: OnSample | None = None,
         progress: bool = False,
     ) -> list[list[Sample]]:
+        _check_prompt_lengths(self.model, prompts, sampling)
         flat = [(i, j, p.ids, seed) for i, p in enumerate(prompts) for j, seed in enumerate(p.seeds)]
         out: list[list[Sample]] = [[] for _ in prompts]
         was_training = self.model.training
@@ -136,3 +137,14 @@ class BuiltinEngine:
         finally:
             self.model.train(was_training)
         return out
+
+
+def _check_prompt_lengths(model: nn.Module, prompts: Sequence[Prompt], sampling: SamplingConfig) -> None:
+    """A prompt longer than the model's trained positions is refused (``sampling.beyond_context``: allowed)."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    longest = max((len(p.ids) for p in prompts), default=0)
+    if limit is not None and longest >= limit and not sampling.beyond_context:
+        raise ValueError(
+            f"a prompt of {longest} tokens does not fit the model's {limit} positions (max_position_embeddings): "
+            "shorten the problems, or pass --beyond-context (eval) / set model.beyond_context (rl) to run past them"
+        )

@@ -97,12 +97,19 @@ def sample_batch(
             logits_to_keep=1,
         )
         next_pos = positions[:, -1:] + 1
-        for _ in range(sampling.max_new_tokens):
+        limit = None if sampling.beyond_context else getattr(model.config, "max_position_embeddings", None)
+        kept = [sampling.max_new_tokens] * ids.shape[0]  # tokens each row keeps (fewer: cut at the limit)
+        for step in range(sampling.max_new_tokens):
             logprobs = F.log_softmax(out.logits[:, -1].float() / temperature, dim=-1)
             tok = _next_tokens(logprobs, gens, sampling)
             tokens.append(torch.where(done, pad_id, tok))
             logps.append(logprobs.gather(1, tok[:, None]).squeeze(1))
             done = done | torch.isin(tok, stops)
+            if limit is not None:  # the next token would sit past the trained positions: cut here
+                at_limit = ~done & (next_pos[:, 0] >= limit)
+                for i in at_limit.nonzero().flatten().tolist():
+                    kept[i] = step + 1
+                done = done | at_limit
             if bool(done.all()):
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
@@ -115,7 +122,7 @@ def sample_batch(
             )
             next_pos = next_pos + 1
     all_ids, all_logps = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()
-    return [_sample(all_ids[i], all_logps[i], stop_ids) for i in range(len(prompts))]
+    return [_sample(all_ids[i][: kept[i]], all_logps[i][: kept[i]], stop_ids) for i in range(len(prompts))]
 
 
 def _sample(ids: list[int], logps: list[float], stop_ids: Sequence[int]) -> Sample:

@@ -152,7 +152,9 @@ def _build_engine(cfg: RLConfig, model: nn.Module, tokenizer: Any) -> RolloutEng
         model_precision=cfg.model.precision,
         copy_model=True,
     )
-    sampling = SamplingConfig(False, r.temperature, 1.0, r.max_new_tokens, r.batch_size)  # the policy itself
+    sampling = SamplingConfig(  # the policy itself: no top-p / top-k
+        False, r.temperature, 1.0, r.max_new_tokens, r.batch_size, beyond_context=cfg.model.beyond_context
+    )
     return RolloutEngine(build_engine(r.engine, options), sampling)
 
 
