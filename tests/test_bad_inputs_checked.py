@@ -178,3 +178,11 @@ def test_eval_refuses_a_tokenizer_larger_than_the_embedding(model_dir, tmp_path,
     argv = ["eval", "--model", str(model_dir), "--tokenizer", str(big), "--limit", "1"]
     assert main([*argv, "--out", str(tmp_path / "o")]) == 2
     _one_line(capsys, "tokens but the model's embedding only 300 rows")
+
+
+def test_an_export_out_that_is_a_file_or_under_one_is_one_line(model_dir, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    for out in (blocker, blocker / "x"):
+        assert main(["export", "--model", str(model_dir), "--out", str(out)]) == 2
+        _one_line(capsys, "--out", "is a file")

@@ -46,11 +46,11 @@ ALLOWED: dict[str, set[str]] = {
     "__init__": {"fp8", "nn"},
     "_logging": set(),
     "_dist": set(),  # DistEnv and the collectives (torch.distributed only)
-    "_weights": set(),  # check_safetensors: a damaged weight file named (safetensors only)
+    "_paths": set(),  # check_safetensors (a damaged weight file named), make_folder (an output folder)
 }
 
 #: Helpers every layer may import (they import nothing of infir2 themselves).
-UTILITIES = {"_dist", "_logging", "_weights"}
+UTILITIES = {"_dist", "_logging", "_paths"}
 #: the folder of the tools beside the library: its modules and subpackages are layers ``tools.<name>``
 TOOLS = "tools"
 

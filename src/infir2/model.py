@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ._weights import check_safetensors
+from ._paths import check_safetensors
 from .nn import convert_to_fp8, recompute_swiglu
 
 if TYPE_CHECKING:

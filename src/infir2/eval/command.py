@@ -306,10 +306,48 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
-def _run_benchmark(args: argparse.Namespace) -> int:
-    from ..generation import SamplingConfig, ServerError
+def _sample_and_grade(args: argparse.Namespace, problems: list, cfg: Any, out: Path) -> Any:
+    """The engine of ``args`` over ``problems`` into ``out``'s completions log (resumed), graded."""
+    from ..generation import ServerError
     from .completions import CompletionLog
     from .runner import run_evaluation
+
+    if args.engine != "server":  # the model folder is named before the tokenizer read from it
+        check_model_folder(args.model)
+    tokenizer = load_tokenizer(args.tokenizer or args.model)
+    engine = _engine(args, tokenizer)
+    if getattr(engine, "model", None) is not None:  # an in-process engine: every token id has a row
+        check_vocabulary(engine.model, tokenizer, args.tokenizer or args.model)
+    with CompletionLog(out, _settings(args, engine)) as completions:
+        if done := len(completions.done):
+            log.info("resuming %s: %d samples already in %s", out, done, completions.path)
+        try:
+            return run_evaluation(
+                engine,
+                tokenizer,
+                problems,
+                args.task,
+                args.n,
+                cfg,
+                args.system_prompt,
+                args.think_prefix,
+                log=completions,
+                seed=args.seed,
+            )
+        except (ServerError, ValueError) as e:  # one line: the error and what is kept
+            kept = f"{len(completions.done)} samples are saved in {completions.path}"
+            raise type(e)(f"{e} ({kept}; rerun the same command to generate only the rest)") from None
+        except Exception:
+            log.error(
+                "%d samples are saved in %s; rerun the same command to generate only the rest",
+                len(completions.done),
+                completions.path,
+            )
+            raise
+
+
+def _run_benchmark(args: argparse.Namespace) -> int:
+    from ..generation import SamplingConfig
     from .tasks import load_problems
 
     out = Path(args.out)
@@ -332,38 +370,7 @@ def _run_benchmark(args: argparse.Namespace) -> int:
         beyond_context=args.beyond_context,
     )
     _check_engine_flags(args)
-    if args.engine != "server":  # the model folder is named before the tokenizer read from it
-        check_model_folder(args.model)
-    tokenizer = load_tokenizer(args.tokenizer or args.model)
-    engine = _engine(args, tokenizer)
-    if getattr(engine, "model", None) is not None:  # an in-process engine: every token id has a row
-        check_vocabulary(engine.model, tokenizer, args.tokenizer or args.model)
-    with CompletionLog(out, _settings(args, engine)) as completions:
-        if done := len(completions.done):
-            log.info("resuming %s: %d samples already in %s", out, done, completions.path)
-        try:
-            result = run_evaluation(
-                engine,
-                tokenizer,
-                problems,
-                args.task,
-                args.n,
-                cfg,
-                args.system_prompt,
-                args.think_prefix,
-                log=completions,
-                seed=args.seed,
-            )
-        except (ServerError, ValueError) as e:  # one line: the error and what is kept
-            kept = f"{len(completions.done)} samples are saved in {completions.path}"
-            raise type(e)(f"{e} ({kept}; rerun the same command to generate only the rest)") from None
-        except Exception:
-            log.error(
-                "%d samples are saved in %s; rerun the same command to generate only the rest",
-                len(completions.done),
-                completions.path,
-            )
-            raise
+    result = _sample_and_grade(args, problems, cfg, out)
     result.summary = {"model": str(args.model), "data": str(data), **result.summary}
     result.save(out)
     print(result.markdown(), end="")

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .._weights import check_safetensors
+from .._paths import check_safetensors, make_folder
 from ..data.chat import stop_token_ids
 from ..fp8.quantize import ScaleEncoding
 from .hf_keys import checkpoint_tensors, fp8_weight_names, modules_to_not_convert
@@ -323,6 +323,9 @@ def convert_checkpoint(
     if not config_path.is_file():
         raise FileNotFoundError(f"{src}: no config.json (expected a Hugging Face checkpoint folder)")
     check_safetensors(src)
+    make_folder(out.parent, "--out")  # the folder is written beside --out and renamed into place
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder")
     if src.resolve() == out.resolve():
         raise ValueError(f"output folder {out} is the input folder; choose another")
     if out.resolve() in src.resolve().parents:

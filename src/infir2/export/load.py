@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .._weights import check_safetensors
+from .._paths import check_safetensors
 from .hf_keys import fold_checkpoint_tensors
 from .layout import SCALE_SUFFIX, dequantize_weight, is_fp8_config, scale_inv_name
 from .shards import CheckpointReader

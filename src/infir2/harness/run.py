@@ -13,17 +13,17 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from .._paths import make_folder
 from .distributed import DistEnv, init_distributed
 from .lock import run_lock
 
-__all__ = ["add_run_arguments", "add_set_argument", "log_outputs", "make_folder", "open_run", "run_overrides"]
+__all__ = ["add_run_arguments", "add_set_argument", "log_outputs", "open_run", "run_overrides"]
 
 log = logging.getLogger(__name__)
 
@@ -46,22 +46,6 @@ def open_run(run_dir: Path, device: str, check: Callable[[DistEnv], None] | None
         raise
     finally:
         env.close()
-
-
-def make_folder(path: Path, key: str) -> Path:
-    """``path`` created (parents too) and writable, or a ``ValueError`` naming ``key`` and why not (a file
-    in the way, no permission): one line at the CLI instead of an ``OSError`` traceback."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise ValueError(f"{key}: {path} (or a folder above it) is a file, not a folder") from None
-    except NotADirectoryError:
-        raise ValueError(f"{key}: a folder above {path} is a file") from None
-    except OSError as e:
-        raise ValueError(f"{key}: cannot create {path}: {e.strerror}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"{key}: {path} is not writable")
-    return path
 
 
 def _remove_if_unstarted(run_dir: Path) -> None:
