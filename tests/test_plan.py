@@ -145,3 +145,15 @@ def test_a_cpu_run_is_planned_as_it_runs(recipe: str, tmp_path, capsys) -> None:
     assert main(["plan", str(tmp_path), "--gpus", "1", "--device", "cpu", "--seq-len", "256"]) == 0
     out = capsys.readouterr().out
     assert "per process (GiB)" in out and "fp8/fp32" in out and "fp32 emulation" in out
+
+
+def test_a_plan_that_does_not_fit_its_gpu_says_so_and_what_would(capsys):
+    """qwen2.5-7b at 32k without activation checkpointing is far over an H100; each way out is planned."""
+    from infir2.cli import main
+
+    assert main(["plan", "qwen2.5-7b", "--gpus", "8", "--seq-len", "32768"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("warning: does not fit a H100 (80 GiB"), last
+    assert "activation checkpointing (" in last and "--seq-len 8192 (" in last
+    assert main(["plan", "qwen2.5-7b", "--gpus", "8", "--seq-len", "32768", "--activation-checkpointing"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("fits a H100 (80 GiB)")

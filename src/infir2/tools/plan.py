@@ -461,9 +461,50 @@ def format_plan(name: str, base: Plan, fp8: Plan, recipe: str, seq_len: int, dev
     return "\n".join(lines)
 
 
+#: memory of one GPU (GiB) by name: what a plan must fit (``--gpu``)
+GPU_GIB: dict[str, float] = {"h100": 80.0, "h200": 141.0, "a100": 80.0, "b200": 180.0, "l40s": 48.0}
+#: the share of a GPU a plan may fill: the CUDA context, the allocator's fragmentation and NCCL buffers
+#: take the rest
+USABLE = 0.9
+
+
+def fit_advice(shape: ModelShape, recipe: str, kw: dict[str, Any], peak: float, gpu: str) -> str:
+    """Whether the FP8 plan's peak fits ``USABLE`` of ``gpu``, and if not, what would (each planned)."""
+    gib, limit = 2**30, GPU_GIB[gpu] * USABLE * 2**30
+    if peak <= limit:
+        return f"fits a {gpu.upper()} ({GPU_GIB[gpu]:.0f} GiB): peak {peak / gib:.1f} GiB per GPU"
+    options = []
+    if not kw["activation_checkpointing"]:
+        with_ac = plan(shape, recipe, **{**kw, "activation_checkpointing": True}).peak
+        options.append(f"activation checkpointing ({with_ac / gib:.1f} GiB)")
+    for gpus in (kw["gpus"] * 2, kw["gpus"] * 4, kw["gpus"] * 8):
+        more = plan(shape, recipe, **{**kw, "gpus": gpus}).peak
+        if more <= limit:
+            options.append(f"{gpus} GPUs ({more / gib:.1f} GiB)")
+            break
+    seq = kw["seq_len"] // 2
+    while seq >= 1024:
+        shorter = plan(shape, recipe, **{**kw, "seq_len": seq}).peak
+        if shorter <= limit:
+            options.append(f"--seq-len {seq} ({shorter / gib:.1f} GiB)")
+            break
+        seq //= 2
+    what = "; ".join(options) or "nothing tried here fits (a larger GPU, or context parallelism)"
+    return (
+        f"warning: does not fit a {gpu.upper()} ({GPU_GIB[gpu]:.0f} GiB, {USABLE:.0%} usable): FP8 peak "
+        f"{peak / gib:.1f} GiB per GPU. What would fit, each alone: {what}"
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help=f"a shipped model ({', '.join(MODELS)}) or a HF config.json / folder")
     parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument(
+        "--gpu",
+        choices=sorted(GPU_GIB),
+        default="h100",
+        help="the GPU the plan must fit (default h100, 80 GiB; a plan over 90%% of it is said, with what fits)",
+    )
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per forward")
     parser.add_argument(
@@ -530,6 +571,8 @@ def run(args: argparse.Namespace) -> int:
     )
     base, fp8 = plan(shape, "bf16", **kw), plan(shape, args.recipe, **kw)
     print(format_plan(name, base, fp8, args.recipe, args.seq_len, args.device))
+    if args.device == "cuda":
+        print(fit_advice(shape, args.recipe, kw, fp8.peak, args.gpu))
     if shape.experts:
         print(
             "mixture of experts: activations and weight copies estimated from a dense layer of the active "
