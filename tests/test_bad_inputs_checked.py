@@ -186,3 +186,22 @@ def test_an_export_out_that_is_a_file_or_under_one_is_one_line(model_dir, tmp_pa
     for out in (blocker, blocker / "x"):
         assert main(["export", "--model", str(model_dir), "--out", str(out)]) == 2
         _one_line(capsys, "--out", "is a file")
+
+
+def test_an_fp8_export_transformers_cannot_load_is_said_with_the_way_out(tmp_path, caplog):
+    """Width 320 gives MLP weights of (640, 320) and (320, 640): partial 128-blocks, which transformers'
+    FP8 loader refuses. The export names them; --whole-blocks-only keeps them in bf16 and says so in
+    modules_to_not_convert, and that folder loads in transformers."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "w320"
+    make_tiny_model(hidden=320, intermediate=640, heads=5, kv_heads=1, layers=1).save_pretrained(folder)
+    with caplog.at_level("WARNING"):
+        assert main(["export", "--model", str(folder), "--out", str(tmp_path / "a")]) == 0
+    assert "not whole 128x128 blocks" in caplog.text and "mlp.down_proj.weight" in caplog.text
+    with pytest.raises(Exception):  # noqa: B017 - transformers' own error, whatever its type
+        AutoModelForCausalLM.from_pretrained(tmp_path / "a", dtype=torch.float32)  # why the warning exists
+    assert main(["export", "--model", str(folder), "--out", str(tmp_path / "b"), "--whole-blocks-only"]) == 0
+    config = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert "model.layers.0.mlp.down_proj" in config["quantization_config"]["modules_to_not_convert"]
+    AutoModelForCausalLM.from_pretrained(tmp_path / "b", dtype=torch.float32)  # loads

@@ -155,5 +155,7 @@ def test_a_plan_that_does_not_fit_its_gpu_says_so_and_what_would(capsys):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("warning: does not fit a H100 (80 GiB"), last
     assert "activation checkpointing (" in last and "--seq-len 8192 (" in last
-    assert main(["plan", "qwen2.5-7b", "--gpus", "8", "--seq-len", "32768", "--activation-checkpointing"]) == 0
+    assert (
+        main(["plan", "qwen2.5-7b", "--gpus", "8", "--seq-len", "32768", "--activation-checkpointing"]) == 0
+    )
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("fits a H100 (80 GiB)")

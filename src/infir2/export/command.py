@@ -49,6 +49,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "default bf16, the published FP8 checkpoints' layout",
     )
     p.add_argument(
+        "--whole-blocks-only",
+        action="store_true",
+        help="fp8: keep projections that are not whole 128x128 blocks in --base-dtype (transformers' FP8 "
+        "loader refuses partial blocks; vLLM and SGLang load them); without it they are FP8, with a warning",
+    )
+    p.add_argument(
         "--overwrite",
         action="store_true",
         help="replace --out even if it is not empty (otherwise a non-empty folder is refused)",
@@ -73,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         max_shard_size=args.max_shard_size,
         overwrite=args.overwrite,
         base_dtype=torch.bfloat16 if args.base_dtype == "bf16" else torch.float32,
+        whole_blocks_only=args.whole_blocks_only,
     )
     info = describe(out)
     print(

@@ -34,6 +34,7 @@ from .hf_keys import checkpoint_tensors, fp8_weight_names, modules_to_not_conver
 from .layout import (
     QUANTIZATION_CONFIG,
     SCALE_SUFFIX,
+    WEIGHT_BLOCK,
     dequantize_weight,
     export_scale_encoding,
     is_fp8_config,
@@ -57,6 +58,43 @@ def _check_format(fmt: str) -> None:
         raise ValueError(f"unknown export format {fmt!r}: expected one of {', '.join(FORMATS)}")
 
 
+class PartialBlocks:
+    """The FP8 weights of an export whose shape is not whole 128x128 blocks: transformers' fine-grained FP8
+    loader refuses them (it takes the block size as rows / scale rows), vLLM and SGLang load them. With
+    ``keep`` they are written in the base dtype instead, and named in ``modules_to_not_convert``."""
+
+    def __init__(self, keep: bool = False) -> None:
+        self.keep, self.names = keep, list[str]()
+
+    def check(self, name: str, tensor: torch.Tensor) -> bool:
+        """True when ``name`` stays FP8; records it when its shape has a partial block."""
+        if all(d % WEIGHT_BLOCK[0] == 0 for d in tensor.shape[-2:]):
+            return True
+        self.names.append(name)
+        return not self.keep
+
+    def modules(self) -> list[str]:
+        return [n.removesuffix(".weight") for n in self.names] if self.keep else []
+
+    def report(self) -> None:
+        if not self.names:
+            return
+        shown = ", ".join(self.names[:4]) + (
+            f" and {len(self.names) - 4} more" if len(self.names) > 4 else ""
+        )
+        if self.keep:
+            log.info(
+                "kept %d weight(s) with partial 128x128 blocks in high precision: %s", len(self.names), shown
+            )
+        else:
+            log.warning(
+                "%d FP8 weight(s) are not whole 128x128 blocks (%s): transformers' FP8 loader refuses them "
+                "(vLLM and SGLang load them); `infir2 export --whole-blocks-only` keeps them in high precision",
+                len(self.names),
+                shown,
+            )
+
+
 def _convert_tensors(
     names: Iterable[str],
     get: Callable[[str], torch.Tensor],
@@ -64,10 +102,12 @@ def _convert_tensors(
     scale_encoding: ScaleEncoding,
     base_dtype: torch.dtype,
     is_fp8: Callable[[str, torch.Tensor], bool] = is_projection_weight,
+    partial: PartialBlocks | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Per tensor: dequantize an FP8 source weight, then cast (bf16/fp32) or quantize the tensors
     ``is_fp8`` names (fp8; default: the decoder projections by name) from the source's own precision (the
-    fp32 masters of a CPU run), and cast the rest to ``base_dtype``."""
+    fp32 masters of a CPU run), and cast the rest to ``base_dtype``; ``partial`` records (and may keep in
+    ``base_dtype``) the FP8 weights with partial blocks."""
     for name in names:
         if name.endswith(SCALE_SUFFIX):
             continue  # consumed together with its weight
@@ -75,7 +115,7 @@ def _convert_tensors(
         if tensor.dtype == torch.float8_e4m3fn:
             tensor = dequantize_weight(tensor, get(scale_inv_name(name)), torch.float32)
         if fmt == "fp8":
-            if is_fp8(name, tensor):
+            if is_fp8(name, tensor) and (partial is None or partial.check(name, tensor)):
                 data, scale_inv = quantize_weight(tensor, scale_encoding)
                 yield name, data
                 yield scale_inv_name(name), scale_inv
@@ -199,16 +239,18 @@ def export_model(
         t = t.detach().cpu()
         return t if fmt == "fp8" else _cast(t, cast)
 
+    partial = PartialBlocks()
     if tensors is None:
         state = _unique_state_dict(model, model.state_dict() if state_dict is None else state_dict)
         state, fp8 = checkpoint_tensors(model, state)  # the checkpoint layout (per-expert weights)
         getter = lambda name: prepared(state[name])  # noqa: E731
-        stream = _convert_tensors(state, getter, fmt, scale_encoding, cast, _member_of(fp8))
+        stream = _convert_tensors(state, getter, fmt, scale_encoding, cast, _member_of(fp8), partial)
     else:
         stream = _convert_stream(tensors, model, prepared, fmt, scale_encoding, cast)
     for name, tensor in tqdm(stream, desc=f"export {fmt}", unit="tensor"):
         writer.add(name, tensor)
     writer.close()
+    partial.report()
     _inference_config(config, tokenizer).save_pretrained(tmp)
     _patch_config(
         tmp / "config.json", fmt, _DTYPE_NAMES[cast], _architecture(model), modules_to_not_convert(model)
@@ -300,6 +342,7 @@ def convert_checkpoint(
     max_shard_size: int | str = "5GB",
     overwrite: bool = False,
     base_dtype: torch.dtype = torch.bfloat16,
+    whole_blocks_only: bool = False,
 ) -> Path:
     """Convert a safetensors HF folder to ``fmt``, one input shard in memory at a time.
 
@@ -311,7 +354,9 @@ def convert_checkpoint(
     An FP8 source (``quantization_config`` of this layout) can be converted to ``bf16`` / ``fp32``.
     ``out_dir`` must be new or empty unless ``overwrite`` (then it is replaced); the files are
     written beside it first and renamed into place, so a failed conversion leaves it untouched.
-    ``scale_encoding`` as in :func:`export_model`.
+    ``scale_encoding`` as in :func:`export_model`. ``whole_blocks_only``: projections whose shape is not
+    whole 128x128 blocks (which transformers' FP8 loader refuses) stay in ``base_dtype`` and are listed in
+    ``modules_to_not_convert``; without it they are FP8 and named in a warning.
     """
     _check_format(fmt)
     _check_base_dtype(base_dtype)
@@ -342,7 +387,8 @@ def convert_checkpoint(
     final, out = out, out.with_name(f".tmp-{out.name}-{os.getpid()}")
     shutil.rmtree(out, ignore_errors=True)
     try:
-        _convert_into(reader, src, out, fmt, scale_encoding, max_shard_size, base_dtype)
+        partial = PartialBlocks(keep=whole_blocks_only)
+        _convert_into(reader, src, out, fmt, scale_encoding, max_shard_size, base_dtype, partial)
         if final.is_dir() and not final.is_symlink():
             shutil.rmtree(final)  # empty, or replaced with overwrite (checked above)
         elif final.exists():
@@ -362,16 +408,20 @@ def _convert_into(
     scale_encoding: ScaleEncoding,
     max_shard_size: int | str,
     base_dtype: torch.dtype,
+    partial: PartialBlocks,
 ) -> None:
     writer = ShardWriter(out, max_shard_size)
     for _file, names in tqdm(
         reader.iter_shards(), total=len(reader.files), desc=f"convert to {fmt}", unit="shard"
     ):
-        for name, tensor in _convert_tensors(names, reader.get, fmt, scale_encoding, base_dtype):
+        stream = _convert_tensors(names, reader.get, fmt, scale_encoding, base_dtype, partial=partial)
+        for name, tensor in stream:
             writer.add(name, tensor)
     writer.close()
+    partial.report()
     _copy_side_files(src, out)
-    _patch_config(out / "config.json", fmt, _DTYPE_NAMES[base_dtype if fmt == "fp8" else _DTYPES[fmt]])
+    dtype_name = _DTYPE_NAMES[base_dtype if fmt == "fp8" else _DTYPES[fmt]]
+    _patch_config(out / "config.json", fmt, dtype_name, not_converted=partial.modules() or None)
 
 
 def _copy_side_files(src: Path, out: Path) -> None:
