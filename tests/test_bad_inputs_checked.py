@@ -205,3 +205,24 @@ def test_an_fp8_export_transformers_cannot_load_is_said_with_the_way_out(tmp_pat
     config = json.loads((tmp_path / "b" / "config.json").read_text())
     assert "model.layers.0.mlp.down_proj" in config["quantization_config"]["modules_to_not_convert"]
     AutoModelForCausalLM.from_pretrained(tmp_path / "b", dtype=torch.float32)  # loads
+
+
+def test_train_refuses_an_sft_sample_past_the_models_positions(tmp_path, capsys):
+    tok_dir, _ = prepared_cpt(tmp_path, documents=10)
+    chats = tmp_path / "chats.jsonl"
+    long = {"messages": [{"role": "user", "content": "add " * 40}, {"role": "assistant", "content": "ok"}]}
+    chats.write_text(json.dumps(long) + "\n" + json.dumps(long) + "\n")
+    arch = {"arch": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1}
+    arch |= {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32}
+    cfg = {
+        "run": {"name": "sft", "out_dir": str(tmp_path / "runs"), "device": "cpu"},
+        "model": {"from_config": arch, "tokenizer": str(tok_dir), "precision": "fp32"},
+        "fp8": {"recipe": "bf16"},
+        "data": {"kind": "sft", "train_path": str(chats), "global_batch_size": 2},
+        "train": {"max_steps": 1},
+    }
+    cfg["data"] |= {"max_tokens_per_micro_batch": 512, "max_length": 256}
+    path = tmp_path / "sft.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["train", str(path), "--no-progress"]) == 2
+    _one_line(capsys, "data.train_path: its longest sample", "trained for 32 positions")

@@ -287,11 +287,14 @@ def _setup(
     if tokenizer is None:
         tokenizer = load_run_tokenizer(cfg)
     model = setup_model(cfg, env, model, tokenizer)
-    if train_source is None and cfg.data.kind == "cpt":  # SFT samples: cut to max_length, their own length
+    if train_source is None and cfg.data.kind == "cpt":
         check_context(model, cfg.data.seq_len, "data.seq_len", cfg.model.beyond_context)
     optimizer = build_optimizer(model, cfg.optim)
     if train_source is None:
         train_source, val_steps = build_sources(cfg, tokenizer, env)
+        longest = max(getattr(train_source, "lengths", None) or [0])  # SFT: samples cut at data.max_length
+        key = f"data.train_path: its longest sample ({longest} tokens after data.max_length)"
+        check_context(model, longest, key, cfg.model.beyond_context)
     else:
         val_steps = rewinding(val_source) if isinstance(val_source, StepSource) else val_source
     if cfg.train.eval_fp8 and val_steps is not None and next(fp8_modules(model), None) is None:
