@@ -162,3 +162,37 @@ def test_a_prompts_samples_do_not_depend_on_their_batch(tiny_tokenizer):
             assert r.logprobs == pytest.approx(t.logprobs, abs=1e-5)
     assert together == _engine(policy, tiny_tokenizer, "fp8").generate(prompts, 3, 7)  # an int: derive_seeds
     assert len({tuple(r.response_ids) for g in together for r in g}) > 3  # the samples do differ
+
+
+def test_fp8_rollouts_of_an_moe_policy_run_the_experts_on_the_exports_bytes(tmp_path, tiny_tokenizer):
+    """Each routed expert's FP8 weight in the rollout engine is the one `export_model(fmt="fp8")` writes
+    for it (per expert: gate and up as the checkpoint layout splits them, and down), after an update too,
+    with fp32 block scales on a policy trained with power-of-two ones (so the training recipe's own
+    quantization would differ); bf16 rollouts run the experts in high precision."""
+    from safetensors.torch import load_file
+
+    from infir2.nn.moe import Fp8Experts
+    from moe_models import make_tiny_moe
+
+    policy = prepare_for_training(make_tiny_moe("qwen3_moe"), "blockwise")
+    engine = BuiltinEngine(policy, tiny_tokenizer, "served", "fp32", "fp32", copy_model=True)
+    for step in range(2):
+        out = export_model(policy, None, tmp_path / f"fp8-{step}", fmt="fp8", scale_encoding="fp32")
+        exported = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+        served = [(n, m) for n, m in engine.model.named_modules() if isinstance(m, Fp8Experts)]
+        assert len(served) == 2 and all(m.fp8_enabled for _, m in served)
+        for fqn, experts in served:
+            gate_up = experts.quantized_weights("gate_up_proj", experts.kernels)
+            down = experts.quantized_weights("down_proj", experts.kernels)
+            half = gate_up[0].data.shape[0] // 2
+            for e, (gu, d) in enumerate(zip(gate_up, down, strict=True)):
+                parts = {"gate_proj": gu.data[:half], "up_proj": gu.data[half:], "down_proj": d.data}
+                for proj, codes in parts.items():
+                    ref = exported[f"{fqn}.{e}.{proj}.weight"]
+                    assert torch.equal(codes.view(torch.uint8), ref.view(torch.uint8)), (fqn, e, proj)
+        with torch.no_grad():  # an update, then the engine takes the new weights
+            for p in policy.parameters():
+                p.add_(torch.randn_like(p) * 0.01)
+        engine.load_weights(policy)
+    high = BuiltinEngine(policy, tiny_tokenizer, "high", "pow2", "fp32", copy_model=True)
+    assert not any(m.fp8_enabled for m in high.model.modules() if isinstance(m, Fp8Experts))

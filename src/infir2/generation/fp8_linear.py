@@ -18,7 +18,7 @@ from ..export.layout import WEIGHT_BLOCK, export_scale_encoding, is_projection_w
 from ..fp8.recipe import SAME_RECIPE, TILE, Cast, get_recipe
 from ..kernels import Operand, bind
 
-__all__ = ["SAME_RECIPE", "ServingFp8Linear", "serve_fp8"]
+__all__ = ["SAME_RECIPE", "ServingFp8Linear", "serve_experts", "serve_fp8"]
 
 #: the training recipe that quantizes exactly as the FP8 serving linear of each scale encoding
 
@@ -82,10 +82,39 @@ class ServingFp8Linear(nn.Module):
         return y.to(x.dtype).reshape(*lead, self.out_features)
 
 
+def serve_experts(model: nn.Module, scale_encoding: str | None) -> list[str]:
+    """The routed experts as the FP8 export stores them: each expert's weights in 128x128 blocks of the
+    export's rule (``SAME_RECIPE[scale_encoding]``: the same quantizer, so the same bytes), 1x128
+    activations, re-quantized only when the weights change (``scale_encoding`` None: high precision).
+    Unconverted experts modules become ``Fp8Experts`` on the same parameters. Returns their names."""
+    from ..nn.moe import Fp8Experts, is_routed_experts
+
+    device = next(model.parameters()).device
+    served = []
+    for fqn, module in list(model.named_modules()):
+        if not (isinstance(module, Fp8Experts) or is_routed_experts(module)):
+            continue
+        if scale_encoding is None:
+            if isinstance(module, Fp8Experts):
+                module.fp8_enabled = False  # the original experts implementation runs
+            continue
+        experts = module if isinstance(module, Fp8Experts) else Fp8Experts(module)
+        experts.recipe = get_recipe(SAME_RECIPE[export_scale_encoding(scale_encoding)])
+        experts.fp8_enabled, experts.cache_weight = True, True  # cached until load_weights changes them
+        experts.bind_kernels(device)
+        if experts is not module:
+            parent, _, child = fqn.rpartition(".")
+            setattr(model.get_submodule(parent), child, experts)
+        served.append(fqn)
+    return served
+
+
 def serve_fp8(model: nn.Module, scale_encoding: str | None) -> dict[str, ServingFp8Linear]:
     """Swap every projection the FP8 export quantizes (the same key pattern, by construction) for a
     ``ServingFp8Linear`` holding its current weights (``scale_encoding`` None: keep the projections and
-    only switch an ``Fp8Linear``'s own FP8 off). Returns the swapped layers by name."""
+    only switch an ``Fp8Linear``'s own FP8 off), and serve the routed experts likewise (``serve_experts``).
+    Returns the swapped linear layers by name."""
+    serve_experts(model, scale_encoding)
     device = next(model.parameters()).device
     layers: dict[str, ServingFp8Linear] = {}
     for fqn, module in list(model.named_modules()):
