@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+#: the cases that give a folder where a file belongs
+FOLDER_CASES = {"train/sft-path-dir", "train/yaml-is-dir", "rl/prompts-dir", "eval/data-dir", "eval/model-file"}
 GOOD, ACCEPTABLE, BAD = "GOOD", "ACCEPTABLE", "BAD"
 UNWRITABLE = "/sys/infir2-probe-out"  # root can write anywhere chmod allows; sysfs refuses a new folder
 _ERROR_LINE = re.compile(r"error|Traceback|CRITICAL", re.IGNORECASE)
@@ -51,6 +53,7 @@ class Case:
     server_error: bool = False  # exit 1 is as good as 2 (a server's failure, not the input's)
     subprocess: bool = False
     timeout: float = 90.0
+    folder: bool = False  # the input is a folder where a file belongs: "not found" misleads
 
 
 @dataclass
@@ -61,15 +64,32 @@ class Outcome:
     seconds: float = 0.0
 
 
-def error_lines(stderr: str) -> list[str]:
-    """The lines that report an error: ``infir2 X: error: ...``, argparse's ``error:``, ERROR log lines."""
-    return [line for line in stderr.splitlines() if _ERROR_LINE.search(line)]
+_LOG_RECORD = re.compile(r"^(?:[\d:]+ )?(DEBUG|INFO|WARNING) ")
+_PROGRESS = re.compile(r"\d+%\||\[\d+:\d+[<,]")  # tqdm: "37%|###" or "[00:01<00:02" / "[00:00, ?step/s]"
+
+
+def message_lines(stderr: str) -> list[str]:
+    """What stderr says beyond log records below ERROR, progress bars, Python warnings and argparse's
+    usage block: a clear refusal is exactly one such line. A multi-line message counts every line."""
+    out, skipping = [], False
+    for line in stderr.replace("\r", "\n").splitlines():
+        if not line.strip() or _PROGRESS.search(line):
+            continue
+        if _LOG_RECORD.match(line) or line.startswith("usage:") or re.search(r"\w+Warning: ", line):
+            skipping = True  # the record's (or usage's, or warning's) indented continuation lines follow
+            continue
+        if skipping and line.startswith(" "):
+            continue
+        skipping = False
+        out.append(line)
+    return out
 
 
 def classify(case: Case, out: Outcome) -> tuple[str, str]:
     """(verdict, why): the rules of the module docstring."""
-    lines = error_lines(out.stderr)
-    first = lines[0] if lines else (out.stderr.strip().splitlines() or [""])[-1]
+    lines = message_lines(out.stderr)
+    errors = [ln for ln in lines if _ERROR_LINE.search(ln)]
+    first = (errors or lines or [""])[0]
     if out.rc is None:
         return BAD, f"hang: no exit within {case.timeout:.0f} s"
     if "Traceback" in out.stderr:
@@ -82,9 +102,11 @@ def classify(case: Case, out: Outcome) -> tuple[str, str]:
     if out.rc not in allowed:
         problems.append(f"exit {out.rc}")
     if len(lines) != 1:
-        problems.append(f"{len(lines)} error lines")
+        problems.append(f"{len(lines)} lines")
     if not any(n in first for n in case.names):
         problems.append("does not name " + " / ".join(case.names))
+    if case.folder and re.search(r"not found|does not exist|no such", first, re.IGNORECASE):
+        problems.append("a folder is said to be missing")
     if out.written:
         problems.append("wrote " + ", ".join(out.written[:3]))
     return (ACCEPTABLE, "; ".join(problems) + f": {first}") if problems else (GOOD, first)
@@ -307,7 +329,7 @@ def train_cases(w: World) -> list[Case]:
         ("seq-bool", "data.seq_len=true", "data.seq_len"),
         ("seq-past-context", "data.seq_len=4096", "data.seq_len"),
         ("gbs-zero", "data.global_batch_size=0", "data.global_batch_size"),
-        ("gbs-indivisible", "data.global_batch_size=3", "data.global_batch_size"),
+        ("gbs-indivisible", "data.global_batch_size=3 data.micro_batch_size=2", "data.global_batch_size"),
         ("mbs-zero", "data.micro_batch_size=0", "data.micro_batch_size"),
         ("kind", "data.kind=pretrain", "data.kind"),
         ("train-path-missing", f"data.train_path={w.p('no-data')}", "no-data"),
@@ -350,7 +372,7 @@ def train_cases(w: World) -> list[Case]:
         ("set-no-section", "lr=1", "lr"),
         ("section-scalar", "optim=5", "optim"),
     ]
-    cases = [t(n, [s], (k,)) for n, s, k in sets]
+    cases = [t(n, s.split(" "), (k,)) for n, s, k in sets]
     cases += [
         t("warmup-both", ["schedule.warmup_steps=1", "schedule.warmup_fraction=0.1"], ("warmup",)),
         t("name-escape", ["run.name=../../escape"], ("run.name",)),
@@ -383,7 +405,7 @@ def train_cases(w: World) -> list[Case]:
         ("bin-missing", lambda f: (f / "train.bin").unlink(), "train.bin"),
         ("meta-list", lambda f: (f / "meta.json").write_text("[1]"), "meta.json"),
         ("meta-dtype", lambda f: _edit_json(f / "meta.json", dtype="float7"), "meta.json"),
-        ("bin-empty", lambda f: (f / "train.bin").write_bytes(b""), "train.bin"),
+        ("bin-empty", lambda f: (f / "train.bin").write_bytes(b""), "cpt-bin-empty"),
     ]
     for name, damage, needle in data_sets:
         folder = f"cpt-{name}"
@@ -421,13 +443,15 @@ def yaml_cases(w: World) -> list[Case]:
         ("scalar", "42\n"),
         ("latin1", b"run:\n  name: caf\xe9\n"),
         ("section-scalar", "optim: 5\n"),
-        ("duplicate-key", "optim:\n  lr: 1.0e-3\n  lr: 1.0e-2\n"),
+        ("duplicate-key", None),  # the command's good config with a second `run:` section
         ("unknown-section", "nonsense:\n  a: 1\n"),
         ("unknown-key", "optim:\n  learning_rate: 1.0e-3\n"),
     ]
     cases = []
     for cmd in ("train", "config", "rl"):
+        good = (w.rl_yaml if cmd == "rl" else w.train_yaml).read_text()
         for name, text in files:
+            text = good + "run:\n  name: dup\n" if text is None else text
             f = f"y-{cmd}-{name}.yaml"
             extra = ["--no-progress"] if cmd != "config" else []
             cases.append(Case(f"{cmd}/yaml-{name}", [cmd, w.p(f), *extra], (f,), setup=w.yaml_file(f, text)))
@@ -758,6 +782,7 @@ def other_cases(w: World) -> list[Case]:
             "prepare-cpt/latin1-subprocess",
             ["prepare-cpt", w.p("prep-latin1.jsonl"), "--tokenizer", str(w.tok), "--out", w.p("prep-out/s")],
             ("prep-latin1.jsonl",),
+            setup=w.yaml_file("prep-latin1.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n'),
             subprocess=True,
         ),
     ]
@@ -810,6 +835,8 @@ def probe_world() -> Iterator[tuple[World, list[Case]]]:
             cases += server_cases(w, stub, f"http://127.0.0.1:{silent.getsockname()[1]}",
                                   f"http://127.0.0.1:{dead.getsockname()[1]}")
             cases += other_cases(w)
+            for case in cases:
+                case.folder = case.name in FOLDER_CASES
             yield w, cases
         finally:
             server_module.STARTUP_TIMEOUT_S = startup
