@@ -60,6 +60,8 @@ WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 def check_model_folder(path: str | Path) -> Path:
     """``path`` if it is a loadable-looking HF model folder (config.json + weights); else FileNotFoundError."""
     path = Path(path)
+    if path.is_file():
+        raise ValueError(f"model folder {path} is a file (expected a Hugging Face model folder)")
     if not path.is_dir():
         raise FileNotFoundError(f"model folder {path} does not exist")
     if not (path / "config.json").is_file():
