@@ -38,7 +38,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 #: the cases that give a folder where a file belongs
-FOLDER_CASES = {"train/sft-path-dir", "train/yaml-is-dir", "rl/prompts-dir", "eval/data-dir", "eval/model-file"}
+FOLDER_CASES = {
+    "train/sft-path-dir",
+    "train/yaml-is-dir",
+    "rl/prompts-dir",
+    "eval/data-dir",
+    "eval/model-file",
+}
 GOOD, ACCEPTABLE, BAD = "GOOD", "ACCEPTABLE", "BAD"
 UNWRITABLE = "/sys/infir2-probe-out"  # root can write anywhere chmod allows; sysfs refuses a new folder
 _ERROR_LINE = re.compile(r"error|Traceback|CRITICAL", re.IGNORECASE)
@@ -168,7 +174,11 @@ def _in_subprocess(argv: list[str], timeout: float) -> tuple[int | None, str]:
     env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "infir2.cli", *argv], capture_output=True, text=True, env=env, timeout=timeout
+            [sys.executable, "-m", "infir2.cli", *argv],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout,
         )
     except subprocess.TimeoutExpired:
         return None, ""
@@ -183,7 +193,7 @@ def run_case(case: Case, root: Path) -> Outcome:
     runner = _in_subprocess if case.subprocess else _in_process
     rc, stderr = runner(case.argv, case.timeout)
     after = _snapshot(root)
-    written = sorted(k for k, v in after.items() if before.get(k) != v and v[0] != -1 or k not in before)
+    written = sorted(k for k, v in after.items() if (before.get(k) != v and v[0] != -1) or k not in before)
     return Outcome(rc, stderr, written, time.monotonic() - start)
 
 
@@ -204,15 +214,24 @@ class World:
         make_tiny_model(hidden=64, layers=1, seed=1).save_pretrained(self.model)
         make_tokenizer().save_pretrained(self.model)
         self.tok, self.cpt = prepared_cpt(root, documents=200)
-        self.problems = self.write("problems.jsonl", _jsonl({"problem": f"{i} + 1", "answer": str(i + 1)} for i in range(4)))
+        self.problems = self.write(
+            "problems.jsonl", _jsonl({"problem": f"{i} + 1", "answer": str(i + 1)} for i in range(4))
+        )
         self.chat = self.write(
             "chat.jsonl",
-            _jsonl({"messages": [{"role": "user", "content": f"{i}?"}, {"role": "assistant", "content": "ok"}]} for i in range(8)),
+            _jsonl(
+                {"messages": [{"role": "user", "content": f"{i}?"}, {"role": "assistant", "content": "ok"}]}
+                for i in range(8)
+            ),
         )
         self.file = self.write("a-file", "not a folder")
         self.train_cfg = {
             "run": {"name": "t", "out_dir": str(root / "runs"), "device": "cpu"},
-            "model": {"from_config": tiny_llama(layers=1, max_positions=64), "tokenizer": str(self.tok), "precision": "fp32"},
+            "model": {
+                "from_config": tiny_llama(layers=1, max_positions=64),
+                "tokenizer": str(self.tok),
+                "precision": "fp32",
+            },
             "fp8": {"recipe": "bf16"},
             "data": {"kind": "cpt", "train_path": str(self.cpt), "seq_len": 16, "global_batch_size": 2},
             "optim": {"lr": 1e-3},
@@ -277,6 +296,11 @@ def _garbage_header(f: Path) -> None:
 
 def _broken_config(f: Path) -> None:
     (f / "config.json").write_text('{"model_type": "qwen2", ')
+
+
+def _odd_bin(f: Path) -> None:
+    with open(f / "train.bin", "ab") as fh:
+        fh.write(b"\x01")  # half a uint16 token
 
 
 def _no_weights(f: Path) -> None:
@@ -393,13 +417,10 @@ def train_cases(w: World) -> list[Case]:
         setup = w.model_copy(folder, damage) if damage else None
         sets2 = ["model.from_config=null", f"model.path={w.p(folder)}", "model.tokenizer=null"]
         cases.append(t(name, sets2, (needle,), setup=setup))
-    # the data folder, damaged
-    def odd_bin(f: Path) -> None:
-        with open(f / "train.bin", "ab") as fh:
-            fh.write(b"\x01")
 
+    # the data folder, damaged
     data_sets = [
-        ("bin-odd-size", odd_bin, "train.bin"),
+        ("bin-odd-size", _odd_bin, "train.bin"),
         ("meta-broken", lambda f: (f / "meta.json").write_text("{oops"), "meta.json"),
         ("meta-missing", lambda f: (f / "meta.json").unlink(), "meta.json"),
         ("bin-missing", lambda f: (f / "train.bin").unlink(), "train.bin"),
@@ -581,12 +602,16 @@ def eval_cases(w: World) -> list[Case]:
         e("perplexity-split", ["--perplexity", str(w.cpt), "--split", "nope", "--seq-len", "16"], ("nope",)),
         e("perplexity-seq-zero", ["--perplexity", str(w.cpt), "--seq-len", "0"], ("--seq-len",)),
         e("perplexity-seq-past", ["--perplexity", str(w.cpt), "--seq-len", "100000"], ("--seq-len",)),
-        e("perplexity-windows-zero", ["--perplexity", str(w.cpt), "--max-windows", "0", "--seq-len", "16"], ("--max-windows",)),
+        e(
+            "perplexity-windows-zero",
+            ["--perplexity", str(w.cpt), "--max-windows", "0", "--seq-len", "16"],
+            ("--max-windows",),
+        ),
         e(
             "perplexity-bin-odd",
             ["--perplexity", w.p("cpt-ppl-odd"), "--split", "train", "--seq-len", "16"],
             ("train.bin",),
-            setup=w.cpt_copy("cpt-ppl-odd", lambda f: open(f / "train.bin", "ab").write(b"\x01") and None),
+            setup=w.cpt_copy("cpt-ppl-odd", _odd_bin),
         ),
         e(
             "tokenizer-big",
@@ -616,7 +641,10 @@ def eval_cases(w: World) -> list[Case]:
         ("no-answer", _jsonl([{"problem": "1+1"}])),
         ("line-list", _jsonl([[1, 2]])),
         ("problem-int", _jsonl([{"problem": 5, "answer": "2"}])),
-        ("duplicate-id", _jsonl([{"problem": "a", "answer": "1", "id": "q"}, {"problem": "b", "answer": "2", "id": "q"}])),
+        (
+            "duplicate-id",
+            _jsonl([{"problem": "a", "answer": "1", "id": "q"}, {"problem": "b", "answer": "2", "id": "q"}]),
+        ),
     ]
     for name, text in data_files:
         f = f"data-{name}.jsonl"
@@ -637,8 +665,24 @@ def eval_cases(w: World) -> list[Case]:
 
         out = w.p("eval-out/settings-deleted")
         with contextlib.redirect_stderr(io.StringIO()):
-            main(["eval", "--model", str(w.model), "--data", str(w.problems), "--limit", "1", "--greedy",
-                  "--max-new-tokens", "4", "--device", "cpu", "--out", out])
+            main(
+                [
+                    "eval",
+                    "--model",
+                    str(w.model),
+                    "--data",
+                    str(w.problems),
+                    "--limit",
+                    "1",
+                    "--greedy",
+                    "--max-new-tokens",
+                    "4",
+                    "--device",
+                    "cpu",
+                    "--out",
+                    out,
+                ]
+            )
         os.remove(os.path.join(out, "eval_config.json"))
 
     case = e("settings-deleted", ["--temperature", "0.9"], ("completions", "settings", "temperature"))
@@ -699,7 +743,9 @@ class StubServer:
 
 
 def server_cases(w: World, stub: StubServer, silent_url: str, dead_url: str) -> list[Case]:
-    def s(name: str, extra: list[str], names: tuple[str, ...], url: str | None = None, mode: str = "ok", **kw) -> Case:
+    def s(
+        name: str, extra: list[str], names: tuple[str, ...], url: str | None = None, mode: str = "ok", **kw
+    ) -> Case:
         argv = ["eval", "--engine", "server", "--base-url", url or stub.url, "--model", "fake"]
         argv += ["--tokenizer", str(w.tok), "--data", str(w.problems), "--max-new-tokens", "4"]
         argv += ["--retries", "0", "--concurrency", "1", "--out", w.p(f"server-out/{name}"), *extra]
@@ -755,7 +801,7 @@ def other_cases(w: World) -> list[Case]:
 
     def prep(name: str, inputs: list[str], names: tuple[str, ...], *extra: str, **kw) -> Case:
         argv = ["prepare-cpt", *inputs, "--tokenizer", str(w.tok), "--out", w.p(f"prep-out/{name}")]
-        return Case(f"prepare-cpt/{name}", argv + ["--no-progress", *extra], names, **kw)
+        return Case(f"prepare-cpt/{name}", [*argv, "--no-progress", *extra], names, **kw)
 
     docs = str(w.root / "docs.jsonl")
     for name, text in [
@@ -770,7 +816,12 @@ def other_cases(w: World) -> list[Case]:
         cases.append(prep(name, [w.p(f)], (f,), setup=w.yaml_file(f, text)))
     cases += [
         prep("input-missing", [w.p("no-docs.jsonl")], ("no-docs.jsonl",)),
-        prep("input-dir-empty", [w.p("empty-dir")], ("empty-dir",), setup=lambda: (w.root / "empty-dir").mkdir()),
+        prep(
+            "input-dir-empty",
+            [w.p("empty-dir")],
+            ("empty-dir",),
+            setup=lambda: (w.root / "empty-dir").mkdir(),
+        ),
         prep("val-fraction-big", [docs], ("--val-fraction",), "--val-fraction", "1.5"),
         prep("val-fraction-neg", [docs], ("--val-fraction",), "--val-fraction", "-0.1"),
         prep("text-field-missing", [docs], ("--text-field", "body"), "--text-field", "body"),
@@ -797,22 +848,71 @@ def other_cases(w: World) -> list[Case]:
         x("plan/gpus-zero", ["plan", "qwen2.5-1.5b", "--gpus", "0"], ("--gpus",)),
         x("plan/seq-zero", ["plan", "qwen2.5-1.5b", "--seq-len", "0"], ("--seq-len",)),
         x("plan/micro-zero", ["plan", "qwen2.5-1.5b", "--micro-batch", "0"], ("--micro-batch",)),
-        x("plan/global-indivisible", ["plan", "qwen2.5-1.5b", "--gpus", "2", "--global-batch", "3"], ("--global-batch",)),
+        x(
+            "plan/global-indivisible",
+            ["plan", "qwen2.5-1.5b", "--gpus", "2", "--global-batch", "3"],
+            ("--global-batch",),
+        ),
         x("plan/recipe", ["plan", "qwen2.5-1.5b", "--recipe", "fp4"], ("--recipe",)),
-        x("plan/chunk-str", ["plan", "qwen2.5-1.5b", "--loss-chunk-tokens", "banana"], ("--loss-chunk-tokens",)),
+        x(
+            "plan/chunk-str",
+            ["plan", "qwen2.5-1.5b", "--loss-chunk-tokens", "banana"],
+            ("--loss-chunk-tokens",),
+        ),
         x("memory/model", ["memory", "--models", "9B"], ("--models", "9B")),
         x("memory/tokens-zero", ["memory", "--tokens", "0"], ("--tokens",)),
         x("memory/recipe", ["memory", "--models", "1.5B", "--recipes", "fp4"], ("--recipes", "fp4")),
         x("bench/device", ["bench", "--device", "tpu9", "--preset", "quick"], ("--device",), timeout=60),
-        x("bench/backend", ["bench", "--backends", "magic", "--preset", "quick", "--device", "cpu"], ("--backends", "magic"), timeout=60),
-        x("bench/recipe", ["bench", "--recipes", "fp4", "--preset", "quick", "--device", "cpu"], ("--recipes", "fp4"), timeout=60),
-        x("bench/section", ["bench", "--sections", "nope", "--preset", "quick", "--device", "cpu"], ("--sections", "nope"), timeout=60),
-        x("bench/iters-zero", ["bench", "--iters", "0", "--preset", "quick", "--device", "cpu", "--sections", "quantize"], ("--iters",), timeout=60),
-        x("bench/tokens-neg", ["bench", "--tokens", "-1", "--preset", "quick", "--device", "cpu", "--sections", "linear"], ("--tokens",), timeout=60),
-        x("demo/recipe", ["demo", "--recipes", "fp4", "--out", w.p("demo-out/r"), "--report-only"], ("--recipes", "fp4")),
-        x("demo/seeds", ["demo", "--seeds", "abc", "--out", w.p("demo-out/s"), "--report-only"], ("--seeds",)),
-        x("demo/jobs-zero", ["demo", "--jobs", "0", "--out", w.p("demo-out/j"), "--report-only"], ("--jobs",)),
-        x("demo/report-missing", ["demo", "--report-only", "--out", w.p("demo-out/none")], ("demo-out/none",)),
+        x(
+            "bench/backend",
+            ["bench", "--backends", "magic", "--preset", "quick", "--device", "cpu"],
+            ("--backends", "magic"),
+            timeout=60,
+        ),
+        x(
+            "bench/recipe",
+            ["bench", "--recipes", "fp4", "--preset", "quick", "--device", "cpu"],
+            ("--recipes", "fp4"),
+            timeout=60,
+        ),
+        x(
+            "bench/section",
+            ["bench", "--sections", "nope", "--preset", "quick", "--device", "cpu"],
+            ("--sections", "nope"),
+            timeout=60,
+        ),
+        x(
+            "bench/iters-zero",
+            ["bench", "--iters", "0", "--preset", "quick", "--device", "cpu", "--sections", "quantize"],
+            ("--iters",),
+            timeout=60,
+        ),
+        x(
+            "bench/tokens-neg",
+            ["bench", "--tokens", "-1", "--preset", "quick", "--device", "cpu", "--sections", "linear"],
+            ("--tokens",),
+            timeout=60,
+        ),
+        x(
+            "demo/recipe",
+            ["demo", "--recipes", "fp4", "--out", w.p("demo-out/r"), "--report-only"],
+            ("--recipes", "fp4"),
+        ),
+        x(
+            "demo/seeds",
+            ["demo", "--seeds", "abc", "--out", w.p("demo-out/s"), "--report-only"],
+            ("--seeds",),
+        ),
+        x(
+            "demo/jobs-zero",
+            ["demo", "--jobs", "0", "--out", w.p("demo-out/j"), "--report-only"],
+            ("--jobs",),
+        ),
+        x(
+            "demo/report-missing",
+            ["demo", "--report-only", "--out", w.p("demo-out/none")],
+            ("demo-out/none",),
+        ),
         x("demo/out-file", ["demo", "--report-only", "--out", str(w.file)], ("a-file", "--out")),
     ]
     return cases
@@ -838,8 +938,12 @@ def probe_world() -> Iterator[tuple[World, list[Case]]]:
         server_module.STARTUP_TIMEOUT_S = 3.0  # the silent server's case waits 3 s, not 30
         try:
             cases = train_cases(w) + yaml_cases(w) + rl_cases(w) + eval_cases(w)
-            cases += server_cases(w, stub, f"http://127.0.0.1:{silent.getsockname()[1]}",
-                                  f"http://127.0.0.1:{dead.getsockname()[1]}")
+            cases += server_cases(
+                w,
+                stub,
+                f"http://127.0.0.1:{silent.getsockname()[1]}",
+                f"http://127.0.0.1:{dead.getsockname()[1]}",
+            )
             cases += other_cases(w)
             for case in cases:
                 case.folder = case.name in FOLDER_CASES
@@ -863,7 +967,9 @@ def install_log_capture() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--only", help="run the cases whose name matches this regular expression")
     parser.add_argument("--verbose", action="store_true", help="print each case's whole stderr")
     parser.add_argument("--json", help="write the results here as JSON")
@@ -889,8 +995,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    $ infir2 {cmd[:300]}")
             if args.verbose:
                 print("    " + out.stderr.strip().replace("\n", "\n    "))
-    print(f"\n{len(results)} cases in {time.monotonic() - start:.0f} s: "
-          f"good {totals[GOOD]}, acceptable {totals[ACCEPTABLE]}, bad {totals[BAD]}")
+    print(
+        f"\n{len(results)} cases in {time.monotonic() - start:.0f} s: "
+        f"good {totals[GOOD]}, acceptable {totals[ACCEPTABLE]}, bad {totals[BAD]}"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps({"totals": totals, "results": results}, indent=1))
     return 0

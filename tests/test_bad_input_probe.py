@@ -89,4 +89,8 @@ def test_message_lines_skip_logs_progress_and_usage_but_count_a_multiline_error(
         "held-out loss: 0step [00:00, ?step/s]\n"
         "infir2 eval: error: f.yaml: not valid YAML\n  in line 2\n    ^\n"
     )
-    assert probe.message_lines(stderr) == ["infir2 eval: error: f.yaml: not valid YAML", "  in line 2", "    ^"]
+    assert probe.message_lines(stderr) == [
+        "infir2 eval: error: f.yaml: not valid YAML",
+        "  in line 2",
+        "    ^",
+    ]

@@ -48,7 +48,10 @@ def cpt(tmp_path):
 @pytest.mark.parametrize(
     ("text", "needle"),
     [
-        ("run: {name: x\noptim: [1,\n", ":2:6: not valid YAML (while parsing a flow mapping"),  # was 8 lines, a '^'
+        (
+            "run: {name: x\noptim: [1,\n",
+            ":2:6: not valid YAML (while parsing a flow mapping",
+        ),  # was 8 lines, a '^'
         ("run:\n\tname: x\n", ":2:1: not valid YAML"),
         (b"run:\n  name: caf\xe9\n", ":2: not valid UTF-8 (byte 0xe9)"),  # was the codec's text, no file
         ("", ": empty file"),  # was "data.train_path: is required"
@@ -75,10 +78,17 @@ def test_a_folder_given_for_a_file_says_so(cpt, capsys):
     _one_line(capsys, ["rl", str(tmp_path / "cpt")], "is a folder, not a YAML file")
     with pytest.raises(ValueError, match="is a folder, not a benchmark JSONL file"):
         load_problems(tmp_path / "cpt", "math")
-    sft = {"kind": "sft", "train_path": str(tmp_path / "cpt"), "max_tokens_per_micro_batch": 64, "max_length": 64}
+    sft = {
+        "kind": "sft",
+        "train_path": str(tmp_path / "cpt"),
+        "max_tokens_per_micro_batch": 64,
+        "max_length": 64,
+    }
     path = tmp_path / "sft.yaml"
     path.write_text(yaml.safe_dump({**cfg, "data": sft}))
-    _one_line(capsys, ["train", str(path), "--no-progress"], "data.train_path", "is a folder; SFT data is a JSONL")
+    _one_line(
+        capsys, ["train", str(path), "--no-progress"], "data.train_path", "is a folder; SFT data is a JSONL"
+    )
     model_file = tmp_path / "a-file"
     model_file.write_text("x")
     _one_line(capsys, ["eval", "--model", str(model_file)], f"model folder {model_file} is a file")
@@ -117,7 +127,9 @@ def test_sizes_a_model_cannot_have_are_one_line(cpt, capsys, key, value, needle)
     tmp_path, cfg = cpt
     path = tmp_path / "m.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    _one_line(capsys, ["train", str(path), "--no-progress", "--set", f"model.from_config.{key}={value}"], needle)
+    _one_line(
+        capsys, ["train", str(path), "--no-progress", "--set", f"model.from_config.{key}={value}"], needle
+    )
     assert not (tmp_path / "runs").exists()  # the run.out_dir this start made is gone too
 
 

@@ -179,7 +179,9 @@ def load_problems(path: str | Path, task: str) -> list[Problem]:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 byte = raw[e.start]
-                raise ValueError(f"{where}: not valid UTF-8 (byte 0x{byte:02x}); re-encode the file as UTF-8") from None
+                raise ValueError(
+                    f"{where}: not valid UTF-8 (byte 0x{byte:02x}); re-encode the file as UTF-8"
+                ) from None
             if not line.strip():
                 continue
             try:

@@ -29,7 +29,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, typing.Hashable):
+                continue  # SafeLoader's own construct_mapping says what is wrong with it
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     problem=f"key {key!r} appears twice in one mapping", problem_mark=key_node.start_mark
@@ -53,7 +55,7 @@ def load_yaml_file(path: Path) -> Any:
             f"{path}:{line}: not valid UTF-8 (byte 0x{raw[e.start]:02x}); re-encode the file as UTF-8"
         ) from None
     try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 -- a SafeLoader
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
