@@ -315,6 +315,36 @@ def _broken_tokenizer(f: Path) -> None:
     (f / "tokenizer.json").write_text("{not json")
 
 
+def _garbage_checkpoint(w: World) -> Callable[[], None]:
+    """A setup: ``root/ckpt-garbage``, a checkpoint folder whose state.pt holds no torch data."""
+
+    def setup() -> None:
+        (w.root / "ckpt-garbage").mkdir()
+        (w.root / "ckpt-garbage" / "state.pt").write_bytes(b"\x00garbage" * 100)
+
+    return setup
+
+
+def _truncated_checkpoint(w: World) -> Callable[[], None]:
+    """A setup: one real step of training saved, its checkpoint copied to ``root/ckpt-cut`` and the
+    largest file there cut in half."""
+
+    def setup() -> None:
+        from infir2.cli import main
+
+        argv = ["train", str(w.train_yaml), "--no-progress", "--set", "run.name=ckpt-source"]
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            assert main(argv) == 0
+        source = sorted((w.root / "runs" / "ckpt-source" / "checkpoints").glob("step_*"))[-1]
+        shutil.copytree(source, w.root / "ckpt-cut")
+        biggest = max(
+            (p for p in (w.root / "ckpt-cut").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size
+        )
+        biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
+
+    return setup
+
+
 def _big_tokenizer(f: Path) -> None:
     from conftest import make_tokenizer
 
@@ -395,6 +425,13 @@ def train_cases(w: World) -> list[Case]:
         ("set-no-equals", "optim.lr", "--set"),
         ("set-no-section", "lr=1", "lr"),
         ("section-scalar", "optim=5", "optim"),
+        ("lr-bool", "optim.lr=true", "optim.lr"),
+        ("betas-str", "optim.betas=abc", "optim.betas"),
+        ("max-length-zero", "data.max_length=0", "data.max_length"),
+        ("overlong", "data.overlong=cut", "data.overlong"),
+        ("spike-window-zero", "train.loss_spike_window=0", "train.loss_spike_window"),
+        ("async-save-str", "train.async_save=later", "train.async_save"),
+        ("val-path-file", f"data.val_path={w.file}", "a-file"),
     ]
     cases = [t(n, s.split(" "), (k,)) for n, s, k in sets]
     cases += [
@@ -402,6 +439,20 @@ def train_cases(w: World) -> list[Case]:
         t("name-escape", ["run.name=../../escape"], ("run.name",)),
         t("name-empty", ["run.name="], ("run.name",)),
         t("device-cuda", ["run.device=cuda"], ("run.device",)),
+        t(
+            "tokenizer-big",
+            ["model.from_config=null", f"model.path={w.model}", f"model.tokenizer={w.p('m-train-big')}"],
+            ("m-train-big",),
+            setup=w.model_copy("m-train-big", _big_tokenizer),
+        ),
+        t(
+            "load-garbage",
+            [f"load.path={w.p('ckpt-garbage')}"],
+            ("ckpt-garbage",),
+            setup=_garbage_checkpoint(w),
+        ),
+        t("load-a-file", [f"load.path={w.file}"], ("a-file",)),
+        t("load-truncated", [f"load.path={w.p('ckpt-cut')}"], ("ckpt-cut",), setup=_truncated_checkpoint(w)),
     ]
     # model folders, damaged
     model_sets = [
@@ -533,6 +584,12 @@ def rl_cases(w: World) -> list[Case]:
         ("name-escape", "run.name=../../escape", "run.name"),
         ("out-dir-file", f"run.out_dir={w.file}", "run.out_dir"),
         ("model-missing", f"model.path={w.p('no-model')}", "no-model"),
+        ("out-dir-unwritable", f"run.out_dir={UNWRITABLE}", "run.out_dir"),
+        ("eval-problems-zero", "train.eval_problems=0", "train.eval_problems"),
+        ("carry-over-str", "rollout.carry_over=maybe", "rollout.carry_over"),
+        ("scale-encoding", "rollout.scale_encoding=fp16", "rollout.scale_encoding"),
+        ("overlong-buffer-neg", "algo.overlong_buffer=-1", "algo.overlong_buffer"),
+        ("adv-eps-neg", "algo.adv_eps=-1", "algo.adv_eps"),
     ]
     cases = [r(n, [s], (k,)) for n, s, k in sets]
     prompt_files: list[tuple[str, str | bytes]] = [
@@ -542,6 +599,8 @@ def rl_cases(w: World) -> list[Case]:
         ("empty", ""),
         ("line-list", _jsonl([[1, 2]])),
         ("answer-list", _jsonl([{"problem": "1+1", "answer": [2]}] * 4)),
+        ("duplicate-id", _jsonl([{"problem": "1+1", "answer": "2", "id": "q"}] * 2)),
+        ("blank-lines-only", "\n\n  \n"),
     ]
     for name, text in prompt_files:
         f = f"prompts-{name}.jsonl"
@@ -664,7 +723,7 @@ def eval_cases(w: World) -> list[Case]:
         from infir2.cli import main
 
         out = w.p("eval-out/settings-deleted")
-        with contextlib.redirect_stderr(io.StringIO()):
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
             main(
                 [
                     "eval",
@@ -914,6 +973,10 @@ def other_cases(w: World) -> list[Case]:
             ("demo-out/none",),
         ),
         x("demo/out-file", ["demo", "--report-only", "--out", str(w.file)], ("a-file", "--out")),
+        x("numerics/missing-run", ["numerics", w.p("no-run")], ("no-run",)),
+        x("numerics/not-a-run", ["numerics", str(w.cpt)], ("cpt",)),
+        x("numerics/a-file", ["numerics", str(w.file)], ("a-file",)),
+        x("numerics/top-zero", ["numerics", str(w.cpt), "--top", "0"], ("--top", "cpt")),
     ]
     return cases
 
