@@ -354,10 +354,15 @@ def _big_tokenizer(f: Path) -> None:
 # ----------------------------------------------------------------------------- the cases
 
 
+def _stage_case(command: str, config: Path, name: str, sets: list[str], names: tuple[str, ...], **kw) -> Case:
+    """``infir2 COMMAND CONFIG --set run.name=NAME --set ...``: a run of its own for each case."""
+    argv = [command, str(config), "--no-progress", "--set", f"run.name={name}"]
+    return Case(f"{command}/{name}", argv + [x for s in sets for x in ("--set", s)], names, **kw)
+
+
 def train_cases(w: World) -> list[Case]:
     def t(name: str, sets: list[str], names: tuple[str, ...], **kw) -> Case:
-        argv = ["train", str(w.train_yaml), "--no-progress", "--set", f"run.name={name}"]
-        return Case(f"train/{name}", argv + [x for s in sets for x in ("--set", s)], names, **kw)
+        return _stage_case("train", w.train_yaml, name, sets, names, **kw)
 
     sets = [
         ("lr-str", "optim.lr=abc", "optim.lr"),
@@ -547,8 +552,7 @@ def yaml_cases(w: World) -> list[Case]:
 
 def rl_cases(w: World) -> list[Case]:
     def r(name: str, sets: list[str], names: tuple[str, ...], **kw) -> Case:
-        argv = ["rl", str(w.rl_yaml), "--no-progress", "--set", f"run.name={name}"]
-        return Case(f"rl/{name}", argv + [x for s in sets for x in ("--set", s)], names, **kw)
+        return _stage_case("rl", w.rl_yaml, name, sets, names, **kw)
 
     sets = [
         ("pps-zero", "rollout.prompts_per_step=0", "rollout.prompts_per_step"),
