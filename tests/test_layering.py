@@ -30,7 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "generation": {"data", "export", "fp8", "kernels", "model", "nn"},
     "eval": {"data", "export", "generation", "loss", "model", "nn"},
     # the run harness under every stage: config sections, run folder, model setup, resume, guards
-    "harness": {"checkpoint", "data", "export", "fp8", "model", "nn"},
+    "harness": {"checkpoint", "data", "export", "fp8", "kernels", "model", "nn"},
     "train": {"data", "harness", "loss", "model", "nn"},  # peers on the harness: neither imports the other
     "rl": {"data", "eval", "generation", "harness", "model"},
     # tools/: each subpackage or module is a layer of its own (tools.<name>), above the library

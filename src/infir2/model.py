@@ -60,6 +60,8 @@ WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 def check_model_folder(path: str | Path) -> Path:
     """``path`` if it is a loadable-looking HF model folder (config.json + weights); else FileNotFoundError."""
     path = Path(path)
+    if path.is_file():
+        raise ValueError(f"model folder {path} is a file (expected a Hugging Face model folder)")
     if not path.is_dir():
         raise FileNotFoundError(f"model folder {path} does not exist")
     if not (path / "config.json").is_file():
@@ -130,10 +132,14 @@ def build_from_config(
     if vocab_size is not None:
         fields.setdefault("vocab_size", vocab_size)
     config_cls_name, model_cls_name = ARCHS[arch]
+    for key, value in fields.items():  # a negative width fails deep inside torch.empty otherwise
+        if (key.endswith("_size") or key.startswith("num_")) and isinstance(value, int) and value <= 0:
+            raise ValueError(f"model.from_config.{key}: must be > 0, got {value}")
     try:
         hf_config = getattr(transformers, config_cls_name)(**fields)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"model.from_config: {config_cls_name} rejects {fields}: {e}") from e
+    except Exception as e:  # TypeError, ValueError, huggingface_hub's StrictDataclassClassValidationError
+        first = " ".join(str(e).split())
+        raise ValueError(f"model.from_config: {config_cls_name} rejects {fields}: {first}") from e
     torch.manual_seed(seed)
     with torch.device(device) if device is not None else nullcontext():
         model: nn.Module = getattr(transformers, model_cls_name)(hf_config)

@@ -57,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not 0.0 <= args.val_fraction < 1.0:
+        raise ValueError(f"--val-fraction: must be in [0, 1), got {args.val_fraction}")
     tokenizer = load_tokenizer(args.tokenizer, model_type=args.model_type)
     meta = prepare_cpt(
         args.inputs,

@@ -31,6 +31,7 @@ Reading the folder back (training windows, held-out windows, the token reader) i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -237,6 +238,7 @@ def prepare_cpt(
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: exists and is not a folder")
+    new_parents = [p for p in out.parents if not p.exists()]  # nearest first; removed again on failure
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -247,6 +249,12 @@ def prepare_cpt(
         meta = _meta(files, tokenizer, dtype, counts, val_fraction, text_field)
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         _move_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for parent in new_parents:  # a bad input leaves no folder behind
+            with contextlib.suppress(OSError):
+                parent.rmdir()
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info(

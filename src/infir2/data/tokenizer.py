@@ -142,7 +142,11 @@ def load_tokenizer(path: str | Path, model_type: str | None = None) -> PreTraine
             "to DIR/tokenizer)"
         )
     model_type = model_type or folder_model_type(path)
-    saved = _load_as_saved(path)
+    try:
+        saved = _load_as_saved(path)
+    except Exception as e:  # JSON errors, the tokenizers library's own (a bare Exception), a missing file
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"tokenizer folder {path}: its files cannot be read ({first})") from e
     tokenizer = saved
     if model_type is not None:
         tokenizer = AutoTokenizer.from_pretrained(

@@ -76,9 +76,16 @@ def load_tokens(data_dir: str | Path, split: str = "train") -> np.ndarray:
     path = Path(data_dir) / f"{split}.bin"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found")
-    if path.stat().st_size == 0:
-        return np.zeros(0, dtype=np.dtype(meta["dtype"]).newbyteorder("<"))
-    return np.memmap(path, dtype=np.dtype(meta["dtype"]).newbyteorder("<"), mode="r")
+    dtype = np.dtype(meta["dtype"]).newbyteorder("<")
+    size = path.stat().st_size
+    if size == 0:
+        return np.zeros(0, dtype=dtype)
+    if size % dtype.itemsize:
+        raise ValueError(
+            f"{path}: {size} bytes is not a whole number of {meta['dtype']} tokens ({dtype.itemsize} bytes "
+            "each, meta.json's dtype): the file is cut short or not this folder's; run `infir2 prepare-cpt` again"
+        )
+    return np.memmap(path, dtype=dtype, mode="r")
 
 
 def check_tokenized_by(

@@ -33,6 +33,20 @@ class LossResult:
         return {"loss": self.loss, "perplexity": self.perplexity, "tokens": self.tokens}
 
 
+def _check_window(model: torch.nn.Module, seq_len: int, max_windows: int | None) -> None:
+    """Refuse windows the model cannot score as trained: none at all, or longer than its positions."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len (--seq-len) must be >= 1, got {seq_len}")
+    if max_windows is not None and max_windows < 1:
+        raise ValueError(f"max_windows (--max-windows) must be >= 1, got {max_windows}")
+    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(positions, int) and seq_len > positions:
+        raise ValueError(
+            f"seq_len (--seq-len) {seq_len} is past the {positions} positions the model was trained for "
+            "(max_position_embeddings): its loss there says nothing about the model; shorten it"
+        )
+
+
 def evaluate_loss(
     model: torch.nn.Module,
     token_dir: str | Path,
@@ -44,6 +58,7 @@ def evaluate_loss(
 ) -> LossResult:
     """Token-weighted mean cross-entropy over ``<token_dir>/<split>.bin`` (see the module docstring)."""
     tokens = load_tokens(token_dir, split)
+    _check_window(model, seq_len, max_windows)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if vocab is not None and len(tokens) and int(tokens.max()) >= vocab:
         raise ValueError(

@@ -167,14 +167,23 @@ def load_problems(path: str | Path, task: str) -> list[Problem]:
     """Read a benchmark JSONL file; errors name ``file:line`` and the offending key."""
     _check_task(task)
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path}: is a folder, not a benchmark JSONL file")
     if not path.is_file():
         raise FileNotFoundError(f"benchmark file not found: {path}")
     out = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                byte = raw[e.start]
+                raise ValueError(
+                    f"{where}: not valid UTF-8 (byte 0x{byte:02x}); re-encode the file as UTF-8"
+                ) from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:

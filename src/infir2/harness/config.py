@@ -27,8 +27,9 @@ from typing import Any, Literal, TypeVar
 import yaml
 
 from ..fp8 import RECIPES, get_recipe
+from ..kernels.registry import BACKENDS
 from ..model import ARCHS
-from .typed_yaml import apply_overrides, config_error, to_plain
+from .typed_yaml import apply_overrides, config_error, load_yaml_file, to_plain
 
 __all__ = [
     "FP32_MAX",
@@ -209,6 +210,8 @@ def _check_fp8(f: Fp8Config, source: str) -> None:
         get_recipe(f.recipe)
     except ValueError as e:
         raise config_error(source, "fp8.recipe", str(e)) from None
+    if f.backend is not None and f.backend not in BACKENDS:
+        raise config_error(source, "fp8.backend", f"got {f.backend!r}, expected one of {', '.join(BACKENDS)}")
     check_positive(source, "fp8.stats_every", f.stats_every, allow_zero=True)
     if f.param_gather and not RECIPES[f.recipe].gathers_fp8_weight:
         raise config_error(
@@ -280,10 +283,9 @@ def load_stage_config(
 ) -> Config:
     """Read a YAML config of one stage, apply ``--set`` overrides, validate with ``parse(data, source)``
     (which reads renamed keys: ``migrate_renamed``). Errors name the key and the file."""
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not valid YAML: {e}") from e
+    data = load_yaml_file(path)
+    if data is None:
+        raise ValueError(f"{path}: empty file (expected a mapping of sections: run, model, data, ...)")
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of sections (run, model, data, ...)")
     source = str(path)

@@ -12,6 +12,7 @@ checkpoint), removes the folder it created: a refused input leaves nothing behin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import shutil
 from collections.abc import Callable, Iterator
@@ -33,6 +34,7 @@ def open_run(run_dir: Path, device: str, check: Callable[[DistEnv], None] | None
     """The process group and the locked run folder of one run (every rank enters; module doc)."""
     env = init_distributed(device)
     created = env.is_main and not run_dir.exists()
+    new_parents = [p for p in run_dir.parents if not p.exists()] if created else []  # nearest first
     try:
         if check is not None:
             check(env)
@@ -41,22 +43,26 @@ def open_run(run_dir: Path, device: str, check: Callable[[DistEnv], None] | None
         with run_lock(run_dir, enabled=env.is_main):
             yield env
     except Exception:
-        if created:
-            _remove_if_unstarted(run_dir)
+        if created and _remove_if_unstarted(run_dir):
+            for parent in new_parents:  # run.out_dir too, if this call made it and it is empty
+                with contextlib.suppress(OSError):
+                    parent.rmdir()
         raise
     finally:
         env.close()
 
 
-def _remove_if_unstarted(run_dir: Path) -> None:
-    """A run folder this call created, whose start failed (no step logged, no checkpoint): remove it."""
+def _remove_if_unstarted(run_dir: Path) -> bool:
+    """A run folder this call created, whose start failed (no step logged, no checkpoint): remove it.
+    True if it is gone."""
     metrics = run_dir / "metrics.jsonl"
     if not run_dir.exists():
-        return
+        return True
     if any((run_dir / "checkpoints").glob("step_*")) or (metrics.exists() and metrics.stat().st_size):
-        return
+        return False
     shutil.rmtree(run_dir, ignore_errors=True)
     log.info("removed %s: the run did not start", run_dir)
+    return True
 
 
 def add_set_argument(parser: argparse.ArgumentParser) -> None:

@@ -15,11 +15,54 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
 
-__all__ = ["apply_overrides", "build", "config_error", "to_plain"]
+__all__ = ["apply_overrides", "build", "config_error", "load_yaml_file", "to_plain"]
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, typing.Hashable):
+                continue  # SafeLoader's own construct_mapping says what is wrong with it
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    problem=f"key {key!r} appears twice in one mapping", problem_mark=key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml_file(path: Path) -> Any:
+    """The YAML data of ``path`` (``None`` for an empty file); each problem is one ``ValueError`` line that
+    names the file: a folder, bytes that are not UTF-8, a syntax error (with its line and column), a key
+    given twice."""
+    if path.is_dir():
+        raise ValueError(f"{path}: is a folder, not a YAML file")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ValueError(
+            f"{path}:{line}: not valid UTF-8 (byte 0x{raw[e.start]:02x}); re-encode the file as UTF-8"
+        ) from None
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        what = " ".join(x for x in (e.context, e.problem) if x)
+        raise ValueError(f"{where}: not valid YAML ({what})") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
 
 
 def config_error(source: str, key: str, message: str) -> ValueError:

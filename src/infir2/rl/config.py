@@ -234,6 +234,8 @@ def parse_rl_config(data: dict[str, Any], source: str = "<dict>") -> RLConfig:
 def load_rl_config(path: str | Path, overrides: list[str] | None = None) -> RLConfig:
     """Read a YAML RL config, apply ``--set`` overrides, validate. Errors name the key and the file."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"RL config {path} is a folder, not a YAML file")
     if not path.is_file():
         raise FileNotFoundError(f"RL config {path} does not exist")
     return load_stage_config(path, parse_rl_config, overrides)

@@ -277,6 +277,8 @@ def add_run_arguments(parser: argparse.ArgumentParser, device_help: str, recompu
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.tokens < 1:
+        raise ValueError(f"--tokens: must be >= 1, got {args.tokens}")
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
     for bad, known, what in (

@@ -265,6 +265,8 @@ def resolve_config_path(name: str | Path) -> Path:
     path = Path(name)
     if path.is_file():
         return path
+    if path.is_dir():
+        raise ValueError(f"run config {name} is a folder, not a YAML file")
     shipped = shipped_configs()
     stem = path.name.removesuffix(".yaml")
     in_package_folder = path.parent == Path(".") or path.parent.parts[-2:] == ("infir2", "configs")

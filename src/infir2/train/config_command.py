@@ -77,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.keys or args.list:
         raise ValueError("give a config to check, or --keys / --list, not both")
+    if args.world_size < 1:
+        raise ValueError(f"--world-size: must be >= 1, got {args.world_size}")
     cfg = load_config(args.config, args.overrides)
     check_inputs(cfg, args.world_size)
     sys.stdout.write(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))

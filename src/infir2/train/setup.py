@@ -65,6 +65,8 @@ def check_inputs(cfg: RunConfig, world_size: int = 1, data: bool = True) -> None
     if d.max_tokens_per_micro_batch is None:
         raise ValueError("data.max_tokens_per_micro_batch: required for SFT (the token budget per forward)")
     for key, file in (("data.train_path", d.train_path), ("data.val_path", d.val_path)):
+        if file and Path(file).is_dir():
+            raise ValueError(f"{key}: {file} is a folder; SFT data is a JSONL file")
         if file and not Path(file).is_file():
             raise FileNotFoundError(f"{key}: SFT data file {file} does not exist")
 

@@ -201,6 +201,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    for flag in (
+        "tokens",
+        "iters",
+        "layers",
+        "seq",
+    ):  # each overrides the preset; 0 used to mean "the preset's"
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag}: must be >= 1, got {value}")
     device = resolve_device(args.device or "auto")
     cfg = PRESETS[args.preset or ("full" if device.type == "cuda" else "quick")]
     if args.tokens:

@@ -1,0 +1,96 @@
+"""benchmarks/bad_input_probe.py's classifier on real runs of the command line: a refusal the probe counts
+GOOD, and the outcomes it must count BAD (an exit 0 on a bad input, a traceback, a hang) or ACCEPTABLE
+(a line that does not name the input, something written) -- so a probe total means what it says."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from train_synthetic import one_thread
+
+_one_thread = pytest.fixture(autouse=True)(one_thread)
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "bad_input_probe.py"
+
+
+@pytest.fixture(scope="module")
+def probe():
+    spec = importlib.util.spec_from_file_location("bad_input_probe", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bad_input_probe"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["bad_input_probe"]
+
+
+@pytest.fixture(scope="module")
+def world(probe):
+    with probe.probe_world() as (w, cases):
+        yield w, {c.name: c for c in cases}
+
+
+def _verdict(probe, w, case) -> tuple[str, str]:
+    return probe.classify(case, probe.run_case(case, w.root))
+
+
+def test_the_probes_own_cases_good_and_acceptable(probe, world):
+    w, cases = world
+    assert len(cases) >= 140 and len(set(cases)) == len(cases)
+    verdict, line = _verdict(probe, w, cases["train/lr-nan"])
+    assert verdict == probe.GOOD and "optim.lr: must be a finite number" in line, line
+    verdict, line = _verdict(probe, w, cases["rl/group-zero"])
+    assert verdict == probe.GOOD, line
+    # the same refusal, but the case expects another name in the line: not GOOD
+    renamed = probe.Case("x", cases["train/lr-nan"].argv, ("optim.betas",))
+    verdict, why = _verdict(probe, w, renamed)
+    assert verdict == probe.ACCEPTABLE and "does not name optim.betas" in why
+
+
+def test_exit_0_a_traceback_a_hang_and_a_write_are_caught(probe, world, monkeypatch):
+    w, _ = world
+    verdict, why = _verdict(probe, w, probe.Case("exit0", ["config", "--list"], ("x",)))
+    assert (verdict, why) == (probe.BAD, "exit 0 on a bad input")
+
+    import infir2.tools.memory as memory
+
+    def crashes(args):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(memory, "run", crashes)
+    verdict, why = _verdict(probe, w, probe.Case("crash", ["memory"], ("x",)))
+    assert verdict == probe.BAD and why == "traceback: RuntimeError: a bug"
+
+    def hangs(args):
+        import time
+
+        time.sleep(30)
+
+    monkeypatch.setattr(memory, "run", hangs)
+    verdict, why = _verdict(probe, w, probe.Case("hang", ["memory"], ("x",), timeout=0.5))
+    assert verdict == probe.BAD and why.startswith("hang")
+
+    def writes_then_refuses(args):
+        (w.root / "left-behind.txt").write_text("partial")
+        raise ValueError("--tokens: bad")
+
+    monkeypatch.setattr(memory, "run", writes_then_refuses)
+    verdict, why = _verdict(probe, w, probe.Case("writes", ["memory"], ("--tokens",)))
+    assert verdict == probe.ACCEPTABLE and "wrote left-behind.txt" in why
+
+
+def test_message_lines_skip_logs_progress_and_usage_but_count_a_multiline_error(probe):
+    stderr = (
+        "usage: infir2 eval [-h]\n           [--x X]\n"
+        "INFO infir2.x: loading\n  more of that record\n"
+        "held-out loss: 0step [00:00, ?step/s]\n"
+        "infir2 eval: error: f.yaml: not valid YAML\n  in line 2\n    ^\n"
+    )
+    assert probe.message_lines(stderr) == [
+        "infir2 eval: error: f.yaml: not valid YAML",
+        "  in line 2",
+        "    ^",
+    ]
