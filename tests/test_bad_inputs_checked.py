@@ -6,6 +6,7 @@ trained positions, and an RL round that could never fill a step."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -226,3 +227,14 @@ def test_train_refuses_an_sft_sample_past_the_models_positions(tmp_path, capsys)
     path.write_text(yaml.safe_dump(cfg))
     assert main(["train", str(path), "--no-progress"]) == 2
     _one_line(capsys, "data.train_path: its longest sample", "trained for 32 positions")
+
+
+def test_plan_refuses_a_global_batch_the_gpus_cannot_split(capsys):
+    assert main(["plan", "qwen2.5-1.5b", "--gpus", "2", "--global-batch", "3"]) == 2
+    _one_line(capsys, "--global-batch 3 is not a multiple of --gpus x --micro-batch = 2")
+
+
+@pytest.mark.skipif(not Path("/sys").is_dir(), reason="needs /sys, where no folder can be made")
+def test_an_export_out_that_cannot_be_made_is_one_line(model_dir, capsys):
+    assert main(["export", "--model", str(model_dir), "--out", "/sys/infir2-export-test"]) == 2
+    _one_line(capsys, "--out", "/sys")

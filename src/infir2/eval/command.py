@@ -377,8 +377,9 @@ def _run_benchmark(args: argparse.Namespace) -> int:
     truncated, samples = result.summary.get("truncated", 0), result.summary.get("samples", 0)
     if truncated:
         log.warning(
-            "%d of %d samples were cut at --max-new-tokens %d before finishing (scored as they stand); "
-            "raise --max-new-tokens for reasoning models",
+            "%d of %d samples were cut before finishing, at --max-new-tokens %d or (local engine) at the "
+            "model's max_position_embeddings (scored as they stand); raise --max-new-tokens for reasoning "
+            "models, or --beyond-context to run past the positions",
             truncated,
             samples,
             args.max_new_tokens,

@@ -386,6 +386,7 @@ def convert_checkpoint(
     reader = CheckpointReader(src)
     final, out = out, out.with_name(f".tmp-{out.name}-{os.getpid()}")
     shutil.rmtree(out, ignore_errors=True)
+    make_folder(out, "--out")  # written here first: a folder that cannot be made is one line, now
     try:
         partial = PartialBlocks(keep=whole_blocks_only)
         _convert_into(reader, src, out, fmt, scale_encoding, max_shard_size, base_dtype, partial)

@@ -541,6 +541,12 @@ def run(args: argparse.Namespace) -> int:
     for key in ("gpus", "seq_len", "micro_batch"):
         if getattr(args, key) <= 0:
             raise ValueError(f"--{key.replace('_', '-')}: must be > 0, got {getattr(args, key)}")
+    per_step = args.gpus * args.micro_batch  # sequences one forward on every GPU takes
+    if args.global_batch is not None and (args.global_batch <= 0 or args.global_batch % per_step):
+        raise ValueError(
+            f"--global-batch {args.global_batch} is not a multiple of --gpus x --micro-batch = {per_step} "
+            "(each optimizer step runs whole micro-batches on every GPU)"
+        )
     chunk: int | str = (
         args.loss_chunk_tokens if args.loss_chunk_tokens == "auto" else int(args.loss_chunk_tokens)
     )
