@@ -238,3 +238,33 @@ def test_plan_refuses_a_global_batch_the_gpus_cannot_split(capsys):
 def test_an_export_out_that_cannot_be_made_is_one_line(model_dir, capsys):
     assert main(["export", "--model", str(model_dir), "--out", "/sys/infir2-export-test"]) == 2
     _one_line(capsys, "--out", "/sys")
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--temperature", "-1"], "--temperature must be > 0"),
+        (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["--batch-size", "0"], "--batch-size must be >= 1"),
+        (["--greedy", "--n", "2"], "--greedy is deterministic: it takes --n 1"),
+        (["--fp8", "fp4"], "--fp8: unknown FP8 recipe 'fp4'"),
+    ],
+)
+def test_eval_names_the_flag_and_writes_nothing(model_dir, tmp_path, capsys, extra, needle):
+    out = tmp_path / "runs" / "eval"
+    assert main(["eval", "--model", str(model_dir), "--limit", "1", "--out", str(out), *extra]) == 2
+    _one_line(capsys, needle)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_export_and_plan_name_the_flag_or_file(model_dir, tmp_path, capsys):
+    out = tmp_path / "x"
+    assert main(["export", "--model", str(model_dir), "--out", str(out), "--max-shard-size", "abc"]) == 2
+    _one_line(capsys, "--max-shard-size: shard size 'abc'")
+    (model_dir / "config.json").write_text("{broken")
+    assert main(["export", "--model", str(model_dir), "--out", str(out)]) == 2
+    _one_line(capsys, f"{model_dir / 'config.json'}: not valid JSON")
+    assert not out.exists()
+    assert main(["plan", "qwen2.5-1.5b", "--loss-chunk-tokens", "banana"]) == 2
+    _one_line(capsys, "--loss-chunk-tokens: expected auto, 0 or a number of tokens, got 'banana'")

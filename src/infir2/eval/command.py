@@ -39,12 +39,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 from ..data.chat import SYSTEM_PROMPT, THINK_PREFIX
 from ..data.tokenizer import load_tokenizer
+from ..fp8 import recipe_names
 from ..generation import ENGINES
 from ..model import check_model_folder, check_vocabulary, resolve_device
 from .presets import PRESETS
@@ -179,6 +181,33 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Every numeric flag in its range, named by its flag (the libraries below name their own fields)."""
+    import math
+
+    at_least_one = ("limit", "n", "max_new_tokens", "batch_size", "concurrency", "samples_per_request")
+    for key in at_least_one:
+        value = getattr(args, key, None)
+        if value is not None and value < 1:
+            raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {value}")
+    if args.greedy and args.n not in (None, 1):
+        raise ValueError(f"--greedy is deterministic: it takes --n 1, got --n {args.n}")
+    checks = (
+        ("--temperature", args.temperature, lambda v: args.greedy or (math.isfinite(v) and v > 0), "> 0"),
+        ("--top-p", args.top_p, lambda v: 0 < v <= 1, "in (0, 1]"),
+        (
+            "--request-timeout",
+            getattr(args, "request_timeout", None),
+            lambda v: math.isfinite(v) and v > 0,
+            "> 0",
+        ),
+        ("--retries", getattr(args, "retries", None), lambda v: v >= 0, ">= 0"),
+    )
+    for flag, value, ok, expected in checks:
+        if value is not None and not ok(value):
+            raise ValueError(f"{flag} must be {expected}, got {value}")
+
+
 def _resolve(args: argparse.Namespace) -> None:
     """Fill the protocol flags: explicit flag > preset > default."""
     preset = PRESETS[args.preset] if args.preset else None
@@ -192,10 +221,10 @@ def _resolve(args: argparse.Namespace) -> None:
             f"--preset {args.preset} needs --data: your local copy of its problems "
             f"(docs/EVAL_EXPORT.md says where to get it)"
         )
-    for flag, value in (("--limit", args.limit), ("--n", args.n)):
-        if value is not None and value < 1:  # refused before any folder is written
-            raise ValueError(f"{flag} must be >= 1, got {value}")
+    _check_numbers(args)  # refused by flag, before any folder is written
     resolve_device(args.device)  # a device this machine lacks is refused before anything loads
+    if args.fp8 not in (None, "served"):
+        recipe_names(args.fp8, "--fp8")  # a recipe name, checked by get_recipe
     if args.no_system_prompt:
         args.system_prompt = None
     elif args.system_prompt is None:
@@ -318,6 +347,8 @@ def _sample_and_grade(args: argparse.Namespace, problems: list, cfg: Any, out: P
     engine = _engine(args, tokenizer)
     if getattr(engine, "model", None) is not None:  # an in-process engine: every token id has a row
         check_vocabulary(engine.model, tokenizer, args.tokenizer or args.model)
+    top = next((p for p in (out, *out.parents) if p.parent.exists()), out)  # the top folder made here
+    created = None if top.exists() else top
     with CompletionLog(out, _settings(args, engine)) as completions:
         if done := len(completions.done):
             log.info("resuming %s: %d samples already in %s", out, done, completions.path)
@@ -335,6 +366,10 @@ def _sample_and_grade(args: argparse.Namespace, problems: list, cfg: Any, out: P
                 seed=args.seed,
             )
         except (ServerError, ValueError) as e:  # one line: the error and what is kept
+            if created is not None and not completions.done:  # nothing to resume: leave no folder behind
+                completions.close()
+                shutil.rmtree(created, ignore_errors=True)
+                raise
             kept = f"{len(completions.done)} samples are saved in {completions.path}"
             raise type(e)(f"{e} ({kept}; rerun the same command to generate only the rest)") from None
         except Exception:

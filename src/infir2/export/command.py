@@ -69,8 +69,13 @@ def run(args: argparse.Namespace) -> int:
 
     from ..fp8.quantize import ScaleEncoding
     from .convert import convert_checkpoint, describe
+    from .shards import parse_size
 
     encoding: ScaleEncoding = args.scale_encoding or "pow2"
+    try:
+        parse_size(args.max_shard_size)
+    except ValueError as e:
+        raise ValueError(f"--max-shard-size: {e}") from None
     out = convert_checkpoint(
         args.model,
         args.out,

@@ -368,7 +368,6 @@ def convert_checkpoint(
     if not config_path.is_file():
         raise FileNotFoundError(f"{src}: no config.json (expected a Hugging Face checkpoint folder)")
     check_safetensors(src)
-    make_folder(out.parent, "--out")  # the folder is written beside --out and renamed into place
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file, not a folder")
     if src.resolve() == out.resolve():
@@ -380,10 +379,14 @@ def convert_checkpoint(
             f"output folder {out} is not empty; choose a new or empty folder, or pass --overwrite "
             "to replace it"
         )
-    config = json.loads(config_path.read_text(encoding="utf-8"))
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{config_path}: not valid JSON ({e})") from None
     if fmt == "fp8" and is_fp8_config(config, str(config_path)):
         raise ValueError(f"{src} is already an FP8 checkpoint")
-    reader = CheckpointReader(src)
+    reader = CheckpointReader(src)  # its errors (no weights, a bad index) before any folder is made
+    make_folder(out.parent, "--out")  # the folder is written beside --out and renamed into place
     final, out = out, out.with_name(f".tmp-{out.name}-{os.getpid()}")
     shutil.rmtree(out, ignore_errors=True)
     make_folder(out, "--out")  # written here first: a folder that cannot be made is one line, now

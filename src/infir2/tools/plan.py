@@ -536,6 +536,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _chunk_tokens(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(
+            f"--loss-chunk-tokens: expected auto, 0 or a number of tokens, got {text!r}"
+        ) from None
+    if value < 0:
+        raise ValueError(f"--loss-chunk-tokens must be >= 0, got {value}")
+    return value
+
+
 def run(args: argparse.Namespace) -> int:
     recipe_names(args.recipe, "--recipe")  # one name, checked by get_recipe
     for key in ("gpus", "seq_len", "micro_batch"):
@@ -548,7 +560,7 @@ def run(args: argparse.Namespace) -> int:
             "(each optimizer step runs whole micro-batches on every GPU)"
         )
     chunk: int | str = (
-        args.loss_chunk_tokens if args.loss_chunk_tokens == "auto" else int(args.loss_chunk_tokens)
+        args.loss_chunk_tokens if args.loss_chunk_tokens == "auto" else _chunk_tokens(args.loss_chunk_tokens)
     )
     name, shape = load_shape(args.model)
     kw = {
