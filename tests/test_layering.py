@@ -28,7 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "export": {"data", "fp8", "nn"},
     # engines, the KV-cache sampler, the FP8 serving linear, the server client: below eval and rl
     "generation": {"data", "export", "fp8", "kernels", "model", "nn"},
-    "eval": {"data", "export", "generation", "loss", "model", "nn"},
+    "eval": {"data", "export", "fp8", "generation", "loss", "model", "nn"},
     # the run harness under every stage: config sections, run folder, model setup, resume, guards
     "harness": {"checkpoint", "data", "export", "fp8", "kernels", "model", "nn"},
     "train": {"data", "harness", "loss", "model", "nn"},  # peers on the harness: neither imports the other
