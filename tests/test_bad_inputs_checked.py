@@ -16,7 +16,7 @@ from conftest import make_tiny_model, make_tokenizer
 from infir2.cli import main
 from infir2.data import load_tokenizer
 from infir2.rl import parse_rl_config
-from train_synthetic import one_thread, prepared_cpt
+from train_synthetic import one_thread, prepared_cpt, tiny_llama
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -105,17 +105,21 @@ def test_an_rl_round_that_cannot_fill_a_step_is_refused():
         parse_rl_config({"rollout": rollout}, "rl.yaml")
 
 
-def test_train_refuses_windows_past_the_models_positions_unless_asked(tmp_path, capsys):
-    tok_dir, _ = prepared_cpt(tmp_path, documents=200)
-    arch = {"arch": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1}
-    arch |= {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 16}
-    cfg = {
-        "run": {"name": "long", "out_dir": str(tmp_path / "runs"), "device": "cpu"},
-        "model": {"from_config": arch, "tokenizer": str(tok_dir), "precision": "fp32"},
+def _short_model_run(tmp_path, name: str, tok_dir, positions: int, data: dict) -> dict:
+    """A one-step fp32 run of a 1-layer tiny Llama trained for ``positions`` positions."""
+    return {
+        "run": {"name": name, "out_dir": str(tmp_path / "runs"), "device": "cpu"},
+        "model": {"from_config": tiny_llama(1, positions), "tokenizer": str(tok_dir), "precision": "fp32"},
         "fp8": {"recipe": "bf16"},
-        "data": {"train_path": str(tmp_path / "cpt"), "seq_len": 32, "global_batch_size": 2},
+        "data": data,
         "train": {"max_steps": 1},
     }
+
+
+def test_train_refuses_windows_past_the_models_positions_unless_asked(tmp_path, capsys):
+    tok_dir, _ = prepared_cpt(tmp_path, documents=200)
+    data = {"train_path": str(tmp_path / "cpt"), "seq_len": 32, "global_batch_size": 2}
+    cfg = _short_model_run(tmp_path, "long", tok_dir, 16, data)
     path = tmp_path / "t.yaml"
     path.write_text(yaml.safe_dump(cfg))
     assert main(["train", str(path), "--no-progress"]) == 2
@@ -213,15 +217,8 @@ def test_train_refuses_an_sft_sample_past_the_models_positions(tmp_path, capsys)
     chats = tmp_path / "chats.jsonl"
     long = {"messages": [{"role": "user", "content": "add " * 40}, {"role": "assistant", "content": "ok"}]}
     chats.write_text(json.dumps(long) + "\n" + json.dumps(long) + "\n")
-    arch = {"arch": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1}
-    arch |= {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32}
-    cfg = {
-        "run": {"name": "sft", "out_dir": str(tmp_path / "runs"), "device": "cpu"},
-        "model": {"from_config": arch, "tokenizer": str(tok_dir), "precision": "fp32"},
-        "fp8": {"recipe": "bf16"},
-        "data": {"kind": "sft", "train_path": str(chats), "global_batch_size": 2},
-        "train": {"max_steps": 1},
-    }
+    cfg = _short_model_run(tmp_path, "sft", tok_dir, 32, {"kind": "sft", "train_path": str(chats)})
+    cfg["data"]["global_batch_size"] = 2
     cfg["data"] |= {"max_tokens_per_micro_batch": 512, "max_length": 256}
     path = tmp_path / "sft.yaml"
     path.write_text(yaml.safe_dump(cfg))
