@@ -1,0 +1,117 @@
+"""The context-parallel tests' shared case: packed rows of odd-length documents, a tiny FP8 model, and one
+forward + backward that records what every FP8 linear was given.
+
+Documents are arithmetic progressions ``x_t = (a + b t) mod V`` of odd lengths (3 .. 611 tokens), packed
+end to end into rows of ``WIDTH`` tokens (``data.context.pack_documents``: ``position_ids`` restart at
+each document, the row's tail is padding). Their boundaries fall anywhere, shard edges included. A
+step's rows are split over data ranks in contiguous blocks, one row per micro-batch, so one process sees
+exactly the rows that the data ranks see together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from conftest import make_tiny_model
+from infir2.data.base import IGNORE_INDEX, MicroBatch, count_loss_tokens
+from infir2.data.context import pack_documents, shard_micro_batch
+from infir2.fp8 import get_recipe
+from infir2.loss import shard_context, token_ce_sum
+from infir2.model import prepare_for_training
+from infir2.nn import Fp8Linear
+
+WIDTH = 1024  # tokens per row: 4 shards of 256 (2 tiles of 128) at context 4
+VOCAB = 300
+ROWS = 2  # rows a step, all data ranks together
+
+
+def documents(seed: int, total: int) -> list[tuple[list[int], list[int]]]:
+    """Odd-length documents of about ``total`` tokens; the first third of each is a prompt (no loss)."""
+    g = torch.Generator().manual_seed(seed)
+    docs, used = [], 0
+    while used < total:
+        n = int(torch.randint(1, 306, (1,), generator=g)) * 2 + 1  # 3 .. 611, odd
+        a, b = (int(v) for v in torch.randint(0, VOCAB, (2,), generator=g))
+        ids = [(a + (b % 7 + 1) * t) % VOCAB for t in range(n)]
+        labels = [IGNORE_INDEX if t < n // 3 else i for t, i in enumerate(ids)]
+        docs.append((ids, labels))
+        used += n
+    return docs
+
+
+def packed_rows(step: int, rows: int = ROWS, seed: int = 0) -> list[MicroBatch]:
+    """``rows`` packed rows of ``WIDTH`` tokens for ``step`` (documents of odd lengths, some padding)."""
+    docs = documents(seed * 1_000_003 + step, rows * WIDTH)
+    packed = pack_documents(docs, WIDTH)
+    assert len(packed) >= rows, "documents for fewer rows than asked"
+    return packed[:rows]
+
+
+class PackedSource:
+    """A ``StepSource`` of ``packed_rows``: data rank ``rank`` of ``world_size`` gets its contiguous rows."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1, rows: int = ROWS, seed: int = 0) -> None:
+        assert rows % world_size == 0
+        self.rank, self.world_size, self.rows, self.seed, self.step = rank, world_size, rows, seed, 0
+
+    def __iter__(self) -> Iterator[list[MicroBatch]]:
+        while True:
+            batch = packed_rows(self.step, self.rows, self.seed)
+            self.step += 1
+            per = self.rows // self.world_size
+            yield batch[self.rank * per : (self.rank + 1) * per]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
+
+
+def model(recipe: str = "blockwise") -> nn.Module:
+    """The tiny Qwen2 (hidden 128, 2 layers, 4 heads, 2 KV heads), FP8 ``recipe``, fp32 masters."""
+    tiny = make_tiny_model(max_positions=2 * WIDTH)
+    return prepare_for_training(tiny, get_recipe(recipe), None, False, True, torch.float32)
+
+
+def record_inputs(net: nn.Module) -> tuple[dict[str, list[torch.Tensor]], list[Any]]:
+    """``inputs[name]``: what every FP8 linear was given, call by call (and the hook handles)."""
+    inputs: dict[str, list[torch.Tensor]] = {}
+    handles = []
+    for name, module in net.named_modules():
+        if isinstance(module, Fp8Linear):
+            store = inputs.setdefault(name, [])
+            handles.append(module.register_forward_pre_hook(lambda _m, args, s=store: s.append(args[0].detach())))
+    return inputs, handles
+
+
+def forward_backward(net: nn.Module, micro_batches: list[MicroBatch], scale: float) -> float:
+    """The training step's forward + backward (``train.loop.train_step``) with a given loss scale; the
+    summed CE of these micro-batches."""
+    total = 0.0
+    for mb in micro_batches:
+        with shard_context(mb):
+            ce = token_ce_sum(net, mb, "fp32", torch.device("cpu"), 0)
+            (ce * scale).backward()
+        total += float(ce.detach())
+    return total
+
+
+def one_process(recipe: str = "blockwise", step: int = 0) -> dict[str, Any]:
+    """The unsharded reference: every row of the step in one process (context degree 1 of the same
+    path), gradients of the per-token mean."""
+    from infir2.nn.context_parallel import enable_context_parallel
+
+    net = enable_context_parallel(model(recipe), None)
+    shards = [shard_micro_batch(mb, 0, 1) for mb in packed_rows(step)]
+    n = count_loss_tokens(shards)
+    inputs, handles = record_inputs(net)
+    ce = forward_backward(net, shards, 1.0 / n)
+    for h in handles:
+        h.remove()
+    grads = {name: p.grad.clone() for name, p in net.named_parameters()}
+    return {"inputs": inputs, "ce": ce, "n": n, "grads": grads}
