@@ -72,10 +72,14 @@ class PackedSource:
         self.step = state["step"]
 
 
+def tiny() -> nn.Module:
+    """The tiny Qwen2 (hidden 128, 2 layers, 4 heads, 2 KV heads), as ``train`` takes it."""
+    return make_tiny_model(max_positions=2 * WIDTH)
+
+
 def model(recipe: str = "blockwise") -> nn.Module:
-    """The tiny Qwen2 (hidden 128, 2 layers, 4 heads, 2 KV heads), FP8 ``recipe``, fp32 masters."""
-    tiny = make_tiny_model(max_positions=2 * WIDTH)
-    return prepare_for_training(tiny, get_recipe(recipe), None, False, True, torch.float32)
+    """``tiny()`` with FP8 ``recipe`` and fp32 masters, as a training run makes it."""
+    return prepare_for_training(tiny(), get_recipe(recipe), None, False, True, torch.float32)
 
 
 def record_inputs(net: nn.Module) -> tuple[dict[str, list[torch.Tensor]], list[Any]]:

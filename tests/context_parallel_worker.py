@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from context_parallel_case import PackedSource, forward_backward, model, packed_rows, record_inputs
+from context_parallel_case import PackedSource, forward_backward, model, packed_rows, record_inputs, tiny
 from infir2.data.base import MicroBatch, count_loss_tokens
 from infir2.data.context import shard_micro_batch
 from infir2.harness.distributed import all_reduce_sum, context_layout, init_distributed, shard_model
@@ -78,7 +78,7 @@ def train_run(out: str, context: int, steps: int, name: str, kill_after: int | N
     data = {"rank": rank // context, "world_size": world // context}
     source = PackedSource(**data) if kill_after is None else KillAfter(kill_after, **data)
     cfg = run_config(out, name, context, steps, save_every)
-    train(cfg, model=model(), train_source=source, progress=False)
+    train(cfg, model=tiny(), train_source=source, progress=False)
 
 
 def _flag(args: list[str], name: str) -> int | None:

@@ -95,10 +95,11 @@ def shard_micro_batch(mb: MicroBatch, rank: int, degree: int, pad_id: int = 0) -
     mb = {**mb, "position_ids": mb.get("position_ids", torch.arange(width).expand(rows, width))}
     mb = _pad_to(mb, -(-width // unit) * unit, pad_id)
     documents = document_ids(mb["position_ids"])
-    targets = shift_labels(mb["labels"], documents)
     valid = mb.get("attention_mask")
-    if valid is not None:  # padding: its own document (-1), never a key of a real token, never a loss
+    if valid is not None:  # padding: its own document (-1), never a key of a real token, never a target
         documents = torch.where(valid.bool(), documents, -1)
+    targets = shift_labels(mb["labels"], documents)
+    if valid is not None:
         targets = torch.where(valid.bool(), targets, IGNORE_INDEX)
     size = documents.shape[1] // degree
     cut = slice(rank * size, (rank + 1) * size)
