@@ -89,7 +89,9 @@ def record_inputs(net: nn.Module) -> tuple[dict[str, list[torch.Tensor]], list[A
     for name, module in net.named_modules():
         if isinstance(module, Fp8Linear):
             store = inputs.setdefault(name, [])
-            handles.append(module.register_forward_pre_hook(lambda _m, args, s=store: s.append(args[0].detach())))
+            handles.append(
+                module.register_forward_pre_hook(lambda _m, args, s=store: s.append(args[0].detach()))
+            )
     return inputs, handles
 
 

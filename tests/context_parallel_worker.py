@@ -38,7 +38,10 @@ def exact(out: Path, context: int) -> None:
     data = layout.data_env
     rows = packed_rows(0)
     per = len(rows) // data.world_size
-    mine = [shard_micro_batch(mb, layout.context_rank, context) for mb in rows[data.rank * per : (data.rank + 1) * per]]
+    mine = [
+        shard_micro_batch(mb, layout.context_rank, context)
+        for mb in rows[data.rank * per : (data.rank + 1) * per]
+    ]
     n = float(all_reduce_sum(torch.tensor([float(count_loss_tokens(mine))]), env))
     inputs, handles = record_inputs(net)
     ce = forward_backward(net, mine, env.world_size / n)  # FSDP2 averages over the world

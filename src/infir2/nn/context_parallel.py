@@ -7,7 +7,7 @@ and the MLP see exactly the rows one process would give them, so every 1x128 act
 of the unsharded run and its FP8 codes are the same. Only attention looks across tokens; there::
 
     K, V  = all_gather_seq(k_shard), all_gather_seq(v_shard)     # [B,Hkv,l,D] x C -> [B,Hkv,L,D]
-    out   = sdpa(q_shard, K, V, mask[rows of this shard])          # [B,H,l,D]
+    out   = softmax(q_shard K^T * scale + mask) V                  # [B,H,l,D], a chunk of rows at a time
     mask[i, j] = global(j) <= global(i)  and  doc(j) == doc(i)      (padding is a document of its own)
 
 RoPE has already been applied with the tokens' own position ids before the gather, so the gathered keys
@@ -20,9 +20,14 @@ it adds the data ranks'.
 Why not torch's ring attention (``torch.distributed.tensor.experimental.context_parallel``): it needs the
 flash / efficient SDPA kernels (CUDA), has no CPU / gloo path to test against one process, and has no
 document mask; Ulysses (all-to-all over heads) needs the heads divisible by ``C``. The all-gather
-keeps ``L`` keys per rank (``2 * L * Hkv * D`` values per layer, small with GQA) and needs neither. The
-mask is materialized per shard (``[B, 1, l, L]`` booleans), which SDPA reads on CPU and on CUDA (its
-memory-efficient kernel); docs/DISTRIBUTED.md gives the numbers.
+keeps ``L`` keys per rank (``2 * L * Hkv * D`` values per layer, small with GQA) and needs neither.
+
+The attention itself (``_ShardAttention``) is written out, a chunk of query rows at a time, because
+torch's SDPA with an arbitrary mask keeps that mask expanded over the heads for backward (``H * l * L``
+bytes per layer: 7.5 GB per layer for a 7B model at 32k on 4 ranks). It keeps ``q, K, V``, the output
+and one log-sum-exp per row, and recomputes the scores per chunk in backward (``CHUNK_BYTES`` bounds a
+chunk's fp32 scores). It is plain torch, so it runs the same on CPU and GPU; a fused kernel (flash /
+flex attention with a document mask) is where GPU speed would come from (docs/DISTRIBUTED.md).
 
 ``enable_context_parallel(model, group)`` makes every attention layer of a transformers model use
 ``context_attention`` (registered under ``ATTENTION`` in transformers' ``AttentionInterface``; the HF
@@ -40,7 +45,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
@@ -69,16 +73,16 @@ class SequenceShard:
     start: int
     rows: int
 
-    def mask(self, device: torch.device) -> torch.Tensor:
-        """``[B, 1, l, L]`` bool: causal by global index, within a document."""
-        length = self.documents.shape[1]
-        q = torch.arange(self.start, self.start + self.rows, device=device)
-        k = torch.arange(length, device=device)
+    def allowed(self, first: int, rows: int, device: torch.device) -> torch.Tensor:
+        """``[B, rows, L]`` bool for this shard's rows ``first .. first + rows``: causal by global index,
+        within a document."""
+        start = self.start + first
+        q = torch.arange(start, start + rows, device=device)
+        k = torch.arange(self.documents.shape[1], device=device)
         docs = self.documents.to(device)
-        allowed = (k[None, None, :] <= q[None, :, None]) & (
-            docs[:, None, :] == docs[:, self.start : self.start + self.rows, None]
+        return (k[None, None, :] <= q[None, :, None]) & (
+            docs[:, None, :] == docs[:, start : start + rows, None]
         )
-        return allowed[:, None]
 
 
 _SHARD: ContextVar[SequenceShard | None] = ContextVar("infir2_sequence_shard", default=None)
@@ -121,6 +125,78 @@ def all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> tor
     return _GatherSequence.apply(x, group)
 
 
+#: the fp32 scores of one query chunk (``[B, H, chunk, L]``) stay under this many bytes
+CHUNK_BYTES = 64 << 20
+
+
+def _chunk_rows(shape: torch.Size, length: int) -> int:
+    batch, heads = shape[0], shape[1]
+    return max(1, CHUNK_BYTES // (batch * heads * length * torch.finfo(torch.float32).bits // 8))
+
+
+def _acc(x: torch.Tensor) -> torch.dtype:
+    """The softmax's dtype: fp32 (or fp64 for fp64 inputs)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
+    """Masked fp32 scores of a query chunk: ``[B,G,R,c,D] @ [B,G,1,D,L] -> [B,G,R,c,L]`` (G KV heads, R
+    query heads each)."""
+    s = (q @ k.unsqueeze(2).transpose(-1, -2)).to(_acc(q)) * scale
+    return s.masked_fill(~allowed[:, None, None], float("-inf"))
+
+
+class _ShardAttention(torch.autograd.Function):
+    """Softmax attention of a shard's queries over the whole sequence, a chunk of query rows at a time:
+    only ``q, K, V, out`` and the rows' log-sum-exp are kept for backward (no ``[l, L]`` mask or
+    probabilities: the backward recomputes them per chunk). Every row's result depends only on that row
+    and the keys, so a shard's rows are the rows the whole sequence gives."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard, scale: float
+    ):
+        batch, heads, rows, dim = q.shape
+        groups = k.shape[1]
+        qg = q.view(batch, groups, heads // groups, rows, dim)  # query heads grouped by their KV head
+        out = torch.empty_like(qg)
+        lse = torch.empty(qg.shape[:-1], dtype=_acc(q), device=q.device)
+        chunk = _chunk_rows(q.shape, k.shape[2])
+        for c0 in range(0, rows, chunk):
+            c = slice(c0, c0 + chunk)
+            s = _scores(qg[:, :, :, c], k, shard.allowed(c0, qg[:, :, :, c].shape[3], q.device), scale)
+            m = s.amax(dim=-1, keepdim=True)
+            p = torch.exp(s - m)
+            z = p.sum(dim=-1, keepdim=True)
+            lse[:, :, :, c] = (m + torch.log(z))[..., 0]
+            out[:, :, :, c] = (p / z).to(v.dtype) @ v.unsqueeze(2)  # [B,G,R,c,L] @ [B,G,1,L,D] -> [B,G,R,c,D]
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.shard, ctx.scale, ctx.chunk = shard, scale, chunk
+        return out.view(batch, heads, rows, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        batch, heads, rows, dim = q.shape
+        acc = _acc(q)
+        qg, dout = q.view(out.shape), grad.reshape(out.shape).to(acc)
+        kf, vf = k.unsqueeze(2).to(acc), v.unsqueeze(2).to(acc)  # [B,G,1,L,D]
+        delta = (dout * out.to(acc)).sum(dim=-1)  # [B,G,R,l]: rowsum(dO * O)
+        dq = torch.empty_like(qg)
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        for c0 in range(0, rows, ctx.chunk):
+            c = slice(c0, c0 + ctx.chunk)
+            qc, dc = qg[:, :, :, c], dout[:, :, :, c]
+            allowed = ctx.shard.allowed(c0, qc.shape[3], q.device)
+            p = torch.exp(_scores(qc, k, allowed, ctx.scale) - lse[:, :, :, c, None])  # [B,G,R,c,L]
+            dv += (p.transpose(-1, -2) @ dc).sum(dim=2)  # [B,G,R,L,c] @ [B,G,R,c,D] -> [B,G,L,D]
+            ds = p * ((dc @ vf.transpose(-1, -2)) - delta[:, :, :, c, None])  # [B,G,R,c,L]
+            dq[:, :, :, c] = ((ds @ kf) * ctx.scale).to(q.dtype)  # [B,G,R,c,L] @ [B,G,1,L,D] -> [B,G,R,c,D]
+            dk += (ds.transpose(-1, -2) @ qc.to(acc)).sum(dim=2) * ctx.scale  # [B,G,L,D]
+        return dq.view(batch, heads, rows, dim), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
 def context_attention(
     module: nn.Module,
     query: torch.Tensor,  # [B, H, l, D]
@@ -138,17 +214,13 @@ def context_attention(
             "context-parallel attention outside infir2.nn.sequence_shard: a context-parallel model runs "
             "on micro-batches split by infir2.data.shard_micro_batch"
         )
-    if kwargs.get("sliding_window") is not None:
-        raise ValueError("context parallelism has no sliding-window attention (use_sliding_window)")
+    if kwargs.get("sliding_window") is not None or (dropout and module.training):
+        raise ValueError("context parallelism has no sliding-window attention and no attention dropout")
     group = getattr(module, "context_group", None)
     key = all_gather_sequence(key, group)  # [B, Hkv, L, D]
     value = all_gather_sequence(value, group)
-    repeats = query.shape[1] // key.shape[1]  # grouped-query attention: each KV head serves `repeats`
-    key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
-    mask = shard.mask(query.device)
-    out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, dropout_p=dropout if module.training else 0.0, scale=scaling
-    )  # [B,H,l,D] @ [B,H,D,L] -> [B,H,l,L] -> softmax @ [B,H,L,D] -> [B,H,l,D]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = _ShardAttention.apply(query, key, value, shard, scale)  # [B, H, l, D]
     return out.transpose(1, 2).contiguous(), None  # [B, l, H, D], as transformers' functions return
 
 
