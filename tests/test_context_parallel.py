@@ -246,3 +246,76 @@ def test_twenty_steps_track_one_process_and_a_kill_resumes_on_any_degree(tmp_pat
     torchrun(worker, "train", tmp_path, 4, 20, "k4", "--save-every", 16, nproc=4)
     on_four = _losses(tmp_path / "k4")
     assert max(abs(on_four[s] - c2[s]) / c2[s] for s in range(17, 21)) <= 2 * yardstick
+
+
+# ------------------------------------------------------------------------------ settings it refuses
+
+
+@pytest.fixture(scope="module")
+def cpt_config(tmp_path_factory):
+    """A tiny CPT run config file (the command-line tests' tiny Llama, 256-token windows)."""
+    import yaml
+
+    from train_synthetic import cpt_data, prepared_cpt, tiny_llama
+
+    root = tmp_path_factory.mktemp("cp-bad")
+    tokenizer, data = prepared_cpt(root, documents=300)
+    cfg = {
+        "run": {"name": "r", "out_dir": str(root / "runs"), "device": "cpu"},
+        "model": {
+            "from_config": tiny_llama(max_positions=512),
+            "tokenizer": str(tokenizer),
+            "precision": "fp32",
+        },
+        "data": cpt_data(data, 256, 2, 1),
+        "train": {"max_steps": 1},
+    }
+    (root / "run.yaml").write_text(yaml.safe_dump(cfg))
+    return root
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["parallel.context=2", "data.seq_len=200"],
+            "data.seq_len: 200 does not split into parallel.context=2",
+        ),
+        (["parallel.context=4", "data.seq_len=256"], "make it a multiple of 512"),
+        (["parallel.context=0"], "parallel.context"),
+        (["parallel.context=2"], "parallel.context: 2 does not divide the 1 processes"),
+    ],
+)
+def test_bad_context_settings_are_one_line_exit_2_and_leave_no_folder(
+    cpt_config, capsys, overrides, expected
+):
+    from infir2.cli import main
+
+    argv = ["train", str(cpt_config / "run.yaml"), "--no-progress"]
+    for item in overrides:
+        argv += ["--set", item]
+    rc = main(argv)
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if ": error: " in line]
+    assert rc == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert expected in errors[0], errors[0]
+    assert not (cpt_config / "runs").exists()
+
+
+def test_attention_it_cannot_shard_is_refused():
+    """Sliding-window attention (Qwen2's use_sliding_window), attention dropout in training, and a
+    context-parallel model run on a micro-batch that is no shard: each a one-line error."""
+    from conftest import make_tiny_model
+    from infir2.loss import token_ce_sum
+    from infir2.nn.context_parallel import enable_context_parallel
+
+    sliding = make_tiny_model(use_sliding_window=True, sliding_window=64, max_window_layers=0)
+    with pytest.raises(ValueError, match="sliding-window attention, which context parallelism cannot shard"):
+        enable_context_parallel(sliding, None)
+    row = packed_rows(0)[0]
+    dropout = enable_context_parallel(make_tiny_model(attention_dropout=0.1, max_positions=2048), None)
+    with pytest.raises(ValueError, match="no attention dropout"):
+        token_ce_sum(dropout, shard_micro_batch(row, 0, 1), "fp32", torch.device("cpu"), 0)
+    plain = enable_context_parallel(make_tiny_model(max_positions=2048), None)
+    with pytest.raises(RuntimeError, match=r"outside infir2\.nn\.sequence_shard"):
+        token_ce_sum(plain, row, "fp32", torch.device("cpu"), 0)
