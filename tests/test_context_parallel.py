@@ -319,3 +319,57 @@ def test_attention_it_cannot_shard_is_refused():
     plain = enable_context_parallel(make_tiny_model(max_positions=2048), None)
     with pytest.raises(RuntimeError, match=r"outside infir2\.nn\.sequence_shard"):
         token_ce_sum(plain, row, "fp32", torch.device("cpu"), 0)
+
+
+# ------------------------------------------------------------------------------ memory per rank
+
+
+def _rank_saved_bytes(degree: int, monkeypatch) -> tuple[int, Any]:
+    """What the last context rank of ``degree`` keeps for backward (outside the parameters), measured in one
+    process: the gather of the other ranks' keys and values is stood in for by a tensor of the same shape
+    (the shard's own keys in their place), which is all memory depends on."""
+    from conftest import make_tiny_model
+    from infir2.model import prepare_for_training
+    from infir2.nn import cache_fp8_weights
+    from infir2.nn import context_parallel as cp
+    from infir2.tools.memory import saved_in_graph
+    from infir2.tools.plan import ModelShape
+
+    def gathered(x: torch.Tensor, group: Any) -> torch.Tensor:  # [B,H,l,D] -> [B,H,C*l,D], this shard last
+        return torch.cat([torch.zeros_like(x)] * (degree - 1) + [x], dim=2)
+
+    monkeypatch.setattr(cp, "all_gather_sequence", gathered)
+    tiny = make_tiny_model(hidden=128, layers=3, max_positions=2 * WIDTH)
+    shape = ModelShape.from_config(tiny.config.to_dict(), "<tiny>")
+    net = cp.enable_context_parallel(
+        prepare_for_training(tiny, get_recipe("blockwise"), None, False, True), None
+    )
+    mb = shard_micro_batch(packed_rows(0)[0], degree - 1, degree)
+    from infir2.chunked_loss import lm_loss_sum
+    from infir2.loss import shard_context
+
+    with cache_fp8_weights(net), shard_context(mb):
+        loss = lm_loss_sum(
+            net, mb["input_ids"], mb["shift_labels"], None, None, IGNORE_INDEX, mb["position_ids"], True
+        )
+        params = {t.untyped_storage().data_ptr() for t in net.parameters()}
+        storages = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for _, t in saved_in_graph(loss.grad_fn)
+        }
+    return sum(n for ptr, n in storages.items() if ptr not in params), shape
+
+
+def test_memory_per_rank_falls_with_the_context_degree_as_planned(monkeypatch):
+    """Bytes kept for backward on one rank at context 1, 2, 4 (1024 tokens, FP8 blockwise, fp32 CPU run)
+    against ``infir2 plan --device cpu --context N``: activations + logits + FP8 weight copies within 10%."""
+    from infir2.tools.plan import plan
+
+    measured = {}
+    for degree in (1, 2, 4):
+        measured[degree], shape = _rank_saved_bytes(degree, monkeypatch)
+        kw = {"seq_len": WIDTH, "loss_chunk_tokens": 0, "device": "cpu", "param_gather": False}
+        p = plan(shape, "blockwise", gpus=degree, context=degree, **kw)  # weight copies as in one process
+        planned = p.activations + p.logits_saved + p.weight_copies
+        assert abs(planned / measured[degree] - 1) <= 0.10, (degree, planned, measured[degree])
+    assert measured[4] < measured[2] < measured[1]
