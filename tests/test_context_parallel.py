@@ -373,3 +373,24 @@ def test_memory_per_rank_falls_with_the_context_degree_as_planned(monkeypatch):
         planned = p.activations + p.logits_saved + p.weight_copies
         assert abs(planned / measured[degree] - 1) <= 0.10, (degree, planned, measured[degree])
     assert measured[4] < measured[2] < measured[1]
+
+
+def test_infir2_memory_measures_the_gathered_keys_the_plan_counts(capsys):
+    """``infir2 memory --context 4``: the extra bytes the context attention keeps (measured) are the plan's
+    ``context_kv_bytes`` for the 1.5B layer shape."""
+    from infir2.cli import main
+    from infir2.tools.memory import context_kv_bytes
+    from infir2.tools.plan import context_kv_bytes as planned
+    from infir2.tools.plan import load_shape
+
+    shape = load_shape("qwen2.5-1.5b")[1]
+    for device in ("cpu", "cuda"):
+        measured = context_kv_bytes("1.5B", 128, 4, device)
+        assert measured == planned(shape, 4 * 128, 4, device == "cpu"), device
+    argv = ["memory", "--models", "1.5B", "--tokens", "384", "--recipes", "blockwise", "--device", "cpu"]
+    assert main([*argv, "--context", "2"]) == 0
+    assert (
+        "context 2: each rank also keeps the other ranks' keys and values, 0.75 MiB"
+        in capsys.readouterr().out
+    )
+    assert main([*argv, "--context", "0"]) == 2

@@ -54,6 +54,7 @@ __all__ = [
     "context_attention",
     "enable_context_parallel",
     "sequence_shard",
+    "shard_attention",
 ]
 
 #: the name ``context_attention`` is registered under in transformers' ``AttentionInterface``
@@ -197,6 +198,14 @@ class _ShardAttention(torch.autograd.Function):
         return dq.view(batch, heads, rows, dim), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
+def shard_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard, scale: float
+) -> torch.Tensor:
+    """``softmax(q K^T * scale + mask) V`` of a shard's queries ``[B, H, l, D]`` over the whole sequence's
+    keys and values ``[B, Hkv, L, D]`` (``_ShardAttention``: chunked, only ``q, K, V``, out, lse kept)."""
+    return _ShardAttention.apply(q, k, v, shard, scale)
+
+
 def context_attention(
     module: nn.Module,
     query: torch.Tensor,  # [B, H, l, D]
@@ -220,7 +229,7 @@ def context_attention(
     key = all_gather_sequence(key, group)  # [B, Hkv, L, D]
     value = all_gather_sequence(value, group)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = _ShardAttention.apply(query, key, value, shard, scale)  # [B, H, l, D]
+    out = shard_attention(query, key, value, shard, scale)  # [B, H, l, D]
     return out.transpose(1, 2).contiguous(), None  # [B, l, H, D], as transformers' functions return
 
 

@@ -370,7 +370,9 @@ def plan(
     if device not in DEVICES:
         raise ValueError(f"device: expected one of {', '.join(DEVICES)}, got {device!r}")
     if context < 1 or gpus % context:
-        raise ValueError(f"context: {context} must be >= 1 and divide gpus={gpus} (the GPUs are data x context)")
+        raise ValueError(
+            f"context: {context} must be >= 1 and divide gpus={gpus} (the GPUs are data x context)"
+        )
     cpu = device == "cpu"
     precision = "fp32" if cpu else precision
     tokens = seq_len * micro_batch // context  # this GPU's share of each micro-batch
