@@ -10,7 +10,9 @@ exactly the rows that the data ranks see together.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +22,7 @@ from conftest import make_tiny_model
 from infir2.data.base import IGNORE_INDEX, MicroBatch, count_loss_tokens
 from infir2.data.context import pack_documents, shard_micro_batch
 from infir2.fp8 import get_recipe
+from infir2.fp8.quantize import quantize
 from infir2.loss import shard_context, token_ce_sum
 from infir2.model import prepare_for_training
 from infir2.nn import Fp8Linear
@@ -116,8 +119,46 @@ def one_process(recipe: str = "blockwise", step: int = 0) -> dict[str, Any]:
     shards = [shard_micro_batch(mb, 0, 1) for mb in packed_rows(step)]
     n = count_loss_tokens(shards)
     inputs, handles = record_inputs(net)
+    start = time.perf_counter()
     ce = forward_backward(net, shards, 1.0 / n)
+    seconds = time.perf_counter() - start
     for h in handles:
         h.remove()
     grads = {name: p.grad.clone() for name, p in net.named_parameters()}
-    return {"inputs": inputs, "ce": ce, "n": n, "grads": grads}
+    return {"inputs": inputs, "ce": ce, "n": n, "grads": grads, "seconds": seconds}
+
+
+def fp8_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cast = get_recipe("blockwise").x
+    data, scale_inv = quantize(x.reshape(-1, x.shape[-1]), cast.block, cast.fmt, cast.scale_encoding)
+    return data.view(torch.uint8), scale_inv
+
+
+def load_ranks(folder: Path) -> list[dict[str, Any]]:
+    return [
+        torch.load(p, weights_only=False)
+        for p in sorted(folder.glob("rank*.pt"), key=lambda p: int(p.stem[4:]))
+    ]
+
+
+def compare(ref: dict[str, Any], ranks: list[dict[str, Any]], data: int) -> dict[str, Any]:
+    """Asserts every FP8 linear's input of every rank (and its FP8 codes and scales) is the one process's
+    rows, bit for bit; returns the loss's relative error and the gradients' (max |diff| / max |g| per
+    parameter: the worst, its name, the worst of the last layer's MLP and lm_head)."""
+    per = len(packed_rows(0)) // data
+    for name, calls in ref["inputs"].items():
+        for i, full in enumerate(calls):  # call i: row i of the step (one row per micro-batch)
+            replica, j = divmod(i, per)
+            shards = sorted((r for r in ranks if r["layout"][0] == replica), key=lambda r: r["layout"][1])
+            got = torch.cat([r["inputs"][name][j] for r in shards], dim=1)  # shards side by side
+            assert torch.equal(got, full), (name, i)
+            (a, sa), (b, sb) = fp8_codes(full), fp8_codes(got)
+            assert torch.equal(a, b) and torch.equal(sa, sb), (name, i)
+    ce = sum(r["ce"] for r in ranks)
+    assert ranks[0]["n"] == ref["n"]
+    loss_err = abs(ce / ref["n"] - ref["ce"] / ref["n"]) / (ref["ce"] / ref["n"])
+    grads = ranks[0]["grads"]
+    errs = {name: float((grads[name] - g).abs().max() / g.abs().max()) for name, g in ref["grads"].items()}
+    worst = max(errs, key=errs.__getitem__)
+    last = max(v for k, v in errs.items() if "layers.1.mlp" in k or "lm_head" in k)
+    return {"loss": loss_err, "grad": errs[worst], "worst": worst, "last_layer": last}

@@ -1,9 +1,10 @@
 """Run under torchrun by test_context_parallel.py: one FP8 step of the packed case on a data x context grid.
 
-``exact OUT CONTEXT [CONTEXT ...]``: for each context degree (the data degree is the world over it), the
+``exact OUT CONTEXT [CONTEXT ...] [--recipe R]``: for each context degree (the data degree is the world over it), the
 model is sharded with FSDP2 over the whole world and its attention made context-parallel; each rank runs
 its shards of its data replica's rows and writes ``OUT/d<D>c<C>/rank<r>.pt``: the inputs of every FP8 linear,
-its CE sum and loss-token count, and (rank 0) the full gradients. ``train OUT CONTEXT STEPS NAME
+its CE sum, loss-token count and forward + backward seconds, and (rank 0) the full gradients
+(``-<recipe>`` after the folder's name for a recipe other than blockwise). ``train OUT CONTEXT STEPS NAME
 [--kill-after K] [--save-every S]``: ``infir2.train.train`` on ``PackedSource`` with ``parallel.context``,
 the run folder ``OUT/NAME``; with ``--kill-after`` rank 0 SIGKILLs itself when step K+1 is asked for.
 """
@@ -14,6 +15,7 @@ import faulthandler
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,10 +32,10 @@ from infir2.train import train
 from train_synthetic import tiny_run_config
 
 
-def exact(out: Path, context: int) -> None:
+def exact(out: Path, context: int, recipe: str = "blockwise") -> None:
     env = init_distributed("cpu")
     layout = context_layout(env, context)
-    net = shard_model(model(), "fp32", True)
+    net = shard_model(model(recipe), "fp32", recipe != "bf16")
     enable_context_parallel(net, layout.group)
     data = layout.data_env
     rows = packed_rows(0)
@@ -44,13 +46,21 @@ def exact(out: Path, context: int) -> None:
     ]
     n = float(all_reduce_sum(torch.tensor([float(count_loss_tokens(mine))]), env))
     inputs, handles = record_inputs(net)
+    start = time.perf_counter()
     ce = forward_backward(net, mine, env.world_size / n)  # FSDP2 averages over the world
+    seconds = time.perf_counter() - start
     for h in handles:
         h.remove()
     grads = {name: p.grad.full_tensor() for name, p in net.named_parameters()}
-    folder = out / f"d{data.world_size}c{context}"
+    folder = out / (f"d{data.world_size}c{context}" + ("" if recipe == "blockwise" else f"-{recipe}"))
     folder.mkdir(parents=True, exist_ok=True)
-    record = {"inputs": inputs, "ce": ce, "n": n, "layout": (data.rank, layout.context_rank)}
+    record = {
+        "inputs": inputs,
+        "ce": ce,
+        "n": n,
+        "layout": (data.rank, layout.context_rank),
+        "seconds": seconds,
+    }
     if env.is_main:
         record["grads"] = grads
     torch.save(record, folder / f"rank{env.rank}.pt")
@@ -94,8 +104,9 @@ if __name__ == "__main__":
     mode, out, *rest = sys.argv[1:]
     dist.init_process_group("gloo")
     if mode == "exact":
-        for degree in rest:
-            exact(Path(out), int(degree))
+        recipe = rest[rest.index("--recipe") + 1] if "--recipe" in rest else "blockwise"
+        for degree in (d for d in rest if d.isdigit()):
+            exact(Path(out), int(degree), recipe)
     else:
         context, steps, name = int(rest[0]), int(rest[1]), rest[2]
         train_run(out, context, steps, name, _flag(rest, "--kill-after"), _flag(rest, "--save-every") or 0)

@@ -23,12 +23,11 @@ from typing import Any
 import pytest
 import torch
 
-from context_parallel_case import WIDTH, one_process, packed_rows
+from context_parallel_case import WIDTH, compare, load_ranks, one_process, packed_rows
 from infir2.data.base import IGNORE_INDEX, count_loss_tokens
 from infir2.data.context import document_ids, pack_documents, shard_micro_batch
 from infir2.fp8 import get_recipe
 from infir2.fp8.formats import BLOCK
-from infir2.fp8.quantize import quantize
 from train_synthetic import one_thread, subprocess_env, torchrun
 
 TESTS = Path(__file__).parent
@@ -38,42 +37,6 @@ _one_thread = pytest.fixture(autouse=True)(one_thread)
 GRAD_TOLERANCE = 3e-3
 #: parameters whose gradient does not pass through an FP8 cast of a key / value gradient: fp32 summation order
 FP32_TOLERANCE = 1e-5
-
-
-def fp8_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    cast = get_recipe("blockwise").x
-    data, scale_inv = quantize(x.reshape(-1, x.shape[-1]), cast.block, cast.fmt, cast.scale_encoding)
-    return data.view(torch.uint8), scale_inv
-
-
-def load_ranks(folder: Path) -> list[dict[str, Any]]:
-    return [
-        torch.load(p, weights_only=False)
-        for p in sorted(folder.glob("rank*.pt"), key=lambda p: int(p.stem[4:]))
-    ]
-
-
-def compare(ref: dict[str, Any], ranks: list[dict[str, Any]], data: int) -> dict[str, float]:
-    """Every FP8 linear's input of every rank against the one process's rows; the loss; the gradients."""
-    per = len(packed_rows(0)) // data
-    for name, calls in ref["inputs"].items():
-        for i, full in enumerate(calls):  # call i: row i of the step (one row per micro-batch)
-            replica, j = divmod(i, per)
-            shards = sorted((r for r in ranks if r["layout"][0] == replica), key=lambda r: r["layout"][1])
-            got = torch.cat([r["inputs"][name][j] for r in shards], dim=1)  # shards side by side
-            assert torch.equal(got, full), (name, i)
-            (a, sa), (b, sb) = fp8_codes(full), fp8_codes(got)
-            assert torch.equal(a, b) and torch.equal(sa, sb), (name, i)
-    ce = sum(r["ce"] for r in ranks)
-    assert ranks[0]["n"] == ref["n"]
-    loss_err = abs(ce / ref["n"] - ref["ce"] / ref["n"]) / (ref["ce"] / ref["n"])
-    grads = ranks[0]["grads"]
-    errs = {name: float((grads[name] - g).abs().max() / g.abs().max()) for name, g in ref["grads"].items()}
-    return {
-        "loss": loss_err,
-        "grad": max(errs.values()),
-        "last_layer": max(v for k, v in errs.items() if "layers.1.mlp" in k or "lm_head" in k),
-    }
 
 
 @pytest.mark.slow
