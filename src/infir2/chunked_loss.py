@@ -185,8 +185,8 @@ def lm_loss_sum(
     keep = slice(None) if shifted else slice(None, -1)  # the positions whose hidden state predicts
     targets = labels if shifted else labels[:, 1:]
     # no KV cache: nothing reads it, and with one transformers ignores the documents of packed position_ids
-    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-    inputs["use_cache"] = False
+    inputs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
+    inputs |= {"position_ids": position_ids, "use_cache": False}
     if chunk_tokens is None:
         logits = model(**inputs).logits[:, keep]
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32, or fp64 as it is

@@ -47,11 +47,12 @@ def token_ce_sum(
     head = model.get_output_embeddings()  # type: ignore[operator]
     chunk = use_chunked_loss(loss_chunk_tokens, input_ids.numel(), head.weight.shape[0])
     if "documents" in mb:  # a context-parallel shard (data.context.shard_micro_batch)
-        labels, positions = mb["shift_labels"].to(device), mb["position_ids"].to(device)
+        targets, shard_positions = mb["shift_labels"].to(device), mb["position_ids"].to(device)
         with autocast(precision, device), shard_context(mb):
-            return lm_loss_sum(model, input_ids, labels, None, chunk, IGNORE_INDEX, positions, shifted=True)
+            return lm_loss_sum(model, input_ids, targets, None, chunk, IGNORE_INDEX, shard_positions, True)
     labels = mb["labels"].to(device, non_blocking=True)
-    mask, positions = mb.get("attention_mask"), mb.get("position_ids")
+    mask: torch.Tensor | None = mb.get("attention_mask")
+    positions = mb.get("position_ids")
     if positions is not None:  # packed documents: transformers masks by the restarts of position_ids
         mask = None  # (only without a 2-D mask; the padding at a row's end is a document of its own)
     with autocast(precision, device):

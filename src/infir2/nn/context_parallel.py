@@ -156,7 +156,7 @@ class _ShardAttention(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard, scale: float
-    ):
+    ) -> torch.Tensor:
         batch, heads, rows, dim = q.shape
         groups = k.shape[1]
         qg = q.view(batch, groups, heads // groups, rows, dim)  # query heads grouped by their KV head
@@ -176,7 +176,7 @@ class _ShardAttention(torch.autograd.Function):
         return out.view(batch, heads, rows, dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
         q, k, v, out, lse = ctx.saved_tensors
         batch, heads, rows, dim = q.shape
         acc = _acc(q)
@@ -262,6 +262,8 @@ def enable_context_parallel(model: nn.Module, group: dist.ProcessGroup | None) -
         )
     AttentionInterface.register(ATTENTION, context_attention)
     for layer in _attention_layers(model):
-        layer.context_group = group
+        layer.__dict__["context_group"] = (
+            group  # a plain attribute (nn.Module's setattr wants tensors / modules)
+        )
     config._attn_implementation = ATTENTION
     return model
