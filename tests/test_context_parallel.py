@@ -176,7 +176,8 @@ def test_twenty_steps_track_one_process_and_a_kill_resumes_on_any_degree(tmp_pat
     as one process tracks itself with its weights moved by one ulp (the yardstick of fp32 rounding through
     20 FP8 steps: measured 4e-3 at most, context 2 2e-3); a run SIGKILLed in step 17
     resumes from its step-16 checkpoint to the uninterrupted run's losses bit for bit on context 2, and
-    on context 4 (4 processes) to within the same yardstick."""
+    on context 4 (4 processes) to within the same yardstick. Then the command line (its own CPT data and
+    validation) on context 2."""
     from context_parallel_case import PackedSource, tiny
     from context_parallel_worker import run_config
     from infir2.train import train
@@ -209,6 +210,43 @@ def test_twenty_steps_track_one_process_and_a_kill_resumes_on_any_degree(tmp_pat
     torchrun(worker, "train", tmp_path, 4, 20, "k4", "--save-every", 16, nproc=4)
     on_four = _losses(tmp_path / "k4")
     assert max(abs(on_four[s] - c2[s]) / c2[s] for s in range(17, 21)) <= 2 * yardstick
+
+    _command_line_cpt_with_validation(tmp_path / "cli")
+
+
+def _command_line_cpt_with_validation(root: Path) -> None:
+    """``torchrun -m infir2.cli train`` of a CPT config with ``parallel.context: 2`` (its own data, sharded
+    validation) logs the one process's losses: training at the FP8 level, validation (high precision) to
+    fp32 round-off."""
+    import yaml
+
+    from infir2.cli import main
+    from train_synthetic import cpt_data, prepared_cpt, tiny_llama
+
+    tokenizer, data = prepared_cpt(root, documents=600)
+    for name, context in (("cp2", 2), ("one", 1)):
+        cfg = {
+            "run": {"name": name, "out_dir": str(root / "runs"), "device": "cpu"},
+            "model": {
+                "from_config": tiny_llama(max_positions=512),
+                "tokenizer": str(tokenizer),
+                "precision": "fp32",
+            },
+            "parallel": {"context": context},
+            "data": cpt_data(data, 256, 2, 1),
+            "train": {"max_steps": 2, "eval_every": 1, "eval_batches": 2},
+        }
+        (root / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
+    torchrun("-m", "infir2.cli", "train", root / "cp2.yaml", "--no-progress", nproc=2)
+    assert main(["train", str(root / "one.yaml"), "--no-progress"]) == 0
+    runs = {
+        name: [json.loads(line) for line in (root / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+        for name in ("cp2", "one")
+    }
+    for two, one in zip(runs["cp2"], runs["one"], strict=True):
+        assert two["tokens"] == one["tokens"] and two["loss_tokens"] == one["loss_tokens"]
+        assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+        assert two["val_loss"] == pytest.approx(one["val_loss"], rel=1e-6)
 
 
 # ------------------------------------------------------------------------------ settings it refuses
