@@ -176,8 +176,8 @@ def test_twenty_steps_track_one_process_and_a_kill_resumes_on_any_degree(tmp_pat
     as one process tracks itself with its weights moved by one ulp (the yardstick of fp32 rounding through
     20 FP8 steps: measured 4e-3 at most, context 2 2e-3); a run SIGKILLed in step 17
     resumes from its step-16 checkpoint to the uninterrupted run's losses bit for bit on context 2, and
-    on context 4 (4 processes) to within the same yardstick. Then the command line (its own CPT data and
-    validation) on context 2."""
+    on context 4 (4 processes) to within the same yardstick. Then the command line on context 2 (CPT and
+    SFT, with their own data and validation)."""
     from context_parallel_case import PackedSource, tiny
     from context_parallel_worker import run_config
     from infir2.train import train
@@ -211,42 +211,52 @@ def test_twenty_steps_track_one_process_and_a_kill_resumes_on_any_degree(tmp_pat
     on_four = _losses(tmp_path / "k4")
     assert max(abs(on_four[s] - c2[s]) / c2[s] for s in range(17, 21)) <= 2 * yardstick
 
-    _command_line_cpt_with_validation(tmp_path / "cli")
+    _command_line_runs(tmp_path / "cli")
 
 
-def _command_line_cpt_with_validation(root: Path) -> None:
-    """``torchrun -m infir2.cli train`` of a CPT config with ``parallel.context: 2`` (its own data, sharded
-    validation) logs the one process's losses: training at the FP8 level, validation (high precision) to
-    fp32 round-off."""
+def _command_line_runs(root: Path) -> None:
+    """``torchrun -m infir2.cli train`` with ``parallel.context: 2`` -- a CPT config (its own data, sharded
+    validation) and an SFT one (padded rows of several conversations, uneven lengths) -- logs the one
+    process's losses: training at the FP8 level, validation (high precision) to fp32 round-off."""
     import yaml
 
     from infir2.cli import main
     from train_synthetic import cpt_data, prepared_cpt, tiny_llama
 
     tokenizer, data = prepared_cpt(root, documents=600)
-    for name, context in (("cp2", 2), ("one", 1)):
-        cfg = {
-            "run": {"name": name, "out_dir": str(root / "runs"), "device": "cpu"},
-            "model": {
-                "from_config": tiny_llama(max_positions=512),
-                "tokenizer": str(tokenizer),
-                "precision": "fp32",
-            },
-            "parallel": {"context": context},
-            "data": cpt_data(data, 256, 2, 1),
-            "train": {"max_steps": 2, "eval_every": 1, "eval_batches": 2},
+    chats = [
+        {
+            "messages": [
+                {"role": "user", "content": f"{i} + {i}?"},
+                {"role": "assistant", "content": f"{2 * i}. " * (1 + i % 7)},
+            ]
         }
-        (root / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
-    torchrun("-m", "infir2.cli", "train", root / "cp2.yaml", "--no-progress", nproc=2)
-    assert main(["train", str(root / "one.yaml"), "--no-progress"]) == 0
-    runs = {
-        name: [json.loads(line) for line in (root / "runs" / name / "metrics.jsonl").read_text().splitlines()]
-        for name in ("cp2", "one")
-    }
-    for two, one in zip(runs["cp2"], runs["one"], strict=True):
-        assert two["tokens"] == one["tokens"] and two["loss_tokens"] == one["loss_tokens"]
-        assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
-        assert two["val_loss"] == pytest.approx(one["val_loss"], rel=1e-6)
+        for i in range(40)
+    ]
+    (root / "sft.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    sft = {"kind": "sft", "train_path": str(root / "sft.jsonl"), "val_path": str(root / "sft.jsonl")}
+    sft |= {"global_batch_size": 8, "max_tokens_per_micro_batch": 512, "max_length": 512}
+    for kind, section in (("cpt", cpt_data(data, 256, 2, 1)), ("sft", sft)):
+        for context in (2, 1):
+            cfg = {
+                "run": {"name": f"{kind}{context}", "out_dir": str(root / "runs"), "device": "cpu"},
+                "model": {
+                    "from_config": tiny_llama(max_positions=512),
+                    "tokenizer": str(tokenizer),
+                    "precision": "fp32",
+                },
+                "parallel": {"context": context},
+                "data": section,
+                "train": {"max_steps": 2, "eval_every": 1, "eval_batches": 2},
+            }
+            (root / f"{kind}{context}.yaml").write_text(yaml.safe_dump(cfg))
+        torchrun("-m", "infir2.cli", "train", root / f"{kind}2.yaml", "--no-progress", nproc=2)
+        assert main(["train", str(root / f"{kind}1.yaml"), "--no-progress"]) == 0
+        two, one = ((root / "runs" / f"{kind}{c}" / "metrics.jsonl").read_text().splitlines() for c in (2, 1))
+        for a, b in zip(map(json.loads, two), map(json.loads, one), strict=True):
+            assert a["tokens"] == b["tokens"] and a["loss_tokens"] == b["loss_tokens"], kind
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), kind
+            assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-6), kind
 
 
 # ------------------------------------------------------------------------------ settings it refuses
