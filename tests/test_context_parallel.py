@@ -405,3 +405,18 @@ def test_infir2_memory_measures_the_gathered_keys_the_plan_counts(capsys):
         in capsys.readouterr().out
     )
     assert main([*argv, "--context", "0"]) == 2
+
+
+def test_the_shipped_32k_context_config_fits_the_plan():
+    """``qwen2.5-7b-sft-32k-cp``: context 4 on 8 GPUs, 32k samples in 128-token shards, and the planner's
+    FP8 peak for it fits an 80 GB GPU."""
+    from infir2.tools.plan import GPU_GIB, USABLE, load_shape, plan
+    from infir2.train.config import load_config
+
+    cfg = load_config("qwen2.5-7b-sft-32k-cp")
+    assert (cfg.parallel.context, cfg.data.max_length, cfg.model.activation_checkpointing) == (4, 32768, True)
+    assert cfg.data.max_length % (cfg.parallel.context * BLOCK) == 0
+    shape = load_shape("qwen2.5-7b")[1]
+    peak = plan(shape, cfg.fp8.recipe, gpus=8, seq_len=32768, activation_checkpointing=True, context=4).peak
+    assert peak < GPU_GIB["h100"] * USABLE * 2**30
+    assert peak < plan(shape, cfg.fp8.recipe, gpus=8, seq_len=32768, activation_checkpointing=True).peak
