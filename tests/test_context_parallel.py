@@ -420,3 +420,41 @@ def test_the_shipped_32k_context_config_fits_the_plan():
     peak = plan(shape, cfg.fp8.recipe, gpus=8, seq_len=32768, activation_checkpointing=True, context=4).peak
     assert peak < GPU_GIB["h100"] * USABLE * 2**30
     assert peak < plan(shape, cfg.fp8.recipe, gpus=8, seq_len=32768, activation_checkpointing=True).peak
+
+
+def test_plan_takes_the_context_degree_and_says_when_it_fits(capsys):
+    from infir2.cli import main
+
+    assert (
+        main(["plan", "qwen2.5-7b", "--gpus", "8", "--seq-len", "131072", "--activation-checkpointing"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "warning: does not fit a H100" in out and "--context 2 (57.5 GiB)" in out
+    assert (
+        main(
+            [
+                "plan",
+                "qwen2.5-7b",
+                "--gpus",
+                "8",
+                "--seq-len",
+                "131072",
+                "--context",
+                "2",
+                "--activation-checkpointing",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "over 2 context ranks" in out and "fits a H100 (80 GiB): peak 57.5 GiB per GPU" in out
+    for argv, expected in (
+        (["--gpus", "8", "--context", "3"], "--context 3: must be >= 1 and divide --gpus 8"),
+        (
+            ["--gpus", "8", "--context", "4", "--seq-len", "1000"],
+            "--seq-len 1000 does not split into --context 4",
+        ),
+    ):
+        assert main(["plan", "qwen2.5-7b", *argv]) == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if ": error: " in line]
+        assert len(errors) == 1 and expected in errors[0], errors

@@ -608,9 +608,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{key.replace('_', '-')}: must be > 0, got {getattr(args, key)}")
     _check_context(args.context, args.gpus, args.seq_len)
     per_step = args.gpus // args.context * args.micro_batch  # sequences one forward on every GPU takes
+    across = " / --context" if args.context > 1 else ""
     if args.global_batch is not None and (args.global_batch <= 0 or args.global_batch % per_step):
         raise ValueError(
-            f"--global-batch {args.global_batch} is not a multiple of --gpus / --context x --micro-batch = "
+            f"--global-batch {args.global_batch} is not a multiple of --gpus{across} x --micro-batch = "
             f"{per_step} (each optimizer step runs whole micro-batches on every GPU)"
         )
     chunk: int | str = (
