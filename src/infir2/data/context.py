@@ -36,24 +36,12 @@ from .base import IGNORE_INDEX, MicroBatch, StepSource
 
 __all__ = [
     "ContextShards",
-    "check_context_degree",
     "document_ids",
     "pack_documents",
     "shard_micro_batch",
     "shard_steps",
     "shift_labels",
 ]
-
-
-def check_context_degree(length: int, degree: int, key: str) -> None:
-    """``length`` tokens split into ``degree`` shards that start on multiples of ``BLOCK`` (or ValueError)."""
-    if degree < 1:
-        raise ValueError(f"parallel.context: must be >= 1, got {degree}")
-    if length % (degree * BLOCK):
-        raise ValueError(
-            f"{key}: {length} tokens do not split into parallel.context={degree} shards of a multiple of "
-            f"{BLOCK} tokens (make it a multiple of {degree * BLOCK})"
-        )
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -175,7 +163,9 @@ class ContextShards:
     def __iter__(self) -> Iterator[list[MicroBatch]]:
         return shard_steps(self.source, self.rank, self.degree, self.pad_id)
 
-    def __getattr__(self, name: str) -> Any:  # lengths, total_steps, __len__'s data: the source's
+    def __getattr__(self, name: str) -> Any:  # lengths, total_steps: the source's
+        if name == "source":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
         return getattr(self.source, name)
 
     def __len__(self) -> int:

@@ -24,6 +24,12 @@ in the metrics), and the final export as a Hugging Face folder ``<run>/hf``. The
 checkpoints, resume, metrics and the step guards are the run harness's (``infir2.harness``, shared with
 ``infir2 rl``); the data comes from ``setup.py``. The run folder also holds ``config.yaml`` (resolved),
 ``metrics.jsonl`` and ``tensorboard/``.
+
+With ``parallel.context: C`` (context parallelism, docs/DISTRIBUTED.md) the world is data x context: the
+sources split over the data ranks, every micro-batch is this rank's shard of the sequence
+(``data.context``), attention runs over the context group (``nn.context_parallel``), and the loss scale
+above is unchanged -- the shards' loss tokens add up to the sequences', and FSDP2 averages over the
+whole world.
 """
 
 from __future__ import annotations
