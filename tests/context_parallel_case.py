@@ -128,10 +128,25 @@ def one_process(recipe: str = "blockwise", step: int = 0) -> dict[str, Any]:
     return {"inputs": inputs, "ce": ce, "n": n, "grads": grads, "seconds": seconds}
 
 
-def fp8_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    cast = get_recipe("blockwise").x
-    data, scale_inv = quantize(x.reshape(-1, x.shape[-1]), cast.block, cast.fmt, cast.scale_encoding)
-    return data.view(torch.uint8), scale_inv
+def fp8_codes(x: torch.Tensor, cast: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [B, L, K]`` quantized as a linear's input is (rows flattened): codes and scales, per row of
+    ``x`` (``[B, L, K]`` uint8, ``[B, L / tile rows, ...]``)."""
+    rows, length, width = x.shape
+    data, scale_inv = quantize(x.reshape(-1, width), cast.block, cast.fmt, cast.scale_encoding)
+    return data.view(torch.uint8).view(rows, length, width), scale_inv.view(rows, length // cast.block[0], -1)
+
+
+def same_codes_as_one_process(full: torch.Tensor, shard: torch.Tensor, start: int) -> bool:
+    """The FP8 codes and scales this rank makes of its shard (both activation casts: the 1x128 fprop
+    tiles and the 128x1 wgrad tiles) are those of the same rows of the whole sequence in one process."""
+    recipe = get_recipe("blockwise")
+    for cast in (recipe.x, recipe.x_wgrad):
+        (a, sa), (b, sb) = fp8_codes(full, cast), fp8_codes(shard, cast)
+        tile = cast.block[0]
+        rows = slice(start, start + shard.shape[1])
+        if not (torch.equal(a[:, rows], b) and torch.equal(sa[:, start // tile : rows.stop // tile], sb)):
+            return False
+    return True
 
 
 def load_ranks(folder: Path) -> list[dict[str, Any]]:
@@ -142,8 +157,8 @@ def load_ranks(folder: Path) -> list[dict[str, Any]]:
 
 
 def compare(ref: dict[str, Any], ranks: list[dict[str, Any]], data: int) -> dict[str, Any]:
-    """Asserts every FP8 linear's input of every rank (and its FP8 codes and scales) is the one process's
-    rows, bit for bit; returns the loss's relative error and the gradients' (max |diff| / max |g| per
+    """Asserts every FP8 linear's input of every rank, and the FP8 codes and scales the rank makes of it
+    (1x128 and 128x1 tiles), is the one process's rows, bit for bit; returns the loss's relative error and the gradients' (max |diff| / max |g| per
     parameter: the worst, its name, the worst of the last layer's MLP and lm_head)."""
     per = len(packed_rows(0)) // data
     for name, calls in ref["inputs"].items():
@@ -152,8 +167,9 @@ def compare(ref: dict[str, Any], ranks: list[dict[str, Any]], data: int) -> dict
             shards = sorted((r for r in ranks if r["layout"][0] == replica), key=lambda r: r["layout"][1])
             got = torch.cat([r["inputs"][name][j] for r in shards], dim=1)  # shards side by side
             assert torch.equal(got, full), (name, i)
-            (a, sa), (b, sb) = fp8_codes(full), fp8_codes(got)
-            assert torch.equal(a, b) and torch.equal(sa, sb), (name, i)
+            size = full.shape[1] // len(shards)
+            for c, r in enumerate(shards):  # each rank quantizes its own shard
+                assert same_codes_as_one_process(full, r["inputs"][name][j], c * size), (name, i, c)
     ce = sum(r["ce"] for r in ranks)
     assert ranks[0]["n"] == ref["n"]
     loss_err = abs(ce / ref["n"] - ref["ce"] / ref["n"]) / (ref["ce"] / ref["n"])

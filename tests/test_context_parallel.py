@@ -458,3 +458,14 @@ def test_plan_takes_the_context_degree_and_says_when_it_fits(capsys):
         assert main(["plan", "qwen2.5-7b", *argv]) == 2
         errors = [line for line in capsys.readouterr().err.splitlines() if ": error: " in line]
         assert len(errors) == 1 and expected in errors[0], errors
+
+
+def test_the_code_check_fails_on_shards_off_the_128_token_grid():
+    """The check the multi-process test applies can fail: a shard starting 64 tokens off the grid makes other
+    128x1 wgrad tiles (other scales), one on the grid the same ones."""
+    from context_parallel_case import same_codes_as_one_process
+
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(1, 512, 256, generator=g) * torch.logspace(-3, 3, 512)[None, :, None]
+    assert same_codes_as_one_process(full, full[:, 128:384].clone(), 128)
+    assert not same_codes_as_one_process(full, full[:, 64:320].clone(), 64)
