@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from infir2.cli import main as cli
+from infir2.tools.demo.results import machine_description
 from infir2.tools.paired import paired_gaps, paired_verdict
 from infir2.train import train
 from infir2.train.config import load_config, resolve_config_path
@@ -66,8 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         }
     print(
         f"moe_cpt  tiny-moe-cpt  {args.steps} steps x 8 x {args.seq_len} tokens  seeds {args.seeds}  "
-        f"{time.perf_counter() - start:.0f} s"
+        f"{time.perf_counter() - start:.0f} s  {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"
     )
+    print(f"on {machine_description(threads_per_run=1)}")
     for recipe in RECIPES:
         row = "  ".join(f"{losses[recipe][s]:.4f}" for s in range(args.seeds))
         line = f"{recipe:<11} held-out loss {row}"
