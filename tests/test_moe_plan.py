@@ -81,6 +81,12 @@ def test_qwen3_30b_a3b_is_shipped_with_its_published_size(capsys):
     name, shape = load_shape("Qwen3-30B-A3B")
     assert shape.params == sum(p.numel() for p in model.parameters())
     assert 30.4e9 < shape.params < 30.6e9 and 3.3e9 < shape.active_params < 3.4e9
+    # the embedded figures of its layer (the dense layer of the active width, 8 x 768, heads of 128)
+    from infir2.tools.plan import MEASURED, ModelShape
+
+    row = MEASURED[(2048, 8 * 768, 32, 4, True, 128)]
+    dense = ModelShape(2048, 8 * 768, 48, 32, 4, 151936, False, head_dim=128).projection_weights
+    assert row["bf16"][1] == 2 * dense and dense < row["blockwise"][1] < 1.001 * dense
     assert main(["plan", name, "--gpus", "8", "--seq-len", "8192", "--activation-checkpointing"]) == 0
     out = capsys.readouterr().out
     assert "30.53B parameters (3.35B active: 8 of 128 experts per layer)" in out and "fits a H100" in out
