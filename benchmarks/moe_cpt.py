@@ -7,7 +7,8 @@ through ``infir2.nn.Fp8Experts``) on the demo's arithmetic corpus, shortened to 
 and ``--seeds`` seeds. Per recipe: the final held-out loss per seed, the paired gap to the baseline
 (%), and the verdict of ``infir2.tools.paired`` (95% t-interval against a +-1% margin).
 
-Run: ``nice python benchmarks/moe_cpt.py [--steps 30 --seeds 3]`` (about 2 minutes on one core).
+Run: ``nice python benchmarks/moe_cpt.py [--steps 30 --seeds 3 --first-seed 0]`` (about 2 minutes on one core;
+``--steps 120 --seeds 8``: about 9 minutes, BENCHMARKS.md).
 """
 
 from __future__ import annotations
