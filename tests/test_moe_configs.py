@@ -12,8 +12,7 @@ import torch
 
 import infir2
 from infir2.cli import main
-from infir2.tools.plan import MODELS
-from moe_models import moe_config
+from moe_models import moe_config, qwen3_30b_a3b_config
 from train_synthetic import one_thread
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
@@ -22,21 +21,13 @@ CONFIG = Path(infir2.__file__).parent / "configs" / "qwen3-30b-a3b-sft.yaml"
 FOLDER = "models/Qwen3-30B-A3B"  # what the shipped config's model.path names
 
 
-def _released_config_json() -> dict:
-    """config.json as transformers writes it for the released shape (no weights)."""
-    from transformers import Qwen3MoeConfig
-
-    fields = {k: v for k, v in MODELS["qwen3-30b-a3b"].items() if k != "model_type"}
-    return Qwen3MoeConfig(**fields).to_dict()
-
-
 def test_config_checks_and_plans_from_the_folder_it_names(tmp_path, monkeypatch, capsys):
     from safetensors.torch import save_file
 
     monkeypatch.chdir(tmp_path)
     folder = tmp_path / FOLDER
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(_released_config_json(), default=str))
+    (folder / "config.json").write_text(json.dumps(qwen3_30b_a3b_config().to_dict(), default=str))
     save_file({"stand_in": torch.zeros(1)}, folder / "model.safetensors")  # the checks read headers only
     assert main(["config", "qwen3-30b-a3b-sft", "--world-size", "8"]) == 2  # no data yet: named
     assert "data.train_path: SFT data file data/sft-stage1.jsonl does not exist" in capsys.readouterr().err

@@ -37,8 +37,10 @@ copies of each routed row: a lower bound (``tests/test_moe_plan.py``).
 
 Attention is counted as the config says: ``head_dim`` where given (Qwen3's 32 heads of 128 over a hidden
 size of 2048), q / k / v biases from ``attention_bias`` (else Qwen2's have them), Qwen3's per-head q / k
-norms. ``qwen3-30b-a3b`` is shipped (30.53B parameters, 3.35B active). Not modelled: DeepSeek-V3's
-latent attention (MLA) and its first dense layers (every layer is counted as an MoE layer).
+norms. ``qwen3-30b-a3b`` is shipped (30.53B parameters, 3.35B active). Not modelled, and said with a
+warning (``unmodelled``): DeepSeek-V3's latent attention (MLA) and the dense MLP layers of an MoE
+model (DeepSeek-V3's first three, Qwen-MoE's ``mlp_only_layers``): every layer is planned as an MoE
+layer.
 
 Every term is an estimate of allocated tensor bytes (no allocator fragmentation, no CUDA context, no
 NCCL buffers); ``tests/test_plan.py`` checks the parameter, gradient, optimizer, activation and
@@ -54,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,7 +65,19 @@ from ..fp8 import RECIPES, recipe_names
 from ..fp8.formats import BLOCK
 from .memory import DEVICES, add_run_arguments
 
-__all__ = ["MODELS", "PUBLISHED", "ModelShape", "Plan", "add_arguments", "layer_figures", "plan", "run"]
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "MODELS",
+    "PUBLISHED",
+    "ModelShape",
+    "Plan",
+    "add_arguments",
+    "layer_figures",
+    "plan",
+    "run",
+    "unmodelled",
+]
 
 #: The shipped models' config.json fields that the plan needs (the Qwen2.5 and Qwen3-MoE releases).
 MODELS: dict[str, dict[str, Any]] = {
@@ -295,7 +310,27 @@ def load_shape(model: str) -> tuple[str, ModelShape]:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: line {e.lineno}: {e.msg}") from e
-    return str(path), ModelShape.from_config(config, str(path))
+    shape = ModelShape.from_config(config, str(path))
+    for note in unmodelled(config):
+        log.warning("%s: %s", path, note)
+    return str(path), shape
+
+
+def unmodelled(config: dict[str, Any]) -> list[str]:
+    """What of a HF config the plan counts as something simpler (said, never silently)."""
+    notes = []
+    if config.get("kv_lora_rank"):
+        notes.append(
+            "latent attention (MLA, kv_lora_rank) is planned as plain attention of num_attention_heads x "
+            "head_dim: parameters, bytes and activations are approximate"
+        )
+    dense = config.get("first_k_dense_replace") or config.get("mlp_only_layers")
+    if _moe_fields(config, "") and (dense or (config.get("decoder_sparse_step") or 1) > 1):
+        notes.append(
+            "its dense MLP layers (first_k_dense_replace, mlp_only_layers or decoder_sparse_step) are "
+            "planned as MoE layers"
+        )
+    return notes
 
 
 def layer_figures(
