@@ -12,7 +12,7 @@ import torch
 
 import infir2
 from infir2.cli import main
-from moe_models import moe_config, qwen3_30b_a3b_config
+from moe_models import make_tiny_moe, moe_config, qwen3_30b_a3b_config
 from train_synthetic import one_thread
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
@@ -81,3 +81,20 @@ def test_config_trains_as_shipped_on_a_tiny_stand_in(tmp_path, monkeypatch):
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows if "loss" in r)
     model = load_checkpoint(tmp_path / "runs/qwen3-30b-a3b-sft/hf")
     assert type(model).__name__ == "Qwen3MoeForCausalLM" and model.config.head_dim == 96
+
+
+@pytest.mark.parametrize("asks", [True, False])
+def test_a_config_asking_for_the_router_loss_is_told_it_is_not_added(caplog, asks):
+    """infir2's loss is the next-token cross-entropy alone; a config with ``output_router_logits`` is warned."""
+    import logging
+
+    from infir2.harness.setup import warn_router_loss
+
+    model = make_tiny_moe("qwen3_moe")
+    model.config.output_router_logits = asks
+    with caplog.at_level(logging.WARNING, logger="infir2.harness.setup"):
+        warn_router_loss(model)
+    said = [r.getMessage() for r in caplog.records if "load-balancing loss is not added" in r.getMessage()]
+    assert len(said) == (1 if asks else 0)
+    if asks:
+        assert f"router_aux_loss_coef {model.config.router_aux_loss_coef}" in said[0]
