@@ -22,7 +22,17 @@ next phase runs; ``--budget-s`` skips the phases that would start after the budg
               shape and layout (under a minute, Triton compiles included).
 4. quantize - GB/s of each quantization (1x128, 1x128+128x1 fused, 128x128) on Triton and the plain-torch
               reference beside a device copy, timed with CUDA events over ``--calls`` calls (seconds).
-5. step     - the trainer's step on a Qwen2.5-1.5B-shaped model (``--layers`` 28, seq 8192, BF16
+5. moe      - the experts' grouped GEMMs at DeepSeek-V3 (hidden 7168, expert width 2048; a GPU's 32 of
+              256 experts under 8-way expert parallelism) and Qwen3-30B-A3B (2048 / 768, 128 experts)
+              shapes, 65536 routed rows (8192 tokens x top-8), uneven, one expert empty
+              (``infir2.tools.bench.moe``). Correctness first, per projection (gate_up, down) and backend:
+              SQNR of the output, dgrad and wgrad against the bf16 grouped GEMM (floors 27 / 26 / 26 dB),
+              ``calc_diff < 1e-3`` against the CPU emulation of the same operands on three experts
+              (385 / 0 / 129 rows), the empty expert's zero gradient; a failed check marks the phase
+              failed. Then one MoE MLP's forward + backward, bf16 (``grouped_mm``) vs FP8 on each
+              backend: ms, TFLOP/s. The FP8 path loops over experts with the dense kernels, the row
+              counts given on the host (a model reads them once per block: ``# MoE routing:``).
+6. step     - the trainer's step on a Qwen2.5-1.5B-shaped model (``--layers`` 28, seq 8192, BF16
               ``lm_head``, fp32 masters, bf16 autocast, chunked loss, fused AdamW) inside
               ``cache_fp8_weights``: BF16 vs FP8 on each backend, step time (CUDA events), TFLOP/s and
               peak memory, with the ratios to compare with InfiR2's 0.78x time and 0.86x memory
@@ -59,12 +69,18 @@ import torch
 
 from infir2.fp8 import RECIPES, get_recipe
 from infir2.fp8.formats import BLOCK
+from infir2.fp8.numerics import calc_diff, sqnr
 from infir2.fp8.recipe import Cast
 from infir2.kernels import BACKENDS, Operand, bind
 from infir2.tools.bench.measure import QWEN25_LAYERS, StepModel, device_name, step_flops, step_model_config
+from infir2.tools.bench.moe import MOE_GPU_SHAPES, MoeShape, grouped_projection, mlp_step, routed_counts
 
 ROOT = Path(__file__).resolve().parents[1]
-PHASES = ("env", "checks", "gemm", "quantize", "step")
+PHASES = ("env", "checks", "gemm", "quantize", "moe", "step")
+#: the grouped FP8 GEMM against the bf16 grouped GEMM (torchao's floors, dB): output, gradients
+MOE_SQNR_FLOORS = {"y": 27.0, "dx": 26.0, "dw": 26.0}
+#: the GPU grouped GEMM against the CPU emulation of the same operands (the dense kernels' bound)
+MOE_EMULATION_DIFF = 1e-3
 FP8_BACKENDS = ("scaled_mm", "triton")
 
 
@@ -80,6 +96,9 @@ class Sizes:
     reps: int = 5  # timed repetitions (the median is reported)
     calls: int = 20  # calls per timed repetition (CUDA events around the loop)
     steps: int = 4  # timed training steps per arm (after one warm-up step)
+    moe: tuple[MoeShape, ...] = MOE_GPU_SHAPES
+    # rows per expert of the CPU-emulation check (uneven, an empty expert; small enough for a CPU)
+    moe_emulated: tuple[int, ...] = (385, 0, 129)
 
 
 GPU = Sizes()
@@ -94,6 +113,7 @@ CPU_DRY_RUN = Sizes(
     reps=1,
     calls=1,
     steps=1,
+    moe=(MoeShape("tiny", 256, 128, 4, 600),),
 )
 
 
@@ -387,7 +407,103 @@ def phase_quantize(device: torch.device, sizes: Sizes, backends: list[str], rows
 
 
 # ----------------------------------------------------------------------------------------------
-# 5. the training step
+# 5. the experts' grouped GEMMs (mixture of experts)
+
+
+def _moe_operands(shape: MoeShape, device: torch.device) -> dict[str, tuple[torch.Tensor, ...]]:
+    """Per projection: (input [S, K] bf16, weight [E, N, K] fp32, output gradient [S, N] bf16)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    s, h, i, e = shape.rows, shape.hidden, shape.inter, shape.experts
+
+    def randn(*size: int, std: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (torch.randn(size, generator=g, device=device) * std).to(dtype)
+
+    bf16 = torch.bfloat16
+    return {
+        "gate_up": (randn(s, h, dtype=bf16), randn(e, 2 * i, h, std=0.02), randn(s, 2 * i, dtype=bf16)),
+        "down": (randn(s, i, dtype=bf16), randn(e, h, i, std=0.02), randn(s, h, dtype=bf16)),
+    }
+
+
+def _moe_check(
+    operands: tuple[torch.Tensor, ...], counts: list[int], emulated: tuple[int, ...], kernels: Any
+) -> dict[str, Any]:
+    """SQNR of y, dx, dw against the bf16 grouped GEMM; ``calc_diff`` against the CPU emulation on the
+    first ``len(emulated)`` experts with ``emulated`` rows each; an empty expert's zero gradient."""
+    x, w, dy = operands
+    fp8 = grouped_projection(x, w, dy, counts, kernels)
+    bf16 = grouped_projection(x, w, dy, counts, None)
+    row: dict[str, Any] = {"bf16 GEMM": bf16[3]}
+    for i, name in enumerate(("y", "dx", "dw")):
+        row[f"sqnr {name} dB"] = sqnr(bf16[i].float(), fp8[i].float())
+    rows, experts = sum(emulated), len(emulated)
+    sub = (x[:rows], w[:experts], dy[:rows])
+    here = grouped_projection(*sub, list(emulated), kernels)
+    cpu_kernels = bind(get_recipe("blockwise"), "cpu")
+    cpu = grouped_projection(*(t.cpu() for t in sub), list(emulated), cpu_kernels)
+    row["diff vs cpu"] = max(
+        calc_diff(a.float().cpu(), b.float()) for a, b in zip(here[:3], cpu[:3], strict=True)
+    )
+    empty = [e for e, c in enumerate(counts) if not c]
+    row["empty expert dw = 0"] = bool(empty) and not fp8[2][empty].any().item()
+    row["ok"] = (
+        all(row[f"sqnr {n} dB"] >= floor for n, floor in MOE_SQNR_FLOORS.items())
+        and row["diff vs cpu"] < MOE_EMULATION_DIFF
+        and row["empty expert dw = 0"]
+    )
+    return row
+
+
+def _moe_timings(
+    shape: MoeShape, counts: list[int], device: torch.device, sizes: Sizes, backends: list[str]
+) -> dict[str, Any]:
+    """ms and TFLOP/s of one MoE MLP's forward + backward: bf16, then FP8 on each backend (a step is
+    17 TFLOP at the DeepSeek-V3 shape: 5 calls, median of 3, so the phase stays near a minute)."""
+    sizes = replace(sizes, warmup=1, reps=min(sizes.reps, 3), calls=min(sizes.calls, 5))
+    g = torch.Generator(device=device).manual_seed(1)
+    s, h, i, e = shape.rows, shape.hidden, shape.inter, shape.experts
+    x = torch.randn(s, h, generator=g, device=device).bfloat16().requires_grad_()
+    w1 = (torch.randn(e, 2 * i, h, generator=g, device=device) * 0.02).requires_grad_()
+    w2 = (torch.randn(e, h, i, generator=g, device=device) * 0.02).requires_grad_()
+    w1b, w2b = w1.detach().bfloat16().requires_grad_(), w2.detach().bfloat16().requires_grad_()
+    row: dict[str, Any] = {"shape": shape.label, "check": "timing (fwd+bwd, both projections)"}
+    bf16 = _guarded(lambda: time_ms(lambda: mlp_step(x, w1b, w2b, counts, None), device, sizes))
+    row["bf16 ms"], row["bf16 TFLOP/s"] = bf16, _rate(shape.flops, bf16)
+    for backend in backends:
+        kernels = bind(get_recipe("blockwise"), device, backend)
+        ms = _guarded(lambda: time_ms(lambda: mlp_step(x, w1, w2, counts, kernels), device, sizes))  # noqa: B023
+        row[f"{backend} ms"], row[f"{backend} TFLOP/s"] = ms, _rate(shape.flops, ms)
+        if isinstance(ms, float) and isinstance(bf16, float):
+            row[f"{backend} / bf16"] = bf16 / ms  # > 1: FP8 faster
+    return row
+
+
+def _rate(flops: int, ms: float | str) -> float | str:
+    return flops / (ms * 1e-3) / 1e12 if isinstance(ms, float) else ms
+
+
+def phase_moe(device: torch.device, sizes: Sizes, backends: list[str], entry: dict, rows: list[dict]) -> None:
+    """Per MoE shape: correctness first (each projection on each backend: SQNR vs bf16, the CPU
+    emulation, an empty expert), then the timings. A failed check marks the phase failed."""
+    for shape in sizes.moe:
+        counts = routed_counts(shape.rows, shape.experts)
+        operands = _moe_operands(shape, device)
+        for proj, ops in operands.items():
+            for backend in backends:
+                kernels = bind(get_recipe("blockwise"), device, backend)
+                row: dict[str, Any] = {"shape": shape.label, "check": proj, "backend": backend}
+                row.update(_guarded_dict(lambda: _moe_check(ops, counts, sizes.moe_emulated, kernels)))  # noqa: B023
+                if not row.get("ok"):
+                    entry["status_override"] = "failed"
+                rows.append(row)
+        del operands
+        rows.append(_moe_timings(shape, counts, device, sizes, backends))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. the training step
 
 
 def _train_step(model: Any, ids: torch.Tensor, opt: torch.optim.Optimizer, device: torch.device) -> None:
@@ -534,6 +650,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "gemm": lambda rows: phase_gemm(device, sizes, backends, rows),
         "quantize": lambda rows: phase_quantize(device, sizes, backends, rows),
+        "moe": lambda rows: phase_moe(device, sizes, backends, report.phase("moe"), rows),
         "step": lambda rows: phase_step(device, sizes, backends, report, deadline, rows),
     }
     print(json.dumps(report.data["meta"]), flush=True)

@@ -7,7 +7,8 @@ through ``infir2.nn.Fp8Experts``) on the demo's arithmetic corpus, shortened to 
 and ``--seeds`` seeds. Per recipe: the final held-out loss per seed, the paired gap to the baseline
 (%), and the verdict of ``infir2.tools.paired`` (95% t-interval against a +-1% margin).
 
-Run: ``nice python benchmarks/moe_cpt.py [--steps 30 --seeds 3]`` (about 2 minutes on one core).
+Run: ``nice python benchmarks/moe_cpt.py [--steps 30 --seeds 3 --first-seed 0]`` (about 2 minutes on one core;
+``--steps 120 --seeds 8``: about 9 minutes, BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 from infir2.cli import main as cli
+from infir2.tools.demo.results import machine_description
 from infir2.tools.paired import paired_gaps, paired_verdict
 from infir2.train import train
 from infir2.train.config import load_config, resolve_config_path
@@ -54,22 +56,23 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
     p.add_argument("--seq-len", type=int, default=128)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         assert cli(["demo", "--data-only", "--quick", "--out", str(root / "runs/tiny")]) == 0
-        losses = {
-            r: {s: run_one(root, r, s, args.steps, args.seq_len) for s in range(args.seeds)} for r in RECIPES
-        }
+        losses = {r: {s: run_one(root, r, s, args.steps, args.seq_len) for s in seeds} for r in RECIPES}
     print(
-        f"moe_cpt  tiny-moe-cpt  {args.steps} steps x 8 x {args.seq_len} tokens  seeds {args.seeds}  "
-        f"{time.perf_counter() - start:.0f} s"
+        f"moe_cpt  tiny-moe-cpt  {args.steps} steps x 8 x {args.seq_len} tokens  seeds {seeds.start}-{seeds.stop - 1}  "
+        f"{time.perf_counter() - start:.0f} s  {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"
     )
+    print(f"on {machine_description(threads_per_run=1)}")
     for recipe in RECIPES:
-        row = "  ".join(f"{losses[recipe][s]:.4f}" for s in range(args.seeds))
+        row = "  ".join(f"{losses[recipe][s]:.4f}" for s in seeds)
         line = f"{recipe:<11} held-out loss {row}"
         if recipe != "bf16":
             gaps = list(paired_gaps(losses[recipe], losses["bf16"], relative=True).values())

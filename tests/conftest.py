@@ -40,6 +40,7 @@ _ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
 }
 
 
@@ -57,7 +58,7 @@ def make_tiny_model(
     tie: bool = False,
     **config,
 ):
-    """A randomly initialized fp32 causal LM of ``arch`` (qwen2, llama, mistral, phi3;
+    """A randomly initialized fp32 causal LM of ``arch`` (qwen2, llama, mistral, phi3, qwen3;
     ``torch.manual_seed(seed)`` first), untied embeddings unless ``tie``. ``intermediate`` defaults to
     ``2 * hidden + 128``; ``max_positions=None`` keeps the HF config's own default; ``config`` goes to
     the HF config as is (token ids, ...). The one builder of the tests' and benchmarks' hand-made models."""

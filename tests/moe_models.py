@@ -68,3 +68,12 @@ def make_tiny_moe(family: str, seed: int = 0) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(moe_config(family)).float()
+
+
+def qwen3_30b_a3b_config():
+    """The transformers config of Qwen3-30B-A3B from the planner's shipped fields (its config.json's)."""
+    from transformers import Qwen3MoeConfig
+
+    from infir2.tools.plan import MODELS
+
+    return Qwen3MoeConfig(**{k: v for k, v in MODELS["qwen3-30b-a3b"].items() if k != "model_type"})

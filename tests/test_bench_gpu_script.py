@@ -66,6 +66,23 @@ def test_phase_selection_and_the_budget(bench, tmp_path):
     assert rc == 1 and phases["env"]["status"] == "ok" and phases["gemm"]["status"] == "skipped"
 
 
+def test_moe_phase_checks_before_it_times_and_fails_on_a_missed_floor(bench, tmp_path, monkeypatch):
+    """Per projection: SQNR against the bf16 grouped GEMM over the floors, the CPU emulation, the empty
+    expert; then one timing row per shape. A floor the FP8 GEMM cannot meet marks the phase failed."""
+    assert bench.main(["--device", "cpu", "--out", str(tmp_path / "ok"), "--phases", "moe"]) == 0
+    rows = json.loads((tmp_path / "ok" / "gpu_bench.json").read_text())["phases"]["moe"]["rows"]
+    checks = [r for r in rows if r["check"] in ("gate_up", "down")]
+    assert [r["check"] for r in checks] == ["gate_up", "down"] and all(r["ok"] for r in checks)
+    assert all(27 <= r["sqnr y dB"] < 40 and r["sqnr dw dB"] >= 26 for r in checks)  # FP8, not exact
+    assert all(r["diff vs cpu"] < 1e-3 and r["empty expert dw = 0"] for r in checks)
+    assert isinstance(rows[-1]["bf16 ms"], float) and isinstance(rows[-1]["fast_emulated ms"], float)
+    monkeypatch.setitem(bench.MOE_SQNR_FLOORS, "dx", 60.0)
+    assert bench.main(["--device", "cpu", "--out", str(tmp_path / "strict"), "--phases", "moe"]) == 1
+    phase = json.loads((tmp_path / "strict" / "gpu_bench.json").read_text())["phases"]["moe"]
+    assert phase["status"] == "failed" and not any(r.get("ok") for r in phase["rows"])
+    assert isinstance(phase["rows"][-1]["bf16 ms"], float)  # the timings still ran
+
+
 def test_pytest_comes_from_the_wheels_folder_when_not_installed(bench, tmp_path, monkeypatch):
     wheels = tmp_path / "wheels"
     wheels.mkdir()
@@ -117,8 +134,9 @@ def test_the_whole_dry_run_without_the_packages_the_gpu_image_lacks(tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     phases = json.loads((out / "gpu_bench.json").read_text())["phases"]
-    assert list(phases) == ["env", "checks", "gemm", "quantize", "step"]
+    assert list(phases) == ["env", "checks", "gemm", "quantize", "moe", "step"]
     assert all(p["status"] == "ok" for p in phases.values()), phases
     assert all("error" not in row for p in phases.values() for row in p["rows"]), phases
     assert phases["checks"]["rows"][0]["passed"] >= 1  # the collection test of tests/gpu
     assert [r["arm"] for r in phases["step"]["rows"]] == ["bf16", "fp8[fast_emulated]"]
+    assert all(r["ok"] for r in phases["moe"]["rows"] if "ok" in r) and len(phases["moe"]["rows"]) == 3

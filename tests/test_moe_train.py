@@ -95,3 +95,67 @@ def test_tiny_moe_cpt_config_runs_as_shipped(tmp_path, monkeypatch):
     assert main(["train", str(config), *short]) == 0
     model = load_checkpoint(tmp_path / "runs/tiny-moe-cpt/hf")
     assert type(model).__name__ == "Qwen3MoeForCausalLM" and model.config.num_experts == 8
+
+
+def _state_tensors(run_dir) -> dict[str, torch.Tensor]:
+    """The newest checkpoint's model and AdamW tensors (fp32 masters, moments) by name."""
+    from infir2.checkpoint import latest_checkpoint, load_checkpoint
+
+    state = load_checkpoint(latest_checkpoint(run_dir / "checkpoints"))
+    tensors = {f"model.{k}": v for k, v in state["model"].items()}
+    for pid, per_param in state["optimizer"]["state"].items():
+        tensors.update({f"optim.{pid}.{k}": v for k, v in per_param.items() if isinstance(v, torch.Tensor)})
+    return tensors
+
+
+def _losses(run_dir) -> list[tuple[int, float]]:
+    import json
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_tiny_moe_cpt_resumes_bit_identically(tmp_path, monkeypatch, caplog):
+    """``infir2 train tiny-moe-cpt`` (FP8 experts, the demo's token shards) SIGKILLed once its second
+    checkpoint exists, then the same command again: every loss and the final fp32 weights and AdamW
+    moments equal the uninterrupted run's, bit for bit."""
+    import logging
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from infir2.cli import main
+    from train_synthetic import subprocess_env
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo", "--data-only", "--quick", "--out", "runs/tiny"]) == 0
+    short = {"run.device": "cpu", "data.seq_len": 64, "data.global_batch_size": 8, "data.micro_batch_size": 4}
+    short |= {"train.max_steps": 8, "train.save_every": 1, "train.keep_last": 2, "train.eval_every": 4}
+    sets = [a for k, v in short.items() for a in ("--set", f"{k}={v}")]
+    command = ["train", "tiny-moe-cpt", "--no-progress", *sets]
+    assert main([*command, "--set", "run.name=full"]) == 0  # the reference, uninterrupted
+
+    killed = [sys.executable, "-m", "infir2.cli", *command, "--set", "run.name=killed"]
+    proc = subprocess.Popen(killed, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    second = tmp_path / "runs/killed/checkpoints/step_00000002"
+    deadline = time.monotonic() + 120
+    while not second.is_dir() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    out, _ = proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, out.decode()[-3000:]  # killed mid-run, not finished
+    assert len(_losses(tmp_path / "runs/killed")) < 8
+    with caplog.at_level(logging.INFO, logger="infir2"):
+        assert main([*command, "--set", "run.name=killed"]) == 0
+    resumed_at = [r.args[1] for r in caplog.records if r.getMessage().startswith("resumed from")]
+    assert len(resumed_at) == 1 and resumed_at[0] >= 2  # from its newest checkpoint, not from scratch
+
+    full, resumed = tmp_path / "runs/full", tmp_path / "runs/killed"
+    reference = dict(_losses(full))
+    assert {step for step, _ in _losses(resumed)} == set(reference) == set(range(1, 9))
+    assert all(loss == reference[step] for step, loss in _losses(resumed))  # a step logged twice too
+    ref, got = _state_tensors(full), _state_tensors(resumed)
+    assert ref.keys() == got.keys() and any("experts.gate_up_proj" in k for k in ref)
+    assert all(torch.equal(ref[k], got[k]) for k in ref)

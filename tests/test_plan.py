@@ -98,6 +98,38 @@ def test_shipped_shapes_and_config_json(tmp_path) -> None:
         load_shape(str(tmp_path / "bad.json"))
 
 
+def _projection_elements(model) -> int:
+    """Elements of one decoder layer's ``nn.Linear`` weights, counted on the model itself."""
+    layer = model.model.layers[0]
+    return sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "mistral", "qwen3"])
+def test_parameters_with_a_head_dim_other_than_hidden_over_heads(arch: str) -> None:
+    """head_dim 48 (not 128 / 4): the plan's parameters == the model's, exactly, and its projection
+    weights == the layer's linear weights (q / k / v biases: Qwen2 only; Qwen3's q / k norms)."""
+    model = make_tiny_model(arch, hidden=128, heads=4, kv_heads=2, head_dim=48)
+    assert model.model.layers[0].self_attn.q_proj.out_features == 4 * 48  # the config took it
+    shape = _shape(model)
+    assert shape.head_dim == 48
+    assert shape.params == sum(p.numel() for p in model.parameters())
+    assert shape.projection_weights == _projection_elements(model)
+
+
+def test_activations_with_a_head_dim_other_than_hidden_over_heads() -> None:
+    """The layer the plan measures has the model's head width: weight copies are the projections'
+    exactly (bf16 casts), and activations + logits + weight copies match a whole model's (10%)."""
+    model = make_tiny_model("llama", hidden=128, layers=3, head_dim=96)
+    recompute_swiglu(model)
+    shape = _shape(model)
+    p = plan(shape, "bf16", gpus=1, seq_len=SEQ, micro_batch=BATCH, loss_chunk_tokens=0)
+    assert p.weight_copies == shape.layers * 2 * _projection_elements(model) + 2 * shape.vocab * shape.hidden
+    _within(
+        p.activations + p.logits_saved + p.weight_copies,
+        saved_bytes(model, torch.randint(0, 300, (BATCH, SEQ))),
+    )
+
+
 def test_cli_prints_bf16_and_fp8_side_by_side(tmp_path, capsys) -> None:
     config = make_tiny_model(hidden=128).config.to_dict()
     (tmp_path / "config.json").write_text(json.dumps(config, default=str))

@@ -34,7 +34,7 @@ from ..model import (
 )
 from .distributed import DistEnv, shard_model
 
-__all__ = ["build_model", "check_model_inputs", "load_run_tokenizer", "setup_model"]
+__all__ = ["build_model", "check_model_inputs", "load_run_tokenizer", "setup_model", "warn_router_loss"]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,20 @@ def build_model(cfg: Any, tokenizer: Any) -> nn.Module:
     raise ValueError("model: give model.path (a local HF folder) or model.from_config")
 
 
+def warn_router_loss(model: nn.Module) -> None:
+    """An MoE config that asks for the router's load-balancing loss (``output_router_logits``) gets a
+    warning: infir2's loss is the next-token cross-entropy alone (as transformers' own loss when the
+    flag is off, the released Qwen3-MoE / Mixtral configs' setting)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "output_router_logits", False):
+        coef = getattr(config, "router_aux_loss_coef", None)
+        log.warning(
+            "config.json has output_router_logits: true (router_aux_loss_coef %s), but infir2 trains on "
+            "the next-token loss alone: the router's load-balancing loss is not added",
+            coef,
+        )
+
+
 def setup_model(
     cfg: Any,
     env: DistEnv,
@@ -90,6 +104,7 @@ def setup_model(
         )
     model = model if model is not None else build_model(cfg, tokenizer)
     check_vocabulary(model, tokenizer, cfg.model.tokenizer or cfg.model.path or "model.tokenizer")
+    warn_router_loss(model)
     recipe = get_recipe(cfg.fp8.recipe)  # the config's name, resolved once (validated by check_shared)
     master_dtype = torch.float64 if cfg.model.precision == "fp64" else torch.float32
     model = prepare_for_training(

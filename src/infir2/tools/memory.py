@@ -249,7 +249,7 @@ def context_kv_bytes(model: str, tokens: int, context: int, device: str = "cuda"
 
     shape = LAYER_SHAPES[model]
     heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
-    dim = shape["hidden_size"] // heads
+    dim = shape.get("head_dim", shape["hidden_size"] // heads)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
 
     def kept(degree: int) -> int:

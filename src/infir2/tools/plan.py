@@ -38,12 +38,20 @@ every expert's parameters (total, and the active ones a token reads), gathers ev
 from the dense layer of the active width (top-k experts + the shared one) plus the experts' extra
 copies of each routed row: a lower bound (``tests/test_moe_plan.py``).
 
+Attention is counted as the config says: ``head_dim`` where given (Qwen3's 32 heads of 128 over a hidden
+size of 2048), q / k / v biases from ``attention_bias`` (else Qwen2's have them), Qwen3's per-head q / k
+norms. ``qwen3-30b-a3b`` is shipped (30.53B parameters, 3.35B active). Not modelled, and said with a
+warning (``unmodelled``): DeepSeek-V3's latent attention (MLA) and the dense MLP layers of an MoE
+model (DeepSeek-V3's first three, Qwen-MoE's ``mlp_only_layers``): every layer is planned as an MoE
+layer.
+
 Every term is an estimate of allocated tensor bytes (no allocator fragmentation, no CUDA context, no
 NCCL buffers); ``tests/test_plan.py`` checks the parameter, gradient, optimizer, activation and
 logits terms against bytes measured on tiny models.
 
     infir2 plan qwen2.5-1.5b --gpus 8 --seq-len 8192
     infir2 plan qwen2.5-7b --gpus 8 --seq-len 131072 --context 8 --activation-checkpointing
+    infir2 plan qwen3-30b-a3b --gpus 8 --seq-len 32768 --activation-checkpointing --gpu h200
     infir2 plan path/to/config.json --gpus 4 --seq-len 32768 --recipe blockwise --state-dtype bf16 \\
         --activation-checkpointing --loss-chunk-tokens auto
 """
@@ -52,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,9 +69,21 @@ from ..fp8 import RECIPES, recipe_names
 from ..fp8.formats import BLOCK
 from .memory import DEVICES, add_run_arguments
 
-__all__ = ["MODELS", "PUBLISHED", "ModelShape", "Plan", "add_arguments", "layer_figures", "plan", "run"]
+log = logging.getLogger(__name__)
 
-#: The shipped models' config.json fields that the plan needs (Qwen2.5 releases).
+__all__ = [
+    "MODELS",
+    "PUBLISHED",
+    "ModelShape",
+    "Plan",
+    "add_arguments",
+    "layer_figures",
+    "plan",
+    "run",
+    "unmodelled",
+]
+
+#: The shipped models' config.json fields that the plan needs (the Qwen2.5 and Qwen3-MoE releases).
 MODELS: dict[str, dict[str, Any]] = {
     "qwen2.5-1.5b": {
         "hidden_size": 1536,
@@ -82,7 +103,28 @@ MODELS: dict[str, dict[str, Any]] = {
         "vocab_size": 152064,
         "tie_word_embeddings": False,
     },
+    # Qwen/Qwen3-30B-A3B's config.json: 30.5B parameters, 3.3B active (128 experts, 8 per token)
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "attention_bias": False,
+        "vocab_size": 151936,
+        "tie_word_embeddings": False,
+    },
 }
+
+#: model types whose q / k / v projections have biases when the config has no ``attention_bias``
+QKV_BIAS_TYPES = ("qwen2", "qwen2_moe")
+#: model types with an RMSNorm of ``head_dim`` on each head's query and key (``q_norm`` / ``k_norm``)
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")
 
 #: InfiR2's reported FP8 / BF16 peak memory: model -> {sequence length: ratio}.
 PUBLISHED: dict[str, dict[int, float]] = {
@@ -92,8 +134,8 @@ PUBLISHED: dict[str, dict[int, float]] = {
 
 #: Per decoder layer (hidden, intermediate, heads, kv heads, SwiGLU recompute) -> recipe -> (activation bytes per token,
 #: weight-copy bytes), as printed by ``infir2 memory --tokens 384`` (BENCHMARKS.md); other shapes are
-#: measured on the fly by ``layer_figures``.
-MEASURED: dict[tuple[int, int, int, int, bool], dict[str, tuple[float, int]]] = {
+#: measured on the fly by ``layer_figures`` (a head_dim other than hidden // heads: last in the key).
+MEASURED: dict[tuple[int | bool, ...], dict[str, tuple[float, int]]] = {
     (1536, 8960, 12, 2, False): {
         "bf16": (118840, 93585408),
         "blockwise": (99552, 46804128),
@@ -123,10 +165,16 @@ MEASURED: dict[tuple[int, int, int, int, bool], dict[str, tuple[float, int]]] = 
         "mxfp8": (180248, 0),
         "tensorwise": (179320, 233046044),
     },
+    # Qwen3-30B-A3B's layer at its active width (8 x 768; head_dim 128), SwiGLU recompute (layer_figures,
+    # 2026-12-01)
+    (2048, 6144, 32, 4, True, 128): {
+        "bf16": (108680, 113246208),
+        "blockwise": (90696, 56650752),
+    },
 }
 
 #: the same figures for a CPU run (``device="cpu"``), measured when first asked for
-MEASURED_CPU: dict[tuple[int, int, int, int, bool], dict[str, tuple[float, int]]] = {}
+MEASURED_CPU: dict[tuple[int | bool, ...], dict[str, tuple[float, int]]] = {}
 
 FP32_BYTES, BF16_BYTES = 4, 2
 PLAIN_LOGITS_SAVED, PLAIN_LOGITS_BACKWARD = 4, 8  # bytes per logit: fp32 log-softmax; its + the logits' grads
@@ -147,6 +195,14 @@ class ModelShape:
     top_k: int = 0  # experts per token
     shared_intermediate: int = 0  # the shared expert(s)' width (0: none)
     shared_gate: bool = False  # Qwen2-MoE's sigmoid gate on the shared expert (a [1, H] linear)
+    # attention: each head's width (0: hidden // heads), q / k / v biases, Qwen3's q_norm / k_norm
+    head_dim: int = 0
+    qkv_bias: bool = True
+    qk_norm: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
 
     @classmethod
     def from_config(cls, config: dict[str, Any], source: str) -> ModelShape:
@@ -163,12 +219,15 @@ class ModelShape:
             config["vocab_size"],
             bool(config.get("tie_word_embeddings", False)),
             **_moe_fields(config, source),
+            **_attention_fields(config),
         )
 
     @property
     def _attention_params(self) -> int:
-        h, kv = self.hidden, self.kv_heads * (self.hidden // self.heads)
-        return h * h + h + 2 * (h * kv + kv) + h * h  # q (+bias), k, v (+bias), o
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        biases = q + 2 * kv if self.qkv_bias else 0
+        norms = 2 * self.head_dim if self.qk_norm else 0
+        return 2 * h * q + 2 * h * kv + biases + norms  # q, o, k, v (+ biases, q_norm / k_norm)
 
     @property
     def _mlp_projections(self) -> int:
@@ -193,8 +252,8 @@ class ModelShape:
     def projection_weights(self) -> int:
         """Elements of one layer's projection weights (what FP8 quantizes and FP8-gathers): attention and
         MLP, every expert's."""
-        h, kv = self.hidden, self.kv_heads * (self.hidden // self.heads)
-        return 2 * h * h + 2 * h * kv + self._mlp_projections
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return 2 * h * q + 2 * h * kv + self._mlp_projections
 
     @property
     def root_params(self) -> int:
@@ -232,6 +291,17 @@ def _moe_fields(config: dict[str, Any], source: str) -> dict[str, Any]:
     }
 
 
+def _attention_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """``head_dim`` (when the config gives one), q / k / v biases (``attention_bias``, else by model
+    type: Qwen2's have them) and Qwen3's per-head q / k norms."""
+    model_type = config.get("model_type", "qwen2")
+    return {
+        "head_dim": config.get("head_dim") or 0,
+        "qkv_bias": bool(config.get("attention_bias", model_type in QKV_BIAS_TYPES)),
+        "qk_norm": model_type in QK_NORM_TYPES,
+    }
+
+
 def load_shape(model: str) -> tuple[str, ModelShape]:
     """A shipped model name or the path of a HF ``config.json`` (or its folder)."""
     if model.lower() in MODELS:
@@ -244,7 +314,27 @@ def load_shape(model: str) -> tuple[str, ModelShape]:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: line {e.lineno}: {e.msg}") from e
-    return str(path), ModelShape.from_config(config, str(path))
+    shape = ModelShape.from_config(config, str(path))
+    for note in unmodelled(config):
+        log.warning("%s: %s", path, note)
+    return str(path), shape
+
+
+def unmodelled(config: dict[str, Any]) -> list[str]:
+    """What of a HF config the plan counts as something simpler (said, never silently)."""
+    notes = []
+    if config.get("kv_lora_rank"):
+        notes.append(
+            "latent attention (MLA, kv_lora_rank) is planned as plain attention of num_attention_heads x "
+            "head_dim: parameters, bytes and activations are approximate"
+        )
+    dense = config.get("first_k_dense_replace") or config.get("mlp_only_layers")
+    if _moe_fields(config, "") and (dense or (config.get("decoder_sparse_step") or 1) > 1):
+        notes.append(
+            "its dense MLP layers (first_k_dense_replace, mlp_only_layers or decoder_sparse_step) are "
+            "planned as MoE layers"
+        )
+    return notes
 
 
 def layer_figures(
@@ -266,14 +356,23 @@ def layer_figures(
         shape.kv_heads,
         shape.vocab,
         shape.tied,
+        head_dim=shape.head_dim,
     )
-    key = (dense.hidden, dense.intermediate, dense.heads, dense.kv_heads, recompute_mlp)
+    key: tuple[int | bool, ...] = (
+        dense.hidden,
+        dense.intermediate,
+        dense.heads,
+        dense.kv_heads,
+        recompute_mlp,
+    )
+    if dense.head_dim != dense.hidden // dense.heads:
+        key += (dense.head_dim,)  # heads of another width than hidden // heads: keyed apart
     table = MEASURED if device == "cuda" else MEASURED_CPU
     if recipe not in table.get(key, {}):
         from .memory import layer_memory, safe_tokens
 
-        kv = dense.kv_heads * (dense.hidden // dense.heads)
-        tokens = safe_tokens({dense.hidden, dense.intermediate, kv})
+        heads = {dense.heads * dense.head_dim, dense.kv_heads * dense.head_dim}
+        tokens = safe_tokens({dense.hidden, dense.intermediate, *heads})
 
         m = layer_memory(
             "",
@@ -285,6 +384,7 @@ def layer_figures(
             intermediate_size=dense.intermediate,
             num_attention_heads=dense.heads,
             num_key_value_heads=dense.kv_heads,
+            head_dim=dense.head_dim,
         )
         table.setdefault(key, {})[recipe] = (m.per_token, m.total("weight"))
     per_token, weight_copy = table[key][recipe]
@@ -383,10 +483,8 @@ def plan(
     else:
         activations = tokens * shape.layers * per_token
     # outside the layers: final norm (input, normalized output), token ids, rotary cos/sin (once)
-    head_dim = shape.hidden // shape.heads
-    activations += (
-        tokens * (shape.hidden * 2 * FP32_BYTES + 8) + 2 * seq_len // context * head_dim * FP32_BYTES
-    )
+    rotary = 2 * seq_len // context * shape.head_dim * FP32_BYTES  # cos / sin of this GPU's positions
+    activations += tokens * (shape.hidden * 2 * FP32_BYTES + 8) + rotary
     kv_layers = 1 if activation_checkpointing else shape.layers  # checkpointed: one layer's, recomputed
     activations += kv_layers * context_kv_bytes(shape, seq_len * micro_batch, context, cpu)
     chunk = use_chunked_loss(loss_chunk_tokens, tokens, shape.vocab)
@@ -437,7 +535,7 @@ def context_kv_bytes(shape: ModelShape, tokens: int, context: int, cpu: bool) ->
     for its backward (fp32 on a CPU, bf16 under autocast)."""
     if context == 1:
         return 0.0
-    kv = shape.kv_heads * (shape.hidden // shape.heads)
+    kv = shape.kv_heads * shape.head_dim
     width = FP32_BYTES if cpu else BF16_BYTES
     return 2 * kv * width * tokens * (context - 1) / context
 
