@@ -80,9 +80,10 @@ def tiny() -> nn.Module:
     return make_tiny_model(max_positions=2 * WIDTH)
 
 
-def model(recipe: str = "blockwise") -> nn.Module:
-    """``tiny()`` with FP8 ``recipe`` and fp32 masters, as a training run makes it."""
-    return prepare_for_training(tiny(), get_recipe(recipe), None, False, True, torch.float32)
+def model(recipe: str = "blockwise", checkpointing: bool = False) -> nn.Module:
+    """``tiny()`` with FP8 ``recipe`` and fp32 masters (and per-layer activation checkpointing), as a
+    training run makes it."""
+    return prepare_for_training(tiny(), get_recipe(recipe), None, checkpointing, True, torch.float32)
 
 
 def record_inputs(net: nn.Module) -> tuple[dict[str, list[torch.Tensor]], list[Any]]:
@@ -165,11 +166,13 @@ def compare(ref: dict[str, Any], ranks: list[dict[str, Any]], data: int) -> dict
         for i, full in enumerate(calls):  # call i: row i of the step (one row per micro-batch)
             replica, j = divmod(i, per)
             shards = sorted((r for r in ranks if r["layout"][0] == replica), key=lambda r: r["layout"][1])
-            got = torch.cat([r["inputs"][name][j] for r in shards], dim=1)  # shards side by side
-            assert torch.equal(got, full), (name, i)
-            size = full.shape[1] // len(shards)
-            for c, r in enumerate(shards):  # each rank quantizes its own shard
-                assert same_codes_as_one_process(full, r["inputs"][name][j], c * size), (name, i, c)
+            repeats = len(shards[0]["inputs"][name]) // per  # 2 under activation checkpointing: the recompute
+            for call in range(j * repeats, (j + 1) * repeats):
+                got = torch.cat([r["inputs"][name][call] for r in shards], dim=1)  # shards side by side
+                assert torch.equal(got, full), (name, i, call)
+                size = full.shape[1] // len(shards)
+                for c, r in enumerate(shards):  # each rank quantizes its own shard
+                    assert same_codes_as_one_process(full, r["inputs"][name][call], c * size), (name, i, c)
     ce = sum(r["ce"] for r in ranks)
     assert ranks[0]["n"] == ref["n"]
     loss_err = abs(ce / ref["n"] - ref["ce"] / ref["n"]) / (ref["ce"] / ref["n"])

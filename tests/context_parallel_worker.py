@@ -1,10 +1,11 @@
 """Run under torchrun by test_context_parallel.py: one FP8 step of the packed case on a data x context grid.
 
-``exact OUT CONTEXT [CONTEXT ...] [--recipe R]``: for each context degree (the data degree is the world over it), the
+``exact OUT CONTEXT [CONTEXT ...] [--recipe R] [--checkpointing]``: for each context degree (the data degree is the world over it), the
 model is sharded with FSDP2 over the whole world and its attention made context-parallel; each rank runs
 its shards of its data replica's rows and writes ``OUT/d<D>c<C>/rank<r>.pt``: the inputs of every FP8 linear,
 its CE sum, loss-token count and forward + backward seconds, and (rank 0) the full gradients
-(``-<recipe>`` after the folder's name for a recipe other than blockwise). ``train OUT CONTEXT STEPS NAME
+(``-<recipe>`` after the folder's name for a recipe other than blockwise, ``-ac`` with per-layer activation
+checkpointing: its backward recomputes each layer, gathering the keys and values again). ``train OUT CONTEXT STEPS NAME
 [--kill-after K] [--save-every S]``: ``infir2.train.train`` on ``PackedSource`` with ``parallel.context``,
 the run folder ``OUT/NAME``; with ``--kill-after`` rank 0 SIGKILLs itself when step K+1 is asked for.
 """
@@ -32,10 +33,10 @@ from infir2.train import train
 from train_synthetic import tiny_run_config
 
 
-def exact(out: Path, context: int, recipe: str = "blockwise") -> None:
+def exact(out: Path, context: int, recipe: str = "blockwise", checkpointing: bool = False) -> None:
     env = init_distributed("cpu")
     layout = context_layout(env, context)
-    net = shard_model(model(recipe), "fp32", recipe != "bf16")
+    net = shard_model(model(recipe, checkpointing), "fp32", recipe != "bf16")
     enable_context_parallel(net, layout.group)
     data = layout.data_env
     rows = packed_rows(0)
@@ -52,7 +53,8 @@ def exact(out: Path, context: int, recipe: str = "blockwise") -> None:
     for h in handles:
         h.remove()
     grads = {name: p.grad.full_tensor() for name, p in net.named_parameters()}
-    folder = out / (f"d{data.world_size}c{context}" + ("" if recipe == "blockwise" else f"-{recipe}"))
+    name = f"d{data.world_size}c{context}" + ("" if recipe == "blockwise" else f"-{recipe}")
+    folder = out / (name + ("-ac" if checkpointing else ""))
     folder.mkdir(parents=True, exist_ok=True)
     record = {
         "inputs": inputs,
@@ -106,7 +108,7 @@ if __name__ == "__main__":
     if mode == "exact":
         recipe = rest[rest.index("--recipe") + 1] if "--recipe" in rest else "blockwise"
         for degree in (d for d in rest if d.isdigit()):
-            exact(Path(out), int(degree), recipe)
+            exact(Path(out), int(degree), recipe, "--checkpointing" in rest)
     else:
         context, steps, name = int(rest[0]), int(rest[1]), rest[2]
         train_run(out, context, steps, name, _flag(rest, "--kill-after"), _flag(rest, "--save-every") or 0)

@@ -1,13 +1,15 @@
 """Context parallelism is one process: the packed case (odd-length documents across shard edges) on
-context 2, context 4 and data 2 x context 2 (gloo, FSDP2 over the whole world, FP8 blockwise).
+context 2, context 4, data 2 x context 2 and context 2 with activation checkpointing (gloo, FSDP2 over
+the whole world, FP8 blockwise).
 
-Measured here (``benchmarks/context_parallel.py`` prints the same numbers): every FP8 linear's input,
-and so its FP8 codes and scales, is bit-identical to the one process's; the loss agrees to ~1e-7
-(fp32 summation order of the shards' CE sums); gradients agree to ~1e-7 except where attention's key /
+Measured here (``benchmarks/context_parallel.py`` prints the same numbers): every FP8 linear's input
+(the recomputed ones too), and so its FP8 codes and scales, is bit-identical to the one process's; the
+loss agrees to 2e-8
+(fp32 summation order of the shards' CE sums); gradients agree to ~5e-7 except where attention's key /
 value gradients -- sums over the queries of every shard, reduce-scattered -- feed an FP8 cast of a
 gradient again: there a last-bit difference moves an occasional E4M3 code one step, and the k / v
-projections' weight gradients (and what lies below them) differ by up to ~1e-3 of their largest element
-(``GRAD_TOLERANCE``; the bf16 recipe, with no FP8 cast in backward, stays at ~1e-6 everywhere).
+projections' weight gradients (and what lies below them) differ by up to 7.3e-4 of their largest element
+(``GRAD_TOLERANCE``; the bf16 recipe, with no FP8 cast in backward, stays at 6.5e-7 everywhere).
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ FP32_TOLERANCE = 1e-5
 def test_context_2_4_and_2x2_equal_one_process(tmp_path):
     torchrun(TESTS / "context_parallel_worker.py", "exact", tmp_path, 2, nproc=2)
     torchrun(TESTS / "context_parallel_worker.py", "exact", tmp_path, 4, 2, nproc=4)
+    torchrun(TESTS / "context_parallel_worker.py", "exact", tmp_path, 2, "--checkpointing", nproc=2)
     ref = one_process()
-    for folder, data in (("d1c2", 1), ("d1c4", 1), ("d2c2", 2)):
+    for folder, data in (("d1c2", 1), ("d1c4", 1), ("d2c2", 2), ("d1c2-ac", 1)):  # -ac: recomputed too
         measured = compare(ref, load_ranks(tmp_path / folder), data)
         assert measured["loss"] < 1e-6, (folder, measured)
         assert measured["grad"] < GRAD_TOLERANCE, (folder, measured)
