@@ -126,8 +126,9 @@ def all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> tor
     return _GatherSequence.apply(x, group)
 
 
-#: the fp32 scores of one query chunk (``[B, H, chunk, L]``) stay under this many bytes
-CHUNK_BYTES = 64 << 20
+#: the fp32 scores of one query chunk (``[B, H, chunk, L]``) stay under this many bytes: 73 rows of 7B
+#: (28 heads) at 32k keys; the chunk's temporaries (scores, probabilities, their gradient) are a few times it
+CHUNK_BYTES = 256 << 20
 
 
 def _chunk_rows(shape: torch.Size, length: int) -> int:
