@@ -20,7 +20,7 @@ ALLOWED: dict[str, set[str]] = {
     "fp8": set(),
     "kernels": {"fp8"},
     "nn": {"fp8", "kernels"},
-    "data": set(),
+    "data": {"fp8"},  # data.context: shards start on multiples of fp8.formats.BLOCK
     "model": {"fp8", "nn"},
     "chunked_loss": set(),  # the chunked linear + cross-entropy (torch only)
     "loss": {"chunked_loss", "data", "model", "nn"},  # the next-token loss shared by train and eval
@@ -31,7 +31,14 @@ ALLOWED: dict[str, set[str]] = {
     "eval": {"data", "export", "fp8", "generation", "loss", "model", "nn"},
     # the run harness under every stage: config sections, run folder, model setup, resume, guards
     "harness": {"checkpoint", "data", "export", "fp8", "kernels", "model", "nn"},
-    "train": {"data", "harness", "loss", "model", "nn"},  # peers on the harness: neither imports the other
+    "train": {
+        "data",
+        "fp8",
+        "harness",
+        "loss",
+        "model",
+        "nn",
+    },  # peers on the harness: neither imports the other
     "rl": {"data", "eval", "generation", "harness", "model"},
     # tools/: each subpackage or module is a layer of its own (tools.<name>), above the library
     "tools": set(),

@@ -177,14 +177,22 @@ def lm_loss_sum(
     attention_mask: torch.Tensor | None = None,
     chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
     ignore_index: int = -100,
+    position_ids: torch.Tensor | None = None,
+    shifted: bool = False,
 ) -> torch.Tensor:
-    """Summed next-token CE of a HF causal LM (labels shifted here), chunked unless ``chunk_tokens`` is None."""
+    """Summed next-token CE of a HF causal LM, chunked unless ``chunk_tokens`` is None. Labels are shifted
+    here, unless ``shifted`` (a context shard's: ``labels[:, t]`` is the target of token ``t``)."""
+    keep = slice(None) if shifted else slice(None, -1)  # the positions whose hidden state predicts
+    targets = labels if shifted else labels[:, 1:]
+    # no KV cache: nothing reads it, and with one transformers ignores the documents of packed position_ids
+    inputs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
+    inputs |= {"position_ids": position_ids, "use_cache": False}
     if chunk_tokens is None:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+        logits = model(**inputs).logits[:, keep]
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32, or fp64 as it is
         return F.cross_entropy(
             logits.reshape(-1, logits.size(-1)),
-            labels[:, 1:].reshape(-1),
+            targets.reshape(-1),
             ignore_index=ignore_index,
             reduction="sum",
         )
@@ -197,8 +205,8 @@ def lm_loss_sum(
     handle = decoder.register_forward_hook(lambda _m, _i, out: captured.append(out.last_hidden_state))
     try:  # no logits: keep zero positions of every row (the root forward still runs, for FSDP's hooks)
         none = torch.zeros(input_ids.shape[0], 0, dtype=torch.long, device=input_ids.device)
-        model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=none)
+        model(**inputs, logits_to_keep=none)
     finally:
         handle.remove()
-    hidden = captured[0][:, :-1]  # [B, L-1, H]
-    return chunked_linear_cross_entropy(hidden, head.weight, labels[:, 1:], ignore_index, chunk_tokens)
+    hidden = captured[0][:, keep]  # [B, L-1, H] ([B, l, H] shifted)
+    return chunked_linear_cross_entropy(hidden, head.weight, targets, ignore_index, chunk_tokens)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import nn
@@ -26,8 +26,9 @@ from .chunked_loss import lm_loss_sum, use_chunked_loss
 from .data.base import IGNORE_INDEX, MicroBatch, count_loss_tokens
 from .model import autocast
 from .nn import cache_fp8_weights, fp8_enabled
+from .nn.context_parallel import SequenceShard, sequence_shard
 
-__all__ = ["heldout_loss", "token_ce_sum"]
+__all__ = ["heldout_loss", "shard_context", "token_ce_sum"]
 
 
 def token_ce_sum(
@@ -43,14 +44,36 @@ def token_ce_sum(
     run chunk by chunk: no full fp32 ``[tokens, vocab]`` logits in forward or backward.
     """
     input_ids = mb["input_ids"].to(device, non_blocking=True)
-    labels = mb["labels"].to(device, non_blocking=True)
-    mask = mb.get("attention_mask")
     head = model.get_output_embeddings()  # type: ignore[operator]
     chunk = use_chunked_loss(loss_chunk_tokens, input_ids.numel(), head.weight.shape[0])
+    if "documents" in mb:  # a context-parallel shard (data.context.shard_micro_batch)
+        targets, shard_positions = mb["shift_labels"].to(device), mb["position_ids"].to(device)
+        with autocast(precision, device), shard_context(mb):
+            return lm_loss_sum(model, input_ids, targets, None, chunk, IGNORE_INDEX, shard_positions, True)
+    labels = mb["labels"].to(device, non_blocking=True)
+    mask: torch.Tensor | None = mb.get("attention_mask")
+    positions = mb.get("position_ids")
+    if positions is not None:  # packed documents: transformers masks by the restarts of position_ids
+        mask = None  # (only without a 2-D mask; the padding at a row's end is a document of its own)
     with autocast(precision, device):
         return lm_loss_sum(
-            model, input_ids, labels, None if mask is None else mask.to(device), chunk, IGNORE_INDEX
+            model,
+            input_ids,
+            labels,
+            None if mask is None else mask.to(device),
+            chunk,
+            IGNORE_INDEX,
+            None if positions is None else positions.to(device),
         )
+
+
+def shard_context(mb: MicroBatch) -> AbstractContextManager[None]:
+    """Where a context shard's attention finds the rest of its sequence (``nn.sequence_shard``), for its
+    forward and its backward (activation checkpointing runs attention again there); other micro-batches:
+    nothing."""
+    if "documents" not in mb:
+        return nullcontext()
+    return sequence_shard(SequenceShard(mb["documents"], int(mb["context_start"]), mb["input_ids"].shape[1]))
 
 
 @torch.no_grad()

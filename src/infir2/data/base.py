@@ -9,6 +9,10 @@ collectives line up. A micro-batch is a dict of tensors:
 * ``labels``     ``[B, L]`` int64, aligned with ``input_ids`` (Hugging Face convention: the loop
   shifts), ``IGNORE_INDEX`` where no loss is taken (prompt tokens, padding)
 * ``attention_mask`` ``[B, L]`` int64, optional (1 = real token; right padding)
+* ``position_ids`` ``[B, L]`` int64, optional: packed documents (restarting at 0 at each document)
+
+A context-parallel shard (``data.context.shard_micro_batch``) holds ``shift_labels`` (already shifted
+on the whole sequence) in place of ``labels``, and the whole row's ``documents``.
 
 The loop normalises the summed token loss by the number of loss tokens in the whole global batch
 (all micro-batches, all ranks): a per-token mean, as the recipe asks.
@@ -41,5 +45,10 @@ class StepSource(Protocol):
 
 
 def count_loss_tokens(micro_batches: list[MicroBatch]) -> int:
-    """Tokens that carry loss after the one-position shift (labels[:, 1:] != IGNORE_INDEX)."""
-    return int(sum((mb["labels"][:, 1:] != IGNORE_INDEX).sum() for mb in micro_batches))
+    """Tokens that carry loss after the one-position shift (labels[:, 1:] != IGNORE_INDEX; a context
+    shard's ``shift_labels``, shifted on the whole sequence, as they are)."""
+    return int(sum(_targets(mb).ne(IGNORE_INDEX).sum() for mb in micro_batches))
+
+
+def _targets(mb: MicroBatch) -> torch.Tensor:
+    return mb["shift_labels"] if "shift_labels" in mb else mb["labels"][:, 1:]

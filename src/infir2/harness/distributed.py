@@ -20,6 +20,8 @@ What travels per step (each layer is all-gathered before its forward and again b
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -35,7 +37,37 @@ from .._dist import (  # noqa: F401 - re-exported: the collectives the stages us
 )
 from ..model import resolve_device
 
-__all__ = [*_dist.__all__, "init_distributed", "shard_model"]  # the collectives, re-exported
+__all__ = [*_dist.__all__, "ContextLayout", "context_layout", "init_distributed", "shard_model"]
+
+
+@dataclass(frozen=True)
+class ContextLayout:
+    """The world as data x context: rank ``r`` is context rank ``r % context`` of data replica
+    ``r // context`` (a sequence's ranks are neighbours: one node on GPUs). ``group``: this rank's context
+    group (None when ``context`` is 1); ``data_env``: the ``DistEnv`` the data sources split over."""
+
+    context: int
+    context_rank: int
+    group: dist.ProcessGroup | None
+    data_env: DistEnv
+
+
+def context_layout(env: DistEnv, context: int) -> ContextLayout:
+    """This rank's place on the data x context grid; every rank must call it (it makes the groups)."""
+    if context < 1 or env.world_size % context:
+        raise ValueError(
+            f"parallel.context: {context} does not divide the {env.world_size} processes "
+            "(the world is data x context)"
+        )
+    data_env = DistEnv(env.rank // context, env.world_size // context, env.device, False)
+    group = None
+    if context > 1:
+        for replica in range(env.world_size // context):  # every rank makes every group, in one order
+            ranks = list(range(replica * context, (replica + 1) * context))
+            made = dist.new_group(ranks)
+            if env.rank in ranks:
+                group = made
+    return ContextLayout(context, env.rank % context, group, data_env)
 
 
 def init_distributed(device_preference: str = "auto") -> DistEnv:

@@ -54,6 +54,7 @@ __all__ = [
     "add_arguments",
     "add_run_arguments",
     "build_layer",
+    "context_kv_bytes",
     "layer_memory",
     "run",
     "safe_tokens",
@@ -239,6 +240,29 @@ def layer_memory(
     return result
 
 
+def context_kv_bytes(model: str, tokens: int, context: int, device: str = "cuda") -> int:
+    """Bytes one layer's attention keeps beyond one process's under context parallelism with ``tokens``
+    per rank: measured on the context attention (``nn.context_parallel.shard_attention``) with the keys and
+    values of ``context * tokens`` tokens against the same attention over ``tokens`` (bf16 for a GPU run,
+    fp32 for a CPU run)."""
+    from ..nn.context_parallel import SequenceShard, shard_attention
+
+    shape = LAYER_SHAPES[model]
+    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+    dim = shape.get("head_dim", shape["hidden_size"] // heads)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+
+    def kept(degree: int) -> int:
+        length = degree * tokens
+        q = torch.randn(1, heads, tokens, dim, dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(1, kv_heads, length, dim, dtype=dtype, requires_grad=True) for _ in range(2))
+        shard = SequenceShard(torch.zeros(1, length, dtype=torch.long), length - tokens, tokens)
+        out = shard_attention(q, k, v, shard, dim**-0.5)
+        return sum(t.untyped_storage().nbytes() for _, t in saved_in_graph(out.grad_fn))
+
+    return kept(context) - kept(1)
+
+
 def format_table(m: LayerMemory) -> str:
     rows = [f"  {'kept by (node.attr)':<44}{'made by':<26}{'shape':<22}{'dtype':<14}{'MiB':>9}  kind"]
     for t in sorted(m.tensors, key=lambda t: (t.kind, -t.bytes)):
@@ -260,6 +284,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="FP8 recipes to compare with the bf16 baseline",
     )
     parser.add_argument("--table", action="store_true", help="print every saved tensor, per recipe")
+    parser.add_argument(
+        "--context",
+        type=int,
+        default=1,
+        help="context parallelism: --tokens per rank, and what attention keeps of the other ranks' keys",
+    )
     add_run_arguments(
         parser,
         device_help="the run modelled: cuda (bf16 autocast, default) or cpu (fp32, no autocast)",
@@ -279,6 +309,8 @@ def add_run_arguments(parser: argparse.ArgumentParser, device_help: str, recompu
 def run(args: argparse.Namespace) -> int:
     if args.tokens < 1:
         raise ValueError(f"--tokens: must be >= 1, got {args.tokens}")
+    if args.context < 1:
+        raise ValueError(f"--context: must be >= 1, got {args.context}")
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
     for bad, known, what in (
@@ -317,4 +349,10 @@ def run(args: argparse.Namespace) -> int:
             )
             if args.table:
                 print(format_table(m))
+        if args.context > 1:
+            extra = context_kv_bytes(model, args.tokens, args.context, args.device)
+            print(
+                f"{model:<7}context {args.context}: each rank also keeps the other ranks' keys and values, "
+                f"{extra / 2**20:.2f} MiB per layer ({extra / args.tokens:.0f} B per own token), any recipe"
+            )
     return 0

@@ -26,6 +26,9 @@ recipe side by side, next to InfiR2's published FP8/BF16 peak-memory ratios wher
                AdamW on a CPU (fp32 moments) makes 4 bytes per parameter at once, the fused one on
                CUDA none, ``LowPrecisionAdamW`` three fp32 copies of the largest parameter; the peak
                is the larger of the start of backward and the step
+* context      ``--context N`` (context parallelism): activations and logits of ``seq_len / N`` tokens,
+               plus each layer's keys and values of the other shards, gathered and kept for attention's
+               backward (every layer, or one under activation checkpointing)
 * all-gather   bytes each GPU receives per optimizer step: fp32 parameters gathered in forward and
                again for backward (the root once), per micro-batch; reduce-scatter of fp32 gradients
 
@@ -47,6 +50,7 @@ NCCL buffers); ``tests/test_plan.py`` checks the parameter, gradient, optimizer,
 logits terms against bytes measured on tiny models.
 
     infir2 plan qwen2.5-1.5b --gpus 8 --seq-len 8192
+    infir2 plan qwen2.5-7b --gpus 8 --seq-len 131072 --context 8 --activation-checkpointing
     infir2 plan qwen3-30b-a3b --gpus 8 --seq-len 32768 --activation-checkpointing --gpu h200
     infir2 plan path/to/config.json --gpus 4 --seq-len 32768 --recipe blockwise --state-dtype bf16 \\
         --activation-checkpointing --loss-chunk-tokens auto
@@ -444,6 +448,7 @@ def plan(
     precision: str = "bf16",
     param_gather: bool | None = None,
     device: str = "cuda",
+    context: int = 1,
 ) -> Plan:
     """The memory and traffic of one GPU; ``recipe`` is ``bf16`` (baseline) or an FP8 recipe.
 
@@ -455,14 +460,22 @@ def plan(
     an FP8 recipe's projection weights as FP8 codes (1 byte) when ``param_gather`` (default: as
     ``fp8.param_gather``, on for the block-scaled recipes); the gathered weight is then the GEMMs' copy,
     so no per-step weight cache is kept.
+
+    ``context``: context parallelism (``parallel.context``; ``gpus`` is data x context): each GPU keeps
+    the activations and logits of ``seq_len / context`` tokens, plus every layer's keys and values
+    gathered over the whole sequence (``context_kv_bytes``); FSDP still shards over all ``gpus``.
     """
     from ..chunked_loss import use_chunked_loss
 
     if device not in DEVICES:
         raise ValueError(f"device: expected one of {', '.join(DEVICES)}, got {device!r}")
+    if context < 1 or gpus % context:
+        raise ValueError(
+            f"context: {context} must be >= 1 and divide gpus={gpus} (the GPUs are data x context)"
+        )
     cpu = device == "cpu"
     precision = "fp32" if cpu else precision
-    tokens = seq_len * micro_batch
+    tokens = seq_len * micro_batch // context  # this GPU's share of each micro-batch
     per_token, weight_copy = layer_figures(shape, recipe, recompute_mlp, device)
     p, shard = shape.params, 1 / gpus
     if activation_checkpointing:
@@ -470,7 +483,10 @@ def plan(
     else:
         activations = tokens * shape.layers * per_token
     # outside the layers: final norm (input, normalized output), token ids, rotary cos/sin (once)
-    activations += tokens * (shape.hidden * 2 * FP32_BYTES + 8) + 2 * seq_len * shape.head_dim * FP32_BYTES
+    rotary = 2 * seq_len // context * shape.head_dim * FP32_BYTES  # cos / sin of this GPU's positions
+    activations += tokens * (shape.hidden * 2 * FP32_BYTES + 8) + rotary
+    kv_layers = 1 if activation_checkpointing else shape.layers  # checkpointed: one layer's, recomputed
+    activations += kv_layers * context_kv_bytes(shape, seq_len * micro_batch, context, cpu)
     chunk = use_chunked_loss(loss_chunk_tokens, tokens, shape.vocab)
     if chunk is None:
         saved, backward = (
@@ -495,7 +511,8 @@ def plan(
     if distributed and (precision == "bf16" or fp8_gather):
         copied_layers = 0  # the gathered weights are already what the GEMMs read
     working = shape.root_params * wire + 2 * layer_wire  # unsharded while in use: root + 2 layers
-    micro_steps = max((global_batch or micro_batch * gpus) // (micro_batch * gpus), 1)
+    data = gpus // context  # the sequences one forward on every GPU takes, in micro-batches
+    micro_steps = max((global_batch or micro_batch * data) // (micro_batch * data), 1)
     gather = (2 * shape.layers * layer_wire + shape.root_params * wire) * (1 - shard)
     return Plan(
         parameters=FP32_BYTES * p * shard,
@@ -510,6 +527,17 @@ def plan(
         reduce_scatter=FP32_BYTES * p * (1 - shard) * micro_steps,
         optimizer_step=_optimizer_step_bytes(shape, state_dtype, cpu) * shard,
     )
+
+
+def context_kv_bytes(shape: ModelShape, tokens: int, context: int, cpu: bool) -> float:
+    """What one layer keeps beyond its shard under context parallelism: the keys and values of the
+    other ``context - 1`` shards of ``tokens`` (the whole micro-batch), gathered for attention and saved
+    for its backward (fp32 on a CPU, bf16 under autocast)."""
+    if context == 1:
+        return 0.0
+    kv = shape.kv_heads * shape.head_dim
+    width = FP32_BYTES if cpu else BF16_BYTES
+    return 2 * kv * width * tokens * (context - 1) / context
 
 
 def _optimizer_step_bytes(shape: ModelShape, state_dtype: str, cpu: bool) -> float:
@@ -581,6 +609,12 @@ def fit_advice(shape: ModelShape, recipe: str, kw: dict[str, Any], peak: float, 
         if more <= limit:
             options.append(f"{gpus} GPUs ({more / gib:.1f} GiB)")
             break
+    for context in (2, 4, 8):
+        if kw["context"] < context and kw["gpus"] % context == 0 and kw["seq_len"] % (context * BLOCK) == 0:
+            sharded = plan(shape, recipe, **{**kw, "context": context}).peak
+            if sharded <= limit:
+                options.append(f"--context {context} ({sharded / gib:.1f} GiB)")
+                break
     seq = kw["seq_len"] // 2
     while seq >= 1024:
         shorter = plan(shape, recipe, **{**kw, "seq_len": seq}).peak
@@ -629,6 +663,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         recompute_help="without the SwiGLU recompute (model.recompute_mlp: false)",
     )
     parser.add_argument(
+        "--context",
+        type=int,
+        default=1,
+        help="context parallelism (parallel.context): GPUs that share each sequence; --gpus is data x context",
+    )
+    parser.add_argument(
         "--no-param-gather",
         action="store_true",
         help="FP8 projections gathered in --precision, not as FP8 (fp8.param_gather: false)",
@@ -647,16 +687,30 @@ def _chunk_tokens(text: str) -> int:
     return value
 
 
+def _check_context(context: int, gpus: int, seq_len: int) -> None:
+    if context < 1 or gpus % context:
+        raise ValueError(
+            f"--context {context}: must be >= 1 and divide --gpus {gpus} (the GPUs are data x context)"
+        )
+    if context > 1 and seq_len % (context * BLOCK):
+        raise ValueError(
+            f"--seq-len {seq_len} does not split into --context {context} shards of a multiple of {BLOCK} "
+            f"tokens (make it a multiple of {context * BLOCK})"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     recipe_names(args.recipe, "--recipe")  # one name, checked by get_recipe
     for key in ("gpus", "seq_len", "micro_batch"):
         if getattr(args, key) <= 0:
             raise ValueError(f"--{key.replace('_', '-')}: must be > 0, got {getattr(args, key)}")
-    per_step = args.gpus * args.micro_batch  # sequences one forward on every GPU takes
+    _check_context(args.context, args.gpus, args.seq_len)
+    per_step = args.gpus // args.context * args.micro_batch  # sequences one forward on every GPU takes
+    across = " / --context" if args.context > 1 else ""
     if args.global_batch is not None and (args.global_batch <= 0 or args.global_batch % per_step):
         raise ValueError(
-            f"--global-batch {args.global_batch} is not a multiple of --gpus x --micro-batch = {per_step} "
-            "(each optimizer step runs whole micro-batches on every GPU)"
+            f"--global-batch {args.global_batch} is not a multiple of --gpus{across} x --micro-batch = "
+            f"{per_step} (each optimizer step runs whole micro-batches on every GPU)"
         )
     chunk: int | str = (
         args.loss_chunk_tokens if args.loss_chunk_tokens == "auto" else _chunk_tokens(args.loss_chunk_tokens)
@@ -674,6 +728,7 @@ def run(args: argparse.Namespace) -> int:
         "recompute_mlp": not args.no_recompute_mlp,
         "param_gather": False if args.no_param_gather else None,
         "device": args.device,
+        "context": args.context,
     }
     experts = (
         f" ({shape.active_params / 1e9:.2f}B active: {shape.top_k} of {shape.experts} experts per layer)"
@@ -683,7 +738,8 @@ def run(args: argparse.Namespace) -> int:
     where = f"{args.gpus} GPUs" if args.device == "cuda" else f"{args.gpus} CPU processes, fp32 emulation"
     print(
         f"{name}: {shape.params / 1e9:.2f}B parameters{experts}, {where}, {args.seq_len} x {args.micro_batch} "
-        f"tokens per micro-batch, AC {'on' if args.activation_checkpointing else 'off'}, AdamW moments "
+        f"tokens per micro-batch{f' over {args.context} context ranks' if args.context > 1 else ''}, "
+        f"AC {'on' if args.activation_checkpointing else 'off'}, AdamW moments "
         f"{args.state_dtype}, loss chunk {chunk}"
     )
     base, fp8 = plan(shape, "bf16", **kw), plan(shape, args.recipe, **kw)

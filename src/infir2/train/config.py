@@ -1,6 +1,6 @@
 """Run configs: YAML files validated into nested dataclasses, with ``--set key=value`` overrides.
 
-A run config has eight sections (``infir2 config --keys`` prints every key with its default and its
+A run config has nine sections (``infir2 config --keys`` prints every key with its default and its
 meaning, from the ``help`` of the fields below; all hyperparameters of the InfiR2 recipe,
 docs/RECIPE.md section 2, can be written down)::
 
@@ -17,6 +17,7 @@ docs/RECIPE.md section 2, can be written down)::
               max_nonfinite_in_row, loss_spike_nats, loss_spike_window, loss_chunk_tokens (auto|0|N),
               checkpoint_format (auto|full|dcp), async_save
     load:     path, mode (resume|decay_only|weights_only), reset_step, reset_data, force, start_fresh
+    parallel: context (processes that share each sequence; docs/DISTRIBUTED.md)
 
 Validation is strict: an unknown key, a value of the wrong type or outside its allowed set (for
 ``fp8.recipe`` and ``model.from_config.arch``: the names of their registries) is a ``ValueError``
@@ -34,6 +35,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
+from ..fp8.formats import BLOCK
 from ..harness.config import (
     Fp8Config,
     ModelConfig,
@@ -59,6 +61,7 @@ __all__ = [
     "LoadConfig",
     "ModelConfig",
     "OptimConfig",
+    "ParallelConfig",
     "RunConfig",
     "RunSection",
     "ScheduleConfig",
@@ -165,12 +168,22 @@ class LoadConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    context: int = _key(
+        1,
+        "context parallelism: processes that share each sequence (1 = off); the world is data x context, "
+        "cpt's seq_len a multiple of context * 128",
+    )
+
+
+@dataclass(frozen=True)
 class RunConfig(StageConfig):
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     load: LoadConfig = field(default_factory=LoadConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,6 +226,19 @@ def _check(cfg: RunConfig, source: str) -> None:
         raise config_error(source, "train.async_save", "needs train.checkpoint_format: dcp (or auto)")
     if cfg.load.mode != "resume" and cfg.load.path is None:
         raise config_error(source, "load.path", f"load.mode {cfg.load.mode!r} needs a checkpoint path")
+    _check_parallel(cfg, source)
+
+
+def _check_parallel(cfg: RunConfig, source: str) -> None:
+    context = cfg.parallel.context
+    check_positive(source, "parallel.context", context)
+    if context > 1 and cfg.data.kind == "cpt" and cfg.data.seq_len % (context * BLOCK):
+        raise config_error(
+            source,
+            "data.seq_len",
+            f"{cfg.data.seq_len} does not split into parallel.context={context} shards of a multiple of "
+            f"{BLOCK} tokens (make it a multiple of {context * BLOCK})",
+        )
 
 
 def _check_schedule(s: ScheduleConfig, source: str) -> None:

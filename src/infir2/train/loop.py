@@ -24,6 +24,12 @@ in the metrics), and the final export as a Hugging Face folder ``<run>/hf``. The
 checkpoints, resume, metrics and the step guards are the run harness's (``infir2.harness``, shared with
 ``infir2 rl``); the data comes from ``setup.py``. The run folder also holds ``config.yaml`` (resolved),
 ``metrics.jsonl`` and ``tensorboard/``.
+
+With ``parallel.context: C`` (context parallelism, docs/DISTRIBUTED.md) the world is data x context: the
+sources split over the data ranks, every micro-batch is this rank's shard of the sequence
+(``data.context``), attention runs over the context group (``nn.context_parallel``), and the loss scale
+above is unchanged -- the shards' loss tokens add up to the sequences', and FSDP2 averages over the
+whole world.
 """
 
 from __future__ import annotations
@@ -42,18 +48,20 @@ from torch import nn
 
 from ..data import first_difference, load_tokenizer
 from ..data.base import MicroBatch, StepSource, count_loss_tokens
+from ..data.context import ContextShards, shard_steps
 from ..harness.config import config_to_dict
 from ..harness.config_changes import reconcile_saved_config
-from ..harness.distributed import DistEnv, all_reduce_sum
+from ..harness.distributed import ContextLayout, DistEnv, all_reduce_sum, context_layout
 from ..harness.guards import NonFiniteError, SpikeRule, StepGuard, clip_grad_norm
 from ..harness.metrics import MetricsLogger, peak_memory_gib
 from ..harness.optim import Schedule, build_optimizer, make_schedule
 from ..harness.resume import LoadRequest, PendingSave, SavePolicy, export_final, restore, save
 from ..harness.run import open_run
 from ..harness.setup import load_run_tokenizer, setup_model
-from ..loss import heldout_loss, token_ce_sum
+from ..loss import heldout_loss, shard_context, token_ce_sum
 from ..model import check_context
 from ..nn import cache_fp8_weights, fp8_modules
+from ..nn.context_parallel import enable_context_parallel
 from ..nn.telemetry import Fp8Telemetry
 from .config import MEANINGFUL, RunConfig, resolve_checkpoint_format
 from .setup import ValSteps, build_sources, check_inputs, rewinding, total_steps
@@ -143,8 +151,9 @@ def train_step(
     ce_total = torch.zeros((), dtype=torch.float64, device=env.device)
     with cache_fp8_weights(model):
         for mb in micro_batches:
-            ce_sum = token_ce_sum(model, mb, precision, env.device, loss_chunk_tokens)
-            (ce_sum * scale).backward()
+            with shard_context(mb):  # a context shard: its backward gathers keys and values too
+                ce_sum = token_ce_sum(model, mb, precision, env.device, loss_chunk_tokens)
+                (ce_sum * scale).backward()
             ce_total += ce_sum.detach().double()
     loss = float(all_reduce_sum(ce_total, env)) / max(n_loss_tokens, 1.0)
     grad_norm = clip_grad_norm(model, grad_clip)
@@ -286,12 +295,13 @@ def _setup(
     reconcile_saved_config(cfg, MEANINGFUL, write=env.is_main, resumes_own=not forced)
     if tokenizer is None:
         tokenizer = load_run_tokenizer(cfg)
+    layout = context_layout(env, cfg.parallel.context)  # every rank: it makes the context groups
     model = setup_model(cfg, env, model, tokenizer)
     if train_source is None and cfg.data.kind == "cpt":
         check_context(model, cfg.data.seq_len, "data.seq_len", cfg.model.beyond_context)
     optimizer = build_optimizer(model, cfg.optim)
     if train_source is None:
-        train_source, val_steps = build_sources(cfg, tokenizer, env)
+        train_source, val_steps = build_sources(cfg, tokenizer, layout.data_env)
         longest = max(getattr(train_source, "lengths", None) or [0])  # SFT: samples cut at data.max_length
         key = f"data.train_path: its longest sample ({longest} tokens after data.max_length)"
         check_context(model, longest, key, cfg.model.beyond_context)
@@ -302,10 +312,25 @@ def _setup(
             f"train.eval_fp8: the model has no FP8 layers (fp8.recipe={cfg.fp8.recipe}); "
             "evaluate in FP8 only with an FP8 recipe"
         )
+    if layout.context > 1:
+        train_source, val_steps = _shard_context(model, layout, train_source, val_steps)
     n_steps = total_steps(cfg, train_source)
     schedule = make_schedule(cfg.schedule, cfg.optim.lr, n_steps)
     telemetry = Fp8Telemetry(model, cfg.fp8.stats_every)
     return _Run(cfg, env, model, optimizer, tokenizer, train_source, val_steps, n_steps, schedule, telemetry)
+
+
+def _shard_context(
+    model: nn.Module, layout: ContextLayout, source: StepSource, val_steps: ValSteps | None
+) -> tuple[StepSource, ValSteps | None]:
+    """Context parallelism: attention over the context group, every micro-batch this rank's shard."""
+    enable_context_parallel(model, layout.group)
+    rank, degree = layout.context_rank, layout.context
+    sharded = ContextShards(source, rank, degree)
+    if val_steps is None:
+        return sharded, None
+    val = val_steps
+    return sharded, lambda: shard_steps(val(), rank, degree)
 
 
 def _run(run: _Run, progress: bool) -> TrainResult:

@@ -40,10 +40,16 @@ def check_inputs(cfg: RunConfig, world_size: int = 1, data: bool = True) -> None
     """Check what the config names before anything is built: a clear error naming the key, in seconds.
 
     The model and tokenizer folders exist; with ``data`` (the run builds its own sources): the data
-    files exist, SFT has its token budget, CPT's batch sizes divide over ``world_size`` ranks.
+    files exist, SFT has its token budget, CPT's batch sizes divide over the data ranks (``world_size``
+    over ``parallel.context``, which must divide it).
     """
-    d = cfg.data
+    d, context = cfg.data, cfg.parallel.context
     check_model_inputs(cfg)
+    if world_size % context:
+        raise ValueError(
+            f"parallel.context: {context} does not divide the {world_size} processes (the world is data x context)"
+        )
+    world_size //= context  # the data ranks: a context group shares its sequences
     if not data:
         return
     if not d.train_path:
