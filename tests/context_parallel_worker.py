@@ -1,6 +1,6 @@
 """Run under torchrun by test_context_parallel.py: one FP8 step of the packed case on a data x context grid.
 
-``exact OUT CONTEXT [CONTEXT ...] [--recipe R] [--checkpointing]``: for each context degree (the data degree is the world over it), the
+``exact OUT CONTEXT [CONTEXT ...] [--recipe R]``: for each context degree (``2ac``: 2 with checkpointing) (the data degree is the world over it), the
 model is sharded with FSDP2 over the whole world and its attention made context-parallel; each rank runs
 its shards of its data replica's rows and writes ``OUT/d<D>c<C>/rank<r>.pt``: the inputs of every FP8 linear,
 its CE sum, loss-token count and forward + backward seconds, and (rank 0) the full gradients
@@ -107,8 +107,8 @@ if __name__ == "__main__":
     dist.init_process_group("gloo")
     if mode == "exact":
         recipe = rest[rest.index("--recipe") + 1] if "--recipe" in rest else "blockwise"
-        for degree in (d for d in rest if d.isdigit()):
-            exact(Path(out), int(degree), recipe, "--checkpointing" in rest)
+        for degree in (d for d in rest if d.removesuffix("ac").isdigit()):  # 2ac: with checkpointing
+            exact(Path(out), int(degree.removesuffix("ac")), recipe, degree.endswith("ac"))
     else:
         context, steps, name = int(rest[0]), int(rest[1]), rest[2]
         train_run(out, context, steps, name, _flag(rest, "--kill-after"), _flag(rest, "--save-every") or 0)
