@@ -71,7 +71,11 @@ class DemoSettings:
     text_seq_len: int = 128
     text_batch: int = 8
     text_steps: int = 80  # 100 made the default demo 10.2 min on 2 idle cores (the budget is 10)
+    text_lr: float = 2e-3
     text_eval_batches: int = 16
+    text_eval_every: int = (
+        16  # held-out evaluations along the run (the curves of verdict.png); 0: the last only
+    )
     text_max_chars: int | None = None  # the whole corpus
     text_null_control: bool = False  # the null control on real text too (off: time; real text is quiet)
 
@@ -105,6 +109,7 @@ QUICK = DemoSettings(
     text_batch=4,
     text_steps=5,
     text_eval_batches=2,
+    text_eval_every=2,
     text_max_chars=60_000,
 )
 

@@ -25,8 +25,9 @@ from typing import Any
 
 from ..bench.fidelity import BASELINE, EXTRA, FidelitySettings, prepare, run_one
 from ..bench.fidelity_report import RunResult, summarize, table
+from ..paired import seeds_needed
 from .results import DemoSettings
-from .summary import NULL_CONTROL
+from .summary import NULL_CONTROL, needs_note
 from .workers import start_worker
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "corpus_available",
     "plan_text",
     "run_text",
+    "text_needs",
     "text_result",
     "text_section",
     "text_settings",
@@ -51,7 +53,17 @@ def corpus_available() -> bool:
 
 
 #: the fidelity settings that ``DemoSettings`` holds as ``text_<name>``
-_TEXT_FIELDS = ("layers", "vocab_size", "seq_len", "batch", "steps", "eval_batches", "max_chars")
+_TEXT_FIELDS = (
+    "layers",
+    "vocab_size",
+    "seq_len",
+    "batch",
+    "steps",
+    "lr",
+    "eval_batches",
+    "eval_every",
+    "max_chars",
+)
 
 
 def text_settings(s: DemoSettings, recipes: list[str]) -> FidelitySettings:
@@ -134,14 +146,22 @@ def run_text(out: Path, s: DemoSettings, recipes: list[str]) -> dict[str, Any] |
     )
 
 
+def text_needs(gap: dict[str, Any]) -> str:
+    """``"~7 seeds would resolve +-1% at the measured sd"`` for an unresolved real-text gap, else empty."""
+    sd, margin = gap.get("sd_pct"), gap["margin_pct"]
+    needed = seeds_needed(gap["mean_pct"], sd, margin) if sd is not None else None
+    return needs_note(gap["verdict"], sd, needed, f"+-{margin:g}%")
+
+
 def _sentence(gap: dict[str, Any], label: str) -> str:
     low = gap.get("low_pct")
     size = f"{gap['mean_pct']:+.2f}%" + (
         f" [{low:+.2f}, {gap['high_pct']:+.2f}]" if low is not None else " (1 seed)"
     )
+    note = text_needs(gap)
     return (
         f"- {label} on real text: held-out loss {size} against +-{gap['margin_pct']:g}%: "
-        f"**{gap['verdict']}** (baseline seed spread {gap['spread_pct']:.2f}%)."
+        f"**{gap['verdict']}** (baseline seed spread {gap['spread_pct']:.2f}%{'; ' + note if note else ''})."
     )
 
 
