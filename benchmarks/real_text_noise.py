@@ -10,7 +10,8 @@ loop, and reports per *read-out* of the same runs:
 
 * ``last16``: the last step's held-out loss on the first 16 held-out batches (what the demo read);
 * ``last``: the last step's held-out loss on every held-out window (~51k tokens);
-* ``avgK``: the mean of the last ``K`` periodic held-out losses (every window), e.g. over the decay;
+* ``avgK``: the mean of the last ``K`` of the run's 5 periodic held-out losses (``current``: every
+  window; the others: the demo's 16 batches);
 
 the paired gap's mean and sd over seeds, the 3-seed t-interval half-width that sd implies, and the
 cost of one run in CPU seconds (user + sys of the worker process, one thread: the cores are shared, so
@@ -45,10 +46,12 @@ from infir2.tools.demo.text import text_settings
 from infir2.tools.paired import t_quantile
 
 RECIPES = ("bf16", "blockwise")
-#: candidate -> (FidelitySettings overrides, config overrides: train.eval_every, schedule.warmup_fraction)
+#: candidate -> (FidelitySettings overrides, overrides of the run config's schedule section)
 CANDIDATES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "current": ({}, {}),  # the demo before issue 30: 80 steps x 8 x 128, lr 2e-3, 5% warm-up
     "lr1e-3": ({"lr": 1e-3}, {}),
+    "decay50": ({}, {"decay_fraction": 0.5}),  # the WSD decay over the last half instead of the last fifth
+    "decay50_min0": ({}, {"decay_fraction": 0.5, "min_lr_ratio": 0.0}),
     "lr1e-3_warm20": ({"lr": 1e-3}, {"warmup_fraction": 0.2}),
     "2layers_160steps": ({"layers": 2, "steps": 160}, {}),
     "batch16_40steps": ({"batch": 16, "steps": 40}, {}),
@@ -72,7 +75,9 @@ def _config(name: str, out: Path, recipe: str, seed: int, vocab: int) -> dict[st
     cfg = _run_config(s, out, s.widths[0], recipe, seed, vocab)
     cfg["run"]["out_dir"] = str(out / "runs" / name)
     windows = len(heldout_windows(len(load_tokens(out / "tokens", "val")), s.seq_len))
-    cfg["train"].update(eval_every=max(1, s.steps // EVALS), eval_batches=math.ceil(windows / s.batch))
+    # the periodic evaluations read the demo's 16 batches of 8 windows (``current`` read every window)
+    batches = math.ceil(windows / s.batch) if name == "current" else DEMO_BATCHES * EVAL_BATCH // s.batch
+    cfg["train"].update(eval_every=max(1, s.steps // EVALS), eval_batches=batches)
     cfg["schedule"].update({k: v for k, v in extra.items() if k in cfg["schedule"]})
     return cfg
 
@@ -140,6 +145,11 @@ def _readouts(run: dict[str, Any]) -> dict[str, float]:
     return values
 
 
+def _periodic_windows(run: dict[str, Any]) -> int:
+    """Held-out windows a periodic evaluation of ``run`` read (its config's eval batches x batch)."""
+    return run["config"]["train"]["eval_batches"] * run["config"]["data"]["micro_batch_size"]
+
+
 def table(out: Path, names: list[str], seeds: list[int]) -> str:
     t3 = t_quantile(2)
     lines = [
@@ -152,12 +162,13 @@ def table(out: Path, names: list[str], seeds: list[int]) -> str:
         done = [(s, b, f) for s, b, f in pairs if b is not None and f is not None]
         if len(done) < 2:
             continue
-        evals = EVALS  # periodic evaluations inside train_cpu_s
         runs = [r for _, b, f in done for r in (b, f)]
-        eval_cpu = statistics.fmean(r["eval_cpu_s"] for r in runs)
-        train_cpu = statistics.fmean(r["train_cpu_s"] - evals * r["eval_cpu_s"] for r in runs)
-        costs = {"last16": eval_cpu * DEMO_BATCHES / len(runs[0]["final_batches"]), "last": eval_cpu}
-        costs.update({f"avg{k}": k * eval_cpu for k in (2, 3)})
+        eval_cpu = statistics.fmean(r["eval_cpu_s"] for r in runs)  # every window, EVAL_BATCH at a time
+        windows = len(runs[0]["final_batches"]) * EVAL_BATCH
+        periodic = _periodic_windows(runs[0]) / windows  # the share of the windows a periodic evaluation read
+        train_cpu = statistics.fmean(r["train_cpu_s"] - EVALS * periodic * r["eval_cpu_s"] for r in runs)
+        costs = {"last16": eval_cpu * DEMO_BATCHES * EVAL_BATCH / windows, "last": eval_cpu}
+        costs.update({f"avg{k}": k * periodic * eval_cpu for k in (2, 3)})
         for key, eval_cost in costs.items():
             gaps = [100 * (_readouts(f)[key] - _readouts(b)[key]) / _readouts(b)[key] for _, b, f in done]
             sd = statistics.stdev(gaps)
@@ -167,6 +178,25 @@ def table(out: Path, names: list[str], seeds: list[int]) -> str:
                 f"{statistics.fmean(gaps):+.2f} | {sd:.2f} | {t3 * sd / math.sqrt(3):.2f} | {base:.4f} | "
                 f"{train_cpu:.0f} + {eval_cost:.0f} |"
             )
+    return "\n".join(lines)
+
+
+def table_by_step(out: Path, names: list[str], seeds: list[int]) -> str:
+    """The paired gap's sd (%) at each periodic evaluation (every held-out window): how the noise grows."""
+    lines = []
+    for name in names:
+        pairs = [(_load(out, name, "bf16", s), _load(out, name, "blockwise", s)) for s in seeds]
+        done = [(b, f) for b, f in pairs if b is not None and f is not None]
+        if len(done) < 2:
+            continue
+        steps = [step for step, _ in done[0][0]["val_curve"]]
+        cells = []
+        for i, step in enumerate(steps):
+            gaps = [
+                100 * (f["val_curve"][i][1] - b["val_curve"][i][1]) / b["val_curve"][i][1] for b, f in done
+            ]
+            cells.append(f"step {step}: {statistics.stdev(gaps):.2f}")
+        lines.append(f"- {name} ({len(done)} seeds), paired-gap sd % by step: " + ", ".join(cells))
     return "\n".join(lines)
 
 
@@ -216,6 +246,7 @@ def main() -> int:
             for f in futures:
                 print(f.result(), flush=True)
     print(table(args.out, names, seeds))
+    print(table_by_step(args.out, names, seeds))
     return 0
 
 
