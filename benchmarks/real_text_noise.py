@@ -43,7 +43,7 @@ from typing import Any
 from infir2.tools.bench.fidelity import FidelitySettings, _run_config, prepare
 from infir2.tools.demo.results import FULL, cpu_description
 from infir2.tools.demo.text import text_settings
-from infir2.tools.paired import t_quantile
+from infir2.tools.paired import paired_verdict, t_quantile
 
 RECIPES = ("bf16", "blockwise")
 #: candidate -> (FidelitySettings overrides, overrides of the run config's schedule section)
@@ -150,12 +150,22 @@ def _periodic_windows(run: dict[str, Any]) -> int:
     return run["config"]["train"]["eval_batches"] * run["config"]["data"]["micro_batch_size"]
 
 
+def _triples(gaps: list[float]) -> str:
+    """The demo's verdict on each run of three consecutive seeds (0-2, 3-5, ...): eq / inc / worse / better."""
+    short = {"equivalent": "eq", "worse": "worse", "better": "better"}
+    labels = [
+        short.get(paired_verdict(gaps[i : i + 3], 1.0, higher_is_better=False).label, "inc")
+        for i in range(0, len(gaps) - 2, 3)
+    ]
+    return " / ".join(labels)
+
+
 def table(out: Path, names: list[str], seeds: list[int]) -> str:
     t3 = t_quantile(2)
     lines = [
         "| candidate | read-out | seeds | paired gap % by seed | mean % | sd % | 3-seed half-width % "
-        "| baseline loss | CPU s / run (train + eval) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| 3-seed verdicts (+-1%) | baseline loss | CPU s / run (train + eval) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in names:
         pairs = [(s, _load(out, name, "bf16", s), _load(out, name, "blockwise", s)) for s in seeds]
@@ -175,7 +185,7 @@ def table(out: Path, names: list[str], seeds: list[int]) -> str:
             base = statistics.fmean(_readouts(b)[key] for _, b, _ in done)
             lines.append(
                 f"| {name} | {key} | {len(done)} | {' / '.join(f'{g:+.2f}' for g in gaps)} | "
-                f"{statistics.fmean(gaps):+.2f} | {sd:.2f} | {t3 * sd / math.sqrt(3):.2f} | {base:.4f} | "
+                f"{statistics.fmean(gaps):+.2f} | {sd:.2f} | {t3 * sd / math.sqrt(3):.2f} | {_triples(gaps)} | {base:.4f} | "
                 f"{train_cpu:.0f} + {eval_cost:.0f} |"
             )
     return "\n".join(lines)

@@ -147,3 +147,13 @@ def test_seeds_needed_by_the_definition():
     assert n == next(k for k in range(2, 100) if t_quantile(k - 1) * 0.5 / k**0.5 <= 0.8)
     with pytest.raises(ValueError, match="margin > 0"):
         seeds_needed(0.0, 1.0, 0.0)
+
+
+def test_the_real_text_read_out_averages_the_last_evaluations():
+    from infir2.tools.demo.text import read_out
+
+    run = dataclasses.replace(fidelity_run(256, "bf16", 0, 3.0), val_curve=((16, 5.0), (32, 4.0), (48, 3.0)))
+    assert read_out(run, 1) is run and read_out(run, 2).val_loss == pytest.approx(3.5)
+    assert read_out(run, 3).val_loss == pytest.approx(4.0) and read_out(run, 3).val_curve == run.val_curve
+    with pytest.raises(ValueError, match="text_readout_evals 4: the run bf16 s0 has 3 held-out evaluation"):
+        read_out(run, 4)

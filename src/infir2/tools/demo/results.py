@@ -72,10 +72,12 @@ class DemoSettings:
     text_batch: int = 8
     text_steps: int = 80  # 100 made the default demo 10.2 min on 2 idle cores (the budget is 10)
     text_lr: float = 2e-3
-    text_eval_batches: int = 16
-    text_eval_every: int = (
-        16  # held-out evaluations along the run (the curves of verdict.png); 0: the last only
-    )
+    # held-out batches of text_batch windows; 0 = every held-out window (~51k tokens, 402 windows of 128
+    # tokens): over six seeds the paired gap's sd was 0.33% against 0.36% on the first 16 batches
+    # (BENCHMARKS.md, "The real-text leg's noise")
+    text_eval_batches: int = 0
+    text_eval_every: int = 20  # held-out evaluations along the run (verdict.png's curves); 0: the last only
+    text_readout_evals: int = 1  # a run's held-out loss: the mean of its last this many evaluations
     text_max_chars: int | None = None  # the whole corpus
     text_null_control: bool = False  # the null control on real text too (off: time; real text is quiet)
 

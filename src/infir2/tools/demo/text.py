@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from dataclasses import asdict, dataclass
+import math
+import statistics
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ __all__ = [
     "TextPlan",
     "corpus_available",
     "plan_text",
+    "read_out",
     "run_text",
     "text_needs",
     "text_result",
@@ -93,6 +96,15 @@ class TextPlan:
     data: dict[str, Any]
     tokenizer: Any
     pairs: list[tuple[str, int]]
+    readout_evals: int = 1  # a run's held-out loss: the mean of its last this many evaluations
+
+
+def _heldout_batches(out: Path, ts: FidelitySettings) -> int:
+    """Batches of ``ts.batch`` windows that cover every held-out window of the prepared corpus."""
+    from ...data.tokens import heldout_windows, load_tokens
+
+    windows = len(heldout_windows(len(load_tokens(out / "tokens", "val")), ts.seq_len))
+    return max(1, math.ceil(windows / ts.batch))
 
 
 def plan_text(out: Path, s: DemoSettings, recipes: list[str]) -> TextPlan | None:
@@ -116,16 +128,34 @@ def plan_text(out: Path, s: DemoSettings, recipes: list[str]) -> TextPlan | None
     out.mkdir(parents=True, exist_ok=True)
     log.info("demo: real text: preparing the corpus and tokenizer in %s", out)
     tokenizer, meta = prepare(out, ts)
+    if not ts.eval_batches:  # 0: every held-out window
+        ts = replace(ts, eval_batches=_heldout_batches(out, ts))
     pairs = [(recipe, seed) for seed in ts.seeds for recipe in ts.recipes]
     log.info("demo: real text: %d runs at width %d", len(pairs), ts.widths[0])
-    return TextPlan(out, ts, meta, tokenizer, pairs)
+    return TextPlan(out, ts, meta, tokenizer, pairs, s.text_readout_evals)
+
+
+def read_out(run: RunResult, evals: int) -> RunResult:
+    """``run`` with its held-out loss the mean of its last ``evals`` evaluations (``val_curve``)."""
+    if evals <= 1:
+        return run
+    last = [loss for _, loss in run.val_curve][-evals:]
+    if len(last) < evals:
+        raise ValueError(
+            f"text_readout_evals {evals}: the run {run.recipe} s{run.seed} has {len(last)} held-out "
+            "evaluation(s); lower text_readout_evals or text_eval_every"
+        )
+    return replace(run, val_loss=statistics.fmean(last))
 
 
 def text_result(plan: TextPlan, runs: list[RunResult]) -> dict[str, Any]:
-    """``infir2 fidelity``'s result dict of the finished runs: settings, data, runs, summary."""
+    """``infir2 fidelity``'s result dict of the finished runs: settings, data, runs, summary; each run's
+    held-out loss is read out as the mean of its last ``plan.readout_evals`` evaluations."""
+    runs = [read_out(r, plan.readout_evals) for r in runs]
     return {
         "settings": asdict(plan.settings),
         "data": plan.data,
+        "readout_evals": plan.readout_evals,
         "runs": [asdict(r) for r in runs],
         "summary": summarize(runs),
     }
@@ -165,6 +195,10 @@ def _sentence(gap: dict[str, Any], label: str) -> str:
     )
 
 
+def _readout_words(evals: int) -> str:
+    return "its last evaluation" if evals <= 1 else f"the mean of its last {evals} evaluations"
+
+
 def text_section(text: dict[str, Any] | None, labels: dict[str, str]) -> list[str]:
     """Markdown lines of the real-text part: what ran, the verdict sentences, the per-seed table."""
     if text is None:
@@ -177,7 +211,9 @@ def text_section(text: dict[str, Any] | None, labels: dict[str, str]) -> list[st
         f"**FP8 fidelity on real text (the verdict).** King James Bible ({text['data']['characters']:,} "
         f"characters, every {ts['val_every']}th chapter held out), byte-level BPE {ts['vocab_size']}, "
         f"Qwen2-style, hidden {ts['widths'][0]}, {ts['layers']} layers; {ts['steps']} steps x {ts['batch']} x "
-        f"{ts['seq_len']} tokens, lr {ts['lr']:g}; held-out loss in fp32, paired by seed: the mean gap with "
+        f"{ts['seq_len']} tokens, lr {ts['lr']:g}; held-out loss in fp32 on {ts['eval_batches'] * ts['batch']:,} "
+        f"windows of {ts['seq_len']} tokens every {ts.get('eval_every') or ts['steps']} steps (the curves of "
+        f"verdict.png), a run's loss {_readout_words(text.get('readout_evals', 1))}, paired by seed: the mean gap with "
         "its 95% t-interval against an equivalence margin (equivalent: the interval inside it; worse / "
         "better: the interval excludes 0; else inconclusive: more seeds needed).",
         "",
