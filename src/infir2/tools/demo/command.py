@@ -17,7 +17,8 @@
    recipe (system prompt, ``<think>`` opened, answer in the last ``\\boxed{}``; greedy decoding);
 5. trains the same recipes and seeds on real text (``demo/text.py``): a Qwen2-style model of width
    256 (a 1x128 tile is half a row), 80 steps on the King James Bible with a locally trained BPE,
-   held-out losses paired by seed (``infir2 fidelity``'s runs);
+   the held-out loss on every held-out window every 16 steps, a run's loss the mean of its last 3,
+   paired by seed (``infir2 fidelity``'s runs);
 6. saves every run's numbers to ``results.json`` and renders from it ``report.md``,
    ``readme_table.md``, ``verdict.png`` and ``loss_curves.png``: per FP8 recipe and metric the gap to
    the baseline at the same seed (held-out losses in %, accuracy in points) as its mean over seeds
