@@ -35,6 +35,7 @@ _NULL_COLOUR = "tab:gray"
 _FP8_COLOURS = ("tab:red", "tab:blue", "tab:green", "tab:purple", "tab:orange")
 _SEED_STYLES = ("-", "--", ":", "-.")
 _BAND_COLOUR = "tab:green"
+_CLIP = 5  # a gap panel's axis reaches at most this many margins; beyond, values are written at its edge
 
 
 @dataclass(frozen=True)
@@ -103,22 +104,34 @@ def _gap_panel(ax: Any, title: str, margin: float, unit: str, bars: list[GapBar]
     ]
     ax.set_xticks(range(len(bars)), labels, fontsize=8)
     ax.set_xlim(-0.6, max(len(bars), 1) - 0.4)
-    reach = max([margin, *(abs(v) for b in bars for v in (*b.gaps, b.low or 0.0, b.high or 0.0))])
-    ax.set_ylim(-1.35 * reach, 1.35 * reach)  # the band and every bar, with room for the legend
+    values = [v for b in bars for v in (*b.gaps, b.low or 0.0, b.high or 0.0)]
+    reach = min(max([margin, *map(abs, values)]), _CLIP * margin)  # a failed run must not hide the band
+    limit = 1.35 * reach
+    ax.set_ylim(-limit, limit)
+    for i, bar in enumerate(bars):  # what lies beyond the axis: its value, written at the edge
+        for x, v in [(i + 0.12, g) for g in bar.gaps] + [(i - 0.12, bar.mean), (i, bar.low), (i, bar.high)]:
+            if v is not None and abs(v) > limit:
+                y = limit if v > 0 else -limit
+                ax.annotate(f"{v:+.0f}", (x, y), fontsize=7, ha="center", va="top" if v > 0 else "bottom")
     ax.set_title(title, fontsize=10)
     ax.set_ylabel(f"FP8 - baseline, same seed ({unit})")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=7, loc="upper right")
     if not bars:
         ax.text(0.5, 0.5, "no paired runs", transform=ax.transAxes, ha="center")
+    elif NULL_CONTROL in recipes and all(b.recipe != NULL_CONTROL for b in bars):
+        ax.text(
+            0.02, 0.02, "null control: not run here", transform=ax.transAxes, fontsize=7, color=_NULL_COLOUR
+        )
 
 
 def _plain_log_ticks(ax: Any) -> None:
     """A log y axis labelled with plain numbers (5.2, not 5.2 x 10^0)."""
-    from matplotlib.ticker import FormatStrFormatter
+    from matplotlib.ticker import FormatStrFormatter, NullFormatter
 
-    ax.yaxis.set_major_formatter(FormatStrFormatter("%.3g"))
-    ax.yaxis.set_minor_formatter(FormatStrFormatter("%.3g"))
+    low, high = ax.get_ylim()
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%.3g"))  # minor labels only within one decade
+    ax.yaxis.set_minor_formatter(FormatStrFormatter("%.3g") if high < 10 * low else NullFormatter())
 
 
 def _text_curves(ax: Any, record: DemoRecord) -> None:
