@@ -215,7 +215,10 @@ def test_real_text_verdict_is_computed_from_its_runs():
     )
     assert "FP8 tensorwise on real text: held-out loss +4.00% [+4.00, +4.00] against +-1%: **worse**" in lines
     assert "| 256 | blockwise | 5.0100 / 5.0601 / 5.1102 |" in lines
-    assert "fp32 on 408 windows of 128 tokens every 20 steps" in lines and "its last evaluation" in lines
+    assert (
+        "fp32 on 51 batches of 8 held-out windows of 128 tokens every 20 steps" in lines
+        and "its last evaluation" in lines
+    )
 
 
 def test_update_readme_replaces_only_the_marked_block(tmp_path):

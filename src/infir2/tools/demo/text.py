@@ -220,8 +220,8 @@ def text_section(text: dict[str, Any] | None, labels: dict[str, str]) -> list[st
         f"**FP8 fidelity on real text (the verdict).** King James Bible ({text['data']['characters']:,} "
         f"characters, every {ts['val_every']}th chapter held out), byte-level BPE {ts['vocab_size']}, "
         f"Qwen2-style, hidden {ts['widths'][0]}, {ts['layers']} layers; {ts['steps']} steps x {ts['batch']} x "
-        f"{ts['seq_len']} tokens, lr {ts['lr']:g}; held-out loss in fp32 on {ts['eval_batches'] * ts['batch']:,} "
-        f"windows of {ts['seq_len']} tokens every {ts.get('eval_every') or ts['steps']} steps (the curves of "
+        f"{ts['seq_len']} tokens, lr {ts['lr']:g}; held-out loss in fp32 on {ts['eval_batches']} batches "
+        f"of {ts['batch']} held-out windows of {ts['seq_len']} tokens every {ts.get('eval_every') or ts['steps']} steps (the curves of "
         f"verdict.png), a run's loss {_readout_words(text.get('readout_evals', 1))}, paired by seed: the mean gap with "
         "its 95% t-interval against an equivalence margin (equivalent: the interval inside it; worse / "
         "better: the interval excludes 0; else inconclusive: more seeds needed).",
