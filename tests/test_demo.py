@@ -33,7 +33,7 @@ def test_quick_demo_runs_end_to_end(tmp_path):
         assert (
             abs(r["sft_val_loss"] - base[r["seed"]]["sft_val_loss"]) / base[r["seed"]]["sft_val_loss"] < 0.05
         )
-    assert (out / "loss_curves.png").stat().st_size > 10_000
+    assert (out / "loss_curves.png").stat().st_size > 10_000 and (out / "verdict.png").stat().st_size > 10_000
     for label in ("baseline", "FP8 blockwise", "FP8 tensorwise", "accuracy", "tokens/s", "seed spread"):
         assert label in report
     # a generated verdict per FP8 recipe on the reasoning task, and one on real text
@@ -46,6 +46,12 @@ def test_quick_demo_runs_end_to_end(tmp_path):
     assert sorted((r["recipe"], r["seed"]) for r in text["runs"]) == sorted(
         (recipe, seed) for recipe in ("bf16", "blockwise", "tensorwise") for seed in (0, 1)
     ) and all(math.isfinite(r["val_loss"]) for r in text["runs"])
+    for r in text[
+        "runs"
+    ]:  # the held-out curve: every text_eval_every steps, ending at the final held-out loss
+        steps = [step for step, _ in r["val_curve"]]
+        assert steps == [2, 4, 5] and r["val_curve"][-1][1] == r["val_loss"]
+    assert "**The verdict (seeds 0, 1)" in report
     assert (out / "readme_table.md").read_text() in report
     assert main(["demo", "--report-only", "--out", str(out)]) == 0  # re-rendered from results.json alone
     assert (out / "report.md").read_text() == report

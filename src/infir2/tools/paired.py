@@ -17,7 +17,12 @@ recipe. The arithmetic, shared by ``infir2 demo`` and ``infir2 fidelity``:
   - ``worse`` / ``better``: the interval excludes 0, on the side where the metric gets worse /
     better (higher loss, lower accuracy is worse);
   - otherwise ``inconclusive: more seeds needed`` -- and always with fewer than two paired seeds,
-    which have no interval.
+    which have no interval;
+
+* **the seeds a margin needs** (``seeds_needed``): the smallest ``n >= 2`` at which an interval
+  around the measured mean with the measured sd, ``|mean| + t(n-1) * sd / sqrt(n)``, fits inside
+  ``+-m`` -- what a run with too few seeds can say instead of a verdict (none when ``|mean| >= m``:
+  no seed count shows equivalence then).
 
 Pure functions of floats (no torch, no infir2 imports), so any layer may use them.
 """
@@ -37,6 +42,7 @@ __all__ = [
     "mean_sd",
     "paired_gaps",
     "paired_verdict",
+    "seeds_needed",
     "spread_pct",
     "t_quantile",
 ]
@@ -136,3 +142,21 @@ def paired_verdict(gaps: list[float], margin: float, higher_is_better: bool) -> 
     else:
         label = INCONCLUSIVE
     return Verdict(tuple(gaps), mean, sd, low, high, margin, label)
+
+
+def seeds_needed(mean: float, sd: float, margin: float, limit: int = 1000) -> int | None:
+    """The smallest ``n >= 2`` with ``|mean| + t(n-1) * sd / sqrt(n) <= margin``: the paired seeds at
+    which the measured gap (``mean``, ``sd``) would be judged equivalent. ``None`` when ``|mean| >=
+    margin`` or the count passes ``limit`` (no number of seeds would do)."""
+    if margin <= 0 or sd < 0:
+        raise ValueError(f"seeds_needed needs margin > 0 and sd >= 0, got margin={margin}, sd={sd}")
+    room = margin - abs(mean)
+    if not room > 0:
+        return None
+    n = 2
+    while t_quantile(n - 1) * sd / math.sqrt(n) > room:
+        if n >= limit:
+            return None
+        # the half-width falls roughly as 1/sqrt(n): jump close to the answer, then step
+        n = max(n + 1, min(limit, int((1.96 * sd / room) ** 2)))
+    return n

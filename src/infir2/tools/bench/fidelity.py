@@ -99,6 +99,9 @@ class FidelitySettings:
     lr: float = 2e-3
     val_every: int = 20  # one chapter in val_every is held out
     eval_batches: int = 16  # held-out micro-batches of `batch` windows (the same windows for every run)
+    eval_every: int = (
+        0  # also evaluate every this many steps (the run's held-out curve); 0: the last step only
+    )
     max_chars: int | None = None  # keep only the first chapters up to this many characters
 
 
@@ -202,7 +205,7 @@ def _run_config(
         "schedule": {"name": "wsd", "warmup_fraction": 0.05, "decay_fraction": 0.2, "min_lr_ratio": 0.1},
         "train": {
             "max_steps": s.steps,
-            "eval_every": 0,
+            "eval_every": s.eval_every,
             "eval_batches": s.eval_batches,
             "save_every": 0,
             "keep_last": 1,
@@ -249,6 +252,7 @@ def run_one(out: Path, s: FidelitySettings, width: int, recipe: str, seed: int, 
         tail_drop=tail_drop(losses),
         steps=res.step,
         seconds=time.perf_counter() - t0,
+        val_curve=tuple((m["step"], m["val_loss"]) for m in res.history if "val_loss" in m),
     )
     for heavy in ("hf", *(p.name for p in run_dir.glob("step_*"))):  # keep metrics.jsonl, not weights
         shutil.rmtree(run_dir / heavy, ignore_errors=True)

@@ -48,6 +48,9 @@ class RunResult:
     tail_drop: float  # % the training loss still fell over the last fifth of the run
     steps: int
     seconds: float
+    val_curve: tuple[
+        tuple[int, float], ...
+    ] = ()  # (step, held-out loss) of every evaluation, the last included
 
 
 def summarize(runs: list[RunResult]) -> dict[str, Any]:

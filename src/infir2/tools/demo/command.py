@@ -17,14 +17,18 @@
    recipe (system prompt, ``<think>`` opened, answer in the last ``\\boxed{}``; greedy decoding);
 5. trains the same recipes and seeds on real text (``demo/text.py``): a Qwen2-style model of width
    256 (a 1x128 tile is half a row), 80 steps on the King James Bible with a locally trained BPE,
-   held-out losses paired by seed (``infir2 fidelity``'s runs);
+   the held-out loss on every held-out window every 16 steps, a run's loss the mean of its last 3,
+   paired by seed (``infir2 fidelity``'s runs);
 6. saves every run's numbers to ``results.json`` and renders from it ``report.md``,
-   ``readme_table.md`` and ``loss_curves.png``: per FP8 recipe and metric the gap to the baseline at
-   the same seed (held-out losses in %, accuracy in points) as its mean over seeds with a two-sided
-   95% Student t-interval, and a verdict against the metric's equivalence margin (+-1% real-text
-   loss, +-2% CPT held-out loss, +-10% SFT val loss, +-3 accuracy points): equivalent (the interval
-   inside the margin), worse / better (it excludes 0), else inconclusive: more seeds needed. The null
-   control's gap is shown beside each FP8 gap, as the noise floor.
+   ``readme_table.md``, ``verdict.png`` and ``loss_curves.png``: per FP8 recipe and metric the gap to
+   the baseline at the same seed (held-out losses in %, accuracy in points) as its mean over seeds
+   with a two-sided 95% Student t-interval, and a verdict against the metric's equivalence margin
+   (+-1% real-text loss, +-2% CPT held-out loss, +-10% SFT val loss, +-3 accuracy points): equivalent
+   (the interval inside the margin), worse / better (it excludes 0), else inconclusive: more seeds
+   needed, with the seeds the measured gap would need. The headline reads the real-text loss and the
+   accuracy; the reasoning task's two losses, whose seeds land tens of % apart, are reported beside
+   it. The null control's gap is shown beside each FP8 gap, as the noise floor; ``verdict.png``
+   draws each headline gap against its margin, and the real-text held-out loss over the steps.
 
 The time grows with recipes x seeds. On a CPU the FP8 GEMMs are emulated exactly (FP8 values, fp32
 products), so FP8 runs are *slower* here; the demo shows the numerics, not the speed. Speed is
@@ -35,7 +39,7 @@ Examples:
   infir2 demo --quick --out /tmp/d    # a reduced run (about a minute), as in CI
   infir2 demo --recipes bf16,blockwise,fp8_exact,tensorwise   # + the naive FP8
   infir2 demo --seeds 0,1,2,3,4       # more seeds: narrower intervals
-  infir2 demo --report-only --out runs/demo              # report.md + plot again from results.json
+  infir2 demo --report-only --out runs/demo              # report.md + figures again from results.json
   infir2 demo --update-readme README.md --out runs/demo  # README's demo table from results.json
   infir2 demo --data-only --out runs/tiny   # only tokenizer + CPT shards + SFT files: what the
                                             # tiny configs (src/infir2/configs/tiny-*.yaml) read
@@ -93,8 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--report-only",
         action="store_true",
-        help="train nothing: render OUT/report.md, OUT/readme_table.md and OUT/loss_curves.png "
-        "again from OUT/results.json",
+        help="train nothing: render OUT/report.md, OUT/readme_table.md, OUT/verdict.png and "
+        "OUT/loss_curves.png again from OUT/results.json",
     )
     parser.add_argument(
         "--update-readme",

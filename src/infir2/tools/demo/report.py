@@ -1,10 +1,13 @@
-"""The demo's report, rendered from ``results.json`` alone: ``report.md``, ``readme_table.md`` and
-``loss_curves.png`` in the output folder, and the README's demo table.
+"""The demo's report, rendered from ``results.json`` alone: ``report.md``, ``readme_table.md``,
+``verdict.png`` and ``loss_curves.png`` (``figure.py``) in the output folder, and the README's demo table.
 
-* ``readme_table(record)``: the README-ready table -- per recipe the means over seeds, each FP8 gap to
-  the baseline as the mean over paired seeds with its 95% t-interval (the baseline's row shows its own
-  seed spread), speed
-  relative to the baseline -- and the generated verdict sentences (``summary.py``).
+* ``headline(record)``: the verdict per FP8 recipe from the headline metrics (the real-text held-out
+  loss and the reasoning task's accuracy; ``summary.py`` says why the other two are left out), each
+  with its interval and, unresolved, the seeds its measured gap would need.
+* ``readme_table(record)``: the headline, then the README-ready table -- per recipe the means over
+  seeds, each FP8 gap to the baseline as the mean over paired seeds with its 95% t-interval (the
+  baseline's row shows its own seed spread), speed relative to the baseline -- and the generated
+  verdict sentences (``summary.py``).
 * ``report(record)``: that table, plus the model and schedule, and every (recipe, seed) run.
 * ``update_readme(readme, record)``: replaces the block between ``README_START`` and ``README_END`` in a
   README with ``readme_table(record)``; nothing else in the file changes.
@@ -13,60 +16,29 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from ..bench.fidelity_report import save_figure
+from .figure import plot_loss_curves, plot_verdict
 from .results import DemoRecord, RecipeResult
 from .summary import (
     METRICS,
     NULL_CONTROL,
     RECIPE_LABELS,
     RecipeSummary,
+    combine,
     format_gap,
     format_spread,
+    needs_note,
     short_label,
     summarize,
     verdict_sentence,
 )
-from .text import text_section
+from .text import text_needs, text_section
 
-__all__ = ["README_END", "README_START", "plot", "readme_table", "render", "report", "update_readme"]
+__all__ = ["README_END", "README_START", "headline", "readme_table", "render", "report", "update_readme"]
 
 README_START = "<!-- demo-table:start -->"
 README_END = "<!-- demo-table:end -->"
-
-_BASELINE_COLOUR = "black"
-_FP8_COLOURS = ("tab:red", "tab:blue", "tab:green", "tab:purple", "tab:orange")
-_SEED_STYLES = ("-", "--", ":", "-.")
-
-
-def plot(record: DemoRecord, path: Path) -> None:
-    """CPT and SFT training loss of every run: a colour per recipe (the baseline black), a line style per seed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colours = {r: _FP8_COLOURS[i % len(_FP8_COLOURS)] for i, r in enumerate(record.recipes[1:])}
-    colours[record.recipes[0]] = _BASELINE_COLOUR
-    seeds = sorted({r.seed for r in record.runs})
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, stage in zip(axes, ("cpt", "sft"), strict=True):
-        for r in record.runs:
-            curve = getattr(r, f"{stage}_curve")
-            ax.plot(
-                [c[0] for c in curve],
-                [c[1] for c in curve],
-                color=colours.get(r.recipe),
-                linestyle=_SEED_STYLES[seeds.index(r.seed) % len(_SEED_STYLES)],
-                linewidth=1,
-                label=f"{short_label(r.recipe)}, seed {r.seed}",
-            )
-        ax.set_title(f"{stage.upper()} training loss")
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("loss (per token)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    save_figure(fig, path)
 
 
 def _num(value: float | None, digits: int = 4) -> str:
@@ -89,6 +61,64 @@ def _gap_cells(s: RecipeSummary, base: RecipeSummary, runs: list[RecipeResult]) 
     return [format_spread(m, values[m.key]) if values[m.key] else "—" for m in METRICS]
 
 
+def _text_part(gap: dict[str, Any] | None) -> tuple[str, str | None]:
+    """The real-text clause of a recipe's headline, and its verdict label (None: not run)."""
+    if gap is None:
+        return "real-text held-out loss: not run for this recipe", None
+    size = f"{gap['mean_pct']:+.2f}%" + (
+        f" [{gap['low_pct']:+.2f}, {gap['high_pct']:+.2f}]" if gap["low_pct"] is not None else " (1 seed)"
+    )
+    note = text_needs(gap)
+    return (
+        f"real-text held-out loss {size} against +-{gap['margin_pct']:g}%: {gap['verdict']}"
+        + (f" ({note})" if note else ""),
+        gap["verdict"],
+    )
+
+
+def _left_out(summaries: list[RecipeSummary]) -> str:
+    """The sentence on the metrics kept out of the headline, with what they would need (first FP8 recipe)."""
+    gaps = [g for g in summaries[1].gaps if not g.metric.headline] if len(summaries) > 1 else []
+    if not gaps:
+        return ""
+    parts = [
+        f"{g.metric.label} (baseline {format_spread(g.metric, g.base_values)} against {g.metric.margin_text}; "
+        + (needs_note(g.verdict.label, g.sd, g.seeds_needed, g.metric.margin_text) or g.verdict.label)
+        + ")"
+        for g in gaps
+    ]
+    return (
+        f"Not in the headline, reported below: the reasoning task's {' and '.join(g.metric.label for g in gaps)}, "
+        f"whose seed-to-seed noise a few seeds cannot resolve -- for {short_label(summaries[1].recipe)}: "
+        + "; ".join(parts)
+        + "."
+    )
+
+
+def headline(record: DemoRecord) -> list[str]:
+    """Markdown lines: per FP8 recipe, the verdict of the headline metrics (real text, accuracy)."""
+    summaries = summarize(record.runs, record.recipes)
+    text_gaps = {g["recipe"]: g for g in record.text["summary"]["gaps"]} if record.text else {}
+    seeds = ", ".join(str(s) for s in sorted({r.seed for r in record.runs}))
+    lines = [
+        f"**The verdict (seeds {seeds}): the real-text held-out loss and the reasoning task's accuracy.**",
+        "",
+    ]
+    for s in summaries[1:]:
+        text, text_label = _text_part(text_gaps.get(s.recipe))
+        parts, labels = [text], [text_label] if text_label is not None else []
+        for g in (g for g in s.gaps if g.metric.headline):
+            note = needs_note(g.verdict.label, g.sd, g.seeds_needed, g.metric.margin_text)
+            parts.append(
+                f"{g.metric.label} {format_gap(g)} against {g.metric.margin_text}: {g.verdict.label}"
+                + (f" ({note})" if note else "")
+            )
+            labels.append(g.verdict.label)
+        lines.append(f"- {short_label(s.recipe)}: **{combine(labels)}** -- " + "; ".join(parts) + ".")
+    left_out = _left_out(summaries)
+    return [*lines, *(["", left_out] if left_out else []), ""]
+
+
 def readme_table(record: DemoRecord) -> str:
     """The README-ready markdown: caption, one row per recipe (means over seeds), verdict sentences."""
     summaries = summarize(record.runs, record.recipes)
@@ -100,6 +130,7 @@ def readme_table(record: DemoRecord) -> str:
         head += [m.label if m.relative else f"{m.label} ({s.n_test} held-out, greedy)", "gap"]
     head += ["tokens/s", "time per run", "vs baseline", "training steps vs baseline"]
     lines = [
+        *headline(record),
         *text_section(record.text, RECIPE_LABELS),
         "**The reasoning task (arithmetic CPT -> SFT -> greedy accuracy).** Multi-step arithmetic with worked "
         "steps, every number one token; the null control (the FP8 code path with exact casts, a ~1e-7 "
@@ -153,6 +184,8 @@ def report(record: DemoRecord) -> str:
         "t-interval lies inside the margin (+-2% CPT held-out loss, +-10% SFT val loss, +-3 accuracy points), "
         "worse / better when it excludes 0, else inconclusive: more seeds needed.",
         "",
+        "![the verdict](verdict.png)",
+        "",
         readme_table(record),
         "## Every run",
         "",
@@ -179,8 +212,10 @@ def report(record: DemoRecord) -> str:
 
 
 def render(out: Path, record: DemoRecord) -> str:
-    """Write ``loss_curves.png``, ``report.md`` and ``readme_table.md`` under ``out``; return the report."""
-    plot(record, out / "loss_curves.png")
+    """Write ``verdict.png``, ``loss_curves.png``, ``report.md`` and ``readme_table.md`` under ``out``;
+    return the report."""
+    plot_verdict(record, out / "verdict.png")
+    plot_loss_curves(record, out / "loss_curves.png")
     (out / "readme_table.md").write_text(readme_table(record), encoding="utf-8")
     text = report(record)
     (out / "report.md").write_text(text, encoding="utf-8")
