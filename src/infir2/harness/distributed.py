@@ -37,7 +37,7 @@ from .._dist import (  # noqa: F401 - re-exported: the collectives the stages us
 )
 from ..model import resolve_device
 
-__all__ = [*_dist.__all__, "ContextLayout", "context_layout", "init_distributed", "shard_model"]
+__all__ = [*_dist.__all__, "ContextLayout", "context_layout", "data_ranks", "init_distributed", "shard_model"]
 
 
 @dataclass(frozen=True)
@@ -52,14 +52,19 @@ class ContextLayout:
     data_env: DistEnv
 
 
-def context_layout(env: DistEnv, context: int) -> ContextLayout:
-    """This rank's place on the data x context grid; every rank must call it (it makes the groups)."""
-    if context < 1 or env.world_size % context:
+def data_ranks(world_size: int, context: int) -> int:
+    """The data degree of ``world_size`` processes at context degree ``context`` (which must divide it)."""
+    if context < 1 or world_size % context:
         raise ValueError(
-            f"parallel.context: {context} does not divide the {env.world_size} processes "
+            f"parallel.context: {context} does not divide the {world_size} processes "
             "(the world is data x context)"
         )
-    data_env = DistEnv(env.rank // context, env.world_size // context, env.device, False)
+    return world_size // context
+
+
+def context_layout(env: DistEnv, context: int) -> ContextLayout:
+    """This rank's place on the data x context grid; every rank must call it (it makes the groups)."""
+    data_env = DistEnv(env.rank // context, data_ranks(env.world_size, context), env.device, False)
     group = None
     if context > 1:
         for replica in range(env.world_size // context):  # every rank makes every group, in one order

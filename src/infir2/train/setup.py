@@ -24,7 +24,7 @@ from ..data import (
 )
 from ..data.base import MicroBatch, StepSource
 from ..data.tokens import check_batch_sizes
-from ..harness.distributed import DistEnv
+from ..harness.distributed import DistEnv, data_ranks
 from ..harness.setup import check_model_inputs
 from .config import RunConfig
 
@@ -45,11 +45,7 @@ def check_inputs(cfg: RunConfig, world_size: int = 1, data: bool = True) -> None
     """
     d, context = cfg.data, cfg.parallel.context
     check_model_inputs(cfg)
-    if world_size % context:
-        raise ValueError(
-            f"parallel.context: {context} does not divide the {world_size} processes (the world is data x context)"
-        )
-    world_size //= context  # the data ranks: a context group shares its sequences
+    world_size = data_ranks(world_size, context)  # a context group shares its sequences
     if not data:
         return
     if not d.train_path:
