@@ -99,9 +99,7 @@ class FidelitySettings:
     lr: float = 2e-3
     val_every: int = 20  # one chapter in val_every is held out
     eval_batches: int = 16  # held-out micro-batches of `batch` windows (the same windows for every run)
-    eval_every: int = (
-        0  # also evaluate every this many steps (the run's held-out curve); 0: the last step only
-    )
+    eval_every: int = 0  # also evaluate every this many steps (the held-out curve); 0: the last step only
     max_chars: int | None = None  # keep only the first chapters up to this many characters
 
 
