@@ -127,11 +127,17 @@ def _gap_panel(ax: Any, title: str, margin: float, unit: str, bars: list[GapBar]
 
 def _plain_log_ticks(ax: Any) -> None:
     """A log y axis labelled with plain numbers (5.2, not 5.2 x 10^0)."""
-    from matplotlib.ticker import FormatStrFormatter, NullFormatter
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 
     low, high = ax.get_ylim()
-    ax.yaxis.set_major_formatter(FormatStrFormatter("%.3g"))  # minor labels only within one decade
-    ax.yaxis.set_minor_formatter(FormatStrFormatter("%.3g") if high < 10 * low else NullFormatter())
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%.3g"))
+    if high < 10 * low:  # within one decade: every minor tick labelled
+        ax.yaxis.set_minor_formatter(FormatStrFormatter("%.3g"))
+    elif high < 1000 * low:  # up to three decades: 2 and 5 of each decade labelled
+        ax.yaxis.set_minor_locator(LogLocator(subs=(2.0, 5.0)))
+        ax.yaxis.set_minor_formatter(FormatStrFormatter("%.3g"))
+    else:
+        ax.yaxis.set_minor_formatter(NullFormatter())
 
 
 def _text_curves(ax: Any, record: DemoRecord) -> None:
@@ -180,7 +186,6 @@ def verdict_figure(record: DemoRecord) -> Any:
     fig.suptitle(
         f"FP8 vs the baseline, paired by seed (seeds {seeds}): mean gap and 95% t-interval", fontsize=11
     )
-    fig.tight_layout()
     return fig
 
 
@@ -215,7 +220,6 @@ def loss_curves_figure(record: DemoRecord) -> Any:
         _plain_log_ticks(ax)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
-    fig.tight_layout()
     return fig
 
 
