@@ -142,6 +142,21 @@ def test_fp8_blockwise_and_bf16_recipe_both_train_and_agree(tmp_path):
     assert losses["blockwise"] != losses["bf16"]  # and the FP8 GEMMs really ran
 
 
+def test_eval_from_skips_the_early_evaluations_and_keeps_the_last(tmp_path):
+    """``train.eval_from``: periodic evaluations start at that step; the last step is evaluated anyway."""
+    cfg = tiny_run_config(
+        tmp_path, train={"max_steps": 7, "eval_every": 2, "eval_from": 4, "eval_batches": 1}
+    )
+    result = train(
+        cfg,
+        model=make_tiny_model(),
+        train_source=SyntheticSource(seed=1),
+        val_source=SyntheticSource(seed=99),
+        progress=False,
+    )
+    assert [m["step"] for m in result.history if "val_loss" in m] == [4, 6, 7]
+
+
 def test_hf_export_loads_in_transformers(tmp_path, tiny_tokenizer):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

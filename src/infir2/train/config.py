@@ -13,7 +13,7 @@ docs/RECIPE.md section 2, can be written down)::
     optim:    lr, betas, eps, weight_decay, grad_clip, fused, state_dtype (fp32|bf16)
     schedule: name (wsd|cosine|constant), warmup_steps | warmup_fraction, decay_steps | decay_fraction,
               decay_style (cosine|linear), min_lr | min_lr_ratio
-    train:    max_steps, eval_every, eval_batches, eval_fp8, save_every, keep_last, log_every,
+    train:    max_steps, eval_every, eval_from, eval_batches, eval_fp8, save_every, keep_last, log_every,
               max_nonfinite_in_row, loss_spike_nats, loss_spike_window, loss_chunk_tokens (auto|0|N),
               checkpoint_format (auto|full|dcp), async_save
     load:     path, mode (resume|decay_only|weights_only), reset_step, reset_data, force, start_fresh
@@ -112,6 +112,9 @@ class TrainConfig:
     max_steps: int | None = _key(None, "optimizer steps; null: as many as the data yields (data.epochs)")
     eval_every: int = _key(
         0, "steps between evaluations; 0 = none (the last step is still evaluated when val data exists)"
+    )
+    eval_from: int = _key(
+        0, "no periodic evaluation before this step (0 = from the start; the last step is evaluated anyway)"
     )
     eval_batches: int = _key(
         8, "validation batches per evaluation, all ranks together (the same held-out data on any world size)"
@@ -216,7 +219,7 @@ def _check(cfg: RunConfig, source: str) -> None:
     positive("train.max_steps", t.max_steps)
     if t.loss_chunk_tokens != "auto":
         positive("train.loss_chunk_tokens", t.loss_chunk_tokens, allow_zero=True)
-    for key in ("eval_every", "save_every"):
+    for key in ("eval_every", "eval_from", "save_every"):
         positive(f"train.{key}", getattr(t, key), allow_zero=True)
     if t.loss_spike_nats is not None:
         positive("train.loss_spike_nats", t.loss_spike_nats)

@@ -14,7 +14,7 @@ One optimizer step, top to bottom (``train_step``):
    written during a streak);
 4. AdamW at the schedule's learning rate for this step.
 
-Around it: evaluation every ``train.eval_every`` steps (``evaluate``: the held-out loss of
+Around it: evaluation every ``train.eval_every`` steps from ``train.eval_from`` on (``evaluate``: the held-out loss of
 ``infir2.loss``, the definition ``infir2 eval --perplexity`` uses), a checkpoint every
 ``train.save_every`` steps and at the end (``train.checkpoint_format``: full state on rank 0 or DCP
 shards per rank; ``train.async_save`` lets the loop go on while a DCP save writes -- it is waited on
@@ -232,8 +232,8 @@ def _why_skipped(out: dict[str, Any], cfg: RunConfig) -> str | None:
     return f"non-finite loss {out['loss']} or grad norm {out['grad_norm']}"
 
 
-def _due(step: int, every: int, last: bool) -> bool:
-    return last or (every > 0 and step % every == 0)
+def _due(step: int, every: int, last: bool, start: int = 0) -> bool:
+    return last or (every > 0 and step % every == 0 and step >= start)
 
 
 @dataclass
@@ -398,7 +398,7 @@ def _loop(run: _Run, state: TrainState, result: TrainResult, logger: MetricsLogg
             break
         metrics = _step(run, state, micro_batches, spikes)
         last = state.step == run.n_steps
-        if run.val_steps is not None and _due(state.step, t.eval_every, last):
+        if run.val_steps is not None and _due(state.step, t.eval_every, last, t.eval_from):
             metrics["val_loss"] = evaluate(
                 run.model,
                 run.val_steps(),
