@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 
 import pytest
 
 from infir2.data import SYSTEM_PROMPT, load_conversations, render_conversation
-from infir2.tools.demo.data import make_demo_data, tokenizer_training_texts
+from infir2.tools.demo.data import make_demo_data, make_problems, task_facts, tokenizer_training_texts
 
 SMALL = dict(n_train=400, n_test=100, n_cpt_worked=200, n_cpt_tables=50)
 EXPR = re.compile(r"^Compute (\d+(?: [+-] \d+)+)\.$")
@@ -80,6 +81,25 @@ def test_cpt_corpus(demo):
         check_step(line)
 
 
+def test_fact_tables_hold_every_fact_of_the_task_equally_often(demo):
+    """50 tables x 16 lines = 800 over the space's 297 facts: each appears 2 or 3 times, the rare ones
+    (a sum of ten or more, then another addition) as often as the first step's."""
+    # the space, written out independently of the generator: a second step starts from any value
+    # 0..18 (9 + 9 at most), adds 1..9 or subtracts at most the value; a first step is among these
+    expected = {f"{v} + {c} = {v + c}." for v in range(19) for c in range(1, 10)}
+    expected |= {f"{v} - {c} = {v - c}." for v in range(19) for c in range(1, min(v, 9) + 1)}
+    assert sorted(expected) == task_facts(9, (2, 2)) and len(expected) == 297
+    lines = [
+        line
+        for r in read_jsonl(demo["cpt"])
+        if r["text"].startswith("Arithmetic facts:\n")
+        for line in r["text"].split("\n")[1:]
+    ]
+    counts = Counter(lines)
+    assert len(lines) == 50 * 16 and set(counts) == expected
+    assert sorted(set(counts.values())) == [2, 3]
+
+
 def test_cpt_conversations_read_as_the_chat_template_renders_them(demo, tiny_tokenizer):
     """The rendered conversations in the CPT corpus are exactly what SFT and evaluation show the model."""
     cpt = [r["text"] for r in read_jsonl(demo["cpt"])]
@@ -106,6 +126,17 @@ def test_sizes_fit_the_demo(demo, tiny_tokenizer, tmp_path):
     ids, mask = render_conversation(tiny_tokenizer, conv)
     assert sum(mask) < len(ids) < 200  # short samples: tens of thousands of tokens per epoch
     assert "Licence" in demo["readme"].read_text()
+
+
+def test_every_problem_is_equally_likely_in_a_split():
+    """A split is a uniform sample of the space, not distinct draws of ``random_problem``, under which
+    ``1 - 1 + c`` (a forced minus 1, then a forced plus) is ~10x likelier than a typical problem and
+    the split drawn first took all nine of them. Over 200 seeds of 50 problems each of the 1,899
+    problems is drawn with probability 50 / 1899: the nine together ~47 times."""
+    hits = sum(
+        r["problem"].startswith("Compute 1 - 1 + ") for seed in range(200) for r in make_problems(50, seed)
+    )
+    assert 25 <= hits <= 75, hits  # distinct draws of random_problem: 489
 
 
 def test_too_many_problems_is_an_error(tmp_path):
