@@ -3,8 +3,9 @@
 Runs the demo's own pipeline (``infir2.tools.demo.pipeline``: ``prepare_data`` then ``run_recipe``: CPT ->
 SFT -> greedy evaluation) for each recipe at each seed, with ``DemoSettings`` overridden by ``--set
 key=value`` (e.g. ``--set cpt_steps=400 --set sft_lr=2e-3``), and prints the accuracy of every run,
-per recipe the min / mean over seeds, and the paired gap to the baseline with the verdict rule of
-``infir2.tools.paired``. ``fp8_exact`` is the null control: the FP8 code path with exact casts (1x1 blocks,
+per recipe the min / mean over seeds, the paired gap to the baseline with the verdict rule of
+``infir2.tools.paired``, and per seed the SFT step at which the run left the loss plateau of a model
+that does not yet copy the third operand (``plateau_left_at``; a late one leaves too few steps). ``fp8_exact`` is the null control: the FP8 code path with exact casts (1x1 blocks,
 fp32 scales), a ~1e-7 perturbation per GEMM; a setting is reliable when it sits within a few points
 of the baseline at every seed.
 
@@ -58,6 +59,26 @@ def parse_sets(items: list[str], base: DemoSettings) -> DemoSettings:
     return dataclasses.replace(base, **values)
 
 
+# The SFT loss of a run that copies the first two operands but not the third sits at ~0.07 (the
+# entropy of guessing it, spread over the answer's tokens); a run leaves that plateau in one drop whose
+# step varies by seed, and a late drop leaves too few steps to learn the rest.
+_PLATEAU_WINDOW, _PLATEAU_LOSS = 20, 0.04
+
+
+def plateau_left_at(losses: list[float]) -> int | None:
+    """The first SFT step whose mean training loss over the last 20 steps is below 0.04; None: never."""
+    for end in range(_PLATEAU_WINDOW, len(losses) + 1):
+        if statistics.fmean(losses[end - _PLATEAU_WINDOW : end]) < _PLATEAU_LOSS:
+            return end
+    return None
+
+
+def _sft_losses(out: Path, recipe: str, seed: int) -> list[float]:
+    path = out / "runs" / recipe / f"s{seed}" / "sft" / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [m["loss"] for m in rows if not m.get("skipped")]
+
+
 def _worker(recipe: str, seed: int, out: Path, s: DemoSettings, data: dict[str, Path]) -> dict[str, Any]:
     import logging
 
@@ -77,11 +98,22 @@ def _worker(recipe: str, seed: int, out: Path, s: DemoSettings, data: dict[str, 
         "seconds": r.seconds,
         "unparseable": r.unparseable,
         "hard_accuracy": r.hard_accuracy,
+        "plateau_left_at": plateau_left_at(_sft_losses(out, recipe, seed)),
+        "sft_steps": len(r.sft_curve),
     }
     path = out / "results" / f"{recipe}_s{seed}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result))
     return result
+
+
+def _plateau_cell(res: dict[tuple[str, int], dict[str, Any]], recipe: str, seeds: list[int]) -> str:
+    """``"130 / 168 / never (of 568)"``: per seed, where SFT left its plateau (older results: —)."""
+    runs = [res[(recipe, k)] for k in seeds]
+    if any("plateau_left_at" not in r for r in runs):
+        return "—"
+    steps = " / ".join(str(r["plateau_left_at"] or "never") for r in runs)
+    return f"{steps} (of {max(r['sft_steps'] for r in runs)})"
 
 
 def main() -> int:
@@ -127,9 +159,9 @@ def main() -> int:
     )
     print(
         "| recipe | " + " | ".join(f"s{k}" for k in seeds) + " | min | mean | paired gap, 95% t-interval "
-        f"(margin +-{ACCURACY.margin:g} points) | harder split | s per run |"
+        f"(margin +-{ACCURACY.margin:g} points) | SFT plateau left at step (of N) | harder split | s per run |"
     )
-    print("|---|" + "---|" * (len(seeds) + 5))
+    print("|---|" + "---|" * (len(seeds) + 6))
     base = {k: res[(recipes[0], k)]["accuracy"] for k in seeds}
     for r in recipes:
         acc = {k: res[(r, k)]["accuracy"] for k in seeds}
@@ -145,7 +177,7 @@ def main() -> int:
         cells = [f"{100 * acc[k]:.0f}%" for k in seeds]
         print(
             f"| {r} | " + " | ".join(cells) + f" | {100 * min(acc.values()):.0f}% | "
-            f"{100 * statistics.fmean(acc.values()):.1f}% | {gap} | "
+            f"{100 * statistics.fmean(acc.values()):.1f}% | {gap} | {_plateau_cell(res, r, seeds)} | "
             f"{f'{100 * statistics.fmean(hard):.1f}%' if hard else '—'} | {secs:.0f} |"
         )
     return 0

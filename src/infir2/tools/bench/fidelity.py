@@ -100,6 +100,7 @@ class FidelitySettings:
     val_every: int = 20  # one chapter in val_every is held out
     eval_batches: int = 16  # held-out micro-batches of `batch` windows (the same windows for every run)
     eval_every: int = 0  # also evaluate every this many steps (the held-out curve); 0: the last step only
+    eval_from: int = 0  # ... from this step on (0: from the start)
     max_chars: int | None = None  # keep only the first chapters up to this many characters
 
 
@@ -204,6 +205,7 @@ def _run_config(
         "train": {
             "max_steps": s.steps,
             "eval_every": s.eval_every,
+            "eval_from": s.eval_from,
             "eval_batches": s.eval_batches,
             "save_every": 0,
             "keep_last": 1,
