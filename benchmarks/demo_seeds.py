@@ -174,9 +174,9 @@ def main() -> int:
             v = paired_verdict(list(gaps.values()), ACCURACY.margin, higher_is_better=True)
             gap = f"{v.mean:+.1f} [{v.low:+.1f}, {v.high:+.1f}]: {v.label}"
         hard = [h for k in seeds if (h := res[(r, k)].get("hard_accuracy")) is not None]
-        cells = [f"{100 * acc[k]:.0f}%" for k in seeds]
+        cells = [f"{100 * acc[k]:.1f}%" for k in seeds]
         print(
-            f"| {r} | " + " | ".join(cells) + f" | {100 * min(acc.values()):.0f}% | "
+            f"| {r} | " + " | ".join(cells) + f" | {100 * min(acc.values()):.1f}% | "
             f"{100 * statistics.fmean(acc.values()):.1f}% | {gap} | {_plateau_cell(res, r, seeds)} | "
             f"{f'{100 * statistics.fmean(hard):.1f}%' if hard else '—'} | {secs:.0f} |"
         )

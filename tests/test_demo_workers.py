@@ -11,7 +11,9 @@ import time
 import pytest
 
 # A parent that starts a spawn pool as the demo does and gives it a task that would run for a minute,
-# then prints the worker's pid and waits to be killed.
+# then, once the worker has started on its tasks (its first one made a folder), prints the worker's pid
+# and waits to be killed. (A fixed delay instead of the folder was too short on loaded cores: a worker
+# still starting up also ends with its parent, and the control below failed.)
 PARENT = """
 import multiprocessing, os, sys, time
 from concurrent.futures import ProcessPoolExecutor
@@ -23,9 +25,8 @@ if __name__ == "__main__":
     pool = ProcessPoolExecutor(
         1, mp_context=multiprocessing.get_context("spawn"), initializer=initializer, initargs=initargs
     )
+    pool.submit(os.mkdir, sys.argv[2]).result()
     pool.submit(time.sleep, 60)
-    while not multiprocessing.active_children():
-        time.sleep(0.05)
     print(multiprocessing.active_children()[0].pid, flush=True)
     time.sleep(120)
 """
@@ -39,13 +40,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _worker_after_parent_killed(mode: str, wait_s: float) -> bool:
+def _worker_after_parent_killed(mode: str, wait_s: float, marker: str) -> bool:
     """Start the parent, SIGKILL it once its worker runs, and tell whether the worker is alive ``wait_s`` later."""
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, mode], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, mode, marker], stdout=subprocess.PIPE, text=True)
     try:
         assert parent.stdout is not None
         child = int(parent.stdout.readline())
-        time.sleep(1.0)  # the worker is past its initializer and sleeping in its task
+        time.sleep(0.5)  # the worker has taken its second task and sleeps in it
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)
         deadline = time.monotonic() + wait_s
@@ -60,10 +61,10 @@ def _worker_after_parent_killed(mode: str, wait_s: float) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-def test_a_worker_ends_when_the_demo_process_is_killed():
-    assert not _worker_after_parent_killed("on", wait_s=10)
+def test_a_worker_ends_when_the_demo_process_is_killed(tmp_path):
+    assert not _worker_after_parent_killed("on", wait_s=10, marker=str(tmp_path / "on"))
     # the control: without the initializer the same worker outlives its killed parent
-    assert _worker_after_parent_killed("off", wait_s=2)
+    assert _worker_after_parent_killed("off", wait_s=2, marker=str(tmp_path / "off"))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")

@@ -12,12 +12,12 @@
    code path with exact casts: the baseline perturbed by fp32 rounding alone); add e.g. FP8
    ``tensorwise`` (the naive FP8) with ``--recipes`` -- and each seed (``--seeds``, default 0,1,2; a
    seed sets the initialization and the data order, the same for every recipe) builds a Qwen2-style
-   model (~0.6M parameters), continually pre-trains it, then fine-tunes it on the reasoning task;
+   model (~0.35M parameters), continually pre-trains it, then fine-tunes it on the reasoning task;
 4. evaluates each fine-tuned model on the held-out problems with the evaluation protocol of the
    recipe (system prompt, ``<think>`` opened, answer in the last ``\\boxed{}``; greedy decoding);
 5. trains the same recipes and seeds on real text (``demo/text.py``): a Qwen2-style model of width
    256 (a 1x128 tile is half a row), 80 steps on the King James Bible with a locally trained BPE,
-   the held-out loss on every held-out window every 16 steps, a run's loss the mean of its last 3,
+   the held-out loss on every held-out window at steps 48, 64 and 80, a run's loss their mean,
    paired by seed (``infir2 fidelity``'s runs);
 6. saves every run's numbers to ``results.json`` and renders from it ``report.md``,
    ``readme_table.md``, ``verdict.png`` and ``loss_curves.png``: per FP8 recipe and metric the gap to

@@ -20,7 +20,7 @@ metric also says how many seeds its measured gap would need (``tools.paired.seed
 **The headline** reads only the metrics a run of a few seeds can resolve: the accuracy here, and the
 real-text held-out loss (``demo/text.py``). The two losses of the reasoning task are reported but kept
 out of it: a tiny model trained to a near-deterministic task ends its CPT and SFT in a chaotic regime,
-its baseline seeds land ~20% (CPT) and ~170% (SFT) apart, far beyond their +-2% / +-10% margins, so at
+its baseline seeds land 5-20% (CPT) and 75-170% (SFT) apart, far beyond their +-2% / +-10% margins, so at
 three seeds their intervals are tens to hundreds of % wide and only tell that more seeds would be
 needed. A recipe's verdict, from its headline metrics: ``worse`` if any is, ``equivalent`` if every
 one is, ``better`` if some are and the rest equivalent, else inconclusive (``combine``). The
