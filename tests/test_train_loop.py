@@ -114,6 +114,17 @@ def test_no_checkpoint_during_a_nonfinite_streak_and_the_abort_names_the_last_he
     assert str(healthy) in message and "\n" not in message and isinstance(e.value, ValueError)
 
 
+def _train_with_val(cfg):
+    """The tiny model on synthetic data, with a held-out synthetic source for the evaluations."""
+    return train(
+        cfg,
+        model=make_tiny_model(),
+        train_source=SyntheticSource(seed=1),
+        val_source=SyntheticSource(seed=99),
+        progress=False,
+    )
+
+
 @pytest.mark.slow
 def test_fp8_blockwise_and_bf16_recipe_both_train_and_agree(tmp_path):
     losses = {}
@@ -125,13 +136,7 @@ def test_fp8_blockwise_and_bf16_recipe_both_train_and_agree(tmp_path):
             train={"max_steps": 10, "eval_every": 5},
             schedule={"warmup_fraction": 0.2, "decay_fraction": 0.4},
         )
-        result = train(
-            cfg,
-            model=make_tiny_model(),
-            train_source=SyntheticSource(seed=1),
-            val_source=SyntheticSource(seed=99),
-            progress=False,
-        )
+        result = _train_with_val(cfg)
         losses[recipe] = [m["loss"] for m in result.history]
         assert [m["step"] for m in result.history if "val_loss" in m] == [5, 10]
         assert result.final_val_loss < result.history[4]["val_loss"]  # held-out loss falls
@@ -147,13 +152,7 @@ def test_eval_from_skips_the_early_evaluations_and_keeps_the_last(tmp_path):
     cfg = tiny_run_config(
         tmp_path, train={"max_steps": 7, "eval_every": 2, "eval_from": 4, "eval_batches": 1}
     )
-    result = train(
-        cfg,
-        model=make_tiny_model(),
-        train_source=SyntheticSource(seed=1),
-        val_source=SyntheticSource(seed=99),
-        progress=False,
-    )
+    result = _train_with_val(cfg)
     assert [m["step"] for m in result.history if "val_loss" in m] == [4, 6, 7]
 
 
