@@ -73,12 +73,6 @@ def plateau_left_at(losses: list[float]) -> int | None:
     return None
 
 
-def _sft_losses(out: Path, recipe: str, seed: int) -> list[float]:
-    path = out / "runs" / recipe / f"s{seed}" / "sft" / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [m["loss"] for m in rows if not m.get("skipped")]
-
-
 def _worker(recipe: str, seed: int, out: Path, s: DemoSettings, data: dict[str, Path]) -> dict[str, Any]:
     import logging
 
@@ -98,7 +92,7 @@ def _worker(recipe: str, seed: int, out: Path, s: DemoSettings, data: dict[str, 
         "seconds": r.seconds,
         "unparseable": r.unparseable,
         "hard_accuracy": r.hard_accuracy,
-        "plateau_left_at": plateau_left_at(_sft_losses(out, recipe, seed)),
+        "plateau_left_at": plateau_left_at([loss for _, loss in r.sft_curve]),
         "sft_steps": len(r.sft_curve),
     }
     path = out / "results" / f"{recipe}_s{seed}.json"
