@@ -60,7 +60,7 @@ CANDIDATES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "2layers": ({"layers": 2}, {}),  # half the depth, the same steps: ~half the cost of ``current``
 }
 #: candidates whose periodic evaluations read every held-out window (the demo's read-out since issue 30)
-EVERY_WINDOW = {"current", "2layers"}
+EVERY_WINDOW = {"current", "2layers", "lr1e-3"}
 EVALS = 5  # periodic held-out evaluations per run (every steps/EVALS steps), for the avgK read-outs
 DEMO_BATCHES = 16  # the held-out batches the demo read before issue 30 ...
 EVAL_BATCH = 8  # ... of this many windows each
