@@ -73,7 +73,7 @@ class DemoSettings:
     text_seq_len: int = 128
     text_batch: int = 8
     text_steps: int = 80  # 100 made the default demo 10.2 min on 2 idle cores (the budget is 10)
-    text_lr: float = 1e-3  # 2e-3 left a paired gap's sd of 0.27-0.44%; 1e-3 0.12%, at the same loss
+    text_lr: float = 1e-3  # 2e-3 left a paired gap sd of 0.27-0.44%; 1e-3 0.12%, the loss 0.4% higher
     # The read-out (BENCHMARKS.md, "The real-text leg's noise"): at lr 1e-3 the two runs of a pair stay
     # close (paired gap sd 0.12-0.13% over six seeds, whichever read-out), so a run's loss is its last
     # evaluation on the first 16 batches (128 windows, ~16k tokens), the cheapest one measured; at lr 2e-3
