@@ -16,10 +16,10 @@ perturbs a training trajectory, and the two runs of a pair part the more, the la
 2e-3 their gap's seed-to-seed sd grew from ~0.03% at step 16 to 0.3-0.4% from step 40 on, whatever
 the schedule or the read-out, too noisy for a +-1% verdict at three seeds (``t(2) = 4.3``). At
 ``text_lr`` 1e-3 it stays at 0.12-0.13% over six seeds for every read-out measured, the held-out
-loss after 80 steps 0.4% higher. So a run's loss is its last evaluation (``text_readout_evals = 1``; ``read_out``) on the
-first ``text_eval_batches`` = 16 batches of held-out windows (~16k tokens), evaluated every
-``text_eval_every`` = 16 steps from step ``text_eval_from`` on; each evaluation's value stays in the
-run's ``val_curve`` (the curves of ``verdict.png``).
+loss after 80 steps 0.4% higher. So a run's loss is its last evaluation (``text_readout_evals = 1``;
+``read_out``) on the first ``text_eval_batches`` = 16 batches of held-out windows (~16k tokens),
+evaluated every ``text_eval_every`` = 16 steps from step ``text_eval_from`` on; each evaluation's
+value stays in the run's ``val_curve`` (the curves of ``verdict.png``).
 
 Without the corpus installed the part is skipped with a warning naming the extra, and the report
 says so.
