@@ -16,7 +16,7 @@
 4. evaluates each fine-tuned model on the held-out problems with the evaluation protocol of the
    recipe (system prompt, ``<think>`` opened, answer in the last ``\\boxed{}``; greedy decoding);
 5. trains the same recipes and seeds on real text (``demo/text.py``): a Qwen2-style model of width
-   256 (a 1x128 tile is half a row), 80 steps at lr 1e-3 on the King James Bible with a locally
+   256 (a 1x128 tile is half a row), 64 steps at lr 1e-3 on the King James Bible with a locally
    trained BPE, the held-out loss (128 held-out windows) every 16 steps, a run's loss its last,
    paired by seed (``infir2 fidelity``'s runs);
 6. saves every run's numbers to ``results.json`` and renders from it ``report.md``,

@@ -72,7 +72,9 @@ class DemoSettings:
     text_vocab_size: int = 4096
     text_seq_len: int = 128
     text_batch: int = 8
-    text_steps: int = 80  # 100 made the default demo 10.2 min on 2 idle cores (the budget is 10)
+    # 100 made the default demo 10.2 min on 2 idle cores (the budget is 10), 80 9.0-10.3 min on an EPYC whose
+    # speed moves; 64 at lr 1e-3 keeps the paired gap as quiet (BENCHMARKS.md, "A fifth fewer steps")
+    text_steps: int = 64
     text_lr: float = 1e-3  # 2e-3 left a paired gap sd of 0.27-0.44%; 1e-3 0.12%, the loss 0.4% higher
     # The read-out (BENCHMARKS.md, "The real-text leg's noise"): at lr 1e-3 the two runs of a pair stay
     # close (paired gap sd 0.12-0.13% over six seeds, whichever read-out), so a run's loss is its last
