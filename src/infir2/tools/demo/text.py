@@ -20,7 +20,8 @@ loss after 80 steps 0.4% higher. So a run's loss is its last evaluation (``text_
 ``read_out``) on the first ``text_eval_batches`` = 16 batches of held-out windows (~16k tokens),
 evaluated every ``text_eval_every`` = 16 steps from step ``text_eval_from`` on; each evaluation's
 value stays in the run's ``val_curve`` (the curves of ``verdict.png``). ``text_steps`` is 64, not
-80, for the demo's time: at six seeds the paired gap stays as quiet ("A fifth fewer steps").
+80, for the demo's time: at six seeds the paired gap stays as quiet (``BENCHMARKS.md``, "A fifth
+fewer steps").
 
 Without the corpus installed the part is skipped with a warning naming the extra, and the report
 says so.
