@@ -30,7 +30,7 @@ from infir2.data.context import shard_micro_batch
 from infir2.harness.distributed import all_reduce_sum, context_layout, init_distributed, shard_model
 from infir2.nn.context_parallel import enable_context_parallel
 from infir2.train import train
-from train_synthetic import tiny_run_config
+from train_synthetic import end_process_group, tiny_run_config
 
 
 def exact(out: Path, context: int, recipe: str = "blockwise", checkpointing: bool = False) -> None:
@@ -112,4 +112,4 @@ if __name__ == "__main__":
     else:
         context, steps, name = int(rest[0]), int(rest[1]), rest[2]
         train_run(out, context, steps, name, _flag(rest, "--kill-after"), _flag(rest, "--save-every") or 0)
-    dist.destroy_process_group()
+    end_process_group(dist.get_rank())

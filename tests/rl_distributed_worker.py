@@ -24,6 +24,7 @@ from infir2.export.layout import quantize_weight
 from infir2.generation import BuiltinEngine
 from infir2.harness.distributed import shard_model
 from infir2.model import prepare_for_training
+from train_synthetic import end_process_group
 
 
 def parity(problem, text: str) -> Graded:
@@ -60,5 +61,5 @@ if __name__ == "__main__":
     dist.init_process_group("gloo")  # rl() keeps a group it finds (and leaves it to us)
     check_engine_weights()
     code = main(["rl", *sys.argv[1:], "--no-progress"])
-    dist.destroy_process_group()
+    end_process_group(dist.get_rank())
     sys.exit(code)

@@ -112,6 +112,21 @@ def torchrun(*args: object, nproc: int = 2, timeout: int = 300, env: dict[str, s
     return proc
 
 
+def end_process_group(rank: int) -> None:
+    """End a torchrun worker's gloo group (``infir2``'s ``destroy_process_group``) and assert that its
+    threads ended with it: a group FSDP2 used and a cache kept alive ran on into interpreter exit, where
+    it aborted the process now and then (``infir2._dist.release_mesh_caches``)."""
+    from pathlib import Path
+
+    from infir2.harness.distributed import destroy_process_group
+
+    destroy_process_group()
+    tasks = Path("/proc/self/task")
+    names = [(t / "comm").read_text().strip() for t in tasks.iterdir()] if tasks.exists() else []
+    left = [n for n in names if "gloo" in n]
+    assert not left, f"rank {rank}: the process group's threads outlived destroy_process_group: {left}"
+
+
 def tiny_run_config(out_dir: str, name: str = "run", **sections: dict[str, Any]):
     """A RunConfig for the tiny models: fp32 high precision on CPU, a short WSD schedule."""
     from infir2.train.config import parse_config

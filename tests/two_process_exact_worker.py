@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from conftest import make_tiny_model
 from infir2.train import train
-from train_synthetic import SyntheticSource, tiny_run_config
+from train_synthetic import SyntheticSource, end_process_group, tiny_run_config
 
 #: two micro-batches a step: one per rank, or both in one process (the same sum of gradients either way)
 SOURCE = {"seed": 3, "global_batch_size": 4, "micro_batch_size": 2}
@@ -51,4 +51,4 @@ if __name__ == "__main__":
         source = SyntheticSource(rank=rank, world_size=world, vocab_size=4096 if width else 300, **SOURCE)
         cfg = run_config(args[0], recipe, steps)
         train(cfg, model=model(width, layers), train_source=source, progress=False)
-    dist.destroy_process_group()
+    end_process_group(rank)

@@ -7,7 +7,11 @@ nothing of infir2, so the checkpoint package below ``train`` can use it.
 
 from __future__ import annotations
 
+import functools
+import gc
+import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,7 +22,9 @@ __all__ = [
     "all_reduce_max",
     "all_reduce_sum",
     "broadcast_object",
+    "destroy_process_group",
     "gather_objects",
+    "release_mesh_caches",
 ]
 
 
@@ -38,8 +44,63 @@ class DistEnv:
         return self.world_size > 1
 
     def close(self) -> None:
+        """The end of a run: destroy the process group if this run made it; otherwise let whoever made
+        it destroy it for good (``release_mesh_caches``)."""
         if self.owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+            destroy_process_group()
+        elif self.distributed:
+            release_mesh_caches()
+
+
+def release_mesh_caches() -> None:
+    """Drop the references DTensor's caches (sharding propagation, redistribution plans) hold to an
+    FSDP2 run's device mesh, and collect the run's model if only a reference cycle keeps it.
+
+    Both keep the ``DeviceMesh``, hence the process group, alive past ``dist.destroy_process_group()``:
+    the gloo group's worker threads then run on into interpreter exit, where one that frees a finished
+    collective's tensor needs the GIL and aborts the process (SIGABRT, "terminate called without an
+    active exception"; about 1 exit in 30-100 of a 2-process run on a busy CPU). Clearing the caches
+    costs only their refill in a later DTensor op.
+    """
+    try:
+        from torch.distributed.tensor import _redistribute, debug
+    except ImportError:  # a torch without DTensor: nothing cached
+        return
+    # private, so each only where this torch has it: op sharding (Python and the C++ fast path), and
+    # the redistribution planners, each holding its mesh
+    for name in ("_clear_sharding_prop_cache", "clear_redistribute_planner_cache"):
+        clear = getattr(debug, name, None) or getattr(_redistribute, name, None)
+        if clear is not None:
+            clear()
+    for cached in _functools_caches("torch.distributed.tensor"):  # e.g. MeshTopoInfo.build_from_mesh
+        cached.cache_clear()
+    gc.collect()  # a sharded model in a reference cycle (its hooks) holds the mesh too
+
+
+def _functools_caches(package: str) -> list[Any]:
+    """The ``functools.cache`` / ``lru_cache`` functions of ``package``'s loaded modules and their classes."""
+    lru_type = type(functools.cache(len))
+    found = []
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == package or name.startswith(package + ".")):
+            continue
+        for value in list(vars(module).values()):
+            members = list(vars(value).values()) if isinstance(value, type) else []
+            for member in (value, *members):
+                member = (
+                    getattr(member, "__func__", member)
+                    if isinstance(member, staticmethod | classmethod)
+                    else member
+                )
+                if isinstance(member, lru_type):
+                    found.append(member)
+    return found
+
+
+def destroy_process_group() -> None:
+    """``dist.destroy_process_group()`` that really ends the group (its threads) when FSDP2 used it."""
+    release_mesh_caches()
+    dist.destroy_process_group()
 
 
 def all_reduce_sum(values: torch.Tensor, env: DistEnv) -> torch.Tensor:

@@ -5,7 +5,8 @@ sharding); under ``torchrun --nproc_per_node N`` each process joins the group (N
 on CPUs) and the model is sharded with FSDP2: ``fully_shard`` on every decoder layer, then on the
 root, after ``convert_to_fp8`` (``Fp8Linear`` holds ordinary parameters, so FSDP shards them like
 any ``nn.Linear``). A caller that already initialised a process group (a test, a notebook) keeps
-it; ``train`` only tears down what it set up.
+it; ``train`` only tears down what it set up, and a caller ends its own group with
+``destroy_process_group`` (here), which also drops the references FSDP2 left to it in DTensor's caches.
 
 What travels per step (each layer is all-gathered before its forward and again before its backward):
 
@@ -33,7 +34,9 @@ from .._dist import (  # noqa: F401 - re-exported: the collectives the stages us
     all_reduce_max,
     all_reduce_sum,
     broadcast_object,
+    destroy_process_group,
     gather_objects,
+    release_mesh_caches,
 )
 from ..model import resolve_device
 
