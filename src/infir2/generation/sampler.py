@@ -2,7 +2,10 @@
 
 Prompts are left-padded (all continuations start at the same column, positions counted from each
 prompt's first real token); the prompt is run once (``logits_to_keep=1``), then one token per step
-through a ``transformers.DynamicCache``. Per step and sequence: ``logprobs = log_softmax(logits / T)``;
+through a ``transformers.DynamicCache``, handed to the model under the keyword its ``forward`` names
+(``cache`` in newer transformers, ``past_key_values`` in older ones, whose ``**kwargs`` would swallow the
+other name silently: ``cache_keyword``); after every forward the cache must have grown by the tokens fed,
+else generation stops with an error instead of decoding from the newest token alone. Per step and sequence: ``logprobs = log_softmax(logits / T)``;
 greedy takes the argmax, sampling draws one token from the sequence's own generator -- from
 ``softmax(logits / T)`` itself (RL: the policy the trainer scores), or after top-k / top-p filtering
 (evaluation: the kept tokens renormalised, as transformers' ``TopKLogitsWarper`` / ``TopPLogitsWarper``
@@ -12,6 +15,7 @@ its first stop token (kept) or after ``max_new_tokens``.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import torch
@@ -21,7 +25,40 @@ from torch import nn
 from ..model import autocast
 from .base import Sample, SamplingConfig
 
-__all__ = ["filter_probs", "left_pad", "sample_batch"]
+__all__ = ["cache_keyword", "filter_probs", "left_pad", "sample_batch"]
+
+_CACHE_KEYWORDS = ("cache", "past_key_values")  # newest first
+
+
+def cache_keyword(model: nn.Module) -> str:
+    """The keyword under which ``model``'s forward takes its KV cache: ``cache`` (the name of newer
+    transformers) or ``past_key_values`` (5.17 to 5.2x). Read from the signature of the Hugging Face model
+    itself (under a PEFT wrapper: its base model); a forward naming neither is an error."""
+    get_base = getattr(model, "get_base_model", None)
+    base = get_base() if callable(get_base) else model
+    params = inspect.signature(type(base).forward).parameters  # decorators keep __wrapped__'s signature
+    for name in _CACHE_KEYWORDS:
+        if name in params:
+            return name
+    raise TypeError(
+        f"{type(base).__name__}.forward takes neither `cache` nor `past_key_values`: infir2 cannot hand it a "
+        "KV cache (a Hugging Face causal LM of transformers >= 5.17 is expected)"
+    )
+
+
+def _check_cache_grew(cache, expected: int, keyword: str) -> None:
+    """Raise unless the KV cache now holds ``expected`` positions: a cache the model did not fill means it
+    was handed over under a name this transformers ignores, and every later token would be decoded from
+    the newest token alone."""
+    held = cache.get_seq_length()
+    if held != expected:
+        import transformers
+
+        raise RuntimeError(
+            f"the KV cache holds {held} positions after a forward that should leave {expected}: the model "
+            f"did not use the cache passed as `{keyword}=` (transformers {transformers.__version__}); "
+            "generation stopped rather than decode without its context"
+        )
 
 
 def left_pad(
@@ -82,7 +119,7 @@ def sample_batch(
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_id, device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache()
+    cache, keyword = DynamicCache(), cache_keyword(model)
     stops = torch.tensor(list(stop_ids), device=device)
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
     tokens, logps = [], []
@@ -92,10 +129,11 @@ def sample_batch(
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
-            cache=cache,
             use_cache=True,
             logits_to_keep=1,
+            **{keyword: cache},
         )
+        _check_cache_grew(cache, ids.shape[1], keyword)
         next_pos = positions[:, -1:] + 1
         limit = None if sampling.beyond_context else getattr(model.config, "max_position_embeddings", None)
         kept = [sampling.max_new_tokens] * ids.shape[0]  # tokens each row keeps (fewer: cut at the limit)
@@ -117,9 +155,10 @@ def sample_batch(
                 input_ids=tok[:, None],
                 attention_mask=mask,
                 position_ids=next_pos,
-                cache=cache,
                 use_cache=True,
+                **{keyword: cache},
             )
+            _check_cache_grew(cache, mask.shape[1], keyword)
             next_pos = next_pos + 1
     all_ids, all_logps = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()
     return [_sample(all_ids[i][: kept[i]], all_logps[i][: kept[i]], stop_ids) for i in range(len(prompts))]
