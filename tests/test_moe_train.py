@@ -11,7 +11,10 @@ from infir2.nn import Fp8Linear
 from infir2.nn.moe import Fp8Experts
 from infir2.train import train
 from moe_models import make_tiny_moe
+from test_nn_compile import plain_compile_is_exact
 from train_synthetic import CrashAfter, SyntheticSource, one_thread, tiny_run_config
+
+pytestmark = pytest.mark.transformers_api  # CI runs this file again under the oldest transformers
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
 _DATA = {"vocab_size": 256, "seq_len": 32, "seed": 1}
@@ -69,14 +72,17 @@ def test_compiled_fp8_moe_has_no_graph_break_and_eager_numerics():
         copy.deepcopy(model), backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True
     )
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
-    for eager, traced in zip(_step(model, ids), _step(compiled, ids), strict=True):
-        assert torch.equal(eager, traced)
+    (eager_loss, *eager_grads), (loss, *grads) = _step(model, ids), _step(compiled, ids)
+    assert torch.equal(eager_loss, loss)
     assert not counters["graph_break"]
     ops = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
     assert sum(o.startswith("infir2.fp8_grouped_linear.") for o in ops) == 4  # 2 layers x (gate_up, down)
     assert sum(o.startswith("infir2.fp8_grouped_linear_backward.") for o in ops) == 4
     assert isinstance(model.model.layers[0].self_attn.q_proj, Fp8Linear)
     assert isinstance(compiled.model.layers[0].mlp.experts, Fp8Experts)
+    if plain_compile_is_exact(trainer=True):  # transformers 5.17 reorders the plain model's backward
+        for eager, traced in zip(eager_grads, grads, strict=True):
+            assert torch.equal(eager, traced)
 
 
 @pytest.mark.slow

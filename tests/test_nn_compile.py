@@ -5,13 +5,16 @@ Every ``Fp8Linear`` is one ``infir2::fp8_linear`` custom op in the forward graph
 the caches run inside them. ``fullgraph=True`` turns any graph break into an error, and dynamo's
 graph-break counter must stay empty. The backend is AOTAutograd with pass-through compilers
 (``aot_eager``, counting the graphs it gets), so compiled and eager run the same kernels: on a CPU losses and gradients are
-equal bit for bit. The same test runs on CUDA where there is one, bounded there by the unconverted
-model's own compiled-vs-eager difference.
+equal bit for bit wherever the unconverted model's are (``plain_compile_is_exact``). transformers 5.17 (the
+oldest version infir2 admits) traces its models' backward in another order: there the plain model's
+compiled gradients differ from eager ones by rounding, so only the loss is held to the bit. The same test
+runs on CUDA where there is one, bounded there by the unconverted model's own compiled-vs-eager difference.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 from contextlib import ExitStack
 
 import pytest
@@ -22,6 +25,8 @@ from torch._dynamo.utils import counters
 from conftest import make_tiny_model
 from infir2 import convert_to_fp8
 from infir2.nn import cache_fp8_weights
+
+pytestmark = pytest.mark.transformers_api  # CI runs this file again under the oldest transformers
 
 DEVICES = [
     "cpu",
@@ -62,18 +67,30 @@ def _step(
 
 
 def _compiled_vs_eager(model: torch.nn.Module, ids_list: list[torch.Tensor], trainer: bool):
-    """(largest |compiled - eager| over losses and gradients, the graphs, the graph-break counter)."""
+    """(largest |compiled - eager| of the losses, of the gradients, the graphs, the graph-break counter)."""
     torch._dynamo.reset()
     counters.clear()
     backend, graphs = _counting_backend()
     compiled = torch.compile(copy.deepcopy(model), backend=backend, fullgraph=True)
-    worst = 0.0
+    worst_loss = worst_grad = 0.0
     for ids in ids_list:
         eager_loss, eager_grads = _step(model, ids, trainer)
         loss, grads = _step(compiled, ids, trainer)
-        for a, b in zip([eager_loss, *eager_grads], [loss, *grads], strict=True):
-            worst = max(worst, (a.float() - b.float()).abs().max().item())
-    return worst, graphs, dict(counters["graph_break"])
+        worst_loss = max(worst_loss, (eager_loss.float() - loss.float()).abs().item())
+        for a, b in zip(eager_grads, grads, strict=True):
+            worst_grad = max(worst_grad, (a.float() - b.float()).abs().max().item())
+    return worst_loss, worst_grad, graphs, dict(counters["graph_break"])
+
+
+@functools.cache
+def plain_compile_is_exact(trainer: bool) -> bool:
+    """Whether the unconverted tiny model's compiled gradients equal its eager ones on this CPU and
+    transformers (the frame in which an FP8 model's can be held to the bit)."""
+    gen = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, 300, (2, 64), generator=gen)]
+    worst_loss, worst_grad, _, breaks = _compiled_vs_eager(make_tiny_model(), ids, trainer)
+    assert breaks == {} and worst_loss == 0.0
+    return worst_grad == 0.0
 
 
 @pytest.mark.slow
@@ -85,18 +102,22 @@ def test_compiled_fp8_model_has_no_graph_break_and_eager_numerics(device, recipe
     gen = torch.Generator().manual_seed(0)
     ids_list = [torch.randint(0, 300, (2, t), generator=gen).to(device) for t in (64, 40)]
     model = convert_to_fp8(make_tiny_model().to(device), recipe)
-    worst, graphs, breaks = _compiled_vs_eager(model, ids_list, trainer)
+    worst_loss, worst_grad, graphs, breaks = _compiled_vs_eager(model, ids_list, trainer)
     assert breaks == {}
     assert 1 <= len(graphs["forward"]) <= len(ids_list)  # one graph per shape at most (a recompile)
     assert len(graphs["backward"]) == len(graphs["forward"])
     assert all(_ops(gm, "fp8_linear") == 14 for gm in graphs["forward"])  # 2 layers x 7 projections
     assert all(_ops(gm, "fp8_linear_backward") == 14 for gm in graphs["backward"])
     if device == "cpu":
-        assert worst == 0.0  # the same kernels compiled and eager: the same bits
+        assert worst_loss == 0.0  # the same kernels compiled and eager: the same bits
+        if plain_compile_is_exact(trainer):  # else the model around the FP8 ops reorders its backward
+            assert worst_grad == 0.0
     else:  # cuBLAS / Triton may pick other algorithms inside a graph: no larger than the unconverted model's
-        reference, _, ref_breaks = _compiled_vs_eager(make_tiny_model().to(device), ids_list, trainer)
+        ref_loss, ref_grad, _, ref_breaks = _compiled_vs_eager(
+            make_tiny_model().to(device), ids_list, trainer
+        )
         assert ref_breaks == {}
-        assert worst <= max(reference, 1e-6)
+        assert max(worst_loss, worst_grad) <= max(ref_loss, ref_grad, 1e-6)
 
 
 def test_cuda_graph_capture_is_refused(monkeypatch):

@@ -58,6 +58,8 @@ __all__ = [
 
 #: the attributes ``use_experts_implementation`` sets on an experts class, and the values supported
 _LAYOUT = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True}
+# flags of the experts module that only newer transformers have (5.17 sets neither); unset means False
+_NEWER_FLAGS = ("has_post_expert_norm", "_is_expert_parallel")
 
 
 def unsupported_experts_reason(module: nn.Module) -> str | None:
@@ -75,7 +77,7 @@ def unsupported_experts_reason(module: nn.Module) -> str | None:
     for name, value in _LAYOUT.items():
         if getattr(module, name, None) != value:
             return f"{name}={getattr(module, name, None)} (supported: {value})"
-    if getattr(module, "has_post_expert_norm", False) or getattr(module, "_is_expert_parallel", False):
+    if any(getattr(module, name, False) for name in _NEWER_FLAGS):
         return "post-expert norm or expert parallelism"
     return None
 
@@ -246,8 +248,11 @@ class Fp8Experts(nn.Module):
         self.down_proj = cast(nn.Parameter, experts.down_proj)
         self.act_fn = experts.act_fn
         self.experts_class = type(experts)  # its forward is the high-precision path (fp8 off)
-        for name in ("config", "num_experts", *_LAYOUT, "has_post_expert_norm", "_is_expert_parallel"):
+        for name in ("config", "num_experts", *_LAYOUT):
             setattr(self, name, getattr(experts, name))
+        for name in _NEWER_FLAGS:  # read by the experts forward of the transformers versions that set them
+            if hasattr(experts, name):
+                setattr(self, name, getattr(experts, name))
         self.recipe = get_recipe(recipe)
         self.backend_name = backend
         self.fp8_enabled = self.recipe.enabled
