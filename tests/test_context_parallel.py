@@ -32,6 +32,8 @@ from infir2.fp8 import get_recipe
 from infir2.fp8.formats import BLOCK
 from train_synthetic import one_thread, subprocess_env, torchrun
 
+pytestmark = pytest.mark.transformers_api  # CI runs this file again under the oldest transformers
+
 TESTS = Path(__file__).parent
 _one_thread = pytest.fixture(autouse=True)(one_thread)
 

@@ -9,6 +9,8 @@ import torch
 
 from infir2.data import IGNORE_INDEX, SftSource, count_loss_tokens, load_conversations, render_conversation
 
+pytestmark = pytest.mark.transformers_api  # CI runs this file again under the oldest transformers
+
 SYSTEM = {"role": "system", "content": "Please reason step by step."}
 USER1 = {"role": "user", "content": "What is 12 + 30?"}
 ASSISTANT1 = {

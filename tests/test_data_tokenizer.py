@@ -8,6 +8,8 @@ import pytest
 
 from infir2.data import CHATML_SPECIAL_TOKENS, DEFAULT_CHAT_TEMPLATE, load_tokenizer, train_bpe_tokenizer
 
+pytestmark = pytest.mark.transformers_api  # CI runs this file again under the oldest transformers
+
 TEXTS = [
     "Compute 37 + 48 - 19. The answer is 66.",
     "Numbers like 123456 and 2024 are split digit by digit.",

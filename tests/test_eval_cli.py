@@ -16,6 +16,8 @@ from infir2.eval.command import sample_path
 from infir2.eval.perplexity import evaluate_loss
 from infir2.export import export_model
 
+pytestmark = pytest.mark.transformers_api  # CI runs this file again under the oldest transformers
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, tiny_tokenizer) -> Path:

@@ -13,6 +13,8 @@ from infir2.eval.runner import evaluate, run_evaluation
 from infir2.eval.tasks import problems_from_dicts
 from infir2.generation import Sample, SamplingConfig
 
+pytestmark = pytest.mark.transformers_api  # CI runs this file again under the oldest transformers
+
 QUESTIONS = ["What is 7 * 6?", "1+1?", "What is the sum of twelve and thirty, in words and digits?"]
 
 

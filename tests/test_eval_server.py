@@ -24,7 +24,10 @@ from infir2.eval.completions import COMPLETIONS_FILE
 from infir2.generation import SamplingConfig
 from infir2.generation.server import ServerConfig, ServerError, complete, normalize_base_url
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.transformers_api,
+]  # transformers_api: CI runs it again on the floor
 
 
 @dataclass

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from conftest import make_tokenizer
 from infir2.export import export_model
 from infir2.model import build_from_config, prepare_for_training
+
+pytestmark = pytest.mark.transformers_api  # CI runs this file again under the oldest transformers
 
 
 def test_a_from_config_export_names_its_architecture_and_caches(tmp_path):

@@ -25,6 +25,8 @@ from infir2.export import (
 from infir2.fp8 import dequantize
 from infir2.nn import DECODER_PROJECTIONS
 
+pytestmark = pytest.mark.transformers_api  # CI runs this file again under the oldest transformers
+
 HIDDEN = 160  # intermediate = 2*160+128 = 448: partial 128-blocks on both axes of the MLP weights
 
 

@@ -17,6 +17,8 @@ from infir2.data import check_tokenized_by, load_tokenizer, prepare_cpt
 from infir2.data.cpt import is_val_document
 from train_synthetic import one_thread
 
+pytestmark = pytest.mark.transformers_api  # CI runs this file again under the oldest transformers
+
 _one_thread = pytest.fixture(autouse=True)(one_thread)
 
 DOCS = [f"In {1100 + 3 * i} the clerk counted {20 * i + 13} coins and {i}99 pies." for i in range(40)]

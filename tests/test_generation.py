@@ -24,6 +24,8 @@ from infir2.generation.sampler import filter_probs
 from infir2.rl import parse_rl_config
 from train_synthetic import one_thread
 
+pytestmark = pytest.mark.transformers_api  # CI runs this file again under the oldest transformers
+
 _one_thread = pytest.fixture(autouse=True)(one_thread)
 
 

@@ -11,6 +11,8 @@ import torch
 
 from conftest import make_tiny_model
 
+pytestmark = pytest.mark.transformers_api  # CI runs this file again under the oldest transformers
+
 pytest.importorskip("accelerate")
 
 README = Path(__file__).parents[1] / "README.md"

@@ -15,6 +15,8 @@ from infir2.cli import main
 from moe_models import make_tiny_moe, moe_config, qwen3_30b_a3b_config
 from train_synthetic import one_thread
 
+pytestmark = pytest.mark.transformers_api  # CI runs this file again under the oldest transformers
+
 _one_thread = pytest.fixture(autouse=True)(one_thread)
 
 CONFIG = Path(infir2.__file__).parent / "configs" / "qwen3-30b-a3b-sft.yaml"

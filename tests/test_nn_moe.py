@@ -23,6 +23,8 @@ from infir2.nn import disable_fp8
 from infir2.nn.moe import Fp8Experts, fp8_grouped_linear
 from moe_models import FAMILIES, make_tiny_moe
 
+pytestmark = pytest.mark.transformers_api  # CI runs this file again under the oldest transformers
+
 COUNTS = [129, 0, 384, 500]  # uneven, one expert without tokens, one group over several 128-token tiles
 
 

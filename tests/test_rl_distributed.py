@@ -27,6 +27,8 @@ from infir2.rl.loop import my_micro_batches, plan_batches, share
 from rl_distributed_worker import parity
 from train_synthetic import one_thread, torchrun
 
+pytestmark = pytest.mark.transformers_api  # CI runs this file again under the oldest transformers
+
 TESTS = Path(__file__).parent
 _one_thread = pytest.fixture(autouse=True)(one_thread)
 

@@ -17,6 +17,8 @@ from infir2.model import prepare_for_training
 from infir2.rl.algorithm import mismatch_metrics
 from infir2.rl.loop import sequence_logprobs
 
+pytestmark = pytest.mark.transformers_api  # CI runs this file again under the oldest transformers
+
 
 @pytest.fixture(autouse=True)
 def one_thread():

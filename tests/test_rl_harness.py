@@ -25,6 +25,8 @@ from test_rl_loop import _config as rl_loop_config
 from test_rl_loop import _prompts
 from train_synthetic import one_thread
 
+pytestmark = pytest.mark.transformers_api  # CI runs this file again under the oldest transformers
+
 _one_thread = pytest.fixture(autouse=True)(one_thread)
 
 
