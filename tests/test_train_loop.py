@@ -22,9 +22,10 @@ def _losses(path):
     return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
 
 
-def test_resume_is_exact(tmp_path):
+@pytest.mark.parametrize("recipe", ["blockwise", "blockwise_hybrid"])
+def test_resume_is_exact(tmp_path, recipe):
     """6 steps in one go == 3 steps, a crash, and a resume with fresh objects: identical losses."""
-    kw = {"train": {"max_steps": 6, "save_every": 3, "keep_last": 2}}
+    kw = {"train": {"max_steps": 6, "save_every": 3, "keep_last": 2}, "fp8": {"recipe": recipe}}
     full = train(
         tiny_run_config(tmp_path, "full", **kw),
         model=make_tiny_model(),

@@ -4,7 +4,7 @@ The norm ``harness.guards.grad_norm`` sums squares in float64 over every shard. 
 ``clip_grad_norm_`` computes) is 2e-4 low at 4M elements on a CPU and differs by shard, so the clip
 factor -- and, through FP8 rounding, the weights -- depended on the number of processes. The run:
 two micro-batches a step (one per rank, or both in one process: the same gradient sum), clipping on
-every step, FP8 blockwise with the FP8 weight all-gather and the fp32 baseline.
+every step, FP8 blockwise (and blockwise_hybrid) with the FP8 weight all-gather and the fp32 baseline.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from two_process_exact_worker import SOURCE, run_config
 
 TESTS = Path(__file__).parent
 _one_thread = pytest.fixture(autouse=True)(one_thread)
-RECIPES = ("bf16", "blockwise")
+RECIPES = ("bf16", "blockwise", "blockwise_hybrid")  # hybrid: E5M2 gradients all-reduce the same way
 
 
 def test_the_gradient_norm_is_exact_where_an_fp32_norm_is_not():

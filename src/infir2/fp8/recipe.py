@@ -10,6 +10,7 @@ recipe               fprop X / W         dgrad dY / W         wgrad dY / X      
 ===================  ==================  ===================  ===================  ====================
 blockwise            (1,128) / (128,128) (1,128) / (128,128)  (128,1) / (128,1)    pow2 (InfiR2, DSv3)
 blockwise_fp32scale  same as blockwise                                             fp32 (RL)
+blockwise_hybrid     same as blockwise, dY in E5M2 (dgrad and wgrad)                pow2 (TE's HYBRID)
 mxfp8                (1,32) / (1,32)     (1,32) / (32,1)      (32,1) / (32,1)      E8M0, rounded up
 rowwise              (1,-1) / (1,-1)     (1,-1) / (-1,1)      (-1,1) / (-1,1)      pow2, one per row
 tensorwise           (-1,-1) everywhere                                            fp32, one per tensor
@@ -17,7 +18,10 @@ bf16                 no FP8: a plain high-precision linear (the baseline)
 ===================  ==================  ===================  ===================  ====================
 
 In every GEMM the blocks run along its reduction dimension: K in fprop, N in dgrad, T in wgrad.
-E4M3 is used for every tensor, gradients included (docs/RECIPE.md). ``mxfp8`` is OCP Microscaling
+E4M3 is used for every tensor, gradients included (docs/RECIPE.md), except in ``blockwise_hybrid``:
+TransformerEngine's HYBRID format choice on the blockwise tiles -- E4M3 for activations and weights,
+E5M2 (range to 57344, one mantissa bit fewer) for the output gradient dY, the one operand of dgrad and
+of wgrad that comes from the loss. Its weights are E4M3, so it exports as ``blockwise`` does. ``mxfp8`` is OCP Microscaling
 MXFP8 as Blackwell trains it: 32-element blocks along every reduction, one E8M0 scale per block.
 
 A recipe name is checked by ``get_recipe`` (the one check, wherever a name arrives: a config, a
@@ -123,6 +127,9 @@ RECIPES: dict[str, Fp8Recipe] = {
         Cast(WEIGHT_BLOCK, scale_encoding="fp32"),
         Cast(TOKEN_TILE, scale_encoding="fp32"),
         Cast(TOKEN_TILE, scale_encoding="fp32"),
+    ),
+    "blockwise_hybrid": Fp8Recipe(
+        "blockwise_hybrid", dy=Cast(TILE, fmt="e5m2"), dy_wgrad=Cast(TOKEN_TILE, fmt="e5m2")
     ),
     "mxfp8": Fp8Recipe(
         "mxfp8",
