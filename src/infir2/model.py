@@ -80,12 +80,28 @@ def check_model_folder(path: str | Path) -> Path:
 def check_vocabulary(model: nn.Module, tokenizer: Any, where: str) -> None:
     """Every id ``tokenizer`` can produce has a row in ``model``'s embedding (an id past it would index
     out of range, or on some kernels read another row silently); else a ``ValueError`` naming ``where``."""
-    rows = model.get_input_embeddings().num_embeddings  # type: ignore[operator]
-    if tokenizer is not None and len(tokenizer) > rows:
+    check_vocabulary_rows(model.get_input_embeddings().num_embeddings, tokenizer, where)  # type: ignore[operator]
+
+
+def check_vocabulary_rows(rows: int | None, tokenizer: Any, where: str) -> None:
+    """``check_vocabulary`` against ``rows`` embedding rows (``config_limits`` reads them before a load)."""
+    if rows is not None and tokenizer is not None and len(tokenizer) > rows:
         raise ValueError(
             f"{where}: the tokenizer has {len(tokenizer)} tokens but the model's embedding only {rows} rows: "
             "the tokenizer is not the model's (give the tokenizer it was trained with)"
         )
+
+
+def config_limits(path: str | Path) -> tuple[int | None, int | None]:
+    """(embedding rows, trained positions) of the model folder ``path`` as its ``config.json`` says
+    (``vocab_size``, ``max_position_embeddings``), read before any weights; None where it does not say."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True).get_text_config()
+    except (OSError, ValueError, KeyError):  # a config transformers cannot read: the load names it
+        return None, None
+    return getattr(config, "vocab_size", None), getattr(config, "max_position_embeddings", None)
 
 
 def context_length(model: nn.Module) -> int | None:
