@@ -6,8 +6,15 @@ bad input made from tiny fixtures in a temporary folder and is classified
   ACCEPTABLE  one error line that does not name the input, more than one error line, or something written;
   BAD         a traceback, a hang (the case's timeout), or exit 0 on a bad input (a silent wrong result).
 
+A refusal that comes after a model's weights were read (transformers' "Loading weights" bar) is
+ACCEPTABLE, not GOOD: a bad input is refused before any weights load.
+
 Most cases call ``infir2.cli.main`` in this process (stderr and the log captured, a SIGALRM timeout); the
-few marked ``subprocess`` run ``python -m infir2.cli`` to see what a real process prints. Prints a table
+few marked ``subprocess`` run ``python -m infir2.cli`` to see what a real process prints, and those
+marked ``torchrun`` run it under ``torchrun --standalone`` on 2 CPU processes: the launcher's own tail
+(its log lines and the ``ChildFailedError`` traceback and summary torchrun prints whenever a worker exits
+non-zero) is set apart and counted in the table's last column, the workers' stderr is judged as above,
+and the exit code is the root cause's (the first failed worker's), read from that summary. Prints a table
 (case, command, verdict, first error line) and the totals; ``--only PATTERN`` runs the cases whose name
 holds PATTERN (a regular expression).
 
@@ -60,6 +67,7 @@ class Case:
     subprocess: bool = False
     timeout: float = 90.0
     folder: bool = False  # the input is a folder where a file belongs: "not found" misleads
+    torchrun: bool = False  # under torchrun on 2 CPU processes (the launcher's tail set apart)
 
 
 @dataclass
@@ -68,6 +76,7 @@ class Outcome:
     stderr: str
     written: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    launcher_tail: int = 0  # lines of torchrun's own tail, set apart from stderr
 
 
 _LOG_RECORD = re.compile(r"^(?:[\d:]+ )?(DEBUG|INFO|WARNING) ")
@@ -113,6 +122,8 @@ def classify(case: Case, out: Outcome) -> tuple[str, str]:
         problems.append("does not name " + " / ".join(case.names))
     if case.folder and re.search(r"not found|does not exist|no such", first, re.IGNORECASE):
         problems.append("a folder is said to be missing")
+    if "Loading weights" in out.stderr:
+        problems.append("refused after reading weights")
     if out.written:
         problems.append("wrote " + ", ".join(out.written[:3]))
     return (ACCEPTABLE, "; ".join(problems) + f": {first}") if problems else (GOOD, first)
@@ -169,12 +180,12 @@ def _in_process(argv: list[str], timeout: float) -> tuple[int | None, str]:
     return rc, err.getvalue()
 
 
-def _in_subprocess(argv: list[str], timeout: float) -> tuple[int | None, str]:
+def _in_subprocess(argv: list[str], timeout: float, module: str = "infir2.cli") -> tuple[int | None, str]:
     src = Path(__file__).resolve().parents[1] / "src"
     env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "infir2.cli", *argv],
+            [sys.executable, "-m", module, *argv],
             capture_output=True,
             text=True,
             env=env,
@@ -185,16 +196,51 @@ def _in_subprocess(argv: list[str], timeout: float) -> tuple[int | None, str]:
     return proc.returncode, proc.stderr
 
 
+_LAUNCHER_LOG = re.compile(r"^[IWE]\d{4} [\d:.]+ +\d+ \S*torch/distributed/elastic/")
+_ROOT_EXIT = re.compile(r"Root Cause \(first observed failure\):.*?exitcode\s*:\s*(-?\d+)", re.DOTALL)
+
+
+def split_launcher_tail(stderr: str) -> tuple[str, str]:
+    """(the workers' stderr, torchrun's own tail): its elastic log lines, and from the traceback that
+    ends in ``ChildFailedError`` to the end (the launcher's, printed after the workers have exited)."""
+    lines = stderr.splitlines()
+    start = len(lines)
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("Traceback (most recent call last):"):
+            if any("ChildFailedError" in ln for ln in lines[i:]):
+                start = i
+            break
+    workers = [ln for ln in lines[:start] if not _LAUNCHER_LOG.match(ln)]
+    tail = [ln for ln in lines[:start] if _LAUNCHER_LOG.match(ln)] + lines[start:]
+    return "\n".join(workers), "\n".join(tail)
+
+
+def _in_torchrun(argv: list[str], timeout: float) -> tuple[int | None, str, int]:
+    """``python -m infir2.cli ARGV`` under torchrun on 2 processes: (the root cause's exit code, the
+    workers' stderr, lines of the launcher's tail)."""
+    rc, stderr = _in_subprocess(
+        ["--standalone", "--nproc_per_node", "2", "-m", "infir2.cli", *argv], timeout, "torch.distributed.run"
+    )
+    if rc is None:
+        return None, stderr, 0
+    workers, tail = split_launcher_tail(stderr)
+    root = _ROOT_EXIT.search(tail)
+    return (int(root.group(1)) if root else rc), workers, len(tail.splitlines())
+
+
 def run_case(case: Case, root: Path) -> Outcome:
     if case.setup:
         case.setup()
     before = _snapshot(root)
     start = time.monotonic()
-    runner = _in_subprocess if case.subprocess else _in_process
-    rc, stderr = runner(case.argv, case.timeout)
+    tail = 0
+    if case.torchrun:
+        rc, stderr, tail = _in_torchrun(case.argv, case.timeout)
+    else:
+        rc, stderr = (_in_subprocess if case.subprocess else _in_process)(case.argv, case.timeout)
     after = _snapshot(root)
     written = sorted(k for k, v in after.items() if (before.get(k) != v and v[0] != -1) or k not in before)
-    return Outcome(rc, stderr, written, time.monotonic() - start)
+    return Outcome(rc, stderr, written, time.monotonic() - start, tail)
 
 
 # ----------------------------------------------------------------------------- the fixtures

@@ -36,6 +36,7 @@ def model_dir(tmp_path):
 
 def _refused(capsys, argv: list[str], *needles: str) -> str:
     """``infir2 argv`` exits 2 with one stderr line (log records aside) holding every needle."""
+    capsys.readouterr()  # what came before (a fixture's progress bars)
     rc = main(argv)
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and " WARNING " not in ln]
     assert rc == 2 and len(lines) == 1 and all(n in lines[0] for n in needles), (rc, lines)
@@ -207,3 +208,93 @@ def test_rl_refuses_a_text_only_engine_and_fp8_it_cannot_run(tmp_path, monkeypat
         parse_rl_config(cfg, "x.yaml")
     cfg["rollout"] = {"engine": "high-only", "precision": "bf16"}
     assert parse_rl_config(cfg, "x.yaml").rollout.engine == "high-only"  # what it can run is accepted
+
+
+def test_an_fp8_run_of_experts_the_conversion_does_not_run_is_refused(tmp_path, capsys, caplog):
+    """Llama-4's experts (another 3-D layout): an FP8 train run is refused before any weights are read
+    (the experts would train in high precision under an FP8 recipe's name); the module it names is the one
+    ``convert_to_fp8`` leaves high precision on the loaded model; a supported MoE passes the check."""
+    from infir2 import convert_to_fp8
+    from infir2.model import check_experts
+    from moe_models import make_tiny_moe, make_unrecognised_moe
+
+    folder = tmp_path / "llama4"
+    make_unrecognised_moe(vocab_size=300).save_pretrained(folder)
+    make_tokenizer().save_pretrained(folder)
+    cfg = {
+        "run": {"name": "moe", "out_dir": str(tmp_path / "runs"), "device": "cpu"},
+        "model": {"path": str(folder), "precision": "fp32"},
+        "fp8": {"recipe": "blockwise"},
+        "data": {"train_path": str(tmp_path / "cpt"), "seq_len": 16, "global_batch_size": 2},
+        "train": {"max_steps": 1},
+    }
+    path = tmp_path / "moe.yaml"
+    path.write_text(json.dumps(cfg))
+    line = _refused(capsys, ["train", str(path), "--no-progress"], "fp8.recipe: blockwise", str(folder))
+    assert "model.layers.0.feed_forward.experts: Llama4TextExperts" in line and "fp8.recipe: bf16" in line
+    assert not (tmp_path / "runs").exists()
+    from transformers import AutoModelForCausalLM
+
+    with caplog.at_level("WARNING"):
+        convert_to_fp8(AutoModelForCausalLM.from_pretrained(folder))
+    assert "MoE experts not recognised: Llama4TextExperts" in caplog.text
+    assert "model.layers.0.feed_forward.experts" in caplog.text
+    supported = tmp_path / "qwen3-moe"
+    make_tiny_moe("qwen3_moe").save_pretrained(supported)
+    check_experts(supported, "blockwise")  # experts Fp8Experts runs: no refusal
+
+
+def test_under_torchrun_an_error_every_rank_makes_is_written_once():
+    """``_dist.report_once`` over a real store (as torchrun's launcher holds one): rank 0 writes its line;
+    another rank with the same line writes nothing, one with another cause writes it tagged, and one
+    whose rank 0 never failed writes it after the wait; without a store every rank writes, tagged."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from infir2._dist import LaunchStore, report_once
+
+    master = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False
+    )
+    store = LaunchStore("127.0.0.1", master.port, "run/0")
+    written: list[str] = []
+    report_once("e: same", 0, store, written.append, wait_s=0.5)
+    report_once("e: same", 1, store, written.append, wait_s=0.5)
+    report_once("e: rank 2 alone", 2, store, written.append, wait_s=0.5)
+    assert written == ["e: same", "[rank 2] e: rank 2 alone"]
+    report_once("e: x", 1, LaunchStore("127.0.0.1", master.port, "other/0"), written.append, wait_s=0.2)
+    report_once("e: y", 3, None, written.append)
+    assert written[2:] == ["[rank 1] e: x", "[rank 3] e: y"]
+
+
+@pytest.mark.slow
+def test_a_context_degree_that_does_not_divide_the_world_is_one_line_under_torchrun(tmp_path):
+    """``parallel.context: 3`` on 2 processes: one infir2 line (rank 0's), not one per rank; what follows is
+    torchrun's own tail (its ChildFailedError traceback and summary, printed by the launcher)."""
+    from train_synthetic import prepared_cpt, tiny_llama
+
+    tok, data = prepared_cpt(tmp_path, documents=50)
+    cfg = {
+        "run": {"name": "cp", "out_dir": str(tmp_path / "runs"), "device": "cpu"},
+        "model": {"from_config": tiny_llama(layers=1, max_positions=512), "tokenizer": str(tok)},
+        "fp8": {"recipe": "bf16"},
+        "parallel": {"context": 3},
+        "data": {"train_path": str(data), "seq_len": 384, "global_batch_size": 2},
+        "train": {"max_steps": 1},
+    }
+    path = tmp_path / "cp.yaml"
+    path.write_text(json.dumps(cfg))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    proc = subprocess.run(
+        [*cmd, "-m", "infir2.cli", "train", str(path), "--no-progress"],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    ours = [ln for ln in proc.stderr.splitlines() if "infir2 train: error:" in ln]
+    assert proc.returncode != 0 and ours == [
+        "infir2 train: error: parallel.context: 3 does not divide the 2 processes (the world is data x context)"
+    ], proc.stderr[-3000:]
+    assert "exitcode  : 2" in proc.stderr and not (tmp_path / "runs").exists()

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ._paths import check_safetensors
-from .nn import convert_to_fp8, recompute_swiglu
+from .nn import convert_to_fp8, recompute_swiglu, unrecognised_experts
 
 if TYPE_CHECKING:
     from .fp8.recipe import Fp8Recipe
@@ -36,6 +36,7 @@ __all__ = [
     "WEIGHT_PATTERNS",
     "autocast",
     "build_from_config",
+    "check_experts",
     "check_model_folder",
     "load_pretrained",
     "prepare_for_training",
@@ -51,6 +52,8 @@ ARCHS = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
+#: the mixtures of experts of ``ARCHS`` (their experts run in FP8)
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
 
 
 #: file names that hold a Hugging Face model's weights (transformers loads any of them)
@@ -160,6 +163,33 @@ def build_from_config(
     with torch.device(device) if device is not None else nullcontext():
         model: nn.Module = getattr(transformers, model_cls_name)(hf_config)
     return model.float()
+
+
+def check_experts(path: str | Path, recipe: str, key: str = "fp8.recipe") -> None:
+    """The FP8 ``recipe`` (a recipe with FP8) for the model folder ``path`` whose routed experts ``convert_to_fp8`` cannot run
+    (they would stay high precision: most of an MoE's GEMM weights) is a ``ValueError`` naming ``key``,
+    the folder and the module. Reads only config.json: the module tree is built on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+    except (
+        OSError,
+        ValueError,
+        KeyError,
+        TypeError,
+    ):  # a config transformers cannot build: the load names it
+        return
+    if found := unrecognised_experts(skeleton):
+        fqn, why = found[0]
+        raise ValueError(
+            f"{key}: {recipe} cannot run the MoE experts of {path} in FP8 ({fqn}: {why}; "
+            f"{len(found)} such module(s)): infir2 runs the transformers v5 experts layout of "
+            f"{', '.join(MOE_ARCHS)}; "
+            f"set {key}: bf16 to train it in high precision"
+        )
 
 
 def prepare_for_training(

@@ -27,6 +27,7 @@ from ..data import folder_model_type, load_tokenizer
 from ..fp8 import get_recipe
 from ..model import (
     build_from_config,
+    check_experts,
     check_model_folder,
     check_vocabulary,
     load_pretrained,
@@ -40,10 +41,13 @@ log = logging.getLogger(__name__)
 
 
 def check_model_inputs(cfg: Any) -> None:
-    """``model.path`` is a model folder and ``model.tokenizer`` a folder (each error names its key)."""
+    """``model.path`` is a model folder whose experts the FP8 recipe can run (``model.check_experts``) and
+    ``model.tokenizer`` a folder (each error names its key)."""
     m = cfg.model
     if m.path:
         check_model_folder(m.path)
+        if (recipe := get_recipe(cfg.fp8.recipe)).enabled:
+            check_experts(m.path, recipe.name)  # before any weights are read
     if m.tokenizer and not Path(m.tokenizer).is_dir():
         raise FileNotFoundError(
             f"model.tokenizer: tokenizer folder not found: {m.tokenizer} (`infir2 demo "
