@@ -115,7 +115,11 @@ def context_length(model: nn.Module) -> int | None:
 def check_context(model: nn.Module, tokens: int, key: str, allowed: bool = False) -> None:
     """``tokens`` per sequence fit the model's trained positions, or a ``ValueError`` naming ``key``;
     ``allowed`` (``model.beyond_context``): the user runs past them on purpose (RoPE extrapolation)."""
-    limit = context_length(model)
+    check_positions(context_length(model), tokens, key, allowed)
+
+
+def check_positions(limit: int | None, tokens: int, key: str, allowed: bool = False) -> None:
+    """``check_context`` against ``limit`` positions (``config_limits`` reads them before a load)."""
     if limit is not None and tokens > limit and not allowed:
         raise ValueError(
             f"{key}: {tokens} tokens per sequence, but the model was trained for {limit} positions "

@@ -57,7 +57,7 @@ from ..generation import (
     precision_label,
 )
 from ..model import check_model_folder, check_vocabulary, check_vocabulary_rows, config_limits, resolve_device
-from .completions import COMPLETIONS_FILE, CompletionLog, check_prompts, read_saved
+from .completions import COMPLETIONS_FILE, CompletionLog, check_prompts, make_out_dir, read_saved
 from .presets import PRESETS
 from .runner import render_prompts, run_evaluation
 from .tasks import TASKS, sample_path
@@ -399,6 +399,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--perplexity runs the model in this process: use --engine local")
     _engine_flags(args)
     if args.perplexity:
+        from .perplexity import check_loss_inputs
+
+        check_model_folder(args.model)
+        _check_out(Path(args.out))
+        rows, positions = config_limits(args.model)  # the windows checked before any weights are read
+        check_loss_inputs(args.perplexity, args.split, args.seq_len, args.max_windows, rows, positions)
         return _run_perplexity(_load(args), args, Path(args.out))
     _resolve(args)
     try:
@@ -418,13 +424,20 @@ def _sample_and_grade(args: argparse.Namespace, problems: list, cfg: Any, out: P
     _preflight(
         args, tokenizer, render_prompts(tokenizer, problems, args.system_prompt, args.think_prefix), out
     )
-    engine = _engine(args, tokenizer)  # an in-process engine reads the weights here
-    if getattr(engine, "model", None) is not None:  # the loaded embedding, where config.json did not say
-        check_vocabulary(engine.model, tokenizer, args.tokenizer or args.model)
     top = next((p for p in (out, *out.parents) if p.parent.exists()), out)  # the top folder made here
     created = None if top.exists() else top
-    settings = _settings(args, engine.name, engine.precision, getattr(engine, "extra_body", {}))
-    with CompletionLog(out, settings) as completions:
+    try:
+        make_out_dir(out)  # a folder that cannot be made is said before the weights are read
+        engine = _engine(args, tokenizer)  # an in-process engine reads the weights here
+        if getattr(engine, "model", None) is not None:  # the loaded embedding, where config.json did not say
+            check_vocabulary(engine.model, tokenizer, args.tokenizer or args.model)
+        settings = _settings(args, engine.name, engine.precision, getattr(engine, "extra_body", {}))
+        completions = CompletionLog(out, settings)
+    except BaseException:
+        if created is not None:  # a refused start leaves no folder behind
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+    with completions:
         if done := len(completions.done):
             log.info("resuming %s: %d samples already in %s", out, done, completions.path)
         try:

@@ -42,6 +42,7 @@ __all__ = [
     "Saved",
     "SettingsChanged",
     "check_prompts",
+    "make_out_dir",
     "prompt_sha256",
     "read_saved",
     "settings_digest",
@@ -167,6 +168,17 @@ def check_prompts(path: Path, saved: Mapping[str, str], prompts: Mapping[str, st
         )
 
 
+def make_out_dir(out: Path) -> None:
+    """``out`` and the folders above it made, or a ``ValueError`` naming --out (a file on the way, a
+    folder that cannot be made)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ValueError(f"--out {out}: it (or a folder above it) is a file, not a folder") from None
+    except OSError as e:
+        raise ValueError(f"--out {out}: cannot create it: {e.strerror}") from None
+
+
 class CompletionLog:
     """The finished samples of one evaluation folder; ``append`` is thread-safe (the server engine's workers call it)."""
 
@@ -175,12 +187,7 @@ class CompletionLog:
         self.path = self.out / COMPLETIONS_FILE
         self.settings = dict(settings)
         self.digest = settings_digest(self.settings)
-        try:
-            self.out.mkdir(parents=True, exist_ok=True)
-        except (FileExistsError, NotADirectoryError):
-            raise ValueError(f"--out {self.out}: it (or a folder above it) is a file, not a folder") from None
-        except OSError as e:
-            raise ValueError(f"--out {self.out}: cannot create it: {e.strerror}") from None
+        make_out_dir(self.out)
         saved = read_saved(self.out, self.settings)
         self.done, self.prompts = saved.done, saved.prompts
         try:

@@ -30,6 +30,8 @@ from ..model import (
     check_experts,
     check_model_folder,
     check_vocabulary,
+    check_vocabulary_rows,
+    config_limits,
     load_pretrained,
     prepare_for_training,
 )
@@ -106,8 +108,11 @@ def setup_model(
             "model.precision=bf16 on a CPU: most CPUs have no fast bf16 (often 10-100x slower); "
             "fp32 is the CPU baseline (--set model.precision=fp32)"
         )
+    where = cfg.model.tokenizer or cfg.model.path or "model.tokenizer"
+    if model is None and cfg.model.path:  # the tokenizer against config.json, before any weights are read
+        check_vocabulary_rows(config_limits(cfg.model.path)[0], tokenizer, where)
     model = model if model is not None else build_model(cfg, tokenizer)
-    check_vocabulary(model, tokenizer, cfg.model.tokenizer or cfg.model.path or "model.tokenizer")
+    check_vocabulary(model, tokenizer, where)
     warn_router_loss(model)
     recipe = get_recipe(cfg.fp8.recipe)  # the config's name, resolved once (validated by check_shared)
     master_dtype = torch.float64 if cfg.model.precision == "fp64" else torch.float32
