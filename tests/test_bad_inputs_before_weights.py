@@ -298,3 +298,37 @@ def test_a_context_degree_that_does_not_divide_the_world_is_one_line_under_torch
         "infir2 train: error: parallel.context: 3 does not divide the 2 processes (the world is data x context)"
     ], proc.stderr[-3000:]
     assert "exitcode  : 2" in proc.stderr and not (tmp_path / "runs").exists()
+
+
+def test_held_out_windows_and_a_big_tokenizer_are_refused_before_any_weights(
+    model_dir, tmp_path, capsys, monkeypatch, no_weights
+):
+    """eval --perplexity's windows (eval reads no weights: ``no_weights``), and the tokenizer of a train
+    run against config.json's vocabulary (``load_pretrained`` may not be called)."""
+    import infir2.harness.setup as setup
+    from train_synthetic import prepared_cpt
+
+    _, data = prepared_cpt(tmp_path, documents=50)
+    ppl = ["eval", "--model", str(model_dir), "--perplexity", str(data), "--out", str(tmp_path / "o")]
+    _refused(capsys, [*ppl, "--seq-len", "100000"], "--seq-len", "512 positions")
+    _refused(capsys, [*ppl, "--split", "nope", "--seq-len", "16"], "nope.bin")
+    (tmp_path / "a-file").write_text("x")
+    _refused(capsys, [*ppl, "--seq-len", "16", "--out", str(tmp_path / "a-file" / "x")], "--out", "a-file")
+
+    def load_pretrained(path):
+        raise AssertionError("weights were read before the refusal")
+
+    monkeypatch.setattr(setup, "load_pretrained", load_pretrained)
+    big = tmp_path / "big-tokenizer"
+    make_tokenizer(vocab_size=600).save_pretrained(big)
+    cfg = {
+        "run": {"name": "r", "out_dir": str(tmp_path / "runs"), "device": "cpu"},
+        "model": {"path": str(model_dir), "tokenizer": str(big), "precision": "fp32"},
+        "fp8": {"recipe": "bf16"},
+        "data": {"train_path": str(data), "seq_len": 16, "global_batch_size": 2},
+        "train": {"max_steps": 1},
+    }
+    path = tmp_path / "big.yaml"
+    path.write_text(json.dumps(cfg))
+    _refused(capsys, ["train", str(path), "--no-progress"], "big-tokenizer", "embedding only 300 rows")
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "o").exists()
