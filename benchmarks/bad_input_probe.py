@@ -887,7 +887,7 @@ def round3_cases(w: World, stub: StubServer) -> list[Case]:
         _stage_case(
             "rl",
             w.rl_yaml,
-            "moe-unrecognised",
+            "moe-experts-unrecognised",
             [f"model.path={w.p('m-llama4')}", "fp8.recipe=blockwise"],
             ("fp8.recipe",),
             setup=_unrecognised_moe(w, "m-llama4"),
