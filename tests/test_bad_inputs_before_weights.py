@@ -68,17 +68,12 @@ def _eval(model_dir: Path, out: Path, *extra: str) -> list[str]:
     ]
 
 
-def test_a_rerun_with_other_settings_is_refused_before_any_weights(model_dir, tmp_path, capsys, monkeypatch):
+def test_a_rerun_with_other_settings_is_refused_before_any_weights(model_dir, tmp_path, capsys, request):
     out, data = tmp_path / "out", tmp_path / "p.jsonl"
     data.write_text(json.dumps({"id": "q", "problem": "1 + 1", "answer": "2"}) + "\n")
     assert main(_eval(model_dir, out, "--greedy", "--data", str(data))) == 0
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-
-    def load_checkpoint(*args, **kwargs):
-        raise AssertionError("weights were read before the refusal")
-
-    monkeypatch.setattr(infir2.export, "load_checkpoint", load_checkpoint)
-    capsys.readouterr()
+    request.getfixturevalue("no_weights")  # from here on, reading weights fails the test
     other = _eval(model_dir, out, "--temperature", "0.9", "--data", str(data))
     _refused(capsys, other, "other settings", "temperature: None -> 0.9")
     data.write_text(json.dumps({"id": "q", "problem": "2 + 2", "answer": "4"}) + "\n")  # edited data
