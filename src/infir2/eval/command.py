@@ -118,7 +118,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         help=f"generation budget per sample, unless a preset sets it (default: {DEFAULT_MAX_NEW_TOKENS}); reasoning traces need "
         "tens of thousands, generation stops earlier at the end-of-turn token, and samples cut "
-        "here are counted as truncated (with a warning)",
+        "here are counted as truncated (with a warning); local engine: a budget past the model's positions "
+        "is refused (samples stop there; --beyond-context runs past them), a default's or preset's is said",
     )
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--system-prompt", help="system turn of every prompt (default: the protocol's)")
