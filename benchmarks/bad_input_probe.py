@@ -1,4 +1,4 @@
-"""A probe of bad inputs through the real command line (issue 28): each case runs ``infir2 ...`` on a
+"""A probe of bad inputs through the real command line (issues 28 and 46): each case runs ``infir2 ...`` on a
 bad input made from tiny fixtures in a temporary folder and is classified
 
   GOOD        exit 2 (or 1 for a server error), exactly one error line on stderr naming the input
@@ -13,10 +13,12 @@ Most cases call ``infir2.cli.main`` in this process (stderr and the log captured
 few marked ``subprocess`` run ``python -m infir2.cli`` to see what a real process prints, and those
 marked ``torchrun`` run it under ``torchrun --standalone`` on 2 CPU processes: the launcher's own tail
 (its log lines and the ``ChildFailedError`` traceback and summary torchrun prints whenever a worker exits
-non-zero) is set apart and counted in the table's last column, the workers' stderr is judged as above,
-and the exit code is the root cause's (the first failed worker's), read from that summary. Prints a table
-(case, command, verdict, first error line) and the totals; ``--only PATTERN`` runs the cases whose name
-holds PATTERN (a regular expression).
+non-zero) is set apart and its length shown at the end of the case's line, the workers' stderr is judged
+as above, and the exit code is the root cause's (the first failed worker's), read from that summary. The
+``nobody`` case runs as user nobody (``setpriv``) when the probe runs as root, whom chmod does not bind.
+Prints a table (case, command, verdict, first error line), the totals and the counts of tracebacks,
+hangs, exits 0 and refusals after reading weights; ``--only PATTERN`` runs the cases whose name holds
+PATTERN (a regular expression).
 
     PYTHONPATH=src:tests OMP_NUM_THREADS=1 python benchmarks/bad_input_probe.py [--only eval] [--verbose]
 """
