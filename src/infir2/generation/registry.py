@@ -73,9 +73,7 @@ def _server(name: str, o: EngineOptions) -> Engine:
 class EngineTraits:
     """What an engine is, known before it is built (``check_engine``)."""
 
-    in_process: (
-        bool  # runs the model in this process (eval: --model is a folder; --batch-size, --fp8, --device)
-    )
+    in_process: bool  # runs the model in this process (eval: --batch-size, --fp8, --device are its flags)
     precisions: tuple[str, ...]  # the ``EngineOptions.precision`` values it runs; () = what its server loaded
     returns_ids: bool  # token ids and log-probabilities (what RL trains on); False: text only
 
