@@ -1,4 +1,4 @@
-"""A probe of bad inputs through the real command line (issue 28): each case runs ``infir2 ...`` on a
+"""A probe of bad inputs through the real command line (issues 28 and 46): each case runs ``infir2 ...`` on a
 bad input made from tiny fixtures in a temporary folder and is classified
 
   GOOD        exit 2 (or 1 for a server error), exactly one error line on stderr naming the input
@@ -6,10 +6,19 @@ bad input made from tiny fixtures in a temporary folder and is classified
   ACCEPTABLE  one error line that does not name the input, more than one error line, or something written;
   BAD         a traceback, a hang (the case's timeout), or exit 0 on a bad input (a silent wrong result).
 
+A refusal that comes after a model's weights were read (transformers' "Loading weights" bar) is
+ACCEPTABLE, not GOOD: a bad input is refused before any weights load.
+
 Most cases call ``infir2.cli.main`` in this process (stderr and the log captured, a SIGALRM timeout); the
-few marked ``subprocess`` run ``python -m infir2.cli`` to see what a real process prints. Prints a table
-(case, command, verdict, first error line) and the totals; ``--only PATTERN`` runs the cases whose name
-holds PATTERN (a regular expression).
+few marked ``subprocess`` run ``python -m infir2.cli`` to see what a real process prints, and those
+marked ``torchrun`` run it under ``torchrun --standalone`` on 2 CPU processes: the launcher's own tail
+(its log lines and the ``ChildFailedError`` traceback and summary torchrun prints whenever a worker exits
+non-zero) is set apart and its length shown at the end of the case's line, the workers' stderr is judged
+as above, and the exit code is the root cause's (the first failed worker's), read from that summary. The
+``nobody`` case runs as user nobody (``setpriv``) when the probe runs as root, whom chmod does not bind.
+Prints a table (case, command, verdict, first error line), the totals and the counts of tracebacks,
+hangs, exits 0 and refusals after reading weights; ``--only PATTERN`` runs the cases whose name holds
+PATTERN (a regular expression).
 
     PYTHONPATH=src:tests OMP_NUM_THREADS=1 python benchmarks/bad_input_probe.py [--only eval] [--verbose]
 """
@@ -60,6 +69,10 @@ class Case:
     subprocess: bool = False
     timeout: float = 90.0
     folder: bool = False  # the input is a folder where a file belongs: "not found" misleads
+    torchrun: bool = False  # under torchrun on 2 CPU processes (the launcher's tail set apart)
+    nobody: bool = (
+        False  # a subprocess as user nobody when root (whom chmod does not bind): a read-only folder
+    )
 
 
 @dataclass
@@ -68,6 +81,7 @@ class Outcome:
     stderr: str
     written: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    launcher_tail: int = 0  # lines of torchrun's own tail, set apart from stderr
 
 
 _LOG_RECORD = re.compile(r"^(?:[\d:]+ )?(DEBUG|INFO|WARNING) ")
@@ -113,6 +127,8 @@ def classify(case: Case, out: Outcome) -> tuple[str, str]:
         problems.append("does not name " + " / ".join(case.names))
     if case.folder and re.search(r"not found|does not exist|no such", first, re.IGNORECASE):
         problems.append("a folder is said to be missing")
+    if "Loading weights" in out.stderr:
+        problems.append("refused after reading weights")
     if out.written:
         problems.append("wrote " + ", ".join(out.written[:3]))
     return (ACCEPTABLE, "; ".join(problems) + f": {first}") if problems else (GOOD, first)
@@ -169,12 +185,18 @@ def _in_process(argv: list[str], timeout: float) -> tuple[int | None, str]:
     return rc, err.getvalue()
 
 
-def _in_subprocess(argv: list[str], timeout: float) -> tuple[int | None, str]:
+#: as root, run a command as ``nobody`` (util-linux's setpriv), whom a read-only folder binds
+AS_NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
+
+
+def _in_subprocess(
+    argv: list[str], timeout: float, module: str = "infir2.cli", prefix: list[str] | None = None
+) -> tuple[int | None, str]:
     src = Path(__file__).resolve().parents[1] / "src"
     env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "infir2.cli", *argv],
+            [*(prefix or []), sys.executable, "-m", module, *argv],
             capture_output=True,
             text=True,
             env=env,
@@ -185,16 +207,53 @@ def _in_subprocess(argv: list[str], timeout: float) -> tuple[int | None, str]:
     return proc.returncode, proc.stderr
 
 
+_LAUNCHER_LOG = re.compile(r"^[IWE]\d{4} [\d:.]+ +\d+ \S*torch/distributed/elastic/")
+_ROOT_EXIT = re.compile(r"Root Cause \(first observed failure\):.*?exitcode\s*:\s*(-?\d+)", re.DOTALL)
+
+
+def split_launcher_tail(stderr: str) -> tuple[str, str]:
+    """(the workers' stderr, torchrun's own tail): its elastic log lines, and from the traceback that
+    ends in ``ChildFailedError`` to the end (the launcher's, printed after the workers have exited)."""
+    lines = stderr.splitlines()
+    start = len(lines)
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("Traceback (most recent call last):"):
+            if any("ChildFailedError" in ln for ln in lines[i:]):
+                start = i
+            break
+    workers = [ln for ln in lines[:start] if not _LAUNCHER_LOG.match(ln)]
+    tail = [ln for ln in lines[:start] if _LAUNCHER_LOG.match(ln)] + lines[start:]
+    return "\n".join(workers), "\n".join(tail)
+
+
+def _in_torchrun(argv: list[str], timeout: float) -> tuple[int | None, str, int]:
+    """``python -m infir2.cli ARGV`` under torchrun on 2 processes: (the root cause's exit code, the
+    workers' stderr, lines of the launcher's tail)."""
+    rc, stderr = _in_subprocess(
+        ["--standalone", "--nproc_per_node", "2", "-m", "infir2.cli", *argv], timeout, "torch.distributed.run"
+    )
+    if rc is None:
+        return None, stderr, 0
+    workers, tail = split_launcher_tail(stderr)
+    root = _ROOT_EXIT.search(tail)
+    return (int(root.group(1)) if root else rc), workers, len(tail.splitlines())
+
+
 def run_case(case: Case, root: Path) -> Outcome:
     if case.setup:
         case.setup()
     before = _snapshot(root)
     start = time.monotonic()
-    runner = _in_subprocess if case.subprocess else _in_process
-    rc, stderr = runner(case.argv, case.timeout)
+    tail = 0
+    if case.torchrun:
+        rc, stderr, tail = _in_torchrun(case.argv, case.timeout)
+    elif case.nobody:
+        rc, stderr = _in_subprocess(case.argv, case.timeout, prefix=AS_NOBODY)
+    else:
+        rc, stderr = (_in_subprocess if case.subprocess else _in_process)(case.argv, case.timeout)
     after = _snapshot(root)
     written = sorted(k for k, v in after.items() if (before.get(k) != v and v[0] != -1) or k not in before)
-    return Outcome(rc, stderr, written, time.monotonic() - start)
+    return Outcome(rc, stderr, written, time.monotonic() - start, tail)
 
 
 # ----------------------------------------------------------------------------- the fixtures
@@ -754,6 +813,120 @@ def eval_cases(w: World) -> list[Case]:
     return cases
 
 
+# ----------------------------------------------------------------------------- issue 46: engines, MoE, torchrun
+
+
+def _readable_by_all(root: Path) -> None:
+    """Let ``nobody`` read the fixtures (a temporary folder is the owner's alone)."""
+    for dirpath, _, files in os.walk(root):
+        os.chmod(dirpath, 0o755)
+        for name in files:
+            os.chmod(os.path.join(dirpath, name), 0o644)
+
+
+def _unrecognised_moe(w: World, name: str) -> Callable[[], None]:
+    """A setup: ``root/name``, a tiny Llama-4 text model (experts the FP8 conversion does not run)."""
+
+    def setup() -> None:
+        from conftest import make_tokenizer
+        from moe_models import make_unrecognised_moe
+
+        if not (w.root / name).exists():
+            with contextlib.redirect_stderr(io.StringIO()):  # the save's progress bar
+                make_unrecognised_moe(vocab_size=300).save_pretrained(w.root / name)
+            make_tokenizer().save_pretrained(w.root / name)
+
+    return setup
+
+
+def round3_cases(w: World, stub: StubServer) -> list[Case]:
+    """Issue 46: eval refusals before any weights (a read-only --out, a rerun of other settings), engine
+    names and options that do not exist, FP8 asked of an engine that cannot run it, MoE experts the
+    conversion does not run, and parallel.context under torchrun."""
+    eval_argv = ["eval", "--model", str(w.model), "--data", str(w.problems), "--limit", "1"]
+    eval_argv += ["--max-new-tokens", "4"]
+
+    def e(name: str, extra: list[str], names: tuple[str, ...], **kw) -> Case:
+        return Case(f"eval/{name}", [*eval_argv, "--out", w.p(f"eval-out/{name}"), *extra], names, **kw)
+
+    def s(name: str, extra: list[str], names: tuple[str, ...], **kw) -> Case:
+        argv = ["eval", "--engine", "server", "--base-url", stub.url, "--model", "fake"]
+        argv += ["--tokenizer", str(w.tok), "--data", str(w.problems), "--max-new-tokens", "4"]
+        return Case(f"server/{name}", [*argv, "--out", w.p(f"server-out/{name}"), *extra], names, **kw)
+
+    def ro_setup() -> None:
+        _readable_by_all(w.root)
+        (w.root / "eval-ro").mkdir(mode=0o555)
+        os.chmod(w.root / "eval-ro", 0o555)
+
+    cases = [
+        e("engine-vllm", ["--engine", "vllm"], ("--engine",)),
+        e("local-concurrency", ["--concurrency", "4"], ("--concurrency",)),
+        e("local-base-url", ["--base-url", stub.url], ("--base-url",)),
+        e("local-extra-body", ["--extra-body", "{}"], ("--extra-body",)),
+        e("scale-encoding-alone", ["--scale-encoding", "fp32"], ("--scale-encoding",)),
+        e(
+            "settings-changed",
+            ["--temperature", "0.9"],
+            ("temperature",),
+            setup=_greedy_run(w, "settings-changed"),
+        ),
+        s("fp8-served", ["--fp8"], ("--fp8",)),
+        s("fp8-recipe", ["--fp8", "blockwise"], ("--fp8",)),
+        s("batch-size", ["--batch-size", "4"], ("--batch-size",)),
+        s("device", ["--device", "cpu"], ("--device",)),
+        s("beyond-context", ["--beyond-context"], ("--beyond-context",)),
+        _stage_case("rl", w.rl_yaml, "engine-server", ["rollout.engine=server"], ("rollout.engine",)),
+        _stage_case("rl", w.rl_yaml, "engine-vllm", ["rollout.engine=vllm"], ("rollout.engine",)),
+        _stage_case(
+            "train",
+            w.train_yaml,
+            "moe-unrecognised",
+            ["model.from_config=null", f"model.path={w.p('m-llama4')}", "fp8.recipe=blockwise"],
+            ("fp8.recipe",),
+            setup=_unrecognised_moe(w, "m-llama4"),
+        ),
+        _stage_case(
+            "rl",
+            w.rl_yaml,
+            "moe-experts-unrecognised",
+            [f"model.path={w.p('m-llama4')}", "fp8.recipe=blockwise"],
+            ("fp8.recipe",),
+            setup=_unrecognised_moe(w, "m-llama4"),
+        ),
+    ]
+    if not AS_NOBODY or shutil.which("setpriv"):  # a folder read-only for the command (not for root)
+        cases.append(
+            e("out-read-only", ["--out", w.p("eval-ro")], ("--out", "eval-ro"), setup=ro_setup, nobody=True)
+        )
+    cp = ["model.from_config.max_position_embeddings=512", "data.seq_len=384"]
+    for name, sets, names in [
+        ("cp-context-3-of-2", ["parallel.context=3", *cp], ("parallel.context",)),
+        ("cp-context-zero", ["parallel.context=0"], ("parallel.context",)),
+        ("cp-seq-len", ["parallel.context=2"], ("data.seq_len",)),
+        (
+            "cp-context-4-of-2",
+            ["parallel.context=4", "model.from_config.max_position_embeddings=512", "data.seq_len=512"],
+            ("parallel.context",),
+        ),
+    ]:
+        cases.append(_stage_case("train", w.train_yaml, name, sets, names, torchrun=True, timeout=180))
+    return cases
+
+
+def _greedy_run(w: World, name: str) -> Callable[[], None]:
+    """A setup: a greedy evaluation saved in ``eval-out/NAME`` (the folder a rerun is refused in)."""
+
+    def setup() -> None:
+        from infir2.cli import main
+
+        argv = ["eval", "--model", str(w.model), "--data", str(w.problems), "--limit", "1", "--greedy"]
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            assert main([*argv, "--max-new-tokens", "4", "--out", w.p(f"eval-out/{name}")]) == 0
+
+    return setup
+
+
 # ----------------------------------------------------------------------------- a scripted server
 
 
@@ -1011,7 +1184,7 @@ def probe_world() -> Iterator[tuple[World, list[Case]]]:
                 f"http://127.0.0.1:{silent.getsockname()[1]}",
                 f"http://127.0.0.1:{dead.getsockname()[1]}",
             )
-            cases += other_cases(w)
+            cases += other_cases(w) + round3_cases(w, stub)
             for case in cases:
                 case.folder = case.name in FOLDER_CASES
             yield w, cases
@@ -1031,6 +1204,19 @@ def install_log_capture() -> None:
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     root.addHandler(handler)
     root.setLevel(logging.INFO)
+
+
+def outcome_counts(results: list[dict]) -> dict[str, int]:
+    """The issue's counts over the results: tracebacks, hangs, exits 0 on a bad input, refusals after a
+    model's weights were read, and the torchrun cases with the launcher's own tail (not ours)."""
+    whys = [r["why"] for r in results]
+    return {
+        "tracebacks": sum(w.startswith("traceback") for w in whys),
+        "hangs": sum(w.startswith("hang") for w in whys),
+        "exits 0": sum(w.startswith("exit 0") for w in whys),
+        "refused after reading weights": sum("refused after reading weights" in w for w in whys),
+        "torchrun cases with torchrun's own tail": sum(r["launcher_tail"] > 0 for r in results),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1057,17 +1243,34 @@ def main(argv: list[str] | None = None) -> int:
             verdict, why = classify(case, out)
             totals[verdict] += 1
             cmd = " ".join(case.argv).replace(str(w.root) + "/", "")
-            results.append({"case": case.name, "verdict": verdict, "why": why, "rc": out.rc, "command": cmd})
-            print(f"{case.name:38s} {verdict:10s} rc={out.rc} {out.seconds:5.1f}s  {why[:200]}", flush=True)
+            results.append(
+                {
+                    "case": case.name,
+                    "verdict": verdict,
+                    "why": why,
+                    "rc": out.rc,
+                    "command": cmd,
+                    "launcher_tail": out.launcher_tail,
+                }
+            )
+            tail = f" +{out.launcher_tail} torchrun lines" if case.torchrun else ""
+            print(
+                f"{case.name:38s} {verdict:10s} rc={out.rc} {out.seconds:5.1f}s  {why[:200]}{tail}",
+                flush=True,
+            )
             print(f"    $ infir2 {cmd[:300]}")
             if args.verbose:
                 print("    " + out.stderr.strip().replace("\n", "\n    "))
+    counts = outcome_counts(results)
     print(
         f"\n{len(results)} cases in {time.monotonic() - start:.0f} s: "
-        f"good {totals[GOOD]}, acceptable {totals[ACCEPTABLE]}, bad {totals[BAD]}"
+        f"good {totals[GOOD]}, acceptable {totals[ACCEPTABLE]}, bad {totals[BAD]}\n"
+        + ", ".join(f"{k} {v}" for k, v in counts.items())
     )
     if args.json:
-        Path(args.json).write_text(json.dumps({"totals": totals, "results": results}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"totals": totals, "counts": counts, "results": results}, indent=1)
+        )
     return 0
 
 

@@ -77,3 +77,25 @@ def qwen3_30b_a3b_config():
     from infir2.tools.plan import MODELS
 
     return Qwen3MoeConfig(**{k: v for k, v in MODELS["qwen3-30b-a3b"].items() if k != "model_type"})
+
+
+def make_unrecognised_moe(vocab_size: int = 256, seed: int = 0) -> torch.nn.Module:
+    """A tiny Llama-4 text model: 3-D expert weights in a layout ``Fp8Experts`` does not run
+    (``gate_up_proj`` ``(E, H, 2I)``), so ``convert_to_fp8`` leaves its experts high precision."""
+    from transformers import AutoModelForCausalLM, Llama4TextConfig
+
+    torch.manual_seed(seed)
+    config = Llama4TextConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=64,
+        intermediate_size_mlp=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        max_position_embeddings=512,
+    )
+    return AutoModelForCausalLM.from_config(config).float()

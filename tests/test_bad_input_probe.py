@@ -94,3 +94,52 @@ def test_message_lines_skip_logs_progress_and_usage_but_count_a_multiline_error(
         "  in line 2",
         "    ^",
     ]
+
+
+_TORCHRUN_STDERR = """\
+infir2 train: error: parallel.context: 3 does not divide the 2 processes (the world is data x context)
+W1203 12:52:12.319000 7592 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 7604 closing signal SIGTERM
+E1203 12:52:12.383000 7592 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 2) local_rank: 1
+Traceback (most recent call last):
+  File "/x/torch/distributed/launcher/api.py", line 383, in launch_agent
+    raise ChildFailedError(
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+infir2.cli FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 7604)  (SIGTERM)
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : 2 (pid: 7605)
+============================================================"""
+
+
+def test_torchruns_own_tail_is_set_apart_and_a_refusal_after_weights_is_not_good(probe):
+    workers, tail = probe.split_launcher_tail(_TORCHRUN_STDERR)
+    assert workers == _TORCHRUN_STDERR.splitlines()[0] and tail.endswith("=" * 60)
+    assert probe._ROOT_EXIT.search(tail).group(1) == "2"  # the root cause's, not -15 (SIGTERM'd)
+    # a worker's own traceback is kept, and counted BAD
+    crashed = "Traceback (most recent call last):\n  File x\nKeyError: 'a'\n" + _TORCHRUN_STDERR
+    workers, _ = probe.split_launcher_tail(crashed)
+    case = probe.Case("t", ["train"], ("parallel.context",), torchrun=True)
+    assert probe.classify(case, probe.Outcome(2, workers))[0] == probe.BAD
+    line = _TORCHRUN_STDERR.splitlines()[0]
+    assert probe.classify(case, probe.Outcome(2, line)) == (probe.GOOD, line)
+    loaded = "Loading weights: 100%|##########| 15/15 [00:00<00:00, 9153.87it/s]\n" + line
+    verdict, why = probe.classify(case, probe.Outcome(2, loaded))
+    assert verdict == probe.ACCEPTABLE and why.startswith("refused after reading weights")
+    counts = probe.outcome_counts(
+        [{"why": why, "launcher_tail": 0}, {"why": "traceback: KeyError", "launcher_tail": 41}]
+    )
+    assert counts == {
+        "tracebacks": 1,
+        "hangs": 0,
+        "exits 0": 0,
+        "refused after reading weights": 1,
+        "torchrun cases with torchrun's own tail": 1,
+    }

@@ -157,22 +157,37 @@ def test_a_damaged_weight_file_is_named_in_one_line(model_dir, tmp_path, capsys,
         _one_line(capsys, f"{weights} is damaged")
 
 
-def test_eval_refuses_a_prompt_past_the_context_and_cuts_samples_at_it(tmp_path, capsys):
+def test_eval_refuses_a_prompt_past_the_context_and_cuts_samples_at_it(tmp_path, capsys, caplog):
     """A model of 160 positions: a long problem is refused in one line (unless --beyond-context); a short
-    problem with a budget past the positions stops at them, unfinished (counted as truncated)."""
+    problem whose prompt + budget pass the positions stops at them, unfinished (counted as truncated); a
+    budget the positions can never hold is refused when asked for (nothing written), and said in one
+    warning line when it is the default's (32768)."""
     folder = tmp_path / "short-model"
     make_tiny_model(seed=1, max_positions=160).save_pretrained(folder)
     make_tokenizer().save_pretrained(folder)
     data = tmp_path / "p.jsonl"
     data.write_text(json.dumps({"problem": "Compute 1 + 1.", "answer": "2"}) + "\n")
-    argv = ["eval", "--model", str(folder), "--data", str(data), "--greedy", "--max-new-tokens", "500"]
-    assert main([*argv, "--out", str(tmp_path / "a")]) == 0
+    argv = ["eval", "--model", str(folder), "--data", str(data), "--greedy"]
+    assert main([*argv, "--max-new-tokens", "150", "--out", str(tmp_path / "a")]) == 0
     record = json.loads((tmp_path / "a" / "completions.jsonl").read_text().splitlines()[0])
-    assert not record["finished"] and 0 < record["n_tokens"] < 160  # stopped at the positions, not at 500
+    assert not record["finished"] and 0 < record["n_tokens"] < 150  # stopped at the positions, not at 150
+    capsys.readouterr()
+    assert main([*argv, "--max-new-tokens", "500", "--out", str(tmp_path / "c")]) == 2
+    _one_line(capsys, "--max-new-tokens 500 is more than the model's 160 positions", "config.json")
+    assert not (tmp_path / "c").exists()
+    with caplog.at_level("WARNING"):
+        assert main([*argv, "--out", str(tmp_path / "d")]) == 0
+    said = [r.getMessage() for r in caplog.records if "positions:" in r.getMessage()]
+    assert said == [
+        "--max-new-tokens 32768 (the default) is more than the model's 160 positions: each sample stops where "
+        "prompt and response reach 160 tokens (--beyond-context runs past them)"
+    ]
+    assert json.loads((tmp_path / "d" / "completions.jsonl").read_text())["n_tokens"] == record["n_tokens"]
     long = tmp_path / "long.jsonl"
     long.write_text(
         json.dumps({"problem": "Compute " + " + ".join(["1"] * 200) + ".", "answer": "200"}) + "\n"
     )
+    capsys.readouterr()
     assert main(["eval", "--model", str(folder), "--data", str(long), "--out", str(tmp_path / "b")]) == 2
     _one_line(capsys, "does not fit the model's 160 positions", "--beyond-context")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import gc
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 __all__ = [
     "DistEnv",
+    "LaunchStore",
     "all_gather_objects",
     "all_reduce_max",
     "all_reduce_sum",
@@ -25,6 +27,7 @@ __all__ = [
     "destroy_process_group",
     "gather_objects",
     "release_mesh_caches",
+    "report_once",
 ]
 
 
@@ -142,3 +145,55 @@ def broadcast_object(obj: object, env: DistEnv) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+@dataclass(frozen=True)
+class LaunchStore:
+    """Where torchrun's launcher keeps its key-value store (``MASTER_ADDR`` / ``MASTER_PORT`` when
+    ``TORCHELASTIC_USE_AGENT_STORE`` is set), and the run attempt keys are scoped to."""
+
+    host: str
+    port: int
+    attempt: str  # the run id and restart count: a restarted attempt does not read the last one's keys
+
+
+def report_once(
+    line: str,
+    rank: int,
+    store: LaunchStore | None,
+    write: Callable[[str], None],
+    wait_s: float = 3.0,
+) -> None:
+    """Write the error ``line`` of this rank once for the whole job, not once per rank.
+
+    Rank 0 writes it, then posts it in the launcher's store. Another rank posts its own, waits up to
+    ``wait_s`` for rank 0's and writes its line (tagged ``[rank N]``) only when rank 0's differs or does
+    not come (a cause of this rank alone); waiting also keeps it alive until rank 0 has written (the
+    launcher ends the other workers as soon as one exits). Without a store (not under torchrun, or it
+    cannot be reached) every rank writes its line, tagged.
+    """
+    if store is None:
+        write(line if rank == 0 else f"[rank {rank}] {line}")
+        return
+    from datetime import timedelta
+
+    try:
+        client = dist.TCPStore(store.host, store.port, is_master=False, timeout=timedelta(seconds=wait_s))
+    except (RuntimeError, OSError, ValueError):
+        client = None
+    key = f"infir2/error/{store.attempt}/"
+    if rank == 0:
+        write(line)
+        if client is not None:
+            client.set(key + "0", line)
+        return
+    first = None
+    if client is not None:
+        client.set(key + str(rank), line)
+        try:
+            client.wait([key + "0"], timedelta(seconds=wait_s))
+            first = client.get(key + "0").decode("utf-8")
+        except (RuntimeError, OSError, ValueError):  # rank 0 did not fail with a line of its own
+            first = None
+    if first != line:
+        write(f"[rank {rank}] {line}")

@@ -10,6 +10,8 @@ FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _DATE_FORMAT = "%H:%M:%S"
 
 _seen: set[tuple[str, str]] = set()
+#: libraries that log at INFO on every call (``httpx2``: one "HTTP Request: ..." line per request)
+_CHATTY = ("httpx", "httpx2")
 
 
 def log_once(logger: logging.Logger, message: str, level: int = logging.INFO) -> None:
@@ -38,3 +40,6 @@ def setup_logging(level: int, rank: int = 0, world_size: int = 1) -> None:
     if world_size > 1 and rank != 0:
         handler.addFilter(_WarningsAndAbove())
     logging.basicConfig(level=level, handlers=[handler])
+    if level > logging.DEBUG:  # the HTTP client's INFO line per request (the server engine): debug only
+        for name in _CHATTY:
+            logging.getLogger(name).setLevel(logging.WARNING)

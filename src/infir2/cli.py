@@ -160,8 +160,31 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:  # user errors: one clear line, no traceback
         if args.verbose:
             raise
-        print(f"infir2 {args.command}: error: {e}", file=sys.stderr)
+        _report(f"infir2 {args.command}: error: {e}")
         return 2
+
+
+def _report(line: str) -> None:
+    """The error line on stderr; under torchrun once for the job (rank 0's; another rank's only when
+    its cause differs: ``_dist.report_once`` over the launcher's store), not once per rank."""
+
+    def write(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        write(line)
+        return
+    from ._dist import LaunchStore, report_once
+
+    store = None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" and "MASTER_PORT" in os.environ:
+        attempt = (
+            f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        )
+        store = LaunchStore(
+            os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]), attempt
+        )
+    report_once(line, int(os.environ.get("RANK", "0")), store, write)
 
 
 if __name__ == "__main__":

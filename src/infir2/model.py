@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ._paths import check_safetensors
-from .nn import convert_to_fp8, recompute_swiglu
+from .nn import convert_to_fp8, recompute_swiglu, unrecognised_experts
 
 if TYPE_CHECKING:
     from .fp8.recipe import Fp8Recipe
@@ -36,6 +36,7 @@ __all__ = [
     "WEIGHT_PATTERNS",
     "autocast",
     "build_from_config",
+    "check_experts",
     "check_model_folder",
     "load_pretrained",
     "prepare_for_training",
@@ -51,6 +52,8 @@ ARCHS = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
+#: the mixtures of experts of ``ARCHS`` (their experts run in FP8)
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
 
 
 #: file names that hold a Hugging Face model's weights (transformers loads any of them)
@@ -80,12 +83,28 @@ def check_model_folder(path: str | Path) -> Path:
 def check_vocabulary(model: nn.Module, tokenizer: Any, where: str) -> None:
     """Every id ``tokenizer`` can produce has a row in ``model``'s embedding (an id past it would index
     out of range, or on some kernels read another row silently); else a ``ValueError`` naming ``where``."""
-    rows = model.get_input_embeddings().num_embeddings  # type: ignore[operator]
-    if tokenizer is not None and len(tokenizer) > rows:
+    check_vocabulary_rows(model.get_input_embeddings().num_embeddings, tokenizer, where)  # type: ignore[operator]
+
+
+def check_vocabulary_rows(rows: int | None, tokenizer: Any, where: str) -> None:
+    """``check_vocabulary`` against ``rows`` embedding rows (``config_limits`` reads them before a load)."""
+    if rows is not None and tokenizer is not None and len(tokenizer) > rows:
         raise ValueError(
             f"{where}: the tokenizer has {len(tokenizer)} tokens but the model's embedding only {rows} rows: "
             "the tokenizer is not the model's (give the tokenizer it was trained with)"
         )
+
+
+def config_limits(path: str | Path) -> tuple[int | None, int | None]:
+    """(embedding rows, trained positions) of the model folder ``path`` as its ``config.json`` says
+    (``vocab_size``, ``max_position_embeddings``), read before any weights; None where it does not say."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True).get_text_config()
+    except Exception:  # a config transformers cannot read (any error): the load names what is wrong
+        return None, None
+    return getattr(config, "vocab_size", None), getattr(config, "max_position_embeddings", None)
 
 
 def context_length(model: nn.Module) -> int | None:
@@ -96,7 +115,11 @@ def context_length(model: nn.Module) -> int | None:
 def check_context(model: nn.Module, tokens: int, key: str, allowed: bool = False) -> None:
     """``tokens`` per sequence fit the model's trained positions, or a ``ValueError`` naming ``key``;
     ``allowed`` (``model.beyond_context``): the user runs past them on purpose (RoPE extrapolation)."""
-    limit = context_length(model)
+    check_positions(context_length(model), tokens, key, allowed)
+
+
+def check_positions(limit: int | None, tokens: int, key: str, allowed: bool = False) -> None:
+    """``check_context`` against ``limit`` positions (``config_limits`` reads them before a load)."""
     if limit is not None and tokens > limit and not allowed:
         raise ValueError(
             f"{key}: {tokens} tokens per sequence, but the model was trained for {limit} positions "
@@ -144,6 +167,27 @@ def build_from_config(
     with torch.device(device) if device is not None else nullcontext():
         model: nn.Module = getattr(transformers, model_cls_name)(hf_config)
     return model.float()
+
+
+def check_experts(path: str | Path, recipe: str, key: str = "fp8.recipe") -> None:
+    """The FP8 ``recipe`` (a recipe with FP8) for the model folder ``path`` whose routed experts ``convert_to_fp8`` cannot run
+    (they would stay high precision: most of an MoE's GEMM weights) is a ``ValueError`` naming ``key``,
+    the folder and the module. Reads only config.json: the module tree is built on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+    except Exception:  # a config transformers cannot build (any error): the load names what is wrong
+        return
+    if found := unrecognised_experts(skeleton):
+        fqn, why = found[0]
+        raise ValueError(
+            f"{key}: {recipe} cannot run the MoE experts of {path} in FP8 ({fqn}: {why}; "
+            f"{len(found)} such module(s)): infir2 runs the transformers v5 experts layout of "
+            f"{', '.join(MOE_ARCHS)}; set {key}: bf16 to train it in high precision"
+        )
 
 
 def prepare_for_training(

@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -47,9 +48,18 @@ from typing import Any
 from ..data.chat import SYSTEM_PROMPT, THINK_PREFIX
 from ..data.tokenizer import load_tokenizer
 from ..fp8 import recipe_names
-from ..generation import ENGINES
-from ..model import check_model_folder, check_vocabulary, resolve_device
+from ..generation import (
+    ENGINES,
+    TRAITS,
+    ServerEngine,
+    check_engine,
+    check_prompt_fits,
+    precision_label,
+)
+from ..model import check_model_folder, check_vocabulary, check_vocabulary_rows, config_limits, resolve_device
+from .completions import COMPLETIONS_FILE, CompletionLog, check_prompts, make_out_dir, read_saved
 from .presets import PRESETS
+from .runner import render_prompts, run_evaluation
 from .tasks import TASKS, sample_path
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "add_arguments", "run", "sample_path"]
@@ -108,7 +118,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         help=f"generation budget per sample, unless a preset sets it (default: {DEFAULT_MAX_NEW_TOKENS}); reasoning traces need "
         "tens of thousands, generation stops earlier at the end-of-turn token, and samples cut "
-        "here are counted as truncated (with a warning)",
+        "here are counted as truncated (with a warning); local engine: a budget past the model's positions "
+        "is refused (samples stop there; --beyond-context runs past them), a default's or preset's is said",
     )
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--system-prompt", help="system turn of every prompt (default: the protocol's)")
@@ -141,7 +152,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of the built-in (local) engine and of the server engine."""
     g = p.add_argument_group("local engine")
-    g.add_argument("--batch-size", type=int, default=8, help="sequences generated together")
+    g.add_argument("--batch-size", type=int, help="sequences generated together (default: 8)")
     g.add_argument(
         "--fp8",
         nargs="?",
@@ -153,20 +164,18 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--scale-encoding",
         choices=["pow2", "fp32"],
-        default="pow2",
         help="--fp8 served: the export's block scales (as `infir2 export --scale-encoding`; default pow2)",
     )
-    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    g.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     s = p.add_argument_group("server engine")
     s.add_argument("--base-url", help="the server, e.g. http://127.0.0.1:8000 (the /v1 is added)")
-    s.add_argument("--concurrency", type=int, default=8, help="requests in flight (the server batches them)")
-    s.add_argument("--request-timeout", type=float, default=3600.0, help="seconds one request may take")
+    s.add_argument("--concurrency", type=int, help="requests in flight (the server batches them; default: 8)")
+    s.add_argument("--request-timeout", type=float, help="seconds one request may take (default: 3600)")
     s.add_argument(
         "--retries",
         type=int,
-        default=8,
         help="retries of a request after a connection error, timeout, 429 or 5xx (backoff 1, 2, 4 "
-        "... s, at most 60)",
+        "... s, at most 60; default: 8)",
     )
     s.add_argument(
         "--samples-per-request",
@@ -176,9 +185,50 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     s.add_argument(
         "--extra-body",
-        default="{}",
         help="JSON merged into every request, for engine extensions, e.g. '{\"top_k\": -1}' (default: {})",
     )
+
+
+#: each engine's own flags (dest -> default): given to an engine of the other kind, they are refused
+IN_PROCESS_FLAGS: dict[str, Any] = {
+    "batch_size": 8,
+    "fp8": None,
+    "scale_encoding": "pow2",
+    "device": "auto",
+    "beyond_context": False,
+}
+SERVER_FLAGS: dict[str, Any] = {
+    "base_url": None,
+    "concurrency": 8,
+    "request_timeout": 3600.0,
+    "retries": 8,
+    "samples_per_request": None,
+    "api_key": None,
+    "extra_body": "{}",
+}
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _engine_flags(args: argparse.Namespace) -> None:
+    """Refuse a flag of another kind of engine (``TRAITS``: an in-process engine's --batch-size, --fp8,
+    --scale-encoding, --device, --beyond-context; a server's --base-url, --concurrency ...) and what the
+    engine cannot run (``check_engine``: --fp8 of a server), in one line naming the flag, before anything
+    is read; then fill the defaults of the flags not given."""
+    traits = check_engine(args.engine, "--engine", _precision(args), "--fp8")
+    given = [d for d in (*IN_PROCESS_FLAGS, *SERVER_FLAGS) if getattr(args, d) not in (None, False)]
+    for dest in given:
+        server_flag = dest in SERVER_FLAGS
+        if traits is not None and server_flag == traits.in_process:
+            kind = "--engine server" if server_flag else "an in-process engine (--engine local)"
+            raise ValueError(f"{_flag(dest)} is a flag of {kind}, not of --engine {args.engine}")
+    if args.scale_encoding is not None and _precision(args) != "served":
+        raise ValueError("--scale-encoding sets the block scales of --fp8 served: give it with --fp8")
+    for dest, default in (*IN_PROCESS_FLAGS.items(), *SERVER_FLAGS.items()):
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
@@ -211,6 +261,13 @@ def _check_numbers(args: argparse.Namespace) -> None:
 def _resolve(args: argparse.Namespace) -> None:
     """Fill the protocol flags: explicit flag > preset > default."""
     preset = PRESETS[args.preset] if args.preset else None
+    args.budget_from = (
+        "--max-new-tokens"
+        if args.max_new_tokens is not None
+        else f"--preset {args.preset}'s"
+        if preset
+        else "the default"
+    )
     for key, default in DEFAULTS.items():
         if getattr(args, key) is None:
             setattr(args, key, getattr(preset, key) if preset else default)
@@ -222,6 +279,7 @@ def _resolve(args: argparse.Namespace) -> None:
             f"(docs/EVAL_EXPORT.md says where to get it)"
         )
     _check_numbers(args)  # refused by flag, before any folder is written
+    _check_engine_flags(args)
     resolve_device(args.device)  # a device this machine lacks is refused before anything loads
     if args.fp8 not in (None, "served"):
         recipe_names(args.fp8, "--fp8")  # a recipe name, checked by get_recipe
@@ -251,12 +309,14 @@ def _precision(args: argparse.Namespace) -> str:
     return "high" if args.fp8 is None else "served" if args.fp8 == "served" else "fp8"
 
 
-def _settings(args: argparse.Namespace, engine) -> dict[str, Any]:
+def _settings(
+    args: argparse.Namespace, engine: str, precision: str, extra_body: dict[str, Any]
+) -> dict[str, Any]:
     """What the samples depend on: a resumed run must match these (``completions.CompletionLog``)."""
     return {
-        "engine": engine.name,
+        "engine": engine,
         "model": str(args.model),
-        "precision": engine.precision,
+        "precision": precision,
         "task": args.task,
         "system_prompt": args.system_prompt,
         "think_prefix": args.think_prefix,
@@ -264,9 +324,20 @@ def _settings(args: argparse.Namespace, engine) -> dict[str, Any]:
         "temperature": None if args.greedy else args.temperature,
         "top_p": None if args.greedy else args.top_p,
         "max_new_tokens": args.max_new_tokens,
-        "extra_body": getattr(engine, "extra_body", {}),
+        "extra_body": extra_body,
         **({"beyond_context": True} if args.beyond_context else {}),  # absent by default: old folders resume
     }
+
+
+def _expected_settings(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The settings the engine will report, from the flags alone (before any weights are read); None
+    where only the built engine knows its precision (one registered by name, --fp8 RECIPE: the recipes
+    of the layers the conversion turns into FP8)."""
+    if args.engine == "server":
+        return _settings(args, args.engine, ServerEngine.precision, _extra_body(args))
+    if args.engine in ("local", "builtin") and args.fp8 in (None, "served"):
+        return _settings(args, args.engine, precision_label(_precision(args), args.scale_encoding), {})
+    return None
 
 
 def _engine(args: argparse.Namespace, tokenizer):
@@ -285,13 +356,10 @@ def _engine(args: argparse.Namespace, tokenizer):
 def _check_engine_flags(args: argparse.Namespace) -> None:
     """The server engine's flags, before anything is loaded."""
     if args.engine != "server":
-        if args.base_url and args.engine == "local":
-            raise ValueError("--base-url is for --engine server")
         return
     if not args.base_url:
         raise ValueError("--engine server needs --base-url (e.g. http://127.0.0.1:8000)")
-    if args.fp8:
-        raise ValueError("--fp8 is for the local engine (a server runs the precision it loaded)")
+    _extra_body(args)
     if args.tokenizer is None and not Path(args.model).is_dir():
         raise ValueError(
             f"--engine server needs --tokenizer FOLDER to render the prompts (--model {args.model!r} "
@@ -299,15 +367,20 @@ def _check_engine_flags(args: argparse.Namespace) -> None:
         )
 
 
-def _server_config(args: argparse.Namespace):
-    from ..generation import ServerConfig
-
+def _extra_body(args: argparse.Namespace) -> dict[str, Any]:
     try:
         extra = json.loads(args.extra_body)
     except json.JSONDecodeError as e:
         raise ValueError(f"--extra-body is not JSON ({e.msg}): {args.extra_body!r}") from None
     if not isinstance(extra, dict):
         raise ValueError(f"--extra-body must be a JSON object, got {args.extra_body!r}")
+    return extra
+
+
+def _server_config(args: argparse.Namespace):
+    from ..generation import ServerConfig
+
+    extra = _extra_body(args)
     return ServerConfig(
         args.base_url,
         args.model,
@@ -323,9 +396,16 @@ def _server_config(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from ..generation import ServerError
 
+    if args.perplexity and args.engine != "local":
+        raise ValueError("--perplexity runs the model in this process: use --engine local")
+    _engine_flags(args)
     if args.perplexity:
-        if args.engine != "local":
-            raise ValueError("--perplexity runs the model in this process: use --engine local")
+        from .perplexity import check_loss_inputs
+
+        check_model_folder(args.model)
+        _check_out(Path(args.out))
+        rows, positions = config_limits(args.model)  # the windows checked before any weights are read
+        check_loss_inputs(args.perplexity, args.split, args.seq_len, args.max_windows, rows, positions)
         return _run_perplexity(_load(args), args, Path(args.out))
     _resolve(args)
     try:
@@ -338,18 +418,27 @@ def run(args: argparse.Namespace) -> int:
 def _sample_and_grade(args: argparse.Namespace, problems: list, cfg: Any, out: Path) -> Any:
     """The engine of ``args`` over ``problems`` into ``out``'s completions log (resumed), graded."""
     from ..generation import ServerError
-    from .completions import CompletionLog
-    from .runner import run_evaluation
 
     if args.engine != "server":  # the model folder is named before the tokenizer read from it
         check_model_folder(args.model)
     tokenizer = load_tokenizer(args.tokenizer or args.model)
-    engine = _engine(args, tokenizer)
-    if getattr(engine, "model", None) is not None:  # an in-process engine: every token id has a row
-        check_vocabulary(engine.model, tokenizer, args.tokenizer or args.model)
+    _preflight(
+        args, tokenizer, render_prompts(tokenizer, problems, args.system_prompt, args.think_prefix), out
+    )
     top = next((p for p in (out, *out.parents) if p.parent.exists()), out)  # the top folder made here
     created = None if top.exists() else top
-    with CompletionLog(out, _settings(args, engine)) as completions:
+    try:
+        make_out_dir(out)  # a folder that cannot be made is said before the weights are read
+        engine = _engine(args, tokenizer)  # an in-process engine reads the weights here
+        if getattr(engine, "model", None) is not None:  # the loaded embedding, where config.json did not say
+            check_vocabulary(engine.model, tokenizer, args.tokenizer or args.model)
+        settings = _settings(args, engine.name, engine.precision, getattr(engine, "extra_body", {}))
+        completions = CompletionLog(out, settings)
+    except BaseException:
+        if created is not None:  # a refused start leaves no folder behind
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+    with completions:
         if done := len(completions.done):
             log.info("resuming %s: %d samples already in %s", out, done, completions.path)
         try:
@@ -381,6 +470,56 @@ def _sample_and_grade(args: argparse.Namespace, problems: list, cfg: Any, out: P
             raise
 
 
+def _preflight(args: argparse.Namespace, tokenizer, prompts: dict[str, str], out: Path) -> None:
+    """Every refusal that needs no weights, before any are read: --out (a folder, or one that can be
+    made, and writable), the samples saved there (drawn with these settings and prompts), and for an
+    in-process engine the model's config.json (the tokenizer fits its embedding, the prompts and
+    --max-new-tokens its positions). Writes nothing."""
+    _check_out(out)
+    expected = _expected_settings(args)
+    if expected is not None and out.is_dir():
+        saved = read_saved(out, expected)
+        check_prompts(out / COMPLETIONS_FILE, saved.prompts, prompts)
+    traits = TRAITS.get(args.engine)
+    if traits is None or not traits.in_process:
+        return
+    rows, positions = config_limits(args.model)
+    check_vocabulary_rows(rows, tokenizer, args.tokenizer or args.model)
+    longest = max(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts.values())
+    check_prompt_fits(longest, positions, args.beyond_context)
+    _check_budget(args, positions)
+
+
+def _check_budget(args: argparse.Namespace, positions: int | None) -> None:
+    """A --max-new-tokens past the model's positions (without --beyond-context) is refused when asked
+    for, and said in one warning line when it is the default's or a preset's (each sample stops there)."""
+    if positions is None or args.beyond_context or args.max_new_tokens <= positions:
+        return
+    if args.budget_from == "--max-new-tokens":
+        raise ValueError(
+            f"--max-new-tokens {args.max_new_tokens} is more than the model's {positions} positions "
+            f"(max_position_embeddings in {Path(args.model) / 'config.json'}): a sample stops there "
+            f"whatever the budget; give at most {positions}, or --beyond-context to run past them"
+        )
+    log.warning(
+        "--max-new-tokens %d (%s) is more than the model's %d positions: each sample stops where prompt and "
+        "response reach %d tokens (--beyond-context runs past them)",
+        args.max_new_tokens,
+        args.budget_from,
+        positions,
+        positions,
+    )
+
+
+def _check_out(out: Path) -> None:
+    """--out is a folder, or can be made one, and can be written: checked without making anything."""
+    top = next((p for p in (out, *out.parents) if p.exists() or p.is_symlink()), Path("."))
+    if not top.is_dir():
+        raise ValueError(f"--out {out}: {top} is a file, not a folder")
+    if not os.access(top, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: {top} is not writable (a read-only folder); choose another --out")
+
+
 def _run_benchmark(args: argparse.Namespace) -> int:
     from ..generation import SamplingConfig
     from .tasks import load_problems
@@ -404,7 +543,6 @@ def _run_benchmark(args: argparse.Namespace) -> int:
         args.batch_size,
         beyond_context=args.beyond_context,
     )
-    _check_engine_flags(args)
     result = _sample_and_grade(args, problems, cfg, out)
     result.summary = {"model": str(args.model), "data": str(data), **result.summary}
     result.save(out)

@@ -8,20 +8,25 @@
 and ``<out>/eval_config.json`` the settings the samples were drawn with (``settings``: model, engine,
 task, prompt, decoding). Each record carries the digest of those settings too (``settings``), so the
 completions file alone decides: with ``eval_config.json`` deleted, a rerun with other settings is still
-refused. A rerun of the same command reads both back and generates only the samples that are missing. A rerun with other settings is refused, naming each changed key
+refused, and a rerun with the same settings writes it again and says so (one warning line). A rerun of
+the same command reads both back and generates only the samples that are missing. A rerun with other
+settings is refused, naming each changed key
 (``temperature: 0.65 -> 0.7``), and so is a problem whose rendered prompt differs from the one its
 saved samples answered (changed data, system prompt or chat template): mixing them would score a
 different evaluation. Raising ``n`` (or dropping ``--limit``) is fine: the saved samples are kept and
 the new ones are asked for.
 
 Each line is written with one ``write`` and flushed (``fsync`` too) before the next sample is taken,
-so a killed process leaves at worst one partial last line, which the next run cuts off.
+so a killed process leaves at worst one partial last line, which the next run cuts off. ``read_saved``
+and ``check_prompts`` are the same checks without a write: ``infir2 eval`` makes them before it reads
+any weights, so a refused rerun loads no model and leaves the folder as it was.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import threading
 from collections.abc import Mapping
@@ -34,8 +39,12 @@ __all__ = [
     "CONFIG_FILE",
     "Completion",
     "CompletionLog",
+    "Saved",
     "SettingsChanged",
+    "check_prompts",
+    "make_out_dir",
     "prompt_sha256",
+    "read_saved",
     "settings_digest",
 ]
 
@@ -43,6 +52,8 @@ COMPLETIONS_FILE = "completions.jsonl"
 CONFIG_FILE = "eval_config.json"
 
 Key = tuple[str, int]  # (problem id, sample index)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -68,6 +79,106 @@ def settings_digest(settings: Mapping[str, Any]) -> str:
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
 
 
+@dataclass
+class Saved:
+    """What an evaluation folder holds, read without writing: the finished samples, the prompt digest of
+    each problem's samples, ``rebuilt`` (``eval_config.json`` is missing and every record's settings
+    digest matches the settings asked for) and ``end`` (where a partial last line starts, else None)."""
+
+    done: dict[Key, Completion]
+    prompts: dict[str, str]
+    rebuilt: bool = False
+    end: int | None = None
+
+
+def read_saved(out: Path, settings: Mapping[str, Any]) -> Saved:
+    """The samples saved in ``out``, checked against ``settings``; writes nothing (``infir2 eval`` calls it
+    before any weights are read, ``CompletionLog`` again when it opens the folder).
+
+    ``SettingsChanged`` when ``eval_config.json`` holds other settings (each changed key named) or, with
+    it missing, when a record's settings digest differs or is absent; ``ValueError`` naming the file and
+    line of a record that does not read.
+    """
+    path, config = out / COMPLETIONS_FILE, out / CONFIG_FILE
+    saved = Saved({}, {})
+    if not (path.is_file() and path.stat().st_size > 0):
+        return saved
+    if config.is_file():
+        _check_config(config, settings)
+    raw = path.read_bytes()
+    end = raw.rfind(b"\n") + 1
+    saved.end = end if end < len(raw) else None
+    digest = settings_digest(settings)
+    for lineno, line in enumerate(raw[:end].decode("utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            key = (str(r["id"]), int(r["sample"]))
+            completion = Completion(str(r["completion"]), int(r["n_tokens"]), bool(r["finished"]))
+            sha = str(r["prompt_sha256"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}:{lineno}: not a completion record ({e})") from None
+        _check_record_settings(path, lineno, r.get("settings"), digest, config.is_file())
+        if saved.prompts.setdefault(key[0], sha) != sha:
+            raise ValueError(f"{path}:{lineno}: problem {key[0]!r} has samples of two prompts")
+        saved.done.setdefault(key, completion)  # a duplicate (never written by infir2) keeps the first
+    saved.rebuilt = bool(saved.done) and not config.is_file()
+    return saved
+
+
+def _check_config(path: Path, settings: Mapping[str, Any]) -> None:
+    """Refuse an ``eval_config.json`` of other settings than ``settings``, naming each changed key."""
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))["settings"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not an infir2 evaluation config ({e}); use a new --out") from None
+    changes = [
+        f"{k}: {saved.get(k)!r} -> {settings.get(k)!r}"
+        for k in sorted(saved.keys() | settings.keys())
+        if saved.get(k) != settings.get(k)
+    ]
+    if changes:
+        raise SettingsChanged(
+            f"{path.parent} holds samples drawn with other settings ({'; '.join(changes)}); rerun with the "
+            f"saved settings to resume, or choose a new --out"
+        )
+
+
+def _check_record_settings(path: Path, lineno: int, digest: str | None, expected: str, config: bool) -> None:
+    """A record drawn with other settings (its digest differs) is refused; one written before records
+    carried a digest is accepted only beside a matching ``eval_config.json`` (``config``)."""
+    if digest == expected or (digest is None and config):
+        return
+    why = "other settings" if digest else "settings it does not record, and eval_config.json is missing"
+    raise SettingsChanged(
+        f"{path}:{lineno}: this sample was drawn with {why}; rerun with the settings it was drawn "
+        "with to resume, or choose a new --out"
+    )
+
+
+def check_prompts(path: Path, saved: Mapping[str, str], prompts: Mapping[str, str]) -> None:
+    """Refuse when a problem's prompt (``{id: prompt}``) is not the one its samples saved in ``path``
+    answered (``saved``: ``{id: prompt_sha256}``, as ``Saved.prompts``)."""
+    changed = [pid for pid, prompt in prompts.items() if pid in saved and saved[pid] != prompt_sha256(prompt)]
+    if changed:
+        raise SettingsChanged(
+            f"{path}: the prompts of problem(s) {changed[:3]} differ from those their saved samples "
+            f"answered (changed data, system prompt or chat template); choose a new --out"
+        )
+
+
+def make_out_dir(out: Path) -> None:
+    """``out`` and the folders above it made, or a ``ValueError`` naming --out (a file on the way, a
+    folder that cannot be made)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ValueError(f"--out {out}: it (or a folder above it) is a file, not a folder") from None
+    except OSError as e:
+        raise ValueError(f"--out {out}: cannot create it: {e.strerror}") from None
+
+
 class CompletionLog:
     """The finished samples of one evaluation folder; ``append`` is thread-safe (the server engine's workers call it)."""
 
@@ -76,23 +187,29 @@ class CompletionLog:
         self.path = self.out / COMPLETIONS_FILE
         self.settings = dict(settings)
         self.digest = settings_digest(self.settings)
+        make_out_dir(self.out)
+        saved = read_saved(self.out, self.settings)
+        self.done, self.prompts = saved.done, saved.prompts
         try:
-            self.out.mkdir(parents=True, exist_ok=True)
-        except (FileExistsError, NotADirectoryError):
-            raise ValueError(f"--out {self.out}: it (or a folder above it) is a file, not a folder") from None
-        except OSError as e:
-            raise ValueError(f"--out {self.out}: cannot create it: {e.strerror}") from None
-        self.done: dict[Key, Completion] = {}
-        self.prompts: dict[str, str] = {}  # problem id -> sha256 of the prompt its samples answered
-        if self._check_settings():
-            self._read()
-            self._write_settings()  # the saved samples carry these settings: eval_config.json again
-        else:
-            self._read()
+            if saved.end is not None:  # a partial last line: the previous run was killed while writing it
+                with self.path.open("r+b") as f:
+                    f.truncate(saved.end)
+            if saved.rebuilt:
+                log.warning(
+                    "%s was missing: written again with these settings, the ones the %d samples saved in %s "
+                    "were drawn with (each record's settings digest matches)",
+                    self.out / CONFIG_FILE,
+                    len(self.done),
+                    self.path,
+                )
+            if saved.rebuilt or not self.done:  # the saved samples carry these settings, or none is saved
+                self._write_settings()
+            self._file = self.path.open("a", encoding="utf-8")
+        except OSError as e:  # a read-only folder, said before any sample is drawn
+            raise ValueError(
+                f"--out {self.out}: cannot write {e.filename or self.out}: {e.strerror}"
+            ) from None
         self._lock = threading.Lock()
-        self._file = self.path.open("a", encoding="utf-8")
-
-    # ------------------------------------------------------------------------------------- reading
 
     def _write_settings(self) -> None:
         path = self.out / CONFIG_FILE
@@ -100,80 +217,9 @@ class CompletionLog:
         tmp.write_text(json.dumps({"settings": self.settings}, indent=2) + "\n", encoding="utf-8")
         os.replace(tmp, path)
 
-    def _check_settings(self) -> bool:
-        """Refuse saved samples of other settings; True when ``eval_config.json`` is to be written after
-        the records were read (it is missing while samples exist: their own digests decide)."""
-        path = self.out / CONFIG_FILE
-        samples_saved = self.path.is_file() and self.path.stat().st_size > 0
-        if not samples_saved:
-            self._write_settings()
-            return False
-        if not path.is_file():
-            return True
-        try:
-            saved = json.loads(path.read_text(encoding="utf-8"))["settings"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}: not an infir2 evaluation config ({e}); use a new --out") from None
-        changes = [
-            f"{k}: {saved.get(k)!r} -> {self.settings.get(k)!r}"
-            for k in sorted(saved.keys() | self.settings.keys())
-            if saved.get(k) != self.settings.get(k)
-        ]
-        if changes:
-            raise SettingsChanged(
-                f"{self.out} holds samples drawn with other settings ({'; '.join(changes)}); rerun with the "
-                f"saved settings to resume, or choose a new --out"
-            )
-        return False
-
-    def _read(self) -> None:
-        if not self.path.is_file():
-            return
-        raw = self.path.read_bytes()
-        end = raw.rfind(b"\n") + 1
-        if end < len(raw):  # a partial last line: the previous run was killed while writing it
-            with self.path.open("r+b") as f:
-                f.truncate(end)
-        for lineno, line in enumerate(raw[:end].decode("utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-                key = (str(r["id"]), int(r["sample"]))
-                completion = Completion(str(r["completion"]), int(r["n_tokens"]), bool(r["finished"]))
-                sha = str(r["prompt_sha256"])
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-                raise ValueError(f"{self.path}:{lineno}: not a completion record ({e})") from None
-            self._check_record_settings(r.get("settings"), lineno)
-            if self.prompts.setdefault(key[0], sha) != sha:
-                raise ValueError(f"{self.path}:{lineno}: problem {key[0]!r} has samples of two prompts")
-            self.done.setdefault(key, completion)  # a duplicate (never written by infir2) keeps the first
-
-    def _check_record_settings(self, digest: str | None, lineno: int) -> None:
-        """A record drawn with other settings (its digest differs) is refused; one written before records
-        carried a digest is accepted only beside a matching ``eval_config.json``."""
-        if digest == self.digest:
-            return
-        if digest is None and (self.out / CONFIG_FILE).is_file():
-            return
-        why = "other settings" if digest else "settings it does not record, and eval_config.json is missing"
-        raise SettingsChanged(
-            f"{self.path}:{lineno}: this sample was drawn with {why}; rerun with the settings it was drawn "
-            "with to resume, or choose a new --out"
-        )
-
     def check_prompts(self, prompts: Mapping[str, str]) -> None:
         """Refuse when a problem's prompt (``{id: prompt}``) is not the one its saved samples answered."""
-        changed = [
-            pid
-            for pid, prompt in prompts.items()
-            if pid in self.prompts and self.prompts[pid] != prompt_sha256(prompt)
-        ]
-        if changed:
-            raise SettingsChanged(
-                f"{self.path}: the prompts of problem(s) {changed[:3]} differ from those their saved samples "
-                f"answered (changed data, system prompt or chat template); choose a new --out"
-            )
+        check_prompts(self.path, self.prompts, prompts)
 
     # ------------------------------------------------------------------------------------- writing
 

@@ -20,7 +20,7 @@ import torch
 from ..data.tokens import load_tokens, val_batches
 from ..loss import heldout_loss
 
-__all__ = ["LossResult", "evaluate_loss"]
+__all__ = ["LossResult", "check_loss_inputs", "evaluate_loss"]
 
 
 @dataclass(frozen=True)
@@ -33,17 +33,30 @@ class LossResult:
         return {"loss": self.loss, "perplexity": self.perplexity, "tokens": self.tokens}
 
 
-def _check_window(model: torch.nn.Module, seq_len: int, max_windows: int | None) -> None:
-    """Refuse windows the model cannot score as trained: none at all, or longer than its positions."""
+def check_loss_inputs(
+    token_dir: str | Path,
+    split: str,
+    seq_len: int,
+    max_windows: int | None,
+    vocab: int | None = None,
+    positions: int | None = None,
+) -> None:
+    """Refuse what a model of ``vocab`` token ids and ``positions`` trained positions cannot score: a token
+    file that does not read, no window at all, windows past the positions, token ids past the vocabulary.
+    ``infir2 eval --perplexity`` calls it with config.json's numbers before any weights are read."""
+    tokens = load_tokens(token_dir, split)
     if seq_len < 1:
         raise ValueError(f"seq_len (--seq-len) must be >= 1, got {seq_len}")
     if max_windows is not None and max_windows < 1:
         raise ValueError(f"max_windows (--max-windows) must be >= 1, got {max_windows}")
-    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if isinstance(positions, int) and seq_len > positions:
         raise ValueError(
             f"seq_len (--seq-len) {seq_len} is past the {positions} positions the model was trained for "
             "(max_position_embeddings): its loss there says nothing about the model; shorten it"
+        )
+    if vocab is not None and len(tokens) and int(tokens.max()) >= vocab:
+        raise ValueError(
+            f"{token_dir}/{split}.bin holds token id {int(tokens.max())} >= the model's vocab_size {vocab}"
         )
 
 
@@ -57,13 +70,9 @@ def evaluate_loss(
     fp8: bool = False,
 ) -> LossResult:
     """Token-weighted mean cross-entropy over ``<token_dir>/<split>.bin`` (see the module docstring)."""
-    tokens = load_tokens(token_dir, split)
-    _check_window(model, seq_len, max_windows)
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if vocab is not None and len(tokens) and int(tokens.max()) >= vocab:
-        raise ValueError(
-            f"{token_dir}/{split}.bin holds token id {int(tokens.max())} >= the model's vocab_size {vocab}"
-        )
+    config = getattr(model, "config", None)
+    vocab, positions = getattr(config, "vocab_size", None), getattr(config, "max_position_embeddings", None)
+    check_loss_inputs(token_dir, split, seq_len, max_windows, vocab, positions)
     batches = val_batches(token_dir, seq_len, batch_size, split=split, max_windows=max_windows)
     loss, count = heldout_loss(model, ([mb] for mb in batches), fp8=fp8, progress=True)
     return LossResult(loss=loss, perplexity=math.exp(loss), tokens=count)

@@ -37,7 +37,7 @@ from .completions import Completion, CompletionLog
 from .metrics import avg_at_n, default_ks, pass_at_k
 from .tasks import TASKS, Problem, problems_from_dicts
 
-__all__ = ["EvalResult", "evaluate", "run_evaluation", "sample_seed"]
+__all__ = ["EvalResult", "evaluate", "render_prompts", "run_evaluation", "sample_seed"]
 
 
 @dataclass
@@ -124,7 +124,7 @@ def run_evaluation(
         raise ValueError(f"problems {wrong[:3]} are not of task {task!r}")
     if n < 1 or (cfg.greedy and n != 1):
         raise ValueError(f"n must be >= 1 (and 1 with greedy decoding, which is deterministic), got {n}")
-    prompts = {p.id: render_prompt(tokenizer, p.user_message, system_prompt, think_prefix) for p in problems}
+    prompts = render_prompts(tokenizer, problems, system_prompt, think_prefix)
     done: dict[tuple[str, int], Completion] = {}
     if log is not None:
         log.check_prompts(prompts)
@@ -156,6 +156,13 @@ def run_evaluation(
     if missing := [(pid, s) for _, pid, ss in jobs for s in ss if (pid, s) not in done]:
         raise RuntimeError(f"the {engine.name} engine returned no completion for {missing[:3]}")
     return _report(problems, task, n, cfg, engine, done, fresh, seconds)
+
+
+def render_prompts(
+    tokenizer, problems: Sequence[Problem], system_prompt: str | None, think_prefix: str
+) -> dict[str, str]:
+    """Each problem's prompt text by id (``data.chat.render_prompt``): what every engine is asked."""
+    return {p.id: render_prompt(tokenizer, p.user_message, system_prompt, think_prefix) for p in problems}
 
 
 def sample_seed(seed: int, problem: int, sample: int) -> int:

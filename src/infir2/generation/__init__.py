@@ -2,18 +2,28 @@
 the OpenAI-compatible server client, and the engine registry both ``infir2 eval`` and ``infir2 rl`` read."""
 
 from .base import Engine, Prompt, RolloutEngine, Sample, SamplingConfig, derive_seeds
-from .builtin import BuiltinEngine
+from .builtin import BuiltinEngine, check_prompt_fits, precision_label
 from .fp8_linear import SAME_RECIPE, ServingFp8Linear, serve_fp8
-from .registry import ENGINES, EngineOptions, build_engine, register_engine
+from .registry import (
+    ENGINES,
+    TRAITS,
+    EngineOptions,
+    EngineTraits,
+    build_engine,
+    check_engine,
+    register_engine,
+)
 from .sampler import left_pad, sample_batch
 from .server import ServerConfig, ServerEngine, ServerError, check_server
 
 __all__ = [
     "ENGINES",
     "SAME_RECIPE",
+    "TRAITS",
     "BuiltinEngine",
     "Engine",
     "EngineOptions",
+    "EngineTraits",
     "Prompt",
     "RolloutEngine",
     "Sample",
@@ -23,9 +33,12 @@ __all__ = [
     "ServerError",
     "ServingFp8Linear",
     "build_engine",
+    "check_engine",
+    "check_prompt_fits",
     "check_server",
     "derive_seeds",
     "left_pad",
+    "precision_label",
     "register_engine",
     "sample_batch",
     "serve_fp8",

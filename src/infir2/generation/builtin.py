@@ -30,7 +30,7 @@ from .base import OnSample, Prompt, Sample, SamplingConfig
 from .fp8_linear import ServingFp8Linear, serve_fp8
 from .sampler import sample_batch
 
-__all__ = ["PRECISIONS", "BuiltinEngine", "stops_and_pad"]
+__all__ = ["PRECISIONS", "BuiltinEngine", "check_prompt_fits", "precision_label", "stops_and_pad"]
 
 PRECISIONS = ("high", "fp8", "served")
 
@@ -43,6 +43,17 @@ def stops_and_pad(tokenizer) -> tuple[list[int], int]:
     return stops, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_token_ids(tokenizer)[
         0
     ]
+
+
+def precision_label(precision: str, scale_encoding: str = "pow2", recipes: Sequence[str] = ()) -> str:
+    """What ``BuiltinEngine.precision`` says (the settings a resumed evaluation must match) for
+    ``precision`` (``PRECISIONS``), the served scales and the recipes of the model's ``Fp8Linear`` layers."""
+    names = ", ".join(sorted(set(recipes)))
+    return {
+        "high": "high (fp8 disabled)",
+        "fp8": f"fp8 ({names})" if names else "fp8",
+        "served": f"fp8 served ({scale_encoding} scales)",
+    }[precision]
 
 
 class BuiltinEngine:
@@ -65,12 +76,9 @@ class BuiltinEngine:
         self.name, self.model_precision, self.copy_model = name, model_precision, copy_model
         self.stop_ids, self.pad_id = stops_and_pad(tokenizer)
         self.mode = precision
-        recipes = ", ".join(sorted({m.recipe.name for _, m in fp8_modules(model)}))
-        self.precision = {
-            "high": "high (fp8 disabled)",
-            "fp8": f"fp8 ({recipes})" if recipes else "fp8",
-            "served": f"fp8 served ({scale_encoding} scales)",
-        }[precision]
+        self.precision = precision_label(
+            precision, scale_encoding, [m.recipe.name for _, m in fp8_modules(model)]
+        )
         self.model = copy.deepcopy(model).eval().requires_grad_(False) if copy_model else model
         self.fp8_layers: dict[str, ServingFp8Linear] = {}
         if copy_model or precision == "served":
@@ -140,10 +148,14 @@ class BuiltinEngine:
 
 
 def _check_prompt_lengths(model: nn.Module, prompts: Sequence[Prompt], sampling: SamplingConfig) -> None:
-    """A prompt longer than the model's trained positions is refused (``sampling.beyond_context``: allowed)."""
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    longest = max((len(p.ids) for p in prompts), default=0)
-    if limit is not None and longest >= limit and not sampling.beyond_context:
+    check_prompt_fits(max((len(p.ids) for p in prompts), default=0), limit, sampling.beyond_context)
+
+
+def check_prompt_fits(longest: int, limit: int | None, beyond_context: bool = False) -> None:
+    """A prompt of ``longest`` tokens must leave a position to generate in, of the model's ``limit``
+    (``max_position_embeddings``); ``beyond_context``: run past them (RoPE extrapolation)."""
+    if limit is not None and longest >= limit and not beyond_context:
         raise ValueError(
             f"a prompt of {longest} tokens does not fit the model's {limit} positions (max_position_embeddings): "
             "shorten the problems, or pass --beyond-context (eval) / set model.beyond_context (rl) to run past them"

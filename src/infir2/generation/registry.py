@@ -4,6 +4,12 @@ An entry is a factory ``(name, EngineOptions) -> Engine``. A new engine (a vLLM 
 module with a class that implements ``base.Engine`` and one ``register_engine(NAME, factory)``;
 ``infir2 eval`` then accepts ``--engine NAME`` and ``infir2 rl`` ``rollout.engine: NAME`` (RL needs
 ``returns_ids``: token ids and log-probabilities), with no change to either loop.
+
+``register_engine(NAME, factory, traits)`` may also say what the engine is (``EngineTraits``: in this
+process or not, the precisions it runs, whether it returns token ids), known before it is built:
+``check_engine`` then refuses what it cannot do -- FP8 serving of a server, RL on a text-only engine --
+in one line naming the flag or key, before any weights are read. An engine registered without traits is
+checked when it is built.
 """
 
 from __future__ import annotations
@@ -15,10 +21,19 @@ from typing import Any
 from torch import nn
 
 from .base import Engine
-from .builtin import BuiltinEngine
+from .builtin import PRECISIONS, BuiltinEngine
 from .server import ServerConfig, ServerEngine, check_server
 
-__all__ = ["ENGINES", "EngineFactory", "EngineOptions", "build_engine", "register_engine"]
+__all__ = [
+    "ENGINES",
+    "TRAITS",
+    "EngineFactory",
+    "EngineOptions",
+    "EngineTraits",
+    "build_engine",
+    "check_engine",
+    "register_engine",
+]
 
 
 @dataclass
@@ -54,16 +69,74 @@ def _server(name: str, o: EngineOptions) -> Engine:
     return ServerEngine(o.server, o.tokenizer, name)
 
 
+@dataclass(frozen=True)
+class EngineTraits:
+    """What an engine is, known before it is built (``check_engine``)."""
+
+    in_process: bool  # runs the model in this process (eval: --batch-size, --fp8, --device are its flags)
+    precisions: tuple[str, ...]  # the ``EngineOptions.precision`` values it runs; () = what its server loaded
+    returns_ids: bool  # token ids and log-probabilities (what RL trains on); False: text only
+
+
 #: engine name -> factory. ``local`` is eval's name for the built-in engine (`infir2 eval --engine local`).
 ENGINES: dict[str, EngineFactory] = {"builtin": _builtin, "local": _builtin, "server": _server}
+_IN_PROCESS = EngineTraits(True, PRECISIONS, True)
+#: engine name -> its traits (an engine registered without them is absent)
+TRAITS: dict[str, EngineTraits] = {
+    "builtin": _IN_PROCESS,
+    "local": _IN_PROCESS,
+    "server": EngineTraits(False, (), False),
+}
 
 
-def register_engine(name: str, factory: EngineFactory) -> None:
-    """Add an engine under ``name`` (or replace one): eval's ``--engine`` and RL's ``rollout.engine`` take it."""
+_PRECISION_WORDS = {"fp8": "a training recipe's FP8", "served": "FP8 serving (the FP8 export's weights)"}
+
+
+def register_engine(name: str, factory: EngineFactory, traits: EngineTraits | None = None) -> None:
+    """Add an engine under ``name`` (or replace one): eval's ``--engine`` and RL's ``rollout.engine`` take it.
+    ``traits``: what it is, so that ``check_engine`` refuses what it cannot do before it is built."""
     ENGINES[name] = factory
+    if traits is None:
+        TRAITS.pop(name, None)
+    else:
+        TRAITS[name] = traits
+
+
+def check_engine(
+    name: str,
+    key: str,
+    precision: str = "high",
+    precision_key: str = "",
+    needs_ids: bool = False,
+) -> EngineTraits | None:
+    """Refuse, in one line naming ``key`` (the engine's flag or config key) or ``precision_key``, an engine
+    that is not registered, or one whose traits say it cannot run ``precision`` or return token ids
+    (``needs_ids``). Returns its traits (None: registered without them, checked when built)."""
+    if name not in ENGINES:
+        raise ValueError(
+            f"{key}: got {name!r}, expected one of {', '.join(ENGINES)} (the registered engines)"
+        )
+    traits = TRAITS.get(name)
+    if traits is None:
+        return None
+    if needs_ids and not traits.returns_ids:
+        raise ValueError(
+            f"{key}: the {name} engine returns text only; RL trains on the engine's token ids and "
+            f"log-probabilities (use an in-process engine: {', '.join(n for n, t in TRAITS.items() if t.returns_ids)})"
+        )
+    if precision != "high" and precision not in traits.precisions:
+        runs = (
+            f"runs only {', '.join(traits.precisions)}"
+            if traits.precisions
+            else "runs the precision its server loaded (serve the FP8 export of `infir2 export --format fp8` for FP8)"
+        )
+        raise ValueError(
+            f"{precision_key or key}: the {name} engine cannot run "
+            f"{_PRECISION_WORDS.get(precision, repr(precision))}: it {runs}"
+        )
+    return traits
 
 
 def build_engine(name: str, options: EngineOptions) -> Engine:
-    if name not in ENGINES:
-        raise ValueError(f"unknown engine {name!r}: expected one of {', '.join(ENGINES)}")
+    check_engine(name, "engine", options.precision)
     return ENGINES[name](name, options)

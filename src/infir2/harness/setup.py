@@ -27,8 +27,11 @@ from ..data import folder_model_type, load_tokenizer
 from ..fp8 import get_recipe
 from ..model import (
     build_from_config,
+    check_experts,
     check_model_folder,
     check_vocabulary,
+    check_vocabulary_rows,
+    config_limits,
     load_pretrained,
     prepare_for_training,
 )
@@ -40,10 +43,13 @@ log = logging.getLogger(__name__)
 
 
 def check_model_inputs(cfg: Any) -> None:
-    """``model.path`` is a model folder and ``model.tokenizer`` a folder (each error names its key)."""
+    """``model.path`` is a model folder whose experts the FP8 recipe can run (``model.check_experts``) and
+    ``model.tokenizer`` a folder (each error names its key)."""
     m = cfg.model
     if m.path:
         check_model_folder(m.path)
+        if (recipe := get_recipe(cfg.fp8.recipe)).enabled:
+            check_experts(m.path, recipe.name)  # before any weights are read
     if m.tokenizer and not Path(m.tokenizer).is_dir():
         raise FileNotFoundError(
             f"model.tokenizer: tokenizer folder not found: {m.tokenizer} (`infir2 demo "
@@ -102,8 +108,11 @@ def setup_model(
             "model.precision=bf16 on a CPU: most CPUs have no fast bf16 (often 10-100x slower); "
             "fp32 is the CPU baseline (--set model.precision=fp32)"
         )
+    where = cfg.model.tokenizer or cfg.model.path or "model.tokenizer"
+    if model is None and cfg.model.path:  # the tokenizer against config.json, before any weights are read
+        check_vocabulary_rows(config_limits(cfg.model.path)[0], tokenizer, where)
     model = model if model is not None else build_model(cfg, tokenizer)
-    check_vocabulary(model, tokenizer, cfg.model.tokenizer or cfg.model.path or "model.tokenizer")
+    check_vocabulary(model, tokenizer, where)
     warn_router_loss(model)
     recipe = get_recipe(cfg.fp8.recipe)  # the config's name, resolved once (validated by check_shared)
     master_dtype = torch.float64 if cfg.model.precision == "fp64" else torch.float32

@@ -11,6 +11,7 @@ from .convert import (
     fp8_enabled,
     fp8_modules,
     fp8_weight_names,
+    unrecognised_experts,
     why_high_precision,
 )
 from .linear import Fp8Linear
@@ -29,5 +30,6 @@ __all__ = [
     "fp8_modules",
     "fp8_weight_names",
     "recompute_swiglu",
+    "unrecognised_experts",
     "why_high_precision",
 ]

@@ -56,6 +56,7 @@ __all__ = [
     "fp8_modules",
     "fp8_weight_names",
     "link_fsdp_params",
+    "unrecognised_experts",
     "why_high_precision",
 ]
 
@@ -268,6 +269,20 @@ def _select_experts(
             chosen.append(fqn)
     _routers_without_experts(model, kept)
     return chosen
+
+
+def unrecognised_experts(model: nn.Module) -> list[tuple[str, str]]:
+    """(fqn, why) of each MoE module of ``model`` whose experts ``convert_to_fp8`` cannot run in FP8 (they
+    stay high precision, with a warning): 3-D expert weights of another layout, or a router without an
+    experts module beside it. Reads only the module tree (a model built on the meta device will do)."""
+    kept: dict[str, list[str]] = defaultdict(list)
+    _select_experts(model, None, kept)
+    return [
+        (fqn, reason.removeprefix(f"{_UNRECOGNISED}: "))
+        for reason, fqns in kept.items()
+        if reason.startswith(_UNRECOGNISED)
+        for fqn in fqns
+    ]
 
 
 def _routers_without_experts(model: nn.Module, kept: dict[str, list[str]]) -> None:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..eval.tasks import GRADERS, TASKS
-from ..generation import ENGINES, SAME_RECIPE
+from ..generation import SAME_RECIPE, check_engine
 from ..harness.config import (
     OptimConfig,
     StageConfig,
@@ -208,8 +208,12 @@ def _check(cfg: RLConfig, source: str) -> None:
 
 def _check_names(cfg: RLConfig, source: str) -> None:
     """The registry names: engine, task, reward (and a task's grader that fits its task)."""
+    precision = "served" if cfg.rollout.precision == "fp8" else "high"
+    try:  # a registered engine that can roll out at rollout.precision, with token ids
+        check_engine(cfg.rollout.engine, "rollout.engine", precision, "rollout.precision", needs_ids=True)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
     for key, value, names in (
-        ("rollout.engine", cfg.rollout.engine, ENGINES),
         ("data.task", cfg.data.task, TASKS),
         ("algo.reward", cfg.algo.reward, GRADERS),
     ):

@@ -66,7 +66,7 @@ from ..harness.optim import build_optimizer
 from ..harness.resume import PendingSave, export_final, restore, save
 from ..harness.run import open_run
 from ..harness.setup import check_model_inputs, load_run_tokenizer, setup_model
-from ..model import check_context
+from ..model import check_context, check_positions, config_limits
 from .algorithm import group_advantages
 from .batch import RLBatch
 from .collect import collect_groups, completion_text, share
@@ -176,9 +176,12 @@ def _setup(
             built["ref"] = copy.deepcopy(whole).eval().requires_grad_(False)
 
     prompt_ids, val_ids = _encode(tokenizer, problems), _encode(tokenizer, val)
-    model = setup_model(cfg, env, model, tokenizer, before_shard)
     longest = max(map(len, prompt_ids + val_ids), default=0)
     key = f"the longest prompt ({longest} tokens) + rollout.max_new_tokens ({cfg.rollout.max_new_tokens})"
+    if model is None and cfg.model.path:  # against config.json, before any weights are read
+        positions = config_limits(cfg.model.path)[1]
+        check_positions(positions, longest + cfg.rollout.max_new_tokens, key, cfg.model.beyond_context)
+    model = setup_model(cfg, env, model, tokenizer, before_shard)
     check_context(model, longest + cfg.rollout.max_new_tokens, key, cfg.model.beyond_context)
     seed = cfg.data.seed if cfg.data.seed is not None else cfg.run.seed
     data = RolloutData(
