@@ -465,7 +465,7 @@ def plan(
     the activations and logits of ``seq_len / context`` tokens, plus every layer's keys and values
     gathered over the whole sequence (``context_kv_bytes``); FSDP still shards over all ``gpus``.
     """
-    from ..chunked_loss import use_chunked_loss
+    from ..loss.scorer import chunk_tokens_for
 
     if device not in DEVICES:
         raise ValueError(f"device: expected one of {', '.join(DEVICES)}, got {device!r}")
@@ -487,7 +487,7 @@ def plan(
     activations += tokens * (shape.hidden * 2 * FP32_BYTES + 8) + rotary
     kv_layers = 1 if activation_checkpointing else shape.layers  # checkpointed: one layer's, recomputed
     activations += kv_layers * context_kv_bytes(shape, seq_len * micro_batch, context, cpu)
-    chunk = use_chunked_loss(loss_chunk_tokens, tokens, shape.vocab)
+    chunk = chunk_tokens_for(loss_chunk_tokens, tokens, shape.vocab)
     if chunk is None:
         saved, backward = (
             tokens * shape.vocab * PLAIN_LOGITS_SAVED,
