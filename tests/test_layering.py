@@ -45,7 +45,7 @@ ALLOWED: dict[str, set[str]] = {
     "tools.bench": {"data", "fp8", "kernels", "model", "nn", "train", "tools.paired"},
     "tools.demo": {"data", "eval", "fp8", "tools.bench", "tools.paired", "train"},
     "tools.memory": {"fp8", "nn"},
-    "tools.plan": {"fp8", "loss", "tools.memory"},
+    "tools.plan": {"fp8", "loss", "rl", "tools.memory", "train"},
     "tools.numerics": {"nn"},  # infir2 numerics: reads a run's telemetry keys
     "tools.wire_bytes": {"nn"},  # FSDP2 byte counters for benchmarks
     "cli": set(),  # cli imports its subcommands lazily by name (importlib), never statically
