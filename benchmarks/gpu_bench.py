@@ -509,14 +509,14 @@ def phase_moe(device: torch.device, sizes: Sizes, backends: list[str], entry: di
 def _train_step(model: Any, ids: torch.Tensor, opt: torch.optim.Optimizer, device: torch.device) -> None:
     """One step as the trainer runs it: quantized weights cached for the step, bf16 autocast around the
     forward, the chunked loss (no [tokens, vocab] logits), then AdamW."""
-    from infir2.chunked_loss import lm_loss_sum, use_chunked_loss
+    from infir2.loss import chunk_tokens_for, lm_loss_sum
     from infir2.model import autocast
     from infir2.nn import cache_fp8_weights
 
     tokens, vocab = ids.numel(), model.config.vocab_size
     with cache_fp8_weights(model):
         with autocast("bf16", device):
-            loss = lm_loss_sum(model, ids, ids, chunk_tokens=use_chunked_loss("auto", tokens, vocab)) / tokens
+            loss = lm_loss_sum(model, ids, ids, chunk_tokens=chunk_tokens_for("auto", tokens, vocab)) / tokens
         loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)

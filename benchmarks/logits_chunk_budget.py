@@ -1,6 +1,6 @@
 """Chunk size of the LM-head loss against its speed and memory: `train.loss_chunk_tokens: auto` picks it.
 
-The chunked loss (``infir2.chunked_loss``) makes one ``[chunk, V]`` fp32 logits block at a time, so its
+The chunked loss (``infir2.loss.scorer``) makes one ``[chunk, V]`` fp32 logits block at a time, so its
 memory falls with the chunk while the number of GEMM launches grows. Each chunk size runs in its own
 subprocess (one high-water mark cannot hide another): summed CE + backward of ``hidden [T,H] @
 lm_head [V,H].T``, ``--repeats`` times after one warm-up; the table gives the best time, the RSS high-
@@ -26,7 +26,7 @@ GIB = 2**30
 def child(tokens: int, vocab: int, hidden: int, chunk: int, repeats: int) -> dict:
     import torch
 
-    from infir2.chunked_loss import chunked_linear_cross_entropy
+    from infir2.loss import linear_cross_entropy_sum
 
     torch.manual_seed(0)
     h = torch.randn(tokens, hidden).requires_grad_()
@@ -37,7 +37,7 @@ def child(tokens: int, vocab: int, hidden: int, chunk: int, repeats: int) -> dic
     for _ in range(repeats + 1):  # the first is a warm-up
         h.grad = w.grad = None
         t0 = time.perf_counter()
-        chunked_linear_cross_entropy(h, w, labels, -100, chunk).backward()
+        linear_cross_entropy_sum(h, w, labels, -100, chunk).backward()
         times.append(time.perf_counter() - t0)
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {
@@ -62,7 +62,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.tokens, args.vocab, args.hidden, args.child, args.repeats)))
         return
-    from infir2.chunked_loss import use_chunked_loss
+    from infir2.loss import chunk_tokens_for
 
     rows = []
     for chunk in map(int, args.chunks.split(",")):
@@ -70,7 +70,7 @@ def main() -> None:
         rows.append(child_json(__file__, f"chunk {chunk}", str(chunk), **flags))
     print(
         f"T={args.tokens} V={args.vocab} H={args.hidden} fp32; chunked CE + backward, best of {args.repeats}; "
-        f"auto picks chunk {use_chunked_loss('auto', args.tokens, args.vocab)}"
+        f"auto picks chunk {chunk_tokens_for('auto', args.tokens, args.vocab)}"
     )
     print(
         f"{'chunk':>6}{'chunk logits GiB':>18}{'seconds':>9}{'time/ref':>10}{'RSS above setup GiB':>21}"

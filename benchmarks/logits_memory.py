@@ -29,7 +29,7 @@ def child(variant: str, tokens: int, vocab: int, hidden: int, chunk: int, max_gi
     import torch
     import torch.nn.functional as F
 
-    from infir2.chunked_loss import chunked_linear_cross_entropy
+    from infir2.loss import linear_cross_entropy_sum
 
     torch.manual_seed(0)
     h = torch.randn(tokens, hidden).requires_grad_()
@@ -41,7 +41,7 @@ def child(variant: str, tokens: int, vocab: int, hidden: int, chunk: int, max_gi
     if variant == "plain":
         loss = F.cross_entropy((h @ w.t()).float(), labels, ignore_index=-100, reduction="sum")
     else:
-        loss = chunked_linear_cross_entropy(h, w, labels, -100, chunk)
+        loss = linear_cross_entropy_sum(h, w, labels, -100, chunk)
     loss.backward()
     seconds = time.perf_counter() - t0
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

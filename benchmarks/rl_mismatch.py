@@ -25,7 +25,8 @@ from infir2.eval import load_problems
 from infir2.generation import BuiltinEngine, RolloutEngine, SamplingConfig
 from infir2.model import load_pretrained, prepare_for_training
 from infir2.rl.algorithm import mismatch_metrics
-from infir2.rl.loop import sequence_logprobs
+from infir2.rl.batch import RLBatch
+from infir2.rl.update import response_logprobs
 
 PAIRS = "bf16:bf16,fp8:bf16,bf16:blockwise,fp8:blockwise,fp8:blockwise_fp32scale"
 
@@ -44,14 +45,10 @@ def measure(
     with torch.no_grad():
         for start in range(0, len(flat), 64):
             chunk = flat[start : start + 64]
-            logp, _mask, _ = sequence_logprobs(
-                policy,
-                [p for p, _ in chunk],
-                [r.response_ids for _, r in chunk],
-                tok.pad_token_id,
-                1.0,
-                "fp32",
+            batch = RLBatch.of_responses(
+                [p for p, _ in chunk], [r.response_ids for _, r in chunk], tok.pad_token_id
             )
+            logp, _ = response_logprobs(policy, batch.rows(list(range(len(batch)))), 1.0, "fp32")
             for i, (_, r) in enumerate(chunk):
                 logps.append(logp[i, : len(r.logprobs)])
                 rolls.append(torch.tensor(r.logprobs))

@@ -360,8 +360,7 @@ def _rank_saved_bytes(degree: int, monkeypatch) -> tuple[int, Any]:
         prepare_for_training(tiny, get_recipe("blockwise"), None, False, True), None
     )
     mb = shard_micro_batch(packed_rows(0)[0], degree - 1, degree)
-    from infir2.chunked_loss import lm_loss_sum
-    from infir2.loss import shard_context
+    from infir2.loss import lm_loss_sum, shard_context
 
     with cache_fp8_weights(net), shard_context(mb):
         loss = lm_loss_sum(

@@ -22,8 +22,7 @@ ALLOWED: dict[str, set[str]] = {
     "nn": {"fp8", "kernels"},
     "data": {"fp8"},  # data.context: shards start on multiples of fp8.formats.BLOCK
     "model": {"fp8", "nn"},
-    "chunked_loss": set(),  # the chunked linear + cross-entropy (torch only)
-    "loss": {"chunked_loss", "data", "model", "nn"},  # the next-token loss shared by train and eval
+    "loss": {"data", "model", "nn"},  # the token scorer and next-token loss shared by train, eval and rl
     "checkpoint": {"nn"},  # the folder, the full and the sharded format (FP8 gather wrappers unwrapped)
     "export": {"data", "fp8", "nn"},
     # engines, the KV-cache sampler, the FP8 serving linear, the server client: below eval and rl
@@ -39,14 +38,14 @@ ALLOWED: dict[str, set[str]] = {
         "model",
         "nn",
     },  # peers on the harness: neither imports the other
-    "rl": {"data", "eval", "generation", "harness", "model"},
+    "rl": {"data", "eval", "generation", "harness", "loss", "model"},
     # tools/: each subpackage or module is a layer of its own (tools.<name>), above the library
     "tools": set(),
     "tools.paired": set(),  # paired-seed statistics shared by demo and bench (floats only)
     "tools.bench": {"data", "fp8", "kernels", "model", "nn", "train", "tools.paired"},
     "tools.demo": {"data", "eval", "fp8", "tools.bench", "tools.paired", "train"},
     "tools.memory": {"fp8", "nn"},
-    "tools.plan": {"chunked_loss", "fp8", "tools.memory"},
+    "tools.plan": {"fp8", "loss", "rl", "tools.memory", "train"},
     "tools.numerics": {"nn"},  # infir2 numerics: reads a run's telemetry keys
     "tools.wire_bytes": {"nn"},  # FSDP2 byte counters for benchmarks
     "cli": set(),  # cli imports its subcommands lazily by name (importlib), never statically

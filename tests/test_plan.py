@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conftest import make_tiny_model
-from infir2.chunked_loss import lm_loss_sum
 from infir2.cli import main
 from infir2.harness.optim import build_optimizer
+from infir2.loss import lm_loss_sum
 from infir2.nn import cache_fp8_weights, convert_to_fp8, recompute_swiglu
 from infir2.tools.memory import saved_in_graph
 from infir2.tools.plan import MODELS, ModelShape, load_shape, plan

@@ -15,7 +15,8 @@ from infir2.export import export_model
 from infir2.generation import BuiltinEngine, RolloutEngine, SamplingConfig, derive_seeds
 from infir2.model import prepare_for_training
 from infir2.rl.algorithm import mismatch_metrics
-from infir2.rl.loop import sequence_logprobs
+from infir2.rl.batch import RLBatch
+from infir2.rl.update import response_logprobs
 
 pytestmark = pytest.mark.transformers_api  # CI runs this file again under the oldest transformers
 
@@ -98,9 +99,12 @@ def _mismatch(recipe: str, rollout: str, tok) -> dict[str, float]:
     groups = engine.generate(prompts, 3, seed=1)
     flat = [(prompts[i], r) for i, g in enumerate(groups) for r in g]
     with torch.no_grad():
-        logp, mask, _ = sequence_logprobs(
-            policy, [p for p, _ in flat], [r.response_ids for _, r in flat], tok.pad_token_id, 1.0, "fp32"
+        batch = RLBatch.of_responses(
+            [p for p, _ in flat], [r.response_ids for _, r in flat], tok.pad_token_id
         )
+        rows = batch.rows(list(range(len(batch))))
+        logp, _ = response_logprobs(policy, rows, 1.0, "fp32")
+        mask = rows.response_mask
     roll = torch.zeros_like(logp)
     for i, (_, r) in enumerate(flat):
         roll[i, : len(r.logprobs)] = torch.tensor(r.logprobs)

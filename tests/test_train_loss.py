@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import make_tiny_model
-from infir2.chunked_loss import AUTO_CHUNK_BYTES, chunked_linear_cross_entropy, lm_loss_sum, use_chunked_loss
+from infir2.loss import AUTO_CHUNK_BYTES, chunk_tokens_for, linear_cross_entropy_sum, lm_loss_sum
 
 IGNORE = -100
 
@@ -30,7 +30,7 @@ def _reference(h, w, labels):
 @pytest.mark.parametrize("chunk", [1, 8, 37, 100])
 def test_fp32_loss_and_grads_match_plain_cross_entropy(chunk: int) -> None:
     h, w, labels = _inputs(torch.float32)
-    loss = chunked_linear_cross_entropy(h, w, labels, IGNORE, chunk)
+    loss = linear_cross_entropy_sum(h, w, labels, IGNORE, chunk)
     loss.backward()
     h2, w2 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     ref = _reference(h2, w2, labels)
@@ -45,7 +45,7 @@ def test_bf16_inputs_as_close_to_exact_as_the_plain_bf16_path() -> None:
     """bf16 hidden/weight: the loss equals the unchunked bf16 GEMM + fp32 upcast + F.cross_entropy;
     the gradients are no further from the fp64 gradients (of the same bf16 inputs) than its are."""
     h, w, labels = _inputs(torch.bfloat16, tokens=64)
-    loss = chunked_linear_cross_entropy(h, w, labels, IGNORE, 16)
+    loss = linear_cross_entropy_sum(h, w, labels, IGNORE, 16)
     loss.backward()
     h2, w2 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     plain = F.cross_entropy((h2 @ w2.t()).float(), labels, ignore_index=IGNORE, reduction="sum")
@@ -62,7 +62,7 @@ def test_bf16_inputs_as_close_to_exact_as_the_plain_bf16_path() -> None:
 def test_all_ignored_gives_zero_loss_and_grads() -> None:
     h, w, labels = _inputs(torch.float32)
     labels[:] = IGNORE
-    loss = chunked_linear_cross_entropy(h, w, labels, IGNORE, 8)
+    loss = linear_cross_entropy_sum(h, w, labels, IGNORE, 8)
     loss.backward()
     assert loss.item() == 0.0 and h.grad.abs().max() == 0 and w.grad.abs().max() == 0
 
@@ -90,22 +90,22 @@ def test_lm_loss_sum_matches_the_model_logits(tied: bool) -> None:
         torch.testing.assert_close(g_chunked[name], g_plain[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_use_chunked_loss_setting() -> None:
-    assert use_chunked_loss(None, 10**6, 10**6) is None
-    assert use_chunked_loss(0, 10**6, 10**6) is None
-    assert use_chunked_loss(512, 4, 4) == 512
-    assert use_chunked_loss("auto", 8192, 151936) is not None  # 5 GB of fp32 logits
-    assert use_chunked_loss("auto", 256, 300) is None
+def test_chunk_tokens_for_setting() -> None:
+    assert chunk_tokens_for(None, 10**6, 10**6) is None
+    assert chunk_tokens_for(0, 10**6, 10**6) is None
+    assert chunk_tokens_for(512, 4, 4) == 512
+    assert chunk_tokens_for("auto", 8192, 151936) is not None  # 5 GB of fp32 logits
+    assert chunk_tokens_for("auto", 256, 300) is None
     with pytest.raises(ValueError, match="loss_chunk_tokens"):
-        use_chunked_loss(-1, 4, 4)
+        chunk_tokens_for(-1, 4, 4)
 
 
 @pytest.mark.parametrize("vocab", [300, 32000, 151936, 262144, 10**6])
 def test_auto_keeps_one_chunks_logits_bounded_whatever_the_vocabulary(vocab) -> None:
     """The largest fp32 logits block the loss makes (a chunk, or the whole micro-batch) stays under the budget."""
     for tokens in (1, 128, 2048, 8192, 32768, 131072):
-        chunk = use_chunked_loss("auto", tokens, vocab)
+        chunk = chunk_tokens_for("auto", tokens, vocab)
         block = tokens if chunk is None else min(chunk, tokens)
         assert block * vocab * 4 <= max(AUTO_CHUNK_BYTES, vocab * 4), (tokens, chunk)  # >= one token's row
         assert chunk is None or chunk < tokens  # chunked only when the whole logits would not fit
-    assert use_chunked_loss("auto", 8192, 151936) == 441  # 256 MiB / (151936 * 4 bytes)
+    assert chunk_tokens_for("auto", 8192, 151936) == 441  # 256 MiB / (151936 * 4 bytes)

@@ -153,6 +153,15 @@ class RLBatch:
             torch.tensor([not (mask_unfinished and not g.finished[j]) for g, j in rows]),
         )
 
+    @classmethod
+    def of_responses(cls, prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> RLBatch:
+        """One row per ``(prompts[i], responses[i])``, ungraded (advantage 0): to score given responses."""
+        groups = [
+            Group(i, [len(y)], [True], [0.0], [0.0], [list(y)], torch.zeros(1, len(y)))
+            for i, y in enumerate(responses)
+        ]
+        return cls.build([list(p) for p in prompts], groups, torch.zeros(len(groups), 1), False, pad_id)
+
     def rows(self, index: list[int]) -> Rows:
         """The micro-batch of rows ``index``, trimmed to its own widths."""
         idx = torch.tensor(index)

@@ -73,7 +73,7 @@ from .collect import collect_groups, completion_text, share
 from .config import MEANINGFUL, RLConfig, tis_mode
 from .prompts import PromptStream
 from .state import RLState, RolloutData, Run
-from .update import my_micro_batches, plan_batches, score, sequence_logprobs, update
+from .update import my_micro_batches, plan_batches, score, update
 
 __all__ = [
     "RLResult",
@@ -83,7 +83,6 @@ __all__ = [
     "my_micro_batches",
     "plan_batches",
     "rl",
-    "sequence_logprobs",
     "share",
 ]
 

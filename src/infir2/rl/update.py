@@ -10,74 +10,47 @@ plan on every rank and for any world size (``rl/loop.py``'s module doc).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..harness.distributed import all_reduce_max, all_reduce_sum
 from ..harness.guards import clip_grad_norm
+from ..loss import score_tokens
 from ..model import autocast
 from .algorithm import mismatch_from_sums, mismatch_sums, policy_loss, tis_weights
-from .batch import Group, RLBatch, Rows
+from .batch import RLBatch, Rows
 from .config import tis_mode
 from .state import Run
 
-__all__ = ["Plan", "my_micro_batches", "plan_batches", "score", "sequence_logprobs", "update"]
+__all__ = ["Plan", "my_micro_batches", "plan_batches", "response_logprobs", "score", "update"]
 
 
-def _response_logprobs(
-    model: nn.Module,
-    ids: torch.Tensor,
-    mask: torch.Tensor,
-    r: int,
-    temperature: float,
-    precision: str,
-    entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``log softmax(logits / T)`` of the last ``r`` tokens of ``ids`` ``[B, P + R]`` given what precedes."""
-    device = next(model.parameters()).device
-    ids, mask = ids.to(device), mask.to(device)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    with autocast(precision, device):
-        logits = model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=r + 1
-        ).logits
-    logp_all = F.log_softmax(logits[:, :-1].float() / temperature, dim=-1)  # [B, R, V]
-    logp = logp_all.gather(-1, ids[:, -r:, None]).squeeze(-1)
-    ent = -(logp_all.exp() * logp_all).sum(-1).detach() if entropy else None
-    return logp, ent
-
-
-def sequence_logprobs(
-    model: nn.Module,
-    prompts: Sequence[list[int]],
-    responses: Sequence[list[int]],
-    pad_id: int,
-    temperature: float,
-    precision: str,
-    entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``[B, R]`` logp, response mask and entropy of each response token given its prompt, laid out as the
-    engine generates (prompt left-padded, response right-padded, positions from the first real token)."""
-    groups = [
-        Group(i, [len(y)], [True], [0.0], [0.0], [list(y)], torch.zeros(1, len(y)))
-        for i, y in enumerate(responses)
-    ]
-    adv = torch.zeros(len(groups), 1, dtype=torch.float64)
-    batch = RLBatch.build([list(p) for p in prompts], groups, adv, False, pad_id)
-    rows = batch.rows(list(range(len(batch))))
-    logp, ent = _logprobs_of(model, rows, temperature, precision, entropy)
-    return logp, rows.response_mask.to(logp.device), ent
-
-
-def _logprobs_of(
+def response_logprobs(
     model: nn.Module, rows: Rows, temperature: float, precision: str, entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[B, R]`` log-probabilities (and entropies) of each response token of ``rows`` at ``temperature``
+    given what precedes, laid out as the engine generates (prompt left-padded, response right-padded,
+    positions from the first real token): the loss layer's token scorer (``loss.score_tokens``), chunked
+    over the response tokens when their fp32 logits would exceed its budget. fp32 (the batch's dtype), also
+    for an fp64 model (scored in fp64, then rounded)."""
+    device = next(model.parameters()).device
+    ids, mask = rows.ids.to(device), rows.attention_mask.to(device)
     r = rows.response_mask.shape[1]
-    return _response_logprobs(model, rows.ids, rows.attention_mask, r, temperature, precision, entropy)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with autocast(precision, device):
+        logp, ent = score_tokens(
+            model,
+            ids,
+            ids[:, -r:],
+            r,
+            attention_mask=mask,
+            position_ids=positions,
+            temperature=temperature,
+            entropy=entropy,
+        )
+    return logp.float(), None if ent is None else ent.float()
 
 
 def _chunks(items: list[Any], size: int) -> list[list[Any]]:
@@ -112,7 +85,7 @@ def score(run: Run, batch: RLBatch, plan: Plan) -> dict[str, float]:
     for mini in plan:
         for micro in my_micro_batches(mini, env.rank, env.world_size):
             rows = batch.rows(micro or mini[0])
-            logp, ent = _logprobs_of(run.model, rows, temperature, precision, entropy=True)
+            logp, ent = response_logprobs(run.model, rows, temperature, precision, entropy=True)
             if micro is None:  # the padding forward: same collectives, nothing kept
                 continue
             mask = rows.response_mask.to(logp.device)
@@ -122,7 +95,7 @@ def score(run: Run, batch: RLBatch, plan: Plan) -> dict[str, float]:
             old = logp.masked_fill(~real, 0).cpu()
             batch.old_logp[rows.index, : old.shape[1]] = old
             if run.ref is not None:
-                ref = _logprobs_of(run.ref, rows, temperature, precision)[0]
+                ref = response_logprobs(run.ref, rows, temperature, precision)[0]
                 batch.ref_logp[rows.index, : old.shape[1]] = ref.masked_fill(~real, 0).cpu()
             tis = tis_weights(old, rows.rollout_logp, tis_mode(cfg), cfg.algo.tis_cap)
             batch.tis[rows.index, : old.shape[1]] = tis.masked_fill(~real.cpu(), 0)
@@ -145,7 +118,7 @@ def _micro_loss(run: Run, batch: RLBatch, mini: list[list[int]], micro: list[int
     """The summed token loss and statistics of ``micro`` (None: a forward of zero weight on ``mini[0]``)."""
     a = run.cfg.algo
     rows = batch.rows(micro or mini[0])
-    logp, _ = _logprobs_of(run.model, rows, run.cfg.rollout.temperature, run.cfg.model.precision)
+    logp, _ = response_logprobs(run.model, rows, run.cfg.rollout.temperature, run.cfg.model.precision)
     dev = logp.device
     mask = rows.response_mask.to(dev) * (rows.keep.float() * float(micro is not None)).to(dev)[:, None]
     old = rows.old_logp.to(dev) if micro else logp.detach()

@@ -45,6 +45,26 @@ warning (``unmodelled``): DeepSeek-V3's latent attention (MLA) and the dense MLP
 model (DeepSeek-V3's first three, Qwen-MoE's ``mlp_only_layers``): every layer is planned as an MoE
 layer.
 
+**An RL step** (``--rl CONFIG``: a shipped RL config's name or a YAML file; the model shape is the
+positional model, else ``model.path``'s ``config.json``): ``rollout.batch_size`` responses generated
+together, then the old / reference scoring and the update over ``algo.micro_batch_size`` sequences of
+``--prompt-len`` + ``rollout.max_new_tokens`` tokens, with ``fp8.recipe``, ``model.precision``,
+``model.activation_checkpointing`` and ``optim.state_dtype`` as the config says, FSDP2 over ``--gpus``.
+Besides the training terms above (the update's micro-batch, its logits those of the chunked token
+scorer) it counts:
+
+* reference    the KL reference (``algo.kl_coef > 0``): a whole fp32 copy of the model on every rank
+* engine       the rollout engine's copy (``rollout.precision: fp8``: the FP8 export's projections, 1 byte
+               per weight + a 128x128 block's fp32 scale, the rest fp32; ``bf16``: a whole fp32 copy)
+* kv cache     ``rollout.batch_size`` x (``--prompt-len`` + ``max_new_tokens``) keys and values of every
+               layer (bf16 on GPUs, fp32 on CPUs), plus one layer's more while it grows
+* scoring      the no-grad scoring of one micro-batch: its final hidden states and two ``[chunk, V]`` fp32
+               blocks of the token scorer (``loss.scorer.chunk_tokens_for``, the 256 MiB budget)
+
+The three phases peak apart (rollout: the weights, optimizer state and KV cache; scoring; the update:
+the training plan), over the resident weights, the reference and the engine, and the plan says
+plainly when the largest does not fit the ``--gpu`` it names.
+
 Every term is an estimate of allocated tensor bytes (no allocator fragmentation, no CUDA context, no
 NCCL buffers); ``tests/test_plan.py`` checks the parameter, gradient, optimizer, activation and
 logits terms against bytes measured on tiny models.
@@ -54,6 +74,7 @@ logits terms against bytes measured on tiny models.
     infir2 plan qwen3-30b-a3b --gpus 8 --seq-len 32768 --activation-checkpointing --gpu h200
     infir2 plan path/to/config.json --gpus 4 --seq-len 32768 --recipe blockwise --state-dtype bf16 \\
         --activation-checkpointing --loss-chunk-tokens auto
+    infir2 plan qwen2.5-7b --rl qwen2.5-7b-rl --gpus 8 --gpu h200
 """
 
 from __future__ import annotations
@@ -76,9 +97,11 @@ __all__ = [
     "PUBLISHED",
     "ModelShape",
     "Plan",
+    "RLPlan",
     "add_arguments",
     "layer_figures",
     "plan",
+    "plan_rl",
     "run",
     "unmodelled",
 ]
@@ -465,7 +488,7 @@ def plan(
     the activations and logits of ``seq_len / context`` tokens, plus every layer's keys and values
     gathered over the whole sequence (``context_kv_bytes``); FSDP still shards over all ``gpus``.
     """
-    from ..chunked_loss import use_chunked_loss
+    from ..loss.scorer import chunk_tokens_for
 
     if device not in DEVICES:
         raise ValueError(f"device: expected one of {', '.join(DEVICES)}, got {device!r}")
@@ -487,7 +510,7 @@ def plan(
     activations += tokens * (shape.hidden * 2 * FP32_BYTES + 8) + rotary
     kv_layers = 1 if activation_checkpointing else shape.layers  # checkpointed: one layer's, recomputed
     activations += kv_layers * context_kv_bytes(shape, seq_len * micro_batch, context, cpu)
-    chunk = use_chunked_loss(loss_chunk_tokens, tokens, shape.vocab)
+    chunk = chunk_tokens_for(loss_chunk_tokens, tokens, shape.vocab)
     if chunk is None:
         saved, backward = (
             tokens * shape.vocab * PLAIN_LOGITS_SAVED,
@@ -526,6 +549,125 @@ def plan(
         all_gather=gather * micro_steps,
         reduce_scatter=FP32_BYTES * p * (1 - shard) * micro_steps,
         optimizer_step=_optimizer_step_bytes(shape, state_dtype, cpu) * shard,
+    )
+
+
+@dataclass
+class RLPlan:
+    """Bytes per GPU of one RL step: the update's training plan, and what RL keeps besides (module doc)."""
+
+    update: Plan  # the policy: weights, gradients, optimizer, activations and logits of one micro-batch
+    reference: float  # the KL reference's whole copy (0 without algo.kl_coef)
+    engine: float  # the rollout engine's copy of the weights
+    kv_cache: float  # the rollout's keys and values (and one layer's more while the cache grows)
+    rollout_logits: float  # the sampler's [batch_size, V] logits, log-softmax and probabilities (fp32)
+    scoring: float  # the no-grad scoring of one micro-batch: hidden states + two [chunk, V] blocks
+
+    @property
+    def resident(self) -> float:
+        """Held through the whole step: sharded weights and optimizer state, the reference, the engine."""
+        return self.update.parameters + self.update.optimizer + self.reference + self.engine
+
+    @property
+    def rollout_peak(self) -> float:
+        return self.resident + self.kv_cache + self.rollout_logits
+
+    @property
+    def scoring_peak(self) -> float:
+        return self.resident + self.update.gathered / 2 + self.scoring  # the weights gathered, no gradients
+
+    @property
+    def update_peak(self) -> float:
+        return self.update.peak + self.reference + self.engine
+
+    @property
+    def peak(self) -> float:
+        return max(self.rollout_peak, self.scoring_peak, self.update_peak)
+
+
+def plan_rl(
+    shape: ModelShape, cfg: Any, gpus: int = 1, prompt_len: int = 512, device: str = "cuda"
+) -> RLPlan:
+    """The memory of one RL step of ``cfg`` (an ``RLConfig``) on one of ``gpus`` GPUs (FSDP2), or one CPU
+    process (``device="cpu"``), for prompts of ``prompt_len`` tokens."""
+    from ..loss.scorer import chunk_tokens_for
+
+    cpu = device == "cpu"
+    seq = prompt_len + cfg.rollout.max_new_tokens
+    micro = cfg.algo.micro_batch_size
+    update = plan(
+        shape,
+        cfg.fp8.recipe,
+        gpus=gpus,
+        seq_len=seq,
+        micro_batch=micro,
+        activation_checkpointing=cfg.model.activation_checkpointing,
+        state_dtype=cfg.optim.state_dtype,
+        loss_chunk_tokens="auto",
+        recompute_mlp=cfg.model.recompute_mlp,
+        precision=cfg.model.precision if cfg.model.precision != "fp64" else "fp32",
+        device=device,
+    )
+    whole = FP32_BYTES * shape.params
+    if cfg.rollout.precision == "fp8":  # ServingFp8Linear: FP8 codes + one fp32 scale per 128x128 block
+        proj = shape.projection_weights * shape.layers
+        engine = proj * (1 + FP32_BYTES / BLOCK**2) + (shape.params - proj) * FP32_BYTES
+    else:
+        engine = whole
+    kv_dtype = FP32_BYTES if cpu else BF16_BYTES
+    per_layer = 2 * shape.kv_heads * shape.head_dim * kv_dtype * cfg.rollout.batch_size * seq
+    responses = micro * cfg.rollout.max_new_tokens
+    chunk = chunk_tokens_for("auto", responses, shape.vocab)
+    block = min(chunk or responses, responses) * shape.vocab * FP32_BYTES
+    return RLPlan(
+        update=update,
+        reference=whole if cfg.algo.kl_coef > 0 else 0.0,
+        engine=engine,
+        kv_cache=per_layer * (shape.layers + 1),
+        rollout_logits=3 * cfg.rollout.batch_size * shape.vocab * FP32_BYTES,
+        scoring=micro * seq * shape.hidden * FP32_BYTES + 2 * block,
+    )
+
+
+def format_rl_plan(p: RLPlan, device: str = "cuda") -> str:
+    gib = 2**30
+    u = p.update
+    rows = [
+        ("parameters", u.parameters),
+        ("optimizer", u.optimizer),
+        ("reference (KL)", p.reference),
+        ("rollout engine", p.engine),
+        ("rollout kv cache", p.kv_cache),
+        ("rollout logits", p.rollout_logits),
+        ("scoring", p.scoring),
+        ("update gradients", u.gradients),
+        ("update gathered", u.gathered),
+        ("update weight copies", u.weight_copies),
+        ("update activations", u.activations),
+        ("update logits", u.logits_saved + u.logits_backward),
+        ("peak in rollout", p.rollout_peak),
+        ("peak in scoring", p.scoring_peak),
+        ("peak in the update", p.update_peak),
+        ("peak", p.peak),
+    ]
+    where = "per GPU (GiB)" if device == "cuda" else "per process (GiB)"
+    return "\n".join([f"{where:<24}{'':>10}"] + [f"{name:<24}{value / gib:>10.2f}" for name, value in rows])
+
+
+def rl_fit(p: RLPlan, gpu: str) -> str:
+    """Whether the RL step's peak fits ``USABLE`` of ``gpu``: said plainly, with the phase that peaks."""
+    gib, limit = 2**30, GPU_GIB[gpu] * USABLE * 2**30
+    phase = max(
+        (p.rollout_peak, "the rollout"), (p.scoring_peak, "the scoring"), (p.update_peak, "the update")
+    )[1]
+    if p.peak <= limit:
+        return (
+            f"fits a {gpu.upper()} ({GPU_GIB[gpu]:.0f} GiB): peak {p.peak / gib:.1f} GiB per GPU, in {phase}"
+        )
+    return (
+        f"does not fit a {gpu.upper()} ({GPU_GIB[gpu]:.0f} GiB, {USABLE:.0%} usable): peak {p.peak / gib:.1f} "
+        f"GiB per GPU, in {phase} (more GPUs shard the policy and its optimizer, not the reference or the "
+        "engine, which every rank holds whole)"
     )
 
 
@@ -630,7 +772,20 @@ def fit_advice(shape: ModelShape, recipe: str, kw: dict[str, Any], peak: float, 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help=f"a shipped model ({', '.join(MODELS)}) or a HF config.json / folder")
+    parser.add_argument(
+        "model",
+        nargs="?",
+        help=f"a shipped model ({', '.join(MODELS)}) or a HF config.json / folder (with --rl: default "
+        "model.path's config.json)",
+    )
+    parser.add_argument(
+        "--rl",
+        metavar="CONFIG",
+        help="plan one RL step of this RL config (a shipped name such as qwen2.5-7b-rl, or a YAML file)",
+    )
+    parser.add_argument(
+        "--prompt-len", type=int, default=512, help="with --rl: prompt tokens before each response"
+    )
     parser.add_argument("--gpus", type=int, default=8)
     parser.add_argument(
         "--gpu",
@@ -699,7 +854,44 @@ def _check_context(context: int, gpus: int, seq_len: int) -> None:
         )
 
 
+def run_rl(args: argparse.Namespace) -> int:
+    """``infir2 plan --rl CONFIG``: one RL step of the config, on ``--gpus`` GPUs (or CPU processes)."""
+    from ..rl.config import load_rl_config
+    from ..train.config import resolve_config_path
+
+    cfg = load_rl_config(resolve_config_path(args.rl))
+    if args.gpus <= 0 or args.prompt_len <= 0:
+        raise ValueError(f"--gpus and --prompt-len must be > 0, got {args.gpus} and {args.prompt_len}")
+    model = args.model
+    if model is None:
+        folder = Path(cfg.model.path) if cfg.model.path else None
+        if folder is None or not (folder / "config.json").is_file():
+            raise ValueError(
+                f"--rl {args.rl}: model.path {cfg.model.path!r} has no config.json here; name the model "
+                f"shape: a shipped model ({', '.join(MODELS)}) or a config.json"
+            )
+        model = str(folder)
+    name, shape = load_shape(model)
+    p = plan_rl(shape, cfg, args.gpus, args.prompt_len, args.device)
+    where = f"{args.gpus} GPUs" if args.device == "cuda" else f"{args.gpus} CPU processes, fp32 emulation"
+    r, a = cfg.rollout, cfg.algo
+    print(
+        f"{name}, RL step of {args.rl}: {shape.params / 1e9:.2f}B parameters, {where} (FSDP2), recipe "
+        f"{cfg.fp8.recipe}, rollout {r.precision} x {r.batch_size} sequences of {args.prompt_len} + "
+        f"{r.max_new_tokens} tokens, micro-batch {a.micro_batch_size}, KL reference "
+        f"{'on' if a.kl_coef > 0 else 'off'}, AC {'on' if cfg.model.activation_checkpointing else 'off'}"
+    )
+    print(format_rl_plan(p, args.device))
+    if args.device == "cuda":
+        print(rl_fit(p, args.gpu))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.rl:
+        return run_rl(args)
+    if args.model is None:
+        raise ValueError("model: name a shipped model or a config.json (or plan an RL step with --rl CONFIG)")
     recipe_names(args.recipe, "--recipe")  # one name, checked by get_recipe
     for key in ("gpus", "seq_len", "micro_batch"):
         if getattr(args, key) <= 0:

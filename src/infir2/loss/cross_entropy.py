@@ -1,5 +1,8 @@
 """The next-token loss, defined once: for a training step, for validation, for ``infir2 eval --perplexity``.
 
+It is the token scorer's (``loss.scorer.score_tokens``: chunked under a memory budget) log-probabilities
+of the next tokens, negated and summed: the same function RL scores its responses with.
+
 ``token_ce_sum`` is the summed next-token cross-entropy of one micro-batch (labels aligned with the
 inputs, Hugging Face convention, shifted here; ``IGNORE_INDEX`` labels carry no loss; logits in fp32).
 The training step divides it by the global count of loss tokens; ``heldout_loss`` sums it over
@@ -8,8 +11,8 @@ exported model runs. Training's validation (``train.loop.evaluate``) and ``eval.
 both call ``heldout_loss`` on ``data.tokens.val_batches`` (CPT) -- one definition, so the validation loss
 a run logs is the number ``infir2 eval --perplexity`` prints for the same windows.
 
-This module sits beside ``model.py`` (it imports data, model and nn) so that train and eval, which may
-not import each other, share it.
+The ``loss`` package sits beside ``model.py`` (it imports data, model and nn) so that train, eval and rl,
+which may not import each other, share it.
 """
 
 from __future__ import annotations
@@ -22,13 +25,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .chunked_loss import lm_loss_sum, use_chunked_loss
-from .data.base import IGNORE_INDEX, MicroBatch, count_loss_tokens
-from .model import autocast
-from .nn import cache_fp8_weights, fp8_enabled
-from .nn.context_parallel import SequenceShard, sequence_shard
+from ..data.base import IGNORE_INDEX, MicroBatch, count_loss_tokens
+from ..model import autocast
+from ..nn import cache_fp8_weights, fp8_enabled
+from ..nn.context_parallel import SequenceShard, sequence_shard
+from .scorer import score_tokens
 
-__all__ = ["heldout_loss", "shard_context", "token_ce_sum"]
+__all__ = ["heldout_loss", "lm_loss_sum", "shard_context", "token_ce_sum"]
 
 
 def token_ce_sum(
@@ -40,12 +43,11 @@ def token_ce_sum(
 ) -> torch.Tensor:
     """Summed next-token cross-entropy of one micro-batch (labels shifted here, HF convention).
 
-    Above ``loss_chunk_tokens``' threshold (``chunked_loss.use_chunked_loss``) the LM head and the loss
-    run chunk by chunk: no full fp32 ``[tokens, vocab]`` logits in forward or backward.
+    Above ``loss_chunk_tokens``' threshold (``scorer.chunk_tokens_for``) the LM head and the loss run
+    chunk by chunk: no full fp32 ``[tokens, vocab]`` logits in forward or backward.
     """
     input_ids = mb["input_ids"].to(device, non_blocking=True)
-    head = model.get_output_embeddings()  # type: ignore[operator]
-    chunk = use_chunked_loss(loss_chunk_tokens, input_ids.numel(), head.weight.shape[0])
+    chunk = loss_chunk_tokens
     if "documents" in mb:  # a context-parallel shard (data.context.shard_micro_batch)
         targets, shard_positions = mb["shift_labels"].to(device), mb["position_ids"].to(device)
         with autocast(precision, device), shard_context(mb):
@@ -65,6 +67,33 @@ def token_ce_sum(
             IGNORE_INDEX,
             None if positions is None else positions.to(device),
         )
+
+
+def lm_loss_sum(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    chunk_tokens: int | str | None = "auto",
+    ignore_index: int = IGNORE_INDEX,
+    position_ids: torch.Tensor | None = None,
+    shifted: bool = False,
+) -> torch.Tensor:
+    """Summed next-token CE of a HF causal LM (``-sum`` of ``score_tokens``' log-probabilities; labels
+    equal to ``ignore_index`` carry none). Labels are shifted here, unless ``shifted`` (a context shard's:
+    ``labels[:, t]`` is the target of token ``t``). ``chunk_tokens``: ``scorer.chunk_tokens_for``'s setting."""
+    targets = labels if shifted else labels[:, 1:]
+    logp, _ = score_tokens(
+        model,
+        input_ids,
+        targets,
+        None if shifted else input_ids.shape[1] - 1,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        chunk_tokens=chunk_tokens,
+        ignore_index=ignore_index,
+    )
+    return -logp.sum()
 
 
 def shard_context(mb: MicroBatch) -> AbstractContextManager[None]:

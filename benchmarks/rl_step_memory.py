@@ -1,0 +1,180 @@
+"""Peak memory of one ``infir2 rl`` step against response length and vocabulary, beside the bytes the
+full-vocabulary scoring would need, and the time per scored token, chunked vs unchunked.
+
+Each case runs one RL step (``infir2.rl.rl``, ``train.max_steps: 1``) in its own subprocess (one
+high-water mark cannot hide another) on a 1-layer Qwen2 of width ``--hidden`` with ``--vocab`` words:
+one prompt, a group of ``--batch`` responses of up to ``--lengths`` tokens (FP8 rollouts from the
+built-in engine, which copies the model; no dynamic sampling, so the group is trained on whatever its
+rewards), ``micro_batch_size`` = the group, the KL reference on (``algo.kl_coef: 0.01``: a third copy of
+the weights and one more scoring pass), training recipe ``blockwise``, fp32 on the CPU. The model is
+random, so a response runs to ``max_new_tokens`` unless it samples a stop token (about 1 in
+``vocab`` per token); the table prints the tokens the step really scored.
+
+* ``chunked``   the library as it is: the token scorer (``infir2.loss.score_tokens``) chunks RL's
+                scoring (old, reference and policy log-probabilities, the entropy) at 256 MiB of fp32
+                logits (``loss.scorer.AUTO_CHUNK_BYTES``);
+* ``unchunked`` the same step with the budget raised past the whole micro-batch, so every scoring pass
+                takes the model's full ``[B, R, V]`` logits and their fp32 ``log_softmax`` (what RL did
+                before it used the scorer); run only where ``--unchunked-max-gib`` allows
+                (4 fp32 ``[B, R, V]`` blocks at most).
+
+Columns: the step's peak RSS (``ru_maxrss``: Python, torch and the model included) and its rise over
+the RSS before the run started; ``[B,R,V] fp32`` the bytes of ONE full-vocabulary fp32 block of the
+micro-batch (the unchunked scoring holds several at once); the scoring and update time per scored
+token (``rl.update.score`` + ``rl.update.update``, summed over their calls).
+
+    OMP_NUM_THREADS=1 python benchmarks/rl_step_memory.py                      # 1k-8k x 32k, 152k
+    OMP_NUM_THREADS=1 python benchmarks/rl_step_memory.py --lengths 4096 --vocabs 151936
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+GIB = 2**30
+FP32_BYTES = 4
+#: the unchunked scoring's full-vocabulary blocks held at once, for --unchunked-max-gib's estimate
+#: (the logits, their fp32 log_softmax, the entropy's exp and product)
+UNCHUNKED_BLOCKS = 4
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def child(vocab: int, length: int, batch: int, hidden: int, unchunked: bool) -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # conftest's tiny builders
+    import torch
+
+    import infir2.loss.scorer as scorer
+    from conftest import make_tiny_model, make_tokenizer
+    from infir2.rl import loop as rl_loop
+    from infir2.rl import parse_rl_config, rl
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if unchunked:
+        scorer.AUTO_CHUNK_BYTES = 1 << 62  # every micro-batch "fits": the model's whole logits
+    timed = {"score": 0.0, "update": 0.0, "tokens": 0}
+    real_score, real_update = rl_loop.score, rl_loop.update
+
+    def score(run, rl_batch, plan):  # type: ignore[no-untyped-def]
+        t = time.perf_counter()
+        out = real_score(run, rl_batch, plan)
+        timed["score"] += time.perf_counter() - t
+        timed["tokens"] += int(rl_batch.response_len.sum())
+        return out
+
+    def update(run, rl_batch, plan):  # type: ignore[no-untyped-def]
+        t = time.perf_counter()
+        out = real_update(run, rl_batch, plan)
+        timed["update"] += time.perf_counter() - t
+        return out
+
+    rl_loop.score, rl_loop.update = score, update  # type: ignore[assignment]
+    tok = make_tokenizer()
+    before = rss_bytes()
+    with tempfile.TemporaryDirectory() as out:
+        prompts = Path(out) / "prompts.jsonl"
+        prompts.write_text(json.dumps({"problem": "Compute 7 + 5.", "answer": "12"}) + "\n")
+        cfg = parse_rl_config(
+            {
+                "run": {"name": "step", "out_dir": out, "device": "cpu"},
+                "model": {"precision": "fp32", "beyond_context": True},
+                "fp8": {"recipe": "blockwise"},
+                "data": {"prompts_path": str(prompts)},
+                "rollout": {
+                    "precision": "fp8",
+                    "prompts_per_step": 1,
+                    "group_size": batch,
+                    "oversample_prompts": 1,
+                    "max_new_tokens": length,
+                    "batch_size": batch,
+                },
+                "algo": {"dynamic_sampling": False, "kl_coef": 0.01, "micro_batch_size": batch},
+                "train": {"max_steps": 1, "save_every": 0},
+            },
+            "rl_step_memory",
+        )
+        model = make_tiny_model(vocab_size=vocab, hidden=hidden, layers=1, max_positions=length + 64)
+        t0 = time.perf_counter()
+        rl(cfg, model=model, tokenizer=tok, progress=False)
+        wall = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"peak": peak, "before": before, "wall": wall, **timed}
+
+
+def cpu_line() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return platform.processor() or "unknown CPU"
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    flags = fields.get("Flags", "").split()
+    isa = (
+        " ".join(f for f in ("avx2", "avx512f", "amx_bf16") if f in flags) or "none of avx2/avx512f/amx_bf16"
+    )
+    return f"{fields.get('Model name', '?').strip()} ({isa})"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", default="1024,2048,4096,8192", help="max_new_tokens per case")
+    p.add_argument("--vocabs", default="32000,151936")
+    p.add_argument("--batch", type=int, default=2, help="responses per step (= the micro-batch)")
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--unchunked-max-gib", type=float, default=6.0, help="skip unchunked runs above this")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        vocab, length, batch, hidden, unchunked = json.loads(args.child)
+        print(json.dumps(child(vocab, length, batch, hidden, unchunked)))
+        return
+    import torch
+
+    print(f"# {cpu_line()}; torch {torch.__version__}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
+    print(f"# 1-layer Qwen2, hidden {args.hidden}, {args.batch} responses, FP8 rollouts, KL reference on")
+    head = f"{'vocab':>7} {'max_new':>7} {'scored':>7} {'mode':>9} {'peak RSS':>9} {'rise':>8}"
+    print(f"{head} {'[B,R,V] fp32':>12} {'us/token':>9} {'step s':>7}")
+    for vocab in map(int, args.vocabs.split(",")):
+        for length in map(int, args.lengths.split(",")):
+            block = args.batch * length * vocab * FP32_BYTES
+            modes = ["chunked"]
+            if UNCHUNKED_BLOCKS * block <= args.unchunked_max_gib * GIB:
+                modes.append("unchunked")
+            times = {}
+            for mode in modes:
+                spec = json.dumps([vocab, length, args.batch, args.hidden, mode == "unchunked"])
+                proc = subprocess.run(
+                    [sys.executable, __file__, "--child", spec], capture_output=True, text=True
+                )
+                if proc.returncode != 0:
+                    print(f"{vocab:>7} {length:>7} {'':>7} {mode:>9} failed (rc {proc.returncode}):")
+                    print(proc.stderr[-2000:])
+                    continue
+                r = json.loads(proc.stdout.strip().splitlines()[-1])
+                per_token = (r["score"] + r["update"]) / max(r["tokens"], 1) * 1e6
+                times[mode] = per_token
+                print(
+                    f"{vocab:>7} {length:>7} {r['tokens']:>7} {mode:>9} {r['peak'] / GIB:>7.2f}G "
+                    f"{(r['peak'] - r['before']) / GIB:>7.2f}G {block / GIB:>11.2f}G {per_token:>9.1f} "
+                    f"{r['wall']:>7.1f}",
+                    flush=True,
+                )
+            if len(times) == 2:
+                print(
+                    f"{'':>33} chunked / unchunked time per token: {times['chunked'] / times['unchunked']:.2f}x"
+                )
+
+
+if __name__ == "__main__":
+    main()
