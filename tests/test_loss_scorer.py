@@ -14,6 +14,8 @@ from infir2.loss import chunked_token_scores, score_tokens
 from infir2.rl.batch import RLBatch
 from infir2.rl.update import response_logprobs
 
+pytestmark = pytest.mark.transformers_api  # CI runs this file again under the oldest transformers
+
 
 def _reference(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, temperature: float):
     """Float64, the full ``[tokens, vocab]`` log-softmax: the definition the scorer must meet."""

@@ -25,6 +25,8 @@ from infir2.tools.plan import ModelShape, plan_rl
 from infir2.train.config import RunConfig, load_config
 from train_synthetic import one_thread
 
+pytestmark = pytest.mark.transformers_api  # CI runs this file again under the oldest transformers
+
 _one_thread = pytest.fixture(autouse=True)(one_thread)
 
 VOCAB, HIDDEN, RESPONSE, GROUP = 1000, 64, 48, 2
@@ -169,6 +171,7 @@ def test_rl_plan_terms_match_the_tensors(rollout: str, tiny_tokenizer) -> None:
     from transformers import DynamicCache
 
     from infir2.generation import BuiltinEngine
+    from infir2.generation.sampler import cache_keyword
     from infir2.model import prepare_for_training
 
     model = make_tiny_model(hidden=256, layers=2)
@@ -188,7 +191,8 @@ def test_rl_plan_terms_match_the_tensors(rollout: str, tiny_tokenizer) -> None:
     _within(p.reference, sum(t.numel() * t.element_size() for t in model.parameters()))
     cache = DynamicCache()
     with torch.no_grad():
-        model(input_ids=torch.randint(0, 300, (batch, prompt + new)), cache=cache, use_cache=True)
+        ids = torch.randint(0, 300, (batch, prompt + new))
+        model(input_ids=ids, use_cache=True, **{cache_keyword(model): cache})  # `cache` from 5.2x
     kv = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     _within(p.kv_cache * shape.layers / (shape.layers + 1), kv)  # less the growing layer's second copy
     assert plan_rl(shape, _rl_cfg(rollout, 0.0), prompt_len=prompt, device="cpu").reference == 0

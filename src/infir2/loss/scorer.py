@@ -294,7 +294,9 @@ def score_tokens(
         captured: list[torch.Tensor] = []
         handle = decoder.register_forward_hook(lambda _m, _i, out: captured.append(out.last_hidden_state))
         try:  # no logits: keep zero positions of every row (the root forward still runs, for FSDP's hooks)
-            none = torch.zeros(input_ids.shape[0], 0, dtype=torch.long, device=input_ids.device)
+            # a 1-D index: the same positions of every row on every transformers (5.17 reads a 2-D one as
+            # a plain index, [B, B, 0, H]; newer versions as per-row positions)
+            none = torch.zeros(0, dtype=torch.long, device=input_ids.device)
             model(**inputs, logits_to_keep=none)
         finally:
             handle.remove()
