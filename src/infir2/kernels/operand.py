@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..fp8.nvfp4 import dequantize_nvfp4
 from ..fp8.quantize import Block, dequantize
 
-__all__ = ["Operand"]
+__all__ = ["Nvfp4Operand", "Operand"]
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,55 @@ class Operand:
         overrides it."""
         return False
 
+    def saved(self) -> tuple[torch.Tensor, ...]:
+        """The tensors backward saves of this operand (``save_for_backward``); :meth:`restore` inverts it."""
+        return self.data, self.scale_inv
+
+    @classmethod
+    def restore(cls, tensors: tuple[torch.Tensor, ...], block: Block) -> Operand:
+        """The operand rebuilt from :meth:`saved`'s tensors (a plain one: what backward reads)."""
+        data, scale_inv = tensors
+        return Operand(data, scale_inv, block)
+
     def nbytes(self) -> int:
         return (
             self.data.numel() * self.data.element_size()
             + self.scale_inv.numel() * self.scale_inv.element_size()
         )
+
+
+@dataclass(frozen=True)
+class Nvfp4Operand(Operand):
+    """An NVFP4 matrix (``infir2.fp8.nvfp4``): ``data`` one E2M1 code per byte (unpacked), ``scale_inv``
+    the E4M3 block scales, ``tensor_scale_inv`` the fp32 scale of the whole tensor (a 0-d tensor).
+
+    ``data`` may have more rows than the high-precision tensor: a random-Hadamard-transformed operand is
+    zero-padded along tokens to a multiple of 16 (its GEMM partner is padded the same way).
+    """
+
+    tensor_scale_inv: torch.Tensor
+
+    def t(self) -> Nvfp4Operand:
+        return Nvfp4Operand(
+            self.data.t(), self.scale_inv.t(), (self.block[1], self.block[0]), self.tensor_scale_inv
+        )
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_nvfp4(self.data, self.scale_inv, self.tensor_scale_inv, self.block, dtype)
+
+    def saved(self) -> tuple[torch.Tensor, ...]:
+        return self.data, self.scale_inv, self.tensor_scale_inv
+
+    @classmethod
+    def restore(cls, tensors: tuple[torch.Tensor, ...], block: Block) -> Nvfp4Operand:
+        data, scale_inv, tensor_scale_inv = tensors
+        return Nvfp4Operand(data, scale_inv, block, tensor_scale_inv)
+
+    @property
+    def keep_for_backward(self) -> bool:
+        """Kept whole: the tensor scale travels with the codes."""
+        return True
+
+    def nbytes(self) -> int:
+        """The bytes of packed storage: half a byte per code, the E4M3 scales and the fp32 tensor scale."""
+        return (self.data.numel() + 1) // 2 + self.scale_inv.numel() + self.tensor_scale_inv.element_size()

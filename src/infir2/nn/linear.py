@@ -116,9 +116,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
             isinstance(weight, Fp8GatheredWeight) and kernels.device.type == "cuda" and not ctx.w_transposed
         )
         saved_w = w_dgrad_t if ctx.w_transposed else w_dgrad
+        x_saved = x_wgrad.saved()  # codes and scales (and an NVFP4 operand's tensor scale)
+        ctx.x_restore, ctx.n_x_saved = type(x_wgrad).restore, len(x_saved)
         ctx.save_for_backward(
-            x_wgrad.data,
-            x_wgrad.scale_inv,
+            *x_saved,
             weight,
             *((saved_w.data, saved_w.scale_inv) if saved_w is not None and ctx.w_kept is None else ()),
         )
@@ -132,7 +133,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         recipe: Fp8Recipe = ctx.recipe
         kernels: Kernels = ctx.kernels
-        x_data, x_scale_inv, weight, *w_saved = ctx.saved_tensors
+        x_saved, (weight, *w_saved) = ctx.saved_tensors[: ctx.n_x_saved], ctx.saved_tensors[ctx.n_x_saved :]
         dx = dw = db = None
         with _no_autocast(dy.device):
             need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -159,7 +160,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 if ctx.probe is not None:
                     ctx.probe.dgrad(dy, dyq, w_dgrad, weight, dx)
             if need_dw:
-                x_w = Operand(x_data, x_scale_inv, recipe.x_wgrad.block)  # [T,K]
+                x_w = ctx.x_restore(x_saved, recipe.x_wgrad.block)  # [T,K] (NVFP4 + RHT: T padded to 16s)
                 dw = kernels.gemm_nt(
                     dy_w.t(), x_w.t(), _accumulation_dtype(weight.dtype)
                 )  # [N,T] @ [T,K] -> [N,K], fp32 accumulate
@@ -388,6 +389,8 @@ class Fp8Linear(nn.Linear):
         if not self.fp8_enabled:
             return F.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():  # one custom op: caches and kernels stay outside the graph
+            if self.recipe.x.is_fp4:
+                raise NotImplementedError("the nvfp4 recipe runs eager only: its custom op is not written")
             device = x.device.type
             dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
             return torch.ops.infir2.fp8_linear(x, self.weight, self.bias, self.op_key, dtype)[0]
