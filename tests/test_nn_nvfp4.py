@@ -120,3 +120,33 @@ def test_an_nvfp4_model_exports_its_master_weights_in_high_precision(tmp_path, t
             t.dtype == torch.bfloat16 for t in tb.values() if t.is_floating_point()
         )
         assert all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+@pytest.mark.parametrize(("fraction", "kept_blocks"), [(0.0, set()), (0.15, {3}), (0.25, {3}), (0.5, {2, 3})])
+def test_high_precision_tail_keeps_the_last_blocks(fraction, kept_blocks) -> None:
+    """``high_precision_tail``: the last ceil(fraction * blocks) decoder blocks stay nn.Linear, the others
+    convert; lm_head stays high precision as always."""
+    from conftest import make_tiny_model
+    from infir2 import convert_to_fp8
+
+    model = convert_to_fp8(make_tiny_model(layers=4), "nvfp4", high_precision_tail=fraction)
+    for i, layer in enumerate(model.model.layers):
+        kinds = {type(m) for m in layer.modules() if isinstance(m, torch.nn.Linear)}
+        assert kinds == ({torch.nn.Linear} if i in kept_blocks else {Fp8Linear}), i
+    assert type(model.lm_head) is torch.nn.Linear
+
+
+def test_high_precision_tail_from_the_config(tmp_path) -> None:
+    from conftest import make_tiny_model
+    from infir2.train import train
+    from train_synthetic import SyntheticSource, tiny_run_config
+
+    cfg = tiny_run_config(
+        tmp_path, fp8={"recipe": "nvfp4", "high_precision_tail": 0.5}, train={"max_steps": 1}
+    )
+    model = make_tiny_model()
+    train(cfg, model=model, train_source=SyntheticSource(seed=1), progress=False)
+    layers = model.model.layers
+    assert isinstance(layers[0].mlp.down_proj, Fp8Linear) and type(layers[1].mlp.down_proj) is torch.nn.Linear
+    with pytest.raises(ValueError, match=r"fp8\.high_precision_tail"):
+        tiny_run_config(tmp_path, fp8={"recipe": "nvfp4", "high_precision_tail": 1.0})
