@@ -219,3 +219,20 @@ def test_hadamard_spreads_an_outlier():
 
 def test_constants_come_from_the_formats():
     assert E2M1.max == 6.0 and FORMATS["e4m3"].max == 448.0 and NVFP4_BLOCK == 16
+
+
+def test_noise_generator_context_and_seed():
+    """Inside ``noise_generator`` the draws come from its generator, whatever torch's own generator is."""
+    from infir2.fp8.nvfp4 import noise_generator, noise_seed
+
+    x = torch.randn(16, 64)
+    seed = noise_seed(0, 3, 1)
+    assert seed == noise_seed(0, 3, 1) and len({seed, noise_seed(0, 3, 0), noise_seed(0, 4, 1)}) == 3
+    with noise_generator(torch.Generator().manual_seed(seed)):
+        torch.manual_seed(1)
+        a = quantize_nvfp4(x, rounding="stochastic")[0]
+    with noise_generator(torch.Generator().manual_seed(seed)):
+        torch.manual_seed(2)
+        b = quantize_nvfp4(x, rounding="stochastic")[0]
+    direct = quantize_nvfp4(x, rounding="stochastic", generator=torch.Generator().manual_seed(seed))[0]
+    assert torch.equal(a, b) and torch.equal(a, direct)

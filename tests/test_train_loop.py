@@ -26,7 +26,7 @@ def _losses(path):
 def test_resume_is_exact(tmp_path, recipe):
     """6 steps in one go == 3 steps, a crash, and a resume with fresh objects: identical losses.
 
-    nvfp4's stochastic rounding draws from torch's generator, whose state the checkpoint holds."""
+    nvfp4's stochastic rounding draws from a generator seeded by (run seed, step, micro-batch)."""
     kw = {"train": {"max_steps": 6, "save_every": 3, "keep_last": 2}, "fp8": {"recipe": recipe}}
     full = train(
         tiny_run_config(tmp_path, "full", **kw),

@@ -22,9 +22,13 @@ throughout: E2M1 has no NaN, and one non-finite value poisons the per-tensor ama
 
 Rounding (``rounding``): ``"nearest"`` is round-to-nearest-even, ties to the even code; ``"stochastic"``
 rounds up with probability equal to the distance from the lower neighbour over the spacing, which is
-unbiased (``E[q] = x`` inside the range). The noise is uniform in [0, 1), drawn from ``generator``
-(the default: torch's generator of the tensor's device, which the training checkpoint saves and
-restores, so a resumed run draws the same noise).
+unbiased (``E[q] = x`` inside the range). The noise is uniform in [0, 1), drawn from ``generator``;
+without one, from the generator of the innermost :func:`noise_generator` context, else from torch's
+generator of the tensor's device. Training (``infir2.train``) opens one context per micro-batch, with a
+generator seeded by :func:`noise_seed` from (run seed, step, the micro-batch's index in the global
+batch): the draws depend on nothing else, so a run resumed from a checkpoint, and a run whose
+micro-batches are spread over data-parallel processes, draw the same noise as one uninterrupted
+process.
 
 The random Hadamard transform (``hadamard_transform``): before quantizing the wgrad operands
 ``dY`` and ``X`` (blocks ``(16, 1)``, along tokens), TransformerEngine multiplies every 16 tokens by
@@ -42,6 +46,8 @@ copy would take are what memory accounting counts (``nbytes``).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 
 import torch
@@ -57,6 +63,8 @@ __all__ = [
     "e2m1_encode",
     "hadamard_matrix",
     "hadamard_transform",
+    "noise_generator",
+    "noise_seed",
     "pack_nibbles",
     "quantize_nvfp4",
     "tensor_scale_inv",
@@ -66,6 +74,29 @@ __all__ = [
 ROUNDINGS = ("nearest", "stochastic")
 _SCALE = FORMATS["e4m3"]  # the format of the block scales
 _SCALE_MIN = float(torch.finfo(_SCALE.dtype).smallest_normal)  # 2**-6: the smallest block scale
+
+
+_NOISE: list[torch.Generator] = []  # the generators of the open noise_generator contexts, innermost last
+_FNV_PRIME, _FNV_OFFSET, _U64 = 0x100000001B3, 0xCBF29CE484222325, 2**64
+
+
+def noise_seed(*parts: int) -> int:
+    """A 64-bit seed mixed from integers (FNV-1a over their 64-bit values): the same parts, the same seed,
+    on every process and every Python (``hash`` would do for ints, but says nothing about its mixing)."""
+    h = _FNV_OFFSET
+    for p in parts:
+        h = ((h ^ (p % _U64)) * _FNV_PRIME) % _U64
+    return h
+
+
+@contextmanager
+def noise_generator(generator: torch.Generator) -> Iterator[torch.Generator]:
+    """Stochastic rounding inside the block draws from ``generator`` (module doc)."""
+    _NOISE.append(generator)
+    try:
+        yield generator
+    finally:
+        _NOISE.pop()
 
 
 @cache
@@ -182,6 +213,7 @@ def quantize_nvfp4(
     scaled = (blocks * recip[:, None, :, None]).clamp_(-fmt.max, fmt.max)
     noise = None
     if rounding == "stochastic":
+        generator = generator if generator is not None else (_NOISE[-1] if _NOISE else None)
         noise = torch.rand(scaled.shape, generator=generator, device=scaled.device, dtype=torch.float32)
     data = e2m1_encode(scaled, noise, fmt).reshape(blocks.shape[0] * block[0], -1)[:m, :k]
     if transpose:
