@@ -150,3 +150,35 @@ def test_high_precision_tail_from_the_config(tmp_path) -> None:
     assert isinstance(layers[0].mlp.down_proj, Fp8Linear) and type(layers[1].mlp.down_proj) is torch.nn.Linear
     with pytest.raises(ValueError, match=r"fp8\.high_precision_tail"):
         tiny_run_config(tmp_path, fp8={"recipe": "nvfp4", "high_precision_tail": 1.0})
+    with pytest.raises(ValueError, match=r"fp8\.stats_every"):  # the telemetry reads FP8 codes only
+        tiny_run_config(tmp_path, fp8={"recipe": "nvfp4", "stats_every": 1})
+
+
+@pytest.mark.parametrize("k", [64, 33])
+def test_the_saved_wgrad_copy_is_packed(k) -> None:
+    """Backward keeps X's wgrad copy (and the weight) at 4 bits a code; restored, it is the operand forward
+    made."""
+    from infir2.kernels import Nvfp4Operand
+
+    op = emulated.quantize(torch.randn(40, k), get_recipe("nvfp4").x_wgrad)
+    data, scale_inv, tensor_scale_inv = op.saved()
+    assert data.shape == (48, (k + 1) // 2) and data.dtype == torch.uint8  # 40 tokens padded to 48 (RHT)
+    assert scale_inv is op.scale_inv and tensor_scale_inv is op.tensor_scale_inv
+    back = Nvfp4Operand.restore(op.saved(), op.block, k)
+    assert torch.equal(back.data, op.data) and torch.equal(back.dequantize(), op.dequantize())
+    assert op.saved()[0] is data  # packed once, shared by the layers that save it
+
+
+def test_backward_keeps_half_the_code_bytes_of_fp8() -> None:
+    """What ``infir2 memory`` measures: the codes an nvfp4 layer saves for backward (X's wgrad copy, 48
+    tokens, a multiple of 16: no padding, and W) take half the bytes of blockwise's FP8 copies of the same tensors."""
+    from infir2.tools.memory import saved_in_graph
+
+    code_bytes = {}
+    for recipe, code_dtype in (("nvfp4", torch.uint8), ("blockwise", torch.float8_e4m3fn)):
+        layer = Fp8Linear(256, 128, bias=False, recipe=recipe)
+        y = layer(torch.randn(48, 256, requires_grad=True))
+        saved = [t for _, t in saved_in_graph(y.grad_fn) if t.dtype == code_dtype]
+        code_bytes[recipe] = sum(t.untyped_storage().nbytes() for t in saved)
+    assert code_bytes["blockwise"] == 48 * 256 + 128 * 256
+    assert code_bytes["nvfp4"] == code_bytes["blockwise"] // 2

@@ -224,6 +224,12 @@ def _check_fp8(f: Fp8Config, source: str) -> None:
         raise config_error(
             source, "fp8.high_precision_tail", f"a fraction in [0, 1), got {f.high_precision_tail!r}"
         )
+    if f.stats_every and any(c.is_fp4 for c in RECIPES[f.recipe].casts.values()):
+        raise config_error(
+            source,
+            "fp8.stats_every",
+            f"the FP8 telemetry reads FP8 codes; recipe {f.recipe} has E2M1 (NVFP4) operands: set it to 0",
+        )
     if f.param_gather and not RECIPES[f.recipe].gathers_fp8_weight:
         raise config_error(
             source,

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
+import torch.nn.functional as F
 
-from ..fp8.nvfp4 import dequantize_nvfp4
+from ..fp8.nvfp4 import dequantize_nvfp4, pack_nibbles, unpack_nibbles
 from ..fp8.quantize import Block, dequantize
 
 __all__ = ["Nvfp4Operand", "Operand"]
@@ -47,8 +49,9 @@ class Operand:
         return self.data, self.scale_inv
 
     @classmethod
-    def restore(cls, tensors: tuple[torch.Tensor, ...], block: Block) -> Operand:
-        """The operand rebuilt from :meth:`saved`'s tensors (a plain one: what backward reads)."""
+    def restore(cls, tensors: tuple[torch.Tensor, ...], block: Block, cols: int) -> Operand:
+        """The operand rebuilt from :meth:`saved`'s tensors (a plain one: what backward reads); ``cols``
+        is the length of its rows (K), which a packed operand needs back."""
         data, scale_inv = tensors
         return Operand(data, scale_inv, block)
 
@@ -78,18 +81,20 @@ class Nvfp4Operand(Operand):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_nvfp4(self.data, self.scale_inv, self.tensor_scale_inv, self.block, dtype)
 
+    @cached_property
+    def _packed(self) -> torch.Tensor:
+        """``data`` two codes a byte (a zero code pads an odd row): made once, shared by every layer that
+        saves this operand (q, k and v save one wgrad copy of their common input)."""
+        return pack_nibbles(F.pad(self.data, (0, self.data.shape[1] % 2)))
+
     def saved(self) -> tuple[torch.Tensor, ...]:
-        return self.data, self.scale_inv, self.tensor_scale_inv
+        """Saved packed, 4 bits a code (the wgrad copy of X and the weight that backward keeps)."""
+        return self._packed, self.scale_inv, self.tensor_scale_inv
 
     @classmethod
-    def restore(cls, tensors: tuple[torch.Tensor, ...], block: Block) -> Nvfp4Operand:
-        data, scale_inv, tensor_scale_inv = tensors
-        return Nvfp4Operand(data, scale_inv, block, tensor_scale_inv)
-
-    @property
-    def keep_for_backward(self) -> bool:
-        """Kept whole: the tensor scale travels with the codes."""
-        return True
+    def restore(cls, tensors: tuple[torch.Tensor, ...], block: Block, cols: int) -> Nvfp4Operand:
+        packed, scale_inv, tensor_scale_inv = tensors
+        return Nvfp4Operand(unpack_nibbles(packed)[:, :cols], scale_inv, block, tensor_scale_inv)
 
     def nbytes(self) -> int:
         """The bytes of packed storage: half a byte per code, the E4M3 scales and the fp32 tensor scale."""

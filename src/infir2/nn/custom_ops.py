@@ -59,6 +59,7 @@ class _Context:
             2  # x_wgrad as FP8 codes and scales (an NVFP4 layer never compiles: Fp8Linear.forward)
         )
         self.x_restore = Operand.restore
+        self.w_restore = Operand.restore
 
     def save_for_backward(self, *tensors: torch.Tensor) -> None:
         self.saved_tensors = tensors
