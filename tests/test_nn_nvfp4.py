@@ -182,3 +182,32 @@ def test_backward_keeps_half_the_code_bytes_of_fp8() -> None:
         code_bytes[recipe] = sum(t.untyped_storage().nbytes() for t in saved)
     assert code_bytes["blockwise"] == 48 * 256 + 128 * 256
     assert code_bytes["nvfp4"] == code_bytes["blockwise"] // 2
+
+
+def test_nvfp4_refuses_routed_experts() -> None:
+    """The experts' FP8 path (Fp8Experts) has no NVFP4 operands: converting them is an error naming one;
+    a filter that keeps them high precision converts the rest."""
+    from infir2 import convert_to_fp8
+    from infir2.nn.convert import default_module_filter
+    from moe_models import make_tiny_moe
+
+    with pytest.raises(ValueError, match="routed experts"):
+        convert_to_fp8(make_tiny_moe("qwen3_moe"), "nvfp4")
+    model = convert_to_fp8(make_tiny_moe("qwen3_moe"), "nvfp4", module_filter_fn=default_module_filter)
+    assert any(isinstance(m, Fp8Linear) for m in model.modules())
+
+
+def test_nvfp4_under_activation_checkpointing() -> None:
+    """Recomputed forward (non-reentrant checkpointing unpacks each saved tensor once): the gradients are
+    the plain run's, given the same rounding draws."""
+    from conftest import make_tiny_model
+    from infir2.model import prepare_for_training
+
+    grads = []
+    for checkpointing in (False, True):
+        model = prepare_for_training(make_tiny_model(), "nvfp4", activation_checkpointing=checkpointing)
+        ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+        torch.manual_seed(1)
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))

@@ -223,6 +223,12 @@ def convert_to_fp8(
     notable = notable or any(r.startswith(_UNRECOGNISED) for r in kept)
     if not chosen and not experts:
         raise _no_layer_error(model)
+    if experts and recipe.x.is_fp4:
+        raise ValueError(
+            f"recipe {recipe.name!r} (NVFP4) runs dense linears only: the routed experts ({experts[0]!r}, "
+            f"{len(experts)} module(s)) run FP8 recipes; train this model with an FP8 recipe, or keep the "
+            "experts high precision with module_filter_fn"
+        )
     _warn_low_precision(model, chosen, experts)
     device = _device_of(model)
     for fqn in chosen:

@@ -134,7 +134,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         recipe: Fp8Recipe = ctx.recipe
         kernels: Kernels = ctx.kernels
-        x_saved, (weight, *w_saved) = ctx.saved_tensors[: ctx.n_x_saved], ctx.saved_tensors[ctx.n_x_saved :]
+        saved = ctx.saved_tensors  # read once: activation checkpointing unpacks each saved tensor once
+        x_saved, (weight, *w_saved) = saved[: ctx.n_x_saved], saved[ctx.n_x_saved :]
         dx = dw = db = None
         with _no_autocast(dy.device):
             need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
