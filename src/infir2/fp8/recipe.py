@@ -214,7 +214,8 @@ def get_recipe(recipe: str | Fp8Recipe, **cast_overrides: object) -> Fp8Recipe:
     unknown = set(cast_overrides) - {f.name for f in fields(Cast)}
     if unknown:
         raise ValueError(
-            f"get_recipe: no cast field {', '.join(sorted(unknown))} (the fields: block, fmt, scale_encoding)"
+            f"get_recipe: no cast field {', '.join(sorted(unknown))} "
+            f"(the fields: {', '.join(f.name for f in fields(Cast))})"
         )
     if isinstance(recipe, Fp8Recipe):
         base = recipe
