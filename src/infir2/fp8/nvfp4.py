@@ -189,16 +189,27 @@ def quantize_nvfp4(
     rounding: str = "nearest",
     generator: torch.Generator | None = None,
     fmt: Fp4Format = E2M1,
+    four_over_six: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize ``x [M, K]``: ``(data [M, K] uint8 codes, block_scale_inv e4m3, tensor_scale_inv fp32 [])``.
 
     ``block_scale_inv`` is ``[ceil(M/bm), ceil(K/bk)]``; partial edge blocks are zero-padded. The
     arithmetic is the module doc's; ``rounding`` and ``generator`` as described there.
+
+    ``four_over_six`` (round to nearest only): each block is also quantized with its amax mapped to 4,
+    the largest E2M1 value but one, instead of 6 (a finer grid near the top of the block: 3 and 4 are
+    both reachable where 6 would round them to 4 and 6), and keeps whichever of the two has the smaller
+    squared error against ``x`` (6 on a tie). The tensor scale is the same, so a block whose amax is
+    near the tensor's saturates its E4M3 scale at 448 with the 4-mapping and keeps the 6-mapping.
     """
     if x.dim() != 2 or not x.dtype.is_floating_point:
         raise ValueError(f"quantize_nvfp4 expects a 2-D float tensor, got {x.dtype} {tuple(x.shape)}")
     if rounding not in ROUNDINGS:
         raise ValueError(f"unknown rounding {rounding!r}; expected one of {ROUNDINGS}")
+    if four_over_six and rounding != "nearest":
+        raise ValueError(
+            "four_over_six chooses a block scale by the round-to-nearest error: rounding='nearest'"
+        )
     transpose, block = _orient(block)
     xf = x.float().t() if transpose else x.float()
     m, k = xf.shape
@@ -206,19 +217,46 @@ def quantize_nvfp4(
     amax = blocks.abs().amax() if blocks.numel() else blocks.new_zeros(())
     ts_inv = tensor_scale_inv(amax, fmt)  # []
     block_amax = blocks.abs().amax(dim=(1, 3)) if blocks.numel() else blocks.new_zeros(blocks.shape[::2])
-    per_block = block_amax / torch.full_like(block_amax, fmt.max)  # amax / 6, fp32
+    noise = None
+    if rounding == "stochastic":
+        generator = generator if generator is not None else (_NOISE[-1] if _NOISE else None)
+        noise = torch.rand(blocks.shape, generator=generator, device=blocks.device, dtype=torch.float32)
+    bs_inv, codes = _encode_blocks(blocks, block_amax, amax, ts_inv, fmt.max, noise, fmt)
+    if four_over_six:
+        bs4, codes4 = _encode_blocks(blocks, block_amax, amax, ts_inv, fmt.values[-2], None, fmt)
+        pick4 = _block_sse(blocks, codes4, bs4, ts_inv, fmt) < _block_sse(blocks, codes, bs_inv, ts_inv, fmt)
+        bs_inv = torch.where(pick4, bs4.float(), bs_inv.float()).to(_SCALE.dtype)
+        codes = torch.where(pick4[:, None, :, None], codes4, codes)
+    data = codes.reshape(blocks.shape[0] * block[0], -1)[:m, :k]
+    if transpose:
+        return data.t().contiguous(), bs_inv.t().contiguous(), ts_inv
+    return data.contiguous(), bs_inv, ts_inv
+
+
+def _encode_blocks(
+    blocks: torch.Tensor,
+    block_amax: torch.Tensor,
+    amax: torch.Tensor,
+    ts_inv: torch.Tensor,
+    top: float,
+    noise: torch.Tensor | None,
+    fmt: Fp4Format,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 block scales mapping each block's amax to ``top`` and the codes of ``blocks [Mb, bm, Kb, bk]``."""
+    per_block = block_amax / torch.full_like(block_amax, top)  # amax / 6, fp32
     bs_inv = (per_block / ts_inv).clamp_(_SCALE_MIN, _SCALE.max).to(_SCALE.dtype)  # RNE to E4M3
     bs_inv = torch.where(torch.isfinite(amax), bs_inv.float(), torch.nan).to(_SCALE.dtype)
     recip = ts_inv.reciprocal() / bs_inv.float()  # [Mb, Kb]: (1 / tensor) / block, as torchao
     scaled = (blocks * recip[:, None, :, None]).clamp_(-fmt.max, fmt.max)
-    noise = None
-    if rounding == "stochastic":
-        generator = generator if generator is not None else (_NOISE[-1] if _NOISE else None)
-        noise = torch.rand(scaled.shape, generator=generator, device=scaled.device, dtype=torch.float32)
-    data = e2m1_encode(scaled, noise, fmt).reshape(blocks.shape[0] * block[0], -1)[:m, :k]
-    if transpose:
-        return data.t().contiguous(), bs_inv.t().contiguous(), ts_inv
-    return data.contiguous(), bs_inv, ts_inv
+    return bs_inv, e2m1_encode(scaled, noise, fmt)
+
+
+def _block_sse(
+    blocks: torch.Tensor, codes: torch.Tensor, bs_inv: torch.Tensor, ts_inv: torch.Tensor, fmt: Fp4Format
+) -> torch.Tensor:
+    """``[Mb, Kb]``: the squared error of each block's dequantized codes against ``blocks``, in fp64."""
+    scale = (bs_inv.double() * ts_inv.double())[:, None, :, None]
+    return (e2m1_decode(codes, fmt).double() * scale - blocks.double()).pow(2).sum(dim=(1, 3))
 
 
 def dequantize_nvfp4(

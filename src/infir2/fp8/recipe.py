@@ -13,6 +13,7 @@ blockwise_fp32scale  same as blockwise                                          
 blockwise_hybrid     same as blockwise, dY in E5M2 (dgrad and wgrad)                pow2 (TE's HYBRID)
 mxfp8                (1,32) / (1,32)     (1,32) / (32,1)      (32,1) / (32,1)      E8M0, rounded up
 nvfp4                (1,16) / (16,16)    (1,16) / (16,16)     (16,1) / (16,1)      E4M3 x fp32 tensor
+nvfp4_4over6         same as nvfp4, X and W blocks mapped to 4 or 6 (the smaller error)
 rowwise              (1,-1) / (1,-1)     (1,-1) / (-1,1)      (-1,1) / (-1,1)      pow2, one per row
 tensorwise           (-1,-1) everywhere                                            fp32, one per tensor
 bf16                 no FP8: a plain high-precision linear (the baseline)
@@ -67,8 +68,9 @@ class Cast:
 
     ``fmt="e2m1"`` is NVFP4 (``infir2.fp8.nvfp4``): E4M3 block scales under one fp32 scale per tensor,
     so its ``scale_encoding`` is ``fp32`` (the tensor scale) and its block one of 1x16, 16x1, 16x16.
-    Two options exist for it alone: ``rounding`` (``nearest`` or ``stochastic``) and ``hadamard``
-    (the 16-point random Hadamard transform along the block's 16 elements before the cast).
+    Three options exist for it alone: ``rounding`` (``nearest`` or ``stochastic``), ``hadamard``
+    (the 16-point random Hadamard transform along the block's 16 elements before the cast) and
+    ``four_over_six`` (each block mapped to 4 or to 6, whichever errs less: ``quantize_nvfp4``).
     """
 
     block: Block
@@ -76,6 +78,7 @@ class Cast:
     scale_encoding: ScaleEncoding = "pow2"
     rounding: str = "nearest"
     hadamard: bool = False
+    four_over_six: bool = False
 
     def __post_init__(self) -> None:
         resolve_block(self.block, (1, 1))
@@ -84,13 +87,19 @@ class Cast:
             raise ValueError(f"unknown rounding {self.rounding!r}; expected one of {ROUNDINGS}")
         if self.fmt != E2M1.name:
             get_format(self.fmt)
-            if self.rounding != "nearest" or self.hadamard:
-                raise ValueError(f"rounding / hadamard options are for e2m1 (NVFP4) casts, not {self.fmt}")
+            if self.rounding != "nearest" or self.hadamard or self.four_over_six:
+                raise ValueError(
+                    f"rounding / hadamard / four_over_six options are for e2m1 (NVFP4) casts, not {self.fmt}"
+                )
             return
         if tuple(self.block) not in (NV_ROW, NV_COLUMN, NV_WEIGHT) or self.scale_encoding != "fp32":
             raise ValueError(
                 f"an e2m1 (NVFP4) cast has block {NV_ROW}, {NV_COLUMN} or {NV_WEIGHT} and scale_encoding "
                 f"'fp32' (E4M3 block scales under an fp32 tensor scale), got {self.block} {self.scale_encoding!r}"
+            )
+        if self.four_over_six and self.rounding != "nearest":
+            raise ValueError(
+                "four_over_six picks a block scale by the round-to-nearest error: rounding 'nearest'"
             )
         if self.hadamard and tuple(self.block) != NV_COLUMN:
             raise ValueError(
@@ -193,6 +202,16 @@ RECIPES: dict[str, Fp8Recipe] = {
         Cast(NV_WEIGHT, E2M1.name, "fp32"),
         Cast(NV_COLUMN, E2M1.name, "fp32", rounding="stochastic", hadamard=True),
         Cast(NV_COLUMN, E2M1.name, "fp32", hadamard=True),
+    ),
+    # nvfp4 with the "4 over 6" block-scale choice on its round-to-nearest casts (X and W, both copies)
+    "nvfp4_4over6": Fp8Recipe(
+        "nvfp4_4over6",
+        Cast(NV_ROW, E2M1.name, "fp32", four_over_six=True),
+        Cast(NV_WEIGHT, E2M1.name, "fp32", four_over_six=True),
+        Cast(NV_ROW, E2M1.name, "fp32", rounding="stochastic"),
+        Cast(NV_WEIGHT, E2M1.name, "fp32", four_over_six=True),
+        Cast(NV_COLUMN, E2M1.name, "fp32", rounding="stochastic", hadamard=True),
+        Cast(NV_COLUMN, E2M1.name, "fp32", hadamard=True, four_over_six=True),
     ),
     # the null control: the FP8 code path with exact casts -- every element its own block with an fp32
     # scale, so its E4M3 code is +-448 and the value survives to fp32 rounding (~1e-7 per GEMM). A run

@@ -23,7 +23,9 @@ NAME = "emulated"
 def quantize(x: torch.Tensor, cast: Cast) -> Operand:
     if cast.is_fp4:  # NVFP4: the random Hadamard transform along tokens first where the cast asks
         src = hadamard_transform(x) if cast.hadamard else x  # [T, K] -> [ceil(T/16)*16, K]
-        codes, block_scale_inv, tensor_scale_inv = quantize_nvfp4(src, cast.block, cast.rounding)
+        codes, block_scale_inv, tensor_scale_inv = quantize_nvfp4(
+            src, cast.block, cast.rounding, four_over_six=cast.four_over_six
+        )
         return Nvfp4Operand(codes, block_scale_inv, cast.block, tensor_scale_inv)
     data, scale_inv = reference_quantize(x, cast.block, cast.fmt, cast.scale_encoding)
     return Operand(data, scale_inv, cast.block)
