@@ -26,7 +26,12 @@ from two_process_exact_worker import SOURCE, run_config
 
 TESTS = Path(__file__).parent
 _one_thread = pytest.fixture(autouse=True)(one_thread)
-RECIPES = ("bf16", "blockwise", "blockwise_hybrid")  # hybrid: E5M2 gradients all-reduce the same way
+RECIPES = (
+    "bf16",
+    "blockwise",
+    "blockwise_hybrid",
+    "nvfp4",
+)  # hybrid: E5M2 gradients; nvfp4: SR seeded per micro-batch
 
 
 def test_the_gradient_norm_is_exact_where_an_fp32_norm_is_not():

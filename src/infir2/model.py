@@ -197,10 +197,12 @@ def prepare_for_training(
     activation_checkpointing: bool = False,
     recompute_mlp: bool = True,
     master_dtype: torch.dtype = torch.float32,
+    high_precision_tail: float = 0.0,
 ) -> nn.Module:
     """fp32 (or ``master_dtype``) masters, train mode, optional activation checkpointing, the SwiGLU recompute
     (``infir2.nn.recompute_swiglu``: exact, keeps two fewer ``[T, I]`` tensors), then the FP8 swap
-    (none for a recipe without FP8, ``bf16``)."""
+    (none for a recipe without FP8, ``bf16``; the last ``high_precision_tail`` of the decoder blocks kept
+    in high precision)."""
     model.to(master_dtype).train()
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
@@ -209,7 +211,7 @@ def prepare_for_training(
         hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if recompute_mlp:
         recompute_swiglu(model)
-    convert_to_fp8(model, recipe, backend=backend)
+    convert_to_fp8(model, recipe, backend=backend, high_precision_tail=high_precision_tail)
     return model
 
 

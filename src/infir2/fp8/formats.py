@@ -15,14 +15,18 @@ import torch
 
 __all__ = [
     "BLOCK",
+    "E2M1",
     "E8M0_BIAS",
     "E8M0_MAX_EXP",
     "EXPONENT_MASK",
     "FLT_MAX",
     "FORMATS",
+    "HADAMARD_SEED",
     "MX_BLOCK",
     "NAN_CODE",
+    "NVFP4_BLOCK",
     "BitLayout",
+    "Fp4Format",
     "Fp8Format",
     "bit_layout",
     "get_format",
@@ -32,6 +36,12 @@ __all__ = [
 BLOCK = 128
 #: Elements per scale block of the OCP Microscaling (MX) formats: 1x32 along the reduction dimension.
 MX_BLOCK = 32
+
+#: Elements per scale block of NVFP4: 1x16 along the reduction dimension (16x16 for weights); also the
+#: size of the random Hadamard transform applied to NVFP4's wgrad operands.
+NVFP4_BLOCK = 16
+#: The seed of the fixed random sign vector of NVFP4's 16-point random Hadamard transform.
+HADAMARD_SEED = 45
 
 #: E8M0, the MX scale format: 8 exponent bits, no sign, no mantissa; code c means 2 ** (c - 127),
 #: codes 0..254 span 2**-127 .. 2**127 and 255 is NaN (``torch.float8_e8m0fnu``).
@@ -66,6 +76,50 @@ FORMATS: dict[str, Fp8Format] = {
     "e4m3": Fp8Format("e4m3", torch.float8_e4m3fn, float(torch.finfo(torch.float8_e4m3fn).max)),
     "e5m2": Fp8Format("e5m2", torch.float8_e5m2, float(torch.finfo(torch.float8_e5m2).max)),
 }
+
+
+@dataclass(frozen=True)
+class Fp4Format:
+    """A 4-bit float: 1 sign bit, ``ebits`` exponent bits, ``mbits`` mantissa bits, no inf or NaN.
+
+    A code is a nibble: bit 3 the sign, bits 0-2 the index of the magnitude in ``values``.
+    """
+
+    name: str
+    ebits: int
+    mbits: int
+    bias: int
+
+    @property
+    def values(self) -> tuple[float, ...]:
+        """The 8 magnitudes in code order: subnormals (exponent field 0), then the normals."""
+        out = []
+        for code in range(2 ** (self.ebits + self.mbits)):
+            e, m = code >> self.mbits, code & (2**self.mbits - 1)
+            frac = m / 2**self.mbits
+            out.append(frac * 2.0 ** (1 - self.bias) if e == 0 else (1 + frac) * 2.0 ** (e - self.bias))
+        return tuple(out)
+
+    @property
+    def max(self) -> float:
+        return self.values[-1]
+
+    @property
+    def emin(self) -> int:
+        """The exponent of the smallest normal (subnormals share its spacing)."""
+        return 1 - self.bias
+
+    @property
+    def emax(self) -> int:
+        return 2**self.ebits - 1 - self.bias
+
+    @property
+    def sign_bit(self) -> int:
+        return 1 << (self.ebits + self.mbits)
+
+
+#: E2M1, the NVFP4 / MXFP4 element: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+E2M1 = Fp4Format("e2m1", ebits=2, mbits=1, bias=1)
 
 
 def get_format(fmt: str | Fp8Format) -> Fp8Format:

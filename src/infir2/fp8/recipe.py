@@ -12,6 +12,8 @@ blockwise            (1,128) / (128,128) (1,128) / (128,128)  (128,1) / (128,1) 
 blockwise_fp32scale  same as blockwise                                             fp32 (RL)
 blockwise_hybrid     same as blockwise, dY in E5M2 (dgrad and wgrad)                pow2 (TE's HYBRID)
 mxfp8                (1,32) / (1,32)     (1,32) / (32,1)      (32,1) / (32,1)      E8M0, rounded up
+nvfp4                (1,16) / (16,16)    (1,16) / (16,16)     (16,1) / (16,1)      E4M3 x fp32 tensor
+nvfp4_4over6         same as nvfp4, X and W blocks mapped to 4 or 6 (the smaller error)
 rowwise              (1,-1) / (1,-1)     (1,-1) / (-1,1)      (-1,1) / (-1,1)      pow2, one per row
 tensorwise           (-1,-1) everywhere                                            fp32, one per tensor
 bf16                 no FP8: a plain high-precision linear (the baseline)
@@ -23,6 +25,11 @@ TransformerEngine's HYBRID format choice on the blockwise tiles -- E4M3 for acti
 E5M2 (range to 57344, one mantissa bit fewer) for the output gradient dY, the one operand of dgrad and
 of wgrad that comes from the loss. Its weights are E4M3, so it exports as ``blockwise`` does. ``mxfp8`` is OCP Microscaling
 MXFP8 as Blackwell trains it: 32-element blocks along every reduction, one E8M0 scale per block.
+``nvfp4`` is TransformerEngine's default NVFP4 recipe emulated exactly (``infir2.fp8.nvfp4``): E2M1
+elements in every GEMM, one E4M3 scale per 16 elements under one fp32 scale per tensor, 16x16 blocks
+for the weight, stochastic rounding of dY (both copies), and the 16-point random Hadamard transform
+on both wgrad operands (dY and X, along tokens; ``(H dY)^T (H X) = dY^T X``). It claims numerics only:
+the GEMMs run on the dequantized operands (no FP4 tensor cores on Hopper).
 
 A recipe name is checked by ``get_recipe`` (the one check, wherever a name arrives: a config, a
 command's option) and turned into its ``Fp8Recipe`` where a model is converted (``convert_to_fp8``;
@@ -34,7 +41,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from .formats import BLOCK, MX_BLOCK, get_format
+from .formats import BLOCK, E2M1, FORMATS, MX_BLOCK, NVFP4_BLOCK, get_format
+from .nvfp4 import ROUNDINGS
 from .quantize import Block, ScaleEncoding, resolve_block, resolve_encoding
 
 __all__ = ["RECIPES", "SAME_RECIPE", "Cast", "Fp8Recipe", "get_recipe", "recipe_names"]
@@ -47,22 +55,61 @@ COLUMN: Block = (-1, 1)
 TENSOR: Block = (-1, -1)
 MX_ROW: Block = (1, MX_BLOCK)  # 1x32 along the reduction dimension of a row-major operand
 MX_COLUMN: Block = (MX_BLOCK, 1)  # 32x1: the same for an operand the GEMM reads transposed
+NV_ROW: Block = (1, NVFP4_BLOCK)  # 1x16 along the reduction dimension (NVFP4 activations, gradients)
+NV_COLUMN: Block = (NVFP4_BLOCK, 1)  # 16x1: along tokens, for the wgrad operands
+NV_WEIGHT: Block = (NVFP4_BLOCK, NVFP4_BLOCK)  # 16x16: one quantized weight for fprop and dgrad
 
 
 @dataclass(frozen=True)
 class Cast:
-    """How one GEMM operand becomes FP8: ``block`` (rows, cols; -1 = whole dimension), element
-    ``fmt`` (``e4m3`` / ``e5m2``) and ``scale_encoding`` (``fp32``, ``pow2`` or ``e8m0``: the scale
-    rules of ``infir2.fp8.quantize``)."""
+    """How one GEMM operand becomes FP8 (or NVFP4): ``block`` (rows, cols; -1 = whole dimension),
+    element ``fmt`` (``e4m3`` / ``e5m2``, or ``e2m1``) and ``scale_encoding`` (``fp32``, ``pow2`` or
+    ``e8m0``: the scale rules of ``infir2.fp8.quantize``).
+
+    ``fmt="e2m1"`` is NVFP4 (``infir2.fp8.nvfp4``): E4M3 block scales under one fp32 scale per tensor,
+    so its ``scale_encoding`` is ``fp32`` (the tensor scale) and its block one of 1x16, 16x1, 16x16.
+    Three options exist for it alone: ``rounding`` (``nearest`` or ``stochastic``), ``hadamard``
+    (the 16-point random Hadamard transform along the block's 16 elements before the cast) and
+    ``four_over_six`` (each block mapped to 4 or to 6, whichever errs less: ``quantize_nvfp4``).
+    """
 
     block: Block
     fmt: str = "e4m3"
     scale_encoding: ScaleEncoding = "pow2"
+    rounding: str = "nearest"
+    hadamard: bool = False
+    four_over_six: bool = False
 
     def __post_init__(self) -> None:
         resolve_block(self.block, (1, 1))
-        get_format(self.fmt)
         resolve_encoding(self.scale_encoding)
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"unknown rounding {self.rounding!r}; expected one of {ROUNDINGS}")
+        if self.fmt != E2M1.name:
+            get_format(self.fmt)
+            if self.rounding != "nearest" or self.hadamard or self.four_over_six:
+                raise ValueError(
+                    f"rounding / hadamard / four_over_six options are for e2m1 (NVFP4) casts, not {self.fmt}"
+                )
+            return
+        if tuple(self.block) not in (NV_ROW, NV_COLUMN, NV_WEIGHT) or self.scale_encoding != "fp32":
+            raise ValueError(
+                f"an e2m1 (NVFP4) cast has block {NV_ROW}, {NV_COLUMN} or {NV_WEIGHT} and scale_encoding "
+                f"'fp32' (E4M3 block scales under an fp32 tensor scale), got {self.block} {self.scale_encoding!r}"
+            )
+        if self.four_over_six and self.rounding != "nearest":
+            raise ValueError(
+                "four_over_six picks a block scale by the round-to-nearest error: rounding 'nearest'"
+            )
+        if self.hadamard and tuple(self.block) != NV_COLUMN:
+            raise ValueError(
+                "the random Hadamard transform runs along tokens: only a (16, 1) e2m1 cast takes it"
+            )
+
+    @property
+    def is_fp4(self) -> bool:
+        """True for an NVFP4 (E2M1) cast."""
+        return self.fmt == E2M1.name
 
 
 @dataclass(frozen=True)
@@ -96,8 +143,9 @@ class Fp8Recipe:
     @property
     def gathers_fp8_weight(self) -> bool:
         """True when the weight can be all-gathered as FP8 codes under FSDP2 (``fp8.param_gather``):
-        the GEMMs read it only through one quantized copy (fprop and dgrad use the same cast)."""
-        return self.enabled and self.reuses_weight
+        the GEMMs read it only through one quantized copy (fprop and dgrad use the same cast), and the
+        copy is FP8 (an NVFP4 weight needs its whole tensor's amax: gathered in high precision)."""
+        return self.enabled and self.reuses_weight and self.w.fmt in FORMATS
 
     @property
     def param_gather_default(self) -> bool:
@@ -144,6 +192,27 @@ RECIPES: dict[str, Fp8Recipe] = {
         "rowwise", Cast(ROW), Cast(ROW), Cast(ROW), Cast(COLUMN), Cast(COLUMN), Cast(COLUMN)
     ),
     "tensorwise": _uniform("tensorwise", TENSOR, "fp32"),
+    # TransformerEngine's NVFP4BlockScaling: E2M1 everywhere, RNE for X and W, stochastic rounding for
+    # dY, the random Hadamard transform on both wgrad operands (along tokens), 16x16 weight blocks
+    "nvfp4": Fp8Recipe(
+        "nvfp4",
+        Cast(NV_ROW, E2M1.name, "fp32"),
+        Cast(NV_WEIGHT, E2M1.name, "fp32"),
+        Cast(NV_ROW, E2M1.name, "fp32", rounding="stochastic"),
+        Cast(NV_WEIGHT, E2M1.name, "fp32"),
+        Cast(NV_COLUMN, E2M1.name, "fp32", rounding="stochastic", hadamard=True),
+        Cast(NV_COLUMN, E2M1.name, "fp32", hadamard=True),
+    ),
+    # nvfp4 with the "4 over 6" block-scale choice on its round-to-nearest casts (X and W, both copies)
+    "nvfp4_4over6": Fp8Recipe(
+        "nvfp4_4over6",
+        Cast(NV_ROW, E2M1.name, "fp32", four_over_six=True),
+        Cast(NV_WEIGHT, E2M1.name, "fp32", four_over_six=True),
+        Cast(NV_ROW, E2M1.name, "fp32", rounding="stochastic"),
+        Cast(NV_WEIGHT, E2M1.name, "fp32", four_over_six=True),
+        Cast(NV_COLUMN, E2M1.name, "fp32", rounding="stochastic", hadamard=True),
+        Cast(NV_COLUMN, E2M1.name, "fp32", hadamard=True, four_over_six=True),
+    ),
     # the null control: the FP8 code path with exact casts -- every element its own block with an fp32
     # scale, so its E4M3 code is +-448 and the value survives to fp32 rounding (~1e-7 per GEMM). A run
     # of it is the baseline perturbed by rounding alone: the noise floor an FP8 gap must beat.
@@ -164,7 +233,8 @@ def get_recipe(recipe: str | Fp8Recipe, **cast_overrides: object) -> Fp8Recipe:
     unknown = set(cast_overrides) - {f.name for f in fields(Cast)}
     if unknown:
         raise ValueError(
-            f"get_recipe: no cast field {', '.join(sorted(unknown))} (the fields: block, fmt, scale_encoding)"
+            f"get_recipe: no cast field {', '.join(sorted(unknown))} "
+            f"(the fields: {', '.join(f.name for f in fields(Cast))})"
         )
     if isinstance(recipe, Fp8Recipe):
         base = recipe

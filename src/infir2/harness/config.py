@@ -5,7 +5,7 @@ sections; four of them are the same for both and live here::
 
     run:   name, out_dir, seed, device, accept_config_changes
     model: path | from_config, tokenizer, precision, activation_checkpointing, recompute_mlp, export_dtype
-    fp8:   recipe, backend, param_gather, stats_every
+    fp8:   recipe, backend, param_gather, stats_every, high_precision_tail
     optim: lr, betas, eps, weight_decay, grad_clip, fused, state_dtype
 
 and ``schedule`` (the learning-rate schedules of ``harness.optim``; ``infir2 rl`` keeps a constant rate).
@@ -132,6 +132,11 @@ class Fp8Config:
         "the blockwise recipes; only recipes whose fprop and dgrad share the weight blocks can (not rowwise)",
     )
     stats_every: int = _key(0, "FP8 numerics telemetry (`infir2 numerics`) every N steps; 0 = off")
+    high_precision_tail: float = _key(
+        0.0,
+        "fraction in [0, 1) of the decoder blocks, the last ones, kept in high precision (rounded up to "
+        "whole blocks; lm_head always is); torchtitan keeps 0.15 for 4-bit recipes such as nvfp4",
+    )
 
 
 @dataclass(frozen=True)
@@ -213,6 +218,18 @@ def _check_fp8(f: Fp8Config, source: str) -> None:
     if f.backend is not None and f.backend not in BACKENDS:
         raise config_error(source, "fp8.backend", f"got {f.backend!r}, expected one of {', '.join(BACKENDS)}")
     check_positive(source, "fp8.stats_every", f.stats_every, allow_zero=True)
+    if isinstance(f.high_precision_tail, bool) or not (
+        isinstance(f.high_precision_tail, (int, float)) and 0 <= f.high_precision_tail < 1
+    ):
+        raise config_error(
+            source, "fp8.high_precision_tail", f"a fraction in [0, 1), got {f.high_precision_tail!r}"
+        )
+    if f.stats_every and any(c.is_fp4 for c in RECIPES[f.recipe].casts.values()):
+        raise config_error(
+            source,
+            "fp8.stats_every",
+            f"the FP8 telemetry reads FP8 codes; recipe {f.recipe} has E2M1 (NVFP4) operands: set it to 0",
+        )
     if f.param_gather and not RECIPES[f.recipe].gathers_fp8_weight:
         raise config_error(
             source,

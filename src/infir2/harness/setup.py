@@ -123,6 +123,7 @@ def setup_model(
         cfg.model.activation_checkpointing,
         cfg.model.recompute_mlp,
         master_dtype,
+        cfg.fp8.high_precision_tail,
     )
     model.to(env.device)
     if before_shard is not None:

@@ -2,7 +2,7 @@
 faster on CPU, with its C loop in ``native``; ``scaled_mm``: torch's FP8 GEMM; ``triton``; ``compiled``)
 and the dispatcher that binds a recipe on a device to one fallback chain of them (``registry``)."""
 
-from .operand import Operand
+from .operand import Nvfp4Operand, Operand
 from .registry import BACKENDS, ORDER, Backend, Kernels, bind
 
-__all__ = ["BACKENDS", "ORDER", "Backend", "Kernels", "Operand", "bind"]
+__all__ = ["BACKENDS", "ORDER", "Backend", "Kernels", "Nvfp4Operand", "Operand", "bind"]

@@ -59,6 +59,8 @@ def why_unavailable(recipe: Fp8Recipe, device: torch.device) -> str | None:
         return "torch.compile on CPU needs a C++ compiler (c++/g++/clang++ on PATH)"
     if device.type not in ("cpu", "cuda"):
         return f"torch.compile backend not set up for {device.type}"
+    if any(c.is_fp4 for c in recipe.casts.values()):
+        return "the compiled quantizer is FP8 only; NVFP4 casts run on the emulated backend"
     return None
 
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from ..fp8.nvfp4 import hadamard_transform, quantize_nvfp4
 from ..fp8.quantize import quantize as reference_quantize
 from ..fp8.recipe import Cast
-from .operand import Operand
+from .operand import Nvfp4Operand, Operand
 
 __all__ = ["NAME", "gemm_nt", "quantize"]
 
@@ -20,6 +21,12 @@ NAME = "emulated"
 
 
 def quantize(x: torch.Tensor, cast: Cast) -> Operand:
+    if cast.is_fp4:  # NVFP4: the random Hadamard transform along tokens first where the cast asks
+        src = hadamard_transform(x) if cast.hadamard else x  # [T, K] -> [ceil(T/16)*16, K]
+        codes, block_scale_inv, tensor_scale_inv = quantize_nvfp4(
+            src, cast.block, cast.rounding, four_over_six=cast.four_over_six
+        )
+        return Nvfp4Operand(codes, block_scale_inv, cast.block, tensor_scale_inv)
     data, scale_inv = reference_quantize(x, cast.block, cast.fmt, cast.scale_encoding)
     return Operand(data, scale_inv, cast.block)
 

@@ -260,12 +260,12 @@ def why_unavailable(recipe: Fp8Recipe, device: torch.device) -> str | None:
     if device.type != "cpu":
         return f"the fast emulation is written for CPUs (it decodes FP8 with integer ops); got {device.type}"
     if not any(supports_cast(c) for c in recipe.casts.values()):
-        return f"recipe {recipe.name!r} has only E8M0-scaled casts; they run on the emulated backend"
+        return f"recipe {recipe.name!r} has only E8M0-scaled or NVFP4 casts; they run on the emulated backend"
     return None
 
 
 def supports_cast(cast: Cast) -> bool:
-    return cast.scale_encoding in ("fp32", "pow2")
+    return cast.scale_encoding in ("fp32", "pow2") and not cast.is_fp4
 
 
 def supports_quantize(x: torch.Tensor, cast: Cast) -> bool:

@@ -28,10 +28,11 @@ LoRA first (the default filter converts each LoRA layer's ``base_layer``; the ad
 from __future__ import annotations
 
 import logging
+import math
 import re
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, cast
 
@@ -55,6 +56,7 @@ __all__ = [
     "fp8_expert_modules",
     "fp8_modules",
     "fp8_weight_names",
+    "high_precision_tail_blocks",
     "link_fsdp_params",
     "unrecognised_experts",
     "why_high_precision",
@@ -69,6 +71,7 @@ DECODER_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
 SHAPE_MULTIPLE = 16
 
 _IN_BLOCK = re.compile(r"(^|\.)\d+\.")  # a numbered child on the path: an element of ``layers`` / ``h``
+_BLOCK_INDEX = re.compile(r"(^|\.)(\d+)\.")  # the same, with the block's index as group 2
 _OUTPUT_HEADS = ("lm_head", "embed_out", "output")
 _ROUTERS = ("gate", "router")  # Mixtral ``block_sparse_moe.gate``, Qwen2-MoE / DeepSeek ``mlp.gate``
 
@@ -105,6 +108,28 @@ def default_module_filter(module: nn.Module, fqn: str) -> bool:
     """True for every ``nn.Linear`` inside a decoder layer (a numbered child such as ``layers.3``) whose
     dimensions are multiples of 16, except output heads, MoE routers and LoRA adapters."""
     return why_high_precision(module, fqn) is None
+
+
+def high_precision_tail_blocks(model: nn.Module, fraction: float) -> set[int]:
+    """The indices of the last ``ceil(fraction * n)`` of the model's ``n`` decoder blocks (the numbered
+    children that hold its linears): the blocks ``high_precision_tail`` keeps in high precision.
+
+    torchtitan's low-precision recipes keep about the last 15% of the blocks (and ``lm_head``, which
+    stays high precision here in any case) out of FP4: the last layers are the most sensitive to it.
+    """
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(
+            f"high_precision_tail is a fraction of the decoder blocks in [0, 1), got {fraction!r}"
+        )
+    indices = {
+        int(match.group(2))
+        for fqn, m in model.named_modules()
+        if isinstance(m, nn.Linear) and (match := _BLOCK_INDEX.search(fqn)) is not None
+    }
+    if not indices or fraction == 0:
+        return set()
+    n = max(indices) + 1
+    return set(range(n - math.ceil(fraction * n), n))
 
 
 def _looks_convertible(module: nn.Module, fqn: str, reason: str) -> bool:
@@ -153,10 +178,13 @@ def convert_to_fp8(
     recipe: str | Fp8Recipe = "blockwise",
     module_filter_fn: ModuleFilter | None = None,
     backend: str | None = None,
+    high_precision_tail: float = 0.0,
 ) -> nn.Module:
     """Replace every ``nn.Linear`` that ``module_filter_fn`` selects with an ``Fp8Linear`` (in place).
 
-    The default filter is :func:`default_module_filter`. Parameters are shared, not copied, so
+    The default filter is :func:`default_module_filter`. ``high_precision_tail`` (a fraction in [0, 1))
+    keeps the last ``ceil(fraction * blocks)`` decoder blocks in high precision whatever the filter says
+    (:func:`high_precision_tail_blocks`; 0.15 is torchtitan's choice for 4-bit training). Parameters are shared, not copied, so
     state_dict keys, tied weights and existing optimizers are unaffected. Returns ``model``. Logs
     what stayed high precision and why (a warning when a layer of it looks convertible). Raises
     ``ValueError`` when the model was already converted or when no layer qualifies; recipe ``bf16``
@@ -173,8 +201,14 @@ def convert_to_fp8(
         log.info("recipe %r runs without FP8: no layer converted", recipe.name)
         return model
     chosen, kept, notable = [], defaultdict(list), False
+    tail = high_precision_tail_blocks(model, high_precision_tail)
     for fqn, m in model.named_modules():
         if not (isinstance(m, nn.Linear) or _is_conv1d(m)):
+            continue
+        if tail and (match := _BLOCK_INDEX.search(fqn)) is not None and int(match.group(2)) in tail:
+            kept[
+                f"in the last {len(tail)} decoder block(s): high_precision_tail={high_precision_tail}"
+            ].append(fqn)
             continue
         if type(m) is nn.Linear and (module_filter_fn or default_module_filter)(m, fqn):
             chosen.append(fqn)
@@ -185,10 +219,16 @@ def convert_to_fp8(
             reason = why_high_precision(m, fqn) or "excluded by module_filter_fn"
         kept[reason].append(fqn)
         notable = notable or _looks_convertible(m, fqn, reason)
-    experts = _select_experts(model, module_filter_fn, kept)
+    experts = _select_experts(model, module_filter_fn, kept, tail, high_precision_tail)
     notable = notable or any(r.startswith(_UNRECOGNISED) for r in kept)
     if not chosen and not experts:
         raise _no_layer_error(model)
+    if experts and recipe.x.is_fp4:
+        raise ValueError(
+            f"recipe {recipe.name!r} (NVFP4) runs dense linears only: the routed experts ({experts[0]!r}, "
+            f"{len(experts)} module(s)) run FP8 recipes; train this model with an FP8 recipe, or keep the "
+            "experts high precision with module_filter_fn"
+        )
     _warn_low_precision(model, chosen, experts)
     device = _device_of(model)
     for fqn in chosen:
@@ -245,7 +285,11 @@ def _owns_expert_weights(module: nn.Module) -> bool:
 
 
 def _select_experts(
-    model: nn.Module, module_filter_fn: ModuleFilter | None, kept: dict[str, list[str]]
+    model: nn.Module,
+    module_filter_fn: ModuleFilter | None,
+    kept: dict[str, list[str]],
+    tail: Collection[int] = (),
+    fraction: float = 0.0,
 ) -> list[str]:
     """The routed-experts modules to convert; the others (and the routers) recorded in ``kept``."""
     chosen = []
@@ -259,7 +303,9 @@ def _select_experts(
             kept["MoE router"].append(fqn)
         if not _owns_expert_weights(m):
             continue
-        if not is_routed_experts(m):
+        if tail and (match := _BLOCK_INDEX.search(fqn)) is not None and int(match.group(2)) in tail:
+            kept[f"in the last {len(tail)} decoder block(s): high_precision_tail={fraction}"].append(fqn)
+        elif not is_routed_experts(m):
             kept[f"{_UNRECOGNISED}: {type(m).__name__}, {unsupported_experts_reason(m)}"].append(fqn)
         elif module_filter_fn is not None and not module_filter_fn(m, fqn):
             kept["excluded by module_filter_fn"].append(fqn)

@@ -55,6 +55,11 @@ class _Context:
         self.x_dtype: torch.dtype | None = None
         self.has_bias = False
         self.probe: Any = None
+        self.n_x_saved = (
+            2  # x_wgrad as FP8 codes and scales (an NVFP4 layer never compiles: Fp8Linear.forward)
+        )
+        self.x_restore = Operand.restore
+        self.w_restore = Operand.restore
 
     def save_for_backward(self, *tensors: torch.Tensor) -> None:
         self.saved_tensors = tensors

@@ -47,7 +47,7 @@ from torch import nn
 
 from ..fp8.formats import BLOCK
 from ..fp8.recipe import Fp8Recipe, get_recipe
-from ..kernels import BACKENDS, ORDER, Kernels, Operand, bind, emulated, scaled_mm
+from ..kernels import BACKENDS, ORDER, Kernels, Nvfp4Operand, Operand, bind, emulated, scaled_mm
 from .fsdp import Fp8GatheredWeight
 
 __all__ = ["Fp8Linear", "StatsRecorder"]
@@ -116,11 +116,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
             isinstance(weight, Fp8GatheredWeight) and kernels.device.type == "cuda" and not ctx.w_transposed
         )
         saved_w = w_dgrad_t if ctx.w_transposed else w_dgrad
+        x_saved = x_wgrad.saved()  # codes and scales (and an NVFP4 operand's tensor scale)
+        ctx.x_restore, ctx.n_x_saved = type(x_wgrad).restore, len(x_saved)
+        ctx.w_restore = type(saved_w).restore if saved_w is not None else Operand.restore
         ctx.save_for_backward(
-            x_wgrad.data,
-            x_wgrad.scale_inv,
+            *x_saved,
             weight,
-            *((saved_w.data, saved_w.scale_inv) if saved_w is not None and ctx.w_kept is None else ()),
+            *(saved_w.saved() if saved_w is not None and ctx.w_kept is None else ()),
         )
         ctx.recipe, ctx.kernels, ctx.x_dtype, ctx.has_bias = recipe, kernels, x.dtype, bias is not None
         y = y.to(x.dtype)
@@ -132,7 +134,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         recipe: Fp8Recipe = ctx.recipe
         kernels: Kernels = ctx.kernels
-        x_data, x_scale_inv, weight, *w_saved = ctx.saved_tensors
+        saved = ctx.saved_tensors  # read once: activation checkpointing unpacks each saved tensor once
+        x_saved, (weight, *w_saved) = saved[: ctx.n_x_saved], saved[ctx.n_x_saved :]
         dx = dw = db = None
         with _no_autocast(dy.device):
             need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -149,7 +152,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                     bm, bk = recipe.w_dgrad.block
                     w_dgrad = Operand(w_saved[0], w_saved[1], (bk, bm)).t()
                 elif w_saved:
-                    w_dgrad = Operand(w_saved[0], w_saved[1], recipe.w_dgrad.block)
+                    w_dgrad = ctx.w_restore(tuple(w_saved), recipe.w_dgrad.block, weight.shape[1])
                 else:
                     w_dgrad = kernels.quantize(weight, recipe.w_dgrad)
                 w_dgrad_t = w_dgrad.t()  # [K, N]
@@ -159,7 +162,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 if ctx.probe is not None:
                     ctx.probe.dgrad(dy, dyq, w_dgrad, weight, dx)
             if need_dw:
-                x_w = Operand(x_data, x_scale_inv, recipe.x_wgrad.block)  # [T,K]
+                # [T,K] (NVFP4 + RHT: T padded to 16s)
+                x_w = ctx.x_restore(x_saved, recipe.x_wgrad.block, weight.shape[1])
                 dw = kernels.gemm_nt(
                     dy_w.t(), x_w.t(), _accumulation_dtype(weight.dtype)
                 )  # [N,T] @ [T,K] -> [N,K], fp32 accumulate
@@ -376,6 +380,7 @@ class Fp8Linear(nn.Linear):
             or cache is None
             or cache[1] is not w_fprop
             or w_fprop.keep_for_backward  # a CPU emulation's decoded operand, kept whole
+            or isinstance(w_fprop, Nvfp4Operand)  # emulated on every device: no FP4 GEMM wants K-major
         ):
             return None
         if cache[2] is None:
@@ -388,6 +393,8 @@ class Fp8Linear(nn.Linear):
         if not self.fp8_enabled:
             return F.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():  # one custom op: caches and kernels stay outside the graph
+            if self.recipe.x.is_fp4:
+                raise NotImplementedError("the nvfp4 recipe runs eager only: its custom op is not written")
             device = x.device.type
             dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
             return torch.ops.infir2.fp8_linear(x, self.weight, self.bias, self.op_key, dtype)[0]

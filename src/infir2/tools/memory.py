@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from ..fp8 import RECIPES
-from ..fp8.formats import BLOCK
+from ..fp8.formats import BLOCK, NVFP4_BLOCK
 from ..nn import cache_fp8_weights, convert_to_fp8, recompute_swiglu
 
 __all__ = [
@@ -140,13 +140,15 @@ def saved_in_graph(root: Any) -> list[tuple[str, torch.Tensor]]:
 
 
 def _weight_shapes(layer: nn.Module) -> set[tuple[int, ...]]:
-    """Shapes of per-step weight copies: each 2-D parameter, its transpose, their 128x128 scale grids."""
+    """Shapes of per-step weight copies: each 2-D parameter, its transpose, their 128x128 scale grids,
+    and NVFP4's: the codes packed two a byte (``[N, K/2]``) and the 16x16 scale grid."""
     shapes: set[tuple[int, ...]] = set()
     for p in layer.parameters():
         if p.ndim == 2:
             n, k = p.shape
             grid = (-(-n // BLOCK), -(-k // BLOCK))
-            shapes |= {(n, k), (k, n), grid, grid[::-1]}
+            nv_grid = (-(-n // NVFP4_BLOCK), -(-k // NVFP4_BLOCK))
+            shapes |= {(n, k), (k, n), grid, grid[::-1], (n, -(-k // 2)), nv_grid}
     return shapes
 
 

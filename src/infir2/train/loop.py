@@ -39,6 +39,7 @@ import math
 import random
 import time
 from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ from torch import nn
 from ..data import first_difference, load_tokenizer
 from ..data.base import MicroBatch, StepSource, count_loss_tokens
 from ..data.context import ContextShards, shard_steps
+from ..fp8 import nvfp4
 from ..harness.config import config_to_dict
 from ..harness.config_changes import reconcile_saved_config
 from ..harness.distributed import ContextLayout, DistEnv, all_reduce_sum, context_layout
@@ -140,9 +142,14 @@ def train_step(
     env: DistEnv,
     loss_chunk_tokens: int | str = "auto",
     max_loss: float = math.inf,
+    noise_seed: int | None = None,
 ) -> dict[str, Any]:
     """Forward/backward over this rank's micro-batches, clip, and one AdamW step -- skipped when the loss
-    or the gradient norm is not finite, or the loss is above ``max_loss`` (a spike, ``out["spike"]``)."""
+    or the gradient norm is not finite, or the loss is above ``max_loss`` (a spike, ``out["spike"]``).
+
+    ``noise_seed`` (the step's): each micro-batch's stochastic rounding (``nvfp4``) draws from a generator
+    seeded by it and the micro-batch's index in the global batch (``infir2.fp8.nvfp4``), so the draws
+    do not depend on how the micro-batches are spread over processes; None: torch's generator."""
     counts = torch.tensor(
         [count_loss_tokens(micro_batches), sum(map(_num_tokens, micro_batches))], dtype=torch.float64
     )
@@ -150,8 +157,10 @@ def train_step(
     scale = env.world_size / max(n_loss_tokens, 1.0)
     ce_total = torch.zeros((), dtype=torch.float64, device=env.device)
     with cache_fp8_weights(model):
-        for mb in micro_batches:
-            with shard_context(mb):  # a context shard: its backward gathers keys and values too
+        for i, mb in enumerate(micro_batches):
+            index = env.rank * len(micro_batches) + i  # the micro-batch's place in the global batch
+            with shard_context(mb), _rounding_noise(noise_seed, index, env.device):
+                # shard_context: a context shard's backward gathers keys and values too
                 ce_sum = token_ce_sum(model, mb, precision, env.device, loss_chunk_tokens)
                 (ce_sum * scale).backward()
             ce_total += ce_sum.detach().double()
@@ -357,6 +366,13 @@ def _run(run: _Run, progress: bool) -> TrainResult:
     return result
 
 
+def _rounding_noise(seed: int | None, index: int, device: torch.device) -> AbstractContextManager[Any]:
+    """The stochastic-rounding generator of one micro-batch (``train_step``), or nothing without a seed."""
+    if seed is None:
+        return nullcontext()
+    return nvfp4.noise_generator(torch.Generator(device).manual_seed(nvfp4.noise_seed(seed, index)))
+
+
 def _step(run: _Run, state: TrainState, micro_batches: list[MicroBatch], spikes: SpikeRule) -> dict[str, Any]:
     """One optimizer step (``train_step``) with the spike rule's limit, and its metrics."""
     cfg, t0 = run.cfg, time.perf_counter()
@@ -372,6 +388,7 @@ def _step(run: _Run, state: TrainState, micro_batches: list[MicroBatch], spikes:
             run.env,
             cfg.train.loss_chunk_tokens,
             limit,
+            nvfp4.noise_seed(cfg.run.seed, state.step),
         )
     if out["spike"]:
         out["spike_reference"] = spikes.reference()
