@@ -53,8 +53,9 @@ from typing import Any
 
 from ...data.cpt import is_val_document, prepare_cpt
 from ...data.tokenizer import train_bpe_tokenizer
-from ...fp8 import RECIPES, recipe_names
+from ...fp8 import RECIPES
 from ...train import parse_config, train
+from ..recipe_spec import fp8_section, recipe_specs
 from .fidelity_report import RunResult, summarize, table, write_outputs
 
 __all__ = [
@@ -198,7 +199,7 @@ def _run_config(
     return {
         "run": cpu_run_section(_run_name(width, recipe, seed), out / "runs", seed),
         "model": {"from_config": model, "tokenizer": str(out / "tokenizer"), "precision": "fp32"},
-        "fp8": {"recipe": recipe},
+        "fp8": fp8_section(recipe),
         "data": cpt_data_section(out / "tokens", s.seq_len, s.batch),
         "optim": {"lr": s.lr, "weight_decay": 0.1, "grad_clip": 1.0},
         "schedule": {"name": "wsd", "warmup_fraction": 0.05, "decay_fraction": 0.2, "min_lr_ratio": 0.1},
@@ -322,7 +323,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--recipes",
         default=None,
         help=f"comma-separated recipes, the baseline {BASELINE} included (default: all of "
-        f"{', '.join(RECIPES)})",
+        f"{', '.join(RECIPES)}); RECIPE+tail keeps the last 15%% of the decoder blocks in high precision",
     )
     parser.add_argument("--seeds", default=None, help="comma-separated seeds (default 0,1)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
@@ -341,7 +342,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     s = QUICK if args.quick else FULL
     if args.recipes:
-        recipes = tuple(recipe_names(args.recipes))
+        recipes = tuple(recipe_specs(args.recipes))
         s = replace(s, recipes=(BASELINE, *(r for r in recipes if r != BASELINE)))
     if args.widths:
         s = replace(s, widths=_ints(args.widths))

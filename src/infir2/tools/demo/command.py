@@ -52,7 +52,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from ...fp8 import recipe_names
+from ..recipe_spec import recipe_specs
 from .pipeline import FULL, QUICK, data_only, run_demo
 from .report import README_END, README_START, render, update_readme
 from .results import DemoRecord
@@ -78,7 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated recipes; the first is the baseline of the gaps (default: "
         f"{','.join(DEFAULT_RECIPES)}, the last being the null control, the FP8 code path "
         f"with exact casts; with --quick: {','.join(QUICK_RECIPES)}; each added recipe adds "
-        "its runs to the time)",
+        "its runs to the time). A recipe followed by +tail (e.g. nvfp4+tail) keeps the last 15%% of "
+        "the decoder blocks in high precision, as 4-bit training does",
     )
     parser.add_argument(
         "--seeds",
@@ -127,7 +128,7 @@ def parse_seeds(text: str) -> tuple[int, ...]:
 def run(args: argparse.Namespace) -> int:
     default = QUICK_RECIPES if args.quick else DEFAULT_RECIPES
     text = args.recipes if args.recipes is not None else ",".join(default)
-    recipes = recipe_names(text)
+    recipes = recipe_specs(text)
     if args.jobs is not None and args.jobs < 1:
         raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
     settings = QUICK if args.quick else FULL

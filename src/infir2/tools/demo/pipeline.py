@@ -30,6 +30,7 @@ from ...data.tokenizer import train_bpe_tokenizer
 from ...data.tokens import heldout_windows, load_tokens
 from ...train import parse_config, train
 from ..bench.fidelity import cpt_data_section, cpu_run_section
+from ..recipe_spec import fp8_section
 from .data import NUMBERS, make_demo_data, tokenizer_training_texts
 from .report import render
 from .results import FULL, QUICK, DemoRecord, DemoSettings, RecipeResult, machine_description
@@ -89,7 +90,7 @@ def _cpt_config(s: DemoSettings, out: Path, recipe: str, seed: int, vocab_size: 
             "precision": "fp32",
             "recompute_mlp": False,
         },  # a tiny model: memory is no concern
-        "fp8": {"recipe": recipe},
+        "fp8": fp8_section(recipe),
         "data": cpt_data_section(out / "cpt_tokens", s.seq_len, s.cpt_batch),
         "optim": {"lr": s.cpt_lr, "weight_decay": 0.1, "grad_clip": 1.0},
         "schedule": {
@@ -126,7 +127,7 @@ def _sft_config(
             "precision": "fp32",
             "recompute_mlp": False,
         },
-        "fp8": {"recipe": recipe},
+        "fp8": fp8_section(recipe),
         "data": {
             "kind": "sft",
             "train_path": str(data["sft_train"]),

@@ -23,12 +23,12 @@ from .results import DemoRecord, RecipeResult
 from .summary import (
     METRICS,
     NULL_CONTROL,
-    RECIPE_LABELS,
     RecipeSummary,
     combine,
     format_gap,
     format_spread,
     needs_note,
+    recipe_label,
     short_label,
     summarize,
     verdict_sentence,
@@ -131,7 +131,7 @@ def readme_table(record: DemoRecord) -> str:
     head += ["tokens/s", "time per run", "vs baseline", "training steps vs baseline"]
     lines = [
         *headline(record),
-        *text_section(record.text, RECIPE_LABELS),
+        *text_section(record.text, {g: recipe_label(g) for g in record.recipes}),
         "**The reasoning task (arithmetic CPT -> SFT -> greedy accuracy).** Multi-step arithmetic with worked "
         "steps, every number one token; the null control (the FP8 code path with exact casts, a ~1e-7 "
         "perturbation per GEMM) is the noise floor an FP8 gap is read against.",
@@ -153,7 +153,7 @@ def readme_table(record: DemoRecord) -> str:
         "|" + "---|" * len(head),
     ]
     for summary in summaries:
-        cells = [RECIPE_LABELS.get(summary.recipe, summary.recipe)]
+        cells = [recipe_label(summary.recipe)]
         for m, gap in zip(METRICS, _gap_cells(summary, base, record.runs), strict=True):
             mean = summary.means[m.key]
             cells += [_num(mean) if m.relative else _pct(mean), gap]
@@ -195,7 +195,7 @@ def report(record: DemoRecord) -> str:
     ]
     for r in record.runs:
         lines.append(
-            f"| {RECIPE_LABELS.get(r.recipe, r.recipe)} | {r.seed} | {_num(r.cpt_loss)} | {_num(r.cpt_val_loss)} | "
+            f"| {recipe_label(r.recipe)} | {r.seed} | {_num(r.cpt_loss)} | {_num(r.cpt_val_loss)} | "
             f"{_num(r.sft_loss)} | {_num(r.sft_val_loss)} | {_pct(r.accuracy)} | {r.unparseable} | "
             f"{r.tokens_per_s:.0f} | {r.seconds:.0f} s |"
         )

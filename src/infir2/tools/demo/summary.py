@@ -36,6 +36,7 @@ import statistics
 from dataclasses import dataclass
 
 from ..paired import EQUIVALENT, INCONCLUSIVE, Verdict, paired_gaps, paired_verdict, seeds_needed, spread_pct
+from ..recipe_spec import split_spec
 from .results import RecipeResult
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "format_gap",
     "format_spread",
     "needs_note",
+    "recipe_label",
     "seed_spread",
     "short_label",
     "summarize",
@@ -63,13 +65,24 @@ RECIPE_LABELS = {
     "blockwise_fp32scale": "FP8 blockwise, fp32 scales",
     "rowwise": "FP8 rowwise",
     "tensorwise": "FP8 tensorwise (naive)",
+    "blockwise_hybrid": "FP8 blockwise hybrid (E4M3, E5M2 gradients)",
+    "nvfp4": "NVFP4 (E2M1, 1x16 / 16x16 blocks, emulated)",
+    "nvfp4_4over6": "NVFP4 4-over-6 (emulated)",
     NULL_CONTROL: "null control (FP8 code path, exact casts)",
 }
 
 
+def recipe_label(spec: str) -> str:
+    """The table label of a recipe spec (``infir2.tools.recipe_spec``): ``nvfp4+tail`` reads as
+    NVFP4's label with its high-precision tail."""
+    recipe, tail = split_spec(spec)
+    label = RECIPE_LABELS.get(recipe, recipe)
+    return f"{label.split(' (')[0]} + high-precision tail ({tail:.0%} of blocks)" if tail else label
+
+
 def short_label(recipe: str) -> str:
     """``"FP8 blockwise"`` for ``blockwise``: the label without its parenthesis (for sentences)."""
-    return RECIPE_LABELS.get(recipe, recipe).split(" (")[0]
+    return recipe_label(recipe).split(" (")[0]
 
 
 @dataclass(frozen=True)
