@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx2 as httpx
+import httpx2
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -100,21 +100,21 @@ class _Retryable(Exception):
 STARTUP_TIMEOUT_S = 30.0
 
 
-def _client(cfg: ServerConfig, timeout_s: float | None = None) -> httpx.AsyncClient:
+def _client(cfg: ServerConfig, timeout_s: float | None = None) -> httpx2.AsyncClient:
     headers = {"Accept": "application/json"}
     if cfg.api_key:
         headers["Authorization"] = f"Bearer {cfg.api_key}"
-    limits = httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency)
+    limits = httpx2.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency)
     timeout = cfg.timeout_s if timeout_s is None else timeout_s
-    return httpx.AsyncClient(headers=headers, timeout=timeout, limits=limits)
+    return httpx2.AsyncClient(headers=headers, timeout=timeout, limits=limits)
 
 
-async def _request(client: httpx.AsyncClient, cfg: ServerConfig, path: str, body: Mapping | None) -> Any:
+async def _request(client: httpx2.AsyncClient, cfg: ServerConfig, path: str, body: Mapping | None) -> Any:
     """One HTTP exchange; raises ``_Retryable`` (connection, timeout, 429 / 5xx) or ``ServerError``."""
     url = cfg.base_url + path
     try:
         resp = await (client.get(url) if body is None else client.post(url, json=body))
-    except httpx.TransportError as e:  # refused, reset, timed out, cut off
+    except httpx2.TransportError as e:  # refused, reset, timed out, cut off
         raise _Retryable(f"cannot reach {url} ({e or type(e).__name__})") from None
     if resp.status_code >= 400:
         detail = _detail(resp.content)
@@ -143,7 +143,7 @@ def _detail(payload: bytes) -> str:
 
 
 async def _with_retries(
-    client: httpx.AsyncClient, cfg: ServerConfig, path: str, body: Mapping | None, retries: int
+    client: httpx2.AsyncClient, cfg: ServerConfig, path: str, body: Mapping | None, retries: int
 ) -> Any:
     for attempt in range(retries + 1):
         try:
@@ -204,7 +204,7 @@ def _body(
 
 
 async def _complete(
-    client: httpx.AsyncClient,
+    client: httpx2.AsyncClient,
     cfg: ServerConfig,
     prompt: str,
     n: int,
