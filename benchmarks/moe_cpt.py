@@ -24,7 +24,7 @@ from infir2.cli import main as cli
 from infir2.tools.demo.results import machine_description
 from infir2.tools.paired import paired_gaps, paired_verdict
 from infir2.train import train
-from infir2.train.config import load_config, resolve_config_path
+from infir2.train.config import load_config
 
 RECIPES = ("bf16", "blockwise", "fp8_exact")
 MARGIN_PCT = 1.0
@@ -46,7 +46,7 @@ def run_one(root: Path, recipe: str, seed: int, steps: int, seq_len: int) -> flo
         f"train.eval_every={steps}",
         f"train.save_every={steps}",
     ]
-    result = train(load_config(resolve_config_path("tiny-moe-cpt"), overrides), progress=False)
+    result = train(load_config("tiny-moe-cpt", overrides), progress=False)
     loss = result.final_val_loss
     assert loss is not None, "the run evaluated nothing"
     return loss

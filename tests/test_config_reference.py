@@ -11,7 +11,9 @@ import yaml
 
 from infir2.cli import main
 from infir2.train import config as config_module
-from infir2.train.config import RunConfig, load_config, shipped_configs
+from infir2.harness.config import shipped_configs
+from infir2.rl.config import RLConfig, load_rl_config
+from infir2.train.config import RunConfig, load_config
 
 
 def test_shipped_configs_load_by_name_outside_a_checkout(tmp_path, monkeypatch):
@@ -24,12 +26,30 @@ def test_shipped_configs_load_by_name_outside_a_checkout(tmp_path, monkeypatch):
     (tmp_path / "own").mkdir()
     with pytest.raises(FileNotFoundError):  # a path elsewhere is never taken for a shipped name
         load_config("own/tiny-cpt.yaml")
+    assert load_rl_config("qwen2.5-7b-rl").rollout.max_new_tokens == 8192  # RL configs by name alike
 
 
-def test_every_key_is_printed_with_its_default_and_meaning(capsys):
-    assert main(["config", "--keys"]) == 0
+def test_config_reads_the_stage_from_the_sections(capsys):
+    assert main(["config", "qwen2.5-7b-rl", "--set", "algo.kl_coef=0.01"]) == 0
+    resolved = yaml.safe_load(capsys.readouterr().out)
+    assert resolved["algo"]["kl_coef"] == 0.01 and resolved["rollout"]["group_size"] == 16
+    assert resolved == yaml.safe_load(
+        yaml.safe_dump(dataclasses.asdict(load_rl_config("qwen2.5-7b-rl", ["algo.kl_coef=0.01"])))
+    )
+    assert main(["config", "--list"]) == 0
+    listed = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()[1:]}
+    assert listed["qwen2.5-7b-rl"] == "rl" and listed["tiny-cpt"] == "train" and listed["tiny-sft"] == "train"
+    assert main(["config", "--keys"]) == 0  # both stages, each under its heading
+    out = capsys.readouterr().out
+    assert "# infir2 train" in out and "# infir2 rl" in out and "rollout:" in out and "schedule:" in out
+    assert main(["config", "qwen2.5-7b-rl", "--set", "rollout.group_size=1"]) == 2
+    assert "rollout.group_size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("stage", "cfg"), [("train", RunConfig()), ("rl", RLConfig())])
+def test_every_key_is_printed_with_its_default_and_meaning(capsys, stage, cfg):
+    assert main(["config", "--keys", "--stage", stage]) == 0
     printed = yaml.safe_load(capsys.readouterr().out.replace("\n      ", "\n  # "))  # meanings as comments
-    cfg = RunConfig()
     for section in dataclasses.fields(cfg):
         values = getattr(cfg, section.name)
         for f in dataclasses.fields(values):

@@ -42,8 +42,10 @@ ALLOWED: dict[str, set[str]] = {
     # tools/: each subpackage or module is a layer of its own (tools.<name>), above the library
     "tools": set(),
     "tools.paired": set(),  # paired-seed statistics shared by demo and bench (floats only)
-    "tools.bench": {"data", "fp8", "kernels", "model", "nn", "train", "tools.paired"},
-    "tools.demo": {"data", "eval", "fp8", "tools.bench", "tools.paired", "train"},
+    "tools.bench": {"data", "fp8", "kernels", "model", "nn", "train", "tools.paired", "tools.recipe_spec"},
+    "tools.demo": {"data", "eval", "tools.bench", "tools.paired", "tools.recipe_spec", "train"},
+    "tools.recipe_spec": {"fp8"},  # RECIPE[+tail]: the recipes demo and fidelity runs name
+    "tools.config": {"harness", "rl", "train"},  # infir2 config: the keys and checks of every stage
     "tools.memory": {"fp8", "nn"},
     "tools.plan": {"fp8", "loss", "rl", "tools.memory", "train"},
     "tools.numerics": {"nn"},  # infir2 numerics: reads a run's telemetry keys

@@ -33,7 +33,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "the whole recipe on embedded data: CPT then SFT, BF16 vs FP8, report + plot",
     ),
     "train": ("infir2.train.command", "train (CPT or SFT) from a YAML run config or a shipped config's name"),
-    "config": ("infir2.train.config_command", "every run-config key: default and meaning; check a config"),
+    "config": (
+        "infir2.tools.config",
+        "every run-config key of every stage: default and meaning; check a config",
+    ),
     "rl": ("infir2.rl.command", "reinforcement learning (GRPO / DAPO) on verifiable math with FP8 rollouts"),
     "prepare-cpt": ("infir2.data.command", "tokenize text/JSONL/Parquet into memory-mapped token shards"),
     "eval": ("infir2.eval.command", "evaluate a checkpoint on reasoning benchmarks (JSONL) or held-out loss"),

@@ -21,6 +21,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -47,7 +48,10 @@ __all__ = [
     "key_reference",
     "load_stage_config",
     "migrate_renamed",
+    "resolve_config_path",
     "save_config",
+    "setting",
+    "shipped_configs",
 ]
 
 log = logging.getLogger(__name__)
@@ -68,20 +72,22 @@ RENAMED = {
 Config = TypeVar("Config")
 
 
-def _key(default: Any, meaning: str) -> Any:
+def setting(default: Any, meaning: str) -> Any:
     """A config field with its default and its meaning (``infir2 config --keys`` prints both)."""
     return field(default=default, metadata={"help": meaning})
 
 
 @dataclass(frozen=True)
 class RunSection:
-    name: str = _key("run", "the run folder is <out_dir>/<name>")
-    out_dir: str = _key("runs", "parent folder of the run folder")
-    seed: int = _key(0, "seed of the model init (from_config), dropout and the data order (unless data.seed)")
-    device: Literal["auto", "cpu", "cuda"] = _key(
+    name: str = setting("run", "the run folder is <out_dir>/<name>")
+    out_dir: str = setting("runs", "parent folder of the run folder")
+    seed: int = setting(
+        0, "seed of the model init (from_config), dropout and the data order (unless data.seed)"
+    )
+    device: Literal["auto", "cpu", "cuda"] = setting(
         "auto", "auto: cuda when available (torchrun: one GPU per rank)"
     )
-    accept_config_changes: bool = _key(
+    accept_config_changes: bool = setting(
         False,
         "resume although keys that change the run's meaning differ from the run folder's config.yaml "
         "(`--accept-config-changes`; the old one is kept as config.<step>.yaml)",
@@ -90,7 +96,9 @@ class RunSection:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    path: str | None = _key(None, "local Hugging Face folder (config.json + weights), loaded without network")
+    path: str | None = setting(
+        None, "local Hugging Face folder (config.json + weights), loaded without network"
+    )
     from_config: dict[str, Any] | None = field(
         default=None,
         metadata={
@@ -100,22 +108,24 @@ class ModelConfig:
             )
         },
     )
-    tokenizer: str | None = _key(None, "tokenizer folder; default: model.path (required with from_config)")
-    precision: Literal["fp32", "bf16", "fp64"] = _key(
+    tokenizer: str | None = setting(None, "tokenizer folder; default: model.path (required with from_config)")
+    precision: Literal["fp32", "bf16", "fp64"] = setting(
         "bf16",
         "autocast dtype of the high-precision parts (masters stay fp32); fp32 on CPUs; fp64: masters, "
         "high-precision parts and the emulated GEMMs' accumulation in float64 (a CPU-independent reference "
         "for tests; slow)",
     )
-    activation_checkpointing: bool = _key(False, "recompute each decoder layer in backward (long contexts)")
-    recompute_mlp: bool = _key(
+    activation_checkpointing: bool = setting(
+        False, "recompute each decoder layer in backward (long contexts)"
+    )
+    recompute_mlp: bool = setting(
         True,
         "SwiGLU MLPs keep gate and up outputs and recompute silu in backward (exact; saves 2 [T, I] tensors)",
     )
-    export_dtype: Literal["fp32", "bf16"] | None = _key(
+    export_dtype: Literal["fp32", "bf16"] | None = setting(
         None, "dtype of the final <run>/hf export; default: precision (fp32 for an fp64 run)"
     )
-    beyond_context: bool = _key(
+    beyond_context: bool = setting(
         False,
         "allow sequences longer than the model's max_position_embeddings (RoPE extrapolation: a choice "
         "you make on purpose); refused otherwise",
@@ -124,15 +134,15 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class Fp8Config:
-    recipe: str = _key("blockwise", f"FP8 recipe, one of: {', '.join(RECIPES)} (bf16 = no FP8)")
-    backend: str | None = _key(None, "force a GEMM backend (emulated, scaled_mm, ...); default: automatic")
-    param_gather: bool | None = _key(
+    recipe: str = setting("blockwise", f"FP8 recipe, one of: {', '.join(RECIPES)} (bf16 = no FP8)")
+    backend: str | None = setting(None, "force a GEMM backend (emulated, scaled_mm, ...); default: automatic")
+    param_gather: bool | None = setting(
         None,
         "FSDP2: all-gather FP8 linears' weights as FP8 codes (1 byte/element); default (null): on for "
         "the blockwise recipes; only recipes whose fprop and dgrad share the weight blocks can (not rowwise)",
     )
-    stats_every: int = _key(0, "FP8 numerics telemetry (`infir2 numerics`) every N steps; 0 = off")
-    high_precision_tail: float = _key(
+    stats_every: int = setting(0, "FP8 numerics telemetry (`infir2 numerics`) every N steps; 0 = off")
+    high_precision_tail: float = setting(
         0.0,
         "fraction in [0, 1) of the decoder blocks, the last ones, kept in high precision (rounded up to "
         "whole blocks; lm_head always is); torchtitan keeps 0.15 for 4-bit recipes such as nvfp4",
@@ -141,29 +151,29 @@ class Fp8Config:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = _key(1e-4, "peak learning rate of AdamW")
-    betas: tuple[float, float] = _key((0.9, 0.95), "AdamW betas")
-    eps: float = _key(1e-8, "AdamW eps")
-    weight_decay: float = _key(0.1, "on >=2-D weights (incl. embeddings); never on norms or biases")
-    grad_clip: float = _key(1.0, "max global grad norm; 0 = no clipping")
-    fused: bool | None = _key(None, "AdamW implementation: null = fused on CUDA, foreach elsewhere")
-    state_dtype: Literal["fp32", "bf16"] = _key(
+    lr: float = setting(1e-4, "peak learning rate of AdamW")
+    betas: tuple[float, float] = setting((0.9, 0.95), "AdamW betas")
+    eps: float = setting(1e-8, "AdamW eps")
+    weight_decay: float = setting(0.1, "on >=2-D weights (incl. embeddings); never on norms or biases")
+    grad_clip: float = setting(1.0, "max global grad norm; 0 = no clipping")
+    fused: bool | None = setting(None, "AdamW implementation: null = fused on CUDA, foreach elsewhere")
+    state_dtype: Literal["fp32", "bf16"] = setting(
         "fp32", "AdamW moments' storage (math is fp32): 16 vs 12 bytes per parameter"
     )
 
 
 @dataclass(frozen=True)
 class ScheduleConfig:
-    name: Literal["wsd", "cosine", "constant"] = _key(
+    name: Literal["wsd", "cosine", "constant"] = setting(
         "wsd", "learning-rate schedule: warmup-stable-decay, cosine, constant"
     )
-    warmup_steps: int | None = _key(None, "linear warmup steps; exclusive with warmup_fraction")
-    warmup_fraction: float | None = _key(None, "warmup as a fraction of the total steps (e.g. 0.05)")
-    decay_steps: int | None = _key(None, "wsd: the last decay_steps decay; exclusive with decay_fraction")
-    decay_fraction: float | None = _key(None, "wsd: the last fraction of the steps decays")
-    decay_style: Literal["cosine", "linear"] = _key("cosine", "wsd decay shape")
-    min_lr: float | None = _key(None, "final learning rate; exclusive with min_lr_ratio")
-    min_lr_ratio: float | None = _key(None, "final learning rate as a fraction of optim.lr")
+    warmup_steps: int | None = setting(None, "linear warmup steps; exclusive with warmup_fraction")
+    warmup_fraction: float | None = setting(None, "warmup as a fraction of the total steps (e.g. 0.05)")
+    decay_steps: int | None = setting(None, "wsd: the last decay_steps decay; exclusive with decay_fraction")
+    decay_fraction: float | None = setting(None, "wsd: the last fraction of the steps decays")
+    decay_style: Literal["cosine", "linear"] = setting("cosine", "wsd decay shape")
+    min_lr: float | None = setting(None, "final learning rate; exclusive with min_lr_ratio")
+    min_lr_ratio: float | None = setting(None, "final learning rate as a fraction of optim.lr")
 
 
 @dataclass(frozen=True)
@@ -330,3 +340,31 @@ def key_reference(cfg: Any) -> list[tuple[str, Any, str]]:
         for section in fields(cfg)
         for f in fields(getattr(cfg, section.name))
     ]
+
+
+def shipped_configs() -> dict[str, Path]:
+    """The run configs installed with the package (``infir2/configs/*.yaml``), by name (no ``.yaml``)."""
+    folder = Path(str(resources.files("infir2") / "configs"))
+    return {path.stem: path for path in sorted(folder.glob("*.yaml"))}
+
+
+def resolve_config_path(name: str | Path) -> Path:
+    """A run config file of any stage: ``name`` if it is a file, else the shipped config of that name.
+
+    ``tiny-cpt``, ``tiny-cpt.yaml`` and ``src/infir2/configs/tiny-cpt.yaml`` (the path in a checkout,
+    absent after ``pip install``) all name the shipped ``tiny-cpt.yaml``.
+    """
+    path = Path(name)
+    if path.is_file():
+        return path
+    if path.is_dir():
+        raise ValueError(f"run config {name} is a folder, not a YAML file")
+    shipped = shipped_configs()
+    stem = path.name.removesuffix(".yaml")
+    in_package_folder = path.parent == Path(".") or path.parent.parts[-2:] == ("infir2", "configs")
+    if in_package_folder and stem in shipped:
+        return shipped[stem]
+    raise FileNotFoundError(
+        f"run config {name} does not exist: neither a file nor a shipped config "
+        f"({', '.join(shipped)}; `infir2 config --list`)"
+    )

@@ -16,8 +16,12 @@ Under torchrun every process runs the loop: the policy is sharded with FSDP2, ea
 its share of every round's prompts, and the groups are gathered so that the run trains on what one
 process would (docs/RL.md, "Several processes").
 
+CONFIG is a YAML file or the name of a shipped RL config (`infir2 config --list`); `infir2 config --keys
+--stage rl` prints every key with its default and meaning.
+
 examples:
   infir2 rl my-rl.yaml
+  infir2 config qwen2.5-7b-rl > my-rl.yaml    # the authors' 7B settings as a starting point
   torchrun --standalone --nproc_per_node 2 -m infir2.cli rl my-rl.yaml
   infir2 rl my-rl.yaml --set rollout.precision=bf16 --set fp8.recipe=bf16 --set run.name=bf16-pair
   infir2 rl my-rl.yaml --set rollout.group_size=8 --set algo.tis=mask
@@ -36,7 +40,9 @@ log = logging.getLogger(__name__)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..harness.run import add_run_arguments
 
-    parser.add_argument("config", help="YAML RL run config")
+    parser.add_argument(
+        "config", help="YAML RL run config, or a shipped config's name (infir2 config --list)"
+    )
     add_run_arguments(parser, "optim, data, model, fp8, rollout, algo, run.seed")
 
 

@@ -39,7 +39,9 @@ from ..harness.config import (
     check_shared,
     load_stage_config,
     migrate_renamed,
+    resolve_config_path,
     save_config,
+    setting,
 )
 from ..harness.typed_yaml import build, config_error
 
@@ -63,71 +65,90 @@ MEANINGFUL = ("optim.", "data.", "model.", "fp8.", "rollout.", "algo.", "run.see
 
 @dataclass(frozen=True)
 class RLOptim(OptimConfig):
-    lr: float = 1e-6  # the authors' constant RL learning rate
-    betas: tuple[float, float] = (0.9, 0.98)
-    weight_decay: float = 0.1
+    lr: float = setting(1e-6, "AdamW learning rate, constant (the authors' RL value)")
+    betas: tuple[float, float] = setting((0.9, 0.98), "AdamW betas")
+    weight_decay: float = setting(0.1, "on >=2-D weights (incl. embeddings); never on norms or biases")
 
 
 @dataclass(frozen=True)
 class RLData:
-    task: str = "math"  # the prompts' task (infir2.eval.TASKS): their JSONL schema and default grader
-    prompts_path: str = ""  # JSONL of data.task's schema (what `infir2 eval --task TASK` reads)
-    val_path: str | None = None  # held-out problems, scored greedily every train.eval_every steps
-    shuffle: bool = True  # a new prompt order every pass over the file
-    seed: int | None = None  # prompt-order seed; default: run.seed
+    task: str = setting(
+        "math", "the prompts' task (infir2.eval.TASKS): their JSONL schema and default grader"
+    )
+    prompts_path: str = setting("", "JSONL of data.task's schema (what `infir2 eval --task TASK` reads)")
+    val_path: str | None = setting(None, "held-out problems, scored greedily every train.eval_every steps")
+    shuffle: bool = setting(True, "a new prompt order every pass over the file")
+    seed: int | None = setting(None, "prompt-order seed; null: run.seed")
 
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    engine: str = "builtin"  # a name in infir2.generation.ENGINES (builtin: in-process, KV cache)
-    # the projections' GEMMs while generating: fp8 = the FP8 export's 128x128 weights + 1x128 activations;
-    # bf16 = the run's high precision, i.e. model.precision (fp32 / fp64 / bf16: not necessarily bf16)
-    precision: Literal["bf16", "fp8"] = "fp8"
-    scale_encoding: Literal["pow2", "fp32"] = "pow2"  # fp8 block scales, as `infir2 export --scale-encoding`
-    prompts_per_step: int = 128  # groups trained on per step
-    group_size: int = 16  # samples per prompt
-    oversample_prompts: int | None = (
-        384  # prompts drawn per generation round (dynamic sampling); None: prompts_per_step
+    engine: str = setting("builtin", "a name in infir2.generation.ENGINES (builtin: in-process, KV cache)")
+    precision: Literal["bf16", "fp8"] = setting(
+        "fp8",
+        "the projections' GEMMs while generating: fp8 = the FP8 export's 128x128 weights + 1x128 "
+        "activations; bf16 = the run's high precision, i.e. model.precision (fp32 on a CPU)",
     )
-    max_rounds: int = 4  # generation rounds per step before training on fewer groups
-    carry_over: bool = False  # keep valid groups beyond prompts_per_step for the next step (else drop them)
-    max_new_tokens: int = 8192
-    temperature: float = 1.0
-    batch_size: int = 64  # sequences generated together
+    scale_encoding: Literal["pow2", "fp32"] = setting(
+        "pow2", "fp8 block scales, as `infir2 export --scale-encoding`"
+    )
+    prompts_per_step: int = setting(128, "groups trained on per step")
+    group_size: int = setting(16, "samples per prompt")
+    oversample_prompts: int | None = setting(
+        384, "prompts drawn per generation round (dynamic sampling); null: prompts_per_step"
+    )
+    max_rounds: int = setting(4, "generation rounds per step before training on fewer groups")
+    carry_over: bool = setting(
+        False, "keep valid groups beyond prompts_per_step for the next step (else drop them)"
+    )
+    max_new_tokens: int = setting(8192, "response budget per sample, in tokens")
+    temperature: float = setting(1.0, "sampling temperature (the log-probabilities are of this distribution)")
+    batch_size: int = setting(64, "sequences generated together (the KV cache holds this many)")
 
 
 @dataclass(frozen=True)
 class AlgoConfig:
-    reward: str = (
-        "math"  # a grader of infir2.eval.GRADERS (1.0 correct, else 0.0): data.task's, or a registered one
+    reward: str = setting(
+        "math", "a grader of infir2.eval.GRADERS (1.0 correct, else 0.0): data.task's, or a registered one"
     )
-    dynamic_sampling: bool = True  # drop groups whose rewards all agree and refill (DAPO)
-    clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high] (clip-higher)
-    clip_high: float = 0.28
-    kl_coef: float = 0.0  # k3 KL to the initial model in the loss; 0 = only logged (no reference kept)
-    tis: Literal["auto", "truncate", "mask", "off"] = "auto"  # auto: truncate when precisions differ
-    tis_cap: float = 2.0  # per-token pi_train / pi_rollout cap
-    overlong: Literal["none", "mask", "penalty"] = "mask"  # truncated responses: no loss, or a length penalty
-    overlong_buffer: int = 0  # penalty: the last N tokens before max_new_tokens are penalised linearly
-    overlong_penalty: float = 1.0  # penalty at max_new_tokens
-    updates_per_batch: int = 1  # optimizer steps per rollout batch (mini-batches; >1 is off-policy)
-    micro_batch_size: int = 16  # sequences per forward/backward
-    adv_eps: float = 1e-6  # advantage = (r - mean) / (std + adv_eps) within the group
+    dynamic_sampling: bool = setting(True, "drop groups whose rewards all agree and refill (DAPO)")
+    clip_low: float = setting(0.2, "the ratio is clipped to [1 - clip_low, 1 + clip_high] (clip-higher)")
+    clip_high: float = setting(0.28, "upper clip of the ratio (DAPO's clip-higher)")
+    kl_coef: float = setting(
+        0.0, "k3 KL to the initial model in the loss; 0 = only logged (no reference kept)"
+    )
+    tis: Literal["auto", "truncate", "mask", "off"] = setting(
+        "auto", "truncated importance sampling; auto: truncate when rollout and training precisions differ"
+    )
+    tis_cap: float = setting(2.0, "per-token pi_train / pi_rollout cap")
+    overlong: Literal["none", "mask", "penalty"] = setting(
+        "mask", "truncated responses: no loss (mask), or a length penalty"
+    )
+    overlong_buffer: int = setting(
+        0, "penalty: the last N tokens before max_new_tokens are penalised linearly"
+    )
+    overlong_penalty: float = setting(1.0, "penalty at max_new_tokens")
+    updates_per_batch: int = setting(1, "optimizer steps per rollout batch (mini-batches; > 1 is off-policy)")
+    micro_batch_size: int = setting(16, "sequences per forward/backward")
+    adv_eps: float = setting(1e-6, "advantage = (r - mean) / (std + adv_eps) within the group")
 
 
 @dataclass(frozen=True)
 class RLTrain:
-    max_steps: int = 100  # RL steps (rollout batches)
-    save_every: int = 0  # 0 = only at the end
-    keep_last: int = 2
-    log_every: int = 1
-    eval_every: int = 0  # held-out accuracy (greedy) every N steps and at the end, when data.val_path is set
-    eval_problems: int | None = None  # the first N of data.val_path; None: all
-    max_nonfinite_in_row: int = 3  # consecutive skipped steps that stop the run
-    # skip a step's updates when its rollout / training mismatch (NeMo-RL's token probability error,
-    # mean exp|logp_train - logp_rollout|; healthy: < 1.03-1.05) is above this: a broken engine or weights
-    # that no longer match, not noise; null = off
-    max_prob_error: float | None = 1.5
+    max_steps: int = setting(100, "RL steps (rollout batches)")
+    save_every: int = setting(0, "checkpoint every N steps; 0 = only at the end")
+    keep_last: int = setting(2, "checkpoints kept")
+    log_every: int = setting(1, "steps between log lines")
+    eval_every: int = setting(
+        0, "held-out accuracy (greedy) every N steps and at the end, when data.val_path is set"
+    )
+    eval_problems: int | None = setting(None, "the first N of data.val_path; null: all")
+    max_nonfinite_in_row: int = setting(3, "consecutive skipped steps that stop the run")
+    max_prob_error: float | None = setting(
+        1.5,
+        "skip a step's updates when its rollout / training mismatch (NeMo-RL's token probability error, "
+        "mean exp|logp_train - logp_rollout|; healthy: < 1.03-1.05) is above this; null = off",
+    )
 
 
 @dataclass(frozen=True)
@@ -236,13 +257,9 @@ def parse_rl_config(data: dict[str, Any], source: str = "<dict>") -> RLConfig:
 
 
 def load_rl_config(path: str | Path, overrides: list[str] | None = None) -> RLConfig:
-    """Read a YAML RL config, apply ``--set`` overrides, validate. Errors name the key and the file."""
-    path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"RL config {path} is a folder, not a YAML file")
-    if not path.is_file():
-        raise FileNotFoundError(f"RL config {path} does not exist")
-    return load_stage_config(path, parse_rl_config, overrides)
+    """Read a YAML RL config (a file, or a shipped one by name: ``qwen2.5-7b-rl``), apply ``--set``
+    overrides, validate. Errors name the key and the file."""
+    return load_stage_config(resolve_config_path(path), parse_rl_config, overrides)
 
 
 def save_rl_config(cfg: RLConfig, path: str | Path) -> None:

@@ -31,7 +31,6 @@ field: ``--set optim.lr=3e-4 --set data.shuffle=false --set optim.betas=[0.9,0.9
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -48,9 +47,10 @@ from ..harness.config import (
     config_to_dict,
     load_stage_config,
     migrate_renamed,
+    resolve_config_path,
     save_config,
+    setting,
 )
-from ..harness.config import _key as _key
 from ..harness.config import key_reference as _key_reference
 from ..harness.typed_yaml import apply_overrides, build, config_error
 
@@ -72,9 +72,7 @@ __all__ = [
     "load_config",
     "parse_config",
     "resolve_checkpoint_format",
-    "resolve_config_path",
     "save_config",
-    "shipped_configs",
 ]
 
 #: keys (or section prefixes ending in ".") whose change on resume alters what a training run computes:
@@ -85,56 +83,60 @@ MEANINGFUL = ("schedule.", "optim.", "data.", "model.", "fp8.", "run.seed", "tra
 
 @dataclass(frozen=True)
 class DataConfig:
-    kind: Literal["cpt", "sft"] = _key(
+    kind: Literal["cpt", "sft"] = setting(
         "cpt", "cpt: token shards from `infir2 prepare-cpt`; sft: chat JSONL/Parquet"
     )
-    train_path: str = _key("", "required. cpt: token-shard folder (train.bin + meta.json); sft: a JSONL file")
-    val_path: str | None = _key(
+    train_path: str = setting(
+        "", "required. cpt: token-shard folder (train.bin + meta.json); sft: a JSONL file"
+    )
+    val_path: str | None = setting(
         None, "cpt: a shard folder (val.bin; default: train_path's); sft: a JSONL file"
     )
-    seq_len: int = _key(2048, "cpt: window length in tokens")
-    global_batch_size: int = _key(
+    seq_len: int = setting(2048, "cpt: window length in tokens")
+    global_batch_size: int = setting(
         8, "sequences (cpt) or samples (sft) per optimizer step, all ranks together"
     )
-    micro_batch_size: int = _key(1, "cpt: sequences per forward")
-    max_tokens_per_micro_batch: int | None = _key(
+    micro_batch_size: int = setting(1, "cpt: sequences per forward")
+    max_tokens_per_micro_batch: int | None = setting(
         None, "sft (required): token budget per forward (the authors' max_tokens_per_gpu)"
     )
-    max_length: int = _key(32768, "sft: longest sample in tokens")
-    overlong: Literal["truncate", "drop"] = _key("truncate", "sft: what happens to samples over max_length")
-    epochs: int = _key(1, "passes over the data (sft); cpt runs are sized by train.max_steps")
-    shuffle: bool = _key(True, "shuffle the training data each epoch")
-    seed: int | None = _key(None, "data order seed; default: run.seed")
+    max_length: int = setting(32768, "sft: longest sample in tokens")
+    overlong: Literal["truncate", "drop"] = setting(
+        "truncate", "sft: what happens to samples over max_length"
+    )
+    epochs: int = setting(1, "passes over the data (sft); cpt runs are sized by train.max_steps")
+    shuffle: bool = setting(True, "shuffle the training data each epoch")
+    seed: int | None = setting(None, "data order seed; default: run.seed")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    max_steps: int | None = _key(None, "optimizer steps; null: as many as the data yields (data.epochs)")
-    eval_every: int = _key(
+    max_steps: int | None = setting(None, "optimizer steps; null: as many as the data yields (data.epochs)")
+    eval_every: int = setting(
         0, "steps between evaluations; 0 = none (the last step is still evaluated when val data exists)"
     )
-    eval_from: int = _key(
+    eval_from: int = setting(
         0, "no periodic evaluation before this step (0 = from the start; the last step is evaluated anyway)"
     )
-    eval_batches: int = _key(
+    eval_batches: int = setting(
         8, "validation batches per evaluation, all ranks together (the same held-out data on any world size)"
     )
-    eval_fp8: bool = _key(
+    eval_fp8: bool = setting(
         False, "evaluate with FP8 GEMMs (default: high precision, as the exported model runs)"
     )
-    save_every: int = _key(0, "steps between checkpoints; 0 = only at the end")
-    keep_last: int = _key(2, "checkpoints kept in <run>/checkpoints")
-    log_every: int = _key(1, "steps between progress-bar / stdout updates (metrics.jsonl gets every step)")
-    max_nonfinite_in_row: int = _key(
+    save_every: int = setting(0, "steps between checkpoints; 0 = only at the end")
+    keep_last: int = setting(2, "checkpoints kept in <run>/checkpoints")
+    log_every: int = setting(1, "steps between progress-bar / stdout updates (metrics.jsonl gets every step)")
+    max_nonfinite_in_row: int = setting(
         3, "consecutive skipped steps (non-finite loss or grad norm, or a loss spike) that stop the run"
     )
-    loss_spike_nats: float | None = _key(
+    loss_spike_nats: float | None = setting(
         3.0,
         "skip the update of a step whose loss is this many nats above the median of the last "
         "loss_spike_window steps (its tokens e^3 = 20x less likely: divergence, not noise); null = off",
     )
-    loss_spike_window: int = _key(32, "updated steps whose median loss is the spike guard's reference")
-    loss_chunk_tokens: int | Literal["auto"] = _key(
+    loss_spike_window: int = setting(32, "updated steps whose median loss is the spike guard's reference")
+    loss_chunk_tokens: int | Literal["auto"] = setting(
         "auto",
         "chunked LM-head loss: tokens per chunk; 0 = never; auto = chunks whose fp32 logits stay under "
         "256 MiB whatever the vocabulary (441 tokens at 151,936 words), when the whole logits would not",
@@ -149,30 +151,32 @@ class TrainConfig:
             )
         },
     )
-    async_save: bool = _key(
+    async_save: bool = setting(
         False, "dcp only: write in a background thread, the loop does not wait for the disk"
     )
 
 
 @dataclass(frozen=True)
 class LoadConfig:
-    path: str | None = _key(None, "a checkpoint folder (step_XXXXXXXX) to start from (`--load`)")
-    mode: Literal["resume", "decay_only", "weights_only"] = _key(
+    path: str | None = setting(None, "a checkpoint folder (step_XXXXXXXX) to start from (`--load`)")
+    mode: Literal["resume", "decay_only", "weights_only"] = setting(
         "resume", "resume: everything; decay_only: weights + optimizer, a new schedule; weights_only: weights"
     )
-    reset_step: bool = _key(
+    reset_step: bool = setting(
         False, "decay_only: restart the step counter at 0 (the new schedule starts fresh)"
     )
-    reset_data: bool = _key(
+    reset_data: bool = setting(
         False, "decay_only: start the data from the beginning instead of where it stopped"
     )
-    force: bool = _key(False, "use `path` even when the run folder has checkpoints (set by `--load`)")
-    start_fresh: bool = _key(False, "if none of the run's checkpoints loads: set them aside, start at step 0")
+    force: bool = setting(False, "use `path` even when the run folder has checkpoints (set by `--load`)")
+    start_fresh: bool = setting(
+        False, "if none of the run's checkpoints loads: set them aside, start at step 0"
+    )
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    context: int = _key(
+    context: int = setting(
         1,
         "context parallelism: processes that share each sequence (1 = off); the world is data x context, "
         "cpt's seq_len a multiple of context * 128",
@@ -277,34 +281,6 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> RunConfig:
     cfg = build(RunConfig, migrate_renamed(data, source), "", source)
     _check(cfg, source)
     return cfg
-
-
-def shipped_configs() -> dict[str, Path]:
-    """The run configs installed with the package (``infir2/configs/*.yaml``), by name (no ``.yaml``)."""
-    folder = Path(str(resources.files("infir2") / "configs"))
-    return {path.stem: path for path in sorted(folder.glob("*.yaml"))}
-
-
-def resolve_config_path(name: str | Path) -> Path:
-    """A run config file: ``name`` if it is a file, else the shipped config of that name.
-
-    ``tiny-cpt``, ``tiny-cpt.yaml`` and ``src/infir2/configs/tiny-cpt.yaml`` (the path in a checkout,
-    absent after ``pip install``) all name the shipped ``tiny-cpt.yaml``.
-    """
-    path = Path(name)
-    if path.is_file():
-        return path
-    if path.is_dir():
-        raise ValueError(f"run config {name} is a folder, not a YAML file")
-    shipped = shipped_configs()
-    stem = path.name.removesuffix(".yaml")
-    in_package_folder = path.parent == Path(".") or path.parent.parts[-2:] == ("infir2", "configs")
-    if in_package_folder and stem in shipped:
-        return shipped[stem]
-    raise FileNotFoundError(
-        f"run config {name} does not exist: neither a file nor a shipped config "
-        f"({', '.join(shipped)}; `infir2 config --list`)"
-    )
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:

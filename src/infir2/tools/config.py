@@ -1,0 +1,136 @@
+"""Run configs of every stage without reading source: every key with its default and meaning, the shipped
+configs, and a whole config checked the way its stage checks it before it builds anything.
+
+A config's stage is read from its sections: one with a ``rollout`` or ``algo`` section is an RL config
+(`infir2 rl`), any other a training config (`infir2 train`: CPT or SFT). Both stages share the run, model,
+fp8 and optim sections; a key left out takes its default. `infir2 train NAME` and `infir2 rl NAME` accept
+a file or the name of a shipped config (`infir2 config --list`), after `pip install` as in a checkout.
+
+examples:
+  infir2 config --keys                                  # every key of both stages: default and meaning
+  infir2 config --keys --stage rl                       # the RL keys only
+  infir2 config --list                                  # the shipped configs, with their stage
+  infir2 config tiny-cpt --set optim.lr=1e-3            # check it (paths, data, batch sizes), print it resolved
+  infir2 config qwen2.5-7b-rl                           # an RL config, checked and resolved
+  infir2 config qwen2.5-7b-cpt > my-7b.yaml             # a shipped config as a starting point, every key written
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = ["RL_SECTIONS", "add_arguments", "run", "stage_of"]
+
+#: sections only an RL config has: a config with one of them is checked as `infir2 rl` checks it
+RL_SECTIONS = ("rollout", "algo")
+STAGES = {"train": "infir2 train (CPT, SFT)", "rl": "infir2 rl (GRPO / DAPO)"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..harness.run import add_set_argument
+
+    parser.add_argument(
+        "config",
+        nargs="?",
+        help="a YAML run config or a shipped config's name, of any stage (checked, printed)",
+    )
+    add_set_argument(parser)
+    parser.add_argument("--keys", action="store_true", help="print every key with its default and meaning")
+    parser.add_argument(
+        "--stage", choices=sorted(STAGES), default=None, help="with --keys: one stage's keys (default: both)"
+    )
+    parser.add_argument("--list", action="store_true", help="list the shipped configs and their stages")
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=int(os.environ.get("WORLD_SIZE", "1")),
+        help="processes a training run will use, for the batch-size check (default: $WORLD_SIZE or 1)",
+    )
+
+
+def stage_of(data: Any) -> str:
+    """``"rl"`` for a config mapping with an RL section, else ``"train"``."""
+    return "rl" if isinstance(data, dict) and any(name in data for name in RL_SECTIONS) else "train"
+
+
+def _default_config(stage: str) -> Any:
+    if stage == "rl":
+        from ..rl.config import RLConfig
+
+        return RLConfig()
+    from ..train.config import RunConfig
+
+    return RunConfig()
+
+
+def _print_keys(stage: str) -> None:
+    from ..harness.config import key_reference
+
+    print(f"# {STAGES[stage]}")
+    section = None
+    for key, default, meaning in key_reference(_default_config(stage)):
+        if key.split(".")[0] != section:
+            section = key.split(".")[0]
+            print(f"{section}:")
+        value = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip()
+        print(f"  {key.split('.', 1)[1]}: {value}")
+        print(f"      {meaning}")
+
+
+def _print_list() -> None:
+    from ..harness.config import shipped_configs
+    from ..harness.typed_yaml import load_yaml_file
+
+    for name, path in shipped_configs().items():
+        first = next(
+            (line.lstrip("# ").strip() for line in path.read_text().splitlines() if line.startswith("#")), ""
+        )
+        print(f"{name:28s} {stage_of(load_yaml_file(path)):5s} {first}")
+
+
+def _check(path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The config at ``path`` checked as its stage checks it, as a resolved mapping."""
+    from ..harness.config import config_to_dict
+    from ..harness.typed_yaml import load_yaml_file
+
+    if stage_of(load_yaml_file(path)) == "rl":
+        from ..rl.config import load_rl_config
+
+        return config_to_dict(load_rl_config(path, args.overrides))
+    from ..train.config import load_config
+    from ..train.setup import check_inputs
+
+    cfg = load_config(path, args.overrides)
+    check_inputs(cfg, args.world_size)
+    return config_to_dict(cfg)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..harness.config import resolve_config_path
+
+    if args.config is None:  # --keys, --list, or (neither) both
+        if args.keys or not args.list:
+            for stage in [args.stage] if args.stage else list(STAGES):
+                _print_keys(stage)
+        if args.list or not args.keys:
+            print(
+                "\nshipped configs (infir2 train NAME / infir2 rl NAME):"
+                if not args.list
+                else "shipped configs:"
+            )
+            _print_list()
+        return 0
+    if args.keys or args.list:
+        raise ValueError("give a config to check, or --keys / --list, not both")
+    if args.stage is not None:
+        raise ValueError("--stage goes with --keys; a config's stage is read from its sections")
+    if args.world_size < 1:
+        raise ValueError(f"--world-size: must be >= 1, got {args.world_size}")
+    sys.stdout.write(yaml.safe_dump(_check(resolve_config_path(args.config), args), sort_keys=False))
+    return 0
