@@ -40,6 +40,7 @@ from ..harness.config import (
     Fp8Config,
     ModelConfig,
     OptimConfig,
+    ParallelConfig,
     RunSection,
     ScheduleConfig,
     StageConfig,
@@ -168,15 +169,6 @@ class LoadConfig:
     )
     force: bool = _key(False, "use `path` even when the run folder has checkpoints (set by `--load`)")
     start_fresh: bool = _key(False, "if none of the run's checkpoints loads: set them aside, start at step 0")
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    context: int = _key(
-        1,
-        "context parallelism: processes that share each sequence (1 = off); the world is data x context, "
-        "cpt's seq_len a multiple of context * 128",
-    )
 
 
 @dataclass(frozen=True)
