@@ -101,3 +101,25 @@ def test_a_context_degree_that_does_not_divide_the_world_is_one_line(
         assert rc == 2 and len(errors) == 1 and "Traceback" not in err, err
         assert expected in errors[0], errors[0]
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_shipped_32k_config_is_the_rl_config_with_longer_responses_over_four_ranks():
+    """``qwen2.5-7b-rl-32k-cp``: ``qwen2.5-7b-rl`` with 32k-token responses split over 4 context ranks
+    (and the rollout batch and micro-batch resized for them); every other setting the same."""
+    from dataclasses import replace
+
+    from infir2.rl.config import load_rl_config
+    from infir2.train.config import resolve_config_path
+
+    long, base = (load_rl_config(resolve_config_path(n)) for n in ("qwen2.5-7b-rl-32k-cp", "qwen2.5-7b-rl"))
+    assert (long.parallel.context, long.rollout.max_new_tokens, long.model.activation_checkpointing) == (
+        4,
+        32768,
+        True,
+    )
+    rollout = replace(
+        long.rollout, max_new_tokens=base.rollout.max_new_tokens, batch_size=base.rollout.batch_size
+    )
+    algo = replace(long.algo, micro_batch_size=base.algo.micro_batch_size)
+    same = replace(long, run=base.run, parallel=base.parallel, rollout=rollout, algo=algo)
+    assert same == base
