@@ -154,7 +154,7 @@ def update(run: Run, batch: RLBatch, plan: Plan) -> dict[str, float]:
     summed over ranks, each row counted once (on context rank 0 of its group).
     """
     cfg, env, context = run.cfg, run.env, run.context
-    counted = float(context.context_rank == 0)
+    counted = context.context_rank == 0
     sums = torch.zeros(4, dtype=torch.float64)  # clip_low, clip_high, kl, tokens
     losses, norms, skipped = [], [], 0
     for mini in plan:
@@ -170,7 +170,8 @@ def update(run: Run, batch: RLBatch, plan: Plan) -> dict[str, float]:
             stats = [float(total.detach())] + [
                 float(st[k]) for k in ("clip_low", "clip_high", "kl", "tokens")
             ]
-            local += torch.tensor(stats, dtype=torch.float64) * counted
+            if counted:  # once per row: the group's other ranks computed the same numbers
+                local += torch.tensor(stats, dtype=torch.float64)
         local = all_reduce_sum(local.to(env.device), env).cpu()
         sums += local[1:]
         norm = clip_grad_norm(run.model, cfg.optim.grad_clip)
