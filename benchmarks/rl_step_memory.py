@@ -23,8 +23,16 @@ the RSS before the run started; ``[B,R,V] fp32`` the bytes of ONE full-vocabular
 micro-batch (the unchunked scoring holds several at once); the scoring and update time per scored
 token (``rl.update.score`` + ``rl.update.update``, summed over their calls).
 
+``--context N`` instead runs each case once in one process and once under ``torchrun --nproc_per_node N``
+with ``parallel.context: N`` (every prompt + response split over the N processes for the scoring and
+the update; ``rl/context.py``), and prints per process the peak RSS of the rollout (set-up included) and
+the rise of RSS over the scoring and the update (their high-water mark, reset when scoring starts through
+``/proc/self/clear_refs``, minus the RSS at that moment): the part context parallelism splits.
+
     OMP_NUM_THREADS=1 python benchmarks/rl_step_memory.py                      # 1k-8k x 32k, 152k
     OMP_NUM_THREADS=1 python benchmarks/rl_step_memory.py --lengths 4096 --vocabs 151936
+    OMP_NUM_THREADS=1 python benchmarks/rl_step_memory.py --context 2 --lengths 4096 --vocabs 32000 \
+        --hidden 256 --layers 4
 """
 
 from __future__ import annotations
@@ -52,7 +60,31 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def child(vocab: int, length: int, batch: int, hidden: int, unchunked: bool) -> dict:
+def vm_hwm() -> int:
+    """This process's peak RSS since start or the last ``reset_hwm`` (``VmHWM``), in bytes."""
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+def reset_hwm() -> None:
+    """Reset ``VmHWM`` to the current RSS (Linux >= 4.0: ``5`` written to ``/proc/self/clear_refs``)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def child(
+    vocab: int,
+    length: int,
+    batch: int,
+    hidden: int,
+    unchunked: bool,
+    layers: int = 1,
+    context: int = 1,
+    shared: str | None = None,
+) -> dict:
+    """One RL step; ``shared``: the run's parent folder, which the processes of a torchrun launch share
+    (it holds ``prompts.jsonl``); None: a temporary one."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # conftest's tiny builders
     import torch
 
@@ -65,9 +97,14 @@ def child(vocab: int, length: int, batch: int, hidden: int, unchunked: bool) -> 
     if unchunked:
         scorer.AUTO_CHUNK_BYTES = 1 << 62  # every micro-batch "fits": the model's whole logits
     timed = {"score": 0.0, "update": 0.0, "tokens": 0}
+    phases: dict[str, int] = {}
     real_score, real_update = rl_loop.score, rl_loop.update
 
     def score(run, rl_batch, plan):  # type: ignore[no-untyped-def]
+        if not phases:  # the rollout (and the set-up) are done: the training phase's own peak from here
+            phases["rollout_peak"] = vm_hwm()
+            reset_hwm()
+            phases["train_start"] = rss_bytes()
         t = time.perf_counter()
         out = real_score(run, rl_batch, plan)
         timed["score"] += time.perf_counter() - t
@@ -78,17 +115,21 @@ def child(vocab: int, length: int, batch: int, hidden: int, unchunked: bool) -> 
         t = time.perf_counter()
         out = real_update(run, rl_batch, plan)
         timed["update"] += time.perf_counter() - t
+        phases["train_peak"] = vm_hwm()
         return out
 
     rl_loop.score, rl_loop.update = score, update  # type: ignore[assignment]
     tok = make_tokenizer()
     before = rss_bytes()
-    with tempfile.TemporaryDirectory() as out:
+    with tempfile.TemporaryDirectory() as temporary:
+        out = shared or temporary
         prompts = Path(out) / "prompts.jsonl"
-        prompts.write_text(json.dumps({"problem": "Compute 7 + 5.", "answer": "12"}) + "\n")
+        if shared is None:
+            write_prompts(prompts)
         cfg = parse_rl_config(
             {
                 "run": {"name": "step", "out_dir": out, "device": "cpu"},
+                "parallel": {"context": context},
                 "model": {"precision": "fp32", "beyond_context": True},
                 "fp8": {"recipe": "blockwise"},
                 "data": {"prompts_path": str(prompts)},
@@ -105,12 +146,16 @@ def child(vocab: int, length: int, batch: int, hidden: int, unchunked: bool) -> 
             },
             "rl_step_memory",
         )
-        model = make_tiny_model(vocab_size=vocab, hidden=hidden, layers=1, max_positions=length + 64)
+        model = make_tiny_model(vocab_size=vocab, hidden=hidden, layers=layers, max_positions=length + 64)
         t0 = time.perf_counter()
         rl(cfg, model=model, tokenizer=tok, progress=False)
         wall = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"peak": peak, "before": before, "wall": wall, **timed}
+    return {"peak": peak, "before": before, "wall": wall, **timed, **phases}
+
+
+def write_prompts(path: Path) -> None:
+    path.write_text(json.dumps({"problem": "Compute 7 + 5.", "answer": "12"}) + "\n")
 
 
 def cpu_line() -> str:
@@ -126,18 +171,76 @@ def cpu_line() -> str:
     return f"{fields.get('Model name', '?').strip()} ({isa})"
 
 
+def run_child(spec: list, nproc: int = 1) -> subprocess.CompletedProcess:
+    launch = [sys.executable]
+    if nproc > 1:
+        launch += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    return subprocess.run([*launch, __file__, "--child", json.dumps(spec)], capture_output=True, text=True)
+
+
+def context_cases(args: argparse.Namespace) -> None:
+    """Each case in one process, then on ``args.context`` processes at ``parallel.context`` = that many."""
+    import torch
+
+    n = args.context
+    print(f"# {cpu_line()}; torch {torch.__version__}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
+    print(
+        f"# {args.layers}-layer Qwen2, hidden {args.hidden}, {args.batch} responses, FP8 rollouts, KL reference on"
+    )
+    print(f"{'vocab':>7} {'max_new':>7} {'scored':>7} {'layout':>12} {'rollout peak':>12} {'train rise':>10}")
+    for vocab in map(int, args.vocabs.split(",")):
+        for length in map(int, args.lengths.split(",")):
+            spec = [vocab, length, args.batch, args.hidden, False, args.layers]
+            proc = run_child([*spec, 1, None])
+            if proc.returncode != 0:
+                print(
+                    f"{vocab:>7} {length:>7} one process failed (rc {proc.returncode}):\n{proc.stderr[-2000:]}"
+                )
+                continue
+            one = json.loads(proc.stdout.strip().splitlines()[-1])
+            with tempfile.TemporaryDirectory() as shared:
+                write_prompts(Path(shared) / "prompts.jsonl")
+                proc = run_child([*spec, n, shared], nproc=n)
+                ranks = [json.loads(p.read_text()) for p in sorted(Path(shared).glob("rank*.json"))]
+            if proc.returncode != 0 or len(ranks) != n:
+                print(
+                    f"{vocab:>7} {length:>7} context {n} failed (rc {proc.returncode}):\n{proc.stderr[-2000:]}"
+                )
+                continue
+            rows = [("one process", one)] + [(f"context {n}, r{r}", x) for r, x in enumerate(ranks)]
+            for layout, r in rows:
+                rise = r["train_peak"] - r["train_start"]
+                print(
+                    f"{vocab:>7} {length:>7} {r['tokens']:>7} {layout:>12} {r['rollout_peak'] / GIB:>11.2f}G "
+                    f"{rise / GIB:>9.2f}G",
+                    flush=True,
+                )
+            worst = max(r["train_peak"] - r["train_start"] for r in ranks)
+            print(
+                f"{'':>29} train rise, worst rank / one process: {worst / (one['train_peak'] - one['train_start']):.2f}x"
+            )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", default="1024,2048,4096,8192", help="max_new_tokens per case")
     p.add_argument("--vocabs", default="32000,151936")
     p.add_argument("--batch", type=int, default=2, help="responses per step (= the micro-batch)")
     p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=1)
     p.add_argument("--unchunked-max-gib", type=float, default=6.0, help="skip unchunked runs above this")
+    p.add_argument("--context", type=int, default=1, help="N > 1: one process vs N processes at context N")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        vocab, length, batch, hidden, unchunked = json.loads(args.child)
-        print(json.dumps(child(vocab, length, batch, hidden, unchunked)))
+        spec = json.loads(args.child)
+        result = json.dumps(child(*spec))
+        if len(spec) > 7 and spec[7]:  # a torchrun launch: each process writes its own file
+            (Path(spec[7]) / f"rank{os.environ.get('RANK', '0')}.json").write_text(result)
+        print(result)
+        return
+    if args.context > 1:
+        context_cases(args)
         return
     import torch
 

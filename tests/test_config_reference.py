@@ -10,9 +10,9 @@ import pytest
 import yaml
 
 from infir2.cli import main
-from infir2.train import config as config_module
 from infir2.harness.config import shipped_configs
 from infir2.rl.config import RLConfig, load_rl_config
+from infir2.train import config as config_module
 from infir2.train.config import RunConfig, load_config
 
 

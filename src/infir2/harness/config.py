@@ -8,7 +8,8 @@ sections; four of them are the same for both and live here::
     fp8:   recipe, backend, param_gather, stats_every, high_precision_tail
     optim: lr, betas, eps, weight_decay, grad_clip, fused, state_dtype
 
-and ``schedule`` (the learning-rate schedules of ``harness.optim``; ``infir2 rl`` keeps a constant rate).
+and ``parallel`` (``context``: processes that share each sequence, for both stages) and ``schedule`` (the
+learning-rate schedules of ``harness.optim``; ``infir2 rl`` keeps a constant rate).
 ``check_shared`` holds their rules (one implementation for both stages); ``load_stage_config`` reads a
 YAML file into a stage's config (``--set`` overrides, then the stage's own ``parse``, which reads the
 renamed keys of older configs, ``RENAMED``, with a warning: ``migrate_renamed``). Every field carries its meaning (``_key``), which
@@ -39,6 +40,7 @@ __all__ = [
     "Fp8Config",
     "ModelConfig",
     "OptimConfig",
+    "ParallelConfig",
     "RunSection",
     "ScheduleConfig",
     "StageConfig",
@@ -174,6 +176,15 @@ class ScheduleConfig:
     decay_style: Literal["cosine", "linear"] = setting("cosine", "wsd decay shape")
     min_lr: float | None = setting(None, "final learning rate; exclusive with min_lr_ratio")
     min_lr_ratio: float | None = setting(None, "final learning rate as a fraction of optim.lr")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    context: int = setting(
+        1,
+        "context parallelism: processes that share each sequence (1 = off); the world is data x context, "
+        "cpt's seq_len a multiple of context * 128 (other sequences are padded to one)",
+    )
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,15 @@ from .._dist import (  # noqa: F401 - re-exported: the collectives the stages us
 )
 from ..model import resolve_device
 
-__all__ = [*_dist.__all__, "ContextLayout", "context_layout", "data_ranks", "init_distributed", "shard_model"]
+__all__ = [
+    *_dist.__all__,
+    "ContextLayout",
+    "context_layout",
+    "context_parallel",
+    "data_ranks",
+    "init_distributed",
+    "shard_model",
+]
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,16 @@ def context_layout(env: DistEnv, context: int) -> ContextLayout:
             if env.rank in ranks:
                 group = made
     return ContextLayout(context, env.rank % context, group, data_env)
+
+
+def context_parallel(model: nn.Module, layout: ContextLayout) -> nn.Module:
+    """``model``'s attention over ``layout``'s context group (``nn.context_parallel``: it then runs only on
+    sequence shards); at context 1 ``model`` unchanged. For a stage that may not import ``nn`` (rl)."""
+    if layout.context == 1:
+        return model
+    from ..nn.context_parallel import enable_context_parallel
+
+    return enable_context_parallel(model, layout.group)
 
 
 def init_distributed(device_preference: str = "auto") -> DistEnv:

@@ -17,8 +17,9 @@ where they published one, docs/RL.md)::
               micro_batch_size, adv_eps
     train:    max_steps, save_every, keep_last, log_every, eval_every, eval_problems, max_nonfinite_in_row,
               max_prob_error
+    parallel: context                                          (as in `infir2 train`: processes per sequence)
 
-The run, model, fp8 and optim sections, their rules, the YAML reader and ``run.accept_config_changes``
+The run, model, fp8, optim and parallel sections, their rules, the YAML reader and ``run.accept_config_changes``
 are the run harness's (``infir2.harness.config``), shared with ``infir2 train``. Validation is strict (an unknown key or a bad value is a ``ValueError`` naming the dotted key and the
 file); ``--set key=value`` overrides use the same dotted keys. ``rollout.scale`` is the older name of
 ``rollout.scale_encoding`` (``harness.config.RENAMED``: read with a warning, a saved config alike).
@@ -34,6 +35,7 @@ from ..eval.tasks import GRADERS, TASKS
 from ..generation import SAME_RECIPE, check_engine
 from ..harness.config import (
     OptimConfig,
+    ParallelConfig,
     StageConfig,
     check_positive,
     check_shared,
@@ -158,6 +160,7 @@ class RLConfig(StageConfig):
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: RLTrain = field(default_factory=RLTrain)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # context: scoring and update only
 
 
 def tis_mode(cfg: RLConfig) -> str:
@@ -173,6 +176,7 @@ def tis_mode(cfg: RLConfig) -> str:
 def _check(cfg: RLConfig, source: str) -> None:
     check_shared(cfg, source)  # run / model / fp8 / optim: the rules `infir2 train` applies
     r, a, t = cfg.rollout, cfg.algo, cfg.train
+    check_positive(source, "parallel.context", cfg.parallel.context)  # the world: at the run's start
 
     def positive(key: str, value: float | None, allow_zero: bool = False) -> None:
         check_positive(source, key, value, allow_zero)

@@ -35,7 +35,9 @@ Under ``torchrun --nproc_per_node N`` (every rank calls ``rl``) the policy is sh
 * **score / update**: the batch's mini-batches and micro-batches are one process's (``plan_batches``);
   micro-batch k of a mini-batch runs on rank ``k % N`` (``my_micro_batches``; a rank with one fewer runs
   a forward of zero weight, so FSDP2's collectives match). The loss is normalised by the whole
-  mini-batch's tokens and multiplied by N (FSDP2 averages gradients); statistics are all-reduced;
+  mini-batch's tokens and multiplied by N (FSDP2 averages gradients); statistics are all-reduced.
+  With ``parallel.context: C`` micro-batch k runs on data replica ``k % (N / C)``, each of its rows split
+  along the sequence over the replica's C ranks (``rl/context.py``); the rollouts are not split;
 * **sync**: every rank's engine all-gathers the whole weights (``generation.BuiltinEngine.load_weights``);
 * **validation**: each rank scores its share of the held-out problems; the counts are all-reduced;
 * **checkpoint / export**: full state dicts gathered to rank 0, which writes them. Prompt position,
@@ -59,7 +61,7 @@ from ..eval.tasks import Problem, load_problems, reward
 from ..generation import EngineOptions, RolloutEngine, SamplingConfig, build_engine
 from ..harness.config import config_to_dict
 from ..harness.config_changes import reconcile_saved_config
-from ..harness.distributed import DistEnv, all_reduce_sum
+from ..harness.distributed import DistEnv, all_reduce_sum, context_layout, context_parallel, data_ranks
 from ..harness.guards import StepGuard
 from ..harness.metrics import MetricsLogger, peak_memory_gib
 from ..harness.optim import build_optimizer
@@ -180,7 +182,8 @@ def _setup(
     if model is None and cfg.model.path:  # against config.json, before any weights are read
         positions = config_limits(cfg.model.path)[1]
         check_positions(positions, longest + cfg.rollout.max_new_tokens, key, cfg.model.beyond_context)
-    model = setup_model(cfg, env, model, tokenizer, before_shard)
+    layout = context_layout(env, cfg.parallel.context)  # every rank: it makes the context groups
+    model = context_parallel(setup_model(cfg, env, model, tokenizer, before_shard), layout)
     check_context(model, longest + cfg.rollout.max_new_tokens, key, cfg.model.beyond_context)
     seed = cfg.data.seed if cfg.data.seed is not None else cfg.run.seed
     data = RolloutData(
@@ -193,7 +196,7 @@ def _setup(
         build_optimizer(model, cfg.optim),
         tokenizer,
         built["engine"],
-        built.get("ref"),
+        context_parallel(built["ref"], layout) if "ref" in built else None,  # scored like the policy
         problems,
         prompt_ids,
         data,
@@ -201,6 +204,7 @@ def _setup(
         pad_id,
         val,
         val_ids,
+        layout,
     )
 
 
@@ -214,6 +218,7 @@ def rl(
     inputs: list[tuple[list[Problem], list[Problem]]] = []
 
     def check(env: DistEnv) -> None:  # before any folder or model
+        data_ranks(env.world_size, cfg.parallel.context)  # the world is data x context
         inputs.append(_load_inputs(cfg, model is not None))
 
     with open_run(cfg.run_dir, cfg.run.device, check) as env:  # a run that fails to start leaves no folder

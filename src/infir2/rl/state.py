@@ -2,7 +2,8 @@
 
 ``RLState`` (the counters, saved under ``train_state``), ``RolloutData`` (prompt order, sampler and the
 dynamic-sampling buffer: the run's named data state, ``harness.resume.Resumable``) and ``Run`` (the
-config, the process group, the policy and its optimizer, the rollout engine and reference, the prompts).
+config, the process group and its data x context layout, the policy and its optimizer, the rollout engine
+and reference, the prompts).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch import nn
 
 from ..eval.tasks import Problem
 from ..generation import RolloutEngine
-from ..harness.distributed import DistEnv
+from ..harness.distributed import ContextLayout, DistEnv
 from ..harness.resume import SavePolicy
 from .batch import Group
 from .config import RLConfig
@@ -74,6 +75,7 @@ class Run:
     pad_id: int
     val: list[Problem]
     val_ids: list[list[int]]
+    context: ContextLayout  # parallel.context: this rank's data replica and context rank (rl/context.py)
 
     @property
     def policy(self) -> SavePolicy:

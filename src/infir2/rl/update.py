@@ -3,8 +3,9 @@
 ``score`` computes, before any update, the trainer's (``old``) and the reference's log-probabilities of
 every response token, the TIS weights and the mismatch metrics against the engine's; ``update`` runs
 ``algo.updates_per_batch`` mini-batches of the token-level clipped objective (``algorithm.policy_loss``).
-``plan_batches`` and ``my_micro_batches`` say which rows go into which forward on which rank: the same
-plan on every rank and for any world size (``rl/loop.py``'s module doc).
+``plan_batches`` and ``my_micro_batches`` say which rows go into which forward on which data replica: the
+same plan on every rank and for any world size (``rl/loop.py``'s module doc). Under ``parallel.context``
+the ranks of a replica share each forward, every row split along the sequence (``rl/context.py``).
 """
 
 from __future__ import annotations
@@ -22,20 +23,33 @@ from ..model import autocast
 from .algorithm import mismatch_from_sums, mismatch_sums, policy_loss, tis_weights
 from .batch import RLBatch, Rows
 from .config import tis_mode
+from .context import RowShard, row_shard, shard_response_logprobs
 from .state import Run
 
 __all__ = ["Plan", "my_micro_batches", "plan_batches", "response_logprobs", "score", "update"]
 
 
 def response_logprobs(
-    model: nn.Module, rows: Rows, temperature: float, precision: str, entropy: bool = False
+    model: nn.Module,
+    rows: Rows,
+    temperature: float,
+    precision: str,
+    entropy: bool = False,
+    shard: RowShard | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``[B, R]`` log-probabilities (and entropies) of each response token of ``rows`` at ``temperature``
     given what precedes, laid out as the engine generates (prompt left-padded, response right-padded,
     positions from the first real token): the loss layer's token scorer (``loss.score_tokens``), chunked
     over the response tokens when their fp32 logits would exceed its budget. fp32 (the batch's dtype), also
-    for an fp64 model (scored in fp64, then rounded)."""
+    for an fp64 model (scored in fp64, then rounded). ``shard``: this rank's part of ``rows`` under
+    context parallelism (``rl.context.row_shard``); the same ``[B, R]`` result on every context rank."""
     device = next(model.parameters()).device
+    if shard is not None:
+        with autocast(precision, device):
+            logp, ent = shard_response_logprobs(
+                model, shard, rows.response_mask.shape[1], temperature, entropy
+            )
+        return logp.float(), None if ent is None else ent.float()
     ids, mask = rows.ids.to(device), rows.attention_mask.to(device)
     r = rows.response_mask.shape[1]
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -79,28 +93,31 @@ Plan = list[list[list[int]]]
 def score(run: Run, batch: RLBatch, plan: Plan) -> dict[str, float]:
     """The trainer's ``old`` logprobs (and the reference's) of this rank's rows, their TIS weights, and
     the mismatch metrics and entropy over all ranks' rows."""
-    cfg, env = run.cfg, run.env
+    cfg, env, context = run.cfg, run.env, run.context
     temperature, precision = cfg.rollout.temperature, cfg.model.precision
     old_all, roll_all, ent_sum = [], [], 0.0
     for mini in plan:
-        for micro in my_micro_batches(mini, env.rank, env.world_size):
+        for micro in my_micro_batches(mini, context.data_env.rank, context.data_env.world_size):
             rows = batch.rows(micro or mini[0])
-            logp, ent = response_logprobs(run.model, rows, temperature, precision, entropy=True)
+            with row_shard(rows, context) as part:
+                logp, ent = response_logprobs(run.model, rows, temperature, precision, True, part)
+                if run.ref is not None and micro is not None:
+                    ref = response_logprobs(run.ref, rows, temperature, precision, shard=part)[0]
             if micro is None:  # the padding forward: same collectives, nothing kept
                 continue
             mask = rows.response_mask.to(logp.device)
             assert ent is not None
-            ent_sum += float((ent * mask).sum())
             real = mask.bool()
             old = logp.masked_fill(~real, 0).cpu()
             batch.old_logp[rows.index, : old.shape[1]] = old
             if run.ref is not None:
-                ref = response_logprobs(run.ref, rows, temperature, precision)[0]
                 batch.ref_logp[rows.index, : old.shape[1]] = ref.masked_fill(~real, 0).cpu()
             tis = tis_weights(old, rows.rollout_logp, tis_mode(cfg), cfg.algo.tis_cap)
             batch.tis[rows.index, : old.shape[1]] = tis.masked_fill(~real.cpu(), 0)
-            old_all.append(old[real.cpu()])
-            roll_all.append(rows.rollout_logp[real.cpu()])
+            if context.context_rank == 0:  # counted once: the group's other ranks hold the same rows
+                ent_sum += float((ent * mask).sum())
+                old_all.append(old[real.cpu()])
+                roll_all.append(rows.rollout_logp[real.cpu()])
     empty = torch.zeros(0)
     old, roll = (torch.cat(old_all), torch.cat(roll_all)) if old_all else (empty, empty)
     sums, max_abs = mismatch_sums(old, roll, torch.ones_like(old), cfg.algo.tis_cap)
@@ -114,11 +131,11 @@ def score(run: Run, batch: RLBatch, plan: Plan) -> dict[str, float]:
     return out
 
 
-def _micro_loss(run: Run, batch: RLBatch, mini: list[list[int]], micro: list[int] | None) -> tuple[Any, Any]:
-    """The summed token loss and statistics of ``micro`` (None: a forward of zero weight on ``mini[0]``)."""
-    a = run.cfg.algo
-    rows = batch.rows(micro or mini[0])
-    logp, _ = response_logprobs(run.model, rows, run.cfg.rollout.temperature, run.cfg.model.precision)
+def _micro_loss(run: Run, rows: Rows, micro: list[int] | None, part: RowShard | None) -> tuple[Any, Any]:
+    """The summed token loss and statistics of ``rows``, the rows of ``micro`` (None: a forward of zero
+    weight); ``part``: this rank's shard of them under context parallelism."""
+    cfg, a = run.cfg, run.cfg.algo
+    logp, _ = response_logprobs(run.model, rows, cfg.rollout.temperature, cfg.model.precision, shard=part)
     dev = logp.device
     mask = rows.response_mask.to(dev) * (rows.keep.float() * float(micro is not None)).to(dev)[:, None]
     old = rows.old_logp.to(dev) if micro else logp.detach()
@@ -133,9 +150,11 @@ def update(run: Run, batch: RLBatch, plan: Plan) -> dict[str, float]:
 
     The token-level loss is normalised by the token count of the whole mini-batch (all ranks), and
     scaled by the world size because FSDP2 averages the gradients over ranks: the gradient is the one
-    process's. Loss and statistics are summed over ranks.
+    process's (context ranks: partial sums of one loss's, ``rl/context.py``). Loss and statistics are
+    summed over ranks, each row counted once (on context rank 0 of its group).
     """
-    cfg, env = run.cfg, run.env
+    cfg, env, context = run.cfg, run.env, run.context
+    counted = context.context_rank == 0
     sums = torch.zeros(4, dtype=torch.float64)  # clip_low, clip_high, kl, tokens
     losses, norms, skipped = [], [], 0
     for mini in plan:
@@ -143,13 +162,16 @@ def update(run: Run, batch: RLBatch, plan: Plan) -> dict[str, float]:
         n_tokens = int(batch.response_len[flat][batch.keep[flat]].sum())
         scale = env.world_size / max(n_tokens, 1)
         local = torch.zeros(5, dtype=torch.float64)  # the summed token loss, then the four sums above
-        for micro in my_micro_batches(mini, env.rank, env.world_size):
-            total, st = _micro_loss(run, batch, mini, micro)
-            (total * scale).backward()
+        for micro in my_micro_batches(mini, context.data_env.rank, context.data_env.world_size):
+            rows = batch.rows(micro or mini[0])
+            with row_shard(rows, context) as part:  # the backward too: it may recompute attention
+                total, st = _micro_loss(run, rows, micro, part)
+                (total * scale).backward()
             stats = [float(total.detach())] + [
                 float(st[k]) for k in ("clip_low", "clip_high", "kl", "tokens")
             ]
-            local += torch.tensor(stats, dtype=torch.float64)
+            if counted:  # once per row: the group's other ranks computed the same numbers
+                local += torch.tensor(stats, dtype=torch.float64)
         local = all_reduce_sum(local.to(env.device), env).cpu()
         sums += local[1:]
         norm = clip_grad_norm(run.model, cfg.optim.grad_clip)

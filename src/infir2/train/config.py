@@ -39,6 +39,7 @@ from ..harness.config import (
     Fp8Config,
     ModelConfig,
     OptimConfig,
+    ParallelConfig,
     RunSection,
     ScheduleConfig,
     StageConfig,
@@ -171,15 +172,6 @@ class LoadConfig:
     force: bool = setting(False, "use `path` even when the run folder has checkpoints (set by `--load`)")
     start_fresh: bool = setting(
         False, "if none of the run's checkpoints loads: set them aside, start at step 0"
-    )
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    context: int = setting(
-        1,
-        "context parallelism: processes that share each sequence (1 = off); the world is data x context, "
-        "cpt's seq_len a multiple of context * 128",
     )
 
 
