@@ -17,7 +17,7 @@ from infir2.cli import main
 from infir2.data import load_tokenizer
 from infir2.data.tokens import load_tokens
 from infir2.eval.perplexity import evaluate_loss
-from infir2.eval.tasks import load_problems
+from infir2.tasks import load_problems
 from infir2.train.config import parse_config
 from train_synthetic import one_thread, prepared_cpt, tiny_llama
 

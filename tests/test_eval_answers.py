@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from infir2.eval.answers import extract_boxed, extract_choice, final_part, grade_choice, grade_math
+from infir2.tasks import extract_boxed, extract_choice, final_part, grade_choice, grade_math
 
 # (completion, gold, expected correct)
 MATH_TABLE = [

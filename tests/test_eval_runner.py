@@ -10,8 +10,8 @@ from infir2 import convert_to_fp8
 from infir2.data.chat import render_prompt
 from infir2.eval.metrics import pass_at_k
 from infir2.eval.runner import evaluate, run_evaluation
-from infir2.eval.tasks import problems_from_dicts
 from infir2.generation import Sample, SamplingConfig
+from infir2.tasks import problems_from_dicts
 
 pytestmark = pytest.mark.transformers_api  # CI runs this file again under the oldest transformers
 

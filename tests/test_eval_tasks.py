@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from infir2.eval.command import sample_path
-from infir2.eval.tasks import load_problems, problems_from_dicts
+from infir2.tasks import load_problems, problems_from_dicts
 
 
 def _write(tmp_path: Path, lines: list[str]) -> Path:

@@ -27,7 +27,8 @@ ALLOWED: dict[str, set[str]] = {
     "export": {"data", "fp8", "nn"},
     # engines, the KV-cache sampler, the FP8 serving linear, the server client: below eval and rl
     "generation": {"data", "export", "fp8", "kernels", "model", "nn"},
-    "eval": {"data", "export", "fp8", "generation", "loss", "model", "nn"},
+    "tasks": set(),  # problem schemas, graders, answer extraction: what eval scores and RL rewards with
+    "eval": {"data", "export", "fp8", "generation", "loss", "model", "nn", "tasks"},
     # the run harness under every stage: config sections, run folder, model setup, resume, guards
     "harness": {"checkpoint", "data", "export", "fp8", "kernels", "model", "nn"},
     "train": {
@@ -38,7 +39,7 @@ ALLOWED: dict[str, set[str]] = {
         "model",
         "nn",
     },  # peers on the harness: neither imports the other
-    "rl": {"data", "eval", "generation", "harness", "loss", "model"},
+    "rl": {"data", "generation", "harness", "loss", "model", "tasks"},
     # tools/: each subpackage or module is a layer of its own (tools.<name>), above the library
     "tools": set(),
     "tools.paired": set(),  # paired-seed statistics shared by demo and bench (floats only)

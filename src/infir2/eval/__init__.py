@@ -2,19 +2,33 @@
 
 See ``runner.evaluate`` for the in-process API, ``runner.run_evaluation`` with an engine of
 ``infir2.generation.ENGINES`` (the built-in one, an OpenAI-compatible server, or one registered by
-name) for ``infir2 eval``, ``completions.CompletionLog`` for resuming, ``tasks.GRADERS`` for the graders,
+name) for ``infir2 eval``, ``completions.CompletionLog`` for resuming, ``infir2.tasks.GRADERS`` for the graders,
 and ``docs/EVAL_EXPORT.md`` for the file schemas.
 """
 
 from ..data.chat import SYSTEM_PROMPT, THINK_PREFIX, render_prompt
 from ..generation import SamplingConfig, ServerConfig, ServerError
-from .answers import Graded, extract_boxed, extract_choice, final_part, grade_choice, grade_math, math_equal
+from ..tasks import (
+    GRADERS,
+    TASKS,
+    Graded,
+    Problem,
+    extract_boxed,
+    extract_choice,
+    final_part,
+    grade_choice,
+    grade_math,
+    load_problems,
+    math_equal,
+    problems_from_dicts,
+    register_grader,
+    sample_path,
+)
 from .completions import Completion, CompletionLog
 from .metrics import avg_at_n, pass_at_k
 from .perplexity import LossResult, evaluate_loss
 from .presets import PRESETS, Preset
 from .runner import EvalResult, evaluate, run_evaluation
-from .tasks import GRADERS, TASKS, Problem, load_problems, problems_from_dicts, register_grader, sample_path
 
 __all__ = [
     "GRADERS",

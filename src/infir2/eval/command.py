@@ -57,10 +57,10 @@ from ..generation import (
     precision_label,
 )
 from ..model import check_model_folder, check_vocabulary, check_vocabulary_rows, config_limits, resolve_device
+from ..tasks import TASKS, sample_path
 from .completions import COMPLETIONS_FILE, CompletionLog, check_prompts, make_out_dir, read_saved
 from .presets import PRESETS
 from .runner import render_prompts, run_evaluation
-from .tasks import TASKS, sample_path
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "add_arguments", "run", "sample_path"]
 
@@ -522,7 +522,7 @@ def _check_out(out: Path) -> None:
 
 def _run_benchmark(args: argparse.Namespace) -> int:
     from ..generation import SamplingConfig
-    from .tasks import load_problems
+    from ..tasks import load_problems
 
     out = Path(args.out)
     data = Path(args.data) if args.data else sample_path(args.task)

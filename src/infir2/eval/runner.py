@@ -33,9 +33,9 @@ import torch
 
 from ..data.chat import SYSTEM_PROMPT, THINK_PREFIX, render_prompt
 from ..generation import BuiltinEngine, Engine, Prompt, Sample, SamplingConfig
+from ..tasks import TASKS, Problem, problems_from_dicts
 from .completions import Completion, CompletionLog
 from .metrics import avg_at_n, default_ks, pass_at_k
-from .tasks import TASKS, Problem, problems_from_dicts
 
 __all__ = ["EvalResult", "evaluate", "render_prompts", "run_evaluation", "sample_seed"]
 

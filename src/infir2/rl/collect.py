@@ -11,9 +11,9 @@ from typing import cast
 
 import torch
 
-from ..eval.tasks import reward
 from ..generation import Sample, derive_seeds
 from ..harness.distributed import all_gather_objects
+from ..tasks import reward
 from .algorithm import overlong_penalty
 from .batch import Group
 from .state import Run

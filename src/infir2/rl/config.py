@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ..eval.tasks import GRADERS, TASKS
 from ..generation import SAME_RECIPE, check_engine
 from ..harness.config import (
     OptimConfig,
@@ -46,6 +45,7 @@ from ..harness.config import (
     setting,
 )
 from ..harness.typed_yaml import build, config_error
+from ..tasks import GRADERS, TASKS
 
 __all__ = [
     "MEANINGFUL",

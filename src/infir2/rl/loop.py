@@ -57,7 +57,6 @@ import torch
 from torch import nn
 
 from ..data.chat import render_prompt, stop_token_ids
-from ..eval.tasks import Problem, load_problems, reward
 from ..generation import EngineOptions, RolloutEngine, SamplingConfig, build_engine
 from ..harness.config import config_to_dict
 from ..harness.config_changes import reconcile_saved_config
@@ -69,6 +68,7 @@ from ..harness.resume import PendingSave, export_final, restore, save
 from ..harness.run import open_run
 from ..harness.setup import check_model_inputs, load_run_tokenizer, setup_model
 from ..model import check_context, check_positions, config_limits
+from ..tasks import Problem, load_problems, reward
 from .algorithm import group_advantages
 from .batch import RLBatch
 from .collect import collect_groups, completion_text, share

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..eval.tasks import Problem
 from ..generation import RolloutEngine
 from ..harness.distributed import ContextLayout, DistEnv
 from ..harness.resume import SavePolicy
+from ..tasks import Problem
 from .batch import Group
 from .config import RLConfig
 from .prompts import PromptStream

@@ -206,4 +206,4 @@ def _check_unique_ids(problems: list[Problem], source: str) -> None:
 def sample_path(task: str) -> Path:
     """The small sample benchmark shipped with infir2 for ``task`` (``samples/<task>.jsonl``)."""
     _check_task(task)
-    return Path(str(resources.files("infir2.eval") / "samples" / f"{task}.jsonl"))
+    return Path(str(resources.files("infir2.tasks") / "samples" / f"{task}.jsonl"))
