@@ -39,13 +39,15 @@ ALLOWED: dict[str, set[str]] = {
         "nn",
     },  # peers on the harness: neither imports the other
     "rl": {"data", "eval", "generation", "harness", "loss", "model"},
+    # the memory planner (model shapes, per-term bytes, one layer's measured figures): below the stages
+    "planning": {"fp8", "loss", "nn"},
     # tools/: each subpackage or module is a layer of its own (tools.<name>), above the library
     "tools": set(),
     "tools.paired": set(),  # paired-seed statistics shared by demo and bench (floats only)
     "tools.bench": {"data", "fp8", "kernels", "model", "nn", "train", "tools.paired"},
     "tools.demo": {"data", "eval", "fp8", "tools.bench", "tools.paired", "train"},
-    "tools.memory": {"fp8", "nn"},
-    "tools.plan": {"fp8", "loss", "rl", "tools.memory", "train"},
+    "tools.memory": {"fp8", "nn", "planning"},
+    "tools.plan": {"fp8", "planning", "rl", "tools.memory", "train"},
     "tools.numerics": {"nn"},  # infir2 numerics: reads a run's telemetry keys
     "tools.wire_bytes": {"nn"},  # FSDP2 byte counters for benchmarks
     "cli": set(),  # cli imports its subcommands lazily by name (importlib), never statically
