@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..fp8 import RECIPES
-from ..fp8.formats import BLOCK
 from ..loss.scorer import chunk_tokens_for
 from .context import gathered_kv_bytes
 from .inputs import BF16_BYTES, FP32_BYTES, PlanInputs
 from .layer import layer_figures
+from .quantized import layer_weight_bytes
 from .shape import ModelShape
 
 __all__ = ["Plan", "plan", "plan_step"]
@@ -136,14 +136,12 @@ def _weights(shape: ModelShape, run: PlanInputs, weight_copy: int) -> tuple[floa
     copied_layers = 1 if run.activation_checkpointing and run.recipe == "bf16" else shape.layers
     distributed, shard = run.gpus > 1, 1 / run.gpus
     r = RECIPES[run.recipe]
-    fp8_gather = distributed and r.param_gather_default
-    if run.param_gather is not None:
-        fp8_gather = run.param_gather and distributed and r.enabled
+    fp8_gather = distributed and r.param_gather(run.param_gather)  # never NVFP4's: gathered in `wire`
     wire = run.wire
     layer_wire = float(wire * shape.layer_params)
-    if fp8_gather:  # projections as FP8 codes + one fp32 scale per 128x128 block, the rest in `wire`
+    if fp8_gather:  # projections as the weight cast's codes and block scales, the rest in `wire`
         proj = shape.projection_weights
-        layer_wire = (shape.layer_params - proj) * wire + proj * (1 + FP32_BYTES / BLOCK**2)
+        layer_wire = (shape.layer_params - proj) * wire + layer_weight_bytes(shape, r.w)
     if distributed and (wire == BF16_BYTES or fp8_gather):
         copied_layers = 0  # the gathered weights are already what the GEMMs read
     working = shape.root_params * wire + 2 * layer_wire  # unsharded while in use: root + 2 layers

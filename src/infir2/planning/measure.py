@@ -119,6 +119,18 @@ def _weight_shapes(layer: nn.Module) -> set[tuple[int, ...]]:
     return shapes
 
 
+def _cached_weights(layer: nn.Module) -> set[int]:
+    """The storages of the quantized weights the layer's FP8 linears keep for the step
+    (``cache_fp8_weights``): codes, block scales and, for NVFP4, the per-tensor scale."""
+    found = set()
+    for m in layer.modules():
+        cache = getattr(m, "_weight_cache", None)
+        for operand in cache[1:] if isinstance(cache, tuple) else ():
+            tensors = vars(operand).values() if operand is not None else ()
+            found |= {_key(t) for t in tensors if isinstance(t, torch.Tensor)}
+    return found
+
+
 def safe_tokens(dims: set[int], at_least: int = 256) -> int:
     """The smallest multiple of BLOCK >= ``at_least`` that is none of ``dims`` (tokens tell activations apart)."""
     tokens = -(-at_least // BLOCK) * BLOCK
@@ -181,7 +193,7 @@ def layer_memory(
         out = out[0] if isinstance(out, tuple) else out
         params = {_key(p) for p in layer.parameters()}
         shared = {_key(t) for t in cos_sin}
-        weight_shapes = _weight_shapes(layer)
+        weight_shapes, cached = _weight_shapes(layer), _cached_weights(layer)
         if any(tokens in s for s in weight_shapes):
             raise ValueError(f"--tokens {tokens} equals a dimension of the layer's weights; pick another")
         result = LayerMemory(model, recipe, tokens)
@@ -191,7 +203,7 @@ def layer_memory(
             if key in params or key in counted:
                 continue
             counted.add(key)
-            weight_like = tuple(t.shape) in weight_shapes and tokens not in t.shape
+            weight_like = key in cached or (tuple(t.shape) in weight_shapes and tokens not in t.shape)
             kind = "shared" if key in shared else "weight" if weight_like else "activation"
             name = "(layer input)" if key == _key(x) else made_by.get(key, "")
             result.tensors.append(

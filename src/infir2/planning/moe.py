@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ..fp8 import RECIPES
 from .inputs import BF16_BYTES
+from .quantized import row_bytes
 from .shape import ModelShape
 
 __all__ = ["MOE_NOTE", "moe_layer_figures"]
@@ -27,8 +28,9 @@ def moe_layer_figures(
 ) -> tuple[float, int]:
     """(activation bytes per token, weight-copy bytes) of an MoE layer from those of ``dense`` (its
     active width): plus the k - 1 extra copies of each token's input the experts keep (one per routed
-    row: FP8 bytes, or bf16), weight copies scaled to all experts' weights (each expert's FP8 copy lives
+    row: the recipe's codes and scales, or bf16), weight copies scaled to all experts' weights (each expert's FP8 copy lives
     for the step)."""
-    row_bytes = 1 if RECIPES[recipe].enabled else BF16_BYTES
-    per_token += (shape.top_k - 1) * shape.hidden * row_bytes
+    r = RECIPES[recipe]  # an FP8 recipe's rows as the copy it saves for backward (x_wgrad): codes + scales
+    row = row_bytes(r.x_wgrad, shape.hidden) if r.enabled else shape.hidden * BF16_BYTES
+    per_token += (shape.top_k - 1) * row
     return per_token, round(weight_copy * shape.projection_weights / dense.projection_weights)

@@ -22,12 +22,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..fp8.formats import BLOCK
+from ..fp8.recipe import Cast
 from ..loss.scorer import chunk_tokens_for
 from .dense import Plan, plan_step
 from .inputs import BF16_BYTES, FP32_BYTES, PlanInputs
+from .quantized import layer_weight_bytes
 from .shape import ModelShape
 
 __all__ = ["RLPlan", "peak_phase", "plan_rl"]
+
+#: the rollout engine's FP8 weights (the FP8 export's): 128x128 blocks, a 4-byte scale each
+SERVING = Cast((BLOCK, BLOCK), scale_encoding="fp32")
 
 
 @dataclass
@@ -96,7 +101,7 @@ def plan_rl(
     whole = FP32_BYTES * shape.params
     if cfg.rollout.precision == "fp8":  # ServingFp8Linear: FP8 codes + one fp32 scale per 128x128 block
         proj = shape.projection_weights * shape.layers
-        engine = proj * (1 + FP32_BYTES / BLOCK**2) + (shape.params - proj) * FP32_BYTES
+        engine = shape.layers * layer_weight_bytes(shape, SERVING) + (shape.params - proj) * FP32_BYTES
     else:
         engine = whole
     kv_dtype = FP32_BYTES if cpu else BF16_BYTES

@@ -141,6 +141,19 @@ class ModelShape:
         return 2 * h * q + 2 * h * kv + self._mlp_projections
 
     @property
+    def projection_matrices(self) -> list[tuple[int, int, int]]:
+        """One layer's projection weights as ``(out, in, how many)``: q, k, v, o, and the MLP's gate,
+        up, down (every expert's, and the shared expert's)."""
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attention = [(q, h, 1), (kv, h, 2), (h, q, 1)]
+        if not self.experts:
+            return [*attention, (self.intermediate, h, 2), (h, self.intermediate, 1)]
+        mlp = [(self.expert_intermediate, h, 2 * self.experts), (h, self.expert_intermediate, self.experts)]
+        if self.shared_intermediate:
+            mlp += [(self.shared_intermediate, h, 2), (h, self.shared_intermediate, 1)]
+        return attention + mlp
+
+    @property
     def root_params(self) -> int:
         return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden  # embed (+ lm_head), norm
 

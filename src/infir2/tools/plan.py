@@ -15,8 +15,9 @@ recipe side by side, next to InfiR2's published FP8/BF16 peak-memory ratios wher
                (the current one and the prefetched next), and their unsharded gradients
 * weight copies what each layer's GEMMs keep for backward: autocast's bf16 casts (2 B/param; one
                layer's worth under activation checkpointing) or the FP8 copies with their scales
-               (1 B/param + 1/128^2, every layer for the whole step: ``cache_fp8_weights``) -- measured
-               per layer by ``infir2 memory``
+               (every layer for the whole step: ``cache_fp8_weights``; blockwise 1 B/param + an fp32
+               scale per 128x128 block, nvfp4 0.5 B/param + an E4M3 scale per 16x16 block + an fp32 one
+               per tensor) -- measured per layer by ``infir2 memory``
 * activations  per-layer bytes per token, measured by ``infir2 memory`` at the layer's shape, times
                tokens per micro-batch times layers; with activation checkpointing, each layer's fp32
                input plus one layer's full set (the one being recomputed); plus the final norm
@@ -29,8 +30,11 @@ recipe side by side, next to InfiR2's published FP8/BF16 peak-memory ratios wher
 * context      ``--context N`` (context parallelism): activations and logits of ``seq_len / N`` tokens,
                plus each layer's keys and values of the other shards, gathered and kept for attention's
                backward (every layer, or one under activation checkpointing)
-* all-gather   bytes each GPU receives per optimizer step: fp32 parameters gathered in forward and
-               again for backward (the root once), per micro-batch; reduce-scatter of fp32 gradients
+* all-gather   bytes each GPU receives per optimizer step: parameters (in ``--precision``) gathered in
+               forward and again for backward (the root once), per micro-batch, an FP8 recipe's
+               projections as its weight cast's codes and block scales where it gathers FP8 (the
+               128x128 recipes; nvfp4's need the whole tensor's amax first: gathered in ``--precision``);
+               reduce-scatter of fp32 gradients
 
 A mixture of experts (``num_experts`` / ``num_local_experts`` / ``n_routed_experts`` in the config) counts
 every expert's parameters (total, and the active ones a token reads), gathers every expert's weights
