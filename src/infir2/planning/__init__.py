@@ -18,7 +18,7 @@ from .format import PUBLISHED, format_plan, format_rl_plan
 from .inputs import PlanInputs
 from .layer import MEASURED, MEASURED_CPU, layer_figures
 from .moe import MOE_NOTE
-from .rl import RLPlan, plan_rl
+from .rl import RLPlan, plan_rl, rl_context
 from .shape import MODELS, ModelShape, load_shape, unmodelled
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "plan",
     "plan_rl",
     "plan_step",
+    "rl_context",
     "rl_fit",
     "unmodelled",
 ]

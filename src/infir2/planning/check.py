@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .fit import USABLE
-from .rl import RLPlan, peak_phase, plan_rl
+from .rl import RLPlan, peak_phase, plan_rl, rl_context
 from .shape import load_shape
 
 __all__ = ["available_ram", "device_limit", "unfit_line", "warn_if_unfit"]
@@ -69,8 +69,8 @@ def warn_if_unfit(cfg: Any, env: Any, prompt_len: int) -> str | None:
     prompts of ``prompt_len`` tokens, and log one warning when its peak is over the device's limit (the
     main process only). Returns the line, or None (it fits, or there is nothing to plan from)."""
     config = Path(cfg.model.path or "") / "config.json"
-    if not env.is_main or not cfg.model.path or not config.is_file():
-        return None
+    if not env.is_main or not cfg.model.path or not config.is_file() or env.world_size % rl_context(cfg):
+        return None  # (a world size that parallel.context does not divide: the run refuses it itself)
     limit = device_limit(env.device, env.world_size)
     if limit is None:
         return None

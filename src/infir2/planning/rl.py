@@ -11,6 +11,8 @@ keeps:
                on GPUs, fp32 on CPUs), plus one layer's more while it grows
 * scoring      the no-grad scoring of one micro-batch: its final hidden states and two ``[chunk, V]`` fp32
                blocks of the token scorer (``loss.scorer.chunk_tokens_for``, the 256 MiB budget)
+* context      ``parallel.context`` N: the update and the scoring hold ``seq / N`` tokens of each sequence
+               and the keys and values gathered from the other shards; the rollout's KV cache is whole
 
 The three phases peak apart (rollout: the weights, optimizer state and KV cache; scoring; the update:
 the training plan), over the resident weights, the reference and the engine.
@@ -24,12 +26,13 @@ from typing import Any
 from ..fp8.formats import BLOCK
 from ..fp8.recipe import Cast
 from ..loss.scorer import chunk_tokens_for
+from .context import context_kv_bytes
 from .dense import Plan, plan_step
 from .inputs import BF16_BYTES, FP32_BYTES, PlanInputs
 from .quantized import layer_weight_bytes
 from .shape import ModelShape
 
-__all__ = ["RLPlan", "peak_phase", "plan_rl"]
+__all__ = ["RLPlan", "peak_phase", "plan_rl", "rl_context"]
 
 #: the rollout engine's FP8 weights (the FP8 export's): 128x128 blocks, a 4-byte scale each
 SERVING = Cast((BLOCK, BLOCK), scale_encoding="fp32")
@@ -75,12 +78,22 @@ def peak_phase(p: RLPlan) -> str:
     )[1]
 
 
+def rl_context(cfg: Any) -> int:
+    """The config's context-parallel degree (``parallel.context``; 1 where the config has none)."""
+    return int(getattr(getattr(cfg, "parallel", None), "context", 1) or 1)
+
+
 def plan_rl(
     shape: ModelShape, cfg: Any, gpus: int = 1, prompt_len: int = 512, device: str = "cuda"
 ) -> RLPlan:
     """The memory of one RL step of ``cfg`` (an ``RLConfig``) on one of ``gpus`` GPUs (FSDP2), or one CPU
-    process (``device="cpu"``), for prompts of ``prompt_len`` tokens."""
-    cpu = device == "cpu"
+    process (``device="cpu"``), for prompts of ``prompt_len`` tokens.
+
+    With ``parallel.context`` N (``gpus`` is data x N) the update and the scoring keep the activations
+    and logits of ``seq / N`` tokens of each sequence plus the keys and values gathered from the other
+    shards (``context.context_kv_bytes``); the rollout's KV cache is not split (each rank generates
+    whole sequences)."""
+    cpu, context = device == "cpu", rl_context(cfg)
     seq = prompt_len + cfg.rollout.max_new_tokens
     micro = cfg.algo.micro_batch_size
     update = plan_step(
@@ -96,6 +109,7 @@ def plan_rl(
             recompute_mlp=cfg.model.recompute_mlp,
             precision=cfg.model.precision if cfg.model.precision != "fp64" else "fp32",
             device=device,
+            context=context,
         ),
     )
     whole = FP32_BYTES * shape.params
@@ -106,14 +120,18 @@ def plan_rl(
         engine = whole
     kv_dtype = FP32_BYTES if cpu else BF16_BYTES
     per_layer = 2 * shape.kv_heads * shape.head_dim * kv_dtype * cfg.rollout.batch_size * seq
-    responses = micro * cfg.rollout.max_new_tokens
+    responses = micro * cfg.rollout.max_new_tokens // context  # this rank's share of the scored tokens
     chunk = chunk_tokens_for("auto", responses, shape.vocab)
     block = min(chunk or responses, responses) * shape.vocab * FP32_BYTES
+    # no grad: one layer's gathered keys and values at a time
+    scored = micro * seq // context * shape.hidden * FP32_BYTES + context_kv_bytes(
+        shape, micro * seq, context, cpu
+    )
     return RLPlan(
         update=update,
         reference=whole if cfg.algo.kl_coef > 0 else 0.0,
         engine=engine,
         kv_cache=per_layer * (shape.layers + 1),
         rollout_logits=3 * cfg.rollout.batch_size * shape.vocab * FP32_BYTES,
-        scoring=micro * seq * shape.hidden * FP32_BYTES + 2 * block,
+        scoring=scored + 2 * block,
     )

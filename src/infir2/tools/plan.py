@@ -64,6 +64,8 @@ scorer) it counts:
                layer (bf16 on GPUs, fp32 on CPUs), plus one layer's more while it grows
 * scoring      the no-grad scoring of one micro-batch: its final hidden states and two ``[chunk, V]`` fp32
                blocks of the token scorer (``loss.scorer.chunk_tokens_for``, the 256 MiB budget)
+* context      ``parallel.context`` N: the update and the scoring hold ``seq / N`` tokens of each sequence
+               plus the keys and values gathered from the other shards; the KV cache stays whole
 
 The three phases peak apart (rollout: the weights, optimizer state and KV cache; scoring; the update:
 the training plan), over the resident weights, the reference and the engine, and the plan says
@@ -108,6 +110,7 @@ from ..planning import (
     plan,
     plan_rl,
     plan_step,
+    rl_context,
     rl_fit,
     unmodelled,
 )
@@ -221,9 +224,13 @@ def run_rl(args: argparse.Namespace) -> int:
                 f"shape: a shipped model ({', '.join(MODELS)}) or a config.json"
             )
         model = str(folder)
+    context = rl_context(cfg)
+    if args.gpus % context:
+        raise ValueError(f"--gpus {args.gpus}: not a multiple of the config's parallel.context {context}")
     name, shape = load_shape(model)
     p = plan_rl(shape, cfg, args.gpus, args.prompt_len, args.device)
     where = f"{args.gpus} GPUs" if args.device == "cuda" else f"{args.gpus} CPU processes, fp32 emulation"
+    where += f", context {context}" if context > 1 else ""
     r, a = cfg.rollout, cfg.algo
     print(
         f"{name}, RL step of {args.rl}: {shape.params / 1e9:.2f}B parameters, {where} (FSDP2), recipe "
