@@ -29,19 +29,21 @@ def model_dir(tmp_path_factory):
 
 
 def _cfg(model_dir, tmp_path, micro_batch_size: int = 2, recipe: str = "bf16"):
+    return parse_rl_config(_raw(model_dir, tmp_path, micro_batch_size, recipe))
+
+
+def _raw(model_dir, tmp_path, micro_batch_size: int = 2, recipe: str = "bf16") -> dict:
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"problem": "1 + 1", "answer": "2"}\n' * 4)
-    return parse_rl_config(
-        {
-            "run": {"name": "fit-check", "out_dir": str(tmp_path / "runs"), "device": "cpu"},
-            "model": {"path": str(model_dir), "precision": "fp32"},
-            "fp8": {"recipe": recipe},
-            "data": {"prompts_path": str(prompts)},
-            "rollout": {"prompts_per_step": 2, "group_size": 2, "oversample_prompts": 2, "max_new_tokens": 4},
-            "algo": {"micro_batch_size": micro_batch_size},
-            "train": {"max_steps": 1},
-        }
-    )
+    return {
+        "run": {"name": "fit-check", "out_dir": str(tmp_path / "runs"), "device": "cpu"},
+        "model": {"path": str(model_dir), "precision": "fp32"},
+        "fp8": {"recipe": recipe},
+        "data": {"prompts_path": str(prompts)},
+        "rollout": {"prompts_per_step": 2, "group_size": 2, "oversample_prompts": 2, "max_new_tokens": 4},
+        "algo": {"micro_batch_size": micro_batch_size},
+        "train": {"max_steps": 1},
+    }
 
 
 def test_available_ram_reads_meminfo(tmp_path):
@@ -64,6 +66,25 @@ def test_a_step_over_the_limit_is_warned_once_and_one_that_fits_is_not(model_dir
     assert [r.getMessage() for r in caplog.records] == [line]
     assert line.startswith("RL run 'fit-check'") and f"{peak / 2**30:.1f} GiB per process" in line
     assert "in the update" in line and "memory available now" in line and "estimate" in line
+
+
+def test_a_config_json_the_planner_cannot_read_stops_nothing(model_dir, tmp_path, caplog):
+    """A check, not a gate: a model config without the fields a plan needs is said at INFO, the run
+    goes on (no exception, no warning)."""
+    import json
+    import shutil
+
+    odd = tmp_path / "odd"
+    shutil.copytree(model_dir, odd)
+    config = json.loads((odd / "config.json").read_text())
+    del config["intermediate_size"]
+    (odd / "config.json").write_text(json.dumps(config))
+    odd_cfg = parse_rl_config(
+        {**_raw(model_dir, tmp_path, 10**9), "model": {"path": str(odd), "precision": "fp32"}}
+    )
+    with caplog.at_level(logging.INFO, logger="infir2.planning.check"):
+        assert warn_if_unfit(odd_cfg, CPU, 20) is None
+    assert any("missing intermediate_size" in r.getMessage() for r in caplog.records)
 
 
 def test_the_planner_leaves_the_runs_rng_alone(model_dir, tmp_path):
