@@ -6,6 +6,10 @@ bad input made from tiny fixtures in a temporary folder and is classified
   ACCEPTABLE  one error line that does not name the input, more than one error line, or something written;
   BAD         a traceback, a hang (the case's timeout), or exit 0 on a bad input (a silent wrong result).
 
+A case marked ``warns`` is warned about, not refused (an RL config whose planned step does not fit the
+machine: a plan is an estimate): GOOD is exactly one warning line naming the input, logged before any
+weights load, and the run going on (``classify_warning``).
+
 A refusal that comes after a model's weights were read (transformers' "Loading weights" bar) is
 ACCEPTABLE, not GOOD: a bad input is refused before any weights load.
 
@@ -73,6 +77,7 @@ class Case:
     nobody: bool = (
         False  # a subprocess as user nobody when root (whom chmod does not bind): a read-only folder
     )
+    warns: bool = False  # warned about, not refused: the run goes on (classify_warning)
 
 
 @dataclass
@@ -107,6 +112,8 @@ def message_lines(stderr: str) -> list[str]:
 
 def classify(case: Case, out: Outcome) -> tuple[str, str]:
     """(verdict, why): the rules of the module docstring."""
+    if case.warns:
+        return classify_warning(case, out)
     lines = message_lines(out.stderr)
     errors = [ln for ln in lines if _ERROR_LINE.search(ln)]
     first = (errors or lines or [""])[0]
@@ -132,6 +139,28 @@ def classify(case: Case, out: Outcome) -> tuple[str, str]:
     if out.written:
         problems.append("wrote " + ", ".join(out.written[:3]))
     return (ACCEPTABLE, "; ".join(problems) + f": {first}") if problems else (GOOD, first)
+
+
+_WARNING_RECORD = re.compile(r"^(?:[\d:]+ )?WARNING ")
+
+
+def classify_warning(case: Case, out: Outcome) -> tuple[str, str]:
+    """A case warned about, not refused (an RL config the planner says does not fit): GOOD when the run
+    ends (exit 0, or 2 / 1 if it refuses later) with exactly one warning line naming the input, logged
+    before any weights were read; the run's own folder is not counted as written."""
+    if out.rc is None:
+        return BAD, f"hang: no exit within {case.timeout:.0f} s"
+    if "Traceback" in out.stderr:
+        return BAD, "traceback"
+    warned = [
+        ln for ln in out.stderr.splitlines() if _WARNING_RECORD.match(ln) and any(n in ln for n in case.names)
+    ]
+    if len(warned) != 1:
+        return ACCEPTABLE, f"{len(warned)} warning lines naming " + " / ".join(case.names)
+    loaded = out.stderr.find("Loading weights")
+    if loaded != -1 and loaded < out.stderr.find(warned[0]):
+        return ACCEPTABLE, f"warned after reading weights: {warned[0]}"
+    return GOOD, warned[0]
 
 
 # ----------------------------------------------------------------------------- running one case
@@ -655,6 +684,9 @@ def rl_cases(w: World) -> list[Case]:
         ("adv-eps-neg", "algo.adv_eps=-1", "algo.adv_eps"),
     ]
     cases = [r(n, [s], (k,)) for n, s, k in sets]
+    # a config whose planned step does not fit this machine (update micro-batches of 10^9 sequences):
+    # warned about before the weights load, not refused (a plan is an estimate); the run goes on
+    cases.append(r("unfit", ["algo.micro_batch_size=1000000000"], ("RL run 'unfit'",), warns=True))
     prompt_files: list[tuple[str, str | bytes]] = [
         ("bad-json", '{"problem": "1+1", "answer": "2"}\n{"problem": oops\n'),
         ("no-answer", _jsonl([{"problem": "1+1"}] * 4)),

@@ -74,7 +74,7 @@ def qwen3_30b_a3b_config():
     """The transformers config of Qwen3-30B-A3B from the planner's shipped fields (its config.json's)."""
     from transformers import Qwen3MoeConfig
 
-    from infir2.tools.plan import MODELS
+    from infir2.planning import MODELS
 
     return Qwen3MoeConfig(**{k: v for k, v in MODELS["qwen3-30b-a3b"].items() if k != "model_type"})
 

@@ -50,6 +50,31 @@ def test_the_probes_own_cases_good_and_acceptable(probe, world):
     assert verdict == probe.ACCEPTABLE and "does not name optim.betas" in why
 
 
+def test_an_rl_config_that_does_not_fit_is_warned_once_before_the_weights_load(probe, world):
+    """rl/unfit: the planner's one warning line (the run, the peak, its phase, the limit), logged before
+    transformers reads the weights; the run goes on. Without the warning, or after the weights, not GOOD."""
+    import logging
+
+    w, cases = world
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    probe.install_log_capture()  # log records to stderr, as the probe's own runs have them
+    try:
+        out = probe.run_case(cases["rl/unfit"], w.root)
+    finally:
+        for h in list(root.handlers):
+            root.removeHandler(h)
+        for h in handlers:
+            root.addHandler(h)
+        root.setLevel(level)
+    verdict, line = probe.classify(cases["rl/unfit"], out)
+    assert verdict == probe.GOOD and out.rc == 0, line
+    assert "planned peak" in line and "in the update" in line and "estimate" in line, line
+    assert out.stderr.index(line) < out.stderr.index("Loading weights")
+    silent = probe.Outcome(0, out.stderr.replace(line, ""))
+    assert probe.classify(cases["rl/unfit"], silent)[0] == probe.ACCEPTABLE
+
+
 def test_exit_0_a_traceback_a_hang_and_a_write_are_caught(probe, world, monkeypatch):
     w, _ = world
     verdict, why = _verdict(probe, w, probe.Case("exit0", ["config", "--list"], ("x",)))

@@ -39,7 +39,9 @@ ALLOWED: dict[str, set[str]] = {
         "model",
         "nn",
     },  # peers on the harness: neither imports the other
-    "rl": {"data", "generation", "harness", "loss", "model", "tasks"},
+    "rl": {"data", "generation", "harness", "loss", "model", "planning", "tasks"},  # planning: the fit check
+    # the memory planner (model shapes, per-term bytes, one layer's measured figures): below the stages
+    "planning": {"fp8", "loss", "nn"},
     # tools/: each subpackage or module is a layer of its own (tools.<name>), above the library
     "tools": set(),
     "tools.paired": set(),  # paired-seed statistics shared by demo and bench (floats only)
@@ -47,8 +49,8 @@ ALLOWED: dict[str, set[str]] = {
     "tools.demo": {"data", "eval", "tools.bench", "tools.paired", "tools.recipe_spec", "train"},
     "tools.recipe_spec": {"fp8"},  # RECIPE[+tail]: the recipes demo and fidelity runs name
     "tools.config": {"harness", "rl", "train"},  # infir2 config: the keys and checks of every stage
-    "tools.memory": {"fp8", "nn"},
-    "tools.plan": {"fp8", "loss", "rl", "tools.memory", "train"},
+    "tools.memory": {"fp8", "nn", "planning"},
+    "tools.plan": {"fp8", "planning", "rl", "tools.memory", "train"},
     "tools.numerics": {"nn"},  # infir2 numerics: reads a run's telemetry keys
     "tools.wire_bytes": {"nn"},  # FSDP2 byte counters for benchmarks
     "cli": set(),  # cli imports its subcommands lazily by name (importlib), never statically

@@ -9,7 +9,7 @@ import torch
 
 from infir2.cli import main
 from infir2.nn import convert_to_fp8, recompute_swiglu
-from infir2.tools.plan import MODELS, load_shape, plan
+from infir2.planning import MODELS, load_shape, plan
 from moe_models import make_tiny_moe, moe_config, qwen3_30b_a3b_config
 from test_plan import BATCH, SEQ, _shape, saved_bytes
 from train_synthetic import one_thread
@@ -81,7 +81,7 @@ def test_qwen3_30b_a3b_is_shipped_with_its_published_size(capsys):
     assert shape.params == sum(p.numel() for p in model.parameters())
     assert 30.4e9 < shape.params < 30.6e9 and 3.3e9 < shape.active_params < 3.4e9
     # the embedded figures of its layer (the dense layer of the active width, 8 x 768, heads of 128)
-    from infir2.tools.plan import MEASURED, ModelShape
+    from infir2.planning import MEASURED, ModelShape
 
     row = MEASURED[(2048, 8 * 768, 32, 4, True, 128)]
     dense = ModelShape(2048, 8 * 768, 48, 32, 4, 151936, False, head_dim=128).projection_weights
@@ -96,11 +96,11 @@ def test_what_the_plan_does_not_model_is_said(tmp_path, caplog):
     Qwen3-30B-A3B's config (plain attention, every layer MoE) warns about nothing."""
     import logging
 
-    from infir2.tools.plan import unmodelled
+    from infir2.planning import unmodelled
 
     config = moe_config("deepseek_v3").to_dict() | {"first_k_dense_replace": 1}
     (tmp_path / "config.json").write_text(json.dumps(config, default=str))
-    with caplog.at_level(logging.WARNING, logger="infir2.tools.plan"):
+    with caplog.at_level(logging.WARNING, logger="infir2.planning.shape"):
         _, shape = load_shape(str(tmp_path))
     said = " | ".join(r.getMessage() for r in caplog.records)
     assert "latent attention (MLA" in said and "planned as MoE layers" in said and shape.experts == 4

@@ -13,8 +13,8 @@ from infir2.cli import main
 from infir2.harness.optim import build_optimizer
 from infir2.loss import lm_loss_sum
 from infir2.nn import cache_fp8_weights, convert_to_fp8, recompute_swiglu
+from infir2.planning import MODELS, ModelShape, load_shape, plan
 from infir2.tools.memory import saved_in_graph
-from infir2.tools.plan import MODELS, ModelShape, load_shape, plan
 from infir2.train.config import parse_config
 from train_synthetic import one_thread
 
@@ -141,7 +141,7 @@ def test_cli_prints_bf16_and_fp8_side_by_side(tmp_path, capsys) -> None:
 
 def test_embedded_figures_are_what_infir2_memory_measures() -> None:
     """The shipped 1.5B row of MEASURED == a fresh measurement (small shape-preserving check: weights)."""
-    from infir2.tools.plan import MEASURED
+    from infir2.planning import MEASURED
 
     shape = load_shape("qwen2.5-1.5b")[1]
     projections = shape.layer_params - 2 * shape.hidden - (shape.hidden + 2 * 256)  # minus norms and biases

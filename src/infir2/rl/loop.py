@@ -68,6 +68,7 @@ from ..harness.resume import PendingSave, export_final, restore, save
 from ..harness.run import open_run
 from ..harness.setup import check_model_inputs, load_run_tokenizer, setup_model
 from ..model import check_context, check_positions, config_limits
+from ..planning.check import warn_if_unfit
 from ..tasks import Problem, load_problems, reward
 from .algorithm import group_advantages
 from .batch import RLBatch
@@ -182,6 +183,7 @@ def _setup(
     if model is None and cfg.model.path:  # against config.json, before any weights are read
         positions = config_limits(cfg.model.path)[1]
         check_positions(positions, longest + cfg.rollout.max_new_tokens, key, cfg.model.beyond_context)
+        warn_if_unfit(cfg, env, longest)  # the planned step against this device: one warning if over
     layout = context_layout(env, cfg.parallel.context)  # every rank: it makes the context groups
     model = context_parallel(setup_model(cfg, env, model, tokenizer, before_shard), layout)
     check_context(model, longest + cfg.rollout.max_new_tokens, key, cfg.model.beyond_context)

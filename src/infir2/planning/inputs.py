@@ -1,0 +1,62 @@
+"""What a plan is asked about: one run's settings (``PlanInputs``), apart from the model's shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .measure import DEVICES
+
+__all__ = ["BF16_BYTES", "FP32_BYTES", "PlanInputs"]
+
+FP32_BYTES, BF16_BYTES = 4, 2
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """One training run as the planner sees it; ``recipe`` is ``bf16`` (the baseline) or an FP8 recipe.
+
+    ``device="cpu"`` plans a CPU run (per process): fp32 compute without autocast, so ``precision`` is
+    then fp32. ``param_gather``: as ``fp8.param_gather`` (None: the recipe's default). ``context``:
+    context parallelism (``parallel.context``); ``gpus`` is data x context.
+    """
+
+    recipe: str
+    gpus: int = 1
+    seq_len: int = 8192
+    micro_batch: int = 1
+    global_batch: int | None = None
+    activation_checkpointing: bool = False
+    state_dtype: str = "fp32"
+    loss_chunk_tokens: int | str = "auto"
+    recompute_mlp: bool = True
+    precision: str = "bf16"
+    param_gather: bool | None = None
+    device: str = "cuda"
+    context: int = 1
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device: expected one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.context < 1 or self.gpus % self.context:
+            raise ValueError(
+                f"context: {self.context} must be >= 1 and divide gpus={self.gpus} (the GPUs are data x context)"
+            )
+
+    @property
+    def cpu(self) -> bool:
+        return self.device == "cpu"
+
+    @property
+    def wire(self) -> int:
+        """Bytes per element of the parameters FSDP gathers (``precision``; fp32 on a CPU)."""
+        return BF16_BYTES if self.precision == "bf16" and not self.cpu else FP32_BYTES
+
+    @property
+    def tokens(self) -> int:
+        """This GPU's share of each micro-batch (``seq_len / context`` tokens of each sequence)."""
+        return self.seq_len * self.micro_batch // self.context
+
+    @property
+    def data(self) -> int:
+        """The data-parallel replicas: micro-batches one forward on every GPU takes."""
+        return self.gpus // self.context
