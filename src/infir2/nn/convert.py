@@ -42,6 +42,7 @@ from torch import nn
 from ..fp8.recipe import Fp8Recipe, get_recipe
 from .fsdp import Fp8ShardedWeight
 from .linear import Fp8Linear
+from .module import Fp8Module
 from .moe import Fp8Experts, is_routed_experts, unsupported_experts_reason
 from .moe_fsdp import EXPERT_WEIGHTS, Fp8ShardedExperts, link_fsdp_experts
 
@@ -425,19 +426,14 @@ def cache_fp8_weights(model: nn.Module) -> Iterator[nn.Module]:
 
     A weight modified in place inside the block (its version counter moves) is quantized again.
     """
-    modules = [m for _, m in fp8_modules(model)]
+    modules = [m for m in model.modules() if isinstance(m, Fp8Module)]
     for m in modules:
-        m.cache_weight, m._weight_cache = True, None
-    groups = [m for _, m in fp8_expert_modules(model)]
-    for g in groups:
-        g.cache_weight, g._weight_cache = True, {}
+        m.set_weight_cache(True)
     try:
         yield model
     finally:
         for m in modules:
-            m.cache_weight, m._weight_cache = False, None
-        for g in groups:
-            g.cache_weight, g._weight_cache = False, {}
+            m.set_weight_cache(False)
 
 
 def enable_fp8_param_gather(module: nn.Module) -> list[str]:

@@ -40,12 +40,12 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from ..fp8.recipe import Fp8Recipe, get_recipe
-from ..kernels import Kernels, Operand, bind
+from ..fp8.recipe import Fp8Recipe
+from ..kernels import Kernels, Operand
 from ..kernels.grouped import gemm_nt_grouped, group_bounds, quantize_pair_groups
-from ._keyed import KeyedRegistry
 from .fsdp import Fp8GatheredWeight
-from .moe_telemetry import ExpertsProbe, ExpertsRecorder
+from .module import Fp8Module, Recorder, accumulation_dtype, module_by_key
+from .moe_telemetry import ExpertsProbe
 
 __all__ = [
     "Fp8Experts",
@@ -92,10 +92,6 @@ def _autocast_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
 class _Fp8GroupedLinearFunction(torch.autograd.Function):
     """``Y[rows_e] = X[rows_e] @ W[e].T`` per expert, the three GEMMs in FP8 (module doc)."""
 
@@ -108,7 +104,7 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
         recipe: Fp8Recipe,
         kernels: Kernels,
         w_ops: list[Operand],
-        stats: ExpertsRecorder | None = None,
+        stats: Recorder | None = None,
     ) -> torch.Tensor:
         bounds = group_bounds(counts)
         x_ops = quantize_pair_groups(kernels, x, bounds, recipe.x, recipe.x_wgrad)  # per expert [S_e,K]
@@ -184,7 +180,7 @@ def _wgrad(
         x_w = Operand(x_saved[i], x_saved[i + 1], recipe.x_wgrad.block)  # [S_e, K]
         i += 2
         dw[e] = kernels.gemm_nt(
-            ops[1].t(), x_w.t(), _accumulation_dtype(weight.dtype)
+            ops[1].t(), x_w.t(), accumulation_dtype(weight.dtype)
         )  # [N,S_e] @ [S_e,K] -> [N,K], fp32 accumulate
     return dw
 
@@ -196,7 +192,7 @@ def fp8_grouped_linear(
     recipe: Fp8Recipe,
     kernels: Kernels,
     w_ops: list[Operand] | None = None,
-    stats: ExpertsRecorder | None = None,
+    stats: Recorder | None = None,
 ) -> torch.Tensor:
     """``x [S, K]`` (rows sorted by expert, ``counts[e]`` rows for expert e) through ``weight [E, N, K]``
     in FP8: ``[S, N]``. ``w_ops``: the per-expert quantized weights (quantized here when not given);
@@ -212,13 +208,9 @@ def fp8_grouped_linear(
     return out
 
 
-# Every Fp8Experts by key, for the torch.compile custom ops (infir2.nn.moe_ops), which take plain values.
-_EXPERTS: KeyedRegistry[Fp8Experts] = KeyedRegistry("Fp8Experts")
-
-
 def experts_by_key(key: int) -> Fp8Experts:
-    """The ``Fp8Experts`` registered under ``key`` (its ``op_key``)."""
-    return _EXPERTS.get(key)
+    """The ``Fp8Experts`` registered under ``key`` (its ``op_key``), for the custom ops of ``torch.compile``."""
+    return module_by_key(key, Fp8Experts)
 
 
 def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -227,13 +219,17 @@ def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids))
 
 
-class Fp8Experts(nn.Module):
+class Fp8Experts(Fp8Module):
     """The routed experts of one MoE block, their grouped GEMMs in FP8 (module doc).
 
     Holds the replaced module's own ``gate_up_proj`` / ``down_proj`` parameters (no copy) and its
     activation; ``fp8_enabled = False`` runs the original experts implementation instead. Inside
-    ``infir2.nn.cache_fp8_weights`` each expert's weight is quantized once per step.
+    ``infir2.nn.cache_fp8_weights`` each expert's weight is quantized once per step (a cache entry per
+    weight: the list of its experts' operands). What it shares with every FP8 module (recipe, kernels,
+    weight cache, registry key, stats) is ``infir2.nn.module.Fp8Module``.
     """
+
+    FP8_WEIGHTS = ("gate_up_proj", "down_proj")
 
     gate_up_proj: nn.Parameter  # [E, 2I, H]
     down_proj: nn.Parameter  # [E, H, I]
@@ -253,22 +249,8 @@ class Fp8Experts(nn.Module):
         for name in _NEWER_FLAGS:  # read by the experts forward of the transformers versions that set them
             if hasattr(experts, name):
                 setattr(self, name, getattr(experts, name))
-        self.recipe = get_recipe(recipe)
-        self.backend_name = backend
-        self.fp8_enabled = self.recipe.enabled
-        self.kernels: Kernels | None = None
-        self.cache_weight = False
-        self._weight_cache: dict[str, tuple[tuple[Any, ...], list[Operand]]] = {}
-        self.stats: dict[str, ExpertsRecorder] | None = None  # per weight, set by infir2.nn.telemetry
+        self._init_fp8(recipe, backend)
         self.train(experts.training)
-        self._register()
-
-    def _register(self) -> None:
-        self.op_key = _EXPERTS.add(self)
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self._register()  # a copy (deepcopy, pickle) is another module: its own key
 
     def extra_repr(self) -> str:
         e, two_i, h = self.gate_up_proj.shape
@@ -278,28 +260,18 @@ class Fp8Experts(nn.Module):
         """The experts class's own gating (``act(gate) * up`` unless the family overrides it)."""
         return self.experts_class._apply_gate(self, gate_up)  # type: ignore[attr-defined]
 
-    def bind_kernels(self, device: torch.device | str) -> Kernels:
-        self.kernels = bind(self.recipe, device, self.backend_name)
-        return self.kernels
-
-    def _kernels_on(self, device: torch.device) -> Kernels:
-        if self.kernels is None or self.kernels.device != device:
-            return self.bind_kernels(device)
-        return self.kernels
-
     def quantized_weights(self, name: str, kernels: Kernels) -> list[Operand]:
         """Per-expert fprop operands of ``gate_up_proj`` or ``down_proj``, cached within a step."""
         w: torch.Tensor = getattr(self, name)
         if isinstance(w, Fp8GatheredWeight):  # all-gathered as FP8 codes by FSDP2 (infir2.nn.moe_fsdp)
             return list(w.operand.operands)  # type: ignore[attr-defined]
-        key = (w._version, w.data_ptr(), w.device, w.dtype, self.recipe, kernels.name)
-        cached = self._weight_cache.get(name)
-        if self.cache_weight and cached is not None and cached[0] == key:
-            return cached[1]
+        key = self.weight_key(w, kernels)
+        cached: list[Operand] | None = self.cached(name, key)
+        if cached is not None:
+            return cached
         with torch.no_grad():
             ops = [kernels.quantize(w[e].detach(), self.recipe.w) for e in range(w.shape[0])]
-        if self.cache_weight:
-            self._weight_cache[name] = (key, ops)
+        self.store(name, key, ops)
         return ops
 
     def forward(
@@ -318,7 +290,7 @@ class Fp8Experts(nn.Module):
         # weighted in the rows' dtype (backward keeps y as it is), summed over the k experts in fp32
         y = y * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
         combined = torch.empty_like(y).index_copy_(0, order, y)  # back to (token, k) order
-        summed = combined.view(tokens, top_k, -1).sum(dim=1, dtype=_accumulation_dtype(y.dtype))
+        summed = combined.view(tokens, top_k, -1).sum(dim=1, dtype=accumulation_dtype(y.dtype))
         return summed.to(hidden_states.dtype)
 
     def _grouped_linear(
@@ -329,5 +301,4 @@ class Fp8Experts(nn.Module):
             return torch.ops.infir2.fp8_grouped_linear(x, weight, counts, self.op_key, name)[0]
         kernels = self._kernels_on(x.device)
         w_ops = self.quantized_weights(name, kernels)
-        stats = self.stats.get(name) if self.stats is not None else None
-        return fp8_grouped_linear(x, weight, rows, self.recipe, kernels, w_ops, stats)
+        return fp8_grouped_linear(x, weight, rows, self.recipe, kernels, w_ops, self.recorder(name))
