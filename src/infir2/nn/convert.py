@@ -44,7 +44,7 @@ from .fsdp import Fp8ShardedWeight
 from .linear import Fp8Linear
 from .module import Fp8Module
 from .moe import Fp8Experts, is_routed_experts, unsupported_experts_reason
-from .moe_fsdp import EXPERT_WEIGHTS, Fp8ShardedExperts, link_fsdp_experts
+from .moe.fsdp import EXPERT_WEIGHTS, Fp8ShardedExperts, link_fsdp_experts
 
 __all__ = [
     "DECODER_PROJECTIONS",
@@ -441,7 +441,7 @@ def enable_fp8_param_gather(module: nn.Module) -> list[str]:
 
     Only layers whose recipe :attr:`~infir2.fp8.recipe.Fp8Recipe.gathers_fp8_weight` are changed (their
     weight becomes an ``infir2.nn.fsdp.Fp8ShardedWeight``, an expert weight an
-    ``infir2.nn.moe_fsdp.Fp8ShardedExperts``); returns their names.
+    ``infir2.nn.moe.fsdp.Fp8ShardedExperts``); returns their names.
     """
     changed = []
     for name, m in fp8_modules(module):
@@ -449,7 +449,7 @@ def enable_fp8_param_gather(module: nn.Module) -> list[str]:
             if not isinstance(m.weight.data, Fp8ShardedWeight):
                 m.weight = nn.Parameter(Fp8ShardedWeight(m.weight.data), requires_grad=m.weight.requires_grad)
             changed.append(name)
-    for name, g in fp8_expert_modules(module):  # whole experts per rank: infir2.nn.moe_fsdp
+    for name, g in fp8_expert_modules(module):  # whole experts per rank: infir2.nn.moe.fsdp
         if g.fp8_enabled and g.recipe.gathers_fp8_weight:
             for p in EXPERT_WEIGHTS:
                 w = getattr(g, p)

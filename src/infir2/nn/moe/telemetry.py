@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from ..fp8.recipe import Cast, Fp8Recipe
-from ..kernels import Operand
-from .fsdp import Fp8GatheredWeight
-from .module import Recorder
+from ...fp8.recipe import Cast, Fp8Recipe
+from ...kernels import Operand
+from ..fsdp import Fp8GatheredWeight
+from ..module import Recorder
 
 __all__ = ["ExpertsProbe"]
 

@@ -24,10 +24,11 @@ from typing import Any
 
 import torch
 
-from ..fp8.formats import get_format
-from ..fp8.recipe import Cast
-from ..kernels.grouped import group_bounds
-from .moe import _Fp8GroupedLinearFunction, experts_by_key
+from ...fp8.formats import get_format
+from ...fp8.recipe import Cast
+from ...kernels.grouped import group_bounds
+from .experts import experts_by_key
+from .grouped_linear import _Fp8GroupedLinearFunction
 
 __all__ = ["fp8_grouped_linear", "fp8_grouped_linear_backward"]
 
