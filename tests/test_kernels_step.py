@@ -76,7 +76,8 @@ def test_bias_is_added_in_fp32_before_the_single_rounding(recording):
 
 
 #: the one host read the experts take (nn/moe/): each block's per-expert row counts, which the loop of
-#: dense GEMMs needs on the host (a fused grouped kernel with device offsets would not; none is built yet)
+#: dense GEMMs needs on the host (the CPU emulations run over device offsets, nn/moe/offsets.py; no GPU
+#: blockwise grouped kernel is built yet)
 MOE_ROUTING = "# MoE routing:"
 MOE = SRC / "nn" / "moe"
 

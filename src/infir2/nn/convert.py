@@ -231,20 +231,8 @@ def convert_to_fp8(
             "experts high precision with module_filter_fn"
         )
     _warn_low_precision(model, chosen, experts)
-    device = _device_of(model)
-    for fqn in chosen:
-        parent_name, _, child = fqn.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        layer = Fp8Linear.from_linear(getattr(parent, child), recipe, backend)
-        layer.fp8_name = fqn
-        layer.bind_kernels(device)  # an unusable backend override fails here, before any training
-        setattr(parent, child, layer)
-    for fqn in experts:
-        parent_name, _, child = fqn.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        group = Fp8Experts(getattr(parent, child), recipe, backend)
-        group.bind_kernels(device)
-        setattr(parent, child, group)
+    _swap_in(model, chosen, lambda m: Fp8Linear.from_linear(cast(nn.Linear, m), recipe, backend))
+    _swap_in(model, experts, lambda m: Fp8Experts(m, recipe, backend))
     message = f"FP8 recipe {recipe.name!r}: converted {len(chosen)} linear layers"
     if experts:
         message += _experts_summary(model, chosen, experts)
@@ -252,6 +240,18 @@ def convert_to_fp8(
         message += f"; high precision: {_summary(kept)}"
     log.log(logging.WARNING if notable else logging.INFO, message)
     return model
+
+
+def _swap_in(model: nn.Module, fqns: list[str], make: Callable[[nn.Module], Fp8Module]) -> None:
+    """Replace each module ``fqns`` names with ``make(module)``, named and bound to the model's device."""
+    device = _device_of(model)
+    for fqn in fqns:
+        parent_name, _, child = fqn.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        new = make(getattr(parent, child))
+        new.fp8_name = fqn
+        new.bind_kernels(device)  # an unusable backend override fails here, before any training
+        setattr(parent, child, new)
 
 
 def _warn_low_precision(model: nn.Module, chosen: list[str], experts: list[str]) -> None:

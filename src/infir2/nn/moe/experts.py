@@ -28,6 +28,9 @@ a token's k rows in fp32. The rows enter the experts in the autocast dtype, as a
 dense ``Fp8Linear``'s input does. With FP8 off (``infir2.disable_fp8``) the original experts
 implementation runs on the same parameters. A tensor with per-expert data-dependent shapes never
 enters a ``torch.compile`` graph: each grouped linear is one custom op there (``infir2.nn.moe.ops``).
+On the CPU emulations the grouped linears take the rows per expert as a device tensor
+(``infir2.nn.moe.offsets``: one quantize per cast, one grouped GEMM, the loop's numbers bit for bit);
+elsewhere the rows per expert are read on the host once per block (``# MoE routing:``).
 Supported: the layout of ``use_experts_implementation`` with a gate (concatenated ``[gate; up]``, no
 bias, not transposed, no post-expert norm, no expert parallelism); other experts modules stay high
 precision and ``convert_to_fp8`` warns about them.
@@ -45,6 +48,7 @@ from ...kernels import Kernels, Operand
 from ..fsdp import Fp8GatheredWeight
 from ..module import Fp8Module, accumulation_dtype, module_by_key
 from .grouped_linear import fp8_grouped_linear
+from .offsets import fp8_grouped_linear_offsets, runs_on_offsets
 
 __all__ = [
     "Fp8Experts",
@@ -165,8 +169,7 @@ class Fp8Experts(Fp8Module):
         expert_ids, order = torch.sort(top_k_index.reshape(-1), stable=True)  # rows grouped by expert
         x = hidden_states[order // top_k].to(_autocast_dtype(hidden_states))  # [S, H], S = tokens * top_k
         counts = expert_counts(expert_ids, self.num_experts)
-        rows = None if torch.compiler.is_compiling() else counts.tolist()  # MoE routing: 1 read a block
-        h = self._grouped_linear(x, "gate_up_proj", counts, rows)  # [S, 2I]
+        h = self._grouped_linear(x, "gate_up_proj", counts, rows := self._rows(x, counts))  # [S, 2I]
         h = self._apply_gate(h)  # [S, I]
         y = self._grouped_linear(h, "down_proj", counts, rows)  # [S, H]
         # weighted in the rows' dtype (backward keeps y as it is), summed over the k experts in fp32
@@ -175,12 +178,28 @@ class Fp8Experts(Fp8Module):
         summed = combined.view(tokens, top_k, -1).sum(dim=1, dtype=accumulation_dtype(y.dtype))
         return summed.to(hidden_states.dtype)
 
+    def _rows(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | list[int] | None:
+        """How the grouped linears get the rows per expert: None under ``torch.compile`` (the custom op
+        reads them), ``counts`` itself where the GEMMs run over device offsets (``infir2.nn.moe.offsets``),
+        else a list read from the device once for both projections."""
+        if torch.compiler.is_compiling():
+            return None
+        kernels = self._kernels_on(x.device)
+        weights = (self.gate_up_proj, self.down_proj)
+        if self.stats is None and all(runs_on_offsets(self.recipe, kernels, x, w) for w in weights):
+            return counts
+        rows: list[int] = counts.tolist()  # MoE routing: 1 read a block
+        return rows
+
     def _grouped_linear(
-        self, x: torch.Tensor, name: str, counts: torch.Tensor, rows: list[int] | None
+        self, x: torch.Tensor, name: str, counts: torch.Tensor, rows: torch.Tensor | list[int] | None
     ) -> torch.Tensor:
         weight = getattr(self, name)
         if rows is None:  # compiling: one custom op, the per-expert loop stays outside the graph
             return torch.ops.infir2.fp8_grouped_linear(x, weight, counts, self.op_key, name)[0]
         kernels = self._kernels_on(x.device)
         w_ops = self.quantized_weights(name, kernels)
+        if isinstance(rows, torch.Tensor):  # the counts stay on the device
+            y: torch.Tensor = fp8_grouped_linear_offsets(x, weight, rows, self.recipe, kernels, w_ops)
+            return y
         return fp8_grouped_linear(x, weight, rows, self.recipe, kernels, w_ops, self.recorder(name))
