@@ -99,18 +99,26 @@ def test_where_the_offsets_path_runs(recipe, dtype, backend, takes):
     assert runs_on_offsets(r, bind(r, "cpu", backend), x, torch.zeros(2, 128, 128, dtype=dtype)) is takes
 
 
-@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
-def test_a_moe_model_trains_the_same_on_offsets_and_on_the_loop(recipe, monkeypatch):
-    """Loss and every gradient of a tiny Qwen3-MoE: the device-offsets path equals the forced loop."""
+@pytest.mark.parametrize(("recipe", "bf16"), [("blockwise", True), ("mxfp8", False)])
+def test_a_moe_model_trains_the_same_on_offsets_and_on_the_loop(recipe, bf16, monkeypatch):
+    """Loss and every gradient of a tiny Qwen3-MoE: the device-offsets path equals the forced loop
+    (``bf16``: the forward in bf16 autocast, backward outside it, as the training loop runs them)."""
     ids = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(4))
-    results = []
+    results, calls = [], []
+    on_offsets = experts_module.fp8_grouped_linear_offsets
+    monkeypatch.setattr(
+        experts_module, "fp8_grouped_linear_offsets", lambda *a: calls.append(1) or on_offsets(*a)
+    )
     for offsets in (True, False):
         if not offsets:
+            assert calls  # the first model ran on offsets
             monkeypatch.setattr(experts_module, "runs_on_offsets", lambda *args: False)
         model = convert_to_fp8(make_tiny_moe("qwen3_moe"), recipe)
-        loss = model(ids, labels=ids).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(ids, labels=ids).loss
         loss.backward()
         results.append((loss.detach(), [p.grad for p in model.parameters() if p.grad is not None]))
     (loss0, grads0), (loss1, grads1) = results
+    assert len(calls) == 4  # two blocks x two projections, on offsets; none on the forced loop
     assert torch.equal(loss0, loss1) and len(grads0) == len(grads1)
     assert all(torch.equal(a, b) for a, b in zip(grads0, grads1, strict=True))
