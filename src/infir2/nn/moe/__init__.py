@@ -7,13 +7,12 @@ fsdp            FSDP2's FP8 all-gather of expert weights (``Fp8ShardedExperts``,
 telemetry       the FP8 numerics of the experts on a stats step (``ExpertsProbe``)
 """
 
-from .experts import Fp8Experts, expert_counts, experts_by_key, is_routed_experts, unsupported_experts_reason
+from .experts import Fp8Experts, expert_counts, is_routed_experts, unsupported_experts_reason
 from .grouped_linear import fp8_grouped_linear
 
 __all__ = [
     "Fp8Experts",
     "expert_counts",
-    "experts_by_key",
     "fp8_grouped_linear",
     "is_routed_experts",
     "unsupported_experts_reason",

@@ -46,14 +46,13 @@ from torch import nn
 from ...fp8.recipe import Fp8Recipe
 from ...kernels import Kernels, Operand
 from ..fsdp import Fp8GatheredWeight
-from ..module import Fp8Module, accumulation_dtype, module_by_key
+from ..module import Fp8Module, accumulation_dtype
 from .grouped_linear import fp8_grouped_linear
 from .offsets import fp8_grouped_linear_offsets, runs_on_offsets
 
 __all__ = [
     "Fp8Experts",
     "expert_counts",
-    "experts_by_key",
     "is_routed_experts",
     "unsupported_experts_reason",
 ]
@@ -92,11 +91,6 @@ def is_routed_experts(module: nn.Module) -> bool:
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype:
     device = x.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-
-
-def experts_by_key(key: int) -> Fp8Experts:
-    """The ``Fp8Experts`` registered under ``key`` (its ``op_key``), for the custom ops of ``torch.compile``."""
-    return module_by_key(key, Fp8Experts)
 
 
 def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
