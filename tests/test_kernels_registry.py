@@ -176,15 +176,15 @@ def test_a_gpu_layer_on_the_emulated_backend_warns_once(recipe, capability, why,
     """A CUDA layer whose GEMMs can only run emulated says so once per recipe and device, naming the layer
     and why each GPU backend is out (the GPU is faked: its capability)."""
     from infir2.kernels import scaled_mm
-    from infir2.nn import Fp8Linear, linear
+    from infir2.nn import Fp8Linear, module
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    monkeypatch.setattr(linear, "_WARNED_EMULATED", set())
+    monkeypatch.setattr(module, "_WARNED_EMULATED", set())
     scaled_mm.blockwise_unavailable.cache_clear()
     layers = [Fp8Linear(256, 256, recipe=recipe, device="meta") for _ in range(3)]
     layers[0].fp8_name = "model.layers.0.mlp.up_proj"
     try:
-        with caplog.at_level(logging.WARNING, logger="infir2.nn.linear"):
+        with caplog.at_level(logging.WARNING, logger="infir2.nn.module"):
             for layer in layers:
                 assert layer.bind_kernels("cuda:0").name == "emulated"
     finally:

@@ -17,10 +17,18 @@ on SM90, else Triton, else the emulation): correct, not yet one fused launch. to
 ``scaled_grouped_mm`` takes rowwise and MX scales, not 1x128 x 128x128 blocks, so it is not in the
 chain; a fused blockwise grouped kernel would be one more branch of :func:`gemm_nt_grouped`. None
 of the GPU path has run on a GPU yet.
+
+On a CPU the emulations' GEMM is the fp32 matmul of the dequantized operands, and ``torch._grouped_mm``
+runs that matmul for every group in one call over group offsets held on the device
+(:func:`grouped_mm_nt`, :func:`grouped_mm_nn`, :func:`grouped_mm_tn`): it multiplies each group as ``torch.mm``
+does, bit for bit (what ``tests/test_nn_moe.py`` checks against the loop), and needs no host read of
+the group sizes.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -29,7 +37,17 @@ from ..fp8.recipe import Cast
 from .operand import Operand
 from .registry import Kernels
 
-__all__ = ["gemm_nt_grouped", "group_bounds", "quantize_pair_groups"]
+__all__ = [
+    "cpu_grouped_mm",
+    "gemm_nt_grouped",
+    "group_bounds",
+    "grouped_mm_nn",
+    "grouped_mm_nt",
+    "grouped_mm_tn",
+    "quantize_pair_groups",
+]
+
+log = logging.getLogger(__name__)
 
 
 def group_bounds(counts: Sequence[int]) -> list[tuple[int, int]]:
@@ -71,3 +89,36 @@ def gemm_nt_grouped(
     if not parts:
         return torch.zeros((0, b[0].shape[0]), dtype=out_dtype, device=like.device)
     return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+@functools.cache
+def cpu_grouped_mm() -> bool:
+    """Whether this torch runs ``torch._grouped_mm`` on fp32 CPU tensors (one small call, once); if not,
+    the experts run the loop of dense GEMMs, said once in the log."""
+    try:
+        a, b = torch.ones(8, 4), torch.ones(2, 4, 4)
+        torch._grouped_mm(a, b, offs=torch.tensor([4, 8], dtype=torch.int32))
+    except (AttributeError, RuntimeError, NotImplementedError) as e:
+        log.info(
+            "torch._grouped_mm does not run on fp32 CPU tensors here (%s): the experts loop per expert", e
+        )
+        return False
+    return True
+
+
+def grouped_mm_nt(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """``cat_g(a[rows_g] @ b[g].T)``: ``a [S, K]``, ``b [G, N, K]``, ``ends [G]`` int32 (each group's last
+    row + 1, on the device) -> ``[S, N]``, in ``a``'s dtype."""
+    return torch._grouped_mm(a, b.transpose(1, 2), offs=ends)  # per group [S_g,K] @ [K,N] -> [S_g,N]
+
+
+def grouped_mm_nn(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """``cat_g(a[rows_g] @ b[g])``: ``a [S, N]``, ``b [G, N, K]`` (row-major, as the dense GEMM reads
+    ``B.T.T``: a column-major ``b`` sums a one-row group in another order) -> ``[S, K]``."""
+    return torch._grouped_mm(a, b, offs=ends)  # per group [S_g,N] @ [N,K] -> [S_g,K]
+
+
+def grouped_mm_tn(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """``stack_g(a[rows_g].T @ b[rows_g])``: ``a [S, N]``, ``b [S, K]`` -> ``[G, N, K]`` (zero for an empty
+    group), the reduction over each group's rows (the wgrad of the experts)."""
+    return torch._grouped_mm(a.t(), b, offs=ends)  # per group [N,S_g] @ [S_g,K] -> [N,K]

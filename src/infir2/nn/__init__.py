@@ -1,7 +1,14 @@
-"""FP8 modules: ``Fp8Linear`` and the model conversion around it."""
+"""FP8 modules and the whole-model switches around them.
+
+``Fp8Module`` (``module``) is what every FP8 module shares: recipe, kernel binding, weight cache, registry
+key, stats. ``Fp8Linear`` (``linear``, its ``torch.compile`` ops in ``custom_ops``) and ``Fp8Experts``
+(the package ``moe``: the experts, their grouped linear, FSDP2 gather, telemetry, compile ops) subclass
+it; ``convert`` swaps them into a model and switches FP8 on / off and the weight cache; ``fsdp`` gathers
+FP8 weights under FSDP2; ``telemetry`` records FP8 numerics; ``swiglu`` and ``context_parallel`` are the
+memory and sequence-length helpers of the decoder layers.
+"""
 
 from . import custom_ops as _custom_ops  # noqa: F401  (registers the torch.compile custom ops)
-from . import moe_ops as _moe_ops  # noqa: F401  (and those of the FP8 experts)
 from .convert import (
     DECODER_PROJECTIONS,
     cache_fp8_weights,
@@ -16,6 +23,7 @@ from .convert import (
 )
 from .linear import Fp8Linear
 from .moe import Fp8Experts
+from .moe import ops as _moe_ops  # noqa: F401  (and those of the FP8 experts)
 from .swiglu import recompute_swiglu
 
 __all__ = [

@@ -47,6 +47,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .module import accumulation_dtype
+
 __all__ = [
     "ATTENTION",
     "SequenceShard",
@@ -136,15 +138,10 @@ def _chunk_rows(shape: torch.Size, length: int) -> int:
     return max(1, CHUNK_BYTES // (batch * heads * length * torch.finfo(torch.float32).bits // 8))
 
 
-def _acc(x: torch.Tensor) -> torch.dtype:
-    """The softmax's dtype: fp32 (or fp64 for fp64 inputs)."""
-    return torch.promote_types(x.dtype, torch.float32)
-
-
 def _scores(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
     """Masked fp32 scores of a query chunk: ``[B,G,R,c,D] @ [B,G,1,D,L] -> [B,G,R,c,L]`` (G KV heads, R
     query heads each)."""
-    s = (q @ k.unsqueeze(2).transpose(-1, -2)).to(_acc(q)) * scale
+    s = (q @ k.unsqueeze(2).transpose(-1, -2)).to(accumulation_dtype(q.dtype)) * scale
     return s.masked_fill(~allowed[:, None, None], float("-inf"))
 
 
@@ -162,7 +159,7 @@ class _ShardAttention(torch.autograd.Function):
         groups = k.shape[1]
         qg = q.view(batch, groups, heads // groups, rows, dim)  # query heads grouped by their KV head
         out = torch.empty_like(qg)
-        lse = torch.empty(qg.shape[:-1], dtype=_acc(q), device=q.device)
+        lse = torch.empty(qg.shape[:-1], dtype=accumulation_dtype(q.dtype), device=q.device)
         chunk = _chunk_rows(q.shape, k.shape[2])
         for c0 in range(0, rows, chunk):
             c = slice(c0, c0 + chunk)
@@ -180,7 +177,7 @@ class _ShardAttention(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
         q, k, v, out, lse = ctx.saved_tensors
         batch, heads, rows, dim = q.shape
-        acc = _acc(q)
+        acc = accumulation_dtype(q.dtype)
         qg, dout = q.view(out.shape), grad.reshape(out.shape).to(acc)
         kf, vf = k.unsqueeze(2).to(acc), v.unsqueeze(2).to(acc)  # [B,G,1,L,D]
         delta = (dout * out.to(acc)).sum(dim=-1)  # [B,G,R,l]: rowsum(dO * O)

@@ -42,8 +42,9 @@ from torch import nn
 from ..fp8.recipe import Fp8Recipe, get_recipe
 from .fsdp import Fp8ShardedWeight
 from .linear import Fp8Linear
+from .module import Fp8Module
 from .moe import Fp8Experts, is_routed_experts, unsupported_experts_reason
-from .moe_fsdp import EXPERT_WEIGHTS, Fp8ShardedExperts, link_fsdp_experts
+from .moe.fsdp import EXPERT_WEIGHTS, Fp8ShardedExperts, link_fsdp_experts
 
 __all__ = [
     "DECODER_PROJECTIONS",
@@ -230,20 +231,8 @@ def convert_to_fp8(
             "experts high precision with module_filter_fn"
         )
     _warn_low_precision(model, chosen, experts)
-    device = _device_of(model)
-    for fqn in chosen:
-        parent_name, _, child = fqn.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        layer = Fp8Linear.from_linear(getattr(parent, child), recipe, backend)
-        layer.fp8_name = fqn
-        layer.bind_kernels(device)  # an unusable backend override fails here, before any training
-        setattr(parent, child, layer)
-    for fqn in experts:
-        parent_name, _, child = fqn.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        group = Fp8Experts(getattr(parent, child), recipe, backend)
-        group.bind_kernels(device)
-        setattr(parent, child, group)
+    _swap_in(model, chosen, lambda m: Fp8Linear.from_linear(cast(nn.Linear, m), recipe, backend))
+    _swap_in(model, experts, lambda m: Fp8Experts(m, recipe, backend))
     message = f"FP8 recipe {recipe.name!r}: converted {len(chosen)} linear layers"
     if experts:
         message += _experts_summary(model, chosen, experts)
@@ -251,6 +240,18 @@ def convert_to_fp8(
         message += f"; high precision: {_summary(kept)}"
     log.log(logging.WARNING if notable else logging.INFO, message)
     return model
+
+
+def _swap_in(model: nn.Module, fqns: list[str], make: Callable[[nn.Module], Fp8Module]) -> None:
+    """Replace each module ``fqns`` names with ``make(module)``, named and bound to the model's device."""
+    device = _device_of(model)
+    for fqn in fqns:
+        parent_name, _, child = fqn.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        new = make(getattr(parent, child))
+        new.fp8_name = fqn
+        new.bind_kernels(device)  # an unusable backend override fails here, before any training
+        setattr(parent, child, new)
 
 
 def _warn_low_precision(model: nn.Module, chosen: list[str], experts: list[str]) -> None:
@@ -425,19 +426,14 @@ def cache_fp8_weights(model: nn.Module) -> Iterator[nn.Module]:
 
     A weight modified in place inside the block (its version counter moves) is quantized again.
     """
-    modules = [m for _, m in fp8_modules(model)]
+    modules = [m for m in model.modules() if isinstance(m, Fp8Module)]
     for m in modules:
-        m.cache_weight, m._weight_cache = True, None
-    groups = [m for _, m in fp8_expert_modules(model)]
-    for g in groups:
-        g.cache_weight, g._weight_cache = True, {}
+        m.set_weight_cache(True)
     try:
         yield model
     finally:
         for m in modules:
-            m.cache_weight, m._weight_cache = False, None
-        for g in groups:
-            g.cache_weight, g._weight_cache = False, {}
+            m.set_weight_cache(False)
 
 
 def enable_fp8_param_gather(module: nn.Module) -> list[str]:
@@ -445,7 +441,7 @@ def enable_fp8_param_gather(module: nn.Module) -> list[str]:
 
     Only layers whose recipe :attr:`~infir2.fp8.recipe.Fp8Recipe.gathers_fp8_weight` are changed (their
     weight becomes an ``infir2.nn.fsdp.Fp8ShardedWeight``, an expert weight an
-    ``infir2.nn.moe_fsdp.Fp8ShardedExperts``); returns their names.
+    ``infir2.nn.moe.fsdp.Fp8ShardedExperts``); returns their names.
     """
     changed = []
     for name, m in fp8_modules(module):
@@ -453,7 +449,7 @@ def enable_fp8_param_gather(module: nn.Module) -> list[str]:
             if not isinstance(m.weight.data, Fp8ShardedWeight):
                 m.weight = nn.Parameter(Fp8ShardedWeight(m.weight.data), requires_grad=m.weight.requires_grad)
             changed.append(name)
-    for name, g in fp8_expert_modules(module):  # whole experts per rank: infir2.nn.moe_fsdp
+    for name, g in fp8_expert_modules(module):  # whole experts per rank: infir2.nn.moe.fsdp
         if g.fp8_enabled and g.recipe.gathers_fp8_weight:
             for p in EXPERT_WEIGHTS:
                 w = getattr(g, p)

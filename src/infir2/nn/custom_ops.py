@@ -34,7 +34,8 @@ from ..fp8.formats import get_format
 from ..fp8.quantize import Block
 from ..fp8.recipe import Cast
 from ..kernels import Operand
-from .linear import _INPUT_CACHE, _Fp8LinearFunction, layer_by_key, refuse_graph_capture
+from .linear import _INPUT_CACHE, Fp8Linear, _Fp8LinearFunction, refuse_graph_capture
+from .module import module_by_key
 
 __all__ = ["fp8_linear", "fp8_linear_backward"]
 
@@ -84,7 +85,7 @@ def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: int, dtype: torch.dtype | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     refuse_graph_capture()  # the caches are not declared to the graph: see refuse_graph_capture
-    module = layer_by_key(layer)
+    module = module_by_key(layer, Fp8Linear)
     original = x
     if dtype is not None:
         x = x.to(dtype)
@@ -96,7 +97,7 @@ def fp8_linear(
     ctx = _Context()
     with torch.no_grad():
         y = _Fp8LinearFunction.forward(
-            ctx, x2d, weight, bias, module.recipe, kernels, w_fprop, x_ops, module.stats
+            ctx, x2d, weight, bias, module.recipe, kernels, w_fprop, x_ops, module.recorder("weight")
         )
     x_data, x_scale_inv, _weight, *w_saved = ctx.saved_tensors
     if ctx.w_kept is not None:
@@ -111,7 +112,7 @@ def fp8_linear(
 def _(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: int, dtype: torch.dtype | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    recipe = layer_by_key(layer).recipe
+    recipe = module_by_key(layer, Fp8Linear).recipe
     n, k = weight.shape
     tokens = x.numel() // k
     x_cast = recipe.x_wgrad
@@ -140,13 +141,13 @@ def fp8_linear_backward(
     needs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     refuse_graph_capture()
-    module = layer_by_key(layer)
+    module = module_by_key(layer, Fp8Linear)
     recipe, kernels = module.recipe, module._kernels_on(dy.device)
     ctx = _Context(tuple(needs))
     ctx.recipe, ctx.kernels, ctx.x_dtype, ctx.has_bias = recipe, kernels, compute_dtype, needs[2]
     # a weight operand kept whole (the CPU emulation's decoded copy) that the weight cache still holds is
     # the one forward used: backward takes it as eager backward does, with no second decode
-    cached = module._weight_cache[1] if module._weight_cache is not None else None
+    cached = module.cached_weight()
     if cached is not None and cached.keep_for_backward and cached.data is w_data:
         ctx.w_kept = cached
     w_saved = (w_data, w_scale_inv) if w_data.numel() and ctx.w_kept is None else ()

@@ -35,42 +35,21 @@ code of the real tokens is the same; the padded rows are sliced off the output.
 
 from __future__ import annotations
 
-import itertools
-import logging
 import weakref
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..fp8.formats import BLOCK
-from ..fp8.recipe import Fp8Recipe, get_recipe
-from ..kernels import BACKENDS, ORDER, Kernels, Nvfp4Operand, Operand, bind, emulated, scaled_mm
+from ..fp8.recipe import Fp8Recipe
+from ..kernels import Kernels, Nvfp4Operand, Operand, scaled_mm
 from .fsdp import Fp8GatheredWeight
+from .module import Fp8Module, Recorder, accumulation_dtype
 
-__all__ = ["Fp8Linear", "StatsRecorder"]
-
-log = logging.getLogger(__name__)
-_WARNED_EMULATED: set[tuple[str, torch.device]] = set()  # (recipe, device) already warned about
-
-
-class StatsRecorder(Protocol):
-    """What a layer reports its operands to on a stats step (``infir2.nn.telemetry.LayerStats``).
-
-    ``forward`` returns the probe that backward calls with the dgrad / wgrad operands.
-    """
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        x_ops: tuple[Operand, Operand],
-        w_fprop: Operand,
-        y: torch.Tensor,
-    ) -> Any: ...
+__all__ = ["Fp8Linear"]
 
 
 def _no_autocast(device: torch.device) -> AbstractContextManager[Any]:
@@ -90,7 +69,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         kernels: Kernels,
         w_fprop: Operand,
         x_ops: tuple[Operand, Operand] | None = None,
-        stats: StatsRecorder | None = None,
+        stats: Recorder | None = None,
         w_dgrad_t: Operand | None = None,
     ) -> torch.Tensor:
         with _no_autocast(x.device):
@@ -99,7 +78,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             xq, x_wgrad = x_ops
             # Without a bias the GEMM writes the input's dtype directly (no fp32 [T,N] round trip);
             # with one, the bias is added to the fp32 result before the single rounding.
-            out_dtype = x.dtype if bias is None else _accumulation_dtype(x.dtype)
+            out_dtype = x.dtype if bias is None else accumulation_dtype(x.dtype)
             y = kernels.gemm_nt(xq, w_fprop, out_dtype)  # [T,K] @ [K,N] -> [T,N], fp32 accumulate
             if bias is not None:
                 y = y + bias.to(out_dtype)
@@ -165,13 +144,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 # [T,K] (NVFP4 + RHT: T padded to 16s)
                 x_w = ctx.x_restore(x_saved, recipe.x_wgrad.block, weight.shape[1])
                 dw = kernels.gemm_nt(
-                    dy_w.t(), x_w.t(), _accumulation_dtype(weight.dtype)
+                    dy_w.t(), x_w.t(), accumulation_dtype(weight.dtype)
                 )  # [N,T] @ [T,K] -> [N,K], fp32 accumulate
                 dw = dw.to(weight.dtype)
                 if ctx.probe is not None:
                     ctx.probe.wgrad(dy, dy_w, dw)
             if ctx.has_bias and ctx.needs_input_grad[2]:
-                db = dy.to(_accumulation_dtype(weight.dtype)).sum(0).to(weight.dtype)
+                db = dy.to(accumulation_dtype(weight.dtype)).sum(0).to(weight.dtype)
         return dx, dw, db, None, None, None, None, None, None
 
 
@@ -203,11 +182,6 @@ def refuse_graph_capture() -> None:
             "torch.cuda.graph): its FP8 weight and input caches live outside the graph, so a replay "
             "would train on stale FP8 weights; compile with mode='default' or 'max-autotune-no-cudagraphs'"
         )
-
-
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32, or fp64 for fp64 tensors (``model.precision: fp64``, the CPU-independent reference)."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 class _InputCache:
@@ -243,55 +217,24 @@ class _InputCache:
 
 _INPUT_CACHE = _InputCache()
 
-# Every Fp8Linear by key, for the custom ops of torch.compile (infir2.nn.custom_ops), which take plain
-# values only. A copy or an unpickled layer registers itself again under a new key.
-_LAYERS: weakref.WeakValueDictionary[int, Fp8Linear] = weakref.WeakValueDictionary()
-_KEYS = itertools.count()
 
-
-def layer_by_key(key: int) -> Fp8Linear:
-    """The ``Fp8Linear`` registered under ``key`` (its ``op_key``)."""
-    layer = _LAYERS.get(key)
-    if layer is None:
-        raise RuntimeError(f"no Fp8Linear with key {key}: the layer was freed")
-    return layer
-
-
-def _warn_if_emulated_on_gpu(layer: Fp8Linear, kernels: Kernels) -> None:
-    """A warning, once per recipe and device, when a CUDA layer's GEMMs can only run on the emulated
-    backend (an A100; mxfp8 on Blackwell): the layer named, and why each GPU backend is out."""
-    key = (layer.recipe.name, kernels.device)
-    if kernels.device.type != "cuda" or kernels.chain[0].NAME != emulated.NAME or key in _WARNED_EMULATED:
-        return
-    _WARNED_EMULATED.add(key)
-    reasons = [
-        f"{name}: {why}"
-        for name in ORDER["cuda"]
-        if name != emulated.NAME and (why := BACKENDS[name].why_unavailable(layer.recipe, kernels.device))
-    ]
-    log.warning(
-        "FP8 recipe %r on %s: the GEMMs of %s (and of every other layer of this recipe here) run on the "
-        "emulated backend, dequantize + fp32 matmul, slower than BF16 (%s)",
-        layer.recipe.name,
-        kernels.device,
-        getattr(layer, "fp8_name", "") or f"Fp8Linear({layer.in_features}, {layer.out_features})",
-        "; ".join(reasons),
-    )
-
-
-class Fp8Linear(nn.Linear):
+class Fp8Linear(nn.Linear, Fp8Module):
     """Drop-in ``nn.Linear`` (same parameters and state_dict keys) computing its GEMMs in FP8.
 
     ``recipe`` names the scaling (``blockwise`` by default, see ``infir2.fp8.RECIPES``); ``backend``
     forces a GEMM backend (default: the device's fallback chain, see ``infir2.kernels.bind``). The
     layer is bound to its kernels once (``bind_kernels``; ``convert_to_fp8`` does it) and binds again
     only when an input arrives on another device. Set ``fp8_enabled = False`` (or use
-    ``infir2.fp8_enabled(model, False)``) to run it as a plain linear.
+    ``infir2.fp8_enabled(model, False)``) to run it as a plain linear. What it shares with every FP8
+    module (recipe, kernels, weight cache, registry key, stats) is ``infir2.nn.module.Fp8Module``.
 
     Inside ``infir2.nn.cache_fp8_weights(model)`` the quantized weight is computed once and reused
     by every forward until the context exits or the weight is modified in place: wrap the
-    micro-batches of one optimizer step with it.
+    micro-batches of one optimizer step with it. Its cache entry is ``(forward weight, its K-major
+    transpose for dgrad or None)``: see ``quantized_weight`` and ``dgrad_weight``.
     """
+
+    FP8_WEIGHTS = ("weight",)
 
     def __init__(
         self,
@@ -304,24 +247,7 @@ class Fp8Linear(nn.Linear):
         backend: str | None = None,
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.recipe = get_recipe(recipe)
-        self.backend_name = backend
-        self.fp8_enabled = self.recipe.enabled
-        self.kernels: Kernels | None = None
-        self.cache_weight = False
-        self.stats: StatsRecorder | None = None  # set by infir2.nn.telemetry on stats steps only
-        self.fp8_name = ""  # its name in the model (convert_to_fp8 sets it), for warnings
-        # (key, forward weight, its K-major transpose for dgrad or None): see quantized_weight
-        self._weight_cache: tuple[tuple[Any, ...], Operand, Operand | None] | None = None
-        self._register()
-
-    def _register(self) -> None:
-        self.op_key = next(_KEYS)
-        _LAYERS[self.op_key] = self
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self._register()  # a copy (deepcopy, pickle) is another layer: its own key
+        self._init_fp8(recipe, backend)
 
     @classmethod
     def from_linear(
@@ -344,17 +270,8 @@ class Fp8Linear(nn.Linear):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}, fp8_enabled={self.fp8_enabled}"
 
-    def bind_kernels(self, device: torch.device | str) -> Kernels:
-        """Bind this layer to the kernels of its recipe on ``device`` (an error for an unusable backend)."""
-        self.kernels = bind(self.recipe, device, self.backend_name)
-        if self.backend_name != emulated.NAME:
-            _warn_if_emulated_on_gpu(self, self.kernels)
-        return self.kernels
-
-    def _kernels_on(self, device: torch.device) -> Kernels:
-        if self.kernels is None or self.kernels.device != device:
-            return self.bind_kernels(device)
-        return self.kernels
+    def describe(self) -> str:
+        return f"Fp8Linear({self.in_features}, {self.out_features})"
 
     def quantized_weight(self, kernels: Kernels | None = None) -> Operand:
         """The fprop-quantized weight, from the cache when it is on and still valid."""
@@ -362,32 +279,39 @@ class Fp8Linear(nn.Linear):
         if isinstance(w, Fp8GatheredWeight):  # all-gathered as FP8 codes by FSDP2 (infir2.nn.fsdp)
             return w.operand
         kernels = kernels or self._kernels_on(w.device)
-        key = (w._version, w.data_ptr(), w.device, w.dtype, self.recipe, kernels.name)
-        if self.cache_weight and self._weight_cache is not None and self._weight_cache[0] == key:
-            return self._weight_cache[1]
+        key = self.weight_key(w, kernels)
+        cached = self.cached("weight", key)
+        if cached is not None:
+            return cached[0]
         with torch.no_grad():
             wq = kernels.quantize(w.detach(), self.recipe.w)
-        self._weight_cache = (key, wq, None) if self.cache_weight else None
+        self.store("weight", key, (wq, None))
         return wq
+
+    def cached_weight(self) -> Operand | None:
+        """The forward weight the cache holds now (whatever its key), or None."""
+        entry = self._weight_cache.get("weight")
+        return entry[1][0] if entry is not None else None
 
     def dgrad_weight(self, w_fprop: Operand, kernels: Kernels) -> Operand | None:
         """``w_fprop.t()`` stored K-major (``[K, N]``, N contiguous), kept with the weight cache; or None
         off CUDA, outside ``cache_fp8_weights`` and for an FSDP2-gathered weight (module doc)."""
-        cache = self._weight_cache
+        entry = self._weight_cache.get("weight")
         if (
             kernels.device.type != "cuda"
             or not self.recipe.reuses_weight
-            or cache is None
-            or cache[1] is not w_fprop
+            or entry is None
+            or entry[1][0] is not w_fprop
             or w_fprop.keep_for_backward  # a CPU emulation's decoded operand, kept whole
             or isinstance(w_fprop, Nvfp4Operand)  # emulated on every device: no FP4 GEMM wants K-major
         ):
             return None
-        if cache[2] is None:
+        key, (_, transposed) = entry
+        if transposed is None:
             with torch.no_grad():
                 transposed = k_major(w_fprop.t())  # one copy per step
-            self._weight_cache = cache = (cache[0], w_fprop, transposed)
-        return cache[2]
+            self._weight_cache["weight"] = (key, (w_fprop, transposed))
+        return transposed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fp8_enabled:
@@ -413,7 +337,15 @@ class Fp8Linear(nn.Linear):
         x_ops = _INPUT_CACHE.get(original, x2d, self.recipe, kernels)
         w_dgrad_t = self.dgrad_weight(w_fprop, kernels)
         y = _Fp8LinearFunction.apply(
-            x2d, self.weight, self.bias, self.recipe, kernels, w_fprop, x_ops, self.stats, w_dgrad_t
+            x2d,
+            self.weight,
+            self.bias,
+            self.recipe,
+            kernels,
+            w_fprop,
+            x_ops,
+            self.recorder("weight"),
+            w_dgrad_t,
         )
         y = y[:tokens] if pad else y
         return y.reshape(*lead, self.out_features)

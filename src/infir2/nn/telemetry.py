@@ -35,7 +35,7 @@ and the main rank's are written. Under activation checkpointing a recomputed for
 operands twice, which leaves every fraction, amax and range unchanged. Weights all-gathered as FP8 codes (``fp8.param_gather``) have no
 high-precision copy on the rank: their ``w`` statistics and the SQNRs are not recorded. The experts
 of an MoE block (``Fp8Experts``) report per expert weight, over all their experts
-(``infir2.nn.moe_telemetry``).
+(``infir2.nn.moe.telemetry``).
 """
 
 from __future__ import annotations
@@ -214,10 +214,9 @@ class Fp8Telemetry:
             yield out
             return
         for fqn, m in self.layers:
-            if isinstance(m, Fp8Experts):  # one recorder per expert weight (infir2.nn.moe_telemetry)
-                m.stats = {p: LayerStats(self, f"{fqn}.{p}", m) for p in ("gate_up_proj", "down_proj")}
-            else:
-                m.stats = LayerStats(self, fqn, m)
+            # one recorder per FP8 weight: an Fp8Experts' two are named apart (infir2.nn.moe.telemetry)
+            experts = isinstance(m, Fp8Experts)
+            m.stats = {p: LayerStats(self, f"{fqn}.{p}" if experts else fqn, m) for p in m.FP8_WEIGHTS}
         try:
             yield out
             out.update(self._collect())

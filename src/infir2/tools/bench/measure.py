@@ -297,10 +297,12 @@ def bench_linear(
             arm = _label((recipe, backend))
             fp8 = Fp8Linear.from_linear(base, recipe, backend=backend)
             t_fp8 = _time_ms(_linear_step(fp8, x, dy), device, cfg.warmup, cfg.iters)
-            fp8.cache_weight = True  # the FP8 weight copy is per layer, not per token: count activations only
+            fp8.set_weight_cache(
+                True
+            )  # the FP8 weight copy is per layer, not per token: count activations only
             wq = fp8.quantized_weight()
             b_fp8 = saved_bytes(lambda: fp8(x), [base.weight, wq.data, wq.scale_inv])  # noqa: B023
-            fp8.cache_weight, fp8._weight_cache = False, None
+            fp8.set_weight_cache(False)
             rows.append(_row("linear", case, "fwd+bwd ms", base_name, t_base, f"Fp8Linear[{arm}]", t_fp8))
             rows.append(
                 _row(

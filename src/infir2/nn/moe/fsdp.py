@@ -26,11 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..fp8.formats import get_format
-from ..fp8.quantize import quantize
-from ..fp8.recipe import Fp8Recipe
-from ..kernels import Operand
-from .fsdp import Fp8ShardedWeight, drop_gather_buffers
+from ...fp8.formats import get_format
+from ...fp8.quantize import quantize
+from ...fp8.recipe import Fp8Recipe
+from ...kernels import Operand
+from ..fsdp import Fp8ShardedWeight, drop_gather_buffers
 
 __all__ = ["ExpertOperands", "Fp8ShardedExperts", "link_fsdp_experts"]
 

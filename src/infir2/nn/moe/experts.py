@@ -27,7 +27,10 @@ this module only gathers the rows, runs the experts, weights each row by its rou
 a token's k rows in fp32. The rows enter the experts in the autocast dtype, as a
 dense ``Fp8Linear``'s input does. With FP8 off (``infir2.disable_fp8``) the original experts
 implementation runs on the same parameters. A tensor with per-expert data-dependent shapes never
-enters a ``torch.compile`` graph: each grouped linear is one custom op there (``infir2.nn.moe_ops``).
+enters a ``torch.compile`` graph: each grouped linear is one custom op there (``infir2.nn.moe.ops``).
+On the CPU emulations the grouped linears take the rows per expert as a device tensor
+(``infir2.nn.moe.offsets``: one quantize per cast, one grouped GEMM, the loop's numbers bit for bit);
+elsewhere the rows per expert are read on the host once per block (``# MoE routing:``).
 Supported: the layout of ``use_experts_implementation`` with a gate (concatenated ``[gate; up]``, no
 bias, not transposed, no post-expert norm, no expert parallelism); other experts modules stay high
 precision and ``convert_to_fp8`` warns about them.
@@ -35,23 +38,21 @@ precision and ``convert_to_fp8`` warns about them.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import cast
 
 import torch
 from torch import nn
 
-from ..fp8.recipe import Fp8Recipe, get_recipe
-from ..kernels import Kernels, Operand, bind
-from ..kernels.grouped import gemm_nt_grouped, group_bounds, quantize_pair_groups
-from ._keyed import KeyedRegistry
-from .fsdp import Fp8GatheredWeight
-from .moe_telemetry import ExpertsProbe, ExpertsRecorder
+from ...fp8.recipe import Fp8Recipe
+from ...kernels import Kernels, Operand
+from ..fsdp import Fp8GatheredWeight
+from ..module import Fp8Module, accumulation_dtype
+from .grouped_linear import fp8_grouped_linear
+from .offsets import fp8_grouped_linear_offsets, runs_on_offsets
 
 __all__ = [
     "Fp8Experts",
     "expert_counts",
-    "experts_by_key",
-    "fp8_grouped_linear",
     "is_routed_experts",
     "unsupported_experts_reason",
 ]
@@ -92,148 +93,23 @@ def _autocast_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
-class _Fp8GroupedLinearFunction(torch.autograd.Function):
-    """``Y[rows_e] = X[rows_e] @ W[e].T`` per expert, the three GEMMs in FP8 (module doc)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        counts: list[int],
-        recipe: Fp8Recipe,
-        kernels: Kernels,
-        w_ops: list[Operand],
-        stats: ExpertsRecorder | None = None,
-    ) -> torch.Tensor:
-        bounds = group_bounds(counts)
-        x_ops = quantize_pair_groups(kernels, x, bounds, recipe.x, recipe.x_wgrad)  # per expert [S_e,K]
-        y = gemm_nt_grouped(
-            kernels, [o[0] if o else None for o in x_ops], w_ops, x.dtype, x
-        )  # [S,K] -> [S,N], per expert [S_e,K] @ [K,N], fp32 accumulate
-        ctx.probe = ExpertsProbe(stats, recipe, weight, bounds) if stats is not None else None
-        if ctx.probe is not None:  # telemetry on a stats step only: reads the operands, changes nothing
-            ctx.probe.forward(x, x_ops, w_ops, y)
-        saved = [t for o in x_ops if o is not None for t in (o[1].data, o[1].scale_inv)]
-        reuse = recipe.reuses_weight
-        ctx.w_kept = w_ops if reuse and all(w.keep_for_backward for w in w_ops) else None
-        w_saved = [t for w in w_ops for t in (w.data, w.scale_inv)] if reuse and ctx.w_kept is None else []
-        ctx.save_for_backward(weight, *saved, *w_saved)
-        ctx.n_x, ctx.bounds, ctx.recipe, ctx.kernels, ctx.x_dtype = (
-            len(saved),
-            bounds,
-            recipe,
-            kernels,
-            x.dtype,
-        )
-        return y
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        recipe: Fp8Recipe = ctx.recipe
-        kernels: Kernels = ctx.kernels
-        weight, *rest = ctx.saved_tensors
-        x_saved, w_saved = rest[: ctx.n_x], rest[ctx.n_x :]
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dy_ops = quantize_pair_groups(
-            kernels, dy, ctx.bounds, recipe.dy, recipe.dy_wgrad
-        )  # per expert [S_e,N]
-        dx = dw = w_dgrad = None
-        if need_dx:
-            w_dgrad = _dgrad_weights(ctx, weight, w_saved)
-            dx = gemm_nt_grouped(
-                kernels, [o[0] if o else None for o in dy_ops], [w.t() for w in w_dgrad], ctx.x_dtype, dy
-            )  # per expert [S_e,N] @ [N,K] -> [S_e,K], fp32 accumulate
-        if need_dw:
-            dw = _wgrad(kernels, recipe, weight, dy_ops, x_saved)
-        if ctx.probe is not None:
-            ctx.probe.backward(dy, dy_ops, w_dgrad, dx, dw)
-        return dx, dw, None, None, None, None, None
-
-
-def _dgrad_weights(ctx: Any, weight: torch.Tensor, w_saved: list[torch.Tensor]) -> list[Operand]:
-    """The per-expert dgrad weights: the forward's (kept or saved) or quantized again for another cast."""
-    if ctx.w_kept is not None:
-        return ctx.w_kept
-    block = ctx.recipe.w_dgrad.block
-    if w_saved:
-        return [Operand(w_saved[2 * e], w_saved[2 * e + 1], block) for e in range(weight.shape[0])]
-    with torch.no_grad():
-        return [ctx.kernels.quantize(weight[e].detach(), ctx.recipe.w_dgrad) for e in range(weight.shape[0])]
-
-
-def _wgrad(
-    kernels: Kernels,
-    recipe: Fp8Recipe,
-    weight: torch.Tensor,
-    dy_ops: list[tuple[Operand, Operand] | None],
-    x_saved: list[torch.Tensor],
-) -> torch.Tensor:
-    """``dW[e] = Q(dY_e, 128x1).T @ Q(X_e, 128x1)``; zero for an expert without rows."""
-    dw = torch.zeros(
-        weight.shape, dtype=weight.dtype, device=weight.device
-    )  # (not a gathered FP8 weight's kind)
-    i = 0
-    for e, ops in enumerate(dy_ops):
-        if ops is None:
-            continue
-        x_w = Operand(x_saved[i], x_saved[i + 1], recipe.x_wgrad.block)  # [S_e, K]
-        i += 2
-        dw[e] = kernels.gemm_nt(
-            ops[1].t(), x_w.t(), _accumulation_dtype(weight.dtype)
-        )  # [N,S_e] @ [S_e,K] -> [N,K], fp32 accumulate
-    return dw
-
-
-def fp8_grouped_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    counts: list[int],
-    recipe: Fp8Recipe,
-    kernels: Kernels,
-    w_ops: list[Operand] | None = None,
-    stats: ExpertsRecorder | None = None,
-) -> torch.Tensor:
-    """``x [S, K]`` (rows sorted by expert, ``counts[e]`` rows for expert e) through ``weight [E, N, K]``
-    in FP8: ``[S, N]``. ``w_ops``: the per-expert quantized weights (quantized here when not given);
-    ``stats``: a telemetry recorder (``infir2.nn.moe_telemetry``) on a stats step."""
-    if weight.dim() != 3 or x.dim() != 2 or x.shape[1] != weight.shape[2]:
-        raise ValueError(f"grouped linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
-    if len(counts) != weight.shape[0] or sum(counts) != x.shape[0]:
-        raise ValueError(f"grouped linear: {x.shape[0]} rows, {weight.shape[0]} experts, counts {counts}")
-    if w_ops is None:
-        with torch.no_grad():
-            w_ops = [kernels.quantize(weight[e].detach(), recipe.w) for e in range(weight.shape[0])]
-    out: torch.Tensor = _Fp8GroupedLinearFunction.apply(x, weight, counts, recipe, kernels, w_ops, stats)
-    return out
-
-
-# Every Fp8Experts by key, for the torch.compile custom ops (infir2.nn.moe_ops), which take plain values.
-_EXPERTS: KeyedRegistry[Fp8Experts] = KeyedRegistry("Fp8Experts")
-
-
-def experts_by_key(key: int) -> Fp8Experts:
-    """The ``Fp8Experts`` registered under ``key`` (its ``op_key``)."""
-    return _EXPERTS.get(key)
-
-
 def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Rows per expert, ``[E]`` int64 (a static shape: traceable, unlike ``bincount``)."""
     counts = torch.zeros(num_experts, dtype=torch.long, device=expert_ids.device)
     return counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids))
 
 
-class Fp8Experts(nn.Module):
+class Fp8Experts(Fp8Module):
     """The routed experts of one MoE block, their grouped GEMMs in FP8 (module doc).
 
     Holds the replaced module's own ``gate_up_proj`` / ``down_proj`` parameters (no copy) and its
     activation; ``fp8_enabled = False`` runs the original experts implementation instead. Inside
-    ``infir2.nn.cache_fp8_weights`` each expert's weight is quantized once per step.
+    ``infir2.nn.cache_fp8_weights`` each expert's weight is quantized once per step (a cache entry per
+    weight: the list of its experts' operands). What it shares with every FP8 module (recipe, kernels,
+    weight cache, registry key, stats) is ``infir2.nn.module.Fp8Module``.
     """
+
+    FP8_WEIGHTS = ("gate_up_proj", "down_proj")
 
     gate_up_proj: nn.Parameter  # [E, 2I, H]
     down_proj: nn.Parameter  # [E, H, I]
@@ -253,22 +129,8 @@ class Fp8Experts(nn.Module):
         for name in _NEWER_FLAGS:  # read by the experts forward of the transformers versions that set them
             if hasattr(experts, name):
                 setattr(self, name, getattr(experts, name))
-        self.recipe = get_recipe(recipe)
-        self.backend_name = backend
-        self.fp8_enabled = self.recipe.enabled
-        self.kernels: Kernels | None = None
-        self.cache_weight = False
-        self._weight_cache: dict[str, tuple[tuple[Any, ...], list[Operand]]] = {}
-        self.stats: dict[str, ExpertsRecorder] | None = None  # per weight, set by infir2.nn.telemetry
+        self._init_fp8(recipe, backend)
         self.train(experts.training)
-        self._register()
-
-    def _register(self) -> None:
-        self.op_key = _EXPERTS.add(self)
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self._register()  # a copy (deepcopy, pickle) is another module: its own key
 
     def extra_repr(self) -> str:
         e, two_i, h = self.gate_up_proj.shape
@@ -278,28 +140,18 @@ class Fp8Experts(nn.Module):
         """The experts class's own gating (``act(gate) * up`` unless the family overrides it)."""
         return self.experts_class._apply_gate(self, gate_up)  # type: ignore[attr-defined]
 
-    def bind_kernels(self, device: torch.device | str) -> Kernels:
-        self.kernels = bind(self.recipe, device, self.backend_name)
-        return self.kernels
-
-    def _kernels_on(self, device: torch.device) -> Kernels:
-        if self.kernels is None or self.kernels.device != device:
-            return self.bind_kernels(device)
-        return self.kernels
-
     def quantized_weights(self, name: str, kernels: Kernels) -> list[Operand]:
         """Per-expert fprop operands of ``gate_up_proj`` or ``down_proj``, cached within a step."""
         w: torch.Tensor = getattr(self, name)
-        if isinstance(w, Fp8GatheredWeight):  # all-gathered as FP8 codes by FSDP2 (infir2.nn.moe_fsdp)
+        if isinstance(w, Fp8GatheredWeight):  # all-gathered as FP8 codes by FSDP2 (infir2.nn.moe.fsdp)
             return list(w.operand.operands)  # type: ignore[attr-defined]
-        key = (w._version, w.data_ptr(), w.device, w.dtype, self.recipe, kernels.name)
-        cached = self._weight_cache.get(name)
-        if self.cache_weight and cached is not None and cached[0] == key:
-            return cached[1]
+        key = self.weight_key(w, kernels)
+        cached: list[Operand] | None = self.cached(name, key)
+        if cached is not None:
+            return cached
         with torch.no_grad():
             ops = [kernels.quantize(w[e].detach(), self.recipe.w) for e in range(w.shape[0])]
-        if self.cache_weight:
-            self._weight_cache[name] = (key, ops)
+        self.store(name, key, ops)
         return ops
 
     def forward(
@@ -311,23 +163,37 @@ class Fp8Experts(nn.Module):
         expert_ids, order = torch.sort(top_k_index.reshape(-1), stable=True)  # rows grouped by expert
         x = hidden_states[order // top_k].to(_autocast_dtype(hidden_states))  # [S, H], S = tokens * top_k
         counts = expert_counts(expert_ids, self.num_experts)
-        rows = None if torch.compiler.is_compiling() else counts.tolist()  # MoE routing: 1 read a block
-        h = self._grouped_linear(x, "gate_up_proj", counts, rows)  # [S, 2I]
+        h = self._grouped_linear(x, "gate_up_proj", counts, rows := self._rows(x, counts))  # [S, 2I]
         h = self._apply_gate(h)  # [S, I]
         y = self._grouped_linear(h, "down_proj", counts, rows)  # [S, H]
         # weighted in the rows' dtype (backward keeps y as it is), summed over the k experts in fp32
         y = y * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
         combined = torch.empty_like(y).index_copy_(0, order, y)  # back to (token, k) order
-        summed = combined.view(tokens, top_k, -1).sum(dim=1, dtype=_accumulation_dtype(y.dtype))
+        summed = combined.view(tokens, top_k, -1).sum(dim=1, dtype=accumulation_dtype(y.dtype))
         return summed.to(hidden_states.dtype)
 
+    def _rows(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | list[int] | None:
+        """How the grouped linears get the rows per expert: None under ``torch.compile`` (the custom op
+        reads them), ``counts`` itself where the GEMMs run over device offsets (``infir2.nn.moe.offsets``),
+        else a list read from the device once for both projections."""
+        if torch.compiler.is_compiling():
+            return None
+        kernels = self._kernels_on(x.device)
+        weights = (self.gate_up_proj, self.down_proj)
+        if self.stats is None and all(runs_on_offsets(self.recipe, kernels, x, w) for w in weights):
+            return counts
+        rows: list[int] = counts.tolist()  # MoE routing: 1 read a block
+        return rows
+
     def _grouped_linear(
-        self, x: torch.Tensor, name: str, counts: torch.Tensor, rows: list[int] | None
+        self, x: torch.Tensor, name: str, counts: torch.Tensor, rows: torch.Tensor | list[int] | None
     ) -> torch.Tensor:
         weight = getattr(self, name)
         if rows is None:  # compiling: one custom op, the per-expert loop stays outside the graph
             return torch.ops.infir2.fp8_grouped_linear(x, weight, counts, self.op_key, name)[0]
         kernels = self._kernels_on(x.device)
         w_ops = self.quantized_weights(name, kernels)
-        stats = self.stats.get(name) if self.stats is not None else None
-        return fp8_grouped_linear(x, weight, rows, self.recipe, kernels, w_ops, stats)
+        if isinstance(rows, torch.Tensor):  # the counts stay on the device
+            y: torch.Tensor = fp8_grouped_linear_offsets(x, weight, rows, self.recipe, kernels, w_ops)
+            return y
+        return fp8_grouped_linear(x, weight, rows, self.recipe, kernels, w_ops, self.recorder(name))

@@ -24,10 +24,12 @@ from typing import Any
 
 import torch
 
-from ..fp8.formats import get_format
-from ..fp8.recipe import Cast
-from ..kernels.grouped import group_bounds
-from .moe import _Fp8GroupedLinearFunction, experts_by_key
+from ...fp8.formats import get_format
+from ...fp8.recipe import Cast
+from ...kernels.grouped import group_bounds
+from ..module import module_by_key
+from .experts import Fp8Experts
+from .grouped_linear import _Fp8GroupedLinearFunction
 
 __all__ = ["fp8_grouped_linear", "fp8_grouped_linear_backward"]
 
@@ -69,7 +71,7 @@ def _scale_shape(rows: Any, cols: int, experts: int, cast: Cast) -> tuple[Any, i
 def fp8_grouped_linear(
     x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, experts: int, name: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    module = experts_by_key(experts)
+    module = module_by_key(experts, Fp8Experts)
     kernels = module._kernels_on(x.device)
     ctx = _Context()
     with torch.no_grad():
@@ -93,7 +95,7 @@ def fp8_grouped_linear(
 def _(
     x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, experts: int, name: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    cast = experts_by_key(experts).recipe.x_wgrad
+    cast = module_by_key(experts, Fp8Experts).recipe.x_wgrad
     y = x.new_empty((x.shape[0], weight.shape[1]))
     data = x.new_empty(tuple(x.shape), dtype=get_format(cast.fmt).dtype)
     scales = x.new_empty(
@@ -113,7 +115,7 @@ def fp8_grouped_linear_backward(
     name: str,
     needs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    module = experts_by_key(experts)
+    module = module_by_key(experts, Fp8Experts)
     recipe, kernels = module.recipe, module._kernels_on(dy.device)
     ctx = _Context(tuple(needs))
     ctx.bounds, ctx.recipe, ctx.kernels, ctx.x_dtype = (

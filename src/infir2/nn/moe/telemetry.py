@@ -13,32 +13,23 @@ Under ``torch.compile`` nothing of the experts is recorded.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from ..fp8.recipe import Cast, Fp8Recipe
-from ..kernels import Operand
-from .fsdp import Fp8GatheredWeight
+from ...fp8.recipe import Cast, Fp8Recipe
+from ...kernels import Operand
+from ..fsdp import Fp8GatheredWeight
+from ..module import Recorder
 
-__all__ = ["ExpertsProbe", "ExpertsRecorder"]
+__all__ = ["ExpertsProbe"]
 
 Bounds = Sequence[tuple[int, int]]
 Pairs = Sequence[tuple[Operand, Operand] | None]
 
 
-class ExpertsRecorder(Protocol):
-    """What a grouped linear reports to (``infir2.nn.telemetry.LayerStats``)."""
-
-    sqnr_taken: bool
-
-    def add(self, operand: str, x: torch.Tensor, op: Operand, cast: Cast) -> None: ...
-
-    def add_sqnr(self, result: str, reference: torch.Tensor, got: torch.Tensor) -> None: ...
-
-
 def _add_rows(
-    stats: ExpertsRecorder, name: str, t: torch.Tensor, bounds: Bounds, ops: Pairs, i: int, cast: Cast
+    stats: Recorder, name: str, t: torch.Tensor, bounds: Bounds, ops: Pairs, i: int, cast: Cast
 ) -> None:
     for (s, e), pair in zip(bounds, ops, strict=True):
         if pair is not None:
@@ -48,9 +39,7 @@ def _add_rows(
 class ExpertsProbe:
     """Records one grouped linear's forward, and then its backward (holds X for the SQNR micro-batch)."""
 
-    def __init__(
-        self, stats: ExpertsRecorder, recipe: Fp8Recipe, weight: torch.Tensor, bounds: Bounds
-    ) -> None:
+    def __init__(self, stats: Recorder, recipe: Fp8Recipe, weight: torch.Tensor, bounds: Bounds) -> None:
         self.stats, self.recipe, self.weight, self.bounds = stats, recipe, weight, bounds
         self.hp_weight = not isinstance(weight, Fp8GatheredWeight)
         self.x: torch.Tensor | None = None
