@@ -122,12 +122,23 @@ def _weight_shapes(layer: nn.Module) -> set[tuple[int, ...]]:
 def _cached_weights(layer: nn.Module) -> set[int]:
     """The storages of the quantized weights the layer's FP8 linears keep for the step
     (``cache_fp8_weights``): codes, block scales and, for NVFP4, the per-tensor scale."""
-    found = set()
+    found: set[int] = set()
+
+    def collect(value: object) -> None:  # an operand, a tuple of them, or a tensor
+        if isinstance(value, torch.Tensor):
+            found.add(_key(value))
+        elif isinstance(value, (tuple, list)):
+            for item in value:
+                collect(item)
+        elif value is not None and hasattr(value, "__dict__"):
+            for item in vars(value).values():
+                if isinstance(item, torch.Tensor):
+                    found.add(_key(item))
+
     for m in layer.modules():
-        cache = getattr(m, "_weight_cache", None)
-        for operand in cache[1:] if isinstance(cache, tuple) else ():
-            tensors = vars(operand).values() if operand is not None else ()
-            found |= {_key(t) for t in tensors if isinstance(t, torch.Tensor)}
+        cache = getattr(m, "_weight_cache", None)  # Fp8Module: {weight name: (key, value)}
+        for _, value in cache.values() if isinstance(cache, dict) else ():
+            collect(value)
     return found
 
 
