@@ -50,6 +50,7 @@ from ..export import export_model
 from .distributed import DistEnv, broadcast_object, gather_objects
 
 __all__ = [
+    "Counters",
     "LoadRequest",
     "PendingSave",
     "Resumable",
@@ -63,7 +64,15 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-State = TypeVar("State")
+
+class Counters(Protocol):
+    """A stage's counters (a dataclass saved under ``train_state``): what resuming reads and resets."""
+
+    step: int
+    nonfinite_in_row: int
+
+
+State = TypeVar("State", bound=Counters)
 
 
 class Resumable(Protocol):
@@ -245,13 +254,13 @@ def restore(
         data.load_state_dict(data_state_for(loaded, env))
         if saved_world == env.world_size:
             _set_rng_state(loaded["rng"][env.rank])
-            log.info("resumed from %s at step %d", path, state.step)  # type: ignore[attr-defined]
+            log.info("resumed from %s at step %d", path, state.step)
         else:
             log.info(
                 "resumed from %s at step %d on %d processes (saved by %d): the same global sample count, "
                 "new RNG streams",
                 path,
-                state.step,  # type: ignore[attr-defined]
+                state.step,
                 env.world_size,
                 saved_world,
             )
@@ -260,8 +269,8 @@ def restore(
         data.load_state_dict(data_state_for(loaded, env))
     if load.reset_step:
         state = state_type()
-    state.nonfinite_in_row = 0  # type: ignore[attr-defined]
-    log.info("decay-only start from %s: model + optimizer loaded, step %d, new schedule", path, state.step)  # type: ignore[attr-defined]
+    state.nonfinite_in_row = 0
+    log.info("decay-only start from %s: model + optimizer loaded, step %d, new schedule", path, state.step)
     return state, path
 
 
