@@ -7,7 +7,7 @@ where they published one, docs/RL.md)::
     model:    path | from_config, tokenizer, precision, ...    (as in `infir2 train`)
     fp8:      recipe, backend, ...                             (the *training* precision, as in `infir2 train`)
     optim:    lr 1e-6, betas (0.9, 0.98), eps, weight_decay 0.1, grad_clip 1.0   (constant lr)
-    data:     task (a task of infir2.eval.TASKS: the JSONL schema, default math), prompts_path, val_path,
+    data:     task (a task of infir2.tasks.TASKS: the JSONL schema, default math), prompts_path, val_path,
               shuffle, seed
     rollout:  engine (a name in infir2.generation.ENGINES), precision (bf16|fp8), scale_encoding (pow2|fp32),
               prompts_per_step, group_size,
@@ -75,7 +75,7 @@ class RLOptim(OptimConfig):
 @dataclass(frozen=True)
 class RLData:
     task: str = setting(
-        "math", "the prompts' task (infir2.eval.TASKS): their JSONL schema and default grader"
+        "math", "the prompts' task (infir2.tasks.TASKS): their JSONL schema and default grader"
     )
     prompts_path: str = setting("", "JSONL of data.task's schema (what `infir2 eval --task TASK` reads)")
     val_path: str | None = setting(None, "held-out problems, scored greedily every train.eval_every steps")
@@ -111,7 +111,7 @@ class RolloutConfig:
 @dataclass(frozen=True)
 class AlgoConfig:
     reward: str = setting(
-        "math", "a grader of infir2.eval.GRADERS (1.0 correct, else 0.0): data.task's, or a registered one"
+        "math", "a grader of infir2.tasks.GRADERS (1.0 correct, else 0.0): data.task's, or a registered one"
     )
     dynamic_sampling: bool = setting(True, "drop groups whose rewards all agree and refill (DAPO)")
     clip_low: float = setting(0.2, "the ratio is clipped to [1 - clip_low, 1 + clip_high] (clip-higher)")
