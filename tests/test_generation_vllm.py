@@ -88,3 +88,20 @@ def test_the_bytes_vllm_holds_compare_with_the_exports_through_its_fused_layers(
     assert sorted(check_fp8_bytes(held, exported)) == sorted(
         [f"{attn}.qkv_proj.weight", f"{mlp}.down_proj.weight_scale_inv", f"{mlp}.gate_up_proj.weight"]
     )
+
+
+def test_eval_refuses_fp8_on_vllm_here_in_one_line_before_any_weights(monkeypatch, tmp_path, capsys):
+    import infir2.generation.vllm_engine as v
+    from infir2.cli import main
+
+    monkeypatch.setattr(v, "require_vllm", lambda key="engine": None)  # as if installed
+    monkeypatch.setattr(v, "fp8_unsupported", lambda: "no AMX here")
+    argv = ["eval", "--engine", "vllm", "--model", str(tmp_path / "absent"), "--out", str(tmp_path / "out")]
+    assert main([*argv, "--fp8"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and "--fp8: the vllm engine cannot run FP8 here: no AMX here" in err[0], err
+    assert main([*argv, "--max-model-len", "1"]) == 2
+    assert "max_model_len must be >= 2" in capsys.readouterr().err
+    assert main([*argv, "--device", "cpu"]) == 2
+    assert "--device is not a flag of --engine vllm" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

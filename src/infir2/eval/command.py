@@ -230,9 +230,19 @@ def _vllm_settings(args: argparse.Namespace) -> Any:
         if given:
             raise ValueError(f"{_flag(given[0])} is a flag of --engine vllm, not of --engine {args.engine}")
         return None
-    from ..generation.vllm_engine import VllmSettings, require_vllm
+    from ..generation.vllm_engine import (
+        VllmSettings,
+        fp8_refusal,
+        fp8_unsupported,
+        is_fp8_folder,
+        require_vllm,
+    )
 
     require_vllm("--engine vllm")  # installed, before anything is read
+    fp8 = "--fp8" if args.fp8 is not None else "--model" if is_fp8_folder(Path(args.model)) else None
+    why = fp8_unsupported() if fp8 else None
+    if fp8 and why:
+        raise fp8_refusal(fp8, why)
     if args.device not in (None, "auto"):
         raise ValueError("--device is not a flag of --engine vllm: vLLM places the model itself")
 

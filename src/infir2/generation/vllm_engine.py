@@ -53,6 +53,7 @@ __all__ = [
     "check_fp8_bytes",
     "fp8_refusal",
     "fp8_unsupported",
+    "is_fp8_folder",
     "require_vllm",
 ]
 
@@ -116,8 +117,12 @@ def fp8_refusal(key: str, why: str) -> ValueError:
     )
 
 
-def _is_fp8_folder(folder: Path) -> bool:
-    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+def is_fp8_folder(folder: Path) -> bool:
+    """True for a folder whose config.json names FP8 quantization (an FP8 export); False without one."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False  # no folder, or no config: said by the checks of the folder itself
     return (config.get("quantization_config") or {}).get("quant_method") == "fp8"
 
 
@@ -144,7 +149,7 @@ class VllmEngine:
     ) -> None:
         if (folder is None) == (policy is None):
             raise ValueError("the vllm engine starts from a model folder or from a policy: give one")
-        served_folder = folder is not None and _is_fp8_folder(Path(folder))
+        served_folder = folder is not None and is_fp8_folder(Path(folder))
         if precision == "served" or served_folder:  # refused before vLLM is imported or started
             why = fp8_unsupported()
             if why is not None:
