@@ -9,8 +9,9 @@ how it installs beside infir2); without it the engine refuses in one line (``req
   vLLM then owns ``torch.set_num_threads`` for the process (its CPU worker binds its threads).
 * **Weights.** From a folder (evaluation: ``--model`` as vLLM loads it, an FP8 export included) or from the
   policy (RL, and ``eval --fp8``): the folder then holds only the config (``load_format: dummy``) and
-  ``load_weights(policy)`` refits the engine from the policy's tensors -- gathered whole one at a time
-  under FSDP2 (``full_tensor``), in the checkpoint layout (``export.hf_keys.checkpoint_tensors``) --
+  ``load_weights(policy)`` refits the engine from the policy's tensors -- streamed, each gathered whole
+  just before it is handed over under FSDP2 (``full_tensor``), in the checkpoint layout
+  (``export.hf_keys.checkpoint_tensors``) --
   through vLLM's in-place reload (``Worker.reload_weights``: every layer's packed kernel weights, a tied
   ``lm_head`` included, rebuilt from the new tensors). ``refit_s`` is the last refit's time.
 * **FP8** (``precision: served``): the projections refit as the FP8 export stores them (the export's own
@@ -32,7 +33,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..export.hf_keys import checkpoint_tensors, modules_to_not_convert
+from ..export.hf_keys import checkpoint_tensors, fp8_weight_names, modules_to_not_convert
 from ..export.layout import QUANTIZATION_CONFIG, export_scale_encoding, quantize_weight, scale_inv_name
 from .base import OnSample, Prompt, Sample, SamplingConfig
 from .builtin import check_prompt_fits, stops_and_pad
@@ -196,26 +197,29 @@ class VllmEngine:
         (folder / "config.json").write_text(json.dumps(config, indent=1, default=str), encoding="utf-8")
 
     def _tensors(self, policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-        """The policy's tensors in the checkpoint layout, whole (FSDP2: gathered here; every rank calls
-        this), the FP8 projections as the export quantizes them."""
-        state = {}
+        """The policy's tensors one at a time in the checkpoint layout, each gathered whole just before it
+        is handed over (FSDP2: every rank calls this, in the same order), the FP8 projections as the export
+        quantizes them."""
+        fp8 = fp8_weight_names(policy)
         for name, p in policy.state_dict().items():
-            full = p.full_tensor() if hasattr(p, "full_tensor") else p
-            state[name] = full.detach()
-        tensors, fp8 = checkpoint_tensors(policy, state)
-        for name, tensor in tensors.items():
-            if self.mode == "served" and name in fp8:
-                data, scale_inv = quantize_weight(tensor.float(), self.scale_encoding)
-                yield name, data
-                yield scale_inv_name(name), scale_inv
-            else:
-                yield name, tensor
+            full = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+            parts, fp8_parts = checkpoint_tensors(policy, {name: full}, fp8)
+            for part, tensor in parts.items():
+                if self.mode == "served" and part in fp8_parts:
+                    data, scale_inv = quantize_weight(tensor.float(), self.scale_encoding)
+                    yield part, data
+                    yield scale_inv_name(part), scale_inv
+                else:
+                    yield part, tensor
 
     @torch.no_grad()
     def load_weights(self, policy: nn.Module) -> None:
-        """Refit: the policy's weights into the engine (vLLM's in-place reload; ``refit_s`` its time)."""
+        """Refit: the policy's weights into the engine through vLLM's in-place reload, tensor by tensor
+        (one vLLM worker, in this process: a stream; several: a list), ``refit_s`` its time."""
         start = time.perf_counter()
-        weights = list(self._tensors(policy))
+        weights: Iterable[tuple[str, torch.Tensor]] = self._tensors(policy)
+        if self.settings.tensor_parallel_size > 1:  # sent to worker processes
+            weights = list(weights)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()  # cached prefixes hold the old weights' keys and values
         self.refit_s = time.perf_counter() - start
