@@ -293,7 +293,7 @@ def _step(run: Run, state: RLState) -> dict[str, Any]:
         "rollout_time_s": t1 - t0,
         "train_time_s": now - t1,
         "step_time_s": now - t0,
-        "refit_time_s": run.engine.refit_s,  # the sync (step 4) into the engine
+        "refit_time_s": run.engine.refit_s if groups else 0.0,  # the sync (step 4) into the engine
         "samples_seen": state.samples_seen,
         "peak_mem_gib": peak_memory_gib(run.env.device),
     }
