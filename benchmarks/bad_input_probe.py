@@ -892,7 +892,9 @@ def round3_cases(w: World, stub: StubServer) -> list[Case]:
         os.chmod(w.root / "eval-ro", 0o555)
 
     cases = [
-        e("engine-vllm", ["--engine", "vllm"], ("--engine",)),
+        e("engine-vllm", ["--engine", "vllm"], ("--engine",)),  # without vLLM: "needs vLLM: pip install ..."
+        e("engine-unknown", ["--engine", "vllm9"], ("--engine",)),
+        e("vllm-flag-on-local", ["--max-model-len", "64"], ("--max-model-len",)),
         e("local-concurrency", ["--concurrency", "4"], ("--concurrency",)),
         e("local-base-url", ["--base-url", stub.url], ("--base-url",)),
         e("local-extra-body", ["--extra-body", "{}"], ("--extra-body",)),

@@ -6,6 +6,7 @@ an RL engine that returns text only."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -181,10 +182,27 @@ def test_the_server_engine_refuses_local_flags_and_fp8(model_dir, tmp_path, caps
 
 def test_an_unknown_engine_is_one_line(model_dir, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:  # argparse's own refusal of a name not in the registry
-        main(_eval(model_dir, tmp_path / "out", "--engine", "vllm"))
+        main(_eval(model_dir, tmp_path / "out", "--engine", "vllm9"))
     rc = exit_.value.code
     err = [ln for ln in capsys.readouterr().err.splitlines() if not ln.startswith(("usage:", " "))]
-    assert rc == 2 and len(err) == 1 and "--engine: invalid choice: 'vllm'" in err[0], err
+    assert rc == 2 and len(err) == 1 and "--engine: invalid choice: 'vllm9'" in err[0], err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_the_vllm_engine_without_vllm_is_one_line_saying_how_to_install_it(model_dir, tmp_path, capsys):
+    _refused(
+        capsys,
+        _eval(model_dir, tmp_path / "out", "--engine", "vllm"),
+        "--engine vllm: engine 'vllm' needs vLLM: pip install",
+    )
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match=r"rl\.yaml: rollout\.engine: engine 'vllm' needs vLLM: pip install"):
+        parse_rl_config(
+            {"data": {"prompts_path": "p.jsonl"}, "rollout": {"engine": "vllm", "precision": "bf16"}},
+            "rl.yaml",
+        )
+    with pytest.raises(ValueError, match=r"vllm\.max_model_len.*rollout\.engine is 'builtin'"):
+        parse_rl_config({"data": {"prompts_path": "p.jsonl"}, "vllm": {"max_model_len": 64}}, "rl.yaml")
 
 
 def test_rl_refuses_a_text_only_engine_and_fp8_it_cannot_run(tmp_path, monkeypatch):

@@ -375,3 +375,31 @@ def _read_folder_any(folder: Path) -> dict[str, torch.Tensor]:
         with safe_open(str(file), framework="pt") as f:
             out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
     return out
+
+
+def test_whole_blocks_only_keeps_each_fused_group_in_one_precision(tmp_path: Path) -> None:
+    """4 query heads and 1 key/value head of 64 at width 256: q_proj [256, 256] is whole 128-blocks,
+    k_proj and v_proj [64, 256] are not. vLLM fuses q/k/v into one layer and refuses "some but not all
+    shards" quantized, so --whole-blocks-only keeps q_proj in high precision with them; o_proj and the
+    MLP (whole blocks, gate/up of one shape) stay FP8. Without the flag every whole-block weight is FP8."""
+    from infir2.export import fused_group
+
+    src = tmp_path / "src"
+    make_tiny_model(hidden=256, intermediate=384, heads=4, kv_heads=1, layers=1).save_pretrained(src)
+    out = convert_checkpoint(src, tmp_path / "whole", whole_blocks_only=True)
+    tensors = _read_folder(out)
+    attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
+    for name in ("q_proj", "k_proj", "v_proj"):
+        assert tensors[f"{attn}.{name}.weight"].dtype == torch.bfloat16, name
+        assert f"{attn}.{name}.weight_scale_inv" not in tensors
+    for name in (f"{attn}.o_proj", f"{mlp}.gate_proj", f"{mlp}.up_proj", f"{mlp}.down_proj"):
+        assert tensors[f"{name}.weight"].dtype == torch.float8_e4m3fn, name
+    kept = json.loads((out / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
+    assert {f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"} <= set(kept)
+    assert not any(m.endswith(("o_proj", "gate_proj", "up_proj", "down_proj")) for m in kept)
+    mixed = _read_folder(convert_checkpoint(src, tmp_path / "mixed"))  # the default: partial blocks FP8
+    assert all(mixed[f"{attn}.{n}.weight"].dtype == torch.float8_e4m3fn for n in ("q_proj", "k_proj"))
+    groups = {fused_group(f"{attn}.{n}_proj.weight") for n in "qkv"} | {fused_group(f"{mlp}.up_proj.weight")}
+    assert groups == {f"{attn}.qkv", f"{mlp}.gate_up"}
+    assert fused_group("model.layers.3.block_sparse_moe.experts.7.w3.weight").endswith("experts.7.w13")
+    assert fused_group(f"{attn}.o_proj.weight") == f"{attn}.o_proj.weight"

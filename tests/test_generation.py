@@ -192,7 +192,7 @@ def test_rl_config_names_and_the_old_scale_key(caplog) -> None:
     assert parse_rl_config({**base, "rollout": {"scale_encoding": "fp32"}}).rollout.scale_encoding == "fp32"
     assert "is now called" not in caplog.text
     bad = [
-        ({"rollout": {"engine": "vllm"}}, r"rollout\.engine.*'vllm', expected one of builtin"),
+        ({"rollout": {"engine": "vllm9"}}, r"rollout\.engine.*'vllm9', expected one of builtin"),
         ({"data": {"prompts_path": "p.jsonl", "task": "essay"}}, r"data\.task.*'essay'"),
         (
             {"data": {"prompts_path": "p.jsonl", "task": "multiple_choice"}},

@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from infir2.rl.algorithm import group_advantages, mismatch_metrics, overlong_penalty, policy_loss, tis_weights
+from infir2.rl.algorithm import (
+    FIELD_NAMES,
+    group_advantages,
+    mismatch_metrics,
+    overlong_penalty,
+    policy_loss,
+    tis_weights,
+)
 
 
 def test_group_advantages_normalise_within_each_group():
@@ -102,6 +109,32 @@ def test_mismatch_metrics_from_the_definitions():
         and same["mismatch/prob_error"] == 1
         and same["mismatch/tis_ess"] == 1
     )
+
+
+def test_mismatch_under_the_fields_names_follows_each_stacks_formula():
+    """slime, verl and NeMo-RL's names, each computed here as that stack writes it (masked token means of
+    per-token terms; train = the trainer's log-probability, gen = the engine's), not read from infir2's."""
+    torch.manual_seed(0)
+    gen = -torch.rand(3, 7) * 4
+    train = gen + torch.randn(3, 7) * 0.3
+    mask = (torch.rand(3, 7) > 0.3).float()
+    m = mismatch_metrics(train, gen, mask, cap=2.0)
+
+    def masked_mean(x: torch.Tensor) -> float:
+        return float((x.double() * mask).sum() / mask.sum())
+
+    log_ratio = train.double() - gen.double()
+    # slime (per-token loss): |old_log_probs - rollout_log_probs|
+    assert m["train_rollout_logprob_abs_diff"] == pytest.approx(masked_mean((train - gen).abs()), rel=1e-6)
+    # verl rollout_corr: log_ratio = old_log_prob - rollout_log_prob; exp(log_ratio) - log_ratio - 1
+    assert m["rollout_corr/k3_kl"] == pytest.approx(masked_mean(log_ratio.exp() - log_ratio - 1), rel=1e-6)
+    # NeMo-RL: calculate_kl(logprobs=gen, reference=train, k3) = exp(train - gen) - (train - gen) - 1
+    assert m["gen_kl_error"] == pytest.approx(masked_mean(log_ratio.exp() - log_ratio - 1), rel=1e-6)
+    # NeMo-RL: exp(|gen - prev| * mask), masked mean
+    assert m["token_mult_prob_error"] == pytest.approx(
+        masked_mean(torch.exp((gen - train).abs() * mask)), rel=1e-6
+    )
+    assert set(FIELD_NAMES) <= set(m) and all(m[name] == m[key] for name, key in FIELD_NAMES.items())
 
 
 def test_overlong_penalty_is_dapos_linear_ramp():

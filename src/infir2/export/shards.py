@@ -91,6 +91,13 @@ class CheckpointReader:
             self._handles[file] = safe_open(str(self.folder / file), framework="pt")
         return str(self._handles[file].get_slice(name).get_dtype())  # type: ignore[attr-defined]
 
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        """The stored shape, without reading the data."""
+        file = self.weight_map[name]
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(self.folder / file), framework="pt")
+        return tuple(self._handles[file].get_slice(name).get_shape())  # type: ignore[attr-defined]
+
     def release(self, file: str) -> None:
         """Drop the handle (and its memory map) of a shard that is done."""
         self._handles.pop(file, None)

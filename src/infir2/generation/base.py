@@ -13,6 +13,7 @@ RL talks to it through ``RolloutEngine`` (``n`` samples per prompt from one seed
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -129,9 +130,12 @@ class RolloutEngine:
                 "and log-probabilities"
             )
         self.engine, self.sampling = engine, sampling
+        self.refit_s = 0.0  # the last load_weights's seconds (RL's refit_time_s)
 
     def load_weights(self, policy: nn.Module) -> None:
+        start = time.perf_counter()
         self.engine.load_weights(policy)
+        self.refit_s = time.perf_counter() - start
 
     def generate(
         self, prompts: Sequence[list[int]], n: int, seed: int | Sequence[int], greedy: bool = False

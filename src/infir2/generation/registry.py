@@ -49,6 +49,10 @@ class EngineOptions:
     model_precision: str | None = None  # autocast of the high-precision parts (RL: model.precision)
     copy_model: bool = False  # RL: generate from a copy that load_weights refreshes
     server: ServerConfig | None = None  # a server engine's address and transport settings
+    model_dir: str | None = None  # eval: the --model folder, for an engine that reads it itself (vllm)
+    settings: Any = (
+        None  # an engine's own settings object (vllm: VllmSettings, from its config section / flags)
+    )
 
 
 EngineFactory = Callable[[str, EngineOptions], Engine]
@@ -69,6 +73,26 @@ def _server(name: str, o: EngineOptions) -> Engine:
     return ServerEngine(o.server, o.tokenizer, name)
 
 
+def _vllm(name: str, o: EngineOptions) -> Engine:
+    from .vllm_engine import VllmEngine, VllmSettings, require_vllm
+
+    require_vllm()  # one line, before any weights are read
+    settings = o.settings if isinstance(o.settings, VllmSettings) else VllmSettings()
+    if o.model_dir is not None and o.precision == "high":  # vLLM reads the folder itself
+        return VllmEngine(o.tokenizer, settings, folder=o.model_dir, name=name)
+    if o.model is None:
+        raise ValueError(f"the {name} engine needs a model folder or a model")
+    policy = o.model()
+    return VllmEngine(
+        o.tokenizer,
+        settings,
+        policy=policy,
+        precision=o.precision,
+        scale_encoding=o.scale_encoding,
+        name=name,
+    )
+
+
 @dataclass(frozen=True)
 class EngineTraits:
     """What an engine is, known before it is built (``check_engine``)."""
@@ -78,14 +102,16 @@ class EngineTraits:
     returns_ids: bool  # token ids and log-probabilities (what RL trains on); False: text only
 
 
-#: engine name -> factory. ``local`` is eval's name for the built-in engine (`infir2 eval --engine local`).
-ENGINES: dict[str, EngineFactory] = {"builtin": _builtin, "local": _builtin, "server": _server}
+#: engine name -> factory. ``local`` is eval's name for the built-in engine (`infir2 eval --engine local`);
+#: ``vllm`` an in-process ``vllm.LLM`` (``vllm_engine``; vLLM is an optional extra)
+ENGINES: dict[str, EngineFactory] = {"builtin": _builtin, "local": _builtin, "server": _server, "vllm": _vllm}
 _IN_PROCESS = EngineTraits(True, PRECISIONS, True)
 #: engine name -> its traits (an engine registered without them is absent)
 TRAITS: dict[str, EngineTraits] = {
     "builtin": _IN_PROCESS,
     "local": _IN_PROCESS,
     "server": EngineTraits(False, (), False),
+    "vllm": EngineTraits(True, ("high", "served"), True),  # generation/vllm_engine.py (optional: vLLM)
 }
 
 

@@ -30,6 +30,13 @@ for the same tokens and weights (``d = old - roll``)::
     prob_error = mean(exp(|d|))   NeMo-RL's token multiplicative probability error; healthy < 1.03-1.05
     tis_clip_frac            share of tokens whose ratio exp(d) exceeds the cap
     tis_ess                  (sum w)^2 / (N sum w^2) of the ratios: 1 = no mismatch, small = few tokens dominate
+
+The same numbers are also logged under the names other RL stacks give them (``FIELD_NAMES``), so a run
+compares with theirs without a conversion table: slime's ``train_rollout_logprob_abs_diff`` (mean |d|;
+slime averages per-sample means unless ``--calculate-per-token-loss``: infir2's is the token mean),
+verl's ``rollout_corr/k3_kl`` and NeMo-RL's ``gen_kl_error`` (both mean ``exp(d) - d - 1`` with
+``d = train - rollout``: NeMo-RL's with its default k3 KL type), NeMo-RL's ``token_mult_prob_error``
+(mean ``exp(|d|)``).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "FIELD_NAMES",
     "MISMATCH_SUMS",
     "group_advantages",
     "mismatch_from_sums",
@@ -142,12 +150,22 @@ def mismatch_sums(
     return sums, d.abs().max() if d.numel() else torch.zeros((), dtype=torch.float64)
 
 
+#: the field's names of infir2's mismatch metrics (the module doc): name -> the ``mismatch/*`` key it equals
+FIELD_NAMES = {
+    "train_rollout_logprob_abs_diff": "mismatch/abs_dlogp_mean",  # slime
+    "rollout_corr/k3_kl": "mismatch/k3_kl",  # verl
+    "gen_kl_error": "mismatch/k3_kl",  # NeMo-RL (k3)
+    "token_mult_prob_error": "mismatch/prob_error",  # NeMo-RL
+}
+
+
 def mismatch_from_sums(sums: torch.Tensor, max_abs: torch.Tensor) -> dict[str, float]:
-    """The metrics of the module doc from ``mismatch_sums`` (summed over ranks); {} without tokens."""
+    """The metrics of the module doc from ``mismatch_sums`` (summed over ranks), and the same under the
+    field's names (``FIELD_NAMES``); {} without tokens."""
     n, abs_d, k3, prob, clipped, ratio, ratio_sq = sums.tolist()
     if n == 0:
         return {}
-    return {
+    out = {
         "mismatch/abs_dlogp_mean": abs_d / n,
         "mismatch/abs_dlogp_max": float(max_abs),
         "mismatch/k3_kl": k3 / n,
@@ -155,6 +173,7 @@ def mismatch_from_sums(sums: torch.Tensor, max_abs: torch.Tensor) -> dict[str, f
         "mismatch/tis_clip_frac": clipped / n,
         "mismatch/tis_ess": ratio**2 / (n * ratio_sq),
     }
+    return out | {name: out[key] for name, key in FIELD_NAMES.items()}
 
 
 def mismatch_metrics(

@@ -18,6 +18,8 @@ where they published one, docs/RL.md)::
     train:    max_steps, save_every, keep_last, log_every, eval_every, eval_problems, max_nonfinite_in_row,
               max_prob_error
     parallel: context                                          (as in `infir2 train`: processes per sequence)
+    vllm:     tensor_parallel_size, memory_fraction, cpu_kv_cache_gib, max_model_len, enforce_eager
+              (the settings of rollout.engine: vllm, generation.VllmSettings; refused with another engine)
 
 The run, model, fp8, optim and parallel sections, their rules, the YAML reader and ``run.accept_config_changes``
 are the run harness's (``infir2.harness.config``), shared with ``infir2 train``. Validation is strict (an unknown key or a bad value is a ``ValueError`` naming the dotted key and the
@@ -154,6 +156,24 @@ class RLTrain:
 
 
 @dataclass(frozen=True)
+class RLVllm:
+    """``rollout.engine: vllm``'s own settings (``generation.vllm_engine.VllmSettings``)."""
+
+    tensor_parallel_size: int = setting(1, "GPUs vLLM splits the model over")
+    memory_fraction: float = setting(
+        0.5, "GPU memory vLLM takes (gpu_memory_utilization); colocated: leave the trainer room"
+    )
+    cpu_kv_cache_gib: float = setting(1.0, "CPU: the KV cache in GiB (VLLM_CPU_KVCACHE_SPACE, when unset)")
+    max_model_len: int | None = setting(None, "null: the model's max_position_embeddings")
+    enforce_eager: bool = setting(True, "no CUDA graphs (start in seconds); false: faster decoding on GPU")
+
+    def settings(self) -> Any:
+        from ..generation.vllm_engine import VllmSettings
+
+        return VllmSettings(**{f: getattr(self, f) for f in self.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
 class RLConfig(StageConfig):
     optim: RLOptim = field(default_factory=RLOptim)
     data: RLData = field(default_factory=RLData)
@@ -161,6 +181,7 @@ class RLConfig(StageConfig):
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: RLTrain = field(default_factory=RLTrain)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # context: scoring and update only
+    vllm: RLVllm = field(default_factory=RLVllm)
 
 
 def tis_mode(cfg: RLConfig) -> str:
@@ -229,6 +250,31 @@ def _check(cfg: RLConfig, source: str) -> None:
             f"must be > 1 (1 is a perfect match) or null, got {t.max_prob_error}",
         )
     _check_names(cfg, source)
+    _check_vllm(cfg, source)
+
+
+def _check_vllm(cfg: RLConfig, source: str) -> None:
+    """The vllm section: in range, and changed only for rollout.engine: vllm."""
+    v = cfg.vllm
+    if cfg.rollout.engine != "vllm" and v != RLVllm():
+        changed = [f for f in v.__dataclass_fields__ if getattr(v, f) != getattr(RLVllm(), f)]
+        raise config_error(
+            source,
+            f"vllm.{changed[0]}",
+            f"sets rollout.engine: vllm's engine, but rollout.engine is {cfg.rollout.engine!r}",
+        )
+    if cfg.rollout.engine != "vllm":
+        return
+    from ..generation.vllm_engine import fp8_refusal, fp8_unsupported, require_vllm
+
+    try:
+        v.settings()
+        require_vllm("rollout.engine")  # installed, before any model is read
+        why = fp8_unsupported() if cfg.rollout.precision == "fp8" else None
+        if why is not None:
+            raise fp8_refusal("rollout.precision", why)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
 
 
 def _check_names(cfg: RLConfig, source: str) -> None:

@@ -153,6 +153,7 @@ def _build_engine(cfg: RLConfig, model: nn.Module, tokenizer: Any) -> RolloutEng
         scale_encoding=r.scale_encoding,
         model_precision=cfg.model.precision,
         copy_model=True,
+        settings=cfg.vllm.settings() if r.engine == "vllm" else None,
     )
     sampling = SamplingConfig(  # the policy itself: no top-p / top-k
         False, r.temperature, 1.0, r.max_new_tokens, r.batch_size, beyond_context=cfg.model.beyond_context
@@ -299,6 +300,7 @@ def _step(run: Run, state: RLState) -> dict[str, Any]:
         "rollout_time_s": t1 - t0,
         "train_time_s": now - t1,
         "step_time_s": now - t0,
+        "refit_time_s": run.engine.refit_s if groups else 0.0,  # the sync (step 4) into the engine
         "samples_seen": state.samples_seen,
         "peak_mem_gib": peak_memory_gib(run.env.device),
     }

