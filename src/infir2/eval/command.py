@@ -52,13 +52,21 @@ from ..generation import (
     ENGINES,
     TRAITS,
     ServerEngine,
-    check_engine,
     check_prompt_fits,
     precision_label,
 )
 from ..model import check_model_folder, check_vocabulary, check_vocabulary_rows, config_limits, resolve_device
 from ..tasks import TASKS, sample_path
 from .completions import COMPLETIONS_FILE, CompletionLog, check_prompts, make_out_dir, read_saved
+from .engine_flags import (
+    add_engine_arguments,
+    build_eval_engine,
+    check_engine_flags,
+    check_server_flags,
+    engine_precision,
+    load_model,
+    parse_extra_body,
+)
 from .presets import PRESETS
 from .runner import render_prompts, run_evaluation
 
@@ -141,140 +149,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="local: the built-in KV-cache engine in this process; server: an OpenAI-compatible "
         "/v1/completions endpoint (vLLM, SGLang, transformers serve); or an engine registered by name",
     )
-    _add_engine_arguments(p)
+    add_engine_arguments(p)
     g = p.add_argument_group("held-out loss (instead of a benchmark)")
     g.add_argument("--perplexity", metavar="TOKEN_DIR", help="folder with val.bin + meta.json")
     g.add_argument("--split", default="val", help="token file name without .bin (default: val)")
     g.add_argument("--seq-len", type=int, default=1024, help="context per window (default 1024)")
     g.add_argument("--max-windows", type=int, help="score only the first N windows")
-
-
-def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of the built-in (local) engine and of the server engine."""
-    g = p.add_argument_group("local engine")
-    g.add_argument("--batch-size", type=int, help="sequences generated together (default: 8)")
-    g.add_argument(
-        "--fp8",
-        nargs="?",
-        const="served",
-        metavar="served|RECIPE",
-        help="run the projections in FP8: 'served' (the default of a bare --fp8) as a serving engine runs "
-        "the FP8 export, or a training recipe's name (e.g. blockwise)",
-    )
-    g.add_argument(
-        "--scale-encoding",
-        choices=["pow2", "fp32"],
-        help="--fp8 served: the export's block scales (as `infir2 export --scale-encoding`; default pow2)",
-    )
-    g.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    s = p.add_argument_group("server engine")
-    s.add_argument("--base-url", help="the server, e.g. http://127.0.0.1:8000 (the /v1 is added)")
-    s.add_argument("--concurrency", type=int, help="requests in flight (the server batches them; default: 8)")
-    s.add_argument("--request-timeout", type=float, help="seconds one request may take (default: 3600)")
-    s.add_argument(
-        "--retries",
-        type=int,
-        help="retries of a request after a connection error, timeout, 429 or 5xx (backoff 1, 2, 4 "
-        "... s, at most 60; default: 8)",
-    )
-    s.add_argument(
-        "--samples-per-request",
-        type=int,
-        help="samples asked for in one request (the API's n; default: all of a problem's)",
-    )
-    s.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
-    v = p.add_argument_group("vllm engine (an in-process vllm.LLM; vLLM is an optional extra)")
-    v.add_argument("--tensor-parallel-size", type=int, help="GPUs the model is split over (default: 1)")
-    v.add_argument(
-        "--memory-fraction", type=float, help="share of the GPU's memory vLLM takes (default: 0.5)"
-    )
-    v.add_argument("--cpu-kv-cache-gib", type=float, help="CPU: the KV cache in GiB (default: 1)")
-    v.add_argument(
-        "--max-model-len", type=int, help="longest prompt + response (default: the model's positions)"
-    )
-    v.add_argument(
-        "--cuda-graphs", action="store_true", help="capture CUDA graphs (default: eager, faster start)"
-    )
-    s.add_argument(
-        "--extra-body",
-        help="JSON merged into every request, for engine extensions, e.g. '{\"top_k\": -1}' (default: {})",
-    )
-
-
-#: each engine's own flags (dest -> default): given to an engine of the other kind, they are refused
-IN_PROCESS_FLAGS: dict[str, Any] = {
-    "batch_size": 8,
-    "fp8": None,
-    "scale_encoding": "pow2",
-    "device": "auto",
-    "beyond_context": False,
-}
-SERVER_FLAGS: dict[str, Any] = {
-    "base_url": None,
-    "concurrency": 8,
-    "request_timeout": 3600.0,
-    "retries": 8,
-    "samples_per_request": None,
-    "api_key": None,
-    "extra_body": "{}",
-}
-
-
-VLLM_FLAGS = ("tensor_parallel_size", "memory_fraction", "cpu_kv_cache_gib", "max_model_len", "cuda_graphs")
-
-
-def _vllm_settings(args: argparse.Namespace) -> Any:
-    """The vllm engine's flags as its settings; given to another engine, a flag is refused."""
-    given = [d for d in VLLM_FLAGS if getattr(args, d, None) not in (None, False)]
-    if args.engine != "vllm":
-        if given:
-            raise ValueError(f"{_flag(given[0])} is a flag of --engine vllm, not of --engine {args.engine}")
-        return None
-    from ..generation.vllm_engine import (
-        VllmSettings,
-        fp8_refusal,
-        fp8_unsupported,
-        is_fp8_folder,
-        require_vllm,
-    )
-
-    require_vllm("--engine vllm")  # installed, before anything is read
-    fp8 = "--fp8" if args.fp8 is not None else "--model" if is_fp8_folder(Path(args.model)) else None
-    why = fp8_unsupported() if fp8 else None
-    if fp8 and why:
-        raise fp8_refusal(fp8, why)
-    if args.device not in (None, "auto"):
-        raise ValueError("--device is not a flag of --engine vllm: vLLM places the model itself")
-
-    kept = {d: getattr(args, d) for d in VLLM_FLAGS[:-1] if getattr(args, d) is not None}
-    try:
-        return VllmSettings(**kept, enforce_eager=not args.cuda_graphs)
-    except ValueError as e:
-        raise ValueError(f"--engine vllm: {e}") from None
-
-
-def _flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
-
-
-def _engine_flags(args: argparse.Namespace) -> None:
-    """Refuse a flag of another kind of engine (``TRAITS``: an in-process engine's --batch-size, --fp8,
-    --scale-encoding, --device, --beyond-context; a server's --base-url, --concurrency ...) and what the
-    engine cannot run (``check_engine``: --fp8 of a server), in one line naming the flag, before anything
-    is read; then fill the defaults of the flags not given."""
-    traits = check_engine(args.engine, "--engine", _precision(args), "--fp8")
-    args.vllm_settings = _vllm_settings(args)
-    given = [d for d in (*IN_PROCESS_FLAGS, *SERVER_FLAGS) if getattr(args, d) not in (None, False)]
-    for dest in given:
-        server_flag = dest in SERVER_FLAGS
-        if traits is not None and server_flag == traits.in_process:
-            kind = "--engine server" if server_flag else "an in-process engine (--engine local)"
-            raise ValueError(f"{_flag(dest)} is a flag of {kind}, not of --engine {args.engine}")
-    if args.scale_encoding is not None and _precision(args) != "served":
-        raise ValueError("--scale-encoding sets the block scales of --fp8 served: give it with --fp8")
-    for dest, default in (*IN_PROCESS_FLAGS.items(), *SERVER_FLAGS.items()):
-        if getattr(args, dest) is None:
-            setattr(args, dest, default)
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
@@ -325,7 +205,7 @@ def _resolve(args: argparse.Namespace) -> None:
             f"(docs/EVAL_EXPORT.md says where to get it)"
         )
     _check_numbers(args)  # refused by flag, before any folder is written
-    _check_engine_flags(args)
+    check_server_flags(args)
     resolve_device(args.device)  # a device this machine lacks is refused before anything loads
     if args.fp8 not in (None, "served"):
         recipe_names(args.fp8, "--fp8")  # a recipe name, checked by get_recipe
@@ -336,23 +216,6 @@ def _resolve(args: argparse.Namespace) -> None:
     args.think_prefix = (
         "" if args.no_think_prefix else THINK_PREFIX if args.think_prefix is None else args.think_prefix
     )
-
-
-def _load(args: argparse.Namespace):
-    """The model of --model; with --fp8 RECIPE its projections converted to ``Fp8Linear``."""
-    from ..export import load_checkpoint
-
-    device = str(resolve_device(args.device))
-    model = load_checkpoint(args.model, device=device)
-    if args.fp8 not in (None, "served"):
-        from ..nn import convert_to_fp8
-
-        convert_to_fp8(model, args.fp8)  # an unknown recipe name is a ValueError naming the choices
-    return model
-
-
-def _precision(args: argparse.Namespace) -> str:
-    return "high" if args.fp8 is None else "served" if args.fp8 == "served" else "fp8"
 
 
 def _settings(
@@ -380,65 +243,10 @@ def _expected_settings(args: argparse.Namespace) -> dict[str, Any] | None:
     where only the built engine knows its precision (one registered by name, --fp8 RECIPE: the recipes
     of the layers the conversion turns into FP8)."""
     if args.engine == "server":
-        return _settings(args, args.engine, ServerEngine.precision, _extra_body(args))
+        return _settings(args, args.engine, ServerEngine.precision, parse_extra_body(args))
     if args.engine in ("local", "builtin") and args.fp8 in (None, "served"):
-        return _settings(args, args.engine, precision_label(_precision(args), args.scale_encoding), {})
+        return _settings(args, args.engine, precision_label(engine_precision(args), args.scale_encoding), {})
     return None
-
-
-def _engine(args: argparse.Namespace, tokenizer):
-    from ..generation import EngineOptions, build_engine
-
-    options = EngineOptions(
-        tokenizer,
-        model=lambda: _load(args),
-        precision=_precision(args),
-        scale_encoding=args.scale_encoding,
-        server=_server_config(args) if args.base_url else None,
-        model_dir=str(args.model),
-        settings=args.vllm_settings,
-    )
-    return build_engine(args.engine, options)
-
-
-def _check_engine_flags(args: argparse.Namespace) -> None:
-    """The server engine's flags, before anything is loaded."""
-    if args.engine != "server":
-        return
-    if not args.base_url:
-        raise ValueError("--engine server needs --base-url (e.g. http://127.0.0.1:8000)")
-    _extra_body(args)
-    if args.tokenizer is None and not Path(args.model).is_dir():
-        raise ValueError(
-            f"--engine server needs --tokenizer FOLDER to render the prompts (--model {args.model!r} "
-            f"is the served name, not a folder)"
-        )
-
-
-def _extra_body(args: argparse.Namespace) -> dict[str, Any]:
-    try:
-        extra = json.loads(args.extra_body)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--extra-body is not JSON ({e.msg}): {args.extra_body!r}") from None
-    if not isinstance(extra, dict):
-        raise ValueError(f"--extra-body must be a JSON object, got {args.extra_body!r}")
-    return extra
-
-
-def _server_config(args: argparse.Namespace):
-    from ..generation import ServerConfig
-
-    extra = _extra_body(args)
-    return ServerConfig(
-        args.base_url,
-        args.model,
-        concurrency=args.concurrency,
-        timeout_s=args.request_timeout,
-        retries=args.retries,
-        samples_per_request=args.samples_per_request,
-        api_key=args.api_key,
-        extra_body=extra,
-    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -446,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.perplexity and args.engine != "local":
         raise ValueError("--perplexity runs the model in this process: use --engine local")
-    _engine_flags(args)
+    check_engine_flags(args)
     if args.perplexity:
         from .perplexity import check_loss_inputs
 
@@ -454,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
         _check_out(Path(args.out))
         rows, positions = config_limits(args.model)  # the windows checked before any weights are read
         check_loss_inputs(args.perplexity, args.split, args.seq_len, args.max_windows, rows, positions)
-        return _run_perplexity(_load(args), args, Path(args.out))
+        return _run_perplexity(load_model(args), args, Path(args.out))
     _resolve(args)
     try:
         return _run_benchmark(args)
@@ -477,7 +285,7 @@ def _sample_and_grade(args: argparse.Namespace, problems: list, cfg: Any, out: P
     created = None if top.exists() else top
     try:
         make_out_dir(out)  # a folder that cannot be made is said before the weights are read
-        engine = _engine(args, tokenizer)  # an in-process engine reads the weights here
+        engine = build_eval_engine(args, tokenizer)  # an in-process engine reads the weights here
         if getattr(engine, "model", None) is not None:  # the loaded embedding, where config.json did not say
             check_vocabulary(engine.model, tokenizer, args.tokenizer or args.model)
         settings = _settings(args, engine.name, engine.precision, getattr(engine, "extra_body", {}))
@@ -623,7 +431,7 @@ def _run_perplexity(model, args: argparse.Namespace, out: Path) -> int:
         batch_size=args.batch_size,
         max_windows=args.max_windows,
         split=args.split,
-        fp8=_precision(args) == "fp8",
+        fp8=engine_precision(args) == "fp8",
     )
     summary = {
         "model": str(args.model),
