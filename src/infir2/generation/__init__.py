@@ -2,7 +2,7 @@
 the OpenAI-compatible server client, and the engine registry both ``infir2 eval`` and ``infir2 rl`` read."""
 
 from .base import Engine, Prompt, RolloutEngine, Sample, SamplingConfig, derive_seeds
-from .builtin import BuiltinEngine, check_prompt_fits, precision_label
+from .builtin import BuiltinEngine, check_prompt_fits, precision_label, stops_and_pad
 from .fp8_linear import SAME_RECIPE, ServingFp8Linear, serve_fp8
 from .registry import (
     ENGINES,
@@ -42,4 +42,5 @@ __all__ = [
     "register_engine",
     "sample_batch",
     "serve_fp8",
+    "stops_and_pad",
 ]

@@ -36,13 +36,13 @@ PRECISIONS = ("high", "fp8", "served")
 
 
 def stops_and_pad(tokenizer) -> tuple[list[int], int]:
-    """The stop ids (``data.chat.stop_token_ids``, sorted) and the pad id (the tokenizer's, else a stop id)."""
+    """The stop ids (``data.chat.stop_token_ids``, sorted) and the pad id (the tokenizer's, else the first
+    stop id): the one rule for every padded batch of generated text (the sampler's and RL's)."""
     stops = sorted(set(stop_token_ids(tokenizer)))
     if not stops:
         raise ValueError("the tokenizer has neither <|im_end|> nor an eos token: generation could never stop")
-    return stops, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_token_ids(tokenizer)[
-        0
-    ]
+    pad = tokenizer.pad_token_id
+    return stops, pad if pad is not None else stop_token_ids(tokenizer)[0]
 
 
 def precision_label(precision: str, scale_encoding: str = "pow2", recipes: Sequence[str] = ()) -> str:

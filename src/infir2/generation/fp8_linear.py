@@ -20,8 +20,6 @@ from ..kernels import Operand, bind
 
 __all__ = ["SAME_RECIPE", "ServingFp8Linear", "serve_experts", "serve_fp8"]
 
-#: the training recipe that quantizes exactly as the FP8 serving linear of each scale encoding
-
 
 class ServingFp8Linear(nn.Module):
     """A projection with stored 128x128-block FP8 weights and 1x128 activations (see the module doc)."""

@@ -248,7 +248,6 @@ def complete(cfg: ServerConfig, *args: Any) -> list[Sample]:
 # ------------------------------------------------------------------------------------ many requests
 
 #: ``on_done(prompt index, sample index, sample)``
-_Done = Callable[[int, int, Sample], None]
 
 
 async def _generate_all(
@@ -257,7 +256,7 @@ async def _generate_all(
     sampling: SamplingConfig,
     stop: Sequence[str],
     count_tokens: Callable[[str], int],
-    on_done: _Done,
+    on_done: OnSample,
 ) -> None:
     """Every sample of ``prompts``, at most ``cfg.concurrency`` requests in flight. A request asks for up to
     ``cfg.samples_per_request`` of a prompt's missing samples (seeded with the first one's seed); what

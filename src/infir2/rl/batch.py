@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from ..generation import left_pad
+
 __all__ = ["Group", "RLBatch", "Rows"]
 
 
@@ -139,10 +141,7 @@ class RLBatch:
         p_rows = [torch.tensor(prompts[g.prompt], dtype=torch.long) for g, _ in rows]
         r_rows = [torch.tensor(g.responses[j], dtype=torch.long) for g, j in rows]  # type: ignore[index]
         p_len = torch.tensor([p.numel() for p in p_rows])
-        width = int(p_len.max())
-        left = torch.full((len(rows), width), pad_id, dtype=torch.long)
-        for i, p in enumerate(p_rows):
-            left[i, width - p.numel() :] = p
+        left, _ = left_pad([p.tolist() for p in p_rows], pad_id, torch.device("cpu"))
         return cls(
             left,
             p_len,

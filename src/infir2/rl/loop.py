@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 from ..data.chat import render_prompt, stop_token_ids
-from ..generation import EngineOptions, RolloutEngine, SamplingConfig, build_engine
+from ..generation import EngineOptions, RolloutEngine, SamplingConfig, build_engine, stops_and_pad
 from ..harness.config import config_to_dict
 from ..harness.config_changes import reconcile_saved_config
 from ..harness.distributed import DistEnv, all_reduce_sum, context_layout, context_parallel, data_ranks
@@ -170,7 +170,7 @@ def _setup(
     if tokenizer is None:
         raise ValueError("model.tokenizer: a model built from_config needs a tokenizer folder")
     stops = stop_token_ids(tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stops[0] if stops else 0)
+    pad_id = stops_and_pad(tokenizer)[1]  # the engines' rule (a tokenizer with no stop token is refused)
     built: dict[str, Any] = {}
 
     def before_shard(whole: nn.Module) -> None:  # the engine and the reference copy the whole model
