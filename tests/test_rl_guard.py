@@ -103,7 +103,7 @@ def test_fp8_rollouts_serve_the_exports_base_dtype_and_tis_follows():
     assert bf16.rollout.base_dtype == "bf16" and tis_mode(bf16) == "truncate"
     fp32 = parse_rl_config({**base, "rollout": {"base_dtype": "fp32"}}, "test")
     assert tis_mode(fp32) == "off"  # fp8 rollouts + blockwise training, the trainer's values: identical
-    with pytest.raises(ValueError, match="guard.max_val_drop"):
+    with pytest.raises(ValueError, match=r"guard\.max_val_drop"):
         parse_rl_config({**base, "guard": {"max_val_drop": 5}}, "test")
-    with pytest.raises(ValueError, match="rollout.base_dtype"):
+    with pytest.raises(ValueError, match=r"rollout\.base_dtype"):
         parse_rl_config({**base, "rollout": {"base_dtype": "fp16"}}, "test")

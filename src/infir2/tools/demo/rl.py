@@ -59,8 +59,9 @@ class RLStudy:
     temperature: float = 1.0
     prompts_per_step: int = 16
     group_size: int = 8
-    n_prompts: int = 1000  # RL prompts of the harder split
-    n_val: int = 100  # held-out problems of the harder split
+    split: str = "mixed"  # hard: RL on (and measured on) the harder split; mixed: half of it, half two-op
+    n_prompts: int = 1000  # RL prompts
+    n_val: int = 100  # held-out problems
     eval_every: int = 5
     max_kl: float | None = None  # guard.max_kl (the KL is logged either way)
 
@@ -72,22 +73,29 @@ QUICK_STUDY = RLStudy(
 
 
 def _problems(out: Path, s: DemoSettings, study: RLStudy) -> tuple[Path, Path]:
-    """``OUT/rl/prompts.jsonl`` and ``OUT/rl/val.jsonl``: problems of the harder split, disjoint."""
+    """``OUT/rl/prompts.jsonl`` and ``OUT/rl/val.jsonl``. ``hard``: problems of the harder split, the
+    held-out ones generated apart; ``mixed``: half of each file of the harder split, half of the demo's
+    own two-operation problems (prompts: generated, none of ``test.jsonl``; held out: ``test.jsonl``'s
+    first), so that a gain on the harder problems that costs the trained ones shows."""
     folder = out / "rl"
     folder.mkdir(parents=True, exist_ok=True)
-    ops = harder(s.num_ops)
-    val = make_problems(
-        study.n_val, seed=s.data_seed + 2, max_operand=s.max_operand, num_ops=ops, prefix="rl-val"
-    )
-    held_out = [r["problem"] for r in val]
-    prompts = make_problems(
-        study.n_prompts,
-        seed=s.data_seed + 1,
-        max_operand=s.max_operand,
-        num_ops=ops,
-        exclude=held_out,
-        prefix="rl",
-    )
+    ops, gen = harder(s.num_ops), {"max_operand": s.max_operand}
+    n_hard_val = study.n_val if study.split == "hard" else study.n_val // 2
+    n_hard = study.n_prompts if study.split == "hard" else study.n_prompts // 2
+    val = make_problems(n_hard_val, seed=s.data_seed + 2, num_ops=ops, prefix="rl-val", **gen)
+    test = [json.loads(x) for x in (out / "data" / "test.jsonl").read_text().splitlines() if x.strip()]
+    held_out = [r["problem"] for r in val + test]
+    prompts = make_problems(n_hard, seed=s.data_seed + 1, num_ops=ops, exclude=held_out, prefix="rl", **gen)
+    if study.split == "mixed":
+        val += test[: study.n_val - n_hard_val]
+        prompts += make_problems(
+            study.n_prompts - n_hard,
+            seed=s.data_seed + 3,
+            num_ops=s.num_ops,
+            exclude=held_out,
+            prefix="rl2",
+            **gen,
+        )
     paths = folder / "prompts.jsonl", folder / "val.jsonl"
     for path, records in zip(paths, (prompts, val), strict=True):
         path.write_text("".join(json.dumps(r) + "\n" for r in records))
