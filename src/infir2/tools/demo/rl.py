@@ -57,8 +57,9 @@ class RLStudy:
     steps: int = 20
     lr: float = 3e-4
     temperature: float = 1.0
-    prompts_per_step: int = 16
+    prompts_per_step: int = 8  # groups trained on per step (rollout.prompts_per_step)
     group_size: int = 8
+    max_rounds: int = 2  # generation rounds of 2 x prompts_per_step prompts (dynamic sampling)
     split: str = "mixed"  # hard: RL on (and measured on) the harder split; mixed: half of it, half two-op
     n_prompts: int = 1000  # RL prompts
     n_val: int = 100  # held-out problems
@@ -136,6 +137,7 @@ def _config(
             "prompts_per_step": study.prompts_per_step,
             "group_size": study.group_size,
             "oversample_prompts": 2 * study.prompts_per_step,
+            "max_rounds": study.max_rounds,
             "max_new_tokens": s.max_new_tokens,
             "temperature": study.temperature,
             "batch_size": 128,
