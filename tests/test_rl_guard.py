@@ -32,21 +32,24 @@ def _replay(metrics: list[dict], guard_record: dict, cfg: RLGuard) -> list[tuple
 
 
 def test_the_guard_warns_on_the_saturated_start_run():
-    """`benchmarks/rl_demo.py`'s saturated start (docs/RL.md, "Collapse guard") at lr 3e-4: its recorded
-    metrics.jsonl and guard.json. The held-out accuracy falls while the reward does not: the guard's
-    first trip is the first evaluation more than 5 points below the start, and none before it."""
+    """The demo's saturated SFT start (99% greedy) through RL at lr 3e-4 on the harder split (docs/RL.md,
+    "Collapse guard"; `benchmarks/rl_demo.py --split hard --val-every 5 --max-kl 0.25`): its recorded
+    metrics.jsonl and guard.json. The held-out accuracy (the SFT val problems, two operations) falls while
+    the rollout reward rises: replayed, the guard warns exactly where the run warned; at the defaults
+    (no KL limit) its first warning is the first evaluation more than 5 points below the start."""
     metrics = [json.loads(x) for x in (FIXTURE / "metrics.jsonl").read_text().splitlines()]
     record = json.loads((FIXTURE / "guard.json").read_text())
-    trips = _replay(metrics, record, RLGuard())
+    trips = _replay(metrics, record, RLGuard(max_kl=0.25))
     assert trips == [(t["step"], t["why"]) for t in record["trips"]]  # as the run itself warned
+    assert any("KL to the start model" in why for _, why in trips)  # the KL ran away too
     evals = [(m["step"], m["val_accuracy"]) for m in metrics if "val_accuracy" in m]
     first_low = next(step for step, acc in evals if acc < record["val_start"] - 0.05)
-    assert trips and trips[0][0] == first_low
-    assert "held-out accuracy" in trips[0][1]
+    by_default = _replay(metrics, record, RLGuard())
+    assert by_default and by_default[0][0] == first_low and "held-out accuracy" in by_default[0][1]
     rewards = [m["reward_mean"] for m in metrics]
     k = len(rewards) // 4
-    assert sum(rewards[-k:]) / k > sum(rewards[:k]) / k - 0.05  # the reward did not show it
-    assert _replay(metrics, record, RLGuard(max_val_drop=None)) == []  # off: silent
+    assert sum(rewards[-k:]) / k > sum(rewards[:k]) / k  # the reward did not show it: it rose
+    assert _replay(metrics, record, RLGuard(max_val_drop=None)) == []  # both off: silent
 
 
 @pytest.fixture

@@ -150,14 +150,19 @@ def _config(
 
 def _one_run(cfg: dict, threads: int) -> dict[str, Any]:
     """One RL run (in a worker process, or here): its curves from ``metrics.jsonl`` and ``guard.json``."""
+    from ...harness.config_changes import reconcile_saved_config
     from ...rl import parse_rl_config, rl
+    from ...rl.config import MEANINGFUL
 
     start_worker(threads, cfg["run"]["name"])
-    result = rl(parse_rl_config(cfg, f"demo --rl:{cfg['run']['name']}"), progress=False)
-    history = [
-        json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()
-    ]
-    guard = json.loads((result.run_dir / "guard.json").read_text())
+    parsed = parse_rl_config(cfg, f"demo --rl:{cfg['run']['name']}")
+    run_dir = parsed.run_dir
+    if _finished(run_dir, parsed.train.max_steps):  # a rerun of the study reads a finished run back ...
+        reconcile_saved_config(parsed, MEANINGFUL, write=False)  # ... if it ran these settings (else refused)
+    else:
+        run_dir = rl(parsed, progress=False).run_dir
+    history = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    guard = json.loads((run_dir / "guard.json").read_text())
     val = [(0, guard["val_start"])] + [(m["step"], m["val_accuracy"]) for m in history if "val_accuracy" in m]
     return {
         "steps": [m["step"] for m in history],
@@ -170,6 +175,15 @@ def _one_run(cfg: dict, threads: int) -> dict[str, Any]:
         "guard": guard["trips"],
         "seconds": sum(m["step_time_s"] for m in history),
     }
+
+
+def _finished(run_dir: Path, steps: int) -> bool:
+    """The run exported ``hf/`` after ``steps`` steps (and recorded its guard): nothing left to compute."""
+    metrics, guard = run_dir / "metrics.jsonl", run_dir / "guard.json"
+    if not ((run_dir / "hf" / "config.json").is_file() and metrics.is_file() and guard.is_file()):
+        return False
+    lines = [x for x in metrics.read_text().splitlines() if x.strip()]
+    return bool(lines) and json.loads(lines[-1])["step"] == steps
 
 
 def study_verdicts(
@@ -284,7 +298,7 @@ def rl_figure(record: dict[str, Any], path: Path) -> Path:
             ax.plot(x, mean, color=colour, lw=2, label=pair)
         ax.set_title(title)
         ax.set_xlabel("RL step")
-        if key == "dlogp":
+        if key == "dlogp" and any(v > 0 for r in record["runs"] for v in r["abs_dlogp_mean"]):
             ax.set_yscale("log")
         ax.legend()
     fig.suptitle("; ".join(_line(v).strip() for v in record["verdicts"]), fontsize=8)
