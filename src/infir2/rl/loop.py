@@ -16,7 +16,10 @@
    a non-finite loss or norm skips the update (``train.max_nonfinite_in_row`` skipped steps in a row
    stop the run with ``NonFiniteError``);
 4. **sync**: the engine takes the new weights (``RolloutEngine.load_weights``: for FP8 rollouts, the
-   128x128 quantization of the export).
+   128x128 quantization of the export, the other tensors in ``rollout.base_dtype``);
+5. **guard** (``rl/guard.py``): the held-out accuracy (before step 1 and at every evaluation) and the
+   KL to the start model against ``guard.*``; a trip warns, or with ``guard.stop`` ends the run with
+   ``hf/`` exported from the best held-out weights.
 
 Around it, the run harness ``infir2 train`` uses too (``infir2.harness``): the run folder
 ``<out_dir>/<name>`` (lock, ``config.yaml``, resume refused on meaningful config changes unless

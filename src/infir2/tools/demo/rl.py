@@ -80,13 +80,15 @@ def _problems(out: Path, s: DemoSettings, study: RLStudy) -> tuple[Path, Path]:
     first), so that a gain on the harder problems that costs the trained ones shows."""
     folder = out / "rl"
     folder.mkdir(parents=True, exist_ok=True)
-    ops, gen = harder(s.num_ops), {"max_operand": s.max_operand}
+    ops, m = harder(s.num_ops), s.max_operand
     n_hard_val = study.n_val if study.split == "hard" else study.n_val // 2
     n_hard = study.n_prompts if study.split == "hard" else study.n_prompts // 2
-    val = make_problems(n_hard_val, seed=s.data_seed + 2, num_ops=ops, prefix="rl-val", **gen)
+    val = make_problems(n_hard_val, seed=s.data_seed + 2, num_ops=ops, prefix="rl-val", max_operand=m)
     test = [json.loads(x) for x in (out / "data" / "test.jsonl").read_text().splitlines() if x.strip()]
     held_out = [r["problem"] for r in val + test]
-    prompts = make_problems(n_hard, seed=s.data_seed + 1, num_ops=ops, exclude=held_out, prefix="rl", **gen)
+    prompts = make_problems(
+        n_hard, seed=s.data_seed + 1, num_ops=ops, exclude=held_out, prefix="rl", max_operand=m
+    )
     if study.split == "mixed":
         val += test[: study.n_val - n_hard_val]
         prompts += make_problems(
@@ -95,7 +97,7 @@ def _problems(out: Path, s: DemoSettings, study: RLStudy) -> tuple[Path, Path]:
             num_ops=s.num_ops,
             exclude=held_out,
             prefix="rl2",
-            **gen,
+            max_operand=m,
         )
     paths = folder / "prompts.jsonl", folder / "val.jsonl"
     for path, records in zip(paths, (prompts, val), strict=True):
@@ -263,7 +265,7 @@ def _report(record: dict[str, Any]) -> str:
             for trip in r["guard"]:
                 lines.append(f"    seed {r['seed']}: {trip['why']}")
     head = (
-        f"RL after the demo's SFT ({record['start']}), harder split, {study['steps']} steps at lr {study['lr']:g}, "
+        f"RL after the demo's SFT ({record['start']}), {study['split']} split, {study['steps']} steps at lr {study['lr']:g}, "
         f"RL seeds {','.join(map(str, study['seeds']))} ({record['seconds']:.0f} s):"
     )
     verdict = f"verdict (95% t-interval over RL seeds, held-out accuracy points, margin +-{MARGIN:g}):"
@@ -285,7 +287,11 @@ def rl_figure(record: dict[str, Any], path: Path) -> Path:
     )
     panels = (
         ("reward", "rollout reward (mean, T 1)", lambda r: (r["steps"], r["reward"])),
-        ("val", "held-out greedy accuracy (harder split)", lambda r: tuple(zip(*r["val"], strict=True))),
+        (
+            "val",
+            f"held-out greedy accuracy ({record['study']['split']} split)",
+            lambda r: tuple(zip(*r["val"], strict=True)),
+        ),
         ("dlogp", "rollout/trainer mismatch: mean |dlogp|", lambda r: (r["steps"], r["abs_dlogp_mean"])),
     )
     for ax, (key, title, xy) in zip(axes, panels, strict=True):
