@@ -177,9 +177,8 @@ def _setup(
 
     def before_shard(whole: nn.Module) -> None:  # the engine and the reference copy the whole model
         built["engine"] = _build_engine(cfg, whole, tokenizer)
-        if (
-            cfg.algo.kl_coef > 0 or cfg.guard.max_kl is not None
-        ):  # a whole copy on every rank (no collectives)
+        keeps_ref = cfg.algo.kl_coef > 0 or cfg.guard.max_kl is not None  # the loss's KL, or the guard's
+        if keeps_ref:  # a whole copy on every rank (no collectives in its forwards)
             built["ref"] = copy.deepcopy(whole).eval().requires_grad_(False)
 
     prompt_ids, val_ids = _encode(tokenizer, problems), _encode(tokenizer, val)
