@@ -43,7 +43,16 @@ ALLOWED: dict[str, set[str]] = {
     "tools": set(),
     "tools.paired": set(),  # paired-seed statistics shared by demo and bench (floats only)
     "tools.bench": {"data", "fp8", "kernels", "model", "nn", "train", "tools.paired"},
-    "tools.demo": {"data", "eval", "fp8", "tools.bench", "tools.paired", "train"},
+    "tools.demo": {
+        "data",
+        "eval",
+        "fp8",
+        "harness",
+        "rl",
+        "tools.bench",
+        "tools.paired",
+        "train",
+    },  # demo --rl
     "tools.memory": {"fp8", "nn"},
     "tools.plan": {"fp8", "loss", "rl", "tools.memory", "train"},
     "tools.numerics": {"nn"},  # infir2 numerics: reads a run's telemetry keys
