@@ -12,7 +12,9 @@ the run measured, and the RL run's wall-clock time; then, over the RL seeds (gre
 pair's gain over the SFT start and each pair against the last one paired by RL seed, as 95% t-intervals
 against the demo's accuracy margin (``infir2.tools.paired.paired_verdict``). The SFT start is one model,
 so these intervals cover the RL seeds' spread, not that of SFT seeds or of the 100 test problems.
-``--val-every N`` also scores the SFT val problems (held out from SFT and RL) greedily every N RL steps.
+``--val-every N`` also scores the SFT val problems (held out from SFT and RL) greedily every N RL steps
+(and before step 1: the collapse guard's start, ``guard.max_val_drop`` at its default 5 points, its
+warnings in the run's ``guard.json``); ``--max-kl`` logs the KL to the start model every step.
 
 ``--split hard`` is for an SFT model that already saturates the demo's test problems: RL then trains on
 problems of the harder split (``infir2.tools.demo.data.harder``: one operation more than SFT saw,
@@ -126,6 +128,7 @@ def _rl_config(
         },
         "algo": {"updates_per_batch": args.updates, "micro_batch_size": 64},
         "train": {"max_steps": args.steps, "save_every": 0, "log_every": 5},
+        "guard": {"max_kl": args.max_kl},
     }
     if val is not None:
         cfg["data"]["val_path"] = str(val)
@@ -173,6 +176,12 @@ def main() -> None:
         default=0,
         help="greedy accuracy on the SFT val problems (held out from SFT and RL; not test.jsonl) every N "
         "RL steps, printed as a trend (0: off)",
+    )
+    p.add_argument(
+        "--max-kl",
+        type=float,
+        default=None,
+        help="guard.max_kl: keep a reference and log kl_ref (the KL to the SFT start) every step, warn above it",
     )
     args = p.parse_args()
     settings = parse_sets(args.set, SETTINGS)

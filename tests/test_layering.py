@@ -46,7 +46,16 @@ ALLOWED: dict[str, set[str]] = {
     "tools": set(),
     "tools.paired": set(),  # paired-seed statistics shared by demo and bench (floats only)
     "tools.bench": {"data", "fp8", "kernels", "model", "nn", "train", "tools.paired", "tools.recipe_spec"},
-    "tools.demo": {"data", "eval", "tools.bench", "tools.paired", "tools.recipe_spec", "train"},
+    "tools.demo": {
+        "data",
+        "eval",
+        "harness",
+        "rl",
+        "tools.bench",
+        "tools.paired",
+        "tools.recipe_spec",
+        "train",
+    },  # demo --rl
     "tools.recipe_spec": {"fp8"},  # RECIPE[+tail]: the recipes demo and fidelity runs name
     "tools.config": {"harness", "rl", "train"},  # infir2 config: the keys and checks of every stage
     "tools.memory": {"fp8", "nn", "planning"},

@@ -10,7 +10,11 @@
 
 ``copy_model``: generate from a copy that ``load_weights(policy)`` refreshes (RL: gathered whole from an
 FSDP2-sharded policy, one tensor at a time in the same order on every rank), else from the model itself
-(evaluation; ``served`` then swaps its projections in place). Samples are batched ``batch_size`` at a
+(evaluation; ``served`` then swaps its projections in place). ``base_dtype`` (``served`` with
+``copy_model``): the copy holds every other tensor -- embeddings, norms, ``lm_head``, biases -- rounded to
+it, as the FP8 export stores them (``infir2 export --base-dtype``, bf16 by default), so the copy's
+weights are the export folder's values (the arithmetic stays in ``model_precision``); None keeps the
+policy's own values. Samples are batched ``batch_size`` at a
 time in the order asked, each from a generator seeded with its own seed.
 """
 
@@ -70,12 +74,14 @@ class BuiltinEngine:
         model_precision: str | None = None,
         copy_model: bool = False,
         name: str = "builtin",
+        base_dtype: torch.dtype | None = None,
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         self.name, self.model_precision, self.copy_model = name, model_precision, copy_model
         self.stop_ids, self.pad_id = stops_and_pad(tokenizer)
         self.mode = precision
+        self.base_dtype = base_dtype if precision == "served" else None
         self.precision = precision_label(
             precision, scale_encoding, [m.recipe.name for _, m in fp8_modules(model)]
         )
@@ -91,13 +97,15 @@ class BuiltinEngine:
     @torch.no_grad()
     def load_weights(self, policy: nn.Module) -> None:
         """Copy the policy's weights (gathered whole if FSDP2 shards them; every rank calls this), the FP8
-        projections quantized by the export's function."""
+        projections quantized by the export's function, the other tensors rounded to ``base_dtype``."""
         own = dict(self.model.named_parameters())
         for name, p in policy.named_parameters():
             full = p.full_tensor() if hasattr(p, "full_tensor") else p  # a DTensor shard under FSDP2
             fqn, _, kind = name.rpartition(".")
             if fqn in self.fp8_layers:
                 self.fp8_layers[fqn].load_tensor(kind, full.detach())
+            elif self.base_dtype is not None:  # the export's cast (round to nearest), held in own dtype
+                own[name].copy_(full.detach().to(self.base_dtype))
             else:
                 own[name].copy_(full.detach())
 

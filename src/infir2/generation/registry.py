@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from .base import Engine
@@ -48,6 +49,9 @@ class EngineOptions:
     scale_encoding: str = "pow2"  # served: the export's block scales (pow2 | fp32)
     model_precision: str | None = None  # autocast of the high-precision parts (RL: model.precision)
     copy_model: bool = False  # RL: generate from a copy that load_weights refreshes
+    base_dtype: torch.dtype | None = (
+        None  # served + copy_model: the other tensors as the FP8 export holds them
+    )
     server: ServerConfig | None = None  # a server engine's address and transport settings
     model_dir: str | None = None  # eval: the --model folder, for an engine that reads it itself (vllm)
     settings: Any = (
@@ -62,7 +66,14 @@ def _builtin(name: str, o: EngineOptions) -> Engine:
     if o.model is None:
         raise ValueError(f"the {name} engine runs a model in this process: give a model")
     return BuiltinEngine(
-        o.model(), o.tokenizer, o.precision, o.scale_encoding, o.model_precision, o.copy_model, name
+        o.model(),
+        o.tokenizer,
+        o.precision,
+        o.scale_encoding,
+        o.model_precision,
+        o.copy_model,
+        name,
+        o.base_dtype,
     )
 
 

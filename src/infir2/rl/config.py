@@ -10,7 +10,7 @@ where they published one, docs/RL.md)::
     data:     task (a task of infir2.tasks.TASKS: the JSONL schema, default math), prompts_path, val_path,
               shuffle, seed
     rollout:  engine (a name in infir2.generation.ENGINES), precision (bf16|fp8), scale_encoding (pow2|fp32),
-              prompts_per_step, group_size,
+              base_dtype (bf16|fp32), prompts_per_step, group_size,
               oversample_prompts, max_rounds, carry_over, max_new_tokens, temperature, batch_size
     algo:     reward, clip_low, clip_high, kl_coef, tis (auto|truncate|mask|off), tis_cap,
               overlong (none|mask|penalty), overlong_buffer, overlong_penalty, updates_per_batch,
@@ -20,6 +20,7 @@ where they published one, docs/RL.md)::
     parallel: context                                          (as in `infir2 train`: processes per sequence)
     vllm:     tensor_parallel_size, memory_fraction, cpu_kv_cache_gib, max_model_len, enforce_eager
               (the settings of rollout.engine: vllm, generation.VllmSettings; refused with another engine)
+    guard:    max_val_drop, max_kl, stop                       (the collapse guard, rl/guard.py)
 
 The run, model, fp8, optim and parallel sections, their rules, the YAML reader and ``run.accept_config_changes``
 are the run harness's (``infir2.harness.config``), shared with ``infir2 train``. Validation is strict (an unknown key or a bad value is a ``ValueError`` naming the dotted key and the
@@ -54,6 +55,7 @@ __all__ = [
     "AlgoConfig",
     "RLConfig",
     "RLData",
+    "RLGuard",
     "RLTrain",
     "RolloutConfig",
     "load_rl_config",
@@ -95,6 +97,11 @@ class RolloutConfig:
     )
     scale_encoding: Literal["pow2", "fp32"] = setting(
         "pow2", "fp8 block scales, as `infir2 export --scale-encoding`"
+    )
+    base_dtype: Literal["bf16", "fp32"] = setting(
+        "bf16",
+        "fp8: the embeddings, norms and lm_head as the FP8 export stores them (`infir2 export --base-dtype`): "
+        "rollouts are the deployed model; fp32: the trainer's values (the identical pair)",
     )
     prompts_per_step: int = setting(128, "groups trained on per step")
     group_size: int = setting(16, "samples per prompt")
@@ -174,6 +181,25 @@ class RLVllm:
 
 
 @dataclass(frozen=True)
+class RLGuard:
+    """The collapse guard (``rl/guard.py``): a warning, or with ``stop`` the end of the run."""
+
+    max_val_drop: float | None = setting(
+        0.05,
+        "held-out greedy accuracy (data.val_path, measured before step 1 and at every evaluation) more "
+        "than this below the start's (a fraction: 0.05 = 5 points); null = off",
+    )
+    max_kl: float | None = setting(
+        None,
+        "mean per-token k3 KL of the policy to the start model above this (keeps a reference copy, as "
+        "algo.kl_coef > 0 does, and logs kl_ref every step); null = off",
+    )
+    stop: bool = setting(
+        False, "stop at the first trip; hf/ then holds the weights of the best held-out accuracy"
+    )
+
+
+@dataclass(frozen=True)
 class RLConfig(StageConfig):
     optim: RLOptim = field(default_factory=RLOptim)
     data: RLData = field(default_factory=RLData)
@@ -182,15 +208,17 @@ class RLConfig(StageConfig):
     train: RLTrain = field(default_factory=RLTrain)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # context: scoring and update only
     vllm: RLVllm = field(default_factory=RLVllm)
+    guard: RLGuard = field(default_factory=RLGuard)
 
 
 def tis_mode(cfg: RLConfig) -> str:
-    """``truncate`` / ``mask`` / ``off``: ``auto`` truncates when rollout and training quantize differently."""
+    """``truncate`` / ``mask`` / ``off``: ``auto`` truncates when rollout and training quantize differently
+    (FP8 rollouts of a bf16 ``base_dtype`` round what the trainer holds in fp32: they differ)."""
     if cfg.algo.tis != "auto":
         return cfg.algo.tis
     same = (cfg.rollout.precision == "fp8") == (cfg.fp8.recipe != "bf16")
     if same and cfg.rollout.precision == "fp8":
-        same = cfg.fp8.recipe == SAME_RECIPE[cfg.rollout.scale_encoding]
+        same = cfg.fp8.recipe == SAME_RECIPE[cfg.rollout.scale_encoding] and cfg.rollout.base_dtype == "fp32"
     return "off" if same else "truncate"
 
 
@@ -249,6 +277,14 @@ def _check(cfg: RLConfig, source: str) -> None:
             "train.max_prob_error",
             f"must be > 1 (1 is a perfect match) or null, got {t.max_prob_error}",
         )
+    g = cfg.guard
+    if g.max_val_drop is not None and not 0 <= g.max_val_drop < 1:
+        raise config_error(
+            source,
+            "guard.max_val_drop",
+            f"a fraction in [0, 1) (0.05 = 5 points) or null, got {g.max_val_drop}",
+        )
+    positive("guard.max_kl", g.max_kl)
     _check_names(cfg, source)
     _check_vllm(cfg, source)
 

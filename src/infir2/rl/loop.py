@@ -16,7 +16,10 @@
    a non-finite loss or norm skips the update (``train.max_nonfinite_in_row`` skipped steps in a row
    stop the run with ``NonFiniteError``);
 4. **sync**: the engine takes the new weights (``RolloutEngine.load_weights``: for FP8 rollouts, the
-   128x128 quantization of the export).
+   128x128 quantization of the export, the other tensors in ``rollout.base_dtype``);
+5. **guard** (``rl/guard.py``): the held-out accuracy (before step 1 and at every evaluation) and the
+   KL to the start model against ``guard.*``; a trip warns, or with ``guard.stop`` ends the run with
+   ``hf/`` exported from the best held-out weights.
 
 Around it, the run harness ``infir2 train`` uses too (``infir2.harness``): the run folder
 ``<out_dir>/<name>`` (lock, ``config.yaml``, resume refused on meaningful config changes unless
@@ -47,6 +50,7 @@ Under ``torchrun --nproc_per_node N`` (every rank calls ``rl``) the policy is sh
 from __future__ import annotations
 
 import copy
+import json
 import random
 import time
 from dataclasses import dataclass, field
@@ -74,6 +78,7 @@ from .algorithm import group_advantages
 from .batch import RLBatch
 from .collect import collect_groups, completion_text, share
 from .config import MEANINGFUL, RLConfig, tis_mode
+from .guard import CollapseGuard
 from .prompts import PromptStream
 from .state import RLState, RolloutData, Run
 from .update import my_micro_batches, plan_batches, score, update
@@ -154,6 +159,7 @@ def _build_engine(cfg: RLConfig, model: nn.Module, tokenizer: Any) -> RolloutEng
         model_precision=cfg.model.precision,
         copy_model=True,
         settings=cfg.vllm.settings() if r.engine == "vllm" else None,
+        base_dtype={"bf16": torch.bfloat16, "fp32": None}[r.base_dtype],
     )
     sampling = SamplingConfig(  # the policy itself: no top-p / top-k
         False, r.temperature, 1.0, r.max_new_tokens, r.batch_size, beyond_context=cfg.model.beyond_context
@@ -175,7 +181,8 @@ def _setup(
 
     def before_shard(whole: nn.Module) -> None:  # the engine and the reference copy the whole model
         built["engine"] = _build_engine(cfg, whole, tokenizer)
-        if cfg.algo.kl_coef > 0:  # a whole copy on every rank (no collectives in its forwards)
+        keeps_ref = cfg.algo.kl_coef > 0 or cfg.guard.max_kl is not None  # the loss's KL, or the guard's
+        if keeps_ref:  # a whole copy on every rank (no collectives in its forwards)
             built["ref"] = copy.deepcopy(whole).eval().requires_grad_(False)
 
     prompt_ids, val_ids = _encode(tokenizer, problems), _encode(tokenizer, val)
@@ -239,24 +246,54 @@ def _run(run: Run, progress: bool) -> RLResult:
     t = cfg.train
     causes = "a non-finite loss or gradient norm or a rollout mismatch above train.max_prob_error"
     guard = StepGuard(t.max_nonfinite_in_row, "train.max_nonfinite_in_row", causes, ADVICE)
+    collapse, stopped = _collapse_guard(run, state.step), False
     with MetricsLogger(
         cfg.run_dir, env.is_main, state.step, t.max_steps, t.log_every, progress, "rl"
     ) as logger:
-        while state.step < t.max_steps:
+        while state.step < t.max_steps and not stopped:
             metrics = _step(run, state)
             last = state.step == t.max_steps
             if run.val and (last or (t.eval_every and state.step % t.eval_every == 0)):
                 metrics["val_accuracy"] = _evaluate(run)
+            verdict = collapse.check(metrics, run.model)
+            if verdict.why is not None:
+                metrics["guard"] = verdict.why
+                logger.message(verdict.why + (": stopping (guard.stop)" if cfg.guard.stop else ""))
+                stopped = cfg.guard.stop
             logger.log(metrics)
             result.history.append(metrics)
             guard.record(state, metrics.get("skipped"), logger.message, result.checkpoint or resumed_from)
             if t.save_every and state.step % t.save_every == 0 and not last and not state.nonfinite_in_row:
                 result.checkpoint = _save(run, state).wait()
+            if env.is_main and (run.val or collapse.trips):
+                collapse.write(cfg.run_dir / GUARD_FILE, stopped)
         result.step = state.step
         if state.step and not state.nonfinite_in_row:
             result.checkpoint = _save(run, state).wait()
+        if stopped:  # the checkpoint keeps where the run stopped; hf/ the best held-out weights
+            collapse.restore_best(run.model)
         result.hf_dir = export_final(cfg.run_dir, env, run.model, run.tokenizer, cfg.model)
     return result
+
+
+#: the collapse guard's record in the run folder (start and best held-out accuracy, trips)
+GUARD_FILE = "guard.json"
+
+
+def _collapse_guard(run: Run, step: int) -> CollapseGuard:
+    """The guard, with the held-out accuracy of the start: measured now (step 0), or on resume read back
+    from ``guard.json``."""
+    collapse = CollapseGuard(run.cfg.guard)
+    if not run.val:
+        return collapse
+    path = run.cfg.run_dir / GUARD_FILE
+    if step == 0:
+        collapse.start(_evaluate(run), run.model)
+    elif path.is_file():
+        saved = json.loads(path.read_text())
+        collapse.val_start, collapse.best = saved["val_start"], saved["best_val_accuracy"]
+        collapse.best_step, collapse.trips = saved["best_step"], saved["trips"]
+    return collapse
 
 
 def _save(run: Run, state: RLState) -> PendingSave:

@@ -187,13 +187,15 @@ def update(run: Run, batch: RLBatch, plan: Plan) -> dict[str, float]:
         run.optimizer.zero_grad(set_to_none=True)
     clip_low, clip_high, kl, tokens = sums.tolist()
     tokens = max(tokens, 1.0)
-    return {
+    out = {
         "loss": sum(losses) / max(len(losses), 1),
         "grad_norm": max(norms) if norms else 0.0,
         "lr": cfg.optim.lr,
         "clip_low_frac": clip_low / tokens,
         "clip_high_frac": clip_high / tokens,
-        "kl_ref": kl / tokens,
         "updates": len(norms),
         "skipped_updates": skipped,
     }
+    if run.ref is not None:  # k3 KL to the start model (algo.kl_coef > 0 or guard.max_kl keep one)
+        out["kl_ref"] = kl / tokens
+    return out

@@ -43,6 +43,8 @@ Examples:
   infir2 demo --update-readme README.md --out runs/demo  # README's demo table from results.json
   infir2 demo --data-only --out runs/tiny   # only tokenizer + CPT shards + SFT files: what the
                                             # tiny configs (src/infir2/configs/tiny-*.yaml) read
+  infir2 demo --rl --out runs/demo  # RL after the demo's SFT: FP8 pair vs BF16 pair over 8 RL seeds
+                                    # (demo/rl.py; --seeds are then the RL seeds)
 """
 
 from __future__ import annotations
@@ -96,6 +98,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "CPU core, at most one per run; 1 = one after the other, with progress bars)",
     )
     parser.add_argument(
+        "--rl",
+        action="store_true",
+        help="RL after the demo's SFT (the baseline's SFT model at seed 0 in OUT, reused or trained): "
+        "fp8:blockwise beside bf16:bf16 over RL seeds (--seeds; default 0-7), OUT/rl/rl.png and the "
+        "verdict (README: the time it takes)",
+    )
+    parser.add_argument(
         "--report-only",
         action="store_true",
         help="train nothing: render OUT/report.md, OUT/readme_table.md, OUT/verdict.png and "
@@ -140,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
             "--data-only trains nothing and writes no results; it does not go with --report-only "
             "or --update-readme"
         )
+    if args.rl:
+        return _run_rl(args, out)
     if args.report_only or args.update_readme:
         record = DemoRecord.load(out / "results.json")
         if args.report_only:
@@ -155,4 +166,20 @@ def run(args: argparse.Namespace) -> int:
         return 0
     jobs = args.jobs if args.jobs is not None else (os.cpu_count() or 1)
     run_demo(out, settings, recipes, jobs)
+    return 0
+
+
+def _run_rl(args: argparse.Namespace, out: Path) -> int:
+    from .rl import QUICK_STUDY, STUDY, run_rl_study
+
+    if args.data_only or args.report_only or args.update_readme or args.recipes is not None:
+        raise ValueError(
+            "--rl runs RL after the demo's SFT; it does not go with --data-only, --report-only, "
+            "--update-readme or --recipes"
+        )
+    study = QUICK_STUDY if args.quick else STUDY
+    if args.seeds is not None:
+        study = dataclasses.replace(study, seeds=parse_seeds(args.seeds))
+    jobs = args.jobs if args.jobs is not None else (os.cpu_count() or 1)
+    run_rl_study(out, args.quick, study, jobs)
     return 0

@@ -1,0 +1,312 @@
+"""`infir2 demo --rl`: the demo's SFT model through RL, FP8 rollouts + FP8 training beside the BF16 pair.
+
+The question an RL stage must answer first: does it learn, and does FP8 learn as well as BF16? From the
+demo's baseline SFT model at seed 0 (``OUT/runs/bf16/s0/sft/hf``: reused when ``infir2 demo`` already
+wrote it into ``--out``, else trained here with the demo's own settings), per RL seed and precision pair
+``ROLLOUT:TRAINING`` (``fp8:blockwise``: FP8 rollouts from the FP8 export's weights, bf16 base dtype,
+and FP8 blockwise training; ``bf16:bf16``: the high-precision pair), one ``infir2 rl`` run
+(``OUT/rl/runs/<pair>-s<seed>``) with the collapse guard on (``rl/guard.py``: held-out accuracy before
+step 1 and every ``eval_every`` steps, KL to the start model every step). Then:
+
+* ``OUT/rl/rl.png``: per pair, the rollout reward and the held-out greedy accuracy over the steps
+  (each seed thin, the mean thick) and the rollout/trainer mismatch (mean |dlogp| per step);
+* the verdict, by the demo's interval rule (``infir2.tools.paired``, margin +-3 accuracy points):
+  each pair's gain over the SFT start (held-out accuracy after the last step minus before the first,
+  paired by RL seed) and the FP8 pair against the BF16 pair after RL (paired by RL seed);
+* ``OUT/rl/results.json``: every run's curves and the verdicts.
+
+The demo's default SFT saturates its two-operation test problems (99%), so RL trains on, and is measured
+on, the harder split (``demo.data.harder``: one operation more than SFT saw; the held-out problems and
+the RL prompts are generated apart, none shared). Held-out accuracy is the greedy accuracy of the RL
+run's own engine: for the FP8 pair the FP8 export as deployed, for the BF16 pair the high-precision
+model. The start is one model, so the intervals cover the RL seeds' spread only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ..paired import paired_gaps, paired_verdict
+from .data import harder, make_problems
+from .results import FULL, QUICK, DemoSettings
+from .summary import METRICS
+from .workers import die_with_parent, start_worker
+
+__all__ = ["QUICK_STUDY", "STUDY", "RLStudy", "rl_figure", "run_rl_study", "study_verdicts"]
+
+log = logging.getLogger(__name__)
+
+MARGIN = next(m for m in METRICS if m.key == "accuracy").margin  # points: the demo's accuracy margin
+
+
+@dataclass(frozen=True)
+class RLStudy:
+    """The RL showcase's settings (``STUDY`` is ``infir2 demo --rl``'s; ``QUICK_STUDY`` CI's)."""
+
+    seeds: tuple[int, ...] = tuple(range(8))  # RL seeds (sampler and prompt order); the start is one model
+    pairs: tuple[str, ...] = ("fp8:blockwise", "bf16:bf16")  # ROLLOUT:TRAINING; the last is the reference
+    sft_seed: int = 0  # the baseline's SFT run of the demo that RL starts from
+    steps: int = 20
+    lr: float = 3e-4
+    temperature: float = 1.0
+    prompts_per_step: int = 8  # groups trained on per step (rollout.prompts_per_step)
+    group_size: int = 8
+    max_rounds: int = 2  # generation rounds of 2 x prompts_per_step prompts (dynamic sampling)
+    split: str = "mixed"  # hard: RL on (and measured on) the harder split; mixed: half of it, half two-op
+    n_prompts: int = 1000  # RL prompts
+    n_val: int = 100  # held-out problems
+    eval_every: int = 5
+    max_kl: float | None = 0.25  # guard.max_kl: a loose alarm (nats per token); keeps the KL logged
+
+
+STUDY = RLStudy()
+QUICK_STUDY = RLStudy(
+    seeds=(0, 1), steps=2, prompts_per_step=2, group_size=4, n_prompts=16, n_val=8, eval_every=1
+)
+
+
+def _problems(out: Path, s: DemoSettings, study: RLStudy) -> tuple[Path, Path]:
+    """``OUT/rl/prompts.jsonl`` and ``OUT/rl/val.jsonl``. ``hard``: problems of the harder split, the
+    held-out ones generated apart; ``mixed``: half of each file of the harder split, half of the demo's
+    own two-operation problems (prompts: generated, none of ``test.jsonl``; held out: ``test.jsonl``'s
+    first), so that a gain on the harder problems that costs the trained ones shows."""
+    folder = out / "rl"
+    folder.mkdir(parents=True, exist_ok=True)
+    ops, m = harder(s.num_ops), s.max_operand
+    n_hard_val = study.n_val if study.split == "hard" else study.n_val // 2
+    n_hard = study.n_prompts if study.split == "hard" else study.n_prompts // 2
+    val = make_problems(n_hard_val, seed=s.data_seed + 2, num_ops=ops, prefix="rl-val", max_operand=m)
+    test = [json.loads(x) for x in (out / "data" / "test.jsonl").read_text().splitlines() if x.strip()]
+    held_out = [r["problem"] for r in val + test]
+    prompts = make_problems(
+        n_hard, seed=s.data_seed + 1, num_ops=ops, exclude=held_out, prefix="rl", max_operand=m
+    )
+    if study.split == "mixed":
+        val += test[: study.n_val - n_hard_val]
+        prompts += make_problems(
+            study.n_prompts - n_hard,
+            seed=s.data_seed + 3,
+            num_ops=s.num_ops,
+            exclude=held_out,
+            prefix="rl2",
+            max_operand=m,
+        )
+    paths = folder / "prompts.jsonl", folder / "val.jsonl"
+    for path, records in zip(paths, (prompts, val), strict=True):
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return paths
+
+
+def start_model(out: Path, s: DemoSettings, sft_seed: int) -> Path:
+    """The demo's baseline SFT export at ``sft_seed``: reused from ``out``, else trained (CPT + SFT)."""
+    hf = out / "runs" / "bf16" / f"s{sft_seed}" / "sft" / "hf"
+    if (hf / "config.json").is_file():
+        log.info("demo --rl: starting from %s (reused)", hf)
+        return hf
+    from .pipeline import prepare_data, run_recipe
+
+    log.info("demo --rl: training the start (the baseline's CPT + SFT at seed %d) in %s", sft_seed, out)
+    data, tokenizer = prepare_data(out, s)
+    run_recipe("bf16", sft_seed, out, s, data, tokenizer, progress=False)
+    return hf
+
+
+def _config(
+    out: Path, hf: Path, paths: tuple[Path, Path], pair: str, seed: int, study: RLStudy, s: DemoSettings
+) -> dict:
+    rollout, recipe = pair.split(":")
+    return {
+        "run": {
+            "name": f"{rollout}-{recipe}-s{seed}",
+            "out_dir": str(out / "rl" / "runs"),
+            "seed": seed,
+            "device": "cpu",
+        },
+        "model": {"path": str(hf), "precision": "fp32"},
+        "fp8": {"recipe": recipe},
+        "optim": {"lr": study.lr},
+        "data": {"prompts_path": str(paths[0]), "val_path": str(paths[1])},
+        "rollout": {
+            "precision": rollout,
+            "prompts_per_step": study.prompts_per_step,
+            "group_size": study.group_size,
+            "oversample_prompts": 2 * study.prompts_per_step,
+            "max_rounds": study.max_rounds,
+            "max_new_tokens": s.max_new_tokens,
+            "temperature": study.temperature,
+            "batch_size": 128,
+        },
+        "algo": {"updates_per_batch": 1, "micro_batch_size": 64},
+        "train": {"max_steps": study.steps, "save_every": 0, "log_every": 5, "eval_every": study.eval_every},
+        "guard": {"max_kl": study.max_kl},
+    }
+
+
+def _one_run(cfg: dict, threads: int) -> dict[str, Any]:
+    """One RL run (in a worker process, or here): its curves from ``metrics.jsonl`` and ``guard.json``."""
+    from ...harness.config_changes import reconcile_saved_config
+    from ...rl import parse_rl_config, rl
+    from ...rl.config import MEANINGFUL
+
+    start_worker(threads, cfg["run"]["name"])
+    parsed = parse_rl_config(cfg, f"demo --rl:{cfg['run']['name']}")
+    run_dir = parsed.run_dir
+    if _finished(run_dir, parsed.train.max_steps):  # a rerun of the study reads a finished run back ...
+        reconcile_saved_config(parsed, MEANINGFUL, write=False)  # ... if it ran these settings (else refused)
+    else:
+        run_dir = rl(parsed, progress=False).run_dir
+    history = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    guard = json.loads((run_dir / "guard.json").read_text())
+    val = [(0, guard["val_start"])] + [(m["step"], m["val_accuracy"]) for m in history if "val_accuracy" in m]
+    return {
+        "steps": [m["step"] for m in history],
+        "reward": [m["reward_mean"] for m in history],
+        "val": val,
+        "kl_ref": [m.get("kl_ref", 0.0) for m in history],
+        "abs_dlogp_mean": [m.get("mismatch/abs_dlogp_mean", 0.0) for m in history],
+        "abs_dlogp_max": [m.get("mismatch/abs_dlogp_max", 0.0) for m in history],
+        "prob_error": [m.get("mismatch/prob_error", 1.0) for m in history],
+        "guard": guard["trips"],
+        "seconds": sum(m["step_time_s"] for m in history),
+    }
+
+
+def _finished(run_dir: Path, steps: int) -> bool:
+    """The run exported ``hf/`` after ``steps`` steps (and recorded its guard): nothing left to compute."""
+    metrics, guard = run_dir / "metrics.jsonl", run_dir / "guard.json"
+    if not ((run_dir / "hf" / "config.json").is_file() and metrics.is_file() and guard.is_file()):
+        return False
+    lines = [x for x in metrics.read_text().splitlines() if x.strip()]
+    return bool(lines) and json.loads(lines[-1])["step"] == steps
+
+
+def study_verdicts(
+    runs: dict[tuple[str, int], dict[str, Any]], pairs: tuple[str, ...]
+) -> list[dict[str, Any]]:
+    """Each pair's gain over the start, then each pair against the last one after RL (points, 95% t)."""
+    start = {p: {seed: 100 * r["val"][0][1] for (q, seed), r in runs.items() if q == p} for p in pairs}
+    end = {p: {seed: 100 * r["val"][-1][1] for (q, seed), r in runs.items() if q == p} for p in pairs}
+    rows = []
+    for p in pairs:
+        v = paired_verdict(list(paired_gaps(end[p], start[p], False).values()), MARGIN, True)
+        rows.append({"what": f"{p}: RL - SFT start", **asdict(v), "n": v.n})
+    for p in pairs[:-1]:
+        v = paired_verdict(list(paired_gaps(end[p], end[pairs[-1]], False).values()), MARGIN, True)
+        rows.append({"what": f"{p} - {pairs[-1]} after RL", **asdict(v), "n": v.n})
+    return rows
+
+
+def _line(row: dict[str, Any]) -> str:
+    return f"  {row['what']}: {row['mean']:+.1f} [{row['low']:+.1f}, {row['high']:+.1f}] n={row['n']}: {row['label']}"
+
+
+def run_rl_study(
+    out: Path, quick: bool = False, study: RLStudy | None = None, jobs: int = 1
+) -> dict[str, Any]:
+    """The whole showcase (module doc): start, runs side by side in ``jobs`` processes, figure, verdict."""
+    t0 = time.perf_counter()
+    s = QUICK if quick else FULL
+    study = study or (QUICK_STUDY if quick else STUDY)
+    hf = start_model(out, s, study.sft_seed)
+    paths = _problems(out, s, study)
+    keys = [(p, seed) for seed in study.seeds for p in study.pairs]
+    configs = {k: _config(out, hf, paths, k[0], k[1], study, s) for k in keys}
+    jobs = max(1, min(jobs, len(keys)))
+    threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else 1
+    log.info(
+        "demo --rl: %d RL runs (%d seeds x %d pairs), %d at a time",
+        len(keys),
+        len(study.seeds),
+        len(study.pairs),
+        jobs,
+    )
+    if jobs == 1:
+        runs = {k: _one_run(configs[k], threads) for k in keys}
+    else:
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(
+            jobs, mp_context=context, initializer=die_with_parent, initargs=(os.getpid(),)
+        ) as pool:
+            futures = {k: pool.submit(_one_run, configs[k], threads) for k in keys}
+            runs = {k: f.result() for k, f in futures.items()}
+    verdicts = study_verdicts(runs, study.pairs)
+    record = {
+        "study": asdict(study),
+        "start": str(hf),
+        "seconds": time.perf_counter() - t0,
+        "runs": [{"pair": p, "seed": seed, **runs[p, seed]} for p, seed in keys],
+        "verdicts": verdicts,
+    }
+    (out / "rl" / "results.json").write_text(json.dumps(record, indent=1) + "\n")
+    rl_figure(record, out / "rl" / "rl.png")
+    print(_report(record))
+    return record
+
+
+def _report(record: dict[str, Any]) -> str:
+    study, lines = record["study"], []
+    for p in study["pairs"]:
+        runs = [r for r in record["runs"] if r["pair"] == p]
+        starts = " ".join(f"{100 * r['val'][0][1]:.0f}" for r in runs)
+        ends = " ".join(f"{100 * r['val'][-1][1]:.0f}" for r in runs)
+        dlogp = sum(sum(r["abs_dlogp_mean"]) / len(r["abs_dlogp_mean"]) for r in runs) / len(runs)
+        lines.append(
+            f"  {p}: held-out greedy % by seed, start {starts} -> after {study['steps']} steps {ends}; mean |dlogp| {dlogp:.2e}"
+        )
+        for r in runs:
+            for trip in r["guard"]:
+                lines.append(f"    seed {r['seed']}: {trip['why']}")
+    head = (
+        f"RL after the demo's SFT ({record['start']}), {study['split']} split, {study['steps']} steps at lr {study['lr']:g}, "
+        f"RL seeds {','.join(map(str, study['seeds']))} ({record['seconds']:.0f} s):"
+    )
+    verdict = f"verdict (95% t-interval over RL seeds, held-out accuracy points, margin +-{MARGIN:g}):"
+    return "\n".join([head, *lines, verdict, *map(_line, record["verdicts"]), "figure: rl/rl.png"])
+
+
+def rl_figure(record: dict[str, Any], path: Path) -> Path:
+    """Reward, held-out accuracy and mismatch over the steps, per pair (seeds thin, mean thick)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..bench.fidelity_report import save_figure
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    colours = dict(
+        zip(record["study"]["pairs"], ("tab:red", "tab:blue", "tab:green", "tab:purple"), strict=False)
+    )
+    panels = (
+        ("reward", "rollout reward (mean, T 1)", lambda r: (r["steps"], r["reward"])),
+        (
+            "val",
+            f"held-out greedy accuracy ({record['study']['split']} split)",
+            lambda r: tuple(zip(*r["val"], strict=True)),
+        ),
+        ("dlogp", "rollout/trainer mismatch: mean |dlogp|", lambda r: (r["steps"], r["abs_dlogp_mean"])),
+    )
+    for ax, (key, title, xy) in zip(axes, panels, strict=True):
+        for pair, colour in colours.items():
+            curves = [xy(r) for r in record["runs"] if r["pair"] == pair]
+            for x, y in curves:
+                ax.plot(x, y, color=colour, alpha=0.25, lw=0.8)
+            x = curves[0][0]
+            mean = [sum(c[1][i] for c in curves) / len(curves) for i in range(len(x))]
+            ax.plot(x, mean, color=colour, lw=2, label=pair)
+        ax.set_title(title)
+        ax.set_xlabel("RL step")
+        if key == "dlogp" and any(v > 0 for r in record["runs"] for v in r["abs_dlogp_mean"]):
+            ax.set_yscale("log")
+        ax.legend()
+    fig.suptitle("; ".join(_line(v).strip() for v in record["verdicts"]), fontsize=8)
+    save_figure(fig, path)
+    return path

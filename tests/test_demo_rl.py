@@ -1,0 +1,51 @@
+"""`infir2 demo --rl` (demo/rl.py): the demo's SFT model through RL, both precision pairs over RL seeds,
+the figure and the verdict; the held-out problems never among the RL prompts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import make_tiny_model
+from infir2.cli import main
+from infir2.tools.demo.pipeline import QUICK, prepare_data
+from infir2.tools.paired import paired_verdict
+
+
+@pytest.mark.slow
+def test_demo_rl_reuses_the_demos_sft_model_and_writes_figure_and_verdict(tmp_path, capsys):
+    out = tmp_path / "demo"
+    _, tok = prepare_data(out, QUICK)  # what `infir2 demo --quick` leaves: data and tokenizer
+    sft = out / "runs" / "bf16" / "s0" / "sft" / "hf"
+    make_tiny_model(vocab_size=len(tok), tie=True).save_pretrained(sft)  # the start (reused, not trained)
+    tok.save_pretrained(sft)
+    assert main(["demo", "--rl", "--quick", "--out", str(out), "--jobs", "1"]) == 0
+    printed = capsys.readouterr().out
+    record = json.loads((out / "rl" / "results.json").read_text())
+    assert record["start"] == str(sft)
+    assert [(r["pair"], r["seed"]) for r in record["runs"]] == [
+        (p, s) for s in (0, 1) for p in ("fp8:blockwise", "bf16:bf16")
+    ]
+    for r in record["runs"]:
+        assert r["val"][0][0] == 0 and [s for s, _ in r["val"][1:]] == [1, 2]  # start, then every step
+        assert r["steps"] == [1, 2] and len(r["kl_ref"]) == 2  # the KL to the start, logged every step
+        assert (out / "rl" / "runs" / f"{r['pair'].replace(':', '-')}-s{r['seed']}" / "hf").is_dir()
+    fp8 = {r["seed"]: r for r in record["runs"] if r["pair"] == "fp8:blockwise"}
+    bf16 = {r["seed"]: r for r in record["runs"] if r["pair"] == "bf16:bf16"}
+    gains = [100 * (fp8[s]["val"][-1][1] - fp8[s]["val"][0][1]) for s in (0, 1)]
+    first = record["verdicts"][0]
+    assert first["what"] == "fp8:blockwise: RL - SFT start"
+    assert first["label"] == paired_verdict(gains, 3.0, True).label and first["n"] == 2
+    diff = [100 * (fp8[s]["val"][-1][1] - bf16[s]["val"][-1][1]) for s in (0, 1)]
+    assert record["verdicts"][-1]["mean"] == pytest.approx(sum(diff) / 2)
+    assert (out / "rl" / "rl.png").stat().st_size > 10_000
+    assert "verdict" in printed and "fp8:blockwise - bf16:bf16 after RL" in printed
+    prompts = {json.loads(x)["problem"] for x in (out / "rl" / "prompts.jsonl").read_text().splitlines()}
+    held_out = {json.loads(x)["problem"] for x in (out / "rl" / "val.jsonl").read_text().splitlines()}
+    assert prompts and held_out and not prompts & held_out
+
+
+def test_demo_rl_refuses_flags_it_does_not_use(tmp_path, capsys):
+    assert main(["demo", "--rl", "--report-only", "--out", str(tmp_path)]) == 2
+    assert "--rl" in capsys.readouterr().err
