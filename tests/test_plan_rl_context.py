@@ -20,8 +20,8 @@ PROMPT, NEW, MICRO = 128, 896, 2  # sequences of 1024 tokens: every share whole
 
 
 def _cfg(context: int, checkpointing: bool = False):
-    """An RLConfig, with ``parallel.context`` as the config key will carry it (read with getattr: the
-    planner takes any config object that has it)."""
+    """An RLConfig's sections with ``parallel.context`` set (the planner takes any config object that has
+    the sections; one without ``parallel`` plans as context 1)."""
     cfg = parse_rl_config(
         {
             "model": {"path": "unused", "precision": "bf16", "activation_checkpointing": checkpointing},
@@ -31,7 +31,7 @@ def _cfg(context: int, checkpointing: bool = False):
             "algo": {"micro_batch_size": MICRO, "kl_coef": 0.01},
         }
     )
-    sections = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+    sections = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "parallel"}
     return SimpleNamespace(**sections, parallel=SimpleNamespace(context=context))
 
 
