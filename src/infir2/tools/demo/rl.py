@@ -150,13 +150,19 @@ def _config(
     }
 
 
-def _one_run(cfg: dict, threads: int) -> dict[str, Any]:
+def _worker_run(cfg: dict, threads: int) -> dict[str, Any]:
+    """``_one_run`` in a worker process: its threads and tagged log lines first (never in the caller's
+    process, whose logging and threads stay as they were)."""
+    start_worker(threads, cfg["run"]["name"])
+    return _one_run(cfg)
+
+
+def _one_run(cfg: dict) -> dict[str, Any]:
     """One RL run (in a worker process, or here): its curves from ``metrics.jsonl`` and ``guard.json``."""
     from ...harness.config_changes import reconcile_saved_config
     from ...rl import parse_rl_config, rl
     from ...rl.config import MEANINGFUL
 
-    start_worker(threads, cfg["run"]["name"])
     parsed = parse_rl_config(cfg, f"demo --rl:{cfg['run']['name']}")
     run_dir = parsed.run_dir
     if _finished(run_dir, parsed.train.max_steps):  # a rerun of the study reads a finished run back ...
@@ -228,14 +234,21 @@ def run_rl_study(
         len(study.pairs),
         jobs,
     )
-    if jobs == 1:
-        runs = {k: _one_run(configs[k], threads) for k in keys}
+    if jobs == 1:  # here, at a worker's thread count (the same numbers for any --jobs), then as it was
+        import torch
+
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            runs = {k: _one_run(configs[k]) for k in keys}
+        finally:
+            torch.set_num_threads(before)
     else:
         context = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(
             jobs, mp_context=context, initializer=die_with_parent, initargs=(os.getpid(),)
         ) as pool:
-            futures = {k: pool.submit(_one_run, configs[k], threads) for k in keys}
+            futures = {k: pool.submit(_worker_run, configs[k], threads) for k in keys}
             runs = {k: f.result() for k, f in futures.items()}
     verdicts = study_verdicts(runs, study.pairs)
     record = {
