@@ -494,7 +494,7 @@ def train_cases(w: World) -> list[Case]:
         ("eval-every-neg", "train.eval_every=-1", "train.eval_every"),
         ("chunk-str", "train.loss_chunk_tokens=banana", "train.loss_chunk_tokens"),
         ("ckpt-format", "train.checkpoint_format=zip", "train.checkpoint_format"),
-        ("nonfinite-zero", "train.max_nonfinite_in_row=0", "train.max_nonfinite_in_row"),
+        ("skipped-zero", "train.max_skipped_in_row=0", "train.max_skipped_in_row"),
         ("schedule-name", "schedule.name=linear", "schedule.name"),
         ("warmup-frac-big", "schedule.warmup_fraction=1.5", "schedule.warmup_fraction"),
         ("min-lr-ratio-neg", "schedule.min_lr_ratio=-0.1", "schedule.min_lr_ratio"),

@@ -138,7 +138,7 @@ def test_train_divergence_and_changed_config(world, capsys):
             "train.max_steps=8",
             "train.save_every=1",
             "train.keep_last=1",
-            "train.max_nonfinite_in_row=2",
+            "train.max_skipped_in_row=2",
         ),
         "steps in a row had a non-finite loss",
     )

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 from pathlib import Path
 
 import numpy as np
@@ -182,15 +181,10 @@ def test_rl_picks_a_registered_engine_by_name(tmp_path: Path, tiny_tokenizer, mo
     )  # the trainer scores what the engine sampled
 
 
-def test_rl_config_names_and_the_old_scale_key(caplog) -> None:
+def test_rl_config_names() -> None:
     base = {"data": {"prompts_path": "p.jsonl"}}
-    with caplog.at_level(logging.WARNING):
-        cfg = parse_rl_config({**base, "rollout": {"scale": "fp32"}}, "old.yaml")
-    assert "old.yaml: rollout.scale is now called rollout.scale_encoding" in caplog.text
+    cfg = parse_rl_config({**base, "rollout": {"scale_encoding": "fp32"}})
     assert cfg.rollout.scale_encoding == "fp32" and cfg.data.task == "math"
-    caplog.clear()
-    assert parse_rl_config({**base, "rollout": {"scale_encoding": "fp32"}}).rollout.scale_encoding == "fp32"
-    assert "is now called" not in caplog.text
     bad = [
         ({"rollout": {"engine": "vllm9"}}, r"rollout\.engine.*'vllm9', expected one of builtin"),
         ({"data": {"prompts_path": "p.jsonl", "task": "essay"}}, r"data\.task.*'essay'"),

@@ -9,6 +9,7 @@ and a refused input left a run folder holding only its lock.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -84,10 +85,10 @@ def test_a_skip_streak_stops_rl_with_the_harness_error_naming_the_last_checkpoin
 
     monkeypatch.setattr(rl_loop, "update", count_updates)
     monkeypatch.setattr(rl_update, "policy_loss", nan_after_first_step)
-    cfg = _config(tmp_path, "nan", train={"max_steps": 5, "max_nonfinite_in_row": 2, "save_every": 1})
+    cfg = _config(tmp_path, "nan", train={"max_steps": 5, "max_skipped_in_row": 2, "save_every": 1})
     with pytest.raises(NonFiniteError, match="step_00000001") as error:
         rl(cfg, model=make_tiny_model(seed=1), tokenizer=tiny_tokenizer, progress=False)
-    assert "train.max_nonfinite_in_row=2" in str(error.value)
+    assert "train.max_skipped_in_row=2" in str(error.value)
     steps = sorted(p.name for p in (tmp_path / "nan" / "checkpoints").glob("step_*"))
     assert steps == ["step_00000001"]  # nothing saved during the streak
 
@@ -99,7 +100,7 @@ def test_a_rollout_mismatch_above_the_gate_skips_the_updates(tmp_path, tiny_toke
         tmp_path,
         "gate",
         rollout={"precision": "bf16"},
-        train={"max_steps": 3, "max_nonfinite_in_row": 2, "max_prob_error": 1.000001, "save_every": 0},
+        train={"max_steps": 3, "max_skipped_in_row": 2, "max_prob_error": 1.000001, "save_every": 0},
     )
     model = make_tiny_model(seed=1)
     start = {k: v.clone() for k, v in model.state_dict().items()}
@@ -178,11 +179,20 @@ def test_a_refused_rl_input_leaves_no_run_folder(tmp_path, capsys):
     assert not (tmp_path / "runs" / "gone").exists()
 
 
-def test_the_old_accept_flag_spellings_are_read_as_run_accept_config_changes(tmp_path, caplog):
-    old = _config(tmp_path, "a")
-    assert not old.run.accept_config_changes
-    renamed = parse_rl_config({"train": {"accept_config_changes": True}}, "old.yaml")
-    assert renamed.run.accept_config_changes and "train.accept_config_changes is now called" in caplog.text
+def test_keys_of_unreleased_layouts_are_unknown_keys_naming_the_file():
+    """No release has been made, so older spellings get the one unknown-key error (file, key, known keys)."""
     from infir2.train.config import parse_config
 
-    assert parse_config({"load": {"accept_config_changes": True}}, "old.yaml").run.accept_config_changes
+    for parse, data, key in (
+        (parse_rl_config, {"train": {"accept_config_changes": True}}, "train.accept_config_changes"),
+        (parse_rl_config, {"train": {"max_nonfinite_in_row": 2}}, "train.max_nonfinite_in_row"),
+        (parse_rl_config, {"rollout": {"scale": "fp32"}}, "rollout.scale"),
+        (parse_config, {"load": {"accept_config_changes": True}}, "load.accept_config_changes"),
+        (parse_config, {"train": {"max_nonfinite_in_row": 2}}, "train.max_nonfinite_in_row"),
+    ):
+        with pytest.raises(
+            ValueError, match=rf"^old\.yaml: {re.escape(key)}: unknown key \(known keys: "
+        ) as e:
+            parse(data, "old.yaml")
+        assert "\n" not in str(e.value)
+    assert parse_rl_config({"run": {"accept_config_changes": True}}, "new.yaml").run.accept_config_changes

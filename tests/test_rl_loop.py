@@ -193,7 +193,7 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(
         return total * float("nan"), stats
 
     monkeypatch.setattr(rl_update, "policy_loss", nan_loss)
-    cfg = _config(tmp_path, "nan", train={"max_steps": 4, "max_nonfinite_in_row": 2})
+    cfg = _config(tmp_path, "nan", train={"max_steps": 4, "max_skipped_in_row": 2})
     with pytest.raises(ValueError, match="2 steps in a row had a non-finite"):
         _run(cfg, tiny_tokenizer)
     lines = [json.loads(x) for x in (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()]

@@ -136,17 +136,17 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(tmp_path):
     source = SyntheticSource(seed=1)
     model = make_tiny_model()
     _poison_lm_head(model, lambda: source.step in (2, 3))  # the 2nd and 3rd steps
-    cfg = tiny_run_config(tmp_path, "skip", train={"max_steps": 5, "max_nonfinite_in_row": 3})
+    cfg = tiny_run_config(tmp_path, "skip", train={"max_steps": 5, "max_skipped_in_row": 3})
     result = train(cfg, model=model, train_source=source, progress=False)
     assert [m["skipped"] for m in result.history] == [False, True, True, False, False]
-    assert result.history[-1]["nonfinite_total"] == 2
+    assert result.history[-1]["skipped_total"] == 2
     adam_steps = load_checkpoint(result.checkpoint)["optimizer"]["state"]["lm_head.weight"]["step"]
     assert int(adam_steps) == 3  # two updates skipped
 
     source = SyntheticSource(seed=1)
     model = make_tiny_model()
     _poison_lm_head(model, lambda: source.step >= 2)
-    cfg = tiny_run_config(tmp_path, "stop", train={"max_steps": 6, "max_nonfinite_in_row": 2})
+    cfg = tiny_run_config(tmp_path, "stop", train={"max_steps": 6, "max_skipped_in_row": 2})
     with pytest.raises(NonFiniteError, match="2 steps in a row"):
         train(cfg, model=model, train_source=source, progress=False)
 
@@ -157,7 +157,7 @@ def test_no_checkpoint_during_a_nonfinite_streak_and_the_abort_names_the_last_he
     model = make_tiny_model()
     _poison_lm_head(model, lambda: source.step >= 3)  # steps 3, 4, ... are non-finite
     cfg = tiny_run_config(
-        tmp_path, "streak", train={"max_steps": 8, "save_every": 1, "keep_last": 1, "max_nonfinite_in_row": 3}
+        tmp_path, "streak", train={"max_steps": 8, "save_every": 1, "keep_last": 1, "max_skipped_in_row": 3}
     )
     with pytest.raises(NonFiniteError) as e:
         train(cfg, model=model, train_source=source, progress=False)

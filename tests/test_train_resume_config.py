@@ -42,7 +42,7 @@ def test_resume_with_a_changed_schedule_is_refused_unless_accepted(tmp_path):
     assert (cfg.run_dir / "config.yaml").read_bytes() == saved  # not overwritten
 
     accepted = tiny_run_config(
-        tmp_path, train={"max_steps": 4}, optim={"lr": 1e-3}, load={"accept_config_changes": True}
+        tmp_path, train={"max_steps": 4}, optim={"lr": 1e-3}, run={"accept_config_changes": True}
     )
     result = _run(accepted)
     assert [m["step"] for m in result.history] == [3, 4]

@@ -6,7 +6,7 @@
      "optimizer":   full optimizer state dict keyed by parameter name (AdamW moments, fp32),
      "scheduler":   {"step": steps done} -- schedules are pure functions of the step,
      "data":        [StepSource.state_dict() of rank 0, rank 1, ...],
-     "train_state": {"step", "tokens_seen", "nonfinite_total", "nonfinite_in_row", "world_size",
+     "train_state": {"step", "tokens_seen", "skipped_total", "skipped_in_row", "world_size",
                      "rng": [per-rank RNG states], "config": resolved run config}}
 
 in a folder of ``infir2.checkpoint.folder`` (atomic write, ``meta.json`` with its size and SHA-256).

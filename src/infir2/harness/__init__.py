@@ -1,7 +1,7 @@
 """The run harness under every stage (``infir2 train``, ``infir2 rl``): what a run is, apart from its step.
 
-* ``config`` -- the shared sections (run, model, fp8, optim) with one set of rules, and the one YAML
-  reader (``--set`` overrides, renamed keys of older configs); ``typed_yaml`` types them;
+* ``config`` -- the shared sections (run, model, fp8, optim, parallel, the keys of every ``train``) with
+  one set of rules, and the one YAML reader (``--set`` overrides); ``typed_yaml`` types them;
 * ``run`` -- the process group, the locked run folder (``lock``), the shared command-line arguments;
   ``config_changes`` -- resuming with a changed config (each stage lists what is meaningful, one
   ``run.accept_config_changes``);

@@ -9,16 +9,21 @@ sections; four of them are the same for both and live here::
     optim: lr, betas, eps, weight_decay, grad_clip, fused, state_dtype
 
 and ``parallel`` (``context``: processes that share each sequence, for both stages) and ``schedule`` (the
-learning-rate schedules of ``harness.optim``; ``infir2 rl`` keeps a constant rate).
+learning-rate schedules of ``harness.optim``; ``infir2 rl`` keeps a constant rate). Each stage's ``train``
+section opens with the keys of ``TrainSection``::
+
+    train: max_steps, save_every, keep_last, log_every, eval_every, max_skipped_in_row, (the stage's own)
+
 ``check_shared`` holds their rules (one implementation for both stages); ``load_stage_config`` reads a
-YAML file into a stage's config (``--set`` overrides, then the stage's own ``parse``, which reads the
-renamed keys of older configs, ``RENAMED``, with a warning: ``migrate_renamed``). Every field carries its meaning (``_key``), which
-``infir2 config --keys`` prints.
+YAML file into a stage's config (``--set`` overrides, then the stage's own ``parse``). Every field carries
+its meaning (``setting``), which ``infir2 config --keys`` prints.
+
+No release of infir2 has been made, so no key has an older name to read: a renamed key is an unknown key
+(CONTRIBUTING.md, "Layouts no release has written").
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -36,7 +41,7 @@ from .typed_yaml import apply_overrides, config_error, load_yaml_file, to_plain
 __all__ = [
     "FP32_MAX",
     "MAX_LR",
-    "RENAMED",
+    "MEANINGFUL",
     "Fp8Config",
     "ModelConfig",
     "OptimConfig",
@@ -44,32 +49,27 @@ __all__ = [
     "RunSection",
     "ScheduleConfig",
     "StageConfig",
+    "TrainSection",
     "check_positive",
     "check_shared",
     "config_to_dict",
     "key_reference",
     "load_stage_config",
-    "migrate_renamed",
     "resolve_config_path",
     "save_config",
     "setting",
     "shipped_configs",
 ]
 
-log = logging.getLogger(__name__)
-
+#: the keys of the shared sections whose change on resume alters what any stage's run computes (its
+#: numerics: ``model.*`` / ``fp8.*`` / ``optim.*``; its data order: ``data.*`` and ``run.seed``); a stage's
+#: ``MEANINGFUL`` adds its own (``harness.config_changes``)
+MEANINGFUL = ("optim.", "data.", "model.", "fp8.", "run.seed")
 #: the largest finite float32: optimizer hyperparameters above it become inf inside fp32 AdamW
 FP32_MAX = 3.4028234663852886e38
 #: the largest peak learning rate accepted: AdamW's update is about lr per element, so lr > 1 moves every
 #: weight by more than its typical size (~0.02) fifty times over in one step
 MAX_LR = 1.0
-
-#: keys of older configs -> their name now (read with a warning; a saved config.yaml is migrated alike)
-RENAMED = {
-    "load.accept_config_changes": "run.accept_config_changes",  # infir2 train before the harness
-    "train.accept_config_changes": "run.accept_config_changes",  # infir2 rl before the harness
-    "rollout.scale": "rollout.scale_encoding",  # infir2 rl: the word of `infir2 export --scale-encoding`
-}
 
 Config = TypeVar("Config")
 
@@ -188,6 +188,25 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class TrainSection:
+    """The ``train`` keys every stage has; a stage's ``train`` section subclasses it with its own."""
+
+    max_steps: int | None = setting(None, "optimizer steps; null: as many as the data yields (data.epochs)")
+    save_every: int = setting(0, "steps between checkpoints; 0 = only at the end")
+    keep_last: int = setting(2, "checkpoints kept in <run>/checkpoints")
+    log_every: int = setting(1, "steps between progress-bar / stdout updates (metrics.jsonl gets every step)")
+    eval_every: int = setting(
+        0,
+        "steps between evaluations; 0 = none (the last step is still evaluated when there is held-out data)",
+    )
+    max_skipped_in_row: int = setting(
+        3,
+        "consecutive steps whose update was skipped (a non-finite loss or gradient norm, or the stage's own "
+        "guard: train's loss spike, rl's rollout mismatch) that stop the run",
+    )
+
+
+@dataclass(frozen=True)
 class StageConfig:
     """The sections every stage's config opens with; a stage's config subclasses it with its own."""
 
@@ -285,42 +304,33 @@ def _check_run(r: RunSection, source: str) -> None:
         )
 
 
+def _check_train(t: TrainSection, source: str) -> None:
+    for key in ("max_steps", "keep_last", "log_every", "max_skipped_in_row"):
+        check_positive(source, f"train.{key}", getattr(t, key))
+    for key in ("save_every", "eval_every"):
+        check_positive(source, f"train.{key}", getattr(t, key), allow_zero=True)
+
+
 def check_shared(cfg: Any, source: str) -> None:
-    """The rules of the shared sections (``cfg.run``, ``cfg.model``, ``cfg.fp8``, ``cfg.optim``) of any
-    stage's config."""
+    """The rules of the shared sections (``cfg.run``, ``cfg.model``, ``cfg.fp8``, ``cfg.optim``, the
+    ``TrainSection`` keys of ``cfg.train``, ``cfg.parallel``) of any stage's config."""
     _check_run(cfg.run, source)
     _check_model(cfg.model, source)
     _check_fp8(cfg.fp8, source)
     _check_optim(cfg.optim, source)
+    _check_train(cfg.train, source)
+    check_positive(source, "parallel.context", cfg.parallel.context)
 
 
 # --------------------------------------------------------------------------------------------
 # Reading and writing
 
 
-def migrate_renamed(data: dict[str, Any], source: str, warn: bool = True) -> dict[str, Any]:
-    """``data`` (nested sections) with the keys of ``RENAMED`` under their new names (a copy)."""
-    out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
-    for old, new in RENAMED.items():
-        old_section, old_key = old.split(".")
-        section = out.get(old_section)
-        if not isinstance(section, dict) or old_key not in section:
-            continue
-        value = section.pop(old_key)
-        new_section, new_key = new.split(".")
-        target = out.setdefault(new_section, {})
-        if isinstance(target, dict) and new_key not in target:
-            target[new_key] = value
-        if warn:
-            log.warning("%s: %s is now called %s (read as such; rename it)", source, old, new)
-    return out
-
-
 def load_stage_config(
     path: Path, parse: Callable[[dict[str, Any], str], Config], overrides: list[str] | None = None
 ) -> Config:
-    """Read a YAML config of one stage, apply ``--set`` overrides, validate with ``parse(data, source)``
-    (which reads renamed keys: ``migrate_renamed``). Errors name the key and the file."""
+    """Read a YAML config of one stage, apply ``--set`` overrides, validate with ``parse(data, source)``.
+    Errors name the key and the file."""
     data = load_yaml_file(path)
     if data is None:
         raise ValueError(f"{path}: empty file (expected a mapping of sections: run, model, data, ...)")

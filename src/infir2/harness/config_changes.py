@@ -6,9 +6,11 @@ the run *means*; each stage lists them (``train.config.MEANINGFUL``: a different
 silently stretches the WSD schedule and jumps the learning rate back up; ``rl.config.MEANINGFUL``).
 Those differences are refused (``ConfigChangedError``, listing ``key: saved -> now``) unless
 ``run.accept_config_changes`` (``--accept-config-changes`` of ``infir2 train`` and ``infir2 rl``).
-Others (logging, evaluation and save cadence, the device, ``load.*``) are logged. A saved config
-with keys renamed since (``harness.config.RENAMED``) is read under the new names. Whenever the config differs, the saved one is kept as ``config.<step>.yaml``
-(``<step>``: the newest checkpoint's) before the new one is written: nothing is silently overwritten.
+Others (logging, evaluation and save cadence, the device, ``load.*``) are logged. A key the saved config
+has and today's has not (renamed or removed; no release has been made, so no old name is translated)
+differs like any other: ``key: value -> <absent>``.
+Whenever the config differs, the saved one is kept as ``config.<step>.yaml`` (``<step>``: the newest
+checkpoint's) before the new one is written: nothing is silently overwritten.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from .config import config_to_dict, migrate_renamed, save_config
+from .config import config_to_dict, save_config
 
 __all__ = ["ConfigChangedError", "config_changes", "reconcile_saved_config"]
 
@@ -108,7 +110,6 @@ def reconcile_saved_config(
             raise ValueError(f"{path}: the run's saved config is not valid YAML ({e}); move it aside") from e
     step = _newest_step(run_dir)
     if isinstance(saved, dict):
-        saved = migrate_renamed(saved, str(path), warn=False)
         meaningful, harmless = config_changes(saved, now, meaningful_keys)
         resuming = step is not None and resumes_own
         if meaningful and resuming and not cfg.run.accept_config_changes:

@@ -9,10 +9,10 @@
 * ``SpikeRule`` -- a statistic more than ``margin`` above the median of its last ``window`` healthy
   values is a spike (``infir2 train``: the loss, 3 nats; a likelihood that jumps by e^3 = 20x is
   divergence, not noise); infinite without history, so it never fires on the first steps;
-* ``StepGuard`` -- counts skipped steps (``state.nonfinite_total`` / ``nonfinite_in_row``, saved with
-  the counters), says why in one line, and stops the run with ``NonFiniteError`` after
-  ``max_in_row`` in a row, naming the last checkpoint written before the streak (none is written
-  during one, so ``keep_last`` never deletes it).
+* ``StepGuard`` -- counts skipped steps, whatever skipped them (``state.skipped_total`` /
+  ``skipped_in_row``, saved with the counters), says why in one line, and stops the run with
+  ``NonFiniteError`` after ``max_in_row`` in a row, naming the last checkpoint written before the
+  streak (none is written during one, so ``keep_last`` never deletes it).
 """
 
 from __future__ import annotations
@@ -123,15 +123,15 @@ class StepGuard:
         """``why``: the reason this step was skipped, or None (a healthy step ends a streak).
         ``message``: where the line goes (the metrics logger's ``message``)."""
         if why is None:
-            state.nonfinite_in_row = 0
+            state.skipped_in_row = 0
             return
-        state.nonfinite_total += 1
-        state.nonfinite_in_row += 1
+        state.skipped_total += 1
+        state.skipped_in_row += 1
         message(
-            f"step {state.step}: {why}: update skipped ({state.nonfinite_in_row} in a row, "
-            f"{state.nonfinite_total} in total)"
+            f"step {state.step}: {why}: update skipped ({state.skipped_in_row} in a row, "
+            f"{state.skipped_total} in total)"
         )
-        if state.nonfinite_in_row < self.max_in_row:
+        if state.skipped_in_row < self.max_in_row:
             return
         where = (
             f"the last checkpoint written before the streak is {last_checkpoint}"
@@ -139,6 +139,6 @@ class StepGuard:
             else "no checkpoint was written before the streak"
         )
         raise NonFiniteError(
-            f"stopping at step {state.step}: {state.nonfinite_in_row} steps in a row had {self.causes} "
+            f"stopping at step {state.step}: {state.skipped_in_row} steps in a row had {self.causes} "
             f"({self.key}={self.max_in_row}; last: {why}); {where}. {self.advice}"
         )

@@ -20,9 +20,11 @@ skipped with a warning; none loading is an error unless ``start_fresh``) of eith
   ``load.reset_step``, the data position unless ``load.reset_data``: a WSD decay from a stable checkpoint;
 * ``weights_only`` -- the model only; a new run at step 0.
 
-Checkpoints of ``infir2 rl`` before the harness (one data dict, one RNG dict) are read as one rank's
-state shared by all. ``export_final`` writes ``<run>/hf`` with ``export.export_model`` (the code behind
-``infir2 export``); from a ``dcp`` checkpoint it streams the shards one tensor at a time.
+A checkpoint of another layout (the counters of another ``state_type``, ``data`` or ``rng`` not a list by
+saving rank) is refused in one line naming the folder and what is expected: no release of infir2 has
+been made, so no older layout is read (CONTRIBUTING.md, "Layouts no release has written").
+``export_final`` writes ``<run>/hf`` with ``export.export_model`` (the code behind ``infir2 export``);
+from a ``dcp`` checkpoint it streams the shards one tensor at a time.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ __all__ = [
     "Counters",
     "LoadRequest",
     "PendingSave",
+    "Replicated",
     "Resumable",
     "SavePolicy",
     "data_state_for",
@@ -69,19 +72,27 @@ class Counters(Protocol):
     """A stage's counters (a dataclass saved under ``train_state``): what resuming reads and resets."""
 
     step: int
-    nonfinite_in_row: int
+    skipped_in_row: int
 
 
 State = TypeVar("State", bound=Counters)
 
 
 class Resumable(Protocol):
-    """What a stage's data side must be to resume: ``state_dict`` / ``load_state_dict``. With
-    ``replicated`` True (the same state on every rank) one copy is saved."""
+    """What a stage's data side must be to resume: ``state_dict`` / ``load_state_dict`` (a ``StepSource``
+    is one). Its state is saved by every rank, unless it is a ``Replicated``."""
 
     def state_dict(self) -> Any: ...
 
     def load_state_dict(self, state: Any) -> None: ...
+
+
+class Replicated:
+    """The base of a data side whose state is the same on every rank (RL's ``RolloutData``): one copy
+    is saved, and it resumes on any number of processes.
+
+    A base class rather than a ``replicated`` attribute of ``Resumable``: ``isinstance`` is what the
+    type checker follows, a ``StepSource`` declares nothing, and no flag can say False on a subclass."""
 
 
 @dataclass(frozen=True)
@@ -121,7 +132,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _data_state(data: Resumable, env: DistEnv) -> list[Any] | None:
-    if getattr(data, "replicated", False):  # the same on every rank: rank 0's stands for all
+    if isinstance(data, Replicated):  # the same on every rank: rank 0's stands for all
         return [data.state_dict()] if env.is_main else None
     return gather_objects(data.state_dict(), env)
 
@@ -162,22 +173,44 @@ def save(
     return PendingSave(None, lambda: written)
 
 
-def _small_state(loaded: dict[str, Any]) -> dict[str, Any]:
-    """The small state of any layout: an ``infir2 rl`` checkpoint before the harness held one data dict
-    and one RNG dict (every rank's), read here as that state saved by every rank."""
-    world = loaded["train_state"].get("world_size", 1)
-    if isinstance(loaded["data"], dict):
-        loaded = {**loaded, "data": [loaded["data"]] * world}
-    if isinstance(loaded.get("rng"), dict):
-        loaded = {**loaded, "rng": [loaded["rng"]] * world}
-    return loaded
+#: what ``train_state`` holds beside the stage's counters (``save``)
+_BESIDE_COUNTERS = {"world_size", "rng", "config"}
+_NO_OLDER_LAYOUTS = (
+    "a layout this version does not read (no release of infir2 has been made, so none older is): "
+    "start afresh under another run.name, or move the checkpoint aside"
+)
+
+
+def _check_layout(path: Path, loaded: dict[str, Any], state_type: type) -> None:
+    """Refuse, in one line naming ``path``, a small state of another layout than ``save`` writes."""
+    problems = [
+        f"{k} is not a list by saving rank" for k in ("data", "rng") if not isinstance(loaded.get(k), list)
+    ]
+    counters = set(loaded["train_state"]) - _BESIDE_COUNTERS
+    expected = {f.name for f in fields(state_type)}
+    if counters != expected:
+        problems.append(
+            f"train_state holds the counters {', '.join(sorted(counters))}; {state_type.__name__} has "
+            f"{', '.join(sorted(expected))}"
+        )
+    if problems:
+        raise ValueError(f"checkpoint {path}: {'; '.join(problems)}: {_NO_OLDER_LAYOUTS}")
+
+
+def _load_data(data: Resumable, loaded: dict[str, Any], env: DistEnv, path: Path) -> None:
+    """This rank's data state from ``loaded`` into ``data``; a state that does not fit names ``path``."""
+    try:
+        data.load_state_dict(data_state_for(loaded, env))
+    except (KeyError, ValueError) as e:
+        why = str(e) if isinstance(e, ValueError) else f"no {e} in its data state"
+        raise ValueError(f"checkpoint {path}: {why}") from e
 
 
 def data_state_for(loaded: dict[str, Any], env: DistEnv) -> Any:
     """This rank's data state from a checkpoint's small state.
 
     The sources' states are positions in the *global* sample order, the same on every rank. On the
-    same world size each rank gets its own state back; a state saved once (``replicated``) or by ranks
+    same world size each rank gets its own state back; a state saved once (a ``Replicated`` data side's) or by ranks
     that all saved the same one is valid on any world size (the run continues at the same global
     sample count). A source whose per-rank states differ cannot be resumed on another world size (a
     ``ValueError`` says so).
@@ -220,10 +253,10 @@ def _find(
     if not (load.force and load.path):  # every rank verifies (sizes, SHA-256) and reads its part
         own = ckpt.load_latest_valid(policy.root, start_fresh, load=loader(False))
         if own is not None:
-            return own[0], _small_state(own[1]), "resume"
+            return own[0], own[1], "resume"
     if load.path:
         path = Path(load.path)
-        return path, _small_state(loader(load.mode == "weights_only")(path)), load.mode
+        return path, loader(load.mode == "weights_only")(path), load.mode
     return None
 
 
@@ -247,11 +280,12 @@ def restore(
     if mode == "weights_only":
         log.info("loaded model weights from %s (fresh optimizer, step 0)", path)
         return state_type(), path
+    _check_layout(path, loaded, state_type)
     _apply_optim_config(optimizer, optim_cfg)
     state = _counters(state_type, loaded["train_state"])
     saved_world = loaded["train_state"]["world_size"]
     if mode == "resume":
-        data.load_state_dict(data_state_for(loaded, env))
+        _load_data(data, loaded, env, path)
         if saved_world == env.world_size:
             _set_rng_state(loaded["rng"][env.rank])
             log.info("resumed from %s at step %d", path, state.step)
@@ -266,10 +300,10 @@ def restore(
             )
         return state, path
     if not load.reset_data:
-        data.load_state_dict(data_state_for(loaded, env))
+        _load_data(data, loaded, env, path)
     if load.reset_step:
         state = state_type()
-    state.nonfinite_in_row = 0
+    state.skipped_in_row = 0
     log.info("decay-only start from %s: model + optimizer loaded, step %d, new schedule", path, state.step)
     return state, path
 

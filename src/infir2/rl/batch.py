@@ -4,7 +4,7 @@
   rewards and, for a group dynamic sampling keeps, the response ids and the rollout engine's
   log-probabilities (``[n, R]`` float32, right-padded). Ranks all-gather groups (the log-probabilities
   travel as one tensor each, not as Python floats); the dynamic-sampling buffer saves them as plain
-  records (``to_record`` / ``from_record``: the layout checkpoints have always had);
+  records (``to_record`` / ``from_record``, which refuses a record of another layout);
 * ``RLBatch`` -- the step's samples (one row per response) as padded tensors, built once per step:
   prompts left-padded ``[B, P]``, responses right-padded ``[B, R]``, the rollout / old / reference
   log-probabilities and TIS weights ``[B, R]`` (zero past each response), advantages ``[B]`` and whether a
@@ -22,6 +22,10 @@ import torch
 from ..generation import left_pad
 
 __all__ = ["Group", "RLBatch", "Rows"]
+
+
+#: the keys of every ``Group`` record (a kept group's adds ``responses`` and ``logprobs``)
+RECORD_KEYS = ("prompt", "lengths", "finished", "correct", "rewards")
 
 
 @dataclass
@@ -60,9 +64,17 @@ class Group:
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> Group:
-        """A saved record; one saved before records carried their lengths gets them from its responses."""
+        """A record of ``to_record``; one of another layout is a ``ValueError`` naming what it lacks (no
+        release of infir2 has been made, so no older record is read)."""
+        needed = RECORD_KEYS + (("logprobs",) if "responses" in record else ())
+        missing = [key for key in needed if key not in record]
+        if missing:
+            raise ValueError(
+                f"a dynamic-sampling buffer record has no {', '.join(missing)} (it holds "
+                f"{', '.join(sorted(record))}): a layout this version does not read"
+            )
         responses = record.get("responses")
-        lengths = record.get("lengths") or [len(y) for y in responses or []]
+        lengths = record["lengths"]
         logprobs = None
         if responses is not None:
             logprobs = pad_rows([torch.tensor(lp, dtype=torch.float32) for lp in record["logprobs"]])

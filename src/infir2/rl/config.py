@@ -15,17 +15,17 @@ where they published one, docs/RL.md)::
     algo:     reward, clip_low, clip_high, kl_coef, tis (auto|truncate|mask|off), tis_cap,
               overlong (none|mask|penalty), overlong_buffer, overlong_penalty, updates_per_batch,
               micro_batch_size, adv_eps
-    train:    max_steps, save_every, keep_last, log_every, eval_every, eval_problems, max_nonfinite_in_row,
-              max_prob_error
+    train:    max_steps, save_every, keep_last, log_every, eval_every, max_skipped_in_row (as in `infir2 train`),
+              eval_problems, max_prob_error
     parallel: context                                          (as in `infir2 train`: processes per sequence)
     vllm:     tensor_parallel_size, memory_fraction, cpu_kv_cache_gib, max_model_len, enforce_eager
               (the settings of rollout.engine: vllm, generation.VllmSettings; refused with another engine)
     guard:    max_val_drop, max_kl, stop                       (the collapse guard, rl/guard.py)
 
-The run, model, fp8, optim and parallel sections, their rules, the YAML reader and ``run.accept_config_changes``
-are the run harness's (``infir2.harness.config``), shared with ``infir2 train``. Validation is strict (an unknown key or a bad value is a ``ValueError`` naming the dotted key and the
-file); ``--set key=value`` overrides use the same dotted keys. ``rollout.scale`` is the older name of
-``rollout.scale_encoding`` (``harness.config.RENAMED``: read with a warning, a saved config alike).
+The run, model, fp8, optim and parallel sections, the keys ``train`` shares (``TrainSection``), their rules,
+the YAML reader and ``run.accept_config_changes`` are the run harness's (``infir2.harness.config``), shared
+with ``infir2 train``. Validation is strict (an unknown key or a bad value is a ``ValueError`` naming the
+dotted key and the file); ``--set key=value`` overrides use the same dotted keys.
 """
 
 from __future__ import annotations
@@ -35,14 +35,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..generation import SAME_RECIPE, check_engine
+from ..harness.config import MEANINGFUL as SHARED_MEANINGFUL
 from ..harness.config import (
     OptimConfig,
     ParallelConfig,
     StageConfig,
+    TrainSection,
     check_positive,
     check_shared,
     load_stage_config,
-    migrate_renamed,
     resolve_config_path,
     save_config,
     setting,
@@ -65,8 +66,8 @@ __all__ = [
 ]
 
 
-#: keys (or section prefixes ending in ".") whose change on resume alters what an RL run computes
-MEANINGFUL = ("optim.", "data.", "model.", "fp8.", "rollout.", "algo.", "run.seed")
+#: the shared sections' meaningful keys, and how an RL run samples and learns
+MEANINGFUL = (*SHARED_MEANINGFUL, "rollout.", "algo.")
 
 
 @dataclass(frozen=True)
@@ -145,16 +146,11 @@ class AlgoConfig:
 
 
 @dataclass(frozen=True)
-class RLTrain:
+class RLTrain(TrainSection):
     max_steps: int = setting(100, "RL steps (rollout batches)")
-    save_every: int = setting(0, "checkpoint every N steps; 0 = only at the end")
-    keep_last: int = setting(2, "checkpoints kept")
-    log_every: int = setting(1, "steps between log lines")
-    eval_every: int = setting(
-        0, "held-out accuracy (greedy) every N steps and at the end, when data.val_path is set"
+    eval_problems: int | None = setting(
+        None, "held-out accuracy (greedy) on the first N of data.val_path at each evaluation; null: all"
     )
-    eval_problems: int | None = setting(None, "the first N of data.val_path; null: all")
-    max_nonfinite_in_row: int = setting(3, "consecutive skipped steps that stop the run")
     max_prob_error: float | None = setting(
         1.5,
         "skip a step's updates when its rollout / training mismatch (NeMo-RL's token probability error, "
@@ -223,9 +219,8 @@ def tis_mode(cfg: RLConfig) -> str:
 
 
 def _check(cfg: RLConfig, source: str) -> None:
-    check_shared(cfg, source)  # run / model / fp8 / optim: the rules `infir2 train` applies
+    check_shared(cfg, source)  # run / model / fp8 / optim / parallel / train's shared keys: as `infir2 train`
     r, a, t = cfg.rollout, cfg.algo, cfg.train
-    check_positive(source, "parallel.context", cfg.parallel.context)  # the world: at the run's start
 
     def positive(key: str, value: float | None, allow_zero: bool = False) -> None:
         check_positive(source, key, value, allow_zero)
@@ -267,10 +262,7 @@ def _check(cfg: RLConfig, source: str) -> None:
         )
     positive("algo.updates_per_batch", a.updates_per_batch)
     positive("algo.micro_batch_size", a.micro_batch_size)
-    for key in ("max_steps", "keep_last", "log_every", "max_nonfinite_in_row", "eval_problems"):
-        positive(f"train.{key}", getattr(t, key))
-    for key in ("save_every", "eval_every"):
-        positive(f"train.{key}", getattr(t, key), allow_zero=True)
+    positive("train.eval_problems", t.eval_problems)
     if t.max_prob_error is not None and t.max_prob_error <= 1:
         raise config_error(
             source,
@@ -337,7 +329,7 @@ def _check_names(cfg: RLConfig, source: str) -> None:
 
 def parse_rl_config(data: dict[str, Any], source: str = "<dict>") -> RLConfig:
     """Validate a nested dict (parsed YAML) into an ``RLConfig``; ``source`` names it in errors."""
-    cfg = build(RLConfig, migrate_renamed(data, source), "", source)
+    cfg = build(RLConfig, data, "", source)
     _check(cfg, source)
     return cfg
 

@@ -13,7 +13,7 @@
    step's updates (the engine no longer matches the policy: not a step to learn from);
 3. **update**: ``algo.updates_per_batch`` mini-batches, each one AdamW step at the constant
    ``optim.lr`` on the token-level clipped objective (``algorithm.policy_loss``), gradients clipped;
-   a non-finite loss or norm skips the update (``train.max_nonfinite_in_row`` skipped steps in a row
+   a non-finite loss or norm skips the update (``train.max_skipped_in_row`` skipped steps in a row
    stop the run with ``NonFiniteError``);
 4. **sync**: the engine takes the new weights (``RolloutEngine.load_weights``: for FP8 rollouts, the
    128x128 quantization of the export, the other tensors in ``rollout.base_dtype``);
@@ -245,7 +245,7 @@ def _run(run: Run, progress: bool) -> RLResult:
     result = RLResult(cfg.run_dir, state.step, resumed_from=resumed_from)
     t = cfg.train
     causes = "a non-finite loss or gradient norm or a rollout mismatch above train.max_prob_error"
-    guard = StepGuard(t.max_nonfinite_in_row, "train.max_nonfinite_in_row", causes, ADVICE)
+    guard = StepGuard(t.max_skipped_in_row, "train.max_skipped_in_row", causes, ADVICE)
     collapse, stopped = _collapse_guard(run, state.step), False
     with MetricsLogger(
         cfg.run_dir, env.is_main, state.step, t.max_steps, t.log_every, progress, "rl"
@@ -263,12 +263,12 @@ def _run(run: Run, progress: bool) -> RLResult:
             logger.log(metrics)
             result.history.append(metrics)
             guard.record(state, metrics.get("skipped"), logger.message, result.checkpoint or resumed_from)
-            if t.save_every and state.step % t.save_every == 0 and not last and not state.nonfinite_in_row:
+            if t.save_every and state.step % t.save_every == 0 and not last and not state.skipped_in_row:
                 result.checkpoint = _save(run, state).wait()
             if env.is_main and (run.val or collapse.trips):
                 collapse.write(cfg.run_dir / GUARD_FILE, stopped)
         result.step = state.step
-        if state.step and not state.nonfinite_in_row:
+        if state.step and not state.skipped_in_row:
             result.checkpoint = _save(run, state).wait()
         if stopped:  # the checkpoint keeps where the run stopped; hf/ the best held-out weights
             collapse.restore_best(run.model)

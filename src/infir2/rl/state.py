@@ -16,7 +16,7 @@ from torch import nn
 
 from ..generation import RolloutEngine
 from ..harness.distributed import ContextLayout, DistEnv
-from ..harness.resume import SavePolicy
+from ..harness.resume import Replicated, SavePolicy
 from ..tasks import Problem
 from .batch import Group
 from .config import RLConfig
@@ -32,16 +32,14 @@ class RLState:
     step: int = 0
     updates: int = 0  # optimizer steps done (skipped ones included)
     samples_seen: int = 0
-    nonfinite_total: int = 0
-    nonfinite_in_row: int = 0
+    skipped_total: int = 0
+    skipped_in_row: int = 0
 
 
-class RolloutData:
+class RolloutData(Replicated):
     """The run's data state (``harness.resume.Resumable``): prompt order, sampler, dynamic-sampling buffer.
 
-    The same on every rank (``replicated``): one copy is saved."""
-
-    replicated = True
+    The same on every rank (``harness.resume.Replicated``): one copy is saved."""
 
     def __init__(self, stream: PromptStream, sampler: torch.Generator) -> None:
         self.stream, self.sampler = stream, sampler

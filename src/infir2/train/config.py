@@ -13,9 +13,9 @@ docs/RECIPE.md section 2, can be written down)::
     optim:    lr, betas, eps, weight_decay, grad_clip, fused, state_dtype (fp32|bf16)
     schedule: name (wsd|cosine|constant), warmup_steps | warmup_fraction, decay_steps | decay_fraction,
               decay_style (cosine|linear), min_lr | min_lr_ratio
-    train:    max_steps, eval_every, eval_from, eval_batches, eval_fp8, save_every, keep_last, log_every,
-              max_nonfinite_in_row, loss_spike_nats, loss_spike_window, loss_chunk_tokens (auto|0|N),
-              checkpoint_format (auto|full|dcp), async_save
+    train:    max_steps, save_every, keep_last, log_every, eval_every, max_skipped_in_row (the keys of
+              harness.config.TrainSection), eval_from, eval_batches, eval_fp8, loss_spike_nats,
+              loss_spike_window, loss_chunk_tokens (auto|0|N), checkpoint_format (auto|full|dcp), async_save
     load:     path, mode (resume|decay_only|weights_only), reset_step, reset_data, force, start_fresh
     parallel: context (processes that share each sequence; docs/DISTRIBUTED.md)
 
@@ -23,7 +23,7 @@ Validation is strict: an unknown key, a value of the wrong type or outside its a
 ``fp8.recipe`` and ``model.from_config.arch``: the names of their registries) is a ``ValueError``
 naming the dotted key and the file; the type checks against the annotations below are
 ``typed_yaml.build``'s, the rules between fields are ``_check``'s (those of the sections ``infir2 rl``
-shares, run / model / fp8 / optim, are ``harness.config``'s). Numbers written as ``1e-4`` (which PyYAML reads as
+shares, run / model / fp8 / optim / parallel and the ``TrainSection`` keys, are ``harness.config``'s). Numbers written as ``1e-4`` (which PyYAML reads as
 a string) are accepted for float fields. Overrides use the same dotted keys and are typed by the
 field: ``--set optim.lr=3e-4 --set data.shuffle=false --set optim.betas=[0.9,0.95]``.
 """
@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..fp8.formats import BLOCK
+from ..harness.config import MEANINGFUL as SHARED_MEANINGFUL
 from ..harness.config import (
     Fp8Config,
     ModelConfig,
@@ -43,11 +44,11 @@ from ..harness.config import (
     RunSection,
     ScheduleConfig,
     StageConfig,
+    TrainSection,
     check_positive,
     check_shared,
     config_to_dict,
     load_stage_config,
-    migrate_renamed,
     resolve_config_path,
     save_config,
     setting,
@@ -76,10 +77,8 @@ __all__ = [
     "save_config",
 ]
 
-#: keys (or section prefixes ending in ".") whose change on resume alters what a training run computes:
-#: its schedule is a function of ``train.max_steps``, its data order of ``data.*`` and ``run.seed``, its
-#: numerics of ``model.*`` / ``fp8.*`` / ``optim.*``
-MEANINGFUL = ("schedule.", "optim.", "data.", "model.", "fp8.", "run.seed", "train.max_steps")
+#: the shared sections' meaningful keys, and a training run's schedule: a function of ``train.max_steps``
+MEANINGFUL = (*SHARED_MEANINGFUL, "schedule.", "train.max_steps")
 
 
 @dataclass(frozen=True)
@@ -111,11 +110,7 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    max_steps: int | None = setting(None, "optimizer steps; null: as many as the data yields (data.epochs)")
-    eval_every: int = setting(
-        0, "steps between evaluations; 0 = none (the last step is still evaluated when val data exists)"
-    )
+class TrainConfig(TrainSection):
     eval_from: int = setting(
         0, "no periodic evaluation before this step (0 = from the start; the last step is evaluated anyway)"
     )
@@ -124,12 +119,6 @@ class TrainConfig:
     )
     eval_fp8: bool = setting(
         False, "evaluate with FP8 GEMMs (default: high precision, as the exported model runs)"
-    )
-    save_every: int = setting(0, "steps between checkpoints; 0 = only at the end")
-    keep_last: int = setting(2, "checkpoints kept in <run>/checkpoints")
-    log_every: int = setting(1, "steps between progress-bar / stdout updates (metrics.jsonl gets every step)")
-    max_nonfinite_in_row: int = setting(
-        3, "consecutive skipped steps (non-finite loss or grad norm, or a loss spike) that stop the run"
     )
     loss_spike_nats: float | None = setting(
         3.0,
@@ -192,14 +181,10 @@ class RunConfig(StageConfig):
 def _check(cfg: RunConfig, source: str) -> None:
     """Cross-field rules that types alone cannot express (the shared sections': ``harness.config``)."""
     check_shared(cfg, source)
-    d, s, t = cfg.data, cfg.schedule, cfg.train
-
-    def positive(key: str, value: float | None, allow_zero: bool = False) -> None:
-        check_positive(source, key, value, allow_zero)
-
+    d, t = cfg.data, cfg.train
     for key in ("seq_len", "global_batch_size", "micro_batch_size", "max_length", "epochs"):
-        positive(f"data.{key}", getattr(d, key))
-    positive("data.max_tokens_per_micro_batch", d.max_tokens_per_micro_batch)
+        check_positive(source, f"data.{key}", getattr(d, key))
+    check_positive(source, "data.max_tokens_per_micro_batch", d.max_tokens_per_micro_batch)
     if (
         d.kind == "sft"
         and d.max_tokens_per_micro_batch is not None
@@ -211,31 +196,22 @@ def _check(cfg: RunConfig, source: str) -> None:
             f"{d.max_length} exceeds data.max_tokens_per_micro_batch={d.max_tokens_per_micro_batch}: "
             "a sample of max_length tokens must fit in one micro-batch",
         )
-    _check_schedule(s, source)
-    positive("train.max_steps", t.max_steps)
+    _check_schedule(cfg.schedule, source)
     if t.loss_chunk_tokens != "auto":
-        positive("train.loss_chunk_tokens", t.loss_chunk_tokens, allow_zero=True)
-    for key in ("eval_every", "eval_from", "save_every"):
-        positive(f"train.{key}", getattr(t, key), allow_zero=True)
-    if t.loss_spike_nats is not None:
-        positive("train.loss_spike_nats", t.loss_spike_nats)
-    for key in ("eval_batches", "keep_last", "log_every", "max_nonfinite_in_row", "loss_spike_window"):
-        positive(f"train.{key}", getattr(t, key))
+        check_positive(source, "train.loss_chunk_tokens", t.loss_chunk_tokens, allow_zero=True)
+    check_positive(source, "train.eval_from", t.eval_from, allow_zero=True)
+    for key in ("eval_batches", "loss_spike_nats", "loss_spike_window"):
+        check_positive(source, f"train.{key}", getattr(t, key))  # None (no spike guard) passes
     if t.async_save and t.checkpoint_format == "full":
         raise config_error(source, "train.async_save", "needs train.checkpoint_format: dcp (or auto)")
     if cfg.load.mode != "resume" and cfg.load.path is None:
         raise config_error(source, "load.path", f"load.mode {cfg.load.mode!r} needs a checkpoint path")
-    _check_parallel(cfg, source)
-
-
-def _check_parallel(cfg: RunConfig, source: str) -> None:
     context = cfg.parallel.context
-    check_positive(source, "parallel.context", context)
-    if context > 1 and cfg.data.kind == "cpt" and cfg.data.seq_len % (context * BLOCK):
+    if context > 1 and d.kind == "cpt" and d.seq_len % (context * BLOCK):
         raise config_error(
             source,
             "data.seq_len",
-            f"{cfg.data.seq_len} does not split into parallel.context={context} shards of a multiple of "
+            f"{d.seq_len} does not split into parallel.context={context} shards of a multiple of "
             f"{BLOCK} tokens (make it a multiple of {context * BLOCK})",
         )
 
@@ -270,16 +246,14 @@ def resolve_checkpoint_format(cfg: RunConfig, world_size: int) -> RunConfig:
 
 def parse_config(data: dict[str, Any], source: str = "<dict>") -> RunConfig:
     """Validate a nested dict (e.g. parsed YAML) into a ``RunConfig``; ``source`` names it in errors."""
-    cfg = build(RunConfig, migrate_renamed(data, source), "", source)
+    cfg = build(RunConfig, data, "", source)
     _check(cfg, source)
     return cfg
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
     """Read a YAML run config (a file, or a shipped one by name), apply ``--set`` overrides, validate.
-
-    Errors name the key and the file; keys renamed since (``harness.config.RENAMED``) are read with a
-    warning."""
+    Errors name the key and the file."""
     return load_stage_config(resolve_config_path(path), parse_config, overrides)
 
 

@@ -10,7 +10,7 @@ One optimizer step, top to bottom (``train_step``):
 3. clip the global gradient norm; if the loss or the norm is not finite, or the loss spikes (more than
    ``train.loss_spike_nats`` above the median loss of the last ``train.loss_spike_window`` updated
    steps, the guard against a diverging run whose loss stays finite), skip the update (counted,
-   logged; ``train.max_nonfinite_in_row`` such steps in a row stop the run, and no checkpoint is
+   logged; ``train.max_skipped_in_row`` such steps in a row stop the run, and no checkpoint is
    written during a streak);
 4. AdamW at the schedule's learning rate for this step.
 
@@ -88,8 +88,8 @@ class TrainState:
 
     step: int = 0  # optimizer steps done (skipped ones included)
     tokens_seen: int = 0
-    nonfinite_total: int = 0
-    nonfinite_in_row: int = 0
+    skipped_total: int = 0
+    skipped_in_row: int = 0
 
 
 @dataclass
@@ -220,7 +220,7 @@ def _step_metrics(
         "tokens_per_s": out["tokens"] / seconds if seconds > 0 else math.nan,
         "step_time_s": seconds,
         "tokens_seen": state.tokens_seen,
-        "nonfinite_total": state.nonfinite_total,
+        "skipped_total": state.skipped_total,
         "peak_mem_gib": peak_memory_gib(env.device),
     }
 
@@ -407,7 +407,7 @@ def _loop(run: _Run, state: TrainState, result: TrainResult, logger: MetricsLogg
     pending: PendingSave | None = None
     spikes = SpikeRule(t.loss_spike_nats, t.loss_spike_window)  # over the losses of updated steps
     causes = "a non-finite loss or gradient norm or a loss spike"
-    guard = StepGuard(t.max_nonfinite_in_row, "train.max_nonfinite_in_row", causes, ADVICE)
+    guard = StepGuard(t.max_skipped_in_row, "train.max_skipped_in_row", causes, ADVICE)
     while state.step < run.n_steps:
         micro_batches = next(steps, None)
         if micro_batches is None:
@@ -432,7 +432,7 @@ def _loop(run: _Run, state: TrainState, result: TrainResult, logger: MetricsLogg
         )
         if pending is not None and pending.ready(run.env):  # an async save is written: make it a checkpoint
             result.checkpoint, pending = pending.wait(), None
-        if state.nonfinite_in_row:  # never during a streak: keep_last would delete the healthy one
+        if state.skipped_in_row:  # never during a streak: keep_last would delete the healthy one
             continue
         if t.save_every and state.step % t.save_every == 0 and not last:
             if pending is not None:  # an async save still writing: finish it first
@@ -452,9 +452,9 @@ def _finish(
     result.step = state.step
     if pending is not None:
         result.checkpoint = pending.wait()
-    if state.nonfinite_in_row:
+    if state.skipped_in_row:
         logger.message(
-            f"ending in a non-finite streak: no checkpoint for step {state.step}; the last one is "
+            f"ending in a streak of skipped steps: no checkpoint for step {state.step}; the last one is "
             f"{result.checkpoint or result.resumed_from}"
         )
     else:
