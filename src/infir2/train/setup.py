@@ -30,10 +30,10 @@ from .config import RunConfig
 
 __all__ = ["ValSteps", "build_sources", "check_inputs", "rewinding", "total_steps"]
 
-log = logging.getLogger(__name__)
-
 #: A function returning fresh validation steps (called before every evaluation).
 ValSteps = Callable[[], Iterable[list[MicroBatch]]]
+
+log = logging.getLogger(__name__)
 
 
 def check_inputs(cfg: RunConfig, world_size: int = 1, data: bool = True) -> None:
