@@ -162,8 +162,10 @@ class Fp8Recipe:
 def _encoded(name: str, scale_encoding: ScaleEncoding, *blocks: Block) -> Fp8Recipe:
     """An E4M3 recipe whose six casts share ``scale_encoding``: ``blocks`` in field order (x, w, dy,
     w_dgrad, dy_wgrad, x_wgrad), or one block for all six."""
-    casts = [Cast(block, scale_encoding=scale_encoding) for block in blocks]
-    return Fp8Recipe(name, *(casts * 6 if len(casts) == 1 else casts))
+    x, w, dy, w_dgrad, dy_wgrad, x_wgrad = (
+        Cast(block, scale_encoding=scale_encoding) for block in (blocks * 6 if len(blocks) == 1 else blocks)
+    )
+    return Fp8Recipe(name, x, w, dy, w_dgrad, dy_wgrad, x_wgrad)
 
 
 RECIPES: dict[str, Fp8Recipe] = {
