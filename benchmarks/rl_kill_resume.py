@@ -15,7 +15,6 @@ reference's bit for bit and no ``.tmp-*`` folder is left. Exit code 1 if any tri
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import subprocess
 import sys
@@ -25,7 +24,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from infir2.checkpoint import latest_checkpoint, load_checkpoint
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the RL tests' run fingerprint
+from rl_runs import fingerprint
 
 
 def _config(model: str, prompts: str, out: Path, name: str) -> dict:
@@ -75,20 +75,6 @@ def _pythonpath() -> dict[str, str]:
     return {"PYTHONPATH": str(Path(infir2.__file__).parents[1])}
 
 
-def _fingerprint(run_dir: Path) -> tuple[list[dict], dict[str, torch.Tensor]]:
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    metrics = [
-        {k: v for k, v in m.items() if not k.endswith("_time_s") and k != "peak_mem_gib"} for m in lines
-    ]
-    last = latest_checkpoint(run_dir / "checkpoints")
-    assert last is not None
-    state = load_checkpoint(last)
-    tensors = {f"model.{k}": v for k, v in state["model"].items()}
-    for pid, s in state["optimizer"]["state"].items():
-        tensors |= {f"optim.{pid}.{k}": v for k, v in s.items() if isinstance(v, torch.Tensor)}
-    return metrics, tensors
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
@@ -102,7 +88,7 @@ def main() -> int:
     t0 = time.perf_counter()
     _run(_config(args.model, args.prompts, args.out, "reference"), args.out / "reference.yaml", None)
     wall = time.perf_counter() - t0
-    ref_metrics, ref_tensors = _fingerprint(args.out / "reference")
+    ref_metrics, ref_tensors = fingerprint(args.out / "reference")
     rng = random.Random(args.seed)
     failed = 0
     for trial in range(args.trials):
@@ -111,7 +97,7 @@ def main() -> int:
         delays = [rng.uniform(0.2, 0.9) * wall for _ in range(args.kills)]
         killed = sum(_run(cfg, args.out / f"{name}.yaml", d) is None for d in delays)
         _run(cfg, args.out / f"{name}.yaml", None)
-        metrics, tensors = _fingerprint(args.out / name)
+        metrics, tensors = fingerprint(args.out / name)
         same = (
             metrics == ref_metrics
             and tensors.keys() == ref_tensors.keys()

@@ -85,13 +85,14 @@ def child(
 ) -> dict:
     """One RL step; ``shared``: the run's parent folder, which the processes of a torchrun launch share
     (it holds ``prompts.jsonl``); None: a temporary one."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # conftest's tiny builders
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' tiny builders
     import torch
 
     import infir2.loss.scorer as scorer
     from conftest import make_tiny_model, make_tokenizer
     from infir2.rl import loop as rl_loop
-    from infir2.rl import parse_rl_config, rl
+    from infir2.rl import rl
+    from rl_runs import one_step_config
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if unchunked:
@@ -126,25 +127,15 @@ def child(
         prompts = Path(out) / "prompts.jsonl"
         if shared is None:
             write_prompts(prompts)
-        cfg = parse_rl_config(
-            {
-                "run": {"name": "step", "out_dir": out, "device": "cpu"},
-                "parallel": {"context": context},
-                "model": {"precision": "fp32", "beyond_context": True},
-                "fp8": {"recipe": "blockwise"},
-                "data": {"prompts_path": str(prompts)},
-                "rollout": {
-                    "precision": "fp8",
-                    "prompts_per_step": 1,
-                    "group_size": batch,
-                    "oversample_prompts": 1,
-                    "max_new_tokens": length,
-                    "batch_size": batch,
-                },
-                "algo": {"dynamic_sampling": False, "kl_coef": 0.01, "micro_batch_size": batch},
-                "train": {"max_steps": 1, "save_every": 0},
-            },
-            "rl_step_memory",
+        cfg = one_step_config(
+            out,
+            prompts,
+            "step",
+            batch,
+            length,
+            kl_coef=0.01,
+            parallel={"context": context},
+            model={"beyond_context": True},
         )
         model = make_tiny_model(vocab_size=vocab, hidden=hidden, layers=layers, max_positions=length + 64)
         t0 = time.perf_counter()

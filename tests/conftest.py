@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny tokenizer trained in-process and tiny Qwen2 / Llama models (no download)."""
+"""Shared fixtures: a tiny tokenizer trained in-process and tiny Qwen2 / Llama models (no download), and
+``cli_fails``, the check of a command refused in one line."""
 
 from __future__ import annotations
 
@@ -35,9 +36,8 @@ def make_tokenizer(vocab_size: int = 300):
     return fast
 
 
-_ARCHS = {
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+#: dense families the tests build beyond ``infir2.model.ARCHS`` (arch -> config and model class names)
+_MORE_ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
@@ -58,13 +58,16 @@ def make_tiny_model(
     tie: bool = False,
     **config,
 ):
-    """A randomly initialized fp32 causal LM of ``arch`` (qwen2, llama, mistral, phi3, qwen3;
-    ``torch.manual_seed(seed)`` first), untied embeddings unless ``tie``. ``intermediate`` defaults to
-    ``2 * hidden + 128``; ``max_positions=None`` keeps the HF config's own default; ``config`` goes to
-    the HF config as is (token ids, ...). The one builder of the tests' and benchmarks' hand-made models."""
+    """A randomly initialized fp32 causal LM of ``arch`` (a name of ``infir2.model.ARCHS`` -- qwen2,
+    llama -- or mistral, phi3, qwen3; ``torch.manual_seed(seed)`` first), untied embeddings unless
+    ``tie``. ``intermediate`` defaults to ``2 * hidden + 128``; ``max_positions=None`` keeps the HF
+    config's own default; ``config`` goes to the HF config as is (token ids, ...). The one builder of the
+    tests' and benchmarks' hand-made models."""
     import transformers
 
-    cfg_name, model_name = _ARCHS[arch]
+    from infir2.model import ARCHS
+
+    cfg_name, model_name = {**ARCHS, **_MORE_ARCHS}[arch]
     positions = {} if max_positions is None else {"max_position_embeddings": max_positions}
     cfg = getattr(transformers, cfg_name)(
         vocab_size=vocab_size,
@@ -79,6 +82,19 @@ def make_tiny_model(
     )
     torch.manual_seed(seed)
     return getattr(transformers, model_name)(cfg).float()
+
+
+def cli_fails(capsys, argv: list[str], *expected: str) -> str:
+    """Run ``infir2 argv``: exit code 2, exactly one error line holding every ``expected`` text, no
+    traceback; returns the line."""
+    from infir2.cli import main
+
+    rc = main(argv)
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if ": error: " in line]
+    assert rc == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert all(text in errors[0] for text in expected), errors[0]
+    return errors[0]
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,6 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +24,12 @@ import torch
 import torch.distributed as dist
 
 from context_parallel_case import PackedSource, forward_backward, model, packed_rows, record_inputs, tiny
-from infir2.data.base import MicroBatch, count_loss_tokens
+from infir2.data.base import count_loss_tokens
 from infir2.data.context import shard_micro_batch
 from infir2.harness.distributed import all_reduce_sum, context_layout, init_distributed, shard_model
 from infir2.nn.context_parallel import enable_context_parallel
 from infir2.train import train
-from train_synthetic import end_process_group, tiny_run_config
+from train_synthetic import DiesAfter, end_process_group, tiny_run_config
 
 
 def exact(out: Path, context: int, recipe: str = "blockwise", checkpointing: bool = False) -> None:
@@ -69,18 +68,12 @@ def exact(out: Path, context: int, recipe: str = "blockwise", checkpointing: boo
     dist.barrier()
 
 
-class KillAfter(PackedSource):
+class KillAfter(DiesAfter, PackedSource):
     """Rank 0 SIGKILLs itself (no cleanup, like ``kill -9``) when asked for step ``after`` + 1."""
 
-    def __init__(self, after: int, **kw: Any) -> None:
-        super().__init__(**kw)
-        self.after = after
-
-    def __iter__(self) -> Iterator[list[MicroBatch]]:
-        for step in super().__iter__():
-            if self.step > self.after and dist.get_rank() == 0:
-                os.kill(os.getpid(), signal.SIGKILL)
-            yield step
+    def die(self) -> None:
+        if dist.get_rank() == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def run_config(out: str, name: str, context: int, steps: int, save_every: int = 0) -> Any:

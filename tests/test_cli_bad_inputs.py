@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import make_tiny_model, make_tokenizer
+from conftest import cli_fails, make_tiny_model, make_tokenizer
 from infir2.cli import main
 from infir2.data import load_tokenizer, prepare_cpt
 from train_synthetic import one_thread, tiny_llama
@@ -21,16 +21,6 @@ from train_synthetic import one_thread, tiny_llama
 _one_thread = pytest.fixture(autouse=True)(one_thread)
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-
-
-def _fails(capsys, argv: list[str], *expected: str) -> str:
-    """Run ``infir2 argv``: exit code 2, exactly one error line holding every ``expected`` text."""
-    rc = main(argv)
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if ": error: " in line]
-    assert rc == 2 and len(errors) == 1 and "Traceback" not in err, err
-    assert all(text in errors[0] for text in expected), errors[0]
-    return errors[0]
 
 
 def _snapshot(folder: Path) -> dict[str, bytes]:
@@ -78,28 +68,28 @@ def test_prepare_cpt_bad_input(world, capsys):
         str(world / "cpt"),
         "--no-progress",
     ]
-    _fails(capsys, argv, f"{bad}:2", "UTF-8")
+    cli_fails(capsys, argv, f"{bad}:2", "UTF-8")
     broken = world / "broken.jsonl"
     broken.write_text('{"text": "ok"}\n{"text": oops\n')
-    _fails(capsys, [*argv[:1], str(broken), *argv[2:]], f"{broken}:2", "invalid JSON")
+    cli_fails(capsys, [*argv[:1], str(broken), *argv[2:]], f"{broken}:2", "invalid JSON")
     assert _snapshot(world / "cpt") == good  # the good dataset is untouched
     assert not [p for p in world.iterdir() if p.name.startswith(".")]  # no temporary folder left
-    _fails(capsys, [*argv[:3], str(world / "no-tok"), *argv[4:]], "tokenizer folder not found", "no-tok")
+    cli_fails(capsys, [*argv[:3], str(world / "no-tok"), *argv[4:]], "tokenizer folder not found", "no-tok")
 
 
 def test_train_bad_inputs_leave_no_run_folder(world, tmp_path, capsys):
     runs = world / "runs"
-    _fails(capsys, _train(world, "optim.lr=1e39"), "optim.lr", "overflows float32", "run.yaml")
-    _fails(capsys, _train(world, "optim.lr=nan"), "optim.lr", "finite")
+    cli_fails(capsys, _train(world, "optim.lr=1e39"), "optim.lr", "overflows float32", "run.yaml")
+    cli_fails(capsys, _train(world, "optim.lr=nan"), "optim.lr", "finite")
     missing = tmp_path / "no-model"
-    _fails(
+    cli_fails(
         capsys,
         _train(world, "model.from_config=null", f"model.path={missing}"),
         f"model folder {missing} does not exist",
     )
     no_weights = tmp_path / "no-weights"
     make_tiny_model().config.save_pretrained(no_weights)
-    _fails(
+    cli_fails(
         capsys,
         _train(world, "model.from_config=null", f"model.path={no_weights}"),
         f"model folder {no_weights}",
@@ -107,7 +97,7 @@ def test_train_bad_inputs_leave_no_run_folder(world, tmp_path, capsys):
     )
     sft = tmp_path / "chat.jsonl"
     sft.write_bytes(b'{"messages": [{"role": "user", "content": "h\xffi"}]}\n')
-    _fails(
+    cli_fails(
         capsys,
         _train(
             world,
@@ -119,17 +109,17 @@ def test_train_bad_inputs_leave_no_run_folder(world, tmp_path, capsys):
         f"{sft}:1",
         "UTF-8",
     )
-    _fails(capsys, _train(world, f"data.train_path={tmp_path / 'no-data'}"), "no-data")
+    cli_fails(capsys, _train(world, f"data.train_path={tmp_path / 'no-data'}"), "no-data")
     assert not runs.exists() or not any(runs.iterdir())  # no run folder left behind by a failed start
 
 
 def test_train_divergence_and_changed_config(world, capsys):
     runs = world / "runs"
     # lr 1e30 fits fp32 but no AdamW run uses a learning rate above 1: refused with the config
-    _fails(capsys, _train(world, "run.name=refused", "optim.lr=1e30"), "optim.lr: 1e+30 is above 1")
+    cli_fails(capsys, _train(world, "run.name=refused", "optim.lr=1e30"), "optim.lr: 1e+30 is above 1")
     assert not (runs / "refused").exists()
     # lr 1 (accepted) diverges within a few steps: non-finite losses or loss spikes, a streak stops it
-    line = _fails(
+    line = cli_fails(
         capsys,
         _train(
             world,
@@ -150,7 +140,7 @@ def test_train_divergence_and_changed_config(world, capsys):
     assert main(_train(world, "run.name=changed")) == 0
     saved = (runs / "changed" / "config.yaml").read_bytes()
     capsys.readouterr()
-    _fails(
+    cli_fails(
         capsys,
         _train(world, "run.name=changed", "train.max_steps=4"),
         "train.max_steps: 2 -> 4",
@@ -166,8 +156,8 @@ def test_export_bad_inputs(world, tmp_path, capsys):
     out = tmp_path / "taken"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    _fails(capsys, ["export", "--model", str(no_weights), "--out", str(tmp_path / "o")], str(no_weights))
-    _fails(
+    cli_fails(capsys, ["export", "--model", str(no_weights), "--out", str(tmp_path / "o")], str(no_weights))
+    cli_fails(
         capsys,
         ["export", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o")],
         f"model folder {tmp_path / 'nope'} does not exist",
@@ -175,9 +165,9 @@ def test_export_bad_inputs(world, tmp_path, capsys):
     hf = tmp_path / "hf"
     make_tiny_model().save_pretrained(hf)
     capsys.readouterr()
-    _fails(capsys, ["export", "--model", str(hf), "--out", str(out)], f"output folder {out} is not empty")
+    cli_fails(capsys, ["export", "--model", str(hf), "--out", str(out)], f"output folder {out} is not empty")
     assert _snapshot(out) == {"notes.txt": b"mine"}
-    _fails(
+    cli_fails(
         capsys,
         ["eval", "--model", str(tmp_path / "nope")],
         f"model folder {tmp_path / 'nope'} does not exist",

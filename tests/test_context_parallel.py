@@ -304,16 +304,12 @@ def cpt_config(tmp_path_factory):
 def test_bad_context_settings_are_one_line_exit_2_and_leave_no_folder(
     cpt_config, capsys, overrides, expected
 ):
-    from infir2.cli import main
+    from conftest import cli_fails
 
     argv = ["train", str(cpt_config / "run.yaml"), "--no-progress"]
     for item in overrides:
         argv += ["--set", item]
-    rc = main(argv)
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if ": error: " in line]
-    assert rc == 2 and len(errors) == 1 and "Traceback" not in err, err
-    assert expected in errors[0], errors[0]
+    cli_fails(capsys, argv, expected)
     assert not (cpt_config / "runs").exists()
 
 
@@ -426,6 +422,7 @@ def test_the_shipped_32k_context_config_fits_the_plan():
 
 
 def test_plan_takes_the_context_degree_and_says_when_it_fits(capsys):
+    from conftest import cli_fails
     from infir2.cli import main
 
     assert (
@@ -458,9 +455,7 @@ def test_plan_takes_the_context_degree_and_says_when_it_fits(capsys):
             "--seq-len 1000 does not split into --context 4",
         ),
     ):
-        assert main(["plan", "qwen2.5-7b", *argv]) == 2
-        errors = [line for line in capsys.readouterr().err.splitlines() if ": error: " in line]
-        assert len(errors) == 1 and expected in errors[0], errors
+        cli_fails(capsys, ["plan", "qwen2.5-7b", *argv], expected)
 
 
 def test_the_code_check_fails_on_shards_off_the_128_token_grid():

@@ -49,7 +49,7 @@ def test_math_item_and_default_id(tmp_path: Path) -> None:
             "math",
             r"bench.jsonl:2: missing key\(s\) \['answer'\]; unknown key\(s\) \['anwser'\]",
         ),
-        ("{not json", "math", "bench.jsonl:2: not valid JSON"),
+        ("{not json", "math", "bench.jsonl:2: invalid JSON"),
         ('["a list"]', "math", "bench.jsonl:2: expected a JSON object"),
         ('{"problem": "", "answer": "1"}', "math", "bench.jsonl:2: 'problem' must be a non-empty string"),
         (

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_tiny_model
+from conftest import cli_fails, make_tiny_model
 from infir2.cli import main
 from infir2.eval import GRADERS
 from infir2.rl.algorithm import FIELD_NAMES
@@ -106,11 +106,7 @@ def test_a_context_degree_that_does_not_divide_the_world_is_one_line(
     monkeypatch.setitem(GRADERS, "parity", parity)
     cfg = _config(tmp_path, tiny_tokenizer)
     for value, expected in (("2", "parallel.context: 2 does not divide the 1 processes"), ("0", "context")):
-        rc = main(["rl", str(cfg), "--no-progress", "--set", f"parallel.context={value}"])
-        err = capsys.readouterr().err
-        errors = [line for line in err.splitlines() if ": error: " in line]
-        assert rc == 2 and len(errors) == 1 and "Traceback" not in err, err
-        assert expected in errors[0], errors[0]
+        cli_fails(capsys, ["rl", str(cfg), "--no-progress", "--set", f"parallel.context={value}"], expected)
     assert not (tmp_path / "runs").exists()
 
 

@@ -17,17 +17,10 @@ from infir2.model import prepare_for_training
 from infir2.rl.algorithm import mismatch_metrics
 from infir2.rl.batch import RLBatch
 from infir2.rl.update import response_logprobs
+from train_synthetic import one_thread
 
 pytestmark = pytest.mark.transformers_api  # CI runs this file again under the oldest transformers
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny GEMMs run fastest, and reproducibly, on one thread (the CPU is shared)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+_one_thread = pytest.fixture(autouse=True)(one_thread)
 
 
 PROMPTS = ["Compute 7 + 5 - 3.", "The quick brown fox", "12 + 30 = "]

@@ -21,16 +21,10 @@ from infir2.cli import main
 from infir2.export import export_model
 from infir2.generation import BuiltinEngine, RolloutEngine, SamplingConfig
 from infir2.model import prepare_for_training
+from train_synthetic import one_thread
 
 pytestmark = pytest.mark.transformers_api  # builds a transformers model from a config
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+_one_thread = pytest.fixture(autouse=True)(one_thread)
 
 
 PROMPTS = ["Compute 7 + 5 - 3.", "The quick brown fox", "12 + 30 = ", "9 - 4 + 2"]

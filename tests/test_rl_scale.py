@@ -23,6 +23,7 @@ from infir2.rl import parse_rl_config, rl
 from infir2.rl.config import load_rl_config, save_rl_config
 from infir2.tools.plan import ModelShape, plan_rl
 from infir2.train.config import RunConfig, load_config
+from rl_runs import one_step_config
 from train_synthetic import one_thread
 
 pytestmark = pytest.mark.transformers_api  # CI runs this file again under the oldest transformers
@@ -56,26 +57,7 @@ def _step(tmp_path, name: str, tok, blocks: VocabBlocks, monkeypatch) -> dict[st
     """One RL step (FP8 rollouts, KL reference on, no dynamic sampling) with scoring and update counted."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"problem": "Compute 7 + 5.", "answer": "12"}) + "\n")
-    cfg = parse_rl_config(
-        {
-            "run": {"name": name, "out_dir": str(tmp_path), "device": "cpu"},
-            "model": {"precision": "fp32"},
-            "fp8": {"recipe": "blockwise"},
-            "optim": {"lr": 1e-3},
-            "data": {"prompts_path": str(prompts)},
-            "rollout": {
-                "precision": "fp8",
-                "prompts_per_step": 1,
-                "group_size": GROUP,
-                "oversample_prompts": 1,
-                "max_new_tokens": RESPONSE,
-                "batch_size": GROUP,
-            },
-            "algo": {"dynamic_sampling": False, "kl_coef": 0.1, "micro_batch_size": GROUP},
-            "train": {"max_steps": 1, "save_every": 0},
-        },
-        "test",
-    )
+    cfg = one_step_config(tmp_path, prompts, name, GROUP, RESPONSE, kl_coef=0.1, optim={"lr": 1e-3})
     score, update = rl_loop.score, rl_loop.update
 
     def counted(fn):

@@ -29,6 +29,7 @@ import torch
 import yaml
 
 from conftest import make_tiny_model, make_tokenizer
+from rl_runs import fingerprint
 from transformers_server import free_port
 
 pytestmark = [
@@ -172,22 +173,6 @@ def reference(folder: Path, tmp_path_factory) -> Path:
     return root / "runs" / "ref"
 
 
-def _fingerprint(run_dir: Path) -> tuple[list[dict], dict[str, torch.Tensor]]:
-    from infir2.checkpoint import latest_checkpoint, load_checkpoint
-
-    plain = [
-        {k: v for k, v in m.items() if not k.endswith(("_time_s", "peak_mem_gib"))}
-        for m in _read(run_dir / "metrics.jsonl")
-    ]
-    last = latest_checkpoint(run_dir / "checkpoints")
-    assert last is not None
-    state = load_checkpoint(last)
-    tensors = {f"model.{k}": v for k, v in state["model"].items()}
-    for pid, s in state["optimizer"]["state"].items():
-        tensors |= {f"optim.{pid}.{k}": v for k, v in s.items() if isinstance(v, torch.Tensor)}
-    return plain, tensors
-
-
 def test_rl_on_vllm_refits_every_step_and_the_mismatch_stays_at_float_rounding(reference):
     metrics = _read(reference / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
@@ -227,8 +212,8 @@ def test_rl_on_vllm_killed_with_sigkill_resumes_identical(folder, reference, tmp
     proc.wait()
     assert len(_read(run_dir / "metrics.jsonl")) < STEPS  # killed before the end
     _run(_rl(config))
-    metrics, tensors = _fingerprint(run_dir)
-    want_metrics, want_tensors = _fingerprint(reference)
+    metrics, tensors = fingerprint(run_dir)
+    want_metrics, want_tensors = fingerprint(reference)
     assert metrics == want_metrics
     assert tensors.keys() == want_tensors.keys()
     for name, t in want_tensors.items():

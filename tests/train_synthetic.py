@@ -69,18 +69,31 @@ class SyntheticSource:
         self.step = state["step"]
 
 
-class CrashAfter(SyntheticSource):
-    """Dies (like a killed process) when asked for step ``crash_at`` + 1."""
+class DiesAfter:
+    """A source that calls ``die()`` (the end of a killed process) when asked for step ``after`` + 1: the
+    first base of a step source whose ``step`` counts the steps handed out (``CrashAfter`` below)."""
 
-    def __init__(self, crash_at: int, **kw: Any) -> None:
+    step: int
+
+    def __init__(self, after: int, **kw: Any) -> None:
         super().__init__(**kw)
-        self.crash_at = crash_at
+        self.after = after
+
+    def die(self) -> None:
+        raise NotImplementedError
 
     def __iter__(self) -> Iterator[list[MicroBatch]]:
-        for step in super().__iter__():
-            if self.step > self.crash_at:
-                raise KeyboardInterrupt("simulated kill")
+        for step in super().__iter__():  # type: ignore[misc]  # the step source's, the next base
+            if self.step > self.after:
+                self.die()
             yield step
+
+
+class CrashAfter(DiesAfter, SyntheticSource):
+    """Dies (like a killed process: a ``KeyboardInterrupt``) when asked for step ``after`` + 1."""
+
+    def die(self) -> None:
+        raise KeyboardInterrupt("simulated kill")
 
 
 def subprocess_env(tests_too: bool = True) -> dict[str, str]:

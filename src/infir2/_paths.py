@@ -1,18 +1,23 @@
-"""Paths every layer reads or writes, checked once: a damaged weight file, an output folder.
+"""Paths every layer reads or writes, checked once: a damaged weight file, an output folder, a JSONL file.
 
 ``check_safetensors(folder)`` opens each ``*.safetensors`` header (a few KiB, no tensor is read): a
 truncated file or a garbage header is a ``ValueError`` naming the file and what the safetensors reader
 said, where it was a ``SafetensorError`` traceback. ``make_folder(path, what)`` creates an output folder
 or says in one line why it cannot (a file in the way, no permission), where it was an ``OSError``
-traceback. Imports nothing of infir2 (like ``_dist``, ``_logging``).
+traceback. ``jsonl_records(path)`` reads a JSONL file line by line (CPT documents, SFT conversations,
+benchmark problems): bytes that are not UTF-8 or a line that is not JSON is one ``ValueError`` naming
+``file:line``. Imports nothing of infir2 (like ``_dist``, ``_logging``).
 """
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-__all__ = ["check_safetensors", "make_folder"]
+__all__ = ["check_safetensors", "jsonl_records", "make_folder", "not_utf8"]
 
 
 def check_safetensors(folder: str | Path) -> None:
@@ -41,3 +46,27 @@ def make_folder(path: str | Path, what: str) -> Path:
     if not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"{what}: {path} is not writable")
     return path
+
+
+def jsonl_records(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """Each non-blank line of the JSONL file ``path`` as ``(line number, its JSON value)``; bytes that are
+    not UTF-8 or a line that is not JSON is a ``ValueError`` naming ``file:line``."""
+    with Path(path).open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: {not_utf8(e)}") from None
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+            yield lineno, value
+
+
+def not_utf8(e: UnicodeDecodeError) -> str:
+    """What a file's bytes that are not UTF-8 are, and the fix (after the caller's ``file:line:``)."""
+    return f"not valid UTF-8 (byte 0x{e.object[e.start]:02x}); re-encode the file as UTF-8"

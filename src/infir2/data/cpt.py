@@ -46,6 +46,7 @@ import numpy as np
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
+from .._paths import jsonl_records, not_utf8
 from .tokens import META_FILE
 
 __all__ = [
@@ -134,7 +135,7 @@ def iter_documents(path: Path, text_field: str = "text") -> Iterator[str]:
             yield raw.decode("utf-8")
         except UnicodeDecodeError as e:
             lineno = raw.count(b"\n", 0, e.start) + 1
-            raise ValueError(f"{path}:{lineno}: {_not_utf8(e)}") from None
+            raise ValueError(f"{path}:{lineno}: {not_utf8(e)}") from None
     elif path.suffix == ".jsonl":
         yield from _iter_jsonl(path, text_field)
     elif path.suffix == ".parquet":
@@ -143,33 +144,17 @@ def iter_documents(path: Path, text_field: str = "text") -> Iterator[str]:
         raise ValueError(f"{path}: unsupported file type {path.suffix!r}; expected one of {CPT_SUFFIXES}")
 
 
-def _not_utf8(e: UnicodeDecodeError) -> str:
-    return f"not valid UTF-8 (byte 0x{e.object[e.start]:02x}); re-encode the file as UTF-8"
-
-
 def _iter_jsonl(path: Path, text_field: str) -> Iterator[str]:
-    with path.open("rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: {_not_utf8(e)}") from None
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object with a {text_field!r} field")
-            if text_field not in record:
-                raise ValueError(f"{path}:{lineno}: missing field {text_field!r} (expected a string)")
-            text = record[text_field]
-            if not isinstance(text, str):
-                raise ValueError(
-                    f"{path}:{lineno}: field {text_field!r} must be a string, got {type(text).__name__}"
-                )
-            yield text
+    for lineno, record in jsonl_records(path):
+        where = f"{path}:{lineno}"
+        if not isinstance(record, dict):
+            raise ValueError(f"{where}: expected a JSON object with a {text_field!r} field")
+        if text_field not in record:
+            raise ValueError(f"{where}: missing field {text_field!r} (expected a string)")
+        text = record[text_field]
+        if not isinstance(text, str):
+            raise ValueError(f"{where}: field {text_field!r} must be a string, got {type(text).__name__}")
+        yield text
 
 
 def _iter_parquet(path: Path, text_field: str) -> Iterator[str]:

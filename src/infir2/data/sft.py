@@ -21,7 +21,6 @@ forwards and FSDP's collectives line up.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
+from .._paths import jsonl_records
 from .base import IGNORE_INDEX, MicroBatch
 from .chat import Conversation, render_conversation
 from .cpt import open_parquet
@@ -62,18 +62,7 @@ def load_conversations(path: str | Path) -> list[Conversation]:
         raise FileNotFoundError(f"SFT data file not found: {path}")
     if path.suffix == ".parquet":
         return _load_parquet_conversations(path)
-    conversations = []
-    with path.open("rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(
-                    f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x}); "
-                    "re-encode the file as UTF-8"
-                ) from None
-            if line.strip():
-                conversations.append(_parse_line(line, f"{path}:{lineno}"))
+    conversations = [_parse_record(record, f"{path}:{n}") for n, record in jsonl_records(path)]
     if not conversations:
         raise ValueError(f'{path}: empty file (expected JSONL, one {{"messages": [...]}} object per line)')
     return conversations
@@ -91,14 +80,6 @@ def _load_parquet_conversations(path: Path) -> list[Conversation]:
     if not conversations:
         raise ValueError(f"{path}: no rows")
     return conversations
-
-
-def _parse_line(line: str, where: str) -> Conversation:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-    return _parse_record(record, where)
 
 
 def _parse_record(record: Any, where: str) -> Conversation:

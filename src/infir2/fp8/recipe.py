@@ -159,39 +159,27 @@ class Fp8Recipe:
         return self.gathers_fp8_weight and (self.param_gather_default if setting is None else setting)
 
 
-def _uniform(name: str, block: Block, scale_encoding: ScaleEncoding) -> Fp8Recipe:
-    cast = Cast(block, scale_encoding=scale_encoding)
-    return Fp8Recipe(name, cast, cast, cast, cast, cast, cast)
+def _encoded(name: str, scale_encoding: ScaleEncoding, *blocks: Block) -> Fp8Recipe:
+    """An E4M3 recipe whose six casts share ``scale_encoding``: ``blocks`` in field order (x, w, dy,
+    w_dgrad, dy_wgrad, x_wgrad), or one block for all six."""
+    x, w, dy, w_dgrad, dy_wgrad, x_wgrad = (
+        Cast(block, scale_encoding=scale_encoding) for block in (blocks * 6 if len(blocks) == 1 else blocks)
+    )
+    return Fp8Recipe(name, x, w, dy, w_dgrad, dy_wgrad, x_wgrad)
 
 
 RECIPES: dict[str, Fp8Recipe] = {
     "bf16": Fp8Recipe("bf16", enabled=False),
     "blockwise": Fp8Recipe("blockwise"),
-    "blockwise_fp32scale": Fp8Recipe(
-        "blockwise_fp32scale",
-        Cast(TILE, scale_encoding="fp32"),
-        Cast(WEIGHT_BLOCK, scale_encoding="fp32"),
-        Cast(TILE, scale_encoding="fp32"),
-        Cast(WEIGHT_BLOCK, scale_encoding="fp32"),
-        Cast(TOKEN_TILE, scale_encoding="fp32"),
-        Cast(TOKEN_TILE, scale_encoding="fp32"),
+    "blockwise_fp32scale": _encoded(
+        "blockwise_fp32scale", "fp32", TILE, WEIGHT_BLOCK, TILE, WEIGHT_BLOCK, TOKEN_TILE, TOKEN_TILE
     ),
     "blockwise_hybrid": Fp8Recipe(
         "blockwise_hybrid", dy=Cast(TILE, fmt="e5m2"), dy_wgrad=Cast(TOKEN_TILE, fmt="e5m2")
     ),
-    "mxfp8": Fp8Recipe(
-        "mxfp8",
-        Cast(MX_ROW, scale_encoding="e8m0"),
-        Cast(MX_ROW, scale_encoding="e8m0"),
-        Cast(MX_ROW, scale_encoding="e8m0"),
-        Cast(MX_COLUMN, scale_encoding="e8m0"),
-        Cast(MX_COLUMN, scale_encoding="e8m0"),
-        Cast(MX_COLUMN, scale_encoding="e8m0"),
-    ),
-    "rowwise": Fp8Recipe(
-        "rowwise", Cast(ROW), Cast(ROW), Cast(ROW), Cast(COLUMN), Cast(COLUMN), Cast(COLUMN)
-    ),
-    "tensorwise": _uniform("tensorwise", TENSOR, "fp32"),
+    "mxfp8": _encoded("mxfp8", "e8m0", MX_ROW, MX_ROW, MX_ROW, MX_COLUMN, MX_COLUMN, MX_COLUMN),
+    "rowwise": _encoded("rowwise", "pow2", ROW, ROW, ROW, COLUMN, COLUMN, COLUMN),
+    "tensorwise": _encoded("tensorwise", "fp32", TENSOR),
     # TransformerEngine's NVFP4BlockScaling: E2M1 everywhere, RNE for X and W, stochastic rounding for
     # dY, the random Hadamard transform on both wgrad operands (along tokens), 16x16 weight blocks
     "nvfp4": Fp8Recipe(
@@ -216,7 +204,7 @@ RECIPES: dict[str, Fp8Recipe] = {
     # the null control: the FP8 code path with exact casts -- every element its own block with an fp32
     # scale, so its E4M3 code is +-448 and the value survives to fp32 rounding (~1e-7 per GEMM). A run
     # of it is the baseline perturbed by rounding alone: the noise floor an FP8 gap must beat.
-    "fp8_exact": _uniform("fp8_exact", (1, 1), "fp32"),
+    "fp8_exact": _encoded("fp8_exact", "fp32", (1, 1)),
 }
 
 

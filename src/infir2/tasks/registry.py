@@ -23,13 +23,13 @@ default). A new grader is one ``register_grader(NAME, fn)``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from .._paths import jsonl_records
 from .answers import Graded, grade_choice, grade_math
 
 __all__ = [
@@ -171,24 +171,7 @@ def load_problems(path: str | Path, task: str) -> list[Problem]:
         raise ValueError(f"{path}: is a folder, not a benchmark JSONL file")
     if not path.is_file():
         raise FileNotFoundError(f"benchmark file not found: {path}")
-    out = []
-    with path.open("rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                byte = raw[e.start]
-                raise ValueError(
-                    f"{where}: not valid UTF-8 (byte 0x{byte:02x}); re-encode the file as UTF-8"
-                ) from None
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            out.append(_problem(obj, task, where, f"{path.stem}-{lineno}"))
+    out = [_problem(obj, task, f"{path}:{n}", f"{path.stem}-{n}") for n, obj in jsonl_records(path)]
     if not out:
         raise ValueError(f"{path}: no problems (the file is empty)")
     _check_unique_ids(out, str(path))
