@@ -145,9 +145,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--engine",
         choices=list(ENGINES),
         default="builtin",
-        help="builtin: the KV-cache engine in this process; server: an OpenAI-compatible "
-        "/v1/completions endpoint (vLLM, SGLang, transformers serve); vllm: an in-process vllm.LLM; "
-        "or an engine registered by name",
+        help="builtin: the KV-cache engine in this process; server: an OpenAI-compatible /v1/completions "
+        "endpoint (vLLM, SGLang, transformers serve); vllm: an in-process vllm.LLM; or one registered by name",
     )
     add_engine_arguments(p)
     g = p.add_argument_group("held-out loss (instead of a benchmark)")
