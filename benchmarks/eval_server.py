@@ -1,10 +1,10 @@
-"""`infir2 eval` throughput: the local engine (the built-in KV-cache engine, batched) vs the server engine through `transformers serve`.
+"""`infir2 eval` throughput: the builtin engine (the KV-cache engine in this process, batched) vs the server engine through `transformers serve`.
 
     python benchmarks/eval_server.py --out /tmp/eval-bench [--hidden 256] [--n 4] [--max-new-tokens 64] [--cb]
 
 Exports a tiny Qwen2 (FP8 layout), then evaluates the shipped math sample (8 problems x --n samples,
 sampling at 0.65 / 0.95, every sample running to --max-new-tokens unless it stops) twice into fresh
-folders: `--engine local --batch-size 8`, and `--engine server --concurrency 8` against
+folders: `--engine builtin --batch-size 8`, and `--engine server --concurrency 8` against
 `transformers serve` on the same CPU (started by the script on a free local port; `--cb` turns on its
 continuous batching), each with --threads torch threads. Prints generated tokens per second of each (from summary.json:
 new tokens / generation seconds; the server's start-up is reported apart) and the ratio. On a CPU with a
@@ -40,7 +40,7 @@ def _run(argv: list[str], out: Path) -> dict:
 
 
 def main_(args: argparse.Namespace) -> None:
-    torch.set_num_threads(args.threads)  # the local engine; the server gets OMP_NUM_THREADS below
+    torch.set_num_threads(args.threads)  # the builtin engine; the server gets OMP_NUM_THREADS below
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
@@ -61,7 +61,7 @@ def main_(args: argparse.Namespace) -> None:
         "--max-new-tokens",
         str(args.max_new_tokens),
     ]
-    local = _run([*common, "--batch-size", "8"], out / "local")
+    builtin = _run([*common, "--batch-size", "8"], out / "builtin")
     start = time.perf_counter()
     with transformers_serve(
         folder, out / "serve.log", extra=["--continuous-batching"] if args.cb else []
@@ -70,15 +70,15 @@ def main_(args: argparse.Namespace) -> None:
         server = _run(
             [*common, "--engine", "server", "--base-url", s.url, "--concurrency", "8"], out / "server"
         )
-    rows = [("local (batch 8)", local), (f"server (concurrency 8{', cb' if args.cb else ''})", server)]
+    rows = [("builtin (batch 8)", builtin), (f"server (concurrency 8{', cb' if args.cb else ''})", server)]
     print(f"\n{'engine':<32} {'samples':>7} {'tokens':>7} {'seconds':>8} {'tok/s':>7}")
     for name, s in rows:
         tokens = round(s["mean_new_tokens"] * s["samples"])
         print(
             f"{name:<32} {s['samples']:>7} {tokens:>7} {s['seconds']:>8.2f} {s['new_tokens_per_second']:>7.1f}"
         )
-    ratio = server["new_tokens_per_second"] / local["new_tokens_per_second"]
-    print(f"server / local throughput: {ratio:.2f}x (server start-up {startup:.1f} s, not counted)")
+    ratio = server["new_tokens_per_second"] / builtin["new_tokens_per_second"]
+    print(f"server / builtin throughput: {ratio:.2f}x (server start-up {startup:.1f} s, not counted)")
 
 
 if __name__ == "__main__":

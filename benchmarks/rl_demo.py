@@ -1,6 +1,6 @@
 """RL after the demo's SFT: held-out accuracy of the SFT model vs the same model after `infir2 rl`.
 
-    python benchmarks/rl_demo.py --out /tmp/rl-demo --sft-seed 0 --seeds 0,1 --pairs fp8:blockwise,bf16:bf16
+    python benchmarks/rl_demo.py --out /tmp/rl-demo --sft-seed 0 --seeds 0,1 --pairs fp8:blockwise,high:bf16
 
 The demo's data, tokenizer, CPT and SFT at ``--sft-seed`` (``infir2.tools.demo.pipeline.run_recipe`` with the
 full demo settings, baseline recipe; reused when ``--out`` already holds them), the SFT model's greedy
@@ -143,7 +143,11 @@ def main() -> None:
         "--sft-seed", type=int, default=0, help="seed of the CPT + SFT start (shared by every RL run)"
     )
     p.add_argument("--seeds", default="0", help="RL seeds")
-    p.add_argument("--pairs", default="fp8:blockwise,bf16:bf16", help="ROLLOUT:TRAINING precision pairs")
+    p.add_argument(
+        "--pairs",
+        default="fp8:blockwise,high:bf16",
+        help="ROLLOUT:TRAINING precision pairs (rollout.precision: fp8 | high; fp8.recipe)",
+    )
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--prompts", type=int, default=16, help="prompts per step")
     p.add_argument("--group", type=int, default=8, help="samples per prompt")

@@ -2,7 +2,7 @@
 
     python benchmarks/rl_mismatch.py --model /tmp/rl-demo/runs/bf16/s0/sft/hf --prompts /tmp/rl-demo/data/test.jsonl
 
-For each pair ``ROLLOUT:TRAINING`` (rollout ``bf16 | fp8`` x training recipe): the built-in engine
+For each pair ``ROLLOUT:TRAINING`` (``rollout.precision`` ``high | fp8`` x training recipe): the built-in engine
 generates ``--samples`` responses for each of the first ``--n`` prompts (the same seed for every pair,
 so the same sampler stream), the trainer computes the log-probabilities of the same tokens with the same
 master weights, and the table shows `infir2.rl.mismatch_metrics` over all response tokens: mean and max
@@ -36,7 +36,7 @@ from infir2.rl.algorithm import mismatch_metrics
 from infir2.rl.batch import RLBatch
 from infir2.rl.update import response_logprobs
 
-PAIRS = "bf16:bf16,fp8:bf16,bf16:blockwise,fp8:blockwise,fp8:blockwise_fp32scale"
+PAIRS = "high:bf16,fp8:bf16,high:blockwise,fp8:blockwise,fp8:blockwise_fp32scale"
 
 
 def measure(
@@ -44,15 +44,7 @@ def measure(
 ) -> dict[str, float]:
     policy = prepare_for_training(load_pretrained(model_dir), recipe)
     base = {"bf16": torch.bfloat16, "fp32": None}[args.base_dtype]
-    builtin = BuiltinEngine(
-        policy,
-        tok,
-        {"fp8": "served", "bf16": "high"}[rollout],
-        "pow2",
-        "fp32",
-        copy_model=True,
-        base_dtype=base,
-    )
+    builtin = BuiltinEngine(policy, tok, rollout, "pow2", "fp32", copy_model=True, base_dtype=base)
     engine = RolloutEngine(builtin, SamplingConfig(False, 1.0, 1.0, args.max_new_tokens, 64))
     t0 = time.perf_counter()
     groups = engine.generate(prompts, args.samples, seed=args.seed)

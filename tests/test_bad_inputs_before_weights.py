@@ -152,11 +152,23 @@ def test_a_read_only_out_folder_is_one_line_before_any_weights(model_dir):
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [
-        (["--concurrency", "2"], "--concurrency is a flag of --engine server, not of --engine local"),
+        (["--concurrency", "2"], "--concurrency is a flag of --engine server, not of --engine builtin"),
         (["--base-url", "http://127.0.0.1:1"], "--base-url is a flag of --engine server"),
         (["--extra-body", "{}"], "--extra-body is a flag of --engine server"),
-        (["--scale-encoding", "fp32"], "--scale-encoding sets the block scales of --fp8 served"),
-        (["--fp8", "blockwise", "--scale-encoding", "fp32"], "--scale-encoding sets the block scales"),
+        (["--scale-encoding", "fp32"], "--scale-encoding sets the block scales of --precision fp8"),
+        (
+            ["--precision", "recipe", "--recipe", "blockwise", "--scale-encoding", "fp32"],
+            "--scale-encoding sets the block scales",
+        ),
+        (["--precision", "recipe"], "--precision recipe needs --recipe NAME"),
+        (
+            ["--recipe", "blockwise"],
+            "--recipe names the training recipe of --precision recipe, not of --precision high",
+        ),
+        (
+            ["--precision", "fp8", "--recipe", "blockwise"],
+            "--recipe names the training recipe of --precision",
+        ),
     ],
 )
 def test_a_flag_of_another_engine_is_refused(model_dir, tmp_path, capsys, no_weights, extra, needle):
@@ -167,11 +179,15 @@ def test_a_flag_of_another_engine_is_refused(model_dir, tmp_path, capsys, no_wei
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [
-        (["--batch-size", "4"], "--batch-size is a flag of an in-process engine (--engine local)"),
+        (["--batch-size", "4"], "--batch-size is a flag of an in-process engine (--engine builtin)"),
         (["--device", "cpu"], "--device is a flag of an in-process engine"),
         (["--beyond-context"], "--beyond-context is a flag of an in-process engine"),
-        (["--fp8"], "--fp8: the server engine cannot run FP8 serving"),
-        (["--fp8", "blockwise"], "--fp8: the server engine cannot run a training recipe's FP8"),
+        (["--precision", "fp8"], "--precision: the server engine cannot run FP8 (the FP8 export's weights)"),
+        (
+            ["--precision", "recipe", "--recipe", "blockwise"],
+            "--precision: the server engine cannot run a training recipe's FP8",
+        ),
+        (["--recipe", "blockwise"], "--recipe is a flag of an in-process engine"),
     ],
 )
 def test_the_server_engine_refuses_local_flags_and_fp8(model_dir, tmp_path, capsys, extra, needle):
@@ -198,7 +214,7 @@ def test_the_vllm_engine_without_vllm_is_one_line_saying_how_to_install_it(model
     assert not (tmp_path / "out").exists()
     with pytest.raises(ValueError, match=r"rl\.yaml: rollout\.engine: engine 'vllm' needs vLLM: pip install"):
         parse_rl_config(
-            {"data": {"prompts_path": "p.jsonl"}, "rollout": {"engine": "vllm", "precision": "bf16"}},
+            {"data": {"prompts_path": "p.jsonl"}, "rollout": {"engine": "vllm", "precision": "high"}},
             "rl.yaml",
         )
     with pytest.raises(ValueError, match=r"vllm\.max_model_len.*rollout\.engine is 'builtin'"):
@@ -220,10 +236,10 @@ def test_rl_refuses_a_text_only_engine_and_fp8_it_cannot_run(tmp_path, monkeypat
     monkeypatch.setitem(TRAITS, "high-only", EngineTraits(True, ("high",), True))
     cfg["rollout"] = {"engine": "high-only", "precision": "fp8"}
     with pytest.raises(
-        ValueError, match=r"^x.yaml: rollout.precision: the high-only engine cannot run FP8 serving"
+        ValueError, match=r"^x.yaml: rollout.precision: the high-only engine cannot run FP8 \(the FP8 export"
     ):
         parse_rl_config(cfg, "x.yaml")
-    cfg["rollout"] = {"engine": "high-only", "precision": "bf16"}
+    cfg["rollout"] = {"engine": "high-only", "precision": "high"}
     assert parse_rl_config(cfg, "x.yaml").rollout.engine == "high-only"  # what it can run is accepted
 
 

@@ -260,7 +260,7 @@ def test_an_export_out_that_cannot_be_made_is_one_line(model_dir, capsys):
         (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
         (["--batch-size", "0"], "--batch-size must be >= 1"),
         (["--greedy", "--n", "2"], "--greedy is deterministic: it takes --n 1"),
-        (["--fp8", "fp4"], "--fp8: unknown FP8 recipe 'fp4'"),
+        (["--precision", "recipe", "--recipe", "fp4"], "--recipe: unknown FP8 recipe 'fp4'"),
     ],
 )
 def test_eval_names_the_flag_and_writes_nothing(model_dir, tmp_path, capsys, extra, needle):

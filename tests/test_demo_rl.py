@@ -25,14 +25,14 @@ def test_demo_rl_reuses_the_demos_sft_model_and_writes_figure_and_verdict(tmp_pa
     record = json.loads((out / "rl" / "results.json").read_text())
     assert record["start"] == str(sft)
     assert [(r["pair"], r["seed"]) for r in record["runs"]] == [
-        (p, s) for s in (0, 1) for p in ("fp8:blockwise", "bf16:bf16")
+        (p, s) for s in (0, 1) for p in ("fp8:blockwise", "high:bf16")
     ]
     for r in record["runs"]:
         assert r["val"][0][0] == 0 and [s for s, _ in r["val"][1:]] == [1, 2]  # start, then every step
         assert r["steps"] == [1, 2] and len(r["kl_ref"]) == 2  # the KL to the start, logged every step
         assert (out / "rl" / "runs" / f"{r['pair'].replace(':', '-')}-s{r['seed']}" / "hf").is_dir()
     fp8 = {r["seed"]: r for r in record["runs"] if r["pair"] == "fp8:blockwise"}
-    bf16 = {r["seed"]: r for r in record["runs"] if r["pair"] == "bf16:bf16"}
+    bf16 = {r["seed"]: r for r in record["runs"] if r["pair"] == "high:bf16"}
     gains = [100 * (fp8[s]["val"][-1][1] - fp8[s]["val"][0][1]) for s in (0, 1)]
     first = record["verdicts"][0]
     assert first["what"] == "fp8:blockwise: RL - SFT start"
@@ -40,7 +40,7 @@ def test_demo_rl_reuses_the_demos_sft_model_and_writes_figure_and_verdict(tmp_pa
     diff = [100 * (fp8[s]["val"][-1][1] - bf16[s]["val"][-1][1]) for s in (0, 1)]
     assert record["verdicts"][-1]["mean"] == pytest.approx(sum(diff) / 2)
     assert (out / "rl" / "rl.png").stat().st_size > 10_000
-    assert "verdict" in printed and "fp8:blockwise - bf16:bf16 after RL" in printed
+    assert "verdict" in printed and "fp8:blockwise - high:bf16 after RL" in printed
     prompts = {json.loads(x)["problem"] for x in (out / "rl" / "prompts.jsonl").read_text().splitlines()}
     held_out = {json.loads(x)["problem"] for x in (out / "rl" / "val.jsonl").read_text().splitlines()}
     assert prompts and held_out and not prompts & held_out

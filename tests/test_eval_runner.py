@@ -64,7 +64,8 @@ class ScriptedEngine:
     def __init__(self, texts: list[str], finished: list[bool]) -> None:
         self.texts, self.finished = texts, finished
 
-    def generate(self, prompts, sampling, on_sample=None, progress=False):
+    def generate(self, request):
+        prompts = request.prompts
         assert (
             len(prompts) == 2
             and all(len(p.seeds) == 3 for p in prompts)
@@ -77,7 +78,7 @@ class ScriptedEngine:
             for j in range(len(p.seeds)):
                 k = 3 * i + j
                 out[i].append(Sample([], [], self.finished[k], text=self.texts[k], n_tokens=5))
-                on_sample(i, j, out[i][j])
+                request.on_sample(i, j, out[i][j])
         return out
 
 
@@ -119,10 +120,10 @@ def test_fp8_is_off_by_default(tiny_tokenizer) -> None:
     assert all(
         m.fp8_enabled for name, m in converted.named_modules() if hasattr(m, "fp8_enabled")
     )  # restored
-    fp8 = evaluate(converted, tiny_tokenizer, problems, fp8=True, **kwargs)
-    assert fp8.summary["precision"] == "fp8 (blockwise)" and len(fp8.records) == len(problems)
+    fp8 = evaluate(converted, tiny_tokenizer, problems, precision="recipe", **kwargs)
+    assert fp8.summary["precision"] == "recipe (blockwise)" and len(fp8.records) == len(problems)
     with pytest.raises(ValueError, match="no Fp8Linear"):
-        evaluate(make_tiny_model(), tiny_tokenizer, problems, fp8=True, **kwargs)
+        evaluate(make_tiny_model(), tiny_tokenizer, problems, precision="recipe", **kwargs)
 
 
 def test_bad_arguments(tiny_tokenizer) -> None:

@@ -2,7 +2,7 @@
 
 The server here is a small stdlib HTTP server in a thread, bound to a free port on 127.0.0.1, that
 speaks the OpenAI Completions API and can be told to fail (429 / 503, another model, dropping the
-`n` field like `transformers serve`). The greedy equality with the local engine and the kill /
+`n` field like `transformers serve`). The greedy equality with the builtin engine and the kill /
 restart test run against a real `transformers serve` in `test_eval_server_real.py`.
 """
 
@@ -155,7 +155,7 @@ def test_scores_resume_and_refuse_changed_settings(
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["avg@n"], summary["samples"], summary["generated_now"]) == (1.0, 20, 14)
     assert summary["engine"] == "server"
-    # token counts: the server's usage for a one-choice answer (7), else the local count + the stop token
+    # token counts: the server's usage for a one-choice answer (7), else the local tokenizer's count + the stop token
     counted = len(tiny_tokenizer(lines[0]["completion"], add_special_tokens=False)["input_ids"]) + 1
     assert sorted({r["n_tokens"] for r in lines}) == [7, counted]
     # another sampling setting in the same folder is refused, naming the key

@@ -1,6 +1,6 @@
 """`infir2 eval --engine server` against a real `transformers serve` on tiny exported models (BF16 and FP8).
 
-* greedy results through the server equal the local engine's, sample by sample, on the same folder;
+* greedy results through the server equal the builtin engine's, sample by sample, on the same folder;
 * a server killed mid-evaluation makes the command stop with a one-line error, keeping what was
   finished; after a restart, the same command generates only the rest: every sample answered once.
 
@@ -52,10 +52,10 @@ def _read(path: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_server_greedy_equals_local(folders: dict[str, Path], tmp_path: Path, fmt: str, capsys) -> None:
+def test_server_greedy_equals_builtin(folders: dict[str, Path], tmp_path: Path, fmt: str, capsys) -> None:
     folder = folders[fmt]
     common = ["--model", str(folder), "--greedy", "--max-new-tokens", "24"]
-    assert main(["eval", *common, "--out", str(tmp_path / "local")]) == 0
+    assert main(["eval", *common, "--out", str(tmp_path / "builtin")]) == 0
     with transformers_serve(folder, tmp_path / "serve.log") as server:
         served = ["eval", *common, "--engine", "server", "--base-url", server.url]
         assert main([*served, "--concurrency", "2", "--out", str(tmp_path / "server")]) == 0
@@ -63,15 +63,15 @@ def test_server_greedy_equals_local(folders: dict[str, Path], tmp_path: Path, fm
         other = ["--model", "other", "--tokenizer", str(folder), "--out", str(tmp_path / "other")]
         assert main([*served, *other]) == 1
         assert f"serves '{folder}', not 'other'" in capsys.readouterr().err
-    local, served = (_read(tmp_path / d / "samples.jsonl") for d in ("local", "server"))
-    assert len(local) == 8 and served == local  # text, token count, finished, extracted answer, verdict
-    assert _read(tmp_path / "server" / "problems.jsonl") == _read(tmp_path / "local" / "problems.jsonl")
-    summaries = [json.loads((tmp_path / d / "summary.json").read_text()) for d in ("local", "server")]
+    builtin, served = (_read(tmp_path / d / "samples.jsonl") for d in ("builtin", "server"))
+    assert len(builtin) == 8 and served == builtin  # text, token count, finished, extracted answer, verdict
+    assert _read(tmp_path / "server" / "problems.jsonl") == _read(tmp_path / "builtin" / "problems.jsonl")
+    summaries = [json.loads((tmp_path / d / "summary.json").read_text()) for d in ("builtin", "server")]
     assert [{k: v for k, v in s.items() if k not in VOLATILE} for s in summaries] == [
         {k: v for k, v in summaries[0].items() if k not in VOLATILE}
     ] * 2
     print(
-        f"{fmt}: local {summaries[0]['new_tokens_per_second']} tok/s, "
+        f"{fmt}: builtin {summaries[0]['new_tokens_per_second']} tok/s, "
         f"server {summaries[1]['new_tokens_per_second']} tok/s"
     )
 

@@ -1,11 +1,13 @@
 """The generation layer: the sampler's top-p / top-k against transformers' warpers, per-sample seeds in
-evaluation, the FP8 serving linear in `infir2 eval --fp8`, and the engine registry -- a test engine
-defined here, registered by name, that `infir2 eval --engine` and `rollout.engine` pick up."""
+evaluation, the FP8 serving linear in `infir2 eval --precision fp8`, and the engine registry -- a test
+engine defined here with its own settings, registered by name, that `infir2 eval --engine` and
+`rollout.engine` pick up."""
 
 from __future__ import annotations
 
 import copy
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +19,7 @@ from conftest import make_tiny_model
 from infir2.cli import main
 from infir2.eval import GRADERS, Graded, evaluate, problems_from_dicts
 from infir2.export import export_model
-from infir2.generation import ENGINES, EngineOptions, Sample, register_engine
+from infir2.generation import ENGINES, EngineOptions, Request, Sample, build_engine, register_engine
 from infir2.generation.builtin import stops_and_pad
 from infir2.generation.sampler import filter_probs
 from infir2.rl import parse_rl_config
@@ -28,17 +30,24 @@ pytestmark = pytest.mark.transformers_api  # CI runs this file again under the o
 _one_thread = pytest.fixture(autouse=True)(one_thread)
 
 
+@dataclass(frozen=True)
+class LoopSettings:
+    """The test engine's own settings (what a new engine declares beside its factory)."""
+
+    copy_model: bool = True  # generate from a copy that load_weights refreshes
+
+
 class LoopEngine:
     """A test engine: a full forward per token (no KV cache, no padding), one prompt at a time; the
     distribution and the seeding are those of ``base.Engine``'s contract. Counts its calls."""
 
     returns_ids, calls = True, 0
 
-    def __init__(self, name: str, options: EngineOptions) -> None:
+    def __init__(self, name: str, options: EngineOptions, settings: LoopSettings | None = None) -> None:
         assert options.model is not None
         model = options.model()
         self.name, self.precision = name, "high (test loop)"
-        self.model = copy.deepcopy(model).eval() if options.copy_model else model
+        self.model = copy.deepcopy(model).eval() if (settings or LoopSettings()).copy_model else model
         self.stops, _ = stops_and_pad(options.tokenizer)
 
     @torch.no_grad()
@@ -46,10 +55,11 @@ class LoopEngine:
         self.model.load_state_dict(policy.state_dict())
 
     @torch.no_grad()
-    def generate(self, prompts, sampling, on_sample=None, progress=False):
+    def generate(self, request: Request):
         LoopEngine.calls += 1
+        sampling = request.sampling
         out = []
-        for i, p in enumerate(prompts):
+        for i, p in enumerate(request.prompts):
             out.append([])
             for j, seed in enumerate(p.seeds):
                 gen, ids, logps = torch.Generator().manual_seed(seed), [], []
@@ -62,15 +72,14 @@ class LoopEngine:
                     ids.append(tok)
                     logps.append(float(logp[tok]))
                 out[i].append(Sample(ids, logps, finished=ids[-1] in self.stops))
-                if on_sample is not None:
-                    on_sample(i, j, out[i][j])
+                request.done(i, j, out[i][j])
         return out
 
 
 @pytest.fixture
 def loop_engine(monkeypatch):
-    monkeypatch.setitem(ENGINES, "test-loop", LoopEngine)  # removed again after the test
-    register_engine("test-loop", LoopEngine)  # what a new engine's module does
+    monkeypatch.setitem(ENGINES, "test-loop", ENGINES["builtin"])  # removed again after the test
+    register_engine("test-loop", LoopEngine, settings=LoopSettings)  # what a new engine's module does
     LoopEngine.calls = 0
     return "test-loop"
 
@@ -117,18 +126,19 @@ def test_eval_samples_depend_on_their_seed_not_on_the_batch(tiny_tokenizer) -> N
     assert len(set(together)) > 3
 
 
-def test_eval_fp8_served_is_the_blockwise_recipe_forward(model_dir: Path, tmp_path: Path) -> None:
-    served = _eval(model_dir, tmp_path / "s", "--fp8", "--greedy")  # a bare --fp8: the model as served
-    recipe = _eval(model_dir, tmp_path / "r", "--fp8", "blockwise", "--greedy")
+def test_eval_fp8_is_the_blockwise_recipe_forward(model_dir: Path, tmp_path: Path) -> None:
+    served = _eval(model_dir, tmp_path / "s", "--precision", "fp8", "--greedy")  # the FP8 export's weights
+    recipe = _eval(model_dir, tmp_path / "r", "--precision", "recipe", "--recipe", "blockwise", "--greedy")
     # pow2 128x128 weights + 1x128 activations: what the blockwise recipe computes in its forward
     assert [r["completion"] for r in served] == [r["completion"] for r in recipe]
     summary = json.loads((tmp_path / "s" / "summary.json").read_text())
-    assert summary["precision"] == "fp8 served (pow2 scales)"
-    assert json.loads((tmp_path / "r" / "summary.json").read_text())["precision"] == "fp8 (blockwise)"
-    assert main(["eval", "--model", str(model_dir), "--fp8", "nope", "--out", str(tmp_path / "x")]) == 2
+    assert summary["precision"] == "fp8 (the export's weights, pow2 scales)"
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["precision"] == "recipe (blockwise)"
+    bad = ["--precision", "recipe", "--recipe", "nope", "--out", str(tmp_path / "x")]
+    assert main(["eval", "--model", str(model_dir), *bad]) == 2
 
 
-def test_perplexity_fp8_served_is_the_blockwise_recipe_loss(model_dir: Path, tmp_path: Path) -> None:
+def test_perplexity_fp8_is_the_blockwise_recipe_loss(model_dir: Path, tmp_path: Path) -> None:
     tok = tmp_path / "tok"
     tok.mkdir()
     (np.arange(200) * 7 % 300).astype("uint16").tofile(tok / "val.bin")
@@ -140,16 +150,28 @@ def test_perplexity_fp8_served_is_the_blockwise_recipe_loss(model_dir: Path, tmp
         assert main(["eval", *(str(x) for kv in flags.items() for x in kv), *fp8]) == 0
         return json.loads((out / "loss.json").read_text())["loss"]
 
-    high, served, recipe = loss(), loss("--fp8"), loss("--fp8", "blockwise")
+    high, served = loss(), loss("--precision", "fp8")
+    recipe = loss("--precision", "recipe", "--recipe", "blockwise")
     assert served == pytest.approx(recipe, rel=1e-6) and abs(served - high) > 1e-6  # FP8, and the same FP8
 
 
 def test_eval_picks_a_registered_engine_by_name(model_dir: Path, tmp_path: Path, loop_engine: str) -> None:
-    local = _eval(model_dir, tmp_path / "local", "--greedy")
+    builtin = _eval(model_dir, tmp_path / "builtin", "--greedy")
     loop = _eval(model_dir, tmp_path / "loop", "--greedy", "--engine", loop_engine)
     assert LoopEngine.calls == 1
-    assert [r["completion"] for r in loop] == [r["completion"] for r in local]  # KV cache == full forwards
+    assert [r["completion"] for r in loop] == [r["completion"] for r in builtin]  # KV cache == full forwards
     assert json.loads((tmp_path / "loop" / "summary.json").read_text())["engine"] == loop_engine
+
+
+def test_each_engine_is_built_from_its_own_settings(tiny_tokenizer, loop_engine: str) -> None:
+    model = make_tiny_model()
+    options = EngineOptions(tiny_tokenizer, model=lambda: model)
+    assert build_engine(loop_engine, options, LoopSettings(copy_model=False)).model is model
+    assert build_engine(loop_engine, options).model is not model  # its defaults: a copy
+    with pytest.raises(
+        TypeError, match=r"the builtin engine's settings are BuiltinSettings, got a LoopSettings"
+    ):
+        build_engine("builtin", options, LoopSettings())
 
 
 def test_rl_picks_a_registered_engine_by_name(tmp_path: Path, tiny_tokenizer, monkeypatch, loop_engine: str):
@@ -166,7 +188,7 @@ def test_rl_picks_a_registered_engine_by_name(tmp_path: Path, tiny_tokenizer, mo
         "model": {"path": str(policy), "precision": "fp32"},
         "fp8": {"recipe": "bf16"},
         "data": {"prompts_path": str(prompts)},
-        "rollout": {"engine": loop_engine, "precision": "bf16", "prompts_per_step": 2, "group_size": 3},
+        "rollout": {"engine": loop_engine, "precision": "high", "prompts_per_step": 2, "group_size": 3},
         "algo": {"reward": "parity", "dynamic_sampling": False, "micro_batch_size": 6},
         "train": {"max_steps": 2},
     }

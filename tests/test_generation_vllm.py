@@ -14,9 +14,9 @@ from infir2.rl import parse_rl_config
 
 def test_the_registry_knows_vllm_as_an_in_process_engine_with_token_ids():
     assert TRAITS["vllm"].in_process and TRAITS["vllm"].returns_ids
-    check_engine("vllm", "rollout.engine", "served", "rollout.precision", needs_ids=True)
-    with pytest.raises(ValueError, match=r"--fp8: the vllm engine cannot run a training recipe's FP8"):
-        check_engine("vllm", "--engine", "fp8", "--fp8")
+    check_engine("vllm", "rollout.engine", "fp8", "rollout.precision", needs_ids=True)
+    with pytest.raises(ValueError, match=r"--precision: the vllm engine cannot run a training recipe's FP8"):
+        check_engine("vllm", "--engine", "recipe", "--precision")
 
 
 def test_fp8_on_a_cpu_without_amx_is_refused_naming_the_reason_and_the_alternatives(monkeypatch, tmp_path):
@@ -31,7 +31,9 @@ def test_fp8_on_a_cpu_without_amx_is_refused_naming_the_reason_and_the_alternati
     assert line.startswith(
         "--model: the vllm engine cannot run FP8 here: vLLM's CPU block-FP8 kernel needs AMX"
     )
-    assert "rollout.precision: bf16" in line and "--engine local --fp8" in line and "\n" not in line
+    assert (
+        "rollout.precision: high" in line and "--engine builtin --precision fp8" in line and "\n" not in line
+    )
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     assert fp8_unsupported() is None
 
@@ -47,12 +49,12 @@ def test_rl_refuses_fp8_rollouts_on_vllm_where_vllm_cannot_serve_them(monkeypatc
     ):
         parse_rl_config({**base, "rollout": {"engine": "vllm", "precision": "fp8"}}, "rl.yaml")
     cfg = parse_rl_config(
-        {**base, "rollout": {"engine": "vllm", "precision": "bf16"}, "vllm": {"max_model_len": 64}}
+        {**base, "rollout": {"engine": "vllm", "precision": "high"}, "vllm": {"max_model_len": 64}}
     )
     assert cfg.vllm.settings() == VllmSettings(max_model_len=64)
     with pytest.raises(ValueError, match=r"memory_fraction in \(0, 1\]"):
         parse_rl_config(
-            {**base, "rollout": {"engine": "vllm", "precision": "bf16"}, "vllm": {"memory_fraction": 2}}
+            {**base, "rollout": {"engine": "vllm", "precision": "high"}, "vllm": {"memory_fraction": 2}}
         )
 
 
@@ -97,9 +99,9 @@ def test_eval_refuses_fp8_on_vllm_here_in_one_line_before_any_weights(monkeypatc
     monkeypatch.setattr(v, "require_vllm", lambda key="engine": None)  # as if installed
     monkeypatch.setattr(v, "fp8_unsupported", lambda: "no AMX here")
     argv = ["eval", "--engine", "vllm", "--model", str(tmp_path / "absent"), "--out", str(tmp_path / "out")]
-    assert main([*argv, "--fp8"]) == 2
+    assert main([*argv, "--precision", "fp8"]) == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-    assert len(err) == 1 and "--fp8: the vllm engine cannot run FP8 here: no AMX here" in err[0], err
+    assert len(err) == 1 and "--precision: the vllm engine cannot run FP8 here: no AMX here" in err[0], err
     assert main([*argv, "--max-model-len", "1"]) == 2
     assert "max_model_len must be >= 2" in capsys.readouterr().err
     assert main([*argv, "--device", "cpu"]) == 2

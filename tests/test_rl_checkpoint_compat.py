@@ -49,7 +49,7 @@ def _config():
             "optim": {"lr": 1e-3},
             "data": {"prompts_path": _prompts(Path("prompts.jsonl"), 6)},
             "rollout": {
-                "precision": "bf16",
+                "precision": "high",
                 "prompts_per_step": 2,
                 "group_size": 3,
                 "oversample_prompts": 3,

@@ -28,9 +28,7 @@ PROMPTS = ["Compute 7 + 5 - 3.", "The quick brown fox", "12 + 30 = "]
 
 def _engine(policy, tok, precision, scale="pow2", max_new_tokens=12, batch_size=4):
     """RL's engine as `rollout.precision: PRECISION` builds it (fp8: the export's FP8 linear)."""
-    builtin = BuiltinEngine(
-        policy, tok, {"fp8": "served", "bf16": "high"}[precision], scale, "fp32", copy_model=True
-    )
+    builtin = BuiltinEngine(policy, tok, precision, scale, "fp32", copy_model=True)
     return RolloutEngine(builtin, SamplingConfig(False, 1.0, 1.0, max_new_tokens, batch_size))
 
 
@@ -104,14 +102,14 @@ def _mismatch(recipe: str, rollout: str, tok) -> dict[str, float]:
     return mismatch_metrics(logp, roll, mask, 2.0)
 
 
-@pytest.mark.parametrize("recipe, rollout", [("blockwise", "fp8"), ("bf16", "bf16")])
+@pytest.mark.parametrize("recipe, rollout", [("blockwise", "fp8"), ("bf16", "high")])
 def test_identical_quantization_has_no_mismatch(tiny_tokenizer, recipe, rollout):
     m = _mismatch(recipe, rollout, tiny_tokenizer)
     assert m["mismatch/abs_dlogp_max"] < 1e-4  # only the KV-cache decoding's float rounding differs
     assert m["mismatch/prob_error"] < 1 + 1e-5 and m["mismatch/tis_clip_frac"] == 0
 
 
-@pytest.mark.parametrize("recipe, rollout", [("bf16", "fp8"), ("blockwise", "bf16")])
+@pytest.mark.parametrize("recipe, rollout", [("bf16", "fp8"), ("blockwise", "high")])
 def test_different_quantization_is_measured(tiny_tokenizer, recipe, rollout):
     m = _mismatch(recipe, rollout, tiny_tokenizer)  # FP8 on one side only
     assert m["mismatch/abs_dlogp_mean"] > 1e-3
@@ -131,7 +129,7 @@ def test_sampling_is_reproducible_from_the_seed(tiny_tokenizer):
 
 def test_greedy_decoding_matches_transformers_generate(tiny_tokenizer):
     model = make_tiny_model(seed=3)
-    engine = _engine(prepare_for_training(make_tiny_model(seed=3), "bf16"), tiny_tokenizer, "bf16")
+    engine = _engine(prepare_for_training(make_tiny_model(seed=3), "bf16"), tiny_tokenizer, "high")
     prompts = [tiny_tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
     mine = [g[0].response_ids for g in engine.generate(prompts, 1, seed=0, greedy=True)]
     stops = stop_token_ids(tiny_tokenizer)
@@ -167,14 +165,14 @@ def test_fp8_rollouts_of_an_moe_policy_run_the_experts_on_the_exports_bytes(tmp_
     """Each routed expert's FP8 weight in the rollout engine is the one `export_model(fmt="fp8")` writes
     for it (per expert: gate and up as the checkpoint layout splits them, and down), after an update too,
     with fp32 block scales on a policy trained with power-of-two ones (so the training recipe's own
-    quantization would differ); bf16 rollouts run the experts in high precision."""
+    quantization would differ); high-precision rollouts run the experts in high precision."""
     from safetensors.torch import load_file
 
     from infir2.nn.moe import Fp8Experts
     from moe_models import make_tiny_moe
 
     policy = prepare_for_training(make_tiny_moe("qwen3_moe"), "blockwise")
-    engine = BuiltinEngine(policy, tiny_tokenizer, "served", "fp32", "fp32", copy_model=True)
+    engine = BuiltinEngine(policy, tiny_tokenizer, "fp8", "fp32", "fp32", copy_model=True)
     for step in range(2):
         out = export_model(policy, None, tmp_path / f"fp8-{step}", fmt="fp8", scale_encoding="fp32")
         exported = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}

@@ -76,7 +76,7 @@ def _independent_model(folder):
 
 
 def _engine(policy, tok, base_dtype):
-    builtin = BuiltinEngine(policy, tok, "served", "pow2", "fp32", copy_model=True, base_dtype=base_dtype)
+    builtin = BuiltinEngine(policy, tok, "fp8", "pow2", "fp32", copy_model=True, base_dtype=base_dtype)
     return RolloutEngine(builtin, SamplingConfig(False, 1.0, 1.0, 12, 8))
 
 

@@ -94,12 +94,12 @@ def test_a_skip_streak_stops_rl_with_the_harness_error_naming_the_last_checkpoin
 
 
 def test_a_rollout_mismatch_above_the_gate_skips_the_updates(tmp_path, tiny_tokenizer):
-    """bf16 rollouts of an FP8-trained policy differ from it by FP8 rounding: a gate just above a perfect
+    """High-precision rollouts of an FP8-trained policy differ from it by FP8 rounding: a gate just above a perfect
     match skips every update, the weights stay those of the start, and the streak stops the run."""
     cfg = _config(
         tmp_path,
         "gate",
-        rollout={"precision": "bf16"},
+        rollout={"precision": "high"},
         train={"max_steps": 3, "max_skipped_in_row": 2, "max_prob_error": 1.000001, "save_every": 0},
     )
     model = make_tiny_model(seed=1)
@@ -113,7 +113,7 @@ def test_a_rollout_mismatch_above_the_gate_skips_the_updates(tmp_path, tiny_toke
         assert torch.equal(t.to(start[name].dtype), start[name]), name
     # the same run without the gate trains
     ok = _config(
-        tmp_path, "nogate", rollout={"precision": "bf16"}, train={"max_steps": 1, "max_prob_error": None}
+        tmp_path, "nogate", rollout={"precision": "high"}, train={"max_steps": 1, "max_prob_error": None}
     )
     assert (
         rl(ok, model=make_tiny_model(seed=1), tokenizer=tiny_tokenizer, progress=False).history[0]["updates"]

@@ -163,6 +163,14 @@ def test_bad_configs_and_prompts_are_clear_errors(tmp_path, capsys):
     bad.write_text("algo:\n  reward: nope\n")
     assert main(["rl", str(bad)]) == 2
     assert "algo.reward" in capsys.readouterr().err
+    bad.write_text("rollout:\n  precision: bf16\n")  # the word of before one precision vocabulary
+    assert main(["rl", str(bad)]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and f"{bad}: rollout.precision: got 'bf16', expected high or fp8" in err[0], err
+    assert "it is now rollout.precision: high" in err[0]
+    bad.write_text("rollout:\n  group_size: 4\n")
+    assert main(["rl", str(bad), "--set", "rollout.precision=bf16"]) == 2
+    assert "with --set rollout.precision=bf16: rollout.precision: got 'bf16'" in capsys.readouterr().err
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"problem": "1 + 1", "anwser": "2"}\n')
     cfg = tmp_path / "ok.yaml"

@@ -88,18 +88,18 @@ def _eval(folder: Path, out: Path, *engine: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def local(folder: Path, tmp_path_factory) -> list[dict]:
-    return _eval(folder, tmp_path_factory.mktemp("local") / "out")
+def builtin(folder: Path, tmp_path_factory) -> list[dict]:
+    return _eval(folder, tmp_path_factory.mktemp("builtin") / "out")
 
 
-def test_eval_engine_vllm_greedy_equals_the_builtin_engine(folder, local, tmp_path):
+def test_eval_engine_vllm_greedy_equals_the_builtin_engine(folder, builtin, tmp_path):
     served = _eval(folder, tmp_path / "vllm", "--engine", "vllm")
-    assert len(local) == 8 and served == local  # text, token count, finished, answer, verdict
+    assert len(builtin) == 8 and served == builtin  # text, token count, finished, answer, verdict
     summary = json.loads((tmp_path / "vllm" / "summary.json").read_text())
     assert summary["engine"] == "vllm" and summary["precision"] == "high (vLLM)"
 
 
-def test_eval_engine_server_against_vllms_openai_server_equals_it_too(folder, local, tmp_path):
+def test_eval_engine_server_against_vllms_openai_server_equals_it_too(folder, builtin, tmp_path):
     port = free_port()
     server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
     server += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager"]
@@ -126,7 +126,7 @@ def test_eval_engine_server_against_vllms_openai_server_equals_it_too(folder, lo
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    assert served == local
+    assert served == builtin
 
 
 def _prompts(path: Path) -> str:
@@ -144,7 +144,7 @@ def _config(folder: Path, root: Path, name: str) -> Path:
         "data": {"prompts_path": _prompts(root / "prompts.jsonl")},
         "rollout": {
             "engine": "vllm",
-            "precision": "bf16",
+            "precision": "high",
             "prompts_per_step": 2,
             "group_size": 4,
             "oversample_prompts": 3,
@@ -236,7 +236,7 @@ def test_fp8_rollouts_on_vllm_hold_the_fp8_exports_bytes(tmp_path):
 
     tokenizer = make_tokenizer()
     policy = make_tiny_model(hidden=256, intermediate=512, heads=2, kv_heads=1, seed=4)
-    engine = VllmEngine(tokenizer, VllmSettings(memory_fraction=0.2), policy=policy, precision="served")
+    engine = VllmEngine(tokenizer, VllmSettings(memory_fraction=0.2), policy=policy, precision="fp8")
     with torch.no_grad():
         for p in policy.parameters():
             p.add_(torch.randn_like(p) * 0.01)

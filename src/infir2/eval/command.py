@@ -26,12 +26,12 @@ summary.md (avg@n, pass@k, unparseable and truncated counts) under --out.
 --model is a Hugging Face folder (BF16/FP32) or an FP8 folder written by `infir2 export` (dequantized
 on load); with --engine server, the served model name. Math items: {"problem", "answer", "id"?};
 multiple choice: {"question", "choices", "answer" letter, "id"?}. Without --data the small sample
-benchmark shipped with infir2 is used. FP8 is off during local evaluation unless --fp8: `--fp8`
-(or `--fp8 served`) runs the model as an FP8 serving engine runs its FP8 export (128x128 weights made
-by the export's quantizer, 1x128 activations, --scale-encoding pow2 or fp32); `--fp8 RECIPE` converts the
-projections with a training recipe (`infir2 config --keys` lists fp8.recipe's names) and runs them in FP8.
---engine takes any engine of the registry (infir2.generation.ENGINES): local, server, or one registered
-by name.
+benchmark shipped with infir2 is used. --precision says what an in-process engine computes with: high
+(the default: no FP8), fp8 (the model as deployed from its FP8 export: 128x128 weights made by the
+export's quantizer, 1x128 activations, --scale-encoding pow2 or fp32), or recipe (`--precision recipe
+--recipe NAME`: the projections converted with a training recipe, `infir2 config --keys` lists
+fp8.recipe's names, and run in FP8). --engine takes any engine of the registry
+(infir2.generation.ENGINES): builtin, server, vllm, or one registered by name.
 """
 
 from __future__ import annotations
@@ -63,7 +63,6 @@ from .engine_flags import (
     build_eval_engine,
     check_engine_flags,
     check_server_flags,
-    engine_precision,
     load_model,
     parse_extra_body,
 )
@@ -118,7 +117,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--beyond-context",
         action="store_true",
-        help="local engine: run past the model's max_position_embeddings (RoPE extrapolation, on purpose); "
+        help="builtin engine: run past the model's max_position_embeddings (RoPE extrapolation, on purpose); "
         "by default a longer prompt is refused and each sample stops at the model's positions (truncated)",
     )
     p.add_argument(
@@ -126,7 +125,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         help=f"generation budget per sample, unless a preset sets it (default: {DEFAULT_MAX_NEW_TOKENS}); reasoning traces need "
         "tens of thousands, generation stops earlier at the end-of-turn token, and samples cut "
-        "here are counted as truncated (with a warning); local engine: a budget past the model's positions "
+        "here are counted as truncated (with a warning); builtin engine: a budget past the model's positions "
         "is refused (samples stop there; --beyond-context runs past them), a default's or preset's is said",
     )
     prompt = p.add_mutually_exclusive_group()
@@ -145,9 +144,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--engine",
         choices=list(ENGINES),
-        default="local",
-        help="local: the built-in KV-cache engine in this process; server: an OpenAI-compatible "
-        "/v1/completions endpoint (vLLM, SGLang, transformers serve); or an engine registered by name",
+        default="builtin",
+        help="builtin: the KV-cache engine in this process; server: an OpenAI-compatible /v1/completions "
+        "endpoint (vLLM, SGLang, transformers serve); vllm: an in-process vllm.LLM; or one registered by name",
     )
     add_engine_arguments(p)
     g = p.add_argument_group("held-out loss (instead of a benchmark)")
@@ -207,8 +206,8 @@ def _resolve(args: argparse.Namespace) -> None:
     _check_numbers(args)  # refused by flag, before any folder is written
     check_server_flags(args)
     resolve_device(args.device)  # a device this machine lacks is refused before anything loads
-    if args.fp8 not in (None, "served"):
-        recipe_names(args.fp8, "--fp8")  # a recipe name, checked by get_recipe
+    if args.precision == "recipe":
+        recipe_names(args.recipe, "--recipe")  # a recipe name, checked by get_recipe
     if args.no_system_prompt:
         args.system_prompt = None
     elif args.system_prompt is None:
@@ -240,20 +239,20 @@ def _settings(
 
 def _expected_settings(args: argparse.Namespace) -> dict[str, Any] | None:
     """The settings the engine will report, from the flags alone (before any weights are read); None
-    where only the built engine knows its precision (one registered by name, --fp8 RECIPE: the recipes
-    of the layers the conversion turns into FP8)."""
+    where only the built engine knows its precision (one registered by name, --precision recipe: the
+    recipes of the layers the conversion turns into FP8)."""
     if args.engine == "server":
         return _settings(args, args.engine, ServerEngine.precision, parse_extra_body(args))
-    if args.engine in ("local", "builtin") and args.fp8 in (None, "served"):
-        return _settings(args, args.engine, precision_label(engine_precision(args), args.scale_encoding), {})
+    if args.engine == "builtin" and args.precision != "recipe":
+        return _settings(args, args.engine, precision_label(args.precision, args.scale_encoding), {})
     return None
 
 
 def run(args: argparse.Namespace) -> int:
     from ..generation import ServerError
 
-    if args.perplexity and args.engine != "local":
-        raise ValueError("--perplexity runs the model in this process: use --engine local")
+    if args.perplexity and args.engine != "builtin":
+        raise ValueError("--perplexity runs the model in this process: use --engine builtin")
     check_engine_flags(args)
     if args.perplexity:
         from .perplexity import check_loss_inputs
@@ -406,7 +405,7 @@ def _run_benchmark(args: argparse.Namespace) -> int:
     truncated, samples = result.summary.get("truncated", 0), result.summary.get("samples", 0)
     if truncated:
         log.warning(
-            "%d of %d samples were cut before finishing, at --max-new-tokens %d or (local engine) at the "
+            "%d of %d samples were cut before finishing, at --max-new-tokens %d or (builtin engine) at the "
             "model's max_position_embeddings (scored as they stand); raise --max-new-tokens for reasoning "
             "models, or --beyond-context to run past the positions",
             truncated,
@@ -421,7 +420,7 @@ def _run_perplexity(model, args: argparse.Namespace, out: Path) -> int:
     from ..generation import serve_fp8
     from .perplexity import evaluate_loss
 
-    if args.fp8 == "served":
+    if args.precision == "fp8":
         serve_fp8(model, args.scale_encoding)
 
     result = evaluate_loss(
@@ -431,7 +430,7 @@ def _run_perplexity(model, args: argparse.Namespace, out: Path) -> int:
         batch_size=args.batch_size,
         max_windows=args.max_windows,
         split=args.split,
-        fp8=engine_precision(args) == "fp8",
+        fp8=args.precision == "recipe",
     )
     summary = {
         "model": str(args.model),

@@ -1,5 +1,7 @@
-"""`infir2 eval`'s engine flags: each engine's own (the built-in engine's, a server's, vLLM's), refused
-when given to another engine, checked before anything is read, and turned into the engine they build."""
+"""`infir2 eval`'s engine flags: the precision (``--precision``, the words of ``generation.PRECISIONS``)
+and each engine's own (the built-in engine's, a server's, vLLM's), refused when given to another engine,
+checked before anything is read, and turned into the engine they build (``EngineOptions`` and the
+engine's own settings)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..generation import check_engine
+from ..generation import PRECISIONS, check_engine
 from ..model import resolve_device
 
 __all__ = [
@@ -19,29 +21,34 @@ __all__ = [
     "build_eval_engine",
     "check_engine_flags",
     "check_server_flags",
-    "engine_precision",
     "load_model",
     "parse_extra_body",
 ]
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of the built-in (local) engine and of the server engine."""
-    g = p.add_argument_group("local engine")
-    g.add_argument("--batch-size", type=int, help="sequences generated together (default: 8)")
-    g.add_argument(
-        "--fp8",
-        nargs="?",
-        const="served",
-        metavar="served|RECIPE",
-        help="run the projections in FP8: 'served' (the default of a bare --fp8) as a serving engine runs "
-        "the FP8 export, or a training recipe's name (e.g. blockwise)",
+    """The precision flags and the flags of the built-in, server and vllm engines."""
+    c = p.add_argument_group("precision (what the engine computes with)")
+    c.add_argument(
+        "--precision",
+        choices=list(PRECISIONS),
+        default="high",
+        help="high (default): no FP8, the model's own dtype; fp8: the FP8 export's weights as deployed "
+        "(128x128 weight blocks made by the export's quantizer, 1x128 activations); recipe: a training "
+        "recipe's FP8 forward through Fp8Linear layers (--recipe NAME)",
     )
-    g.add_argument(
+    c.add_argument(
+        "--recipe",
+        help="--precision recipe: the training recipe (e.g. blockwise; `infir2 config --keys` lists "
+        "fp8.recipe's names)",
+    )
+    c.add_argument(
         "--scale-encoding",
         choices=["pow2", "fp32"],
-        help="--fp8 served: the export's block scales (as `infir2 export --scale-encoding`; default pow2)",
+        help="--precision fp8: the export's block scales (as `infir2 export --scale-encoding`; default pow2)",
     )
+    g = p.add_argument_group("builtin engine")
+    g.add_argument("--batch-size", type=int, help="sequences generated together (default: 8)")
     g.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     s = p.add_argument_group("server engine")
     s.add_argument("--base-url", help="the server, e.g. http://127.0.0.1:8000 (the /v1 is added)")
@@ -80,7 +87,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 #: each engine's own flags (dest -> default): given to an engine of the other kind, they are refused
 IN_PROCESS_FLAGS: dict[str, Any] = {
     "batch_size": 8,
-    "fp8": None,
+    "recipe": None,
     "scale_encoding": "pow2",
     "device": "auto",
     "beyond_context": False,
@@ -117,7 +124,7 @@ def _vllm_settings(args: argparse.Namespace) -> Any:
     )
 
     require_vllm("--engine vllm")  # installed, before anything is read
-    fp8 = "--fp8" if args.fp8 is not None else "--model" if is_fp8_folder(Path(args.model)) else None
+    fp8 = "--precision" if args.precision == "fp8" else "--model" if is_fp8_folder(Path(args.model)) else None
     why = fp8_unsupported() if fp8 else None
     if fp8 and why:
         raise fp8_refusal(fp8, why)
@@ -136,55 +143,63 @@ def _flag(dest: str) -> str:
 
 
 def check_engine_flags(args: argparse.Namespace) -> None:
-    """Refuse a flag of another kind of engine (``TRAITS``: an in-process engine's --batch-size, --fp8,
-    --scale-encoding, --device, --beyond-context; a server's --base-url, --concurrency ...) and what the
-    engine cannot run (``check_engine``: --fp8 of a server), in one line naming the flag, before anything
-    is read; then fill the defaults of the flags not given."""
-    traits = check_engine(args.engine, "--engine", engine_precision(args), "--fp8")
+    """Refuse a flag of another kind of engine (``TRAITS``: an in-process engine's --batch-size, --recipe,
+    --scale-encoding, --device, --beyond-context; a server's --base-url, --concurrency ...), what the
+    engine cannot run (``check_engine``: --precision fp8 on a server) and a --recipe or --scale-encoding
+    without its precision, in one line naming the flag, before anything is read; then fill the defaults
+    of the flags not given."""
+    traits = check_engine(args.engine, "--engine", args.precision, "--precision")
     args.vllm_settings = _vllm_settings(args)
     given = [d for d in (*IN_PROCESS_FLAGS, *SERVER_FLAGS) if getattr(args, d) not in (None, False)]
     for dest in given:
         server_flag = dest in SERVER_FLAGS
         if traits is not None and server_flag == traits.in_process:
-            kind = "--engine server" if server_flag else "an in-process engine (--engine local)"
+            kind = "--engine server" if server_flag else "an in-process engine (--engine builtin)"
             raise ValueError(f"{_flag(dest)} is a flag of {kind}, not of --engine {args.engine}")
-    if args.scale_encoding is not None and engine_precision(args) != "served":
-        raise ValueError("--scale-encoding sets the block scales of --fp8 served: give it with --fp8")
+    if args.precision == "recipe" and args.recipe is None:
+        raise ValueError(
+            "--precision recipe needs --recipe NAME (`infir2 config --keys` lists fp8.recipe's names)"
+        )
+    if args.recipe is not None and args.precision != "recipe":
+        raise ValueError(
+            f"--recipe names the training recipe of --precision recipe, not of --precision {args.precision}"
+        )
+    if args.scale_encoding is not None and args.precision != "fp8":
+        raise ValueError(
+            "--scale-encoding sets the block scales of --precision fp8: give it with --precision fp8"
+        )
     for dest, default in (*IN_PROCESS_FLAGS.items(), *SERVER_FLAGS.items()):
         if getattr(args, dest) is None:
             setattr(args, dest, default)
 
 
 def load_model(args: argparse.Namespace):
-    """The model of --model; with --fp8 RECIPE its projections converted to ``Fp8Linear``."""
+    """The model of --model; with --precision recipe its projections converted to ``Fp8Linear``."""
     from ..export import load_checkpoint
 
     device = str(resolve_device(args.device))
     model = load_checkpoint(args.model, device=device)
-    if args.fp8 not in (None, "served"):
+    if args.precision == "recipe":
         from ..nn import convert_to_fp8
 
-        convert_to_fp8(model, args.fp8)  # an unknown recipe name is a ValueError naming the choices
+        convert_to_fp8(model, args.recipe)  # an unknown recipe name is a ValueError naming the choices
     return model
 
 
-def engine_precision(args: argparse.Namespace) -> str:
-    return "high" if args.fp8 is None else "served" if args.fp8 == "served" else "fp8"
-
-
 def build_eval_engine(args: argparse.Namespace, tokenizer):
+    """The engine of --engine: the options every engine takes, and the engine's own settings (a server's
+    and vllm's from their flags; the others' defaults)."""
     from ..generation import EngineOptions, build_engine
 
     options = EngineOptions(
         tokenizer,
         model=lambda: load_model(args),
-        precision=engine_precision(args),
+        precision=args.precision,
         scale_encoding=args.scale_encoding,
-        server=_server_config(args) if args.base_url else None,
         model_dir=str(args.model),
-        settings=args.vllm_settings,
     )
-    return build_engine(args.engine, options)
+    own = {"server": _server_config(args) if args.base_url else None, "vllm": args.vllm_settings}
+    return build_engine(args.engine, options, own.get(args.engine))
 
 
 def check_server_flags(args: argparse.Namespace) -> None:
@@ -211,17 +226,18 @@ def parse_extra_body(args: argparse.Namespace) -> dict[str, Any]:
     return extra
 
 
+#: the server engine's flags -> the fields of its settings (``ServerConfig``)
+_SERVER_FIELDS = {
+    "concurrency": "concurrency",
+    "request_timeout": "timeout_s",
+    "retries": "retries",
+    "samples_per_request": "samples_per_request",
+    "api_key": "api_key",
+}
+
+
 def _server_config(args: argparse.Namespace):
     from ..generation import ServerConfig
 
-    extra = parse_extra_body(args)
-    return ServerConfig(
-        args.base_url,
-        args.model,
-        concurrency=args.concurrency,
-        timeout_s=args.request_timeout,
-        retries=args.retries,
-        samples_per_request=args.samples_per_request,
-        api_key=args.api_key,
-        extra_body=extra,
-    )
+    own = {field: getattr(args, dest) for dest, field in _SERVER_FIELDS.items()}
+    return ServerConfig(args.base_url, args.model, extra_body=parse_extra_body(args), **own)

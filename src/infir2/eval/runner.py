@@ -8,11 +8,13 @@ In-process use (the demo does this)::
     print(result.summary["avg@n"], result.markdown())
     result.save("runs/eval")        # samples.jsonl, problems.jsonl, summary.json, summary.md
 
-By default the model runs in high precision; ``fp8=True`` runs the model's ``Fp8Linear`` layers in
-FP8 (convert it first with ``infir2.convert_to_fp8``). Both through ``infir2.nn.fp8_enabled``.
+By default the model runs in high precision (``precision="high"``); ``precision="recipe"`` runs the
+model's ``Fp8Linear`` layers in FP8 (convert it first with ``infir2.convert_to_fp8``), both through
+``infir2.nn.fp8_enabled``; ``precision="fp8"`` swaps its projections, in place, for the FP8 export's as
+deployed (the words of ``generation.PRECISIONS``).
 
-``infir2 eval`` calls ``run_evaluation(engine, ...)`` with an engine of ``generation.ENGINES`` (``local``:
-the built-in KV-cache engine in this process; ``server``: an OpenAI-compatible server; or one
+``infir2 eval`` calls ``run_evaluation(engine, ...)`` with an engine of ``generation.ENGINES`` (``builtin``:
+the KV-cache engine in this process; ``server``: an OpenAI-compatible server; ``vllm``; or one
 registered by name): the prompts are rendered once, the engine produces only the samples a
 ``CompletionLog`` lacks, and the grading, avg@n / pass@k and the report below are the same code
 whichever engine produced the samples. Sample ``s`` of problem ``k`` (its place in the list) is drawn
@@ -32,7 +34,7 @@ from typing import Any
 import torch
 
 from ..data.chat import SYSTEM_PROMPT, THINK_PREFIX, render_prompt
-from ..generation import BuiltinEngine, Engine, Prompt, Sample, SamplingConfig
+from ..generation import BuiltinEngine, Engine, Prompt, Request, Sample, SamplingConfig
 from ..tasks import TASKS, Problem, problems_from_dicts
 from .completions import Completion, CompletionLog
 from .metrics import avg_at_n, default_ks, pass_at_k
@@ -79,7 +81,7 @@ def evaluate(
     top_p: float = 0.95,
     max_new_tokens: int = 1024,
     batch_size: int = 8,
-    fp8: bool = False,
+    precision: str = "high",
     seed: int = 0,
     system_prompt: str | None = SYSTEM_PROMPT,
     think_prefix: str = THINK_PREFIX,
@@ -92,7 +94,7 @@ def evaluate(
     ``log``: a ``CompletionLog`` that keeps every finished sample (and supplies those of an earlier run).
     """
     cfg = SamplingConfig(greedy, temperature, top_p, max_new_tokens, batch_size)
-    engine = BuiltinEngine(model, tokenizer, "fp8" if fp8 else "high", name="local")
+    engine = BuiltinEngine(model, tokenizer, precision)
     return run_evaluation(
         engine, tokenizer, problems, task, n, cfg, system_prompt, think_prefix, log, progress, seed
     )
@@ -151,7 +153,7 @@ def run_evaluation(
     ]
     start = time.perf_counter()
     if requests:
-        engine.generate(requests, cfg, record, progress)
+        engine.generate(Request(requests, cfg, record, progress))
     seconds = time.perf_counter() - start
     if missing := [(pid, s) for _, pid, ss in jobs for s in ss if (pid, s) not in done]:
         raise RuntimeError(f"the {engine.name} engine returned no completion for {missing[:3]}")

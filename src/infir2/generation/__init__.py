@@ -1,12 +1,14 @@
 """Generation below ``eval`` and ``rl``: one engine interface, one KV-cache sampler, one FP8 serving linear,
 the OpenAI-compatible server client, and the engine registry both ``infir2 eval`` and ``infir2 rl`` read."""
 
-from .base import Engine, Prompt, RolloutEngine, Sample, SamplingConfig, derive_seeds
+from .base import PRECISIONS, Engine, Prompt, Request, RolloutEngine, Sample, SamplingConfig, derive_seeds
 from .builtin import BuiltinEngine, check_prompt_fits, precision_label, stops_and_pad
 from .fp8_linear import SAME_RECIPE, ServingFp8Linear, serve_fp8
 from .registry import (
     ENGINES,
     TRAITS,
+    BuiltinSettings,
+    EngineEntry,
     EngineOptions,
     EngineTraits,
     build_engine,
@@ -18,13 +20,17 @@ from .server import ServerConfig, ServerEngine, ServerError, check_server
 
 __all__ = [
     "ENGINES",
+    "PRECISIONS",
     "SAME_RECIPE",
     "TRAITS",
     "BuiltinEngine",
+    "BuiltinSettings",
     "Engine",
+    "EngineEntry",
     "EngineOptions",
     "EngineTraits",
     "Prompt",
+    "Request",
     "RolloutEngine",
     "Sample",
     "SamplingConfig",

@@ -1,6 +1,7 @@
 """What every engine speaks: a prompt with one seed per wanted sample in, samples out.
 
-An engine (``Engine``) is asked for samples of prompts, never for "a batch": ``Prompt.seeds`` holds one
+An engine (``Engine``) is asked for samples of prompts (a ``Request``: the prompts, the sampling settings,
+who hears of each finished sample), never for "a batch": ``Prompt.seeds`` holds one
 seed per sample, and sample j of a prompt is drawn from ``seeds[j]`` alone, so what a prompt gets does
 not depend on the other prompts of the call, on the batch size or on the rank that asked (an engine
 that honours seeds; the batched forward may still change a log-probability at float rounding). An
@@ -21,7 +22,26 @@ from typing import Protocol
 import torch
 from torch import nn
 
-__all__ = ["Engine", "OnSample", "Prompt", "RolloutEngine", "Sample", "SamplingConfig", "derive_seeds"]
+__all__ = [
+    "PRECISIONS",
+    "Engine",
+    "OnSample",
+    "Prompt",
+    "Request",
+    "RolloutEngine",
+    "Sample",
+    "SamplingConfig",
+    "derive_seeds",
+]
+
+
+#: what an engine computes with, one word for config keys, flags and engines alike (``rollout.precision``,
+#: ``infir2 eval --precision``, ``EngineOptions.precision``), and what each means
+PRECISIONS: dict[str, str] = {
+    "high": "no FP8: the model's high precision (its dtype is model precision / base dtype, not this word)",
+    "fp8": "the FP8 export's weights as deployed: its FP8 codes and 128x128 block scales, 1x128 activations",
+    "recipe": "a training recipe's FP8 forward through the model's Fp8Linear layers (needs a recipe name)",
+}
 
 
 @dataclass(frozen=True)
@@ -89,8 +109,25 @@ class Sample:
 OnSample = Callable[[int, int, Sample], None]
 
 
+@dataclass(frozen=True)
+class Request:
+    """What an engine is asked: the prompts, how to sample them, who hears of each finished sample
+    (``on_sample``, as it is finished), and whether to show a progress bar."""
+
+    prompts: Sequence[Prompt]
+    sampling: SamplingConfig
+    on_sample: OnSample | None = None
+    progress: bool = False
+
+    def done(self, i: int, j: int, sample: Sample) -> None:
+        """Hand prompt ``i``'s sample ``j`` to ``on_sample`` (if any)."""
+        if self.on_sample is not None:
+            self.on_sample(i, j, sample)
+
+
 class Engine(Protocol):
-    """Where samples come from. ``name`` is its registry name, ``precision`` what its projections run in."""
+    """Where samples come from. ``name`` is its registry name, ``precision`` what its projections run in
+    (a label that starts with one of ``PRECISIONS``' words, or says what a server loaded)."""
 
     name: str
     precision: str
@@ -100,14 +137,8 @@ class Engine(Protocol):
         """Take new weights (RL, after every update); every rank calls it."""
         ...
 
-    def generate(
-        self,
-        prompts: Sequence[Prompt],
-        sampling: SamplingConfig,
-        on_sample: OnSample | None = None,
-        progress: bool = False,
-    ) -> list[list[Sample]]:
-        """``result[i][j]``: prompt i's sample j, drawn from ``prompts[i].seeds[j]``."""
+    def generate(self, request: Request) -> list[list[Sample]]:
+        """``result[i][j]``: prompt i's sample j, drawn from ``request.prompts[i].seeds[j]``."""
         ...
 
 
@@ -144,4 +175,4 @@ class RolloutEngine:
         if len(seeds) != len(prompts):
             raise ValueError(f"generate: {len(seeds)} seeds for {len(prompts)} prompts")
         requests = [Prompt(p, None, tuple(derive_seeds(s, n))) for p, s in zip(prompts, seeds, strict=True)]
-        return self.engine.generate(requests, replace(self.sampling, greedy=greedy))
+        return self.engine.generate(Request(requests, replace(self.sampling, greedy=greedy)))

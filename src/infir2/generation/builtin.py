@@ -1,16 +1,16 @@
 """The built-in engine: KV-cache generation in this process (``sampler.sample_batch``).
 
-``precision`` names what the seven decoder projections run in while generating:
+``precision`` (one of ``base.PRECISIONS``) names what the seven decoder projections run in while generating:
 
 * ``high``   -- as the model's high-precision parts (an ``Fp8Linear`` runs as a plain linear);
-* ``fp8``    -- the model's own ``Fp8Linear`` layers in FP8 (a model converted with a recipe:
-  ``infir2 eval --fp8 RECIPE``, ``evaluate(fp8=True)``);
-* ``served`` -- the FP8 export as a serving engine runs it: ``ServingFp8Linear`` (128x128 weights from
-  ``export.layout.quantize_weight``, 1x128 activations, ``scale_encoding`` pow2 or fp32).
+* ``fp8``    -- the FP8 export as deployed: ``ServingFp8Linear`` (128x128 weights from
+  ``export.layout.quantize_weight``, 1x128 activations, ``scale_encoding`` pow2 or fp32);
+* ``recipe`` -- the model's own ``Fp8Linear`` layers in FP8 (a model converted with a training recipe:
+  ``infir2 eval --precision recipe --recipe NAME``, ``evaluate(precision="recipe")``).
 
 ``copy_model``: generate from a copy that ``load_weights(policy)`` refreshes (RL: gathered whole from an
 FSDP2-sharded policy, one tensor at a time in the same order on every rank), else from the model itself
-(evaluation; ``served`` then swaps its projections in place). ``base_dtype`` (``served`` with
+(evaluation; ``fp8`` then swaps its projections in place). ``base_dtype`` (``fp8`` with
 ``copy_model``): the copy holds every other tensor -- embeddings, norms, ``lm_head``, biases -- rounded to
 it, as the FP8 export stores them (``infir2 export --base-dtype``, bf16 by default), so the copy's
 weights are the export folder's values (the arithmetic stays in ``model_precision``); None keeps the
@@ -30,13 +30,11 @@ from tqdm.auto import tqdm
 
 from ..data.chat import stop_token_ids
 from ..nn import fp8_enabled, fp8_modules
-from .base import OnSample, Prompt, Sample, SamplingConfig
+from .base import PRECISIONS, Prompt, Request, Sample, SamplingConfig
 from .fp8_linear import ServingFp8Linear, serve_fp8
 from .sampler import sample_batch
 
-__all__ = ["PRECISIONS", "BuiltinEngine", "check_prompt_fits", "precision_label", "stops_and_pad"]
-
-PRECISIONS = ("high", "fp8", "served")
+__all__ = ["BuiltinEngine", "check_prompt_fits", "precision_label", "stops_and_pad"]
 
 
 def stops_and_pad(tokenizer) -> tuple[list[int], int]:
@@ -51,12 +49,12 @@ def stops_and_pad(tokenizer) -> tuple[list[int], int]:
 
 def precision_label(precision: str, scale_encoding: str = "pow2", recipes: Sequence[str] = ()) -> str:
     """What ``BuiltinEngine.precision`` says (the settings a resumed evaluation must match) for
-    ``precision`` (``PRECISIONS``), the served scales and the recipes of the model's ``Fp8Linear`` layers."""
+    ``precision`` (``base.PRECISIONS``), the export's scales and the recipes of the model's ``Fp8Linear`` layers."""
     names = ", ".join(sorted(set(recipes)))
     return {
         "high": "high (fp8 disabled)",
-        "fp8": f"fp8 ({names})" if names else "fp8",
-        "served": f"fp8 served ({scale_encoding} scales)",
+        "fp8": f"fp8 (the export's weights, {scale_encoding} scales)",
+        "recipe": f"recipe ({names})" if names else "recipe",
     }[precision]
 
 
@@ -81,14 +79,14 @@ class BuiltinEngine:
         self.name, self.model_precision, self.copy_model = name, model_precision, copy_model
         self.stop_ids, self.pad_id = stops_and_pad(tokenizer)
         self.mode = precision
-        self.base_dtype = base_dtype if precision == "served" else None
+        self.base_dtype = base_dtype if precision == "fp8" else None
         self.precision = precision_label(
             precision, scale_encoding, [m.recipe.name for _, m in fp8_modules(model)]
         )
         self.model = copy.deepcopy(model).eval().requires_grad_(False) if copy_model else model
         self.fp8_layers: dict[str, ServingFp8Linear] = {}
-        if copy_model or precision == "served":
-            self.fp8_layers = serve_fp8(self.model, scale_encoding if precision == "served" else None)
+        if copy_model or precision == "fp8":
+            self.fp8_layers = serve_fp8(self.model, scale_encoding if precision == "fp8" else None)
         if hasattr(self.model.config, "use_cache"):
             self.model.config.use_cache = True
         if copy_model:
@@ -117,21 +115,19 @@ class BuiltinEngine:
             out[f"{fqn}.weight_scale_inv"] = layer.weight_scale_inv
         return out
 
-    def generate(
-        self,
-        prompts: Sequence[Prompt],
-        sampling: SamplingConfig,
-        on_sample: OnSample | None = None,
-        progress: bool = False,
-    ) -> list[list[Sample]]:
+    def generate(self, request: Request) -> list[list[Sample]]:
+        prompts, sampling = request.prompts, request.sampling
         _check_prompt_lengths(self.model, prompts, sampling)
         flat = [(i, j, p.ids, seed) for i, p in enumerate(prompts) for j, seed in enumerate(p.seeds)]
         out: list[list[Sample]] = [[] for _ in prompts]
         was_training = self.model.training
         self.model.eval()
-        switch = fp8_enabled(self.model, self.mode == "fp8") if self.mode != "served" else nullcontext()
+        switch = fp8_enabled(self.model, self.mode == "recipe") if self.mode != "fp8" else nullcontext()
         try:
-            with switch, tqdm(total=len(flat), desc=self.name, unit="seq", disable=not progress) as bar:
+            with (
+                switch,
+                tqdm(total=len(flat), desc=self.name, unit="seq", disable=not request.progress) as bar,
+            ):
                 for start in range(0, len(flat), sampling.batch_size):
                     chunk = flat[start : start + sampling.batch_size]
                     device = next(self.model.parameters()).device
@@ -147,8 +143,7 @@ class BuiltinEngine:
                     )
                     for (i, j, _, _), s in zip(chunk, samples, strict=True):
                         out[i].append(s)
-                        if on_sample is not None:
-                            on_sample(i, j, s)
+                        request.done(i, j, s)
                     bar.update(len(chunk))
         finally:
             self.model.train(was_training)

@@ -40,7 +40,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..data.chat import STOP_TOKENS
-from .base import OnSample, Prompt, Sample, SamplingConfig
+from .base import OnSample, Prompt, Request, Sample, SamplingConfig
 
 __all__ = ["ServerConfig", "ServerEngine", "ServerError", "check_server", "complete", "normalize_base_url"]
 
@@ -306,25 +306,19 @@ class ServerEngine:
     def _count_tokens(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def generate(
-        self,
-        prompts: Sequence[Prompt],
-        sampling: SamplingConfig,
-        on_sample: OnSample | None = None,
-        progress: bool = False,
-    ) -> list[list[Sample]]:
+    def generate(self, request: Request) -> list[list[Sample]]:
+        prompts = request.prompts
         if any(p.text is None for p in prompts):
             raise ValueError("the server engine takes prompt texts (Prompt.text), not only token ids")
         out: list[dict[int, Sample]] = [{} for _ in prompts]
-        with tqdm(
-            total=sum(len(p.seeds) for p in prompts), desc=self.name, unit="sample", disable=not progress
-        ) as bar:
+        total = sum(len(p.seeds) for p in prompts)
+        with tqdm(total=total, desc=self.name, unit="sample", disable=not request.progress) as bar:
 
             def done(i: int, j: int, sample: Sample) -> None:
                 out[i][j] = sample
                 bar.update(1)
-                if on_sample is not None:
-                    on_sample(i, j, sample)
+                request.done(i, j, sample)
 
+            sampling = request.sampling
             asyncio.run(_generate_all(self.server, prompts, sampling, self.stop, self._count_tokens, done))
         return [[got[j] for j in sorted(got)] for got in out]

@@ -8,13 +8,13 @@ how it installs beside infir2); without it the engine refuses in one line (``req
   when the engine is built), so a refit hands tensors over without copying them between processes.
   vLLM then owns ``torch.set_num_threads`` for the process (its CPU worker binds its threads).
 * **Weights.** From a folder (evaluation: ``--model`` as vLLM loads it, an FP8 export included) or from the
-  policy (RL, and ``eval --fp8``): the folder then holds only the config (``load_format: dummy``) and
+  policy (RL, and ``eval --precision fp8``): the folder then holds only the config (``load_format: dummy``) and
   ``load_weights(policy)`` refits the engine from the policy's tensors -- streamed, each gathered whole
   just before it is handed over under FSDP2 (``full_tensor``), in the checkpoint layout
   (``export.hf_keys.checkpoint_tensors``) --
   through vLLM's in-place reload (``Worker.reload_weights``: every layer's packed kernel weights, a tied
   ``lm_head`` included, rebuilt from the new tensors). ``refit_s`` is the last refit's time.
-* **FP8** (``precision: served``): the projections refit as the FP8 export stores them (the export's own
+* **FP8** (``precision: fp8``): the projections refit as the FP8 export stores them (the export's own
   ``quantize_weight``: the same codes and ``weight_scale_inv``), and vLLM's block-FP8 linear runs them.
   ``held_fp8()`` reads back what vLLM holds and ``check_fp8_bytes`` compares it with the export's bytes.
   Where vLLM cannot serve block FP8 (its CPU kernel needs AMX) the engine refuses before it starts
@@ -33,7 +33,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 
 from ..export.hf_keys import checkpoint_tensors, fp8_weight_names, modules_to_not_convert
 from ..export.layout import QUANTIZATION_CONFIG, export_scale_encoding, quantize_weight, scale_inv_name
-from .base import OnSample, Prompt, Sample, SamplingConfig
+from .base import Request, Sample, SamplingConfig
 from .builtin import check_prompt_fits, stops_and_pad
 
 __all__ = [
@@ -113,8 +113,8 @@ def fp8_refusal(key: str, why: str) -> ValueError:
     """The one line that refuses FP8 on the vllm engine: ``key``, the reason, the alternatives."""
     return ValueError(
         f"{key}: the vllm engine cannot run FP8 here: {why}; run it in high precision on vLLM "
-        "(rollout.precision: bf16 / eval without --fp8), or FP8 on the builtin engine (the export's "
-        "quantization, emulated: rollout.engine: builtin / eval --engine local --fp8)"
+        "(rollout.precision: high / eval --precision high), or FP8 on the builtin engine (the export's "
+        "quantization, emulated: rollout.engine: builtin / eval --engine builtin --precision fp8)"
     )
 
 
@@ -150,16 +150,16 @@ class VllmEngine:
     ) -> None:
         if (folder is None) == (policy is None):
             raise ValueError("the vllm engine starts from a model folder or from a policy: give one")
-        served_folder = folder is not None and is_fp8_folder(Path(folder))
-        if precision == "served" or served_folder:  # refused before vLLM is imported or started
+        fp8_folder = folder is not None and is_fp8_folder(Path(folder))
+        if precision == "fp8" or fp8_folder:  # refused before vLLM is imported or started
             why = fp8_unsupported()
             if why is not None:
-                raise fp8_refusal("rollout.precision / --fp8" if policy is not None else "--model", why)
+                raise fp8_refusal("rollout.precision / --precision" if policy is not None else "--model", why)
         vllm = require_vllm()
         self.name, self.settings, self.mode = name, settings, precision
         self.scale_encoding = export_scale_encoding(scale_encoding)
         self.stop_ids, _ = stops_and_pad(tokenizer)
-        self.precision = "fp8 served (vLLM)" if precision == "served" or served_folder else "high (vLLM)"
+        self.precision = "fp8 (vLLM)" if precision == "fp8" or fp8_folder else "high (vLLM)"
         self._tmp = None if policy is None else tempfile.TemporaryDirectory(prefix="infir2-vllm-")
         if policy is not None:
             assert self._tmp is not None
@@ -187,11 +187,11 @@ class VllmEngine:
             self.load_weights(policy)
 
     def _write_config(self, policy: nn.Module, folder: Path) -> None:
-        """The policy's config (and, served, the FP8 export's quantization_config): what vLLM builds from."""
+        """The policy's config (and, for fp8, the FP8 export's quantization_config): what vLLM builds from."""
         config = policy.config.to_dict()  # type: ignore[union-attr, operator]
         config.pop("quantization_config", None)
         config["architectures"] = [type(policy).__name__]
-        if self.mode == "served":
+        if self.mode == "fp8":
             skip = modules_to_not_convert(policy)
             config["quantization_config"] = {**QUANTIZATION_CONFIG, "modules_to_not_convert": skip}
         (folder / "config.json").write_text(json.dumps(config, indent=1, default=str), encoding="utf-8")
@@ -205,7 +205,7 @@ class VllmEngine:
             full = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
             parts, fp8_parts = checkpoint_tensors(policy, {name: full}, fp8)
             for part, tensor in parts.items():
-                if self.mode == "served" and part in fp8_parts:
+                if self.mode == "fp8" and part in fp8_parts:
                     data, scale_inv = quantize_weight(tensor.float(), self.scale_encoding)
                     yield part, data
                     yield scale_inv_name(part), scale_inv
@@ -253,18 +253,13 @@ class VllmEngine:
             detokenize=False,
         )
 
-    def generate(
-        self,
-        prompts: Sequence[Prompt],
-        sampling: SamplingConfig,
-        on_sample: OnSample | None = None,
-        progress: bool = False,
-    ) -> list[list[Sample]]:
+    def generate(self, request: Request) -> list[list[Sample]]:
+        prompts, sampling = request.prompts, request.sampling
         limit = self.settings.max_model_len or self.max_positions
         check_prompt_fits(max((len(p.ids) for p in prompts), default=0), limit, sampling.beyond_context)
         flat = [(i, j, p.ids, seed) for i, p in enumerate(prompts) for j, seed in enumerate(p.seeds)]
         out: list[list[Sample]] = [[] for _ in prompts]
-        with tqdm(total=len(flat), desc=self.name, unit="seq", disable=not progress) as bar:
+        with tqdm(total=len(flat), desc=self.name, unit="seq", disable=not request.progress) as bar:
             for start in range(0, len(flat), max(sampling.batch_size, 1) * 8):  # progress and on_sample
                 chunk = flat[start : start + max(sampling.batch_size, 1) * 8]
                 requests = [{"prompt_token_ids": list(ids)} for _, _, ids, _ in chunk]
@@ -273,8 +268,7 @@ class VllmEngine:
                 for (i, j, _, _), result in zip(chunk, results, strict=True):
                     sample = self._sample(result.outputs[0])
                     out[i].append(sample)
-                    if on_sample is not None:
-                        on_sample(i, j, sample)
+                    request.done(i, j, sample)
                 bar.update(len(chunk))
         return out
 

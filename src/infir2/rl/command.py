@@ -23,7 +23,7 @@ examples:
   infir2 rl my-rl.yaml
   infir2 config qwen2.5-7b-rl > my-rl.yaml    # the authors' 7B settings as a starting point
   torchrun --standalone --nproc_per_node 2 -m infir2.cli rl my-rl.yaml
-  infir2 rl my-rl.yaml --set rollout.precision=bf16 --set fp8.recipe=bf16 --set run.name=bf16-pair
+  infir2 rl my-rl.yaml --set rollout.precision=high --set fp8.recipe=bf16 --set run.name=bf16-pair
   infir2 rl my-rl.yaml --set rollout.group_size=8 --set algo.tis=mask
 """
 

@@ -9,7 +9,7 @@ where they published one, docs/RL.md)::
     optim:    lr 1e-6, betas (0.9, 0.98), eps, weight_decay 0.1, grad_clip 1.0   (constant lr)
     data:     task (a task of infir2.tasks.TASKS: the JSONL schema, default math), prompts_path, val_path,
               shuffle, seed
-    rollout:  engine (a name in infir2.generation.ENGINES), precision (bf16|fp8), scale_encoding (pow2|fp32),
+    rollout:  engine (a name in infir2.generation.ENGINES), precision (high|fp8), scale_encoding (pow2|fp32),
               base_dtype (bf16|fp32), prompts_per_step, group_size,
               oversample_prompts, max_rounds, carry_over, max_new_tokens, temperature, batch_size
     algo:     reward, clip_low, clip_high, kl_coef, tis (auto|truncate|mask|off), tis_cap,
@@ -91,10 +91,10 @@ class RLData:
 @dataclass(frozen=True)
 class RolloutConfig:
     engine: str = setting("builtin", "a name in infir2.generation.ENGINES (builtin: in-process, KV cache)")
-    precision: Literal["bf16", "fp8"] = setting(
+    precision: Literal["high", "fp8"] = setting(
         "fp8",
-        "the projections' GEMMs while generating: fp8 = the FP8 export's 128x128 weights + 1x128 "
-        "activations; bf16 = the run's high precision, i.e. model.precision (fp32 on a CPU)",
+        "the projections' GEMMs while generating (generation.PRECISIONS): fp8 = the FP8 export's 128x128 "
+        "weights + 1x128 activations; high = no FP8, the run's high precision (its dtype: model.precision)",
     )
     scale_encoding: Literal["pow2", "fp32"] = setting(
         "pow2", "fp8 block scales, as `infir2 export --scale-encoding`"
@@ -307,9 +307,10 @@ def _check_vllm(cfg: RLConfig, source: str) -> None:
 
 def _check_names(cfg: RLConfig, source: str) -> None:
     """The registry names: engine, task, reward (and a task's grader that fits its task)."""
-    precision = "served" if cfg.rollout.precision == "fp8" else "high"
     try:  # a registered engine that can roll out at rollout.precision, with token ids
-        check_engine(cfg.rollout.engine, "rollout.engine", precision, "rollout.precision", needs_ids=True)
+        check_engine(
+            cfg.rollout.engine, "rollout.engine", cfg.rollout.precision, "rollout.precision", needs_ids=True
+        )
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
     for key, value, names in (
@@ -327,8 +328,26 @@ def _check_names(cfg: RLConfig, source: str) -> None:
         )
 
 
+#: rollout.precision's words of before one vocabulary (``generation.PRECISIONS``), and what each is now
+_OLD_PRECISIONS = {"bf16": "high"}
+
+
+def _refuse_old_precision(data: dict[str, Any], source: str) -> None:
+    """An old ``rollout.precision`` word, in one line: the key, the file, the words, what it means now."""
+    rollout = data.get("rollout")
+    old = rollout.get("precision") if isinstance(rollout, dict) else None
+    if isinstance(old, str) and old in _OLD_PRECISIONS:
+        raise config_error(
+            source,
+            "rollout.precision",
+            f"got {old!r}, expected high or fp8 ({old} named the run's high precision, model.precision, "
+            f"whatever its dtype: it is now rollout.precision: {_OLD_PRECISIONS[old]})",
+        )
+
+
 def parse_rl_config(data: dict[str, Any], source: str = "<dict>") -> RLConfig:
     """Validate a nested dict (parsed YAML) into an ``RLConfig``; ``source`` names it in errors."""
+    _refuse_old_precision(data, source)
     cfg = build(RLConfig, data, "", source)
     _check(cfg, source)
     return cfg

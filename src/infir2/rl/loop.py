@@ -61,7 +61,15 @@ import torch
 from torch import nn
 
 from ..data.chat import render_prompt, stop_token_ids
-from ..generation import EngineOptions, RolloutEngine, SamplingConfig, build_engine, stops_and_pad
+from ..generation import (
+    ENGINES,
+    BuiltinSettings,
+    EngineOptions,
+    RolloutEngine,
+    SamplingConfig,
+    build_engine,
+    stops_and_pad,
+)
 from ..harness.config import config_to_dict
 from ..harness.config_changes import reconcile_saved_config
 from ..harness.distributed import DistEnv, all_reduce_sum, context_layout, context_parallel, data_ranks
@@ -152,19 +160,20 @@ def _build_engine(cfg: RLConfig, model: nn.Module, tokenizer: Any) -> RolloutEng
     """``rollout.engine`` from the registry (``generation.ENGINES``), generating from a copy of the policy."""
     r = cfg.rollout
     options = EngineOptions(
-        tokenizer,
-        model=lambda: model,
-        precision="served" if r.precision == "fp8" else "high",
-        scale_encoding=r.scale_encoding,
-        model_precision=cfg.model.precision,
-        copy_model=True,
-        settings=cfg.vllm.settings() if r.engine == "vllm" else None,
-        base_dtype={"bf16": torch.bfloat16, "fp32": None}[r.base_dtype],
+        tokenizer, model=lambda: model, precision=r.precision, scale_encoding=r.scale_encoding
     )
+    settings: Any = (
+        None  # the engine's own settings: the vllm section, the builtin's from the run (else defaults)
+    )
+    if r.engine == "vllm":
+        settings = cfg.vllm.settings()
+    elif ENGINES[r.engine].settings is BuiltinSettings:
+        base_dtype = {"bf16": torch.bfloat16, "fp32": None}[r.base_dtype]
+        settings = BuiltinSettings(cfg.model.precision, copy_model=True, base_dtype=base_dtype)
     sampling = SamplingConfig(  # the policy itself: no top-p / top-k
         False, r.temperature, 1.0, r.max_new_tokens, r.batch_size, beyond_context=cfg.model.beyond_context
     )
-    return RolloutEngine(build_engine(r.engine, options), sampling)
+    return RolloutEngine(build_engine(r.engine, options, settings), sampling)
 
 
 def _setup(

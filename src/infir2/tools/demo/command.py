@@ -101,7 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rl",
         action="store_true",
         help="RL after the demo's SFT (the baseline's SFT model at seed 0 in OUT, reused or trained): "
-        "fp8:blockwise beside bf16:bf16 over RL seeds (--seeds; default 0-7), OUT/rl/rl.png and the "
+        "fp8:blockwise beside high:bf16 over RL seeds (--seeds; default 0-7), OUT/rl/rl.png and the "
         "verdict (README: the time it takes)",
     )
     parser.add_argument(

@@ -4,7 +4,7 @@ The question an RL stage must answer first: does it learn, and does FP8 learn as
 demo's baseline SFT model at seed 0 (``OUT/runs/bf16/s0/sft/hf``: reused when ``infir2 demo`` already
 wrote it into ``--out``, else trained here with the demo's own settings), per RL seed and precision pair
 ``ROLLOUT:TRAINING`` (``fp8:blockwise``: FP8 rollouts from the FP8 export's weights, bf16 base dtype,
-and FP8 blockwise training; ``bf16:bf16``: the high-precision pair), one ``infir2 rl`` run
+and FP8 blockwise training; ``high:bf16``: the high-precision pair), one ``infir2 rl`` run
 (``OUT/rl/runs/<pair>-s<seed>``) with the collapse guard on (``rl/guard.py``: held-out accuracy before
 step 1 and every ``eval_every`` steps, KL to the start model every step). Then:
 
@@ -52,7 +52,7 @@ class RLStudy:
     """The RL showcase's settings (``STUDY`` is ``infir2 demo --rl``'s; ``QUICK_STUDY`` CI's)."""
 
     seeds: tuple[int, ...] = tuple(range(8))  # RL seeds (sampler and prompt order); the start is one model
-    pairs: tuple[str, ...] = ("fp8:blockwise", "bf16:bf16")  # ROLLOUT:TRAINING; the last is the reference
+    pairs: tuple[str, ...] = ("fp8:blockwise", "high:bf16")  # ROLLOUT:TRAINING; the last is the reference
     sft_seed: int = 0  # the baseline's SFT run of the demo that RL starts from
     steps: int = 20
     lr: float = 3e-4
