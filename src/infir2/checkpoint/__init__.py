@@ -1,8 +1,8 @@
 """Training checkpoints: one folder per saved step, two formats inside it.
 
 * ``folder.py`` -- the mechanics every format shares: the temporary folder, fsync, the atomic rename,
-  the one ``meta.json`` layout (format, step, world size, a ``files`` map with sizes and SHA-256),
-  list, verify, prune, and the newest checkpoint that loads;
+  the one ``meta.json`` layout (format, step, world size, a ``files`` map with sizes and SHA-256; an
+  older one is refused, ``OlderLayoutError``), list, verify, prune, and the newest checkpoint that loads;
 * ``full.py`` -- ``full``: the whole state in one ``state.pt``, gathered to rank 0;
 * ``sharded.py`` -- ``dcp``: every rank writes its own shards (``torch.distributed.checkpoint``),
   resharded on load, optionally written in the background;
@@ -25,9 +25,12 @@ from torch import nn
 from .folder import (
     DAMAGED_PREFIX,
     META_FILE,
+    NO_OLDER_LAYOUTS,
     NoLoadableCheckpointError,
+    OlderLayoutError,
     latest_checkpoint,
     list_checkpoints,
+    older_layout,
     read_meta,
     sha256_file,
     verify,
@@ -50,9 +53,11 @@ __all__ = [
     "CHECKPOINT_KEYS",
     "DAMAGED_PREFIX",
     "META_FILE",
+    "NO_OLDER_LAYOUTS",
     "STATE_FILE",
     "InsufficientSpaceError",
     "NoLoadableCheckpointError",
+    "OlderLayoutError",
     "PendingSave",
     "check_room_for_saves",
     "is_sharded_checkpoint",
@@ -66,6 +71,7 @@ __all__ = [
     "load_into",
     "load_latest_valid",
     "load_sharded",
+    "older_layout",
     "read_meta",
     "require_free_space",
     "save_bytes",

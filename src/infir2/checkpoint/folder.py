@@ -20,9 +20,12 @@ skips each one that fails with a WARNING naming it (:func:`newest_loadable`), an
 there are ``step_*`` folders but none loads -- silently starting again from step 0 would overwrite
 them.
 
-Older checkpoints: a ``meta.json`` without ``format`` is a ``full`` one, and its ``state_bytes`` /
-``state_sha256`` (the layout before the ``files`` map) are read as the ``files`` entry of
-``state.pt``; a file without a checksum loads with a warning (:func:`read_meta`).
+Older layouts: a ``meta.json`` that lacks a key of the layout above (``format``, ``files``, a file's
+``sha256``: the ``state_bytes`` / ``state_sha256`` layout before the ``files`` map, a file recorded
+without a checksum) was written by a version no release has been made of. It is refused with an
+``OlderLayoutError`` naming the folder (:func:`read_meta`; CONTRIBUTING.md, "Layouts no release has
+written"), and :func:`newest_loadable` stops there instead of skipping it: it is not damaged, and
+``start_fresh`` does not set it aside as if it were.
 """
 
 from __future__ import annotations
@@ -42,9 +45,11 @@ from typing import Any
 __all__ = [
     "DAMAGED_PREFIX",
     "META_FILE",
+    "NO_OLDER_LAYOUTS",
     "FileRecord",
     "Meta",
     "NoLoadableCheckpointError",
+    "OlderLayoutError",
     "begin",
     "finish",
     "fsync",
@@ -52,6 +57,7 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "newest_loadable",
+    "older_layout",
     "read_meta",
     "record_file",
     "sha256_file",
@@ -65,21 +71,35 @@ _STEP_DIR = re.compile(r"^step_(\d{8})$")
 META_FILE = "meta.json"
 DAMAGED_PREFIX = "damaged-"  # checkpoints set aside by load_latest_valid(start_fresh=True)
 _HASH_CHUNK_BYTES = 8 << 20  # read size while hashing: large enough to run at disk speed
-#: the format of a meta.json that names none (written before there were two)
-_DEFAULT_FORMAT = "full"
-_LEGACY_STATE_FILE = "state.pt"
+_META_KEYS = ("format", "step", "world_size", "files")
+#: what a refusal of a checkpoint of an older layout (its ``meta.json`` here, its small state in
+#: ``harness.resume``) tells the user after naming the folder and what differs
+NO_OLDER_LAYOUTS = (
+    "a layout this version does not read (no release of infir2 has been made, so none older is): "
+    "start afresh under another run.name, or move the checkpoint aside"
+)
 
 
 class NoLoadableCheckpointError(ValueError):
     """``step_*`` folders exist but none verifies and loads (a ValueError: the CLI's one-line user error)."""
 
 
+class OlderLayoutError(ValueError):
+    """A checkpoint of a layout this version does not read (:func:`older_layout`): not damaged, so
+    :func:`newest_loadable` stops at it rather than skipping it or setting it aside."""
+
+
+def older_layout(folder: str | Path, problem: str) -> OlderLayoutError:
+    """The one-line refusal of checkpoint ``folder``, whose layout differs as ``problem`` says."""
+    return OlderLayoutError(f"checkpoint {folder}: {problem}: {NO_OLDER_LAYOUTS}")
+
+
 @dataclass(frozen=True)
 class FileRecord:
-    """What ``meta.json`` records of one file (``sha256`` None: written before checksums were)."""
+    """What ``meta.json`` records of one file."""
 
     bytes: int
-    sha256: str | None
+    sha256: str
 
 
 @dataclass(frozen=True)
@@ -153,20 +173,34 @@ def finish(tmp: Path, final: Path, meta: Meta, keep_last: int | None = None) -> 
 
 
 def read_meta(folder: str | Path) -> Meta:
-    """A checkpoint's ``meta.json`` (older layouts included, module docstring); ValueError naming the
-    folder when it is missing or malformed."""
+    """A checkpoint's ``meta.json``; ``OlderLayoutError`` when it lacks a key of the one layout (module
+    docstring), ValueError naming the folder when it is missing or malformed."""
     folder = Path(folder)
     try:
         data = json.loads((folder / META_FILE).read_text())
-        if "files" in data:
-            files = {name: FileRecord(int(r["bytes"]), r.get("sha256")) for name, r in data["files"].items()}
-        else:  # before the files map: the one state.pt
-            files = {_LEGACY_STATE_FILE: FileRecord(int(data["state_bytes"]), data.get("state_sha256"))}
-        return Meta(
-            str(data.get("format", _DEFAULT_FORMAT)), int(data["step"]), int(data.get("world_size", 1)), files
-        )
+        _check_meta_layout(folder, data)
+        files = {name: FileRecord(int(r["bytes"]), str(r["sha256"])) for name, r in data["files"].items()}
+        return Meta(str(data["format"]), int(data["step"]), int(data["world_size"]), files)
+    except OlderLayoutError:
+        raise
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"checkpoint {folder}: unreadable {META_FILE} ({type(e).__name__}: {e})") from e
+
+
+def _check_meta_layout(folder: Path, data: Any) -> None:
+    """Refuse a ``meta.json`` of an older layout: a mapping without a key this one has, or a file of its
+    ``files`` map without one (a malformed file is left to ``read_meta``'s own error)."""
+    if not isinstance(data, dict):
+        return
+    missing = [k for k in _META_KEYS if k not in data]
+    if missing:
+        raise older_layout(
+            folder, f"{META_FILE} has no {', '.join(missing)} (it holds {', '.join(sorted(data))})"
+        )
+    files = data["files"] if isinstance(data["files"], dict) else {}
+    for name, record in sorted(files.items()):
+        if isinstance(record, dict) and record.get("sha256") is None:
+            raise older_layout(folder, f"{META_FILE} records no sha256 for {name}")
 
 
 def is_complete(folder: str | Path, fmt: str | None = None) -> bool:
@@ -182,9 +216,8 @@ def is_complete(folder: str | Path, fmt: str | None = None) -> bool:
         return False
 
 
-def verify_file(folder: Path, name: str, expected_bytes: int, expected_sha: str | None) -> None:
-    """Raise ValueError unless ``folder/name`` has the size and SHA-256 that ``meta.json`` records
-    (``expected_sha`` None: written before checksums were recorded; loaded with a warning)."""
+def verify_file(folder: Path, name: str, expected_bytes: int, expected_sha: str) -> None:
+    """Raise ValueError unless ``folder/name`` has the size and SHA-256 that ``meta.json`` records."""
     try:
         size = (folder / name).stat().st_size
     except OSError as e:
@@ -194,11 +227,7 @@ def verify_file(folder: Path, name: str, expected_bytes: int, expected_sha: str 
             f"checkpoint {folder}: {name} has {size} bytes, {META_FILE} records "
             f"{expected_bytes} (truncated or incomplete)"
         )
-    if expected_sha is None:
-        log.warning(
-            "checkpoint %s has no checksum for %s in %s; loading it unverified", folder, name, META_FILE
-        )
-    elif sha256_file(folder / name) != expected_sha:
+    if sha256_file(folder / name) != expected_sha:
         raise ValueError(f"checkpoint {folder}: {name} does not match the SHA-256 in {META_FILE} (damaged)")
 
 
@@ -241,13 +270,17 @@ def newest_loadable(
     Each ``step_*`` folder that fails is skipped with a WARNING naming it and the reason; ``None``
     when ``root`` holds no ``step_*`` folder. When some exist but none loads, raises
     ``NoLoadableCheckpointError`` -- unless ``start_fresh``, which renames them ``damaged-step_*``
-    (kept for inspection, ignored from then on) and returns ``None``.
+    (kept for inspection, ignored from then on) and returns ``None``. A folder of an older layout
+    (``OlderLayoutError``, start_fresh or not) stops the walk: it is not damaged, so skipping it would
+    resume from an older state and ``start_fresh`` would call it damaged.
     """
     root = Path(root)
     folders = _step_folders(root)
     for folder in reversed(folders):
         try:
             return folder, load(folder)
+        except OlderLayoutError:
+            raise
         except (OSError, ValueError) as e:
             log.warning("skipping checkpoint %s: %s", folder, e)
     if not folders:

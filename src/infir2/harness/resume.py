@@ -175,10 +175,6 @@ def save(
 
 #: what ``train_state`` holds beside the stage's counters (``save``)
 _BESIDE_COUNTERS = {"world_size", "rng", "config"}
-_NO_OLDER_LAYOUTS = (
-    "a layout this version does not read (no release of infir2 has been made, so none older is): "
-    "start afresh under another run.name, or move the checkpoint aside"
-)
 
 
 def _check_layout(path: Path, loaded: dict[str, Any], state_type: type) -> None:
@@ -194,7 +190,7 @@ def _check_layout(path: Path, loaded: dict[str, Any], state_type: type) -> None:
             f"{', '.join(sorted(expected))}"
         )
     if problems:
-        raise ValueError(f"checkpoint {path}: {'; '.join(problems)}: {_NO_OLDER_LAYOUTS}")
+        raise ckpt.older_layout(path, "; ".join(problems))
 
 
 def _load_data(data: Resumable, loaded: dict[str, Any], env: DistEnv, path: Path) -> None:
