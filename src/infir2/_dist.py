@@ -12,7 +12,7 @@ import gc
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -120,25 +120,30 @@ def all_reduce_max(values: torch.Tensor, env: DistEnv) -> torch.Tensor:
     return values
 
 
-def all_gather_objects(obj: object, env: DistEnv) -> list[object]:
+#: the type of what every rank passes to a collective of Python objects: each rank passes the same
+#: variable, so rank 0's value (or any rank's) has the type the caller declared for its own
+Obj = TypeVar("Obj")
+
+
+def all_gather_objects(obj: Obj, env: DistEnv) -> list[Obj]:
     """Every rank's ``obj`` on every rank (list by rank)."""
     if not env.distributed:
         return [obj]
-    out: list[object] = [None] * env.world_size
+    out: list[Any] = [None] * env.world_size  # filled with every rank's obj
     dist.all_gather_object(out, obj)
     return out
 
 
-def gather_objects(obj: object, env: DistEnv) -> list[object] | None:
+def gather_objects(obj: Obj, env: DistEnv) -> list[Obj] | None:
     """Every rank's ``obj`` on rank 0 (list by rank); None on the other ranks."""
     if not env.distributed:
         return [obj]
-    out: list[object] | None = [None] * env.world_size if env.is_main else None
+    out: list[Any] | None = [None] * env.world_size if env.is_main else None  # filled with every rank's obj
     dist.gather_object(obj, out, dst=0)
     return out
 
 
-def broadcast_object(obj: object, env: DistEnv) -> object:
+def broadcast_object(obj: Obj, env: DistEnv) -> Obj:
     """Rank 0's ``obj`` on every rank."""
     if not env.distributed:
         return obj

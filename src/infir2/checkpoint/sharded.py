@@ -192,7 +192,7 @@ def save_sharded(
     """Write ``root/step_<step>`` (every rank calls). ``extra``: this rank's small state; rank 0's
     ``scheduler`` and ``train_state``, every rank's ``data`` and ``rng`` are kept."""
     tmp, final = begin(root, step) if env.is_main else (None, None)
-    tmp, final = broadcast_object((tmp, final), env)  # type: ignore[misc]
+    tmp, final = broadcast_object((tmp, final), env)
     assert isinstance(tmp, Path) and isinstance(final, Path)
     model_sd, optim_sd = get_state_dict(model, optimizer)  # this rank's shards (DTensors), no gather
     state = _plain({"model": _without_tied(model, model_sd), "optimizer": optim_sd})
@@ -204,8 +204,8 @@ def save_sharded(
         small = {
             "scheduler": extra.get("scheduler"),
             "train_state": {**extra.get("train_state", {}), "world_size": env.world_size},
-            "data": [r["data"] for r in per_rank],  # type: ignore[index]
-            "rng": [r["rng"] for r in per_rank],  # type: ignore[index]
+            "data": [r["data"] for r in per_rank],
+            "rng": [r["rng"] for r in per_rank],
         }
         torch.save(small, tmp / EXTRA_FILE)
 
@@ -217,9 +217,9 @@ def save_sharded(
         records = gather_objects({name: record_file(tmp / name) for name in mine}, env)
         if env.is_main:
             assert records is not None
-            files: dict[str, FileRecord] = {k: v for r in records for k, v in r.items()}  # type: ignore[attr-defined]
+            files: dict[str, FileRecord] = {k: v for r in records for k, v in r.items()}
             finish(tmp, final, Meta(FORMAT, step, env.world_size, files), keep_last)
-        return broadcast_object(final, env)  # type: ignore[return-value]
+        return broadcast_object(final, env)
 
     no_dist = not env.distributed
     mine_tmp = tmp if env.is_main else None  # rank 0 removes a failed save's folder
@@ -243,7 +243,7 @@ def _require_room(tmp: Path, folder: Path, nbytes: int, what: str, env: DistEnv)
         except InsufficientSpaceError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             problem = str(e)
-    problem = broadcast_object(problem, env)  # type: ignore[assignment]
+    problem = broadcast_object(problem, env)
     if problem is not None:
         raise InsufficientSpaceError(problem)
 

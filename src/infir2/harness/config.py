@@ -16,7 +16,9 @@ section opens with the keys of ``TrainSection``::
 
 ``check_shared`` holds their rules (one implementation for both stages); ``load_stage_config`` reads a
 YAML file into a stage's config (``--set`` overrides, then the stage's own ``parse``). Every field carries
-its meaning (``setting``), which ``infir2 config --keys`` prints.
+its meaning (``setting``), which ``infir2 config --keys`` prints. The harness takes a stage's config as
+a ``StageConfig`` (run, model, fp8, ``run_dir``) and the other shared sections one by one, each the one
+here or the stage's subclass of it (``check_shared``, ``harness.resume.restore``).
 
 No release of infir2 has been made, so no key has an older name to read: a renamed key is an unknown key
 (CONTRIBUTING.md, "Layouts no release has written").
@@ -311,15 +313,19 @@ def _check_train(t: TrainSection, source: str) -> None:
         check_positive(source, f"train.{key}", getattr(t, key), allow_zero=True)
 
 
-def check_shared(cfg: Any, source: str) -> None:
-    """The rules of the shared sections (``cfg.run``, ``cfg.model``, ``cfg.fp8``, ``cfg.optim``, the
-    ``TrainSection`` keys of ``cfg.train``, ``cfg.parallel``) of any stage's config."""
+def check_shared(
+    cfg: StageConfig, optim: OptimConfig, train: TrainSection, parallel: ParallelConfig, source: str
+) -> None:
+    """The rules of the shared sections of any stage's config: ``cfg.run``, ``cfg.model``, ``cfg.fp8``, and
+    the stage's ``optim``, ``train`` (its ``TrainSection`` keys) and ``parallel``. These three are not
+    ``StageConfig`` fields: a stage declares each after its own sections (the order of its YAML), of its
+    own subclass (``RLOptim``, ``TrainConfig``, ``RLTrain``)."""
     _check_run(cfg.run, source)
     _check_model(cfg.model, source)
     _check_fp8(cfg.fp8, source)
-    _check_optim(cfg.optim, source)
-    _check_train(cfg.train, source)
-    check_positive(source, "parallel.context", cfg.parallel.context)
+    _check_optim(optim, source)
+    _check_train(train, source)
+    check_positive(source, "parallel.context", parallel.context)
 
 
 # --------------------------------------------------------------------------------------------
@@ -343,17 +349,17 @@ def load_stage_config(
     return parse(data, source)
 
 
-def config_to_dict(cfg: Any) -> dict[str, Any]:
+def config_to_dict(cfg: StageConfig) -> dict[str, Any]:
     """A stage's config as plain YAML-ready data (tuples as lists)."""
     return to_plain(cfg)
 
 
-def save_config(cfg: Any, path: str | Path) -> None:
+def save_config(cfg: StageConfig, path: str | Path) -> None:
     """Write the resolved config (every field, defaults included) as YAML; it loads back unchanged."""
     Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
 
-def key_reference(cfg: Any) -> list[tuple[str, Any, str]]:
+def key_reference(cfg: StageConfig) -> list[tuple[str, Any, str]]:
     """Every key of a stage's config ``cfg`` (its defaults) as ``(dotted key, default, meaning)``."""
     defaults = config_to_dict(cfg)
     return [

@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from .config import config_to_dict, save_config
+from .config import StageConfig, config_to_dict, save_config
 
 __all__ = ["ConfigChangedError", "config_changes", "reconcile_saved_config"]
 
@@ -90,7 +90,7 @@ def _backup_name(run_dir: Path, step: int) -> Path:
 
 
 def reconcile_saved_config(
-    cfg: Any, meaningful_keys: tuple[str, ...], write: bool, resumes_own: bool = True
+    cfg: StageConfig, meaningful_keys: tuple[str, ...], write: bool, resumes_own: bool = True
 ) -> None:
     """Compare a stage's ``cfg`` with the run folder's saved config; refuse, log, keep the old one, write
     the new.

@@ -32,9 +32,10 @@ from __future__ import annotations
 import logging
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar, cast
 
 import torch
 from torch import nn
@@ -49,6 +50,7 @@ from ..checkpoint import (
     save_sharded,
 )
 from ..export import export_model
+from .config import ModelConfig, OptimConfig
 from .distributed import DistEnv, broadcast_object, gather_objects
 
 __all__ = [
@@ -71,6 +73,7 @@ log = logging.getLogger(__name__)
 class Counters(Protocol):
     """A stage's counters (a dataclass saved under ``train_state``): what resuming reads and resets."""
 
+    __dataclass_fields__: ClassVar[dict[str, Any]]  # a dataclass: its fields are what is saved
     step: int
     skipped_in_row: int
 
@@ -143,7 +146,7 @@ def save(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     data: Resumable,
-    state: Any,
+    state: Counters,
     config: dict[str, Any],
 ) -> PendingSave:
     """Write a checkpoint of ``policy.fmt`` atomically (all ranks call; all wait on the result).
@@ -225,10 +228,10 @@ def data_state_for(loaded: dict[str, Any], env: DistEnv) -> Any:
 
 
 def _counters(state_type: type[State], saved: dict[str, Any]) -> State:
-    return state_type(**{f.name: saved[f.name] for f in fields(state_type)})  # type: ignore[arg-type]
+    return state_type(**{f.name: saved[f.name] for f in fields(state_type)})
 
 
-def _apply_optim_config(optimizer: torch.optim.Optimizer, optim_cfg: Any) -> None:
+def _apply_optim_config(optimizer: torch.optim.Optimizer, optim_cfg: OptimConfig) -> None:
     """After loading optimizer state, the config's hyperparameters win (a decay-only run may change them)."""
     for i, group in enumerate(optimizer.param_groups):
         weight_decay = optim_cfg.weight_decay if i == 0 else 0.0
@@ -236,14 +239,19 @@ def _apply_optim_config(optimizer: torch.optim.Optimizer, optim_cfg: Any) -> Non
 
 
 def _find(
-    policy: SavePolicy, env: DistEnv, model: nn.Module, optimizer: Any, load: LoadRequest, start_fresh: bool
+    policy: SavePolicy,
+    env: DistEnv,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    load: LoadRequest,
+    start_fresh: bool,
 ) -> tuple[Path, dict[str, Any], str] | None:
     """The checkpoint to start from: the run's own newest loadable one, else ``load.path``; loaded.
     First the disk is checked for the run's saves (``checkpoint.check_room_for_saves``: their bytes are
     known from the model and the optimizer's config): a first save that cannot fit is refused now."""
     check_room_for_saves(policy.root.parent, model, optimizer, policy.keep_last)
 
-    def loader(weights_only: bool) -> Any:
+    def loader(weights_only: bool) -> Callable[[Path], dict[str, Any]]:
         return lambda folder: ckpt.load_into(folder, model, None if weights_only else optimizer, env)
 
     if not (load.force and load.path):  # every rank verifies (sizes, SHA-256) and reads its part
@@ -263,7 +271,7 @@ def restore(
     optimizer: torch.optim.Optimizer,
     data: Resumable,
     state_type: type[State],
-    optim_cfg: Any,
+    optim_cfg: OptimConfig,
     load: LoadRequest | None = None,
     start_fresh: bool = False,
 ) -> tuple[State, Path | None]:
@@ -309,7 +317,7 @@ def export_final(
     env: DistEnv,
     model: nn.Module,
     tokenizer: Any,
-    model_cfg: Any,
+    model_cfg: ModelConfig,
     checkpoint: Path | None = None,
 ) -> Path | None:
     """``<run>/hf``: the trained model as a Hugging Face folder (``model.export_dtype`` or ``precision``).
@@ -328,8 +336,17 @@ def export_final(
         if env.is_main:  # one full tensor in memory at a time
             tensors = iter_model_tensors(checkpoint)
             out = export_model(model, tokenizer, run_dir / "hf", fmt=fmt, tensors=tensors, overwrite=True)
-        return broadcast_object(out, env)  # type: ignore[return-value]
-    model_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return broadcast_object(out, env)
+    model_sd = _full_model_state(model)
     if env.is_main:
-        out = export_model(model, tokenizer, run_dir / "hf", fmt=fmt, state_dict=model_sd, overwrite=True)  # type: ignore[arg-type]
-    return broadcast_object(out, env)  # type: ignore[return-value]
+        out = export_model(model, tokenizer, run_dir / "hf", fmt=fmt, state_dict=model_sd, overwrite=True)
+    return broadcast_object(out, env)
+
+
+def _full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state dict in CPU memory on rank 0 (every rank calls: it gathers the shards).
+
+    ``full_state_dict=True`` makes every value a plain tensor (a DTensor is gathered into one), which
+    ``get_model_state_dict``'s type, a union of every kind of value, does not say: the one cast."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))

@@ -35,6 +35,7 @@ from ..model import (
     load_pretrained,
     prepare_for_training,
 )
+from .config import StageConfig
 from .distributed import DistEnv, shard_model
 
 __all__ = ["build_model", "check_model_inputs", "load_run_tokenizer", "setup_model", "warn_router_loss"]
@@ -42,7 +43,7 @@ __all__ = ["build_model", "check_model_inputs", "load_run_tokenizer", "setup_mod
 log = logging.getLogger(__name__)
 
 
-def check_model_inputs(cfg: Any) -> None:
+def check_model_inputs(cfg: StageConfig) -> None:
     """``model.path`` is a model folder whose experts the FP8 recipe can run (``model.check_experts``) and
     ``model.tokenizer`` a folder (each error names its key)."""
     m = cfg.model
@@ -57,7 +58,7 @@ def check_model_inputs(cfg: Any) -> None:
         )
 
 
-def load_run_tokenizer(cfg: Any) -> Any:
+def load_run_tokenizer(cfg: StageConfig) -> Any:
     """The run's tokenizer (``model.tokenizer`` or ``model.path``), read as ``AutoTokenizer`` will read the
     export: for the model's type (``from_config.arch``, or ``model_type`` in ``model.path/config.json``)."""
     path = cfg.model.tokenizer or cfg.model.path
@@ -70,7 +71,7 @@ def load_run_tokenizer(cfg: Any) -> Any:
     return load_tokenizer(path, model_type=model_type)
 
 
-def build_model(cfg: Any, tokenizer: Any) -> nn.Module:
+def build_model(cfg: StageConfig, tokenizer: Any) -> nn.Module:
     """The model ``cfg.model`` names: a local HF folder, or a seeded new one ``from_config``."""
     if cfg.model.path:
         return load_pretrained(cfg.model.path)
@@ -95,7 +96,7 @@ def warn_router_loss(model: nn.Module) -> None:
 
 
 def setup_model(
-    cfg: Any,
+    cfg: StageConfig,
     env: DistEnv,
     model: nn.Module | None,
     tokenizer: Any,

@@ -219,7 +219,7 @@ def tis_mode(cfg: RLConfig) -> str:
 
 
 def _check(cfg: RLConfig, source: str) -> None:
-    check_shared(cfg, source)  # run / model / fp8 / optim / parallel / train's shared keys: as `infir2 train`
+    check_shared(cfg, cfg.optim, cfg.train, cfg.parallel, source)  # as `infir2 train` checks them
     r, a, t = cfg.rollout, cfg.algo, cfg.train
 
     def positive(key: str, value: float | None, allow_zero: bool = False) -> None:

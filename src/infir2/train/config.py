@@ -180,7 +180,7 @@ class RunConfig(StageConfig):
 
 def _check(cfg: RunConfig, source: str) -> None:
     """Cross-field rules that types alone cannot express (the shared sections': ``harness.config``)."""
-    check_shared(cfg, source)
+    check_shared(cfg, cfg.optim, cfg.train, cfg.parallel, source)
     d, t = cfg.data, cfg.train
     for key in ("seq_len", "global_batch_size", "micro_batch_size", "max_length", "epochs"):
         check_positive(source, f"data.{key}", getattr(d, key))
