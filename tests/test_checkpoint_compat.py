@@ -122,3 +122,17 @@ def test_the_newest_loadable_stops_at_an_older_layout(tmp_path, start_fresh):
     (root / "step_00000002" / "meta.json").write_text("{")  # damaged instead: skipped for step 1
     found = ckpt.load_latest_valid(root, start_fresh)
     assert found is not None and found[0].name == "step_00000001" and found[1]["scheduler"] == {"step": 1}
+
+
+def test_a_meta_json_without_a_step_is_damage_not_an_older_layout(tmp_path):
+    """Every layout recorded the step: a mapping without it is damaged (skipped, the next older one
+    loads), not refused as a layout."""
+    root = tmp_path / "checkpoints"
+    ckpt.save_checkpoint(root, 1, checkpoint_state(1))
+    ckpt.save_checkpoint(root, 2, checkpoint_state(2))
+    (root / "step_00000002" / "meta.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"unreadable meta\.json") as e:
+        ckpt.read_meta(root / "step_00000002")
+    assert not isinstance(e.value, ckpt.OlderLayoutError)
+    found = ckpt.load_latest_valid(root)
+    assert found is not None and found[0].name == "step_00000001"

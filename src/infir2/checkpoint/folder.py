@@ -20,9 +20,10 @@ skips each one that fails with a WARNING naming it (:func:`newest_loadable`), an
 there are ``step_*`` folders but none loads -- silently starting again from step 0 would overwrite
 them.
 
-Older layouts: a ``meta.json`` that lacks a key of the layout above (``format``, ``files``, a file's
-``sha256``: the ``state_bytes`` / ``state_sha256`` layout before the ``files`` map, a file recorded
-without a checksum) was written by a version no release has been made of. It is refused with an
+Older layouts: a ``meta.json`` with its ``step`` (every layout had one; without it, it is damaged) that
+lacks another key of the layout above (``format``, ``files``, a file's ``sha256``: the ``state_bytes`` /
+``state_sha256`` layout before the ``files`` map, a file recorded without a checksum) was written by a
+version no release has been made of. It is refused with an
 ``OlderLayoutError`` naming the folder (:func:`read_meta`; CONTRIBUTING.md, "Layouts no release has
 written"), and :func:`newest_loadable` stops there instead of skipping it: it is not damaged, and
 ``start_fresh`` does not set it aside as if it were.
@@ -188,9 +189,10 @@ def read_meta(folder: str | Path) -> Meta:
 
 
 def _check_meta_layout(folder: Path, data: Any) -> None:
-    """Refuse a ``meta.json`` of an older layout: a mapping without a key this one has, or a file of its
-    ``files`` map without one (a malformed file is left to ``read_meta``'s own error)."""
-    if not isinstance(data, dict):
+    """Refuse a ``meta.json`` of an older layout: a checkpoint's (a mapping with its ``step``, which
+    every layout recorded) without another key of this one, or a file of its ``files`` map without a
+    ``sha256``. Anything else malformed is damage, left to ``read_meta``'s own error."""
+    if not isinstance(data, dict) or "step" not in data:
         return
     missing = [k for k in _META_KEYS if k not in data]
     if missing:
