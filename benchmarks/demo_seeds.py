@@ -28,7 +28,7 @@ import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from infir2.tools.demo import FULL, QUICK, DemoSettings
 from infir2.tools.demo.pipeline import prepare_data, run_recipe
@@ -36,20 +36,27 @@ from infir2.tools.demo.summary import METRICS
 from infir2.tools.demo.workers import die_with_parent
 from infir2.tools.paired import paired_gaps, paired_verdict
 
+Settings = TypeVar("Settings")
+
 ACCURACY = next(m for m in METRICS if m.key == "accuracy")
 
 
-def parse_sets(items: list[str], base: DemoSettings) -> DemoSettings:
-    """``["cpt_steps=400", "num_ops=2,3"]`` -> ``base`` with those fields replaced (types from the field)."""
+def parse_sets(items: list[str], base: Settings) -> Settings:
+    """``["cpt_steps=400", "num_ops=2,3"]`` -> ``base`` (a dataclass: ``DemoSettings``, the RL study's
+    ``RLStudy``) with those fields replaced, each value read as the field's current type (a tuple's
+    items as its first item's; ``none``: None, for an optional field)."""
     values: dict[str, Any] = {}
-    fields = {f.name: f for f in dataclasses.fields(DemoSettings)}
+    fields = {f.name: f for f in dataclasses.fields(base)}
     for item in items:
         key, sep, text = item.partition("=")
         if not sep or key not in fields:
             raise SystemExit(f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(fields)}")
         current = getattr(base, key)
         if isinstance(current, tuple):
-            values[key] = tuple(int(v) for v in text.split(","))
+            kind = type(current[0]) if current else int
+            values[key] = tuple(kind(v) for v in text.split(","))
+        elif text == "none":  # an optional field unset
+            values[key] = None
         elif isinstance(current, bool):
             values[key] = text.lower() in ("1", "true", "yes")
         elif isinstance(current, int) or current is None:

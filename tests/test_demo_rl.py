@@ -3,6 +3,7 @@ the figure and the verdict; the held-out problems never among the RL prompts."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from conftest import make_tiny_model
 from infir2.cli import main
 from infir2.tools.demo.pipeline import QUICK, prepare_data
+from infir2.tools.demo.rl import QUICK_STUDY, _problems, start_model
 from infir2.tools.paired import paired_verdict
 
 
@@ -49,3 +51,42 @@ def test_demo_rl_reuses_the_demos_sft_model_and_writes_figure_and_verdict(tmp_pa
 def test_demo_rl_refuses_flags_it_does_not_use(tmp_path, capsys):
     assert main(["demo", "--rl", "--report-only", "--out", str(tmp_path)]) == 2
     assert "--rl" in capsys.readouterr().err
+
+
+def _ops(problem: str) -> int:
+    return sum(problem.count(op) for op in "+-*")
+
+
+@pytest.mark.parametrize("split, hard_share", [("hard", 1.0), ("mixed", 0.5), ("two-op", 0.0)])
+def test_study_splits_hold_out_apart_and_in_their_shares(tmp_path, split, hard_share):
+    out = tmp_path / "demo"
+    prepare_data(out, QUICK)
+    study = dataclasses.replace(QUICK_STUDY, split=split, n_prompts=40, n_val=10)
+    prompts_path, val_path = _problems(out, QUICK, study)
+    prompts = [json.loads(x)["problem"] for x in prompts_path.read_text().splitlines()]
+    val = [json.loads(x)["problem"] for x in val_path.read_text().splitlines()]
+    test = [json.loads(x)["problem"] for x in (out / "data" / "test.jsonl").read_text().splitlines()]
+    two_ops = set(range(QUICK.num_ops[0], QUICK.num_ops[1] + 1))
+    assert (
+        len(prompts) == 40 and len(val) == 10 and not set(prompts) & set(val) and not set(prompts) & set(test)
+    )
+    assert sum(_ops(p) not in two_ops for p in prompts) == int(40 * hard_share)
+    assert sum(_ops(p) not in two_ops for p in val) == int(10 * hard_share)
+    assert [p for p in val if _ops(p) in two_ops] == test[: 10 - int(10 * hard_share)]  # the demo's own first
+
+
+def test_a_start_of_its_own_length_is_trained_from_the_baselines_cpt(tmp_path):
+    out = tmp_path / "demo"
+    _, tok = prepare_data(out, QUICK)
+    cpt = out / "runs" / "bf16" / "s0" / "cpt" / "hf"
+    make_tiny_model(vocab_size=len(tok), tie=True).save_pretrained(cpt)  # the baseline's CPT (reused)
+    tok.save_pretrained(cpt)
+    study = dataclasses.replace(QUICK_STUDY, start_epochs=2, start_lr=1e-3)
+    hf = start_model(out, QUICK, study)
+    assert hf == out / "runs" / "bf16" / "s0" / "sft-2ep-lr0.001" / "hf" and (hf / "config.json").is_file()
+    saved = (hf.parent / "config.yaml").read_text()
+    assert "epochs: 2" in saved and "lr: 0.001" in saved and str(cpt) in saved
+    assert not (
+        out / "runs" / "bf16" / "s0" / "sft"
+    ).exists()  # the demo's own SFT is neither run nor touched
+    assert start_model(out, QUICK, study) == hf  # reused

@@ -223,6 +223,17 @@ def _greedy_eval(model: Any, tokenizer: Any, path: Path, s: DemoSettings, saved:
     return result
 
 
+def train_sft(
+    s: DemoSettings, out: Path, seed: int, cpt_model: Path, data: dict[str, Path], tokenizer: Any, stage: str
+) -> Path:
+    """The baseline's SFT with ``s``'s settings from ``cpt_model``, in ``OUT/runs/bf16/s<seed>/<stage>``."""
+    cfg = _sft_config(s, out, "bf16", seed, cpt_model, data)
+    cfg["run"]["name"] = _run_name("bf16", seed, stage)
+    result = train(parse_config(cfg, f"demo:{cfg['run']['name']}"), tokenizer=tokenizer, progress=False)
+    assert result.hf_dir is not None
+    return result.hf_dir
+
+
 def run_recipe(
     recipe: str,
     seed: int,

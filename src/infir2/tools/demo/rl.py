@@ -30,7 +30,7 @@ import multiprocessing
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,13 +54,17 @@ class RLStudy:
     seeds: tuple[int, ...] = tuple(range(8))  # RL seeds (sampler and prompt order); the start is one model
     pairs: tuple[str, ...] = ("fp8:blockwise", "high:bf16")  # ROLLOUT:TRAINING; the last is the reference
     sft_seed: int = 0  # the baseline's SFT run of the demo that RL starts from
+    # the start's SFT length and peak lr; None: the demo's own (its baseline SFT is then reused when present)
+    start_epochs: int | None = None
+    start_lr: float | None = None
     steps: int = 20
     lr: float = 3e-4
     temperature: float = 1.0
     prompts_per_step: int = 8  # groups trained on per step (rollout.prompts_per_step)
     group_size: int = 8
     max_rounds: int = 2  # generation rounds of 2 x prompts_per_step prompts (dynamic sampling)
-    split: str = "mixed"  # hard: RL on (and measured on) the harder split; mixed: half of it, half two-op
+    # hard: RL on (and measured on) the harder split; two-op: the SFT's own kind; mixed: half of each
+    split: str = "mixed"
     n_prompts: int = 1000  # RL prompts
     n_val: int = 100  # held-out problems
     eval_every: int = 5
@@ -75,21 +79,21 @@ QUICK_STUDY = RLStudy(
 
 def _problems(out: Path, s: DemoSettings, study: RLStudy) -> tuple[Path, Path]:
     """``OUT/rl/prompts.jsonl`` and ``OUT/rl/val.jsonl``. ``hard``: problems of the harder split, the
-    held-out ones generated apart; ``mixed``: half of each file of the harder split, half of the demo's
-    own two-operation problems (prompts: generated, none of ``test.jsonl``; held out: ``test.jsonl``'s
-    first), so that a gain on the harder problems that costs the trained ones shows."""
+    held-out ones generated apart; ``two-op``: the demo's own two-operation problems (prompts: generated,
+    none of ``test.jsonl``; held out: ``test.jsonl``'s first); ``mixed``: half of each file of either,
+    so that a gain on the harder problems that costs the trained ones shows."""
     folder = out / "rl"
     folder.mkdir(parents=True, exist_ok=True)
     ops, m = harder(s.num_ops), s.max_operand
-    n_hard_val = study.n_val if study.split == "hard" else study.n_val // 2
-    n_hard = study.n_prompts if study.split == "hard" else study.n_prompts // 2
+    share = {"hard": 1.0, "mixed": 0.5, "two-op": 0.0}[study.split]
+    n_hard_val, n_hard = int(study.n_val * share), int(study.n_prompts * share)
     val = make_problems(n_hard_val, seed=s.data_seed + 2, num_ops=ops, prefix="rl-val", max_operand=m)
     test = [json.loads(x) for x in (out / "data" / "test.jsonl").read_text().splitlines() if x.strip()]
     held_out = [r["problem"] for r in val + test]
     prompts = make_problems(
         n_hard, seed=s.data_seed + 1, num_ops=ops, exclude=held_out, prefix="rl", max_operand=m
     )
-    if study.split == "mixed":
+    if study.split != "hard":
         val += test[: study.n_val - n_hard_val]
         prompts += make_problems(
             study.n_prompts - n_hard,
@@ -105,17 +109,26 @@ def _problems(out: Path, s: DemoSettings, study: RLStudy) -> tuple[Path, Path]:
     return paths
 
 
-def start_model(out: Path, s: DemoSettings, sft_seed: int) -> Path:
-    """The demo's baseline SFT export at ``sft_seed``: reused from ``out``, else trained (CPT + SFT)."""
-    hf = out / "runs" / "bf16" / f"s{sft_seed}" / "sft" / "hf"
+def start_model(out: Path, s: DemoSettings, study: RLStudy) -> Path:
+    """The start: the demo's baseline SFT export at ``study.sft_seed``, reused from ``out`` or trained
+    (CPT + SFT); with ``study.start_epochs`` / ``start_lr``, an SFT of that length and lr from the
+    baseline's CPT (reused, or trained first) in ``OUT/runs/bf16/s<seed>/sft-<epochs>ep-lr<lr>``."""
+    seed = study.sft_seed
+    own = replace(s, sft_epochs=study.start_epochs or s.sft_epochs, sft_lr=study.start_lr or s.sft_lr)
+    stage = "sft" if own == s else f"sft-{own.sft_epochs}ep-lr{own.sft_lr:g}"
+    hf = out / "runs" / "bf16" / f"s{seed}" / stage / "hf"
     if (hf / "config.json").is_file():
         log.info("demo --rl: starting from %s (reused)", hf)
         return hf
-    from .pipeline import prepare_data, run_recipe
+    from .pipeline import prepare_data, run_recipe, train_sft
 
-    log.info("demo --rl: training the start (the baseline's CPT + SFT at seed %d) in %s", sft_seed, out)
+    log.info("demo --rl: training the start (the baseline's CPT + SFT at seed %d) in %s", seed, out)
+    cpt = out / "runs" / "bf16" / f"s{seed}" / "cpt" / "hf"
     data, tokenizer = prepare_data(out, s)
-    run_recipe("bf16", sft_seed, out, s, data, tokenizer, progress=False)
+    if own == s or not (cpt / "config.json").is_file():
+        run_recipe("bf16", seed, out, s, data, tokenizer, progress=False)
+    if own != s:
+        train_sft(own, out, seed, cpt, data, tokenizer, stage)
     return hf
 
 
@@ -215,13 +228,18 @@ def _line(row: dict[str, Any]) -> str:
 
 
 def run_rl_study(
-    out: Path, quick: bool = False, study: RLStudy | None = None, jobs: int = 1
+    out: Path,
+    quick: bool = False,
+    study: RLStudy | None = None,
+    jobs: int = 1,
+    settings: DemoSettings | None = None,
 ) -> dict[str, Any]:
-    """The whole showcase (module doc): start, runs side by side in ``jobs`` processes, figure, verdict."""
+    """The whole showcase (module doc): start, runs side by side in ``jobs`` processes, figure, verdict.
+    ``settings``: the demo's (data, CPT, SFT) when not ``FULL`` / ``QUICK``."""
     t0 = time.perf_counter()
-    s = QUICK if quick else FULL
+    s = settings or (QUICK if quick else FULL)
     study = study or (QUICK_STUDY if quick else STUDY)
-    hf = start_model(out, s, study.sft_seed)
+    hf = start_model(out, s, study)
     paths = _problems(out, s, study)
     keys = [(p, seed) for seed in study.seeds for p in study.pairs]
     configs = {k: _config(out, hf, paths, k[0], k[1], study, s) for k in keys}
