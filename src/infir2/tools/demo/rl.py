@@ -62,7 +62,8 @@ class RLStudy:
     temperature: float = 1.0
     prompts_per_step: int = 8  # groups trained on per step (rollout.prompts_per_step)
     group_size: int = 8
-    max_rounds: int = 2  # generation rounds of 2 x prompts_per_step prompts (dynamic sampling)
+    max_rounds: int = 2  # generation rounds of oversample x prompts_per_step prompts (dynamic sampling)
+    oversample: int = 2  # prompts drawn per round, as a multiple of prompts_per_step
     # hard: RL on (and measured on) the harder split; two-op: the SFT's own kind; mixed: half of each
     split: str = "mixed"
     n_prompts: int = 1000  # RL prompts
@@ -151,7 +152,7 @@ def _config(
             "precision": rollout,
             "prompts_per_step": study.prompts_per_step,
             "group_size": study.group_size,
-            "oversample_prompts": 2 * study.prompts_per_step,
+            "oversample_prompts": study.oversample * study.prompts_per_step,
             "max_rounds": study.max_rounds,
             "max_new_tokens": s.max_new_tokens,
             "temperature": study.temperature,
