@@ -64,6 +64,7 @@ class RLStudy:
     group_size: int = 8
     max_rounds: int = 2  # generation rounds of oversample x prompts_per_step prompts (dynamic sampling)
     oversample: int = 2  # prompts drawn per round, as a multiple of prompts_per_step
+    base_dtype: str = "bf16"  # rollout.base_dtype of the fp8 pair (fp32: it quantizes as the trainer does)
     # hard: RL on (and measured on) the harder split; two-op: the SFT's own kind; mixed: half of each
     split: str = "mixed"
     n_prompts: int = 1000  # RL prompts
@@ -150,6 +151,7 @@ def _config(
         "data": {"prompts_path": str(paths[0]), "val_path": str(paths[1])},
         "rollout": {
             "precision": rollout,
+            "base_dtype": study.base_dtype,
             "prompts_per_step": study.prompts_per_step,
             "group_size": study.group_size,
             "oversample_prompts": study.oversample * study.prompts_per_step,
