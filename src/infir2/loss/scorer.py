@@ -45,6 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..nn.module import accumulation_dtype
+
 __all__ = [
     "AUTO_CHUNK_BYTES",
     "ChunkedTokenScorer",
@@ -62,13 +64,9 @@ AUTO_CHUNK_BYTES = 256 << 20
 FP32_BYTES = 4
 
 
-def _math_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)  # fp32, or fp64 as it is
-
-
 def _logits(h: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, temperature: float) -> torch.Tensor:
     # [c,H] @ [H,V] -> [c,V] in `dtype` (the head's output dtype), then the math dtype, then / T
-    z = (h.to(dtype) @ weight.to(dtype).t()).to(_math_dtype(dtype))
+    z = (h.to(dtype) @ weight.to(dtype).t()).to(accumulation_dtype(dtype))
     return z if temperature == 1.0 else z.div_(temperature)
 
 
@@ -87,7 +85,7 @@ class ChunkedTokenScorer(torch.autograd.Function):
         compute_dtype: torch.dtype,
         entropy: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        n, math_dtype = hidden.shape[0], _math_dtype(compute_dtype)
+        n, math_dtype = hidden.shape[0], accumulation_dtype(compute_dtype)
         lse = torch.empty(n, dtype=math_dtype, device=hidden.device)
         logp = torch.empty(n, dtype=math_dtype, device=hidden.device)
         ent = torch.empty(n if entropy else 0, dtype=math_dtype, device=hidden.device)
@@ -118,7 +116,7 @@ class ChunkedTokenScorer(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, targets, lse, ent = ctx.saved_tensors
         dtype, temperature = ctx.compute_dtype, ctx.temperature
-        math_dtype = _math_dtype(dtype)
+        math_dtype = accumulation_dtype(dtype)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         nothing = grad_logp is None and (grad_ent is None or ent.numel() == 0)
         if nothing or not (need_h or need_w):
@@ -287,7 +285,9 @@ def score_tokens(
     chunk = chunk_tokens_for(chunk_tokens, targets.numel(), head.weight.shape[0])
     if chunk is None:  # under the budget: the model's logits, whole
         logits = model(**inputs, logits_to_keep=0 if keep is None else keep + 1).logits[:, head_rows]
-        logp_all = F.log_softmax(logits.to(_math_dtype(logits.dtype)) / temperature, dim=-1)  # [B, n, V]
+        logp_all = F.log_softmax(
+            logits.to(accumulation_dtype(logits.dtype)) / temperature, dim=-1
+        )  # [B, n, V]
         logp = logp_all.gather(-1, safe[..., None])[..., 0]
         ent = -(logp_all.exp() * logp_all).sum(-1) if entropy else None
     else:
