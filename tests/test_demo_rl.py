@@ -90,3 +90,13 @@ def test_a_start_of_its_own_length_is_trained_from_the_baselines_cpt(tmp_path):
         out / "runs" / "bf16" / "s0" / "sft"
     ).exists()  # the demo's own SFT is neither run nor touched
     assert start_model(out, QUICK, study) == hf  # reused
+
+
+def test_a_start_of_its_own_length_without_a_cpt_trains_the_cpt_alone_first(tmp_path):
+    out = tmp_path / "demo"
+    study = dataclasses.replace(QUICK_STUDY, start_epochs=2)
+    hf = start_model(out, QUICK, study)
+    seed_dir = out / "runs" / "bf16" / "s0"
+    assert hf == seed_dir / f"sft-2ep-lr{QUICK.sft_lr:g}" / "hf" and (hf / "config.json").is_file()
+    assert (seed_dir / "cpt" / "hf" / "config.json").is_file()
+    assert not (seed_dir / "sft").exists() and not (seed_dir / "eval").exists()  # no baseline SFT, no eval

@@ -35,9 +35,9 @@ pytestmark = pytest.mark.transformers_api  # CI runs this file again under the o
 TESTS = Path(__file__).parent
 _one_thread = pytest.fixture(autouse=True)(one_thread)
 
-#: metrics that follow the weights' last bits (compared against the one-ulp yardstick); the rest of a
-#: step's metrics -- rewards, accuracy, lengths, counts -- are equal
-#: metrics compared within a tolerance: the mismatch under infir2's names and the field's (FIELD_NAMES)
+#: metrics that follow the weights' last bits, the mismatch under infir2's names and the field's
+#: (FIELD_NAMES) included: compared against the one-ulp yardstick; the rest of a step's metrics --
+#: rewards, accuracy, lengths, counts -- are equal
 ROUNDED = (
     "loss",
     "grad_norm",

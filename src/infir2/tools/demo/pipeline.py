@@ -223,15 +223,30 @@ def _greedy_eval(model: Any, tokenizer: Any, path: Path, s: DemoSettings, saved:
     return result
 
 
+def train_cpt(
+    s: DemoSettings, out: Path, recipe: str, seed: int, tokenizer: Any, progress: bool = False
+) -> Any:
+    """The demo's CPT of ``recipe`` at ``seed``, in ``OUT/runs/<recipe>/s<seed>/cpt`` (its ``TrainResult``)."""
+    name = _run_name(recipe, seed, "cpt")
+    cfg = parse_config(_cpt_config(s, out, recipe, seed, len(tokenizer)), f"demo:{name}")
+    return train(cfg, tokenizer=tokenizer, progress=progress)
+
+
 def train_sft(
-    s: DemoSettings, out: Path, seed: int, cpt_model: Path, data: dict[str, Path], tokenizer: Any, stage: str
-) -> Path:
-    """The baseline's SFT with ``s``'s settings from ``cpt_model``, in ``OUT/runs/bf16/s<seed>/<stage>``."""
-    cfg = _sft_config(s, out, "bf16", seed, cpt_model, data)
-    cfg["run"]["name"] = _run_name("bf16", seed, stage)
-    result = train(parse_config(cfg, f"demo:{cfg['run']['name']}"), tokenizer=tokenizer, progress=False)
-    assert result.hf_dir is not None
-    return result.hf_dir
+    s: DemoSettings,
+    out: Path,
+    recipe: str,
+    seed: int,
+    cpt_model: Path,
+    data: dict[str, Path],
+    tokenizer: Any,
+    stage: str = "sft",
+    progress: bool = False,
+) -> Any:
+    """The demo's SFT with ``s``'s settings from ``cpt_model``, in ``OUT/runs/<recipe>/s<seed>/<stage>``."""
+    cfg = _sft_config(s, out, recipe, seed, cpt_model, data)
+    cfg["run"]["name"] = _run_name(recipe, seed, stage)
+    return train(parse_config(cfg, f"demo:{cfg['run']['name']}"), tokenizer=tokenizer, progress=progress)
 
 
 def run_recipe(
@@ -247,18 +262,9 @@ def run_recipe(
     from transformers import AutoModelForCausalLM
 
     t0 = time.perf_counter()
-    cpt_name, sft_name = _run_name(recipe, seed, "cpt"), _run_name(recipe, seed, "sft")
-    cpt = train(
-        parse_config(_cpt_config(s, out, recipe, seed, len(tokenizer)), f"demo:{cpt_name}"),
-        tokenizer=tokenizer,
-        progress=progress,
-    )
+    cpt = train_cpt(s, out, recipe, seed, tokenizer, progress)
     assert cpt.hf_dir is not None
-    sft = train(
-        parse_config(_sft_config(s, out, recipe, seed, cpt.hf_dir, data), f"demo:{sft_name}"),
-        tokenizer=tokenizer,
-        progress=progress,
-    )
+    sft = train_sft(s, out, recipe, seed, cpt.hf_dir, data, tokenizer, progress=progress)
     assert sft.hf_dir is not None
     model = AutoModelForCausalLM.from_pretrained(sft.hf_dir, local_files_only=True).float().eval()
     runs = out / "runs"

@@ -122,15 +122,17 @@ def start_model(out: Path, s: DemoSettings, study: RLStudy) -> Path:
     if (hf / "config.json").is_file():
         log.info("demo --rl: starting from %s (reused)", hf)
         return hf
-    from .pipeline import prepare_data, run_recipe, train_sft
+    from .pipeline import prepare_data, run_recipe, train_cpt, train_sft
 
     log.info("demo --rl: training the start (the baseline's CPT + SFT at seed %d) in %s", seed, out)
-    cpt = out / "runs" / "bf16" / f"s{seed}" / "cpt" / "hf"
     data, tokenizer = prepare_data(out, s)
-    if own == s or not (cpt / "config.json").is_file():
+    if own == s:
         run_recipe("bf16", seed, out, s, data, tokenizer, progress=False)
-    if own != s:
-        train_sft(own, out, seed, cpt, data, tokenizer, stage)
+        return hf
+    cpt = out / "runs" / "bf16" / f"s{seed}" / "cpt" / "hf"
+    if not (cpt / "config.json").is_file():  # the CPT alone: the baseline's SFT is not needed
+        train_cpt(s, out, "bf16", seed, tokenizer)
+    train_sft(own, out, "bf16", seed, cpt, data, tokenizer, stage)
     return hf
 
 
