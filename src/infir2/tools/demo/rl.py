@@ -200,7 +200,39 @@ def _one_run(cfg: dict) -> dict[str, Any]:
         "prob_error": [m.get("mismatch/prob_error", 1.0) for m in history],
         "guard": guard["trips"],
         "seconds": sum(m["step_time_s"] for m in history),
+        "weight_views": weight_views(Path(cfg["model"]["path"]), run_dir / "hf"),
     }
+
+
+def weight_views(start: Path, end: Path) -> dict[str, float]:
+    """How the projections' FP8 view (the export's: 128x128 blocks, E4M3, pow2 scales; what FP8 rollouts
+    and FP8 training's forward compute with) and their bf16 view followed the fp32 master weights from
+    ``start`` to ``end`` (model folders): per view the share of values that changed, and the rounding
+    error of its move against the master's, ``|d view - d master| / |d master|`` over all projections
+    (0: the view moved as the master did; above 1: its move is mostly rounding)."""
+    from ...export.shards import CheckpointReader
+    from ...fp8.quantize import dequantize, quantize
+
+    block = (128, 128)
+    views = {"fp8": lambda w: dequantize(*quantize(w, block), block), "bf16": lambda w: w.bfloat16().float()}
+    a, b = CheckpointReader(start), CheckpointReader(end)
+    move, error, changed, n = 0.0, dict.fromkeys(views, 0.0), dict.fromkeys(views, 0), 0
+    for file in a.files:
+        for name in a.names_in(file):
+            if not name.endswith("proj.weight"):
+                continue
+            w0, w1 = a.get(name).float(), b.get(name).float()
+            move += float((w1 - w0).pow(2).sum())
+            n += w0.numel()
+            for view, of in views.items():
+                d = of(w1) - of(w0)
+                error[view] += float((d - (w1 - w0)).pow(2).sum())
+                changed[view] += int((d != 0).sum())
+    out = {}
+    for view in views:
+        out[f"{view}_changed"] = changed[view] / max(n, 1)
+        out[f"{view}_error"] = (error[view] / move) ** 0.5 if move else 0.0
+    return out
 
 
 def _finished(run_dir: Path, steps: int) -> bool:
@@ -291,11 +323,18 @@ def _report(record: dict[str, Any]) -> str:
     study, lines = record["study"], []
     for p in study["pairs"]:
         runs = [r for r in record["runs"] if r["pair"] == p]
-        starts = " ".join(f"{100 * r['val'][0][1]:.0f}" for r in runs)
-        ends = " ".join(f"{100 * r['val'][-1][1]:.0f}" for r in runs)
+        starts = " ".join(f"{100 * r['val'][0][1]:.1f}" for r in runs)
+        ends = " ".join(f"{100 * r['val'][-1][1]:.1f}" for r in runs)
         dlogp = sum(sum(r["abs_dlogp_mean"]) / len(r["abs_dlogp_mean"]) for r in runs) / len(runs)
         lines.append(
             f"  {p}: held-out greedy % by seed, start {starts} -> after {study['steps']} steps {ends}; mean |dlogp| {dlogp:.2e}"
+        )
+        views = [r["weight_views"] for r in runs]
+        lines.append(
+            "    projections moved by RL, seen in FP8 (128x128 E4M3): "
+            + _view_text(views, "fp8")
+            + "; in bf16: "
+            + _view_text(views, "bf16")
         )
         for r in runs:
             for trip in r["guard"]:
@@ -306,6 +345,12 @@ def _report(record: dict[str, Any]) -> str:
     )
     verdict = f"verdict (95% t-interval over RL seeds, held-out accuracy points, margin +-{MARGIN:g}):"
     return "\n".join([head, *lines, verdict, *map(_line, record["verdicts"]), "figure: rl/rl.png"])
+
+
+def _view_text(views: list[dict[str, float]], view: str) -> str:
+    changed = sum(v[f"{view}_changed"] for v in views) / len(views)
+    error = sum(v[f"{view}_error"] for v in views) / len(views)
+    return f"{100 * changed:.0f}% of values changed, rounding error {error:.2f}x the master weights' move"
 
 
 def rl_figure(record: dict[str, Any], path: Path) -> Path:
