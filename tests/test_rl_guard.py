@@ -1,4 +1,4 @@
-"""The collapse guard (`rl/guard.py`): it warns on the demo's saturated-start RL run (a recorded real run),
+"""The collapse guard (`rl/guard.py`): it warns on two recorded real RL runs from saturated starts,
 and in a real tiny run the KL guard stops the run and hf/ holds the best held-out weights; FP8 rollouts
 serve the export's base dtype (`rollout.base_dtype`), and TIS follows it."""
 
@@ -50,6 +50,27 @@ def test_the_guard_warns_on_the_saturated_start_run():
     k = len(rewards) // 4
     assert sum(rewards[-k:]) / k > sum(rewards[:k]) / k  # the reward did not show it: it rose
     assert _replay(metrics, record, RLGuard(max_val_drop=None)) == []  # both off: silent
+
+
+def test_the_guard_warns_on_issue_43s_saturated_start_whose_reward_stays_flat():
+    """Issue 43's case on today's pipeline (fixtures/rl_collapse_two_op/README.md): a 2-epoch SFT start
+    at 99% greedy, 40 steps at lr 3e-4 on the problems it already solves. Held-out accuracy halves while
+    the mean reward stays flat and the KL stays under its limit; replayed at the defaults, the guard
+    warns at the first evaluation and at every one after it, on the held-out accuracy alone."""
+    folder = FIXTURE.parent / "rl_collapse_two_op"
+    metrics = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    record = json.loads((folder / "guard.json").read_text())
+    assert _replay(metrics, record, RLGuard(max_kl=0.25)) == [(t["step"], t["why"]) for t in record["trips"]]
+    evals = [(m["step"], m["val_accuracy"]) for m in metrics if "val_accuracy" in m]
+    assert record["val_start"] - evals[-1][1] > 0.4  # the collapse itself: 99% -> 51%
+    by_default = _replay(metrics, record, RLGuard())
+    assert [step for step, _ in by_default] == [step for step, _ in evals]  # every evaluation: 5, 10, ..., 40
+    assert all("held-out accuracy" in why for _, why in by_default)
+    rewards = [m["reward_mean"] for m in metrics]
+    k = len(rewards) // 4
+    assert abs(sum(rewards[-k:]) - sum(rewards[:k])) / k < 0.05  # what a reward plot shows: nothing
+    assert max(m["kl_ref"] for m in metrics) < 0.25  # nor the KL alarm
+    assert _replay(metrics, record, RLGuard(max_val_drop=0.6)) == []  # a 60-point limit: silent
 
 
 @pytest.fixture
