@@ -49,6 +49,8 @@ ALLOWED: dict[str, set[str]] = {
     "tools.demo": {
         "data",
         "eval",
+        "export",  # demo --rl's weight views: the runs' model folders (export.shards) ...
+        "fp8",  # ... seen through the FP8 block quantizer
         "harness",
         "rl",
         "tools.bench",
