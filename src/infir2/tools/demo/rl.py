@@ -212,8 +212,8 @@ def weight_views(start: Path, end: Path) -> dict[str, float]:
     (0: the view moved as the master did; above 1: its move is mostly rounding)."""
     from ...export.shards import CheckpointReader
     from ...fp8.quantize import dequantize, quantize
+    from ...fp8.recipe import WEIGHT_BLOCK as block
 
-    block = (128, 128)
     views = {"fp8": lambda w: dequantize(*quantize(w, block), block), "bf16": lambda w: w.bfloat16().float()}
     a, b = CheckpointReader(start), CheckpointReader(end)
     move, error, changed, n = 0.0, dict.fromkeys(views, 0.0), dict.fromkeys(views, 0), 0
