@@ -10,8 +10,9 @@
 start is the study's (``start_model``: the demo's CPT, then an SFT of ``start_epochs`` at ``start_lr``),
 trained in ``--out`` or reused from it. ``--start-only`` prints the start's accuracy on the study's
 held-out problems, greedy and at the rollout temperature (8 samples: avg@8 and pass@8): the headroom
-RL has. Without it, the study runs (``--jobs`` runs at a time) and each run prints its held-out greedy
-accuracy at every evaluation and its rollout reward in means of 5 steps, then the study's verdicts.
+RL has; with ``--sharpen 1.1,1.5`` also avg@8 with the logits scaled by each factor (the final norm's
+weights): how much of that headroom a sharper distribution alone would take. Without it, the study runs (``--jobs`` runs at a time) and each run prints its held-out accuracy
+(greedy, or avg@k with ``--set eval_samples=k``) at every evaluation and its rollout reward in means of 5 steps, then the study's verdicts.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from pathlib import Path
 from demo_seeds import parse_sets  # benchmarks/demo_seeds.py
 
 from infir2.tools.demo.results import FULL, DemoSettings, machine_description
-from infir2.tools.demo.rl import STUDY, RLStudy, _problems, run_rl_study, start_model
+from infir2.tools.demo.rl import STUDY, RLStudy, _problems, accuracy_name, run_rl_study, start_model
 
 
-def start_headroom(out: Path, study: RLStudy, s: DemoSettings) -> None:
+def start_headroom(out: Path, study: RLStudy, s: DemoSettings, sharpen: tuple[float, ...] = ()) -> None:
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from infir2.eval import evaluate, load_problems
@@ -39,13 +41,26 @@ def start_headroom(out: Path, study: RLStudy, s: DemoSettings) -> None:
     problems = load_problems(_problems(out, s, study)[1], "math")  # the study's held-out problems
     common = dict(max_new_tokens=s.max_new_tokens, batch_size=200, progress=False)
     greedy = evaluate(model, tokenizer, problems, greedy=True, **common).summary
-    sampled = evaluate(
-        model, tokenizer, problems, n=8, temperature=study.temperature, top_p=1.0, **common
-    ).summary
+
+    def avg8() -> dict:
+        return evaluate(
+            model, tokenizer, problems, n=8, temperature=study.temperature, top_p=1.0, **common
+        ).summary
+
+    sampled = avg8()
     print(f"start {hf}: {len(problems)} held-out problems ({study.split} split)")
     print(
         f"  greedy {100 * greedy['avg@n']:.1f}%  avg@8 {100 * sampled['avg@n']:.1f}%  pass@8 {100 * sampled['pass@8']:.1f}%"
     )
+    norm = model.model.norm.weight  # the final RMSNorm: its scale is the logits' (the head is linear)
+    original = norm.detach().clone()
+    print(f"  final norm weights: mean |w| {float(original.abs().mean()):.3f}")
+    for scale in sharpen:  # a logit-scale move alone: how much of the headroom is sharpening
+        with torch.no_grad():
+            norm.copy_(original * scale)
+        print(f"  final norm x {scale:g} (logits x {scale:g}): avg@8 {100 * avg8()['avg@n']:.1f}%")
+    with torch.no_grad():
+        norm.copy_(original)
 
 
 def main() -> None:
@@ -60,6 +75,12 @@ def main() -> None:
         help="a DemoSettings field (data, CPT, SFT)",
     )
     p.add_argument("--start-only", action="store_true", help="only the start's headroom")
+    p.add_argument(
+        "--sharpen",
+        default="",
+        metavar="S1,S2",
+        help="--start-only: also avg@8 with the final norm's weights (so the logits) scaled by each S",
+    )
     p.add_argument("--jobs", type=int, default=2, help="RL runs at a time")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -68,14 +89,15 @@ def main() -> None:
     print(machine_description())
     print(f"study: {dataclasses.asdict(study)}")
     if args.start_only:
-        start_headroom(args.out, study, settings)
+        start_headroom(args.out, study, settings, tuple(float(x) for x in args.sharpen.split(",") if x))
         return
     record = run_rl_study(args.out, False, study, args.jobs, settings)
     for run in record["runs"]:
         val = " ".join(f"{step}:{100 * acc:.0f}" for step, acc in run["val"])
         r = run["reward"]
         means = " ".join(f"{statistics.mean(r[i : i + 5]):.2f}" for i in range(0, len(r), 5))
-        print(f"{run['pair']} s{run['seed']}: held-out greedy % by step {val} | reward per 5 steps {means}")
+        name = accuracy_name(record["study"])
+        print(f"{run['pair']} s{run['seed']}: held-out {name} % by step {val} | reward per 5 steps {means}")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,13 @@ def test_demo_rl_reuses_the_demos_sft_model_and_writes_figure_and_verdict(tmp_pa
     diff = [100 * (fp8[s]["val"][-1][1] - bf16[s]["val"][-1][1]) for s in (0, 1)]
     assert record["verdicts"][-1]["mean"] == pytest.approx(sum(diff) / 2)
     for r in record["runs"]:  # the projections' views of RL's move (weight_views' own test: below)
-        assert set(r["weight_views"]) == {"fp8_changed", "fp8_error", "bf16_changed", "bf16_error"}
+        assert set(r["weight_views"]) == {
+            "fp8_changed",
+            "fp8_error",
+            "bf16_changed",
+            "bf16_error",
+            "logit_scale",
+        }
     assert "seen in FP8 (128x128 E4M3)" in printed
     assert (out / "rl" / "rl.png").stat().st_size > 10_000
     assert "verdict" in printed and "fp8:blockwise - high:bf16 after RL" in printed
@@ -109,24 +115,33 @@ def test_weight_views_measure_how_much_of_a_move_survives_rounding(tmp_path):
     """Moves made by hand, each weight by +-size x the mean |weight|: at half the mean, both views follow
     the move (small error, every value changed); at 1% (about an RL run's here), most FP8 values stay
     and those that change jump a whole FP8 step, so the FP8 view's move is mostly rounding, while the
-    bf16 view follows it; no move, nothing changed."""
+    bf16 view follows it; the final norm scaled by hand reads back as the logit scale; no move, nothing
+    changed."""
     import torch
 
     torch.manual_seed(0)
     make_tiny_model(seed=1).save_pretrained(tmp_path / "start")
 
-    def moved(name: str, size: float) -> dict[str, float]:
+    def moved(name: str, size: float, norm_scale: float = 1.0) -> dict[str, float]:
         model = make_tiny_model(seed=1)
         with torch.no_grad():
             for n, p in model.named_parameters():
                 if n.endswith("proj.weight"):
                     p.add_(size * p.abs().mean() * torch.sign(torch.randn_like(p)))
+            model.model.norm.weight.mul_(norm_scale)
         model.save_pretrained(tmp_path / name)
         return weight_views(tmp_path / "start", tmp_path / name)
 
-    big, small = moved("big", 0.5), moved("small", 0.01)
+    big, small = moved("big", 0.5, norm_scale=1.25), moved("small", 0.01)
+    assert big["logit_scale"] == pytest.approx(1.25) and small["logit_scale"] == 1.0
     assert big["fp8_error"] < 0.2 and big["fp8_changed"] > 0.95 and big["bf16_error"] < 0.05
     assert small["fp8_error"] > 2 and small["fp8_changed"] < 0.4
     assert small["bf16_error"] < 0.5 and small["bf16_changed"] > 0.9
     same = weight_views(tmp_path / "start", tmp_path / "start")
-    assert same == {"fp8_changed": 0.0, "fp8_error": 0.0, "bf16_changed": 0.0, "bf16_error": 0.0}
+    assert same == {
+        "fp8_changed": 0.0,
+        "fp8_error": 0.0,
+        "bf16_changed": 0.0,
+        "bf16_error": 0.0,
+        "logit_scale": 1.0,
+    }

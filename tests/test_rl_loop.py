@@ -260,3 +260,52 @@ def test_infir2_rl_from_a_model_folder(tmp_path, tiny_tokenizer, capsys):
         main(["rl", str(cfg), "--no-progress", *changed, "--accept-config-changes"]) == 0
     )  # ... unless accepted
     assert (tmp_path / "cli" / "config.2.yaml").is_file()  # the old config is kept
+
+
+def test_sampled_held_out_accuracy_is_the_mean_reward_of_k_samples(tmp_path, tiny_tokenizer, parity_reward):
+    """train.eval_samples: k samples per held-out problem at the rollout temperature, the reward averaged:
+    against the exact expectation from the model's own next-token distribution (one new token, so the
+    expectation is a sum over the vocabulary, in fp64), within 4 binomial standard errors."""
+    from infir2.rl.loop import _encode
+    from infir2.tasks import load_problems
+
+    k, temperature = 400, 0.7
+    val = _prompts(tmp_path / "val.jsonl", n=3)
+    cfg = _config(
+        tmp_path,
+        "sampled",
+        fp8={"recipe": "bf16"},
+        optim={"lr": 1e-9},
+        data={"val_path": str(val)},
+        rollout={"precision": "high", "max_new_tokens": 1, "temperature": temperature, "batch_size": 64},
+        train={"max_steps": 1, "save_every": 0, "eval_samples": k},
+    )
+    model = make_tiny_model(seed=1).double().eval()
+    tok = tiny_tokenizer
+    stops = set(rl_loop.stop_token_ids(tok))
+    text_odd = torch.tensor(
+        [
+            0.0 if t in stops else float(len(tok.decode([t], skip_special_tokens=False)) % 2)
+            for t in range(300)
+        ],
+        dtype=torch.float64,
+    )
+    expected, variance = [], 0.0
+    with torch.no_grad():
+        for ids in _encode(tok, load_problems(val, "math")):
+            logits = model(torch.tensor([ids])).logits[0, -1, : len(text_odd)]
+            p = float((torch.softmax(logits / temperature, -1) * text_odd).sum())
+            expected.append(p)
+            variance += p * (1 - p) / k
+    exact = sum(expected) / len(expected)
+    se = variance**0.5 / len(expected)
+    assert 0.05 < exact < 0.95, "the check needs a reward with variance"
+    rl(cfg, model=make_tiny_model(seed=1), tokenizer=tok, progress=False)
+    measured = json.loads((tmp_path / "sampled" / "guard.json").read_text())["val_start"]
+    assert abs(measured - exact) < 4 * se, (measured, exact, se)
+    assert measured * 3 * k == pytest.approx(round(measured * 3 * k))  # a count over all 3 x k samples
+
+
+def test_eval_samples_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match=r"train\.eval_samples"):
+        _config(tmp_path, "bad", train={"eval_samples": 0})

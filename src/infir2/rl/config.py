@@ -16,7 +16,7 @@ where they published one, docs/RL.md)::
               overlong (none|mask|penalty), overlong_buffer, overlong_penalty, updates_per_batch,
               micro_batch_size, adv_eps
     train:    max_steps, save_every, keep_last, log_every, eval_every, max_skipped_in_row (as in `infir2 train`),
-              eval_problems, max_prob_error
+              eval_problems, eval_samples, max_prob_error
     parallel: context                                          (as in `infir2 train`: processes per sequence)
     vllm:     tensor_parallel_size, memory_fraction, cpu_kv_cache_gib, max_model_len, enforce_eager
               (the settings of rollout.engine: vllm, generation.VllmSettings; refused with another engine)
@@ -66,8 +66,9 @@ __all__ = [
 ]
 
 
-#: the shared sections' meaningful keys, and how an RL run samples and learns
-MEANINGFUL = (*SHARED_MEANINGFUL, "rollout.", "algo.")
+#: the shared sections' meaningful keys, how an RL run samples and learns, and what its held-out accuracy
+#: (the collapse guard's start, saved in guard.json) measures
+MEANINGFUL = (*SHARED_MEANINGFUL, "rollout.", "algo.", "train.eval_samples")
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,9 @@ class RLData:
         "math", "the prompts' task (infir2.tasks.TASKS): their JSONL schema and default grader"
     )
     prompts_path: str = setting("", "JSONL of data.task's schema (what `infir2 eval --task TASK` reads)")
-    val_path: str | None = setting(None, "held-out problems, scored greedily every train.eval_every steps")
+    val_path: str | None = setting(
+        None, "held-out problems, scored every train.eval_every steps (greedy, or train.eval_samples)"
+    )
     shuffle: bool = setting(True, "a new prompt order every pass over the file")
     seed: int | None = setting(None, "prompt-order seed; null: run.seed")
 
@@ -149,7 +152,13 @@ class AlgoConfig:
 class RLTrain(TrainSection):
     max_steps: int = setting(100, "RL steps (rollout batches)")
     eval_problems: int | None = setting(
-        None, "held-out accuracy (greedy) on the first N of data.val_path at each evaluation; null: all"
+        None, "held-out accuracy on the first N of data.val_path at each evaluation; null: all"
+    )
+    eval_samples: int | None = setting(
+        None,
+        "held-out accuracy: null = greedy (one response per problem); k = the mean reward of k responses "
+        "per problem sampled at rollout.temperature (avg@k: the quantity RL raises), the same seeds at "
+        "every evaluation",
     )
     max_prob_error: float | None = setting(
         1.5,
@@ -182,8 +191,8 @@ class RLGuard:
 
     max_val_drop: float | None = setting(
         0.05,
-        "held-out greedy accuracy (data.val_path, measured before step 1 and at every evaluation) more "
-        "than this below the start's (a fraction: 0.05 = 5 points); null = off",
+        "held-out accuracy (data.val_path, greedy or train.eval_samples; measured before step 1 and at "
+        "every evaluation) more than this below the start's (a fraction: 0.05 = 5 points); null = off",
     )
     max_kl: float | None = setting(
         None,
@@ -263,6 +272,7 @@ def _check(cfg: RLConfig, source: str) -> None:
     positive("algo.updates_per_batch", a.updates_per_batch)
     positive("algo.micro_batch_size", a.micro_batch_size)
     positive("train.eval_problems", t.eval_problems)
+    positive("train.eval_samples", t.eval_samples)
     if t.max_prob_error is not None and t.max_prob_error <= 1:
         raise config_error(
             source,

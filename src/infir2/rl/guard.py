@@ -2,9 +2,11 @@
 
 A reward that stays flat while the held-out accuracy falls is what RL from a saturated start looks like
 at too high a learning rate (docs/RL.md, "Collapse guard": the demo's 2-epoch SFT start at lr 3e-4 goes
-from 96% to 62% greedy in 40 steps, rollout reward flat). The guard watches two numbers:
+from 99% to 49% greedy in 5 steps, rollout reward flat; ``tests/fixtures/rl_collapse_two_op``). The guard
+watches two numbers:
 
-* ``val_accuracy`` -- greedy accuracy on ``data.val_path``, measured once before step 1 (``val_start``)
+* ``val_accuracy`` -- accuracy on ``data.val_path`` (greedy, or avg@k at the rollout temperature with
+  ``train.eval_samples``), measured once before step 1 (``val_start``)
   and at every evaluation (``train.eval_every`` and the last step): a fall of more than
   ``guard.max_val_drop`` below the start trips it;
 * ``kl_ref`` -- the mean per-token k3 KL of the policy to the start model over the step's updates

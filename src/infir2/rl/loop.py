@@ -17,7 +17,8 @@
    stop the run with ``NonFiniteError``);
 4. **sync**: the engine takes the new weights (``RolloutEngine.load_weights``: for FP8 rollouts, the
    128x128 quantization of the export, the other tensors in ``rollout.base_dtype``);
-5. **guard** (``rl/guard.py``): the held-out accuracy (before step 1 and at every evaluation) and the
+5. **guard** (``rl/guard.py``): the held-out accuracy (before step 1 and at every evaluation; greedy, or
+   avg@k at the rollout temperature with ``train.eval_samples``) and the
    KL to the start model against ``guard.*``; a trip warns, or with ``guard.stop`` ends the run with
    ``hf/`` exported from the best held-out weights.
 
@@ -68,6 +69,7 @@ from ..generation import (
     RolloutEngine,
     SamplingConfig,
     build_engine,
+    derive_seeds,
     stops_and_pad,
 )
 from ..harness.config import config_to_dict
@@ -116,16 +118,26 @@ class RLResult:
     resumed_from: Path | None = None
 
 
+#: the seed of the held-out samples (``train.eval_samples``): the same draws at every evaluation and in
+#: every run, so that two evaluations differ by the weights alone
+EVAL_SEED = 0
+
+
 def _evaluate(run: Run) -> float:
-    """Greedy accuracy on the held-out problems with the engine's current weights (each rank its share)."""
+    """Held-out accuracy with the engine's current weights (each rank its share): greedy, or with
+    ``train.eval_samples: k`` the mean reward of k samples per problem at the rollout temperature
+    (avg@k), each problem's draws seeded by its index alone (``EVAL_SEED``), whatever the ranks."""
+    k = run.cfg.train.eval_samples
     lo, hi = share(len(run.val), run.env.rank, run.env.world_size)
-    groups = run.engine.generate(run.val_ids[lo:hi], 1, seed=0, greedy=True)
+    seeds = derive_seeds(EVAL_SEED, len(run.val))[lo:hi]
+    groups = run.engine.generate(run.val_ids[lo:hi], k or 1, seeds, greedy=k is None)
     scores = [
-        reward(run.cfg.algo.reward, p, completion_text(run, g[0].response_ids))
+        reward(run.cfg.algo.reward, p, completion_text(run, s.response_ids))
         for g, p in zip(groups, run.val[lo:hi], strict=True)
+        for s in g
     ]
     correct = torch.tensor([sum(scores)], dtype=torch.float64, device=run.env.device)
-    return float(all_reduce_sum(correct, run.env)[0]) / len(run.val)
+    return float(all_reduce_sum(correct, run.env)[0]) / (len(run.val) * (k or 1))
 
 
 # --------------------------------------------------------------------------------------------
