@@ -309,3 +309,14 @@ def test_sampled_held_out_accuracy_is_the_mean_reward_of_k_samples(tmp_path, tin
 def test_eval_samples_must_be_positive(tmp_path):
     with pytest.raises(ValueError, match=r"train\.eval_samples"):
         _config(tmp_path, "bad", train={"eval_samples": 0})
+
+
+def test_resume_with_another_held_out_measure_is_refused(tmp_path, tiny_tokenizer, parity_reward):
+    """guard.json's start was measured one way: a rerun that measures held-out accuracy another way is
+    refused, naming the key (greedy -> avg@k here)."""
+    from infir2.harness.config_changes import ConfigChangedError
+
+    val = {"val_path": str(_prompts(tmp_path / "val.jsonl", n=2))}
+    _run(_config(tmp_path, "r", data=val, train={"max_steps": 1}), tiny_tokenizer)
+    with pytest.raises(ConfigChangedError, match=r"train\.eval_samples: None -> 4"):
+        _run(_config(tmp_path, "r", data=val, train={"max_steps": 2, "eval_samples": 4}), tiny_tokenizer)
