@@ -11,8 +11,9 @@ start is the study's (``start_model``: the demo's CPT, then an SFT of ``start_ep
 trained in ``--out`` or reused from it. ``--start-only`` prints the start's accuracy on the study's
 held-out problems, greedy and at the rollout temperature (8 samples: avg@8 and pass@8): the headroom
 RL has; with ``--sharpen 1.1,1.5`` also avg@8 with the logits scaled by each factor (the final norm's
-weights): how much of that headroom a sharper distribution alone would take. Without it, the study runs (``--jobs`` runs at a time) and each run prints its held-out accuracy
-(greedy, or avg@k with ``--set eval_samples=k``) at every evaluation and its rollout reward in means of 5 steps, then the study's verdicts.
+weights): how much of that headroom a sharper distribution alone would take. Without it, the study runs
+(``--jobs`` runs at a time) and each run prints its held-out accuracy (greedy, or avg@k with ``--set
+eval_samples=k``) at every evaluation and its rollout reward in means of 5 steps, then the verdicts.
 """
 
 from __future__ import annotations
@@ -59,8 +60,6 @@ def start_headroom(out: Path, study: RLStudy, s: DemoSettings, sharpen: tuple[fl
         with torch.no_grad():
             norm.copy_(original * scale)
         print(f"  final norm x {scale:g} (logits x {scale:g}): avg@8 {100 * avg8()['avg@n']:.1f}%")
-    with torch.no_grad():
-        norm.copy_(original)
 
 
 def main() -> None:
@@ -92,11 +91,11 @@ def main() -> None:
         start_headroom(args.out, study, settings, tuple(float(x) for x in args.sharpen.split(",") if x))
         return
     record = run_rl_study(args.out, False, study, args.jobs, settings)
+    name = accuracy_name(record["study"])
     for run in record["runs"]:
         val = " ".join(f"{step}:{100 * acc:.0f}" for step, acc in run["val"])
         r = run["reward"]
         means = " ".join(f"{statistics.mean(r[i : i + 5]):.2f}" for i in range(0, len(r), 5))
-        name = accuracy_name(record["study"])
         print(f"{run['pair']} s{run['seed']}: held-out {name} % by step {val} | reward per 5 steps {means}")
 
 
