@@ -10,6 +10,7 @@ import pytest
 
 from conftest import make_tiny_model
 from infir2.cli import main
+from infir2.tools.demo.data import harder
 from infir2.tools.demo.pipeline import QUICK, prepare_data
 from infir2.tools.demo.rl import QUICK_STUDY, _problems, start_model, weight_views
 from infir2.tools.paired import paired_verdict
@@ -109,6 +110,35 @@ def test_a_start_of_its_own_length_without_a_cpt_trains_the_cpt_alone_first(tmp_
     assert hf == seed_dir / f"sft-2ep-lr{QUICK.sft_lr:g}" / "hf" and (hf / "config.json").is_file()
     assert (seed_dir / "cpt" / "hf" / "config.json").is_file()
     assert not (seed_dir / "sft").exists() and not (seed_dir / "eval").exists()  # no baseline SFT, no eval
+
+
+def test_a_start_with_harder_conversations_mixed_in_trains_on_them_and_never_on_held_out(tmp_path):
+    out = tmp_path / "demo"
+    data, tok = prepare_data(out, QUICK)
+    cpt = out / "runs" / "bf16" / "s0" / "cpt" / "hf"
+    make_tiny_model(vocab_size=len(tok), tie=True).save_pretrained(cpt)
+    tok.save_pretrained(cpt)
+    study = dataclasses.replace(QUICK_STUDY, start_hard=12, split="hard", n_val=30)
+    hf = start_model(out, QUICK, study)
+    assert hf == out / "runs" / "bf16" / "s0" / f"sft-{QUICK.sft_epochs}ep-lr{QUICK.sft_lr:g}-hard12" / "hf"
+    mixed = out / "data" / "sft_train_hard12.jsonl"
+    assert str(mixed) in (hf.parent / "config.yaml").read_text()  # the SFT read the mixed file
+    demo_lines = data["sft_train"].read_text().splitlines()
+    lines = mixed.read_text().splitlines()
+    questions = [json.loads(x)["messages"][1]["content"] for x in lines]
+    extra = [q for q in questions if _ops(q) == harder(QUICK.num_ops)[0]]
+    assert len(lines) == len(demo_lines) + 12 and len(extra) == len(set(extra)) == 12
+    assert set(demo_lines) <= set(lines)
+    held_out = {json.loads(x)["problem"] for x in (out / "rl" / "val.jsonl").read_text().splitlines()}
+    assert len(held_out) == 30 and not held_out & set(questions)
+    for x in lines:  # each a conversation whose boxed answer is the question's value (left to right)
+        m = json.loads(x)["messages"]
+        terms = m[1]["content"].removeprefix("Compute ").removesuffix(".").split()
+        value = int(terms[0])
+        for op, b in zip(terms[1::2], terms[2::2], strict=True):
+            value = value + int(b) if op == "+" else value - int(b)
+        assert m[2]["content"].endswith(f"\\boxed{{{value}}}.")
+    assert not (out / "runs" / "bf16" / "s0" / "sft").exists()
 
 
 def test_weight_views_measure_how_much_of_a_move_survives_rounding(tmp_path):

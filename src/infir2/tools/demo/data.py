@@ -32,9 +32,9 @@ intermediate result shifts everything after it). Where the demo's accuracy stand
 BENCHMARKS.md, "The reasoning task, seed by seed".
 
 The task generator for other stages (an RL stage, a benchmark): ``make_problems(n, seed, ...)``
-returns records of the math schema, optionally excluding given problems; ``harder(num_ops)`` is the
-harder split's operation count (one more than trained on), which a fine-tuned model leaves headroom
-on (``test_hard.jsonl``).
+returns records of the math schema, optionally excluding given problems (``make_conversations``: the
+same problems as SFT conversations); ``harder(num_ops)`` is the harder split's operation count (one
+more than trained on), which a fine-tuned model leaves headroom on (``test_hard.jsonl``).
 
 Files written by ``make_demo_data(out_dir)``:
 
@@ -64,6 +64,7 @@ __all__ = [
     "NUMBERS",
     "Problem",
     "harder",
+    "make_conversations",
     "make_demo_data",
     "make_problems",
     "random_problem",
@@ -291,14 +292,31 @@ def make_problems(
 
     ``num_ops=harder(num_ops)`` gives problems one operation longer than the training data's: the
     harder split, where a fine-tuned model has headroom (``test_hard.jsonl``)."""
+    problems = _problems_excluding(n, seed, max_operand, num_ops, exclude)
+    return [_test_record(p, i, prefix) for i, p in enumerate(problems)]
+
+
+def make_conversations(
+    n: int,
+    seed: int = 0,
+    max_operand: int = 9,
+    num_ops: tuple[int, int] = (2, 2),
+    exclude: Iterable[str] = (),
+) -> list[dict[str, Any]]:
+    """``n`` distinct problems as SFT conversations (``sft_train.jsonl``'s records: system prompt,
+    question, worked answer), none whose question is in ``exclude``; e.g. harder-split conversations
+    to mix into an SFT (``demo --rl``'s start)."""
+    return [_conversation(p) for p in _problems_excluding(n, seed, max_operand, num_ops, exclude)]
+
+
+def _problems_excluding(
+    n: int, seed: int, max_operand: int, num_ops: tuple[int, int], exclude: Iterable[str]
+) -> list[Problem]:
     _check(max_operand, num_ops)
     rng = random.Random(seed)
     texts = set(exclude)
     skip = {p for p in _all_problems(max_operand, num_ops) if problem_text(p) in texts} if texts else set()
-    return [
-        _test_record(p, i, prefix)
-        for i, p in enumerate(_distinct_problems(rng, n, max_operand, num_ops, skip))
-    ]
+    return _distinct_problems(rng, n, max_operand, num_ops, skip)
 
 
 def _all_problems(max_operand: int, num_ops: tuple[int, int]) -> set[Problem]:

@@ -1,12 +1,17 @@
-"""`infir2 demo --rl`: the demo's SFT model through RL, FP8 rollouts + FP8 training beside the BF16 pair.
+"""`infir2 demo --rl`: RL on the demo's harder split, FP8 rollouts + FP8 training beside the BF16 pair.
 
-The question an RL stage must answer first: does it learn, and does FP8 learn as well as BF16? From the
-demo's baseline SFT model at seed 0 (``OUT/runs/bf16/s0/sft/hf``: reused when ``infir2 demo`` already
-wrote it into ``--out``, else trained here with the demo's own settings), per RL seed and precision pair
+The question an RL stage must answer first: does it learn, and does FP8 learn as well as BF16? The start
+(``start_model``) is an SFT of the demo's baseline CPT model at seed 0 on the demo's SFT conversations
+plus ``start_hard`` (120) of the harder split (``demo.data.harder``: three operations, one more than
+the demo's SFT has), none of them held out. The demo's own SFT model solves its two-operation problems
+(99% greedy) and almost none of the harder split, and neither leaves RL anything it can raise in tens of
+steps; the mixed SFT left a model that solves about half of the harder problems greedily and a third
+by sampling (BENCHMARKS.md: the start moves with the CPU), wrong at its most likely answer on the rest. From it, per RL seed and precision pair
 ``ROLLOUT:TRAINING`` (``fp8:blockwise``: FP8 rollouts from the FP8 export's weights, bf16 base dtype,
 and FP8 blockwise training; ``high:bf16``: the high-precision pair), one ``infir2 rl`` run
-(``OUT/rl/runs/<pair>-s<seed>``) with the collapse guard on (``rl/guard.py``: held-out accuracy before
-step 1 and every ``eval_every`` steps, KL to the start model every step). Then:
+(``OUT/rl/runs/<pair>-s<seed>``) on harder-split prompts with the collapse guard on (``rl/guard.py``:
+held-out accuracy before step 1 and every ``eval_every`` steps, KL to the start model every step).
+Then:
 
 * ``OUT/rl/rl.png``: per pair, the rollout reward and the held-out accuracy over the steps (each seed
   thin, the mean thick) and the rollout/trainer mismatch (mean |dlogp| per step);
@@ -15,14 +20,13 @@ step 1 and every ``eval_every`` steps, KL to the start model every step). Then:
   paired by RL seed) and the FP8 pair against the BF16 pair after RL (paired by RL seed);
 * ``OUT/rl/results.json``: every run's curves and the verdicts.
 
-The demo's default SFT saturates its two-operation test problems (99% greedy) and fails the harder split
-(``demo.data.harder``: one operation more than SFT saw), so RL trains on, and is measured on, a mix:
-half harder-split problems, half two-operation ones (``split``; the held-out problems and the RL prompts
-are generated apart, none shared). Held-out accuracy is avg@8 at the rollout temperature
-(``train.eval_samples``: 8 samples per problem, the same seeds at every evaluation), the quantity RL
-raises; greedy accuracy hides a sampled accuracy that falls (at lr 3e-4 it did, by 3 points). It is
-measured by the RL run's own engine: for the FP8 pair the FP8 export as deployed, for the BF16 pair the
-high-precision model. The start is one model, so the intervals cover the RL seeds' spread only.
+Held-out accuracy is avg@8 at the rollout temperature (``train.eval_samples``: 8 samples per problem,
+the same seeds at every evaluation) on harder-split problems generated apart from the prompts, the
+quantity RL raises; greedy accuracy hides a sampled accuracy that falls (at lr 3e-4 it did, by 3
+points). It is measured by the RL run's own engine: for the FP8 pair the FP8 export as deployed, for
+the BF16 pair the high-precision model. The start is one model, so the intervals cover the RL seeds'
+spread only. ``split`` (``two-op``, ``mixed``) and ``start_hard=0`` (the demo's own SFT model, reused
+from OUT) give the earlier studies' settings (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import json
 import logging
 import multiprocessing
 import os
+import random
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
@@ -38,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from ..paired import paired_gaps, paired_verdict
-from .data import harder, make_problems
+from .data import harder, make_conversations, make_problems
 from .results import FULL, QUICK, DemoSettings
 from .summary import METRICS
 from .workers import die_with_parent, start_worker
@@ -60,16 +65,19 @@ class RLStudy:
     # the start's SFT length and peak lr; None: the demo's own (its baseline SFT is then reused when present)
     start_epochs: int | None = None
     start_lr: float | None = None
-    steps: int = 20
+    # harder-split conversations mixed into the start's SFT (none of the held-out problems): SFT then
+    # leaves the model partly able on that split, wrong at its most likely answer on some problems
+    start_hard: int = 120
+    steps: int = 40
     lr: float = 1e-4  # 3e-4 lowered the held-out avg@8 by 3 points (BF16 pair, 8 seeds)
     temperature: float = 1.0
-    prompts_per_step: int = 8  # groups trained on per step (rollout.prompts_per_step)
+    prompts_per_step: int = 16  # groups trained on per step (rollout.prompts_per_step)
     group_size: int = 8
     max_rounds: int = 2  # generation rounds of oversample x prompts_per_step prompts (dynamic sampling)
     oversample: int = 2  # prompts drawn per round, as a multiple of prompts_per_step
     base_dtype: str = "bf16"  # rollout.base_dtype of the fp8 pair (fp32: it quantizes as the trainer does)
     # hard: RL on (and measured on) the harder split; two-op: the SFT's own kind; mixed: half of each
-    split: str = "mixed"
+    split: str = "hard"
     n_prompts: int = 1000  # RL prompts
     n_val: int = 100  # held-out problems
     eval_every: int = 10
@@ -79,8 +87,16 @@ class RLStudy:
 
 
 STUDY = RLStudy()
-QUICK_STUDY = RLStudy(
-    seeds=(0, 1), steps=2, prompts_per_step=2, group_size=4, n_prompts=16, n_val=8, eval_every=1
+QUICK_STUDY = RLStudy(  # the quick demo's own SFT as the start
+    seeds=(0, 1),
+    start_hard=0,
+    split="mixed",
+    steps=2,
+    prompts_per_step=2,
+    group_size=4,
+    n_prompts=16,
+    n_val=8,
+    eval_every=1,
 )
 
 
@@ -118,11 +134,14 @@ def _problems(out: Path, s: DemoSettings, study: RLStudy) -> tuple[Path, Path]:
 
 def start_model(out: Path, s: DemoSettings, study: RLStudy) -> Path:
     """The start: the demo's baseline SFT export at ``study.sft_seed``, reused from ``out`` or trained
-    (CPT + SFT); with ``study.start_epochs`` / ``start_lr``, an SFT of that length and lr from the
-    baseline's CPT (reused, or trained first) in ``OUT/runs/bf16/s<seed>/sft-<epochs>ep-lr<lr>``."""
+    (CPT + SFT); with ``study.start_epochs`` / ``start_lr`` / ``start_hard``, an SFT of that length and
+    lr, on the demo's conversations plus ``start_hard`` of the harder split, from the baseline's CPT
+    (reused, or trained first) in ``OUT/runs/bf16/s<seed>/sft-<epochs>ep-lr<lr>[-hard<n>]``."""
     seed = study.sft_seed
     own = replace(s, sft_epochs=study.start_epochs or s.sft_epochs, sft_lr=study.start_lr or s.sft_lr)
-    stage = "sft" if own == s else f"sft-{own.sft_epochs}ep-lr{own.sft_lr:g}"
+    demo_own = own == s and not study.start_hard
+    stage = "sft" if demo_own else f"sft-{own.sft_epochs}ep-lr{own.sft_lr:g}"
+    stage += f"-hard{study.start_hard}" if study.start_hard else ""
     hf = out / "runs" / "bf16" / f"s{seed}" / stage / "hf"
     if (hf / "config.json").is_file():
         log.info("demo --rl: starting from %s (reused)", hf)
@@ -131,14 +150,30 @@ def start_model(out: Path, s: DemoSettings, study: RLStudy) -> Path:
 
     log.info("demo --rl: training the start (the baseline's CPT + SFT at seed %d) in %s", seed, out)
     data, tokenizer = prepare_data(out, s)
-    if own == s:
+    if demo_own:
         run_recipe("bf16", seed, out, s, data, tokenizer, progress=False)
         return hf
     cpt = out / "runs" / "bf16" / f"s{seed}" / "cpt" / "hf"
     if not (cpt / "config.json").is_file():  # the CPT alone: the baseline's SFT is not needed
         train_cpt(s, out, "bf16", seed, tokenizer)
+    if study.start_hard:
+        data = dict(data, sft_train=_with_hard(out, s, study, data["sft_train"]))
     train_sft(own, out, "bf16", seed, cpt, data, tokenizer, stage)
     return hf
+
+
+def _with_hard(out: Path, s: DemoSettings, study: RLStudy, sft: Path) -> Path:
+    """``OUT/data/sft_train_hard<n>.jsonl``: the demo's SFT conversations and ``study.start_hard`` of the
+    harder split (none of the study's held-out problems), shuffled together."""
+    held_out = [json.loads(x)["problem"] for x in _problems(out, s, study)[1].read_text().splitlines()]
+    hard = make_conversations(
+        study.start_hard, s.data_seed + 4, s.max_operand, harder(s.num_ops), exclude=held_out
+    )
+    lines = sft.read_text(encoding="utf-8").splitlines() + [json.dumps(c) for c in hard]
+    random.Random(s.data_seed + 5).shuffle(lines)
+    path = out / "data" / f"sft_train_hard{study.start_hard}.jsonl"
+    path.write_text("".join(f"{x}\n" for x in lines), encoding="utf-8")
+    return path
 
 
 def _config(
