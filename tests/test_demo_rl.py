@@ -139,6 +139,14 @@ def test_a_start_with_harder_conversations_mixed_in_trains_on_them_and_never_on_
             value = value + int(b) if op == "+" else value - int(b)
         assert m[2]["content"].endswith(f"\\boxed{{{value}}}.")
     assert not (out / "runs" / "bf16" / "s0" / "sft").exists()
+    assert start_model(out, QUICK, study) == hf  # reused: its SFT saw none of the held-out problems
+    # a reused start whose SFT saw a problem this study holds out is refused, naming the file
+    lines[0] = json.dumps(
+        {"messages": [{"role": "user", "content": ""}, {"role": "user", "content": sorted(held_out)[0]}]}
+    )
+    mixed.write_text("".join(x + "\n" for x in lines))
+    with pytest.raises(ValueError, match=r"sft_train_hard12\.jsonl: the reused start's SFT has 1 of"):
+        start_model(out, QUICK, study)
 
 
 def test_weight_views_measure_how_much_of_a_move_survives_rounding(tmp_path):

@@ -6,8 +6,8 @@ plus ``start_hard`` (120) of the harder split (``demo.data.harder``: three opera
 the demo's SFT has), none of them held out. The demo's own SFT model solves its two-operation problems
 (99% greedy) and almost none of the harder split, and neither leaves RL anything it can raise in tens of
 steps; the mixed SFT left a model that solves about half of the harder problems greedily and a third
-by sampling (BENCHMARKS.md: the start moves with the CPU), wrong at its most likely answer on the rest. From it, per RL seed and precision pair
-``ROLLOUT:TRAINING`` (``fp8:blockwise``: FP8 rollouts from the FP8 export's weights, bf16 base dtype,
+by sampling (BENCHMARKS.md: the start moves with the CPU), wrong at its most likely answer on the
+rest. From it, per RL seed and precision pair ``ROLLOUT:TRAINING`` (``fp8:blockwise``: FP8 rollouts from the FP8 export's weights, bf16 base dtype,
 and FP8 blockwise training; ``high:bf16``: the high-precision pair), one ``infir2 rl`` run
 (``OUT/rl/runs/<pair>-s<seed>``) on harder-split prompts with the collapse guard on (``rl/guard.py``:
 held-out accuracy before step 1 and every ``eval_every`` steps, KL to the start model every step).
@@ -145,6 +145,8 @@ def start_model(out: Path, s: DemoSettings, study: RLStudy) -> Path:
     hf = out / "runs" / "bf16" / f"s{seed}" / stage / "hf"
     if (hf / "config.json").is_file():
         log.info("demo --rl: starting from %s (reused)", hf)
+        if study.start_hard:
+            _check_not_held_out(out, s, study)
         return hf
     from .pipeline import prepare_data, run_recipe, train_cpt, train_sft
 
@@ -160,6 +162,20 @@ def start_model(out: Path, s: DemoSettings, study: RLStudy) -> Path:
         data = dict(data, sft_train=_with_hard(out, s, study, data["sft_train"]))
     train_sft(own, out, "bf16", seed, cpt, data, tokenizer, stage)
     return hf
+
+
+def _check_not_held_out(out: Path, s: DemoSettings, study: RLStudy) -> None:
+    """A reused mixed start was trained excluding the held-out problems of the study that made it; refuse
+    it when this study holds out a problem its SFT saw (another ``n_val`` or ``split``)."""
+    path = out / "data" / f"sft_train_hard{study.start_hard}.jsonl"
+    held_out = {json.loads(x)["problem"] for x in _problems(out, s, study)[1].read_text().splitlines()}
+    seen = [json.loads(x)["messages"][1]["content"] for x in path.read_text(encoding="utf-8").splitlines()]
+    leaked = sorted(held_out.intersection(seen))
+    if leaked:
+        raise ValueError(
+            f"{path}: the reused start's SFT has {len(leaked)} of this study's held-out problems (first: "
+            f"{leaked[0]!r}); it was trained for another held-out set (n_val, split): use a new --out"
+        )
 
 
 def _with_hard(out: Path, s: DemoSettings, study: RLStudy, sft: Path) -> Path:
