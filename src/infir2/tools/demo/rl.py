@@ -164,13 +164,21 @@ def start_model(out: Path, s: DemoSettings, study: RLStudy) -> Path:
     return hf
 
 
+def _held_out(out: Path, s: DemoSettings, study: RLStudy) -> set[str]:
+    """The study's held-out problems (``OUT/rl/val.jsonl``, written by ``_problems``)."""
+    return {json.loads(x)["problem"] for x in _problems(out, s, study)[1].read_text().splitlines()}
+
+
+def _mixed_sft_path(out: Path, study: RLStudy) -> Path:
+    return out / "data" / f"sft_train_hard{study.start_hard}.jsonl"
+
+
 def _check_not_held_out(out: Path, s: DemoSettings, study: RLStudy) -> None:
     """A reused mixed start was trained excluding the held-out problems of the study that made it; refuse
     it when this study holds out a problem its SFT saw (another ``n_val`` or ``split``)."""
-    path = out / "data" / f"sft_train_hard{study.start_hard}.jsonl"
-    held_out = {json.loads(x)["problem"] for x in _problems(out, s, study)[1].read_text().splitlines()}
+    path = _mixed_sft_path(out, study)
     seen = [json.loads(x)["messages"][1]["content"] for x in path.read_text(encoding="utf-8").splitlines()]
-    leaked = sorted(held_out.intersection(seen))
+    leaked = sorted(_held_out(out, s, study).intersection(seen))
     if leaked:
         raise ValueError(
             f"{path}: the reused start's SFT has {len(leaked)} of this study's held-out problems (first: "
@@ -181,13 +189,12 @@ def _check_not_held_out(out: Path, s: DemoSettings, study: RLStudy) -> None:
 def _with_hard(out: Path, s: DemoSettings, study: RLStudy, sft: Path) -> Path:
     """``OUT/data/sft_train_hard<n>.jsonl``: the demo's SFT conversations and ``study.start_hard`` of the
     harder split (none of the study's held-out problems), shuffled together."""
-    held_out = [json.loads(x)["problem"] for x in _problems(out, s, study)[1].read_text().splitlines()]
     hard = make_conversations(
-        study.start_hard, s.data_seed + 4, s.max_operand, harder(s.num_ops), exclude=held_out
+        study.start_hard, s.data_seed + 4, s.max_operand, harder(s.num_ops), exclude=_held_out(out, s, study)
     )
     lines = sft.read_text(encoding="utf-8").splitlines() + [json.dumps(c) for c in hard]
     random.Random(s.data_seed + 5).shuffle(lines)
-    path = out / "data" / f"sft_train_hard{study.start_hard}.jsonl"
+    path = _mixed_sft_path(out, study)
     path.write_text("".join(f"{x}\n" for x in lines), encoding="utf-8")
     return path
 
