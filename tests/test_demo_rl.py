@@ -40,8 +40,15 @@ def test_demo_rl_reuses_the_demos_sft_model_and_writes_figure_and_verdict(tmp_pa
     first = record["verdicts"][0]
     assert first["what"] == "fp8:blockwise: RL - SFT start"
     assert first["label"] == paired_verdict(gains, 3.0, True).label and first["n"] == 2
+    rows = {v["what"]: v for v in record["verdicts"]}
     diff = [100 * (fp8[s]["val"][-1][1] - bf16[s]["val"][-1][1]) for s in (0, 1)]
-    assert record["verdicts"][-1]["mean"] == pytest.approx(sum(diff) / 2)
+    assert rows["fp8:blockwise - high:bf16 after RL"]["mean"] == pytest.approx(sum(diff) / 2)
+    bf16_gains = [100 * (bf16[s]["val"][-1][1] - bf16[s]["val"][0][1]) for s in (0, 1)]
+    gain_diff = [a - b for a, b in zip(gains, bf16_gains, strict=True)]
+    row = rows["fp8:blockwise - high:bf16, gain over the start"]
+    assert row["mean"] == pytest.approx(sum(gain_diff) / 2)
+    assert row["label"] == paired_verdict(gain_diff, 3.0, True).label
+    assert len(rows) == len(record["verdicts"]) == 4
     for r in record["runs"]:  # the projections' views of RL's move (weight_views' own test: below)
         assert set(r["weight_views"]) == {
             "fp8_changed",

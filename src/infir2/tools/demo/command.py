@@ -43,7 +43,7 @@ Examples:
   infir2 demo --update-readme README.md --out runs/demo  # README's demo table from results.json
   infir2 demo --data-only --out runs/tiny   # only tokenizer + CPT shards + SFT files: what the
                                             # tiny configs (src/infir2/configs/tiny-*.yaml) read
-  infir2 demo --rl --out runs/demo  # RL on the harder split: FP8 pair vs BF16 pair over 8 RL seeds
+  infir2 demo --rl --out runs/demo  # RL on the harder split: FP8 pair vs BF16 pair over 16 RL seeds
                                     # (demo/rl.py; --seeds are then the RL seeds)
 """
 
@@ -102,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="RL on the harder split (three operations) from an SFT of the demo's CPT model (seed 0 "
         "in OUT, reused or trained) on its SFT conversations plus 120 of the harder split: "
-        "fp8:blockwise beside high:bf16 over RL seeds (--seeds; default 0-7), OUT/rl/rl.png and the "
+        "fp8:blockwise beside high:bf16 over RL seeds (--seeds; default 0-15), OUT/rl/rl.png and the "
         "verdict (README: the time it takes)",
     )
     parser.add_argument(
