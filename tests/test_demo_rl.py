@@ -12,7 +12,7 @@ from conftest import make_tiny_model
 from infir2.cli import main
 from infir2.tools.demo.data import harder
 from infir2.tools.demo.pipeline import QUICK, prepare_data
-from infir2.tools.demo.rl import QUICK_STUDY, _problems, start_model, weight_views
+from infir2.tools.demo.rl import QUICK_STUDY, _every_run, _problems, start_model, weight_views
 from infir2.tools.paired import paired_verdict
 
 
@@ -68,6 +68,28 @@ def test_demo_rl_reuses_the_demos_sft_model_and_writes_figure_and_verdict(tmp_pa
 def test_demo_rl_refuses_flags_it_does_not_use(tmp_path, capsys):
     assert main(["demo", "--rl", "--report-only", "--out", str(tmp_path)]) == 2
     assert "--rl" in capsys.readouterr().err
+
+
+def test_a_failed_rl_run_lets_the_others_finish_then_is_named_and_raised(tmp_path, caplog):
+    keys = [("fp8:blockwise", 0), ("high:bf16", 0), ("fp8:blockwise", 1), ("high:bf16", 1)]
+    configs = {k: {"run": {"name": f"{k[0]}-s{k[1]}", "out_dir": str(tmp_path)}} for k in keys}
+    ran = []
+
+    def run(key):
+        ran.append(key)
+        if key[1] == 0 and key[0] == "high:bf16":
+            raise ValueError("loss is not finite at step 7")
+        return {"val": [(0, 0.5)]}
+
+    assert _every_run({k: lambda k=k: run(k) for k in keys[:1] + keys[2:]}, configs) == {
+        k: {"val": [(0, 0.5)]} for k in keys[:1] + keys[2:]
+    }
+    ran.clear()
+    with pytest.raises(ValueError, match="loss is not finite at step 7"), caplog.at_level("ERROR"):
+        _every_run({k: lambda k=k: run(k) for k in keys}, configs)
+    assert ran == keys  # the runs after the failed one ran too
+    assert str(tmp_path / "high:bf16-s0") in caplog.text and "1 of 4 RL runs failed" in caplog.text
+    assert "fp8:blockwise-s1" not in caplog.text.split("failed (")[1]  # only the failed run is named
 
 
 def _ops(problem: str) -> int:

@@ -39,8 +39,10 @@ import multiprocessing
 import os
 import random
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -388,7 +390,7 @@ def run_rl_study(
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            runs = {k: _one_run(configs[k]) for k in keys}
+            runs = _every_run({k: partial(_one_run, configs[k]) for k in keys}, configs)
         finally:
             torch.set_num_threads(before)
     else:
@@ -397,7 +399,7 @@ def run_rl_study(
             jobs, mp_context=context, initializer=die_with_parent, initargs=(os.getpid(),)
         ) as pool:
             futures = {k: pool.submit(_worker_run, configs[k], threads) for k in keys}
-            runs = {k: f.result() for k, f in futures.items()}
+            runs = _every_run({k: f.result for k, f in futures.items()}, configs)
     verdicts = study_verdicts(runs, study.pairs)
     record = {
         "study": asdict(study),
@@ -410,6 +412,35 @@ def run_rl_study(
     rl_figure(record, out / "rl" / "rl.png")
     print(_report(record))
     return record
+
+
+def _every_run(
+    results: dict[tuple[str, int], Callable[[], dict[str, Any]]], configs: dict[tuple[str, int], dict]
+) -> dict[tuple[str, int], dict[str, Any]]:
+    """Each run's result (``results[key]()``: the run itself, or its future's ``result``), all of them
+    before any failure is raised: a run that fails leaves the others to finish (each writes its own
+    folder, and a rerun of the study reads the finished ones back, ``_one_run``). Every failed run is
+    logged by name and folder; then the first failure is raised."""
+    runs: dict[tuple[str, int], dict[str, Any]] = {}
+    failed: dict[tuple[str, int], Exception] = {}
+    for key, result in results.items():
+        try:
+            runs[key] = result()
+        except Exception as e:
+            failed[key] = e
+            log.error("demo --rl: run %s failed: %s: %s", configs[key]["run"]["name"], type(e).__name__, e)
+    if failed:
+        names = ", ".join(str(Path(configs[k]["run"]["out_dir"]) / configs[k]["run"]["name"]) for k in failed)
+        log.error(
+            "demo --rl: %d of %d RL runs failed (%s). The %d others are finished and kept: the same command "
+            "again reads them back and retries the failed ones.",
+            len(failed),
+            len(results),
+            names,
+            len(runs),
+        )
+        raise next(iter(failed.values()))
+    return runs
 
 
 def _report(record: dict[str, Any]) -> str:
