@@ -36,7 +36,6 @@ code of the real tokens is the same; the padded rows are sliced off the output.
 from __future__ import annotations
 
 import weakref
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -47,15 +46,9 @@ from ..fp8.formats import BLOCK
 from ..fp8.recipe import Fp8Recipe
 from ..kernels import Kernels, Nvfp4Operand, Operand, scaled_mm
 from .fsdp import Fp8GatheredWeight
-from .module import Fp8Module, Recorder, accumulation_dtype
+from .module import Fp8Module, Recorder, accumulation_dtype, no_autocast
 
 __all__ = ["Fp8Linear"]
-
-
-def _no_autocast(device: torch.device) -> AbstractContextManager[Any]:
-    if torch.is_autocast_enabled(device.type):
-        return torch.autocast(device.type, enabled=False)
-    return nullcontext()
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
@@ -72,7 +65,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         stats: Recorder | None = None,
         w_dgrad_t: Operand | None = None,
     ) -> torch.Tensor:
-        with _no_autocast(x.device):
+        with no_autocast(x.device):
             if x_ops is None:
                 x_ops = kernels.quantize_pair(x, recipe.x, recipe.x_wgrad)  # [T,K] fprop copy and wgrad copy
             xq, x_wgrad = x_ops
@@ -116,7 +109,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         saved = ctx.saved_tensors  # read once: activation checkpointing unpacks each saved tensor once
         x_saved, (weight, *w_saved) = saved[: ctx.n_x_saved], saved[ctx.n_x_saved :]
         dx = dw = db = None
-        with _no_autocast(dy.device):
+        with no_autocast(dy.device):
             need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
             if need_dx and need_dw:  # dY [T,N]: dgrad copy and wgrad copy, one read where fused
                 dyq, dy_w = kernels.quantize_pair(dy, recipe.dy, recipe.dy_wgrad)
@@ -206,7 +199,7 @@ class _InputCache:
             self._ref, self._version, self._ops = weakref.ref(original), original._version, {}
         key = (recipe.x, recipe.x_wgrad, kernels.name, x2d.dtype, tuple(x2d.shape))
         if key not in self._ops:
-            with torch.no_grad(), _no_autocast(x2d.device):
+            with torch.no_grad(), no_autocast(x2d.device):
                 # [T,K] fprop copy and wgrad copy, from one read where the backend fuses them
                 self._ops[key] = kernels.quantize_pair(x2d, recipe.x, recipe.x_wgrad)
         return self._ops[key]

@@ -23,7 +23,7 @@ import torch
 from ...fp8.recipe import Fp8Recipe
 from ...kernels import Kernels, Operand
 from ...kernels.grouped import gemm_nt_grouped, group_bounds, quantize_pair_groups
-from ..module import Recorder, accumulation_dtype
+from ..module import Recorder, accumulation_dtype, no_autocast
 from .telemetry import ExpertsProbe
 
 __all__ = ["fp8_grouped_linear"]
@@ -43,49 +43,53 @@ class _Fp8GroupedLinearFunction(torch.autograd.Function):
         w_ops: list[Operand],
         stats: Recorder | None = None,
     ) -> torch.Tensor:
-        bounds = group_bounds(counts)
-        x_ops = quantize_pair_groups(kernels, x, bounds, recipe.x, recipe.x_wgrad)  # per expert [S_e,K]
-        y = gemm_nt_grouped(
-            kernels, [o[0] if o else None for o in x_ops], w_ops, x.dtype, x
-        )  # [S,K] -> [S,N], per expert [S_e,K] @ [K,N], fp32 accumulate
-        ctx.probe = ExpertsProbe(stats, recipe, weight, bounds) if stats is not None else None
-        if ctx.probe is not None:  # telemetry on a stats step only: reads the operands, changes nothing
-            ctx.probe.forward(x, x_ops, w_ops, y)
-        saved = [t for o in x_ops if o is not None for t in (o[1].data, o[1].scale_inv)]
-        reuse = recipe.reuses_weight
-        ctx.w_kept = w_ops if reuse and all(w.keep_for_backward for w in w_ops) else None
-        w_saved = [t for w in w_ops for t in (w.data, w.scale_inv)] if reuse and ctx.w_kept is None else []
-        ctx.save_for_backward(weight, *saved, *w_saved)
-        ctx.n_x, ctx.bounds, ctx.recipe, ctx.kernels, ctx.x_dtype = (
-            len(saved),
-            bounds,
-            recipe,
-            kernels,
-            x.dtype,
-        )
-        return y
+        with no_autocast(x.device):  # the GEMMs as written (fp32 sums) under autocast too
+            bounds = group_bounds(counts)
+            x_ops = quantize_pair_groups(kernels, x, bounds, recipe.x, recipe.x_wgrad)  # per expert [S_e,K]
+            y = gemm_nt_grouped(
+                kernels, [o[0] if o else None for o in x_ops], w_ops, x.dtype, x
+            )  # [S,K] -> [S,N], per expert [S_e,K] @ [K,N], fp32 accumulate
+            ctx.probe = ExpertsProbe(stats, recipe, weight, bounds) if stats is not None else None
+            if ctx.probe is not None:  # telemetry on a stats step only: reads the operands, changes nothing
+                ctx.probe.forward(x, x_ops, w_ops, y)
+            saved = [t for o in x_ops if o is not None for t in (o[1].data, o[1].scale_inv)]
+            reuse = recipe.reuses_weight
+            ctx.w_kept = w_ops if reuse and all(w.keep_for_backward for w in w_ops) else None
+            w_saved = (
+                [t for w in w_ops for t in (w.data, w.scale_inv)] if reuse and ctx.w_kept is None else []
+            )
+            ctx.save_for_backward(weight, *saved, *w_saved)
+            ctx.n_x, ctx.bounds, ctx.recipe, ctx.kernels, ctx.x_dtype = (
+                len(saved),
+                bounds,
+                recipe,
+                kernels,
+                x.dtype,
+            )
+            return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        recipe: Fp8Recipe = ctx.recipe
-        kernels: Kernels = ctx.kernels
-        weight, *rest = ctx.saved_tensors
-        x_saved, w_saved = rest[: ctx.n_x], rest[ctx.n_x :]
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dy_ops = quantize_pair_groups(
-            kernels, dy, ctx.bounds, recipe.dy, recipe.dy_wgrad
-        )  # per expert [S_e,N]
-        dx = dw = w_dgrad = None
-        if need_dx:
-            w_dgrad = _dgrad_weights(ctx, weight, w_saved)
-            dx = gemm_nt_grouped(
-                kernels, [o[0] if o else None for o in dy_ops], [w.t() for w in w_dgrad], ctx.x_dtype, dy
-            )  # per expert [S_e,N] @ [N,K] -> [S_e,K], fp32 accumulate
-        if need_dw:
-            dw = _wgrad(kernels, recipe, weight, dy_ops, x_saved)
-        if ctx.probe is not None:
-            ctx.probe.backward(dy, dy_ops, w_dgrad, dx, dw)
-        return dx, dw, None, None, None, None, None
+        with no_autocast(dy.device):
+            recipe: Fp8Recipe = ctx.recipe
+            kernels: Kernels = ctx.kernels
+            weight, *rest = ctx.saved_tensors
+            x_saved, w_saved = rest[: ctx.n_x], rest[ctx.n_x :]
+            need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+            dy_ops = quantize_pair_groups(
+                kernels, dy, ctx.bounds, recipe.dy, recipe.dy_wgrad
+            )  # per expert [S_e,N]
+            dx = dw = w_dgrad = None
+            if need_dx:
+                w_dgrad = _dgrad_weights(ctx, weight, w_saved)
+                dx = gemm_nt_grouped(
+                    kernels, [o[0] if o else None for o in dy_ops], [w.t() for w in w_dgrad], ctx.x_dtype, dy
+                )  # per expert [S_e,N] @ [N,K] -> [S_e,K], fp32 accumulate
+            if need_dw:
+                dw = _wgrad(kernels, recipe, weight, dy_ops, x_saved)
+            if ctx.probe is not None:
+                ctx.probe.backward(dy, dy_ops, w_dgrad, dx, dw)
+            return dx, dw, None, None, None, None, None
 
 
 def _dgrad_weights(ctx: Any, weight: torch.Tensor, w_saved: list[torch.Tensor]) -> list[Operand]:
