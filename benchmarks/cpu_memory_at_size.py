@@ -2,9 +2,9 @@
 
 Each variant trains a few steps in its own subprocess (one high-water mark cannot hide another) on
 random tokens: a Qwen2 model of the 0.5B width (hidden 896, intermediate 4864, 14 / 2 heads, vocab
-151,936, tied embedding) with ``--layers`` decoder layers, fp32 masters, AdamW (fp32 moments), the
-SwiGLU recompute and the chunked loss as ``infir2 train`` runs them on a CPU (``model.precision:
-fp32``). It reports the peak RSS above the RSS before the model was built
+151,936, tied embedding) with ``--layers`` decoder layers, fp32 masters, AdamW (fp32 moments unless
+the variant says), the SwiGLU recompute and the chunked loss as ``infir2 train`` runs them on a CPU
+(``model.precision: fp32``). It reports the peak RSS above the RSS before the model was built
 (``resource.getrusage``), the mean step time after the first step, and the peak that
 ``infir2 plan --device cpu`` predicts for the same run, side by side:
 
@@ -14,6 +14,7 @@ fp32``). It reports the peak RSS above the RSS before the model was built
 * ``fp8-kept``   the same with the weight's dequantized fp32 copy kept all step beside its codes (the
                  CPU emulation before the change; ``fast_emulated.quantize_kept_operand`` for weights):
                  bit-identical losses, 4 more bytes per weight, one decode fewer per GEMM.
+* ``base-m8``, ``fp8-m8``  ``baseline``, ``fp8`` with FP8 AdamW moments (``optim.state_dtype: fp8``).
 
     python benchmarks/cpu_memory_at_size.py                       # 2 layers, seq 1024, 3 steps
     python benchmarks/cpu_memory_at_size.py --layers 4 --seq-len 512 --variants baseline,fp8
@@ -44,7 +45,14 @@ SHAPE = {
     "vocab_size": 151936,
     "tie_word_embeddings": True,
 }
-VARIANTS = {"baseline": "bf16", "fp8": "blockwise", "fp8-kept": "blockwise"}
+#: variant -> (recipe, optim keys)
+VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
+    "baseline": ("bf16", {}),
+    "fp8": ("blockwise", {}),
+    "fp8-kept": ("blockwise", {}),
+    "base-m8": ("bf16", {"state_dtype": "fp8"}),
+    "fp8-m8": ("blockwise", {"state_dtype": "fp8"}),
+}
 
 
 def rss_bytes() -> int:
@@ -70,8 +78,9 @@ def child(variant: str, layers: int, seq_len: int, steps: int) -> dict:
     start = rss_bytes()
     config = Qwen2Config(**SHAPE, num_hidden_layers=layers, max_position_embeddings=max(seq_len, 1024))
     torch.manual_seed(0)
-    model = prepare_for_training(Qwen2ForCausalLM(config), VARIANTS[variant])
-    optimizer = build_optimizer(model, OptimConfig(lr=1e-4))
+    recipe, optim = VARIANTS[variant]
+    model = prepare_for_training(Qwen2ForCausalLM(config), recipe)
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-4, **optim))  # type: ignore[arg-type]
     device = torch.device("cpu")
     times, losses = [], []
     for _ in range(steps):
@@ -89,13 +98,13 @@ def child(variant: str, layers: int, seq_len: int, steps: int) -> dict:
     return {"peak": peak - start, "step_s": sum(times[1:]) / max(len(times) - 1, 1), "losses": losses}
 
 
-def planned(recipe: str, layers: int, seq_len: int) -> float:
+def planned(variant: str, layers: int, seq_len: int) -> float:
     from infir2.tools.plan import ModelShape, plan
 
+    recipe, optim = VARIANTS[variant]
     config = {**SHAPE, "num_hidden_layers": layers}
-    return plan(
-        ModelShape.from_config(config, "0.5B width"), recipe, gpus=1, seq_len=seq_len, device="cpu"
-    ).peak
+    shape = ModelShape.from_config(config, "0.5B width")
+    return plan(shape, recipe, gpus=1, seq_len=seq_len, device="cpu", **optim).peak
 
 
 def _cpu() -> str:
@@ -132,7 +141,7 @@ def main() -> None:
         cmd += ["--layers", str(args.layers), "--seq-len", str(args.seq_len), "--steps", str(args.steps)]
         run = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
         r = results[variant] = json.loads(run.stdout.strip().splitlines()[-1])
-        plan_bytes = planned(VARIANTS[variant], args.layers, args.seq_len) if variant != "fp8-kept" else None
+        plan_bytes = planned(variant, args.layers, args.seq_len) if variant != "fp8-kept" else None
         shown = "-" if plan_bytes is None else f"{plan_bytes / GIB:.2f}"
         ratio = "-" if plan_bytes is None else f"{r['peak'] / plan_bytes:.3f}"
         losses = " ".join(f"{x:.6f}" for x in r["losses"])

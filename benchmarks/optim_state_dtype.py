@@ -1,67 +1,117 @@
-"""Tiny CPT run, AdamW moments in fp32 vs bf16 (``optim.state_dtype``), two seeds each.
+"""AdamW moments in fp32, bf16 and FP8 (``optim.state_dtype``, ``optim.fp8_*``): do the cheaper moments train
+as well? Two legs, each a paired comparison by seed against fp32 moments (``tools.paired``'s rule):
 
-The model is the tests' tiny Qwen2 (2 layers, hidden 128, vocab 300; ``tests/conftest.py``), the data
-the tests' synthetic arithmetic-progression source (``tests/train_synthetic.py``), the FP8 recipe
-blockwise, fp32 high precision (CPU). Prints each run's final loss and mean loss over the last 10
-steps, and whether the bf16-moment runs land within the fp32 runs' seed spread.
+* ``--leg text`` (the demo's real-text leg): the King James Bible, width 256, 4 layers, 64 steps at lr
+  1e-3, FP8 blockwise GEMMs, held-out loss per seed (``infir2 demo``'s settings; ``infir2 fidelity``'s
+  runs), margin +-1% as in the demo;
+* ``--leg long`` (a long run): the tests' tiny Qwen2 (2 layers, hidden 128, vocab 300) on their
+  synthetic source for ``--steps`` steps (default 500), FP8 blockwise, lr 3e-3; the mean training loss
+  of the last 50 steps per seed, margin +-1%.
 
-    PYTHONPATH=src python benchmarks/optim_state_dtype.py --steps 60
+Variants: ``fp32`` (the baseline), ``bf16``, ``fp8`` (E4M3 m, sqrt(v) in E4M3, block 128), ``fp8_e5m2``
+(v in E5M2), ``fp8_expand`` (COAT's range expansion); ``--variants`` picks. Prints the CPU, every run
+and the verdicts.
+
+    PYTHONPATH=src:tests OMP_NUM_THREADS=1 python benchmarks/optim_state_dtype.py --leg text --seeds 0,1,2
+    PYTHONPATH=src:tests OMP_NUM_THREADS=1 python benchmarks/optim_state_dtype.py --leg long --steps 500
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from conftest import make_tiny_model
-from infir2.train import train
-from train_synthetic import SyntheticSource, tiny_run_config
 
-LAST = 10
+from infir2.tools.paired import gap_pct, paired_verdict
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "fp32": {"state_dtype": "fp32"},
+    "bf16": {"state_dtype": "bf16"},
+    "fp8": {"state_dtype": "fp8"},
+    "fp8_e5m2": {"state_dtype": "fp8", "fp8_second_moment": "e5m2"},
+    "fp8_expand": {"state_dtype": "fp8", "fp8_range_expansion": True},
+}
+MARGIN = 1.0  # % of the loss
+LAST = 50
+
+
+def cpu() -> str:
+    """The CPU's model and the flags that change its arithmetic."""
+    text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if "Model name" in line), "?")
+    flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in text.split()]
+    return f"{model} ({', '.join(flags) or 'no avx2'})"
+
+
+def text_leg(variant: str, seed: int, out: Path) -> float:
+    """The demo's real-text run of FP8 blockwise with these moments: its held-out loss."""
+    from infir2.tools.bench.fidelity import prepare, run_one
+    from infir2.tools.demo.results import FULL
+    from infir2.tools.demo.text import text_settings
+
+    ts = replace(text_settings(FULL, ["blockwise"]), optim=tuple(VARIANTS[variant].items()))
+    folder = out / variant
+    tokenizer, _ = prepare(folder, ts)
+    return run_one(folder, ts, ts.widths[0], "blockwise", seed, tokenizer).val_loss
+
+
+def long_leg(variant: str, seed: int, out: Path, steps: int) -> float:
+    """The tiny model's long run with these moments: the mean training loss of its last steps."""
+    from conftest import make_tiny_model
+    from infir2.train import train
+    from train_synthetic import SyntheticSource, tiny_run_config
+
+    cfg = tiny_run_config(
+        out,
+        f"{variant}-{seed}",
+        run={"seed": seed},
+        optim={"lr": 3e-3, **VARIANTS[variant]},
+        train={"max_steps": steps, "log_every": steps},
+    )
+    r = train(cfg, model=make_tiny_model(seed=seed), train_source=SyntheticSource(seed=seed), progress=False)
+    losses = [m["loss"] for m in r.history]
+    return sum(losses[-LAST:]) / len(losses[-LAST:])
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--seeds", default="0,1")
+    p.add_argument("--leg", choices=("text", "long"), required=True)
+    p.add_argument("--steps", type=int, default=500, help="--leg long: optimizer steps per run")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--variants", default="fp32,fp8,fp8_e5m2,fp8_expand", help="fp32 first (the baseline)")
     args = p.parse_args()
     torch.set_num_threads(1)
     seeds = [int(s) for s in args.seeds.split(",")]
-    results: dict[tuple[str, int], tuple[float, float]] = {}
-    with tempfile.TemporaryDirectory() as out:
-        for dtype in ("fp32", "bf16"):
-            for seed in seeds:
-                cfg = tiny_run_config(
-                    out,
-                    f"{dtype}-{seed}",
-                    run={"seed": seed},
-                    optim={"lr": 3e-3, "state_dtype": dtype},
-                    train={"max_steps": args.steps},
-                )
-                r = train(
-                    cfg,
-                    model=make_tiny_model(seed=seed),
-                    train_source=SyntheticSource(seed=seed),
-                    progress=False,
-                )
-                losses = [m["loss"] for m in r.history]
-                results[dtype, seed] = (losses[-1], sum(losses[-LAST:]) / LAST)
-    print(f"tiny CPT, {args.steps} steps, blockwise FP8; loss: final | mean of last {LAST}")
-    for (dtype, seed), (final, mean) in results.items():
-        print(f"  moments {dtype:<5} seed {seed}: {final:.4f} | {mean:.4f}")
-    fp32 = [results["fp32", s][1] for s in seeds]
-    bf16 = [results["bf16", s][1] for s in seeds]
-    spread = max(fp32) - min(fp32)
-    gap = abs(sum(bf16) / len(bf16) - sum(fp32) / len(fp32))
-    print(
-        f"fp32 seed spread (last-{LAST} mean) {spread:.4f}; |mean bf16 - mean fp32| {gap:.4f}; "
-        f"within spread: {gap <= spread}"
-    )
+    variants = args.variants.split(",")
+    if variants[0] != "fp32" or any(v not in VARIANTS for v in variants):
+        p.error(f"--variants: fp32 first, then any of {', '.join(VARIANTS)}")
+    print(f"CPU: {cpu()}; torch {torch.__version__}")
+    loss: dict[tuple[str, int], float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in seeds:
+            for v in variants:
+                if args.leg == "text":
+                    loss[v, seed] = text_leg(v, seed, Path(tmp))
+                else:
+                    loss[v, seed] = long_leg(v, seed, Path(tmp), args.steps)
+                print(f"  {v:<11} seed {seed}: {loss[v, seed]:.4f}", flush=True)
+    what = "held-out loss" if args.leg == "text" else f"mean training loss of the last {LAST} steps"
+    print(f"{args.leg} leg, {what}, paired gap to fp32 moments in % (95% t-interval), margin +-{MARGIN}%:")
+    for v in variants[1:]:
+        gaps = [gap_pct(loss[v, s], loss["fp32", s]) for s in seeds]
+        verdict = paired_verdict(gaps, MARGIN, higher_is_better=False)
+        print(
+            f"  {v:<11} gaps {' / '.join(f'{g:+.2f}' for g in gaps)}: mean {verdict.mean:+.2f} "
+            f"[{verdict.low:+.2f}, {verdict.high:+.2f}] n={verdict.n}: {verdict.label}"
+        )
 
 
 if __name__ == "__main__":

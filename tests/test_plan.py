@@ -45,7 +45,7 @@ def _within(planned: float, measured: float, tol: float = 0.10) -> None:
     assert abs(planned / measured - 1) <= tol, (planned, measured)
 
 
-@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "fp8"])
 def test_states_match_the_tensors_after_one_step(state_dtype: str) -> None:
     model = make_tiny_model(hidden=128)
     shape = _shape(model)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,10 @@ import torch
 from torch import nn
 
 from conftest import make_tiny_model
-from infir2.checkpoint import load_checkpoint
+from infir2.checkpoint import load_checkpoint, load_sharded
+from infir2.harness.distributed import DistEnv
 from infir2.harness.guards import clip_grad_norm, grad_norm
+from infir2.model import prepare_for_training
 from infir2.train import train
 from train_synthetic import SyntheticSource, one_thread, torchrun
 from two_process_exact_worker import SOURCE, run_config
@@ -31,7 +34,10 @@ RECIPES = (
     "blockwise",
     "blockwise_hybrid",
     "nvfp4",
-)  # hybrid: E5M2 gradients; nvfp4: SR seeded per micro-batch
+    "blockwise@fp8_moments",
+    "blockwise@fp8_moments_dcp",
+)  # hybrid: E5M2 gradients; nvfp4: SR seeded per micro-batch; @fp8_moments: optim.state_dtype fp8 (_dcp: in
+# sharded checkpoints, one of which a single process resumes)
 
 
 def test_the_gradient_norm_is_exact_where_an_fp32_norm_is_not():
@@ -52,8 +58,8 @@ def test_the_gradient_norm_is_exact_where_an_fp32_norm_is_not():
 def test_two_processes_train_as_one_bit_for_bit_with_clipping(tmp_path):
     torchrun(TESTS / "two_process_exact_worker.py", tmp_path, *RECIPES, timeout=400)
     for recipe in RECIPES:
-        one = train(
-            run_config(str(tmp_path / "one"), recipe),
+        one = train(  # full checkpoints (the _dcp variant's are compared in _check_fp8_moments)
+            run_config(str(tmp_path / "one"), recipe.removesuffix("_dcp")),
             model=make_tiny_model(),
             train_source=SyntheticSource(**SOURCE),
             progress=False,
@@ -64,7 +70,44 @@ def test_two_processes_train_as_one_bit_for_bit_with_clipping(tmp_path):
         norms = [m["grad_norm"] for m in one.history]
         assert all(n > 0.05 for n in norms)  # every step was clipped
         assert [m["grad_norm"] for m in two] == pytest.approx(norms, rel=1e-13)  # float64 summation order
+        if "@fp8_moments" in recipe:
+            _check_fp8_moments(tmp_path, recipe, one)
+            if recipe.endswith("_dcp"):
+                continue
         a = load_checkpoint(one.checkpoint)["model"]
         b = load_checkpoint(two_dir / "checkpoints" / "step_00000004")["model"]
         for name, tensor in a.items():
             assert torch.equal(b[name], tensor), (recipe, name)
+
+
+def _check_fp8_moments(tmp_path: Path, recipe: str, one) -> None:
+    """The FP8 codes and scales of the 2-process run equal the 1-process run's; sharded ones resume in
+    one process (resharded) to the same weights."""
+    two_dir = tmp_path / f"two-{recipe}"
+    if not recipe.endswith("_dcp"):
+        states = [
+            load_checkpoint(c)["optimizer"]["state"]
+            for c in (one.checkpoint, two_dir / "checkpoints" / "step_00000004")
+        ]
+        assert any(t.dtype == torch.uint8 for s in states[0].values() for t in s.values())
+        for key, state in states[0].items():
+            assert all(torch.equal(t, states[1][key][k]) for k, t in state.items()), (recipe, key)
+        return
+    copy = tmp_path / "resharded"
+    shutil.copytree(two_dir, copy / f"two-{recipe}")
+    shutil.rmtree(copy / f"two-{recipe}" / "checkpoints" / "step_00000004")
+    (copy / f"two-{recipe}" / ".lock").unlink(missing_ok=True)
+    cont = train(
+        run_config(str(copy), recipe),
+        model=make_tiny_model(seed=7),
+        train_source=SyntheticSource(**SOURCE),
+        progress=False,
+    )
+    assert cont.resumed_from.name == "step_00000002" and [m["step"] for m in cont.history] == [3, 4]
+    assert [m["loss"] for m in cont.history] == [m["loss"] for m in one.history[2:]]
+    model = prepare_for_training(make_tiny_model(seed=3), "blockwise")
+    load_sharded(cont.checkpoint, model, None, DistEnv(0, 1, torch.device("cpu"), False))
+    reference, state = load_checkpoint(one.checkpoint)["model"], model.state_dict()
+    assert reference.keys() <= state.keys()  # a tied lm_head is stored once
+    for name, tensor in reference.items():
+        assert torch.equal(state[name], tensor), (recipe, name)

@@ -24,9 +24,23 @@ SOURCE = {"seed": 3, "global_batch_size": 4, "micro_batch_size": 2}
 CONFIG = {"optim": {"grad_clip": 0.05}, "train": {"max_steps": 4, "checkpoint_format": "full"}}
 
 
+#: runs named ``RECIPE@VARIANT``: the recipe with these keys more (FP8 AdamW moments; in sharded checkpoints)
+VARIANTS: dict[str, dict[str, dict]] = {
+    "fp8_moments": {"optim": {"state_dtype": "fp8"}},
+    "fp8_moments_dcp": {
+        "optim": {"state_dtype": "fp8"},
+        "train": {"checkpoint_format": "dcp", "save_every": 2},
+    },
+}
+
+
 def run_config(out_dir: str, recipe: str, steps: int = 4):
-    config = {**CONFIG, "train": {**CONFIG["train"], "max_steps": steps}}
-    return tiny_run_config(out_dir, f"two-{recipe}", fp8={"recipe": recipe}, **config)
+    """The run of ``recipe`` (``RECIPE@VARIANT``: with the keys of ``VARIANTS[VARIANT]``)."""
+    name, _, variant = recipe.partition("@")
+    more = VARIANTS.get(variant, {})
+    optim = {**CONFIG["optim"], **more.get("optim", {})}
+    train = {**CONFIG["train"], **more.get("train", {}), "max_steps": steps}
+    return tiny_run_config(out_dir, f"two-{recipe}", fp8={"recipe": name}, optim=optim, train=train)
 
 
 def model(width: int | None = None, layers: int = 2) -> torch.nn.Module:

@@ -150,12 +150,13 @@ def state_bytes(state: Any) -> int:
 
 def _moment_bytes(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> int:
     """An optimizer's state for ``p``: what it holds, or AdamW's before the first step (two moments in
-    the optimizer's ``state_dtype`` or ``p``'s dtype, and the fp32 step counter)."""
+    the optimizer's storage -- ``state_bytes`` -- or ``p``'s dtype, and the fp32 step counter)."""
     state = optimizer.state.get(p)
     if state:
         return state_bytes(state)
-    dtype = getattr(optimizer, "state_dtype", p.dtype)
-    return 2 * p.numel() * torch.empty((), dtype=dtype).element_size() + 4
+    if hasattr(optimizer, "state_bytes"):  # infir2's AdamWs: their storage (bf16, FP8 codes and scales)
+        return int(optimizer.state_bytes(p))
+    return 2 * p.numel() * p.element_size() + 4
 
 
 def save_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:

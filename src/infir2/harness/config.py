@@ -161,8 +161,19 @@ class OptimConfig:
     weight_decay: float = setting(0.1, "on >=2-D weights (incl. embeddings); never on norms or biases")
     grad_clip: float = setting(1.0, "max global grad norm; 0 = no clipping")
     fused: bool | None = setting(None, "AdamW implementation: null = fused on CUDA, foreach elsewhere")
-    state_dtype: Literal["fp32", "bf16"] = setting(
-        "fp32", "AdamW moments' storage (math is fp32): 16 vs 12 bytes per parameter"
+    state_dtype: Literal["fp32", "bf16", "fp8"] = setting(
+        "fp32",
+        "AdamW moments' storage (math is fp32): 16, 12 or ~10 bytes per parameter with the fp32 master "
+        "and gradient; fp8: block-scaled codes of >=2-D parameters' moments (optim.fp8_*)",
+    )
+    fp8_block: int = setting(128, "state_dtype fp8: elements of a row per fp32 scale of the moments")
+    fp8_second_moment: Literal["sqrt_e4m3", "e5m2"] = setting(
+        "sqrt_e4m3",
+        "state_dtype fp8: the second moment v stored as E4M3 codes of sqrt(v) (on the first moment's "
+        "scale) or as E5M2 codes of v",
+    )
+    fp8_range_expansion: bool = setting(
+        False, "state_dtype fp8: COAT's dynamic range expansion (a per-block exponent before rounding)"
     )
 
 
@@ -296,6 +307,7 @@ def _check_optim(o: OptimConfig, source: str) -> None:
     for i, beta in enumerate(o.betas):
         if not 0 <= beta < 1:
             raise config_error(source, f"optim.betas[{i}]", f"must be in [0, 1), got {beta}")
+    check_positive(source, "optim.fp8_block", o.fp8_block)
 
 
 def _check_run(r: RunSection, source: str) -> None:

@@ -5,9 +5,10 @@ more dimensions decays -- projections, ``lm_head`` and the token embedding; one-
 parameters -- RMSNorm weights and biases -- never do. Master weights are fp32; the two AdamW moments
 are fp32 (``optim.state_dtype: fp32``, torch's AdamW: 4 + 4 + 4 + 4 = 16 bytes per parameter with the
 gradient) or bf16 (``optim.state_dtype: bf16``, ``LowPrecisionAdamW``, as Megatron's
-``--exp-avg-dtype/--exp-avg-sq-dtype bf16``: 12 bytes per parameter). The bf16 moments are only
-storage: each step upcasts them to fp32, runs the same AdamW math as torch in fp32, and rounds the new
-moments back (round-to-nearest-even); the update itself never sees a bf16 value.
+``--exp-avg-dtype/--exp-avg-sq-dtype bf16``: 12 bytes per parameter) or FP8 (``optim.state_dtype: fp8``,
+``Fp8AdamW``: block-scaled E4M3 / E5M2 codes, ``infir2.fp8.moments``; about 10.06 bytes per parameter).
+Low-precision moments are only storage: each step reads them back to fp32, runs the same AdamW math as
+torch in fp32, and rounds the new moments back; the update itself never sees a rounded new moment.
 
 Schedules map ``step`` (0-based index of the optimizer step about to be taken) to a learning rate;
 nothing is stored, so a resumed or decay-only run just evaluates the function at its step:
@@ -34,10 +35,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from ..fp8.formats import BLOCK
+from ..fp8.moments import SECOND_MOMENT_FORMATS, MomentCodes, dequantize_moment, quantize_moment
 from .config import OptimConfig, ScheduleConfig
 
-__all__ = ["LowPrecisionAdamW", "Schedule", "build_optimizer", "make_schedule", "param_groups"]
+__all__ = ["Fp8AdamW", "LowPrecisionAdamW", "Schedule", "build_optimizer", "make_schedule", "param_groups"]
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -103,15 +107,25 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
                 state = self._moments(p)
                 state["step"] += 1
                 t = float(state["step"])
-                g = p.grad.float()
-                m = state["exp_avg"].float().lerp_(g, 1 - beta1)
-                v = state["exp_avg_sq"].float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                p.mul_(1 - lr * wd)
+                g = _local(p.grad).float()
+                m, v = self._read(state)
+                m.lerp_(g, 1 - beta1)
+                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                w = _local(p)  # a shard's own elements (FSDP2): the update is elementwise
+                w.mul_(1 - lr * wd)
                 denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
-                p.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
-                state["exp_avg"].copy_(m)
-                state["exp_avg_sq"].copy_(v)
+                w.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
+                self._write(state, m, v)
         return loss
+
+    def _read(self, state: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The moments as new fp32 tensors (this process's shard)."""
+        return _local(state["exp_avg"]).float(), _local(state["exp_avg_sq"]).float()
+
+    def _write(self, state: dict[str, Any], m: torch.Tensor, v: torch.Tensor) -> None:
+        """Round the new fp32 moments into their storage."""
+        _local(state["exp_avg"]).copy_(m)
+        _local(state["exp_avg_sq"]).copy_(v)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's loader casts moments to the parameter dtype (fp32); store them back in ``state_dtype``."""
@@ -121,6 +135,139 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
                 if key in state:
                     state[key] = state[key].to(self.state_dtype)
 
+    def state_bytes(self, p: torch.Tensor) -> int:
+        """The bytes of ``p``'s state once it is made (two moments and the fp32 step counter)."""
+        return 2 * p.numel() * torch.empty((), dtype=self.state_dtype).element_size() + 4
+
+
+class Fp8AdamW(LowPrecisionAdamW):
+    """AdamW with block-scaled FP8 moments (``optim.state_dtype: fp8``; the rule: ``infir2.fp8.moments``).
+
+    Each step reads the stored moments back to fp32, runs ``LowPrecisionAdamW``'s fp32 update with the
+    new gradient, and stores the new moments again: the update never sees a rounded *new* moment, only
+    the rounding of the ones carried from earlier steps. Parameters of two or more dimensions keep
+    ``exp_avg`` (E4M3) and ``exp_avg_sq`` (``second_moment``: E5M2, or E4M3 of its square root) as
+    uint8 codes of the parameter's shape, with fp32 ``*_scale`` tensors (one per ``block`` elements of
+    a row) and, with ``expand``, ``*_exponent`` (COAT's per-block exponent); 1-D parameters (norms,
+    biases: a few thousandths of a model) keep fp32 moments. Per >=2-D parameter ``2 + 8 / block``
+    bytes (``+ 8 / block`` with ``expand``): 2.0625 at the default block of 128, against 8 (fp32).
+    Under FSDP2 every tensor of a parameter's state is a DTensor sharded by rows like the parameter.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        block: int = BLOCK,
+        second_moment: str = "sqrt_e4m3",
+        expand: bool = False,
+    ) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, state_dtype=torch.float32)
+        if second_moment not in SECOND_MOMENT_FORMATS:
+            raise ValueError(f"second_moment: expected one of {SECOND_MOMENT_FORMATS}, got {second_moment!r}")
+        if block < 1:
+            raise ValueError(f"block: expected a positive number of elements, got {block}")
+        self.block, self.second_moment, self.expand = block, second_moment, expand
+
+    def _kinds(self) -> dict[str, str]:
+        return {"exp_avg": "m", "exp_avg_sq": self.second_moment}
+
+    def _moments(self, p: torch.Tensor) -> dict[str, Any]:
+        state = self.state[p]
+        if state or p.dim() < 2:
+            return super()._moments(p)
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        blocks = -(-p.shape[-1] // self.block)
+        for key in self._kinds():
+            state[key] = torch.zeros_like(p, dtype=torch.uint8, memory_format=torch.contiguous_format)
+            state[f"{key}_scale"] = _like_rows(p, blocks, 1.0)
+            if self.expand:
+                state[f"{key}_exponent"] = _like_rows(p, blocks, 1.0)
+        return state
+
+    def _stored(self, state: dict[str, Any], key: str) -> MomentCodes:
+        exponent = state.get(f"{key}_exponent")
+        return MomentCodes(
+            _local(state[key]),
+            _local(state[f"{key}_scale"]),
+            None if exponent is None else _local(exponent),
+        )
+
+    def _read(self, state: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        if state["exp_avg"].dtype != torch.uint8:  # a 1-D parameter's fp32 moments
+            return super()._read(state)
+        m, v = (
+            dequantize_moment(self._stored(state, k), kind, self.block) for k, kind in self._kinds().items()
+        )
+        return m, v
+
+    def _write(self, state: dict[str, Any], m: torch.Tensor, v: torch.Tensor) -> None:
+        if state["exp_avg"].dtype != torch.uint8:
+            return super()._write(state, m, v)
+        for (key, kind), value in zip(self._kinds().items(), (m, v), strict=True):
+            new, old = quantize_moment(value, kind, self.block, self.expand), self._stored(state, key)
+            old.codes.copy_(new.codes)
+            old.scale_inv.copy_(new.scale_inv)
+            if old.exponent is not None and new.exponent is not None:
+                old.exponent.copy_(new.exponent)
+        return None
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Codes load as uint8 as they are (torch's loader would cast them to the parameter's fp32, four
+        times their bytes, all at once); moments saved in fp32 or bf16 are stored as FP8 codes."""
+        codes: dict[tuple[Any, str], torch.Tensor] = {}
+        state = {pid: dict(s) for pid, s in state_dict["state"].items()}
+        for pid, s in state.items():
+            for key in [k for k, v in s.items() if isinstance(v, torch.Tensor) and v.dtype == torch.uint8]:
+                codes[pid, key] = s.pop(key)
+        torch.optim.Optimizer.load_state_dict(self, {**state_dict, "state": state})
+        saved_ids = (pid for g in state_dict["param_groups"] for pid in g["params"])
+        params = (p for g in self.param_groups for p in g["params"])
+        for pid, p in zip(saved_ids, params, strict=True):
+            for (owner, key), value in codes.items():
+                if owner == pid:
+                    self.state[p][key] = value.to(p.device)
+            self._store_as_fp8(p)
+
+    def _store_as_fp8(self, p: torch.Tensor) -> None:
+        """A >=2-D parameter's moments loaded from fp32 / bf16 storage (another ``state_dtype``), as codes."""
+        state = self.state.get(p)
+        if p.dim() < 2 or not state or state["exp_avg"].dtype == torch.uint8:
+            return
+        m, v, step = _local(state["exp_avg"]).float(), _local(state["exp_avg_sq"]).float(), state["step"]
+        state.clear()
+        self._moments(p)["step"] = step
+        self._write(self.state[p], m, v)
+
+    def state_bytes(self, p: torch.Tensor) -> int:
+        if p.dim() < 2:
+            return super().state_bytes(p)
+        rows = p.numel() // p.shape[-1]
+        per_moment = p.numel() + rows * -(-p.shape[-1] // self.block) * 4 * (2 if self.expand else 1)
+        return 2 * per_moment + 4
+
+
+def _like_rows(p: torch.Tensor, blocks: int, fill: float) -> torch.Tensor:
+    """An fp32 ``[*p.shape[:-1], blocks]`` tensor of ``fill``; a DTensor sharded like ``p`` when ``p`` is one
+    (FSDP2 shards leading dimensions, so each rank holds its rows' blocks)."""
+    if not isinstance(p, DTensor):
+        return torch.full((*p.shape[:-1], blocks), fill, dtype=torch.float32, device=p.device)
+    if any(getattr(pl, "dim", None) in (-1, p.dim() - 1) for pl in p.placements):
+        raise ValueError("FP8 moments: a parameter sharded along its last dimension is not supported")
+    local = p.to_local()
+    full = torch.full((*local.shape[:-1], blocks), fill, dtype=torch.float32, device=local.device)
+    shape = torch.Size((*p.shape[:-1], blocks))
+    stride = torch.empty(shape, device="meta").stride()  # contiguous
+    return DTensor.from_local(full, p.device_mesh, p.placements, run_check=False, shape=shape, stride=stride)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This process's shard of an FSDP2 (DTensor) tensor, sharing its storage; a plain tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
 
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -128,9 +275,20 @@ STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     """AdamW over fp32 master weights; fused on CUDA unless ``cfg.fused`` says otherwise.
 
-    ``cfg.state_dtype == "bf16"``: ``LowPrecisionAdamW`` (bf16 moments; ``fused`` does not apply).
+    ``cfg.state_dtype == "bf16"``: ``LowPrecisionAdamW`` (bf16 moments); ``"fp8"``: ``Fp8AdamW`` (FP8
+    codes and block scales, ``cfg.fp8_*``). ``fused`` applies to neither.
     """
     device = next(model.parameters()).device
+    if cfg.state_dtype == "fp8":
+        return Fp8AdamW(
+            param_groups(model, cfg.weight_decay),
+            lr=cfg.lr,
+            betas=cfg.betas,
+            eps=cfg.eps,
+            block=cfg.fp8_block,
+            second_moment=cfg.fp8_second_moment,
+            expand=cfg.fp8_range_expansion,
+        )
     if cfg.state_dtype != "fp32":
         return LowPrecisionAdamW(
             param_groups(model, cfg.weight_decay),

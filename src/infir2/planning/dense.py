@@ -1,7 +1,8 @@
 """The training step's terms, per GPU (or per CPU process): ``plan(shape, recipe, **settings)``.
 
 * parameters   fp32 masters, FSDP-sharded: ``4 P / gpus``; gradients the same
-* optimizer    AdamW moments: ``8 P / gpus`` (``state_dtype="fp32"``) or ``4 P / gpus`` (``bf16``)
+* optimizer    AdamW moments: ``8 P / gpus`` (``state_dtype="fp32"``), ``4 P / gpus`` (``bf16``) or about
+               ``2.06 P / gpus`` (``fp8``; ``planning.optimizer``)
 * gathered     FSDP2 working copies (gpus > 1): the root module's parameters plus two decoder layers
                (the current one and the prefetched next), and their unsharded gradients
 * weight copies what each layer's GEMMs keep for backward (``layer.layer_figures``)
@@ -9,7 +10,7 @@
                layer's fp32 input plus one layer's full set; plus the final norm and the context term
 * logits       plain loss: the fp32 log-softmax (4 T V) and, in backward, its and the logits' gradients
                (8 T V); chunked: two ``[chunk, V]`` fp32 blocks
-* optimizer step  AdamW's temporaries during its step, when the activations are gone
+* optimizer step  AdamW's temporaries during its step, when the activations are gone (``planning.optimizer``)
 * all-gather   bytes each GPU receives per optimizer step; reduce-scatter of fp32 gradients
 """
 
@@ -23,6 +24,7 @@ from ..loss.scorer import chunk_tokens_for
 from .context import gathered_kv_bytes
 from .inputs import BF16_BYTES, FP32_BYTES, PlanInputs
 from .layer import layer_figures
+from .optimizer import moment_bytes, optimizer_step_bytes
 from .quantized import layer_weight_bytes
 from .shape import ModelShape
 
@@ -92,7 +94,7 @@ def plan_step(shape: ModelShape, run: PlanInputs) -> Plan:
     return Plan(
         parameters=FP32_BYTES * p * shard,
         gradients=FP32_BYTES * p * shard,
-        optimizer=(2 * FP32_BYTES if run.state_dtype == "fp32" else 2 * BF16_BYTES) * p * shard,
+        optimizer=moment_bytes(shape, run) * shard,
         gathered=gathered,
         weight_copies=weight_copies,
         activations=_activations(shape, run, per_token),
@@ -100,7 +102,7 @@ def plan_step(shape: ModelShape, run: PlanInputs) -> Plan:
         logits_backward=backward,
         all_gather=gather * micro_steps,
         reduce_scatter=FP32_BYTES * p * (1 - shard) * micro_steps,
-        optimizer_step=_optimizer_step_bytes(shape, run.state_dtype, run.cpu) * shard,
+        optimizer_step=optimizer_step_bytes(shape, run) * shard,
     )
 
 
@@ -148,13 +150,3 @@ def _weights(shape: ModelShape, run: PlanInputs, weight_copy: int) -> tuple[floa
     gather = (2 * shape.layers * layer_wire + shape.root_params * wire) * (1 - shard)
     gathered = 2 * working * (1 - shard) if distributed else 0.0  # the weights and their gradients
     return gathered, copied_layers * weight_copy + head_copy, gather
-
-
-def _optimizer_step_bytes(shape: ModelShape, state_dtype: str, cpu: bool) -> float:
-    """AdamW's temporaries in its step: fp32 moments on a CPU run torch's foreach AdamW, whose step
-    makes an fp32 tensor per parameter at once (``sqrt(v)``: 4 bytes per parameter); on CUDA the fused
-    one makes none. bf16 moments (``LowPrecisionAdamW``) go parameter by parameter: three fp32
-    copies of the largest (the embedding)."""
-    if state_dtype != "fp32":
-        return 3 * FP32_BYTES * shape.vocab * shape.hidden
-    return FP32_BYTES * shape.params if cpu else 0.0

@@ -26,7 +26,8 @@ class PlanInputs:
     micro_batch: int = 1
     global_batch: int | None = None
     activation_checkpointing: bool = False
-    state_dtype: str = "fp32"
+    state_dtype: str = "fp32"  # AdamW's moments: fp32, bf16 or fp8 (``planning.optimizer``)
+    state_block: int = 128  # fp8 moments: elements of a row per scale
     loss_chunk_tokens: int | str = "auto"
     recompute_mlp: bool = True
     precision: str = "bf16"
@@ -37,6 +38,8 @@ class PlanInputs:
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
             raise ValueError(f"device: expected one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.state_dtype not in ("fp32", "bf16", "fp8"):
+            raise ValueError(f"state_dtype: expected fp32, bf16 or fp8, got {self.state_dtype!r}")
         if self.context < 1 or self.gpus % self.context:
             raise ValueError(
                 f"context: {self.context} must be >= 1 and divide gpus={self.gpus} (the GPUs are data x context)"

@@ -154,6 +154,17 @@ class ModelShape:
         return attention + mlp
 
     @property
+    def vector_params(self) -> int:
+        """One-dimensional parameters of the whole model: RMSNorm weights, q / k / v biases."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        per_layer = (
+            2 * self.hidden
+            + (q + 2 * kv if self.qkv_bias else 0)
+            + (2 * self.head_dim if self.qk_norm else 0)
+        )
+        return self.layers * per_layer + self.hidden  # and the final norm
+
+    @property
     def root_params(self) -> int:
         return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden  # embed (+ lm_head), norm
 

@@ -9,7 +9,8 @@ recipe side by side, next to InfiR2's published FP8/BF16 peak-memory ratios wher
 
 * parameters   fp32 masters, FSDP-sharded: ``4 P / gpus``
 * gradients    fp32, sharded: ``4 P / gpus``
-* optimizer    AdamW moments: ``8 P / gpus`` (``--state-dtype fp32``) or ``4 P / gpus`` (``bf16``)
+* optimizer    AdamW moments: ``8 P / gpus`` (``--state-dtype fp32``), ``4 P / gpus`` (``bf16``) or
+               ``~2.06 P / gpus`` (``fp8``: codes and a scale per 128 elements of a row)
 * gathered     FSDP2 working copies (only with gpus > 1): the root module's parameters (embedding,
                final norm, lm_head; the root is not resharded after forward) plus two decoder layers
                (the current one and the prefetched next), and their unsharded gradients
@@ -114,6 +115,7 @@ from ..planning import (
     rl_fit,
     unmodelled,
 )
+from ..planning.optimizer import STATE_DTYPES
 from .memory import add_run_arguments
 
 # the planner's names, where the tools, tests and benchmarks have imported them (``infir2.planning``)
@@ -165,7 +167,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--recipe", default="blockwise", help=f"FP8 recipe: {', '.join(RECIPES)}")
     parser.add_argument("--activation-checkpointing", action="store_true")
-    parser.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32", help="AdamW moments")
+    parser.add_argument(
+        "--state-dtype",
+        choices=STATE_DTYPES,
+        default="fp32",
+        help="AdamW moments' storage (optim.state_dtype): fp32, bf16, or fp8 codes with block scales",
+    )
     parser.add_argument(
         "--loss-chunk-tokens", default="auto", help="auto | 0 (plain loss) | tokens per chunk"
     )

@@ -10,7 +10,7 @@ docs/RECIPE.md section 2, can be written down)::
     fp8:      recipe (a name in infir2.fp8.RECIPES: bf16, blockwise, ...), backend, param_gather, stats_every
     data:     kind (cpt|sft), train_path, val_path, seq_len, global_batch_size, micro_batch_size,
               max_tokens_per_micro_batch, max_length, overlong (truncate|drop), epochs, shuffle, seed
-    optim:    lr, betas, eps, weight_decay, grad_clip, fused, state_dtype (fp32|bf16)
+    optim:    lr, betas, eps, weight_decay, grad_clip, fused, state_dtype (fp32|bf16|fp8), fp8_block, fp8_second_moment, fp8_range_expansion
     schedule: name (wsd|cosine|constant), warmup_steps | warmup_fraction, decay_steps | decay_fraction,
               decay_style (cosine|linear), min_lr | min_lr_ratio
     train:    max_steps, save_every, keep_last, log_every, eval_every, max_skipped_in_row (the keys of

@@ -103,6 +103,7 @@ class FidelitySettings:
     eval_every: int = 0  # also evaluate every this many steps (the held-out curve); 0: the last step only
     eval_from: int = 0  # ... from this step on (0: from the start)
     max_chars: int | None = None  # keep only the first chapters up to this many characters
+    optim: tuple[tuple[str, Any], ...] = ()  # more optim keys for every run, e.g. (("state_dtype", "fp8"),)
 
 
 FULL = FidelitySettings()
@@ -201,7 +202,7 @@ def _run_config(
         "model": {"from_config": model, "tokenizer": str(out / "tokenizer"), "precision": "fp32"},
         "fp8": fp8_section(recipe),
         "data": cpt_data_section(out / "tokens", s.seq_len, s.batch),
-        "optim": {"lr": s.lr, "weight_decay": 0.1, "grad_clip": 1.0},
+        "optim": {"lr": s.lr, "weight_decay": 0.1, "grad_clip": 1.0, **dict(s.optim)},
         "schedule": {"name": "wsd", "warmup_fraction": 0.05, "decay_fraction": 0.2, "min_lr_ratio": 0.1},
         "train": {
             "max_steps": s.steps,

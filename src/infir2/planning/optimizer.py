@@ -1,0 +1,45 @@
+"""The optimizer's terms: AdamW's moments per GPU and the temporaries of its step (``optim.state_dtype``).
+
+* ``fp32``  torch's AdamW: two fp32 moments, 8 bytes per parameter;
+* ``bf16``  ``LowPrecisionAdamW``: two bf16 moments, 4 bytes per parameter;
+* ``fp8``   ``Fp8AdamW``: per parameter of two or more dimensions two 1-byte codes and, per ``block``
+            elements of a row, one fp32 scale per moment (``2 + 8 / block`` bytes: 2.0625 at 128; the
+            rows of every shipped shape are whole blocks); 1-D parameters (norms, biases) keep fp32
+            moments (8 bytes).
+
+The step's temporaries, when the activations are gone: torch's foreach AdamW on a CPU makes an fp32
+tensor per parameter at once (``sqrt(v)``: 4 bytes per parameter), the fused one on CUDA none;
+``LowPrecisionAdamW`` and ``Fp8AdamW`` go parameter by parameter, so their temporaries are fp32 copies of
+the largest parameter (the embedding): ``STEP_COPIES`` of them, measured by
+``benchmarks/optimizer_step_memory.py``.
+"""
+
+from __future__ import annotations
+
+from .inputs import BF16_BYTES, FP32_BYTES, PlanInputs
+from .shape import ModelShape
+
+__all__ = ["STATE_DTYPES", "STEP_COPIES", "moment_bytes", "optimizer_step_bytes"]
+
+STATE_DTYPES = ("fp32", "bf16", "fp8")
+#: fp32 copies of the largest parameter alive at once in a parameter-by-parameter step (bf16: the
+#: moments read back, the denominator; fp8: those and the quantizer's)
+STEP_COPIES = {"bf16": 3, "fp8": 3}
+
+
+def moment_bytes(shape: ModelShape, run: PlanInputs) -> float:
+    """Both moments of the whole model (not yet divided over the GPUs)."""
+    if run.state_dtype == "fp32":
+        return 2 * FP32_BYTES * shape.params
+    if run.state_dtype == "bf16":
+        return 2 * BF16_BYTES * shape.params
+    vectors = shape.vector_params
+    matrices = shape.params - vectors
+    return matrices * (2 + 2 * FP32_BYTES / run.state_block) + 2 * FP32_BYTES * vectors
+
+
+def optimizer_step_bytes(shape: ModelShape, run: PlanInputs) -> float:
+    """The step's temporaries on one GPU (module doc); not yet divided over the GPUs."""
+    if run.state_dtype == "fp32":
+        return FP32_BYTES * shape.params if run.cpu else 0.0
+    return STEP_COPIES[run.state_dtype] * FP32_BYTES * shape.vocab * shape.hidden
