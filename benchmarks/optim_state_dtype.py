@@ -1,5 +1,6 @@
-"""AdamW moments in fp32, bf16 and FP8 (``optim.state_dtype``, ``optim.fp8_*``): do the cheaper moments train
-as well? Two legs, each a paired comparison by seed against fp32 moments (``tools.paired``'s rule):
+"""AdamW moments in fp32, bf16 and FP8 (``optim.state_dtype``, ``optim.fp8_*``) and bf16 gradients
+(``optim.grad_dtype``): does the cheaper storage train as well? Two legs, each a paired comparison by
+seed against fp32 moments and gradients (``tools.paired``'s rule):
 
 * ``--leg text`` (the demo's real-text leg): the King James Bible, width 256, 4 layers, 64 steps at lr
   1e-3, FP8 blockwise GEMMs, held-out loss per seed (``infir2 demo``'s settings; ``infir2 fidelity``'s
@@ -9,7 +10,8 @@ as well? Two legs, each a paired comparison by seed against fp32 moments (``tool
   of the last 50 steps per seed, margin +-1%.
 
 Variants: ``fp32`` (the baseline), ``bf16``, ``fp8`` (E4M3 m, sqrt(v) in E4M3, block 128), ``fp8_e5m2``
-(v in E5M2), ``fp8_expand`` (COAT's range expansion); ``--variants`` picks. Prints the CPU, every run
+(v in E5M2), ``fp8_expand`` (COAT's range expansion), ``bf16_grads`` (``optim.grad_dtype: bf16``, fp32
+moments), ``fp8_bf16_grads`` (both); ``--variants`` picks. Prints the CPU, every run
 and the verdicts.
 
     PYTHONPATH=src:tests OMP_NUM_THREADS=1 python benchmarks/optim_state_dtype.py --leg text --seeds 0,1,2
@@ -38,6 +40,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fp8": {"state_dtype": "fp8"},
     "fp8_e5m2": {"state_dtype": "fp8", "fp8_second_moment": "e5m2"},
     "fp8_expand": {"state_dtype": "fp8", "fp8_range_expansion": True},
+    "bf16_grads": {"grad_dtype": "bf16"},
+    "fp8_bf16_grads": {"state_dtype": "fp8", "grad_dtype": "bf16"},
 }
 MARGIN = 1.0  # % of the loss
 LAST = 50

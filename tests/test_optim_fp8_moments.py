@@ -208,6 +208,7 @@ train(cfg, model=make_tiny_model(), train_source=KillAfter(seed=1), progress=Fal
     [
         {"state_dtype": "fp8"},
         {"state_dtype": "fp8", "fp8_second_moment": "e5m2", "fp8_range_expansion": True, "fp8_block": 32},
+        {"state_dtype": "fp8", "grad_dtype": "bf16"},
     ],
 )
 def test_fp8_moments_resume_identically_after_kill_9(tmp_path, optim) -> None:

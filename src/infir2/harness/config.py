@@ -166,6 +166,11 @@ class OptimConfig:
         "AdamW moments' storage (math is fp32): 16, 12 or ~10 bytes per parameter with the fp32 master "
         "and gradient; fp8: block-scaled codes of >=2-D parameters' moments (optim.fp8_*)",
     )
+    grad_dtype: Literal["fp32", "bf16"] = setting(
+        "fp32",
+        "gradients' storage: fp32 (autograd's), or bf16 kept per parameter as soon as autograd has it "
+        "(2 bytes per parameter instead of 4; micro-batches summed in fp32; one process only)",
+    )
     fp8_block: int = setting(128, "state_dtype fp8: elements of a row per fp32 scale of the moments")
     fp8_second_moment: Literal["sqrt_e4m3", "e5m2"] = setting(
         "sqrt_e4m3",

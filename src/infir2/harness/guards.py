@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .grads import grad_of
+
 __all__ = ["NonFiniteError", "SpikeRule", "StepGuard", "clip_grad_norm", "grad_norm"]
 
 
@@ -59,7 +61,7 @@ def _sum_of_squares(values: torch.Tensor) -> torch.Tensor:
 
 def grad_norm(model: nn.Module) -> float:
     """The global L2 norm of ``model``'s gradients: float64 sums of squares, over every shard."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grads = [g for g in map(grad_of, model.parameters()) if g is not None]
     if not grads:
         return 0.0
     locals_ = [_local(g) for g in grads]
@@ -82,9 +84,9 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     norm = grad_norm(model)
     coef = max_norm / (norm + 1e-6)
     if max_norm > 0 and coef < 1 and math.isfinite(norm):
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(coef)
+        for g in map(grad_of, model.parameters()):
+            if g is not None:
+                g.mul_(coef)
     return norm
 
 

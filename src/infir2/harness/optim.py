@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 from ..fp8.formats import BLOCK
 from ..fp8.moments import SECOND_MOMENT_FORMATS, MomentCodes, dequantize_moment, quantize_moment
 from .config import OptimConfig, ScheduleConfig
+from .grads import drop_grads, grad_of, keep_bf16_grads
 
 __all__ = ["Fp8AdamW", "LowPrecisionAdamW", "Schedule", "build_optimizer", "make_schedule", "param_groups"]
 
@@ -102,12 +103,13 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
-                if p.grad is None:
+                grad = grad_of(p)  # autograd's fp32 gradient, or the bf16 one (optim.grad_dtype)
+                if grad is None:
                     continue
                 state = self._moments(p)
                 state["step"] += 1
                 t = float(state["step"])
-                g = _local(p.grad).float()
+                g = _local(grad).float()
                 m, v = self._read(state)
                 m.lerp_(g, 1 - beta1)
                 v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
@@ -117,6 +119,11 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
                 w.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
                 self._write(state, m, v)
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Free the gradients, the bf16 ones of ``optim.grad_dtype: bf16`` too."""
+        super().zero_grad(set_to_none)
+        drop_grads(p for group in self.param_groups for p in group["params"])
 
     def _read(self, state: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """The moments as new fp32 tensors (this process's shard)."""
@@ -276,9 +283,13 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     """AdamW over fp32 master weights; fused on CUDA unless ``cfg.fused`` says otherwise.
 
     ``cfg.state_dtype == "bf16"``: ``LowPrecisionAdamW`` (bf16 moments); ``"fp8"``: ``Fp8AdamW`` (FP8
-    codes and block scales, ``cfg.fp8_*``). ``fused`` applies to neither.
+    codes and block scales, ``cfg.fp8_*``). ``fused`` applies to neither. ``cfg.grad_dtype == "bf16"``:
+    ``model``'s gradients are kept in bf16 (``harness.grads``), read by ``LowPrecisionAdamW`` (fp32
+    moments too) or ``Fp8AdamW``.
     """
     device = next(model.parameters()).device
+    if cfg.grad_dtype == "bf16":
+        keep_bf16_grads(model)  # torch's AdamW reads only p.grad: fp32 moments below are LowPrecisionAdamW's
     if cfg.state_dtype == "fp8":
         return Fp8AdamW(
             param_groups(model, cfg.weight_decay),
@@ -289,7 +300,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
             second_moment=cfg.fp8_second_moment,
             expand=cfg.fp8_range_expansion,
         )
-    if cfg.state_dtype != "fp32":
+    if cfg.state_dtype != "fp32" or cfg.grad_dtype != "fp32":
         return LowPrecisionAdamW(
             param_groups(model, cfg.weight_decay),
             lr=cfg.lr,

@@ -1,6 +1,7 @@
 """The training step's terms, per GPU (or per CPU process): ``plan(shape, recipe, **settings)``.
 
-* parameters   fp32 masters, FSDP-sharded: ``4 P / gpus``; gradients the same
+* parameters   fp32 masters, FSDP-sharded: ``4 P / gpus``; gradients the same (bf16 on one GPU:
+               ``2 P`` and the largest parameter's fp32 gradient; ``planning.optimizer``)
 * optimizer    AdamW moments: ``8 P / gpus`` (``state_dtype="fp32"``), ``4 P / gpus`` (``bf16``) or about
                ``2.06 P / gpus`` (``fp8``; ``planning.optimizer``)
 * gathered     FSDP2 working copies (gpus > 1): the root module's parameters plus two decoder layers
@@ -24,7 +25,7 @@ from ..loss.scorer import chunk_tokens_for
 from .context import gathered_kv_bytes
 from .inputs import BF16_BYTES, FP32_BYTES, PlanInputs
 from .layer import layer_figures
-from .optimizer import moment_bytes, optimizer_step_bytes
+from .optimizer import gradient_bytes, moment_bytes, optimizer_step_bytes
 from .quantized import layer_weight_bytes
 from .shape import ModelShape
 
@@ -93,7 +94,7 @@ def plan_step(shape: ModelShape, run: PlanInputs) -> Plan:
     micro_steps = max((run.global_batch or run.micro_batch * run.data) // (run.micro_batch * run.data), 1)
     return Plan(
         parameters=FP32_BYTES * p * shard,
-        gradients=FP32_BYTES * p * shard,
+        gradients=gradient_bytes(shape, run) * shard,
         optimizer=moment_bytes(shape, run) * shard,
         gathered=gathered,
         weight_copies=weight_copies,

@@ -28,6 +28,7 @@ class PlanInputs:
     activation_checkpointing: bool = False
     state_dtype: str = "fp32"  # AdamW's moments: fp32, bf16 or fp8 (``planning.optimizer``)
     state_block: int = 128  # fp8 moments: elements of a row per scale
+    grad_dtype: str = "fp32"  # gradients' storage: fp32, or bf16 (one process; ``planning.optimizer``)
     loss_chunk_tokens: int | str = "auto"
     recompute_mlp: bool = True
     precision: str = "bf16"
@@ -40,6 +41,8 @@ class PlanInputs:
             raise ValueError(f"device: expected one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.state_dtype not in ("fp32", "bf16", "fp8"):
             raise ValueError(f"state_dtype: expected fp32, bf16 or fp8, got {self.state_dtype!r}")
+        if self.grad_dtype not in ("fp32", "bf16") or (self.grad_dtype == "bf16" and self.gpus > 1):
+            raise ValueError(f"grad_dtype: fp32, or bf16 on one GPU; got {self.grad_dtype!r} on {self.gpus}")
         if self.context < 1 or self.gpus % self.context:
             raise ValueError(
                 f"context: {self.context} must be >= 1 and divide gpus={self.gpus} (the GPUs are data x context)"

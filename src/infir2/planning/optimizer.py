@@ -7,6 +7,9 @@
             rows of every shipped shape are whole blocks); 1-D parameters (norms, biases) keep fp32
             moments (8 bytes).
 
+Gradients (``optim.grad_dtype``): fp32, 4 bytes per parameter; bf16 (``harness.grads``: one process),
+2 bytes per parameter and, while autograd hands one over, the largest parameter's fp32 gradient.
+
 The step's temporaries, when the activations are gone: torch's foreach AdamW on a CPU makes an fp32
 tensor per parameter at once (``sqrt(v)``: 4 bytes per parameter), the fused one on CUDA none;
 ``LowPrecisionAdamW`` and ``Fp8AdamW`` go parameter by parameter, so their temporaries are fp32 copies of
@@ -19,9 +22,17 @@ from __future__ import annotations
 from .inputs import BF16_BYTES, FP32_BYTES, PlanInputs
 from .shape import ModelShape
 
-__all__ = ["STATE_DTYPES", "STEP_COPIES", "moment_bytes", "optimizer_step_bytes"]
+__all__ = [
+    "GRAD_DTYPES",
+    "STATE_DTYPES",
+    "STEP_COPIES",
+    "gradient_bytes",
+    "moment_bytes",
+    "optimizer_step_bytes",
+]
 
 STATE_DTYPES = ("fp32", "bf16", "fp8")
+GRAD_DTYPES = ("fp32", "bf16")
 #: fp32 copies of the largest parameter alive at once in a parameter-by-parameter step (bf16: the
 #: moments read back, the denominator; fp8: those and the quantizer's)
 STEP_COPIES = {"bf16": 3, "fp8": 3}
@@ -42,4 +53,11 @@ def optimizer_step_bytes(shape: ModelShape, run: PlanInputs) -> float:
     """The step's temporaries on one GPU (module doc); not yet divided over the GPUs."""
     if run.state_dtype == "fp32":
         return FP32_BYTES * shape.params if run.cpu else 0.0
-    return STEP_COPIES[run.state_dtype] * FP32_BYTES * shape.vocab * shape.hidden
+    return STEP_COPIES[run.state_dtype] * FP32_BYTES * shape.largest_param
+
+
+def gradient_bytes(shape: ModelShape, run: PlanInputs) -> float:
+    """The gradients of the whole model at the peak of backward (not yet divided over the GPUs)."""
+    if run.grad_dtype == "fp32":
+        return FP32_BYTES * shape.params
+    return BF16_BYTES * shape.params + FP32_BYTES * shape.largest_param

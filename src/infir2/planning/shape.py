@@ -154,6 +154,11 @@ class ModelShape:
         return attention + mlp
 
     @property
+    def largest_param(self) -> int:
+        """Elements of the largest parameter: the embedding, or a projection wider than it."""
+        return max(self.vocab * self.hidden, *(n * k for n, k, _ in self.projection_matrices))
+
+    @property
     def vector_params(self) -> int:
         """One-dimensional parameters of the whole model: RMSNorm weights, q / k / v biases."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim

@@ -115,7 +115,7 @@ from ..planning import (
     rl_fit,
     unmodelled,
 )
-from ..planning.optimizer import STATE_DTYPES
+from ..planning.optimizer import GRAD_DTYPES, STATE_DTYPES
 from .memory import add_run_arguments
 
 # the planner's names, where the tools, tests and benchmarks have imported them (``infir2.planning``)
@@ -172,6 +172,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=STATE_DTYPES,
         default="fp32",
         help="AdamW moments' storage (optim.state_dtype): fp32, bf16, or fp8 codes with block scales",
+    )
+    parser.add_argument(
+        "--grad-dtype",
+        choices=GRAD_DTYPES,
+        default="fp32",
+        help="gradients' storage (optim.grad_dtype): fp32, or bf16 (one GPU)",
     )
     parser.add_argument(
         "--loss-chunk-tokens", default="auto", help="auto | 0 (plain loss) | tokens per chunk"
@@ -258,6 +264,11 @@ def _inputs(args: argparse.Namespace) -> PlanInputs:
         if getattr(args, key) <= 0:
             raise ValueError(f"--{key.replace('_', '-')}: must be > 0, got {getattr(args, key)}")
     check_context(args.context, args.gpus, args.seq_len)
+    if args.grad_dtype == "bf16" and args.gpus > 1:
+        raise ValueError(
+            f"--grad-dtype bf16: one GPU only (under FSDP2 each rank's gradient shard is fp32); "
+            f"use --gpus 1 or --grad-dtype fp32, got --gpus {args.gpus}"
+        )
     per_step = args.gpus // args.context * args.micro_batch  # sequences one forward on every GPU takes
     across = " / --context" if args.context > 1 else ""
     if args.global_batch is not None and (args.global_batch <= 0 or args.global_batch % per_step):
@@ -276,6 +287,7 @@ def _inputs(args: argparse.Namespace) -> PlanInputs:
         global_batch=args.global_batch,
         activation_checkpointing=args.activation_checkpointing,
         state_dtype=args.state_dtype,
+        grad_dtype=args.grad_dtype,
         loss_chunk_tokens=chunk,
         precision=args.precision,
         recompute_mlp=not args.no_recompute_mlp,
@@ -302,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
         f"{name}: {shape.params / 1e9:.2f}B parameters{experts}, {where}, {args.seq_len} x {args.micro_batch} "
         f"tokens per micro-batch{f' over {args.context} context ranks' if args.context > 1 else ''}, "
         f"AC {'on' if args.activation_checkpointing else 'off'}, AdamW moments "
-        f"{args.state_dtype}, loss chunk {inputs.loss_chunk_tokens}"
+        f"{args.state_dtype}, gradients {args.grad_dtype}, loss chunk {inputs.loss_chunk_tokens}"
     )
     base, fp8 = plan_step(shape, replace(inputs, recipe="bf16")), plan_step(shape, inputs)
     print(format_plan(name, base, fp8, args.recipe, args.seq_len, args.device))
