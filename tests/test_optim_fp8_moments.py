@@ -240,3 +240,27 @@ def test_fp8_moments_resume_identically_after_kill_9(tmp_path, optim) -> None:
     assert codes, "no FP8 codes in the checkpoint"
     for key, state in states[0].items():
         assert all(torch.equal(t, states[1][key][k]) for k, t in state.items()), key
+
+
+def test_fp8_moments_resumed_with_another_state_dtype_are_refused(tmp_path) -> None:
+    """torch's loader would read the codes as numbers (0..255) without complaint: refused, naming the key."""
+    kw = {"train": {"max_steps": 2, "save_every": 2}, "optim": {"lr": 3e-3, "state_dtype": "fp8"}}
+    train(
+        tiny_run_config(tmp_path, "run", **kw),
+        model=make_tiny_model(),
+        train_source=SyntheticSource(seed=1),
+        progress=False,
+    )
+    for other in ("fp32", "bf16"):
+        more = {
+            "train": {"max_steps": 4},
+            "optim": {"lr": 3e-3, "state_dtype": other},
+            "run": {"accept_config_changes": True},
+        }
+        with pytest.raises(ValueError, match=r"optim\.state_dtype: fp8"):
+            train(
+                tiny_run_config(tmp_path, "run", **more),
+                model=make_tiny_model(),
+                train_source=SyntheticSource(seed=1),
+                progress=False,
+            )

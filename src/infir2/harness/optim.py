@@ -42,7 +42,15 @@ from ..fp8.moments import SECOND_MOMENT_FORMATS, MomentCodes, dequantize_moment,
 from .config import OptimConfig, ScheduleConfig
 from .grads import drop_grads, grad_of, keep_bf16_grads
 
-__all__ = ["Fp8AdamW", "LowPrecisionAdamW", "Schedule", "build_optimizer", "make_schedule", "param_groups"]
+__all__ = [
+    "Fp8AdamW",
+    "LowPrecisionAdamW",
+    "Schedule",
+    "build_optimizer",
+    "check_loaded_moments",
+    "make_schedule",
+    "param_groups",
+]
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -277,6 +285,18 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def check_loaded_moments(optimizer: torch.optim.Optimizer, source: str) -> None:
+    """Refuse FP8 moment codes loaded into an AdamW that reads them as numbers (torch's loader casts the
+    codes to fp32 without complaint): resuming an ``optim.state_dtype: fp8`` run needs the same setting."""
+    if isinstance(optimizer, Fp8AdamW):
+        return
+    if any("exp_avg_scale" in state for state in optimizer.state.values()):
+        raise ValueError(
+            f"{source}: its AdamW moments are FP8 codes (saved with optim.state_dtype: fp8); resume with "
+            "optim.state_dtype: fp8, or start the optimizer afresh from the weights (load.mode: weights_only)"
+        )
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:

@@ -52,6 +52,7 @@ from ..checkpoint import (
 from ..export import export_model
 from .config import ModelConfig, OptimConfig
 from .distributed import DistEnv, broadcast_object, gather_objects
+from .optim import check_loaded_moments
 
 __all__ = [
     "Counters",
@@ -285,6 +286,7 @@ def restore(
         log.info("loaded model weights from %s (fresh optimizer, step 0)", path)
         return state_type(), path
     _check_layout(path, loaded, state_type)
+    check_loaded_moments(optimizer, str(path))
     _apply_optim_config(optimizer, optim_cfg)
     state = _counters(state_type, loaded["train_state"])
     saved_world = loaded["train_state"]["world_size"]
