@@ -217,3 +217,27 @@ def test_the_plan_never_has_fp8_above_bf16_with_checkpointing_on_one_gpu() -> No
         assert step.weight_copies - head == pytest.approx(
             2 * shape.layers * shape.projection_weights, rel=0.01
         )
+
+
+def test_resuming_with_another_weight_cache_is_not_refused() -> None:
+    """The scope changes memory, not numbers: a resume with it changed is logged, not refused (unlike
+    another fp8 key)."""
+    from infir2.harness.config_changes import config_changes
+    from infir2.train.config import MEANINGFUL
+
+    saved = {"fp8": {"weight_cache": "step", "recipe": "blockwise"}}
+    now = {"fp8": {"weight_cache": "layer", "recipe": "tensorwise"}}
+    meaningful, harmless = config_changes(saved, now, MEANINGFUL)
+    assert meaningful == ["fp8.recipe: blockwise -> tensorwise"]
+    assert harmless == ["fp8.weight_cache: step -> layer"]
+
+
+def test_a_bad_weight_cache_is_refused_in_one_line() -> None:
+    with pytest.raises(ValueError, match=r"fp8\.weight_cache"):
+        parse_config({"fp8": {"weight_cache": "micro"}}, "<t>")
+    with pytest.raises(ValueError, match="weight_cache: expected one of layer, step"):
+        plan(
+            ModelShape.from_config(make_tiny_model().config.to_dict(), "<tiny>"),
+            "blockwise",
+            weight_cache="x",
+        )
