@@ -17,7 +17,8 @@ block-scaled GEMM also needs SM90 and CUDA >= 12.9). On an H100/H200::
 - offsets past 2**31: a ``[131072, 18944]`` bf16 quantize and a GEMM whose output has 2.5e9
   elements, their last blocks against the reference;
 - a layer on ``cuda:1`` while the current device is 0 (skipped with one GPU);
-- the K-major transposed weight of dgrad (``cache_fp8_weights``) gives the view's gradients;
+- the K-major transposed weight of dgrad (``cache_fp8_weights``) gives the view's gradients, and the
+  ``layer`` scope (K-major copy made in backward) the step cache's bit for bit;
 - the FSDP2 shard quantizer (``triton_quant.quantize_with_scale``) bit for bit against the reference;
 - token counts that are not a multiple of 128 stay on cuBLAS (padded inside the layer);
 - a world-size-1 NCCL FSDP2 run (FP8 all-gather, fused AdamW) under ``TORCH_CUDA_SANITIZER=1``
@@ -273,6 +274,31 @@ def test_k_major_dgrad_weight_gives_the_views_gradients(backend):
             layer(xi).float().sum().backward()
         grads.append(xi.grad)
     assert calc_diff(grads[0].float(), grads[1].float()) < 1e-6  # same products; sums may reorder
+
+
+@pytest.mark.skipif(not SM89, reason="needs an SM89+ GPU")
+@pytest.mark.parametrize("backend", ["scaled_mm", "triton"])
+def test_layer_scope_gives_the_step_caches_gradients_bit_for_bit(backend):
+    """``fp8.weight_cache: layer`` keeps no cache: backward makes the K-major dgrad copy from the saved
+    forward copy, so the dgrad GEMM reads the bytes, in the layout, of the step cache's copy."""
+    from infir2.nn import Fp8Linear, cache_fp8_weights
+
+    if not _usable(backend, "blockwise"):
+        pytest.skip(f"{backend} cannot run blockwise here")
+    torch.manual_seed(0)
+    layer = Fp8Linear(1536, 8960, bias=False, device="cuda", dtype=torch.bfloat16, backend=backend)
+    x = torch.randn(4096, 1536, device="cuda", dtype=torch.bfloat16)
+    grads = {}
+    for scope in ("step", "layer"):
+        xi = x.clone().requires_grad_()
+        layer.weight.grad = None
+        with cache_fp8_weights(layer, scope):
+            for _ in range(2):  # two micro-batches
+                layer(xi).float().sum().backward()
+            assert bool(layer._weight_cache) == (scope == "step")
+        grads[scope] = (xi.grad, layer.weight.grad)
+    for a, b in zip(grads["step"], grads["layer"], strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.skipif(not CUDA or not torch.distributed.is_nccl_available(), reason="needs CUDA and NCCL")

@@ -5,7 +5,7 @@ sections; four of them are the same for both and live here::
 
     run:   name, out_dir, seed, device, accept_config_changes
     model: path | from_config, tokenizer, precision, activation_checkpointing, recompute_mlp, export_dtype
-    fp8:   recipe, backend, param_gather, stats_every, high_precision_tail
+    fp8:   recipe, backend, param_gather, weight_cache, stats_every, high_precision_tail
     optim: lr, betas, eps, weight_decay, grad_clip, fused, state_dtype
 
 and ``parallel`` (``context``: processes that share each sequence, for both stages) and ``schedule`` (the
@@ -144,6 +144,14 @@ class Fp8Config:
         None,
         "FSDP2: all-gather FP8 linears' weights as FP8 codes (1 byte/element); default (null): on for "
         "the blockwise recipes; only recipes whose fprop and dgrad share the weight blocks can (not rowwise)",
+    )
+    weight_cache: Literal["layer", "step"] = setting(
+        "layer",
+        "infir2 train: how long a layer's FP8 weight copy lives: layer (quantized in forward, freed after "
+        "that layer's backward; under activation checkpointing one layer's at a time) or step (every layer's "
+        "kept for the whole optimizer step, quantized once); the same bytes either way. Not used for a weight "
+        "FSDP2 all-gathers as FP8 codes (fp8.param_gather): the gathered copy is the GEMMs'. infir2 rl's "
+        "update keeps no cache (as layer)",
     )
     stats_every: int = setting(0, "FP8 numerics telemetry (`infir2 numerics`) every N steps; 0 = off")
     high_precision_tail: float = setting(

@@ -27,8 +27,9 @@ __all__ = ["ConfigChangedError", "config_changes", "reconcile_saved_config"]
 
 log = logging.getLogger(__name__)
 
-#: keys under the stages' meaningful prefixes that only observe the run (FP8 telemetry cadence)
-HARMLESS = ("fp8.stats_every",)
+#: keys under the stages' meaningful prefixes that only observe the run (FP8 telemetry cadence) or change
+#: its memory, not its numbers (how long the FP8 weight copies live: the same bytes either way)
+HARMLESS = ("fp8.stats_every", "fp8.weight_cache")
 CONFIG_FILE = "config.yaml"
 _ABSENT = "<absent>"
 

@@ -1,7 +1,7 @@
 """Swap a model's decoder linears for ``Fp8Linear`` in place, and the other whole-model switches.
 
-FP8 on / off for evaluation (``fp8_enabled``, ``disable_fp8``), one quantized weight per step
-(``cache_fp8_weights``), and the FP8 weight all-gather under FSDP2 (``enable_fp8_param_gather``
+FP8 on / off for evaluation (``fp8_enabled``, ``disable_fp8``), how long a quantized weight lives
+(``cache_fp8_weights``: one per step, or one per layer's forward until its backward), and the FP8 weight all-gather under FSDP2 (``enable_fp8_param_gather``
 before ``fully_shard``, ``link_fsdp_params`` after; the tensor subclasses are ``infir2.nn.fsdp``).
 
 The recipe runs every ``nn.Linear`` inside the decoder layers in FP8 (Qwen2 / Llama / Mistral: q, k,
@@ -421,19 +421,22 @@ def disable_fp8(model: nn.Module) -> AbstractContextManager[nn.Module]:
 
 
 @contextmanager
-def cache_fp8_weights(model: nn.Module) -> Iterator[nn.Module]:
-    """Quantize each FP8 weight once for the whole block (the micro-batches of one optimizer step).
+def cache_fp8_weights(model: nn.Module, scope: str = "step") -> Iterator[nn.Module]:
+    """Wrap the micro-batches of one optimizer step: how long each FP8 weight copy lives inside the block.
 
-    A weight modified in place inside the block (its version counter moves) is quantized again.
+    ``step``: each weight is quantized once for the whole block and every layer's copy is kept until it
+    exits (a weight modified in place inside the block, its version counter moved, is quantized again).
+    ``layer`` (``fp8.weight_cache``'s default): each forward quantizes it and only autograd keeps it,
+    until that layer's backward; the same bytes, so the same step (``infir2.nn.module``: the scopes).
     """
     modules = [m for m in model.modules() if isinstance(m, Fp8Module)]
     for m in modules:
-        m.set_weight_cache(True)
+        m.set_weight_scope(scope)
     try:
         yield model
     finally:
         for m in modules:
-            m.set_weight_cache(False)
+            m.set_weight_scope(None)
 
 
 def enable_fp8_param_gather(module: nn.Module) -> list[str]:

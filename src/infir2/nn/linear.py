@@ -20,12 +20,13 @@ byte per element plus scales), not X itself, which is what makes FP8 save memory
 
 The dgrad B operand is ``Q(W).T [K, N]``, whose reduction dimension (N) is the slow one of the
 quantized weight; FP8 tensor-core GEMMs want it contiguous (cuBLAS copies it, Triton transposes in
-registers, every call). On CUDA inside ``cache_fp8_weights`` the layer therefore keeps one K-major
-copy of the transposed FP8 weight per step beside the forward one (as torchao and DeepSeek-V3 do):
-one more byte per weight element for the step, no copy per micro-batch. A weight all-gathered by FSDP2 is freed
-between forward and backward and gathered again for backward: its K-major copy is made there, once
-per backward, and freed after the dgrad GEMM (keeping it from forward would hold every layer's whole
-FP8 weight at once). On a CPU backward uses ``Q(W).T`` as a view.
+registers, every call). On CUDA inside ``cache_fp8_weights(model, "step")`` the layer therefore keeps
+one K-major copy of the transposed FP8 weight per step beside the forward one (as torchao and
+DeepSeek-V3 do): one more byte per weight element for the step, no copy per micro-batch. Inside
+``cache_fp8_weights(model, "layer")`` (the trainer's default, ``fp8.weight_cache``) and for a weight
+all-gathered by FSDP2, backward saves the forward copy and makes the K-major one from it once per
+backward, freed after the dgrad GEMM (keeping it from forward would hold every layer's whole FP8
+weight at once): the same bytes reach the same GEMM. On a CPU backward uses ``Q(W).T`` as a view.
 
 Token counts: where cuBLAS runs the GEMMs, a micro-batch whose token count is not a multiple of 128
 is padded with zero tokens inside the layer (``pad_tokens``), because the block-scaled wgrad reduces
@@ -64,6 +65,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         x_ops: tuple[Operand, Operand] | None = None,
         stats: Recorder | None = None,
         w_dgrad_t: Operand | None = None,
+        k_major_dgrad: bool = False,
     ) -> torch.Tensor:
         with no_autocast(x.device):
             if x_ops is None:
@@ -82,10 +84,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.w_kept = w_dgrad if w_dgrad is not None and w_dgrad.keep_for_backward else None
         # The K-major transposed copy (module doc) replaces the forward weight as the saved dgrad operand.
         ctx.w_transposed = w_dgrad is not None and w_dgrad_t is not None
-        # an FSDP2-gathered weight is freed after forward and gathered again for backward: its K-major
-        # copy is made there, once per backward (not kept from forward to backward: module doc)
+        # an FSDP2-gathered weight is freed after forward and gathered again for backward, and a layer
+        # outside the step cache keeps only the forward copy: the K-major copy is made there, once per
+        # backward (not kept from forward to backward: module doc)
         ctx.k_major_in_backward = (
-            isinstance(weight, Fp8GatheredWeight) and kernels.device.type == "cuda" and not ctx.w_transposed
+            (isinstance(weight, Fp8GatheredWeight) or k_major_dgrad)
+            and kernels.device.type == "cuda"
+            and not ctx.w_transposed
         )
         saved_w = w_dgrad_t if ctx.w_transposed else w_dgrad
         x_saved = x_wgrad.saved()  # codes and scales (and an NVFP4 operand's tensor scale)
@@ -144,7 +149,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                     ctx.probe.wgrad(dy, dy_w, dw)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 db = dy.to(accumulation_dtype(weight.dtype)).sum(0).to(weight.dtype)
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
 def k_major(op: Operand) -> Operand:
@@ -221,10 +226,11 @@ class Fp8Linear(nn.Linear, Fp8Module):
     ``infir2.fp8_enabled(model, False)``) to run it as a plain linear. What it shares with every FP8
     module (recipe, kernels, weight cache, registry key, stats) is ``infir2.nn.module.Fp8Module``.
 
-    Inside ``infir2.nn.cache_fp8_weights(model)`` the quantized weight is computed once and reused
-    by every forward until the context exits or the weight is modified in place: wrap the
-    micro-batches of one optimizer step with it. Its cache entry is ``(forward weight, its K-major
-    transpose for dgrad or None)``: see ``quantized_weight`` and ``dgrad_weight``.
+    Inside ``infir2.nn.cache_fp8_weights(model, "step")`` the quantized weight is computed once and
+    reused by every forward until the context exits or the weight is modified in place. Its cache
+    entry is ``(forward weight, its K-major transpose for dgrad or None)``: see ``quantized_weight`` and
+    ``dgrad_weight``. Inside ``cache_fp8_weights(model, "layer")`` each forward quantizes it and only
+    autograd keeps it, until this layer's backward (``infir2.nn.module``: the scopes).
     """
 
     FP8_WEIGHTS = ("weight",)
@@ -286,18 +292,22 @@ class Fp8Linear(nn.Linear, Fp8Module):
         entry = self._weight_cache.get("weight")
         return entry[1][0] if entry is not None else None
 
+    def reads_k_major(self, w_fprop: Operand, kernels: Kernels) -> bool:
+        """Whether dgrad reads ``w_fprop.t()`` as a K-major copy (module doc): on CUDA, for a weight
+        fprop and dgrad share, not a CPU emulation's decoded operand, not NVFP4."""
+        return (
+            kernels.device.type == "cuda"
+            and self.recipe.reuses_weight
+            and not w_fprop.keep_for_backward  # a CPU emulation's decoded operand, kept whole
+            and not isinstance(w_fprop, Nvfp4Operand)  # emulated on every device: no FP4 GEMM wants K-major
+        )
+
     def dgrad_weight(self, w_fprop: Operand, kernels: Kernels) -> Operand | None:
-        """``w_fprop.t()`` stored K-major (``[K, N]``, N contiguous), kept with the weight cache; or None
-        off CUDA, outside ``cache_fp8_weights`` and for an FSDP2-gathered weight (module doc)."""
+        """``w_fprop.t()`` stored K-major (``[K, N]``, N contiguous), kept with the step's weight cache;
+        or None off CUDA, outside ``cache_fp8_weights(model, "step")`` and for an FSDP2-gathered weight
+        (module doc)."""
         entry = self._weight_cache.get("weight")
-        if (
-            kernels.device.type != "cuda"
-            or not self.recipe.reuses_weight
-            or entry is None
-            or entry[1][0] is not w_fprop
-            or w_fprop.keep_for_backward  # a CPU emulation's decoded operand, kept whole
-            or isinstance(w_fprop, Nvfp4Operand)  # emulated on every device: no FP4 GEMM wants K-major
-        ):
+        if entry is None or entry[1][0] is not w_fprop or not self.reads_k_major(w_fprop, kernels):
             return None
         key, (_, transposed) = entry
         if transposed is None:
@@ -329,6 +339,8 @@ class Fp8Linear(nn.Linear, Fp8Module):
         w_fprop = self.quantized_weight(kernels)
         x_ops = _INPUT_CACHE.get(original, x2d, self.recipe, kernels)
         w_dgrad_t = self.dgrad_weight(w_fprop, kernels)
+        # the "layer" scope: backward makes the K-major copy the step cache would have kept
+        k_major_dgrad = w_dgrad_t is None and self.k_major_dgrad and self.reads_k_major(w_fprop, kernels)
         y = _Fp8LinearFunction.apply(
             x2d,
             self.weight,
@@ -339,6 +351,7 @@ class Fp8Linear(nn.Linear, Fp8Module):
             x_ops,
             self.recorder("weight"),
             w_dgrad_t,
+            k_major_dgrad,
         )
         y = y[:tokens] if pad else y
         return y.reshape(*lead, self.out_features)

@@ -5,10 +5,24 @@ An FP8 module runs some GEMMs in FP8 under one recipe and owns, besides its para
     recipe, backend_name   the scaling (``infir2.fp8.recipe``) and a forced backend (None: the device's chain)
     fp8_enabled            False: the module runs its high-precision forward (``infir2.nn.fp8_enabled``)
     kernels                the recipe's kernels bound on one device (``bind_kernels``; bound again on another)
-    cache_weight           inside ``cache_fp8_weights``: each FP8 weight is quantized once per step
+    cache_weight           inside ``cache_fp8_weights(model, "step")``: each FP8 weight is quantized once
+                           per step and kept, every layer's, until the block exits
+    k_major_dgrad          inside ``cache_fp8_weights(model, "layer")``: no cache; on CUDA backward copies
+                           the saved FP8 weight K-major for dgrad (``Fp8Linear``), as the step cache does
+                           once per step
     _weight_cache          {weight name: (key, value)}, the key reading the weight's version, storage,
                            device, dtype, the recipe and the backend (``weight_key``): an in-place update
                            or a new backend misses
+
+How long a layer's FP8 weight copy lives (``WEIGHT_SCOPES``, ``fp8.weight_cache``). ``layer`` (the
+trainer's default): it is quantized in forward and held only by autograd, as a saved tensor of that
+layer's GEMMs, so it is freed after the layer's backward; under activation checkpointing forward keeps
+none and the recompute quantizes it again, so one layer's copy is alive at a time (as BF16's autocast
+copies). ``step``: the cache keeps every layer's copy (and on CUDA its K-major transpose) from the
+first micro-batch to the end of the step, quantizing once per step whatever the micro-batches and the
+recompute. Both quantize the same weight with the same kernel: the bytes, and so the step, are
+identical. Outside any block (evaluation, a plain module) nothing is cached and dgrad reads the
+transpose as a view. A weight all-gathered as FP8 codes by FSDP2 is the GEMMs' copy in every scope.
     stats                  {weight name: recorder} on a telemetry stats step (``infir2.nn.telemetry``), else None
     op_key                 its key in the one registry of FP8 modules (``module_by_key``), how a
                            ``torch.library`` custom op (plain values only) names it under ``torch.compile``
@@ -32,12 +46,15 @@ from torch import nn
 from ..fp8.recipe import Cast, Fp8Recipe, get_recipe
 from ..kernels import BACKENDS, ORDER, Kernels, Operand, bind, emulated
 
-__all__ = ["Fp8Module", "Recorder", "accumulation_dtype", "module_by_key", "no_autocast"]
+__all__ = ["WEIGHT_SCOPES", "Fp8Module", "Recorder", "accumulation_dtype", "module_by_key", "no_autocast"]
 
 log = logging.getLogger(__name__)
 _WARNED_EMULATED: set[tuple[str, torch.device]] = set()  # (recipe, device) already warned about
 
 M = TypeVar("M", bound="Fp8Module")
+
+#: how long an FP8 weight copy lives inside ``cache_fp8_weights`` (module doc): ``fp8.weight_cache``
+WEIGHT_SCOPES = ("layer", "step")
 
 # Every FP8 module by key, held weakly (module doc).
 _MODULES: weakref.WeakValueDictionary[int, Fp8Module] = weakref.WeakValueDictionary()
@@ -116,6 +133,7 @@ class Fp8Module(nn.Module):
     fp8_enabled: bool
     kernels: Kernels | None
     cache_weight: bool
+    k_major_dgrad: bool
     stats: dict[str, Recorder] | None
     fp8_name: str
     op_key: int
@@ -127,6 +145,7 @@ class Fp8Module(nn.Module):
         self.fp8_enabled = self.recipe.enabled
         self.kernels = None
         self.cache_weight = False
+        self.k_major_dgrad = False
         self._weight_cache = {}
         self.stats = None  # set by infir2.nn.telemetry on stats steps only
         self.fp8_name = ""  # its name in the model (convert_to_fp8 sets it), for warnings
@@ -175,7 +194,14 @@ class Fp8Module(nn.Module):
 
     def set_weight_cache(self, on: bool) -> None:
         """Turn the weight cache on or off (``cache_fp8_weights``); either way it starts empty."""
-        self.cache_weight, self._weight_cache = on, {}
+        self.set_weight_scope("step" if on else None)
+
+    def set_weight_scope(self, scope: str | None) -> None:
+        """How long the FP8 weight copies live: a scope of ``WEIGHT_SCOPES`` (module doc), or None
+        (outside ``cache_fp8_weights``); the cache starts empty."""
+        if scope is not None and scope not in WEIGHT_SCOPES:
+            raise ValueError(f"weight cache scope: expected one of {', '.join(WEIGHT_SCOPES)}, got {scope!r}")
+        self.cache_weight, self.k_major_dgrad, self._weight_cache = scope == "step", scope == "layer", {}
 
     def recorder(self, name: str) -> Recorder | None:
         """The telemetry recorder of weight ``name`` on a stats step, else None."""

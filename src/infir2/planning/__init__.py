@@ -15,7 +15,7 @@ from .context import check_context, context_kv_bytes
 from .dense import Plan, plan, plan_step
 from .fit import GPU_GIB, USABLE, fit_advice, rl_fit
 from .format import PUBLISHED, format_plan, format_rl_plan
-from .inputs import PlanInputs
+from .inputs import WEIGHT_SCOPES, PlanInputs
 from .layer import MEASURED, MEASURED_CPU, layer_figures
 from .moe import MOE_NOTE
 from .rl import RLPlan, plan_rl, rl_context
@@ -29,6 +29,7 @@ __all__ = [
     "MOE_NOTE",
     "PUBLISHED",
     "USABLE",
+    "WEIGHT_SCOPES",
     "ModelShape",
     "Plan",
     "PlanInputs",

@@ -6,7 +6,10 @@
                ``2.06 P / gpus`` (``fp8``; ``planning.optimizer``)
 * gathered     FSDP2 working copies (gpus > 1): the root module's parameters plus two decoder layers
                (the current one and the prefetched next), and their unsharded gradients
-* weight copies what each layer's GEMMs keep for backward (``layer.layer_figures``)
+* weight copies what each layer's GEMMs keep for backward (``layer.layer_figures``): autocast's bf16
+               copies and the FP8 copies alike live until the layer's backward (every layer's, one under
+               activation checkpointing); with ``weight_cache="step"`` every layer's FP8 copy (and on CUDA
+               its K-major transpose) for the whole step; none where the gathered weight is the GEMMs'
 * activations  per-layer bytes per token times tokens times layers; with activation checkpointing each
                layer's fp32 input plus one layer's full set; plus the final norm and the context term
 * logits       plain loss: the fp32 log-softmax (4 T V) and, in backward, its and the logits' gradients
@@ -84,8 +87,8 @@ def plan_step(shape: ModelShape, run: PlanInputs) -> Plan:
     Under FSDP (``gpus > 1``) parameters travel in ``precision`` (bf16 mixed precision, or fp32), and
     an FP8 recipe's projection weights as FP8 codes when ``param_gather`` (default: as
     ``fp8.param_gather``, on for the block-scaled recipes); the gathered weight is then the GEMMs' copy,
-    so no per-step weight cache is kept. A CPU run: no bf16 weight or lm_head copies, fp32 activations,
-    and an FP8 recipe's weight cache holds the FP8 codes of every layer.
+    so no other weight copy is kept. A CPU run: no bf16 weight or lm_head copies, fp32 activations, and
+    an FP8 recipe's weight copies are its FP8 codes and scales (no K-major transpose).
     """
     per_token, weight_copy = layer_figures(shape, run.recipe, run.recompute_mlp, run.device)
     p, shard = shape.params, 1 / run.gpus
@@ -133,10 +136,9 @@ def _logits(shape: ModelShape, run: PlanInputs) -> tuple[float, float]:
 def _weights(shape: ModelShape, run: PlanInputs, weight_copy: int) -> tuple[float, float, float]:
     """(gathered working copies and their gradients, weight copies, all-gather bytes per micro-batch).
 
-    autocast's bf16 copies live as long as a saved tensor holds them (one layer under activation
-    checkpointing); the FP8 copies for the whole step (``cache_fp8_weights``), checkpointing or not."""
+    The layers' weight copies (``_layer_copies``) are none where FSDP2 gathers what the GEMMs read: bf16
+    weights for autocast, FP8 codes for an FP8 recipe (``param_gather``)."""
     head_copy = 0 if run.cpu else shape.vocab * shape.hidden * BF16_BYTES  # the lm_head GEMM's bf16 weight
-    copied_layers = 1 if run.activation_checkpointing and run.recipe == "bf16" else shape.layers
     distributed, shard = run.gpus > 1, 1 / run.gpus
     r = RECIPES[run.recipe]
     fp8_gather = distributed and r.param_gather(run.param_gather)  # never NVFP4's: gathered in `wire`
@@ -145,9 +147,26 @@ def _weights(shape: ModelShape, run: PlanInputs, weight_copy: int) -> tuple[floa
     if fp8_gather:  # projections as the weight cast's codes and block scales, the rest in `wire`
         proj = shape.projection_weights
         layer_wire = (shape.layer_params - proj) * wire + layer_weight_bytes(shape, r.w)
-    if distributed and (wire == BF16_BYTES or fp8_gather):
-        copied_layers = 0  # the gathered weights are already what the GEMMs read
+    gemm_reads_gathered = distributed and (fp8_gather if r.enabled else wire == BF16_BYTES)
+    copies = 0.0 if gemm_reads_gathered else _layer_copies(shape, run, weight_copy)
     working = shape.root_params * wire + 2 * layer_wire  # unsharded while in use: root + 2 layers
     gather = (2 * shape.layers * layer_wire + shape.root_params * wire) * (1 - shard)
     gathered = 2 * working * (1 - shard) if distributed else 0.0  # the weights and their gradients
-    return gathered, copied_layers * weight_copy + head_copy, gather
+    return gathered, copies + head_copy, gather
+
+
+def _layer_copies(shape: ModelShape, run: PlanInputs, weight_copy: int) -> float:
+    """The decoder layers' weight copies at the start of backward. What a layer's GEMMs save for its
+    backward (``weight_copy``: autocast's bf16 casts, or the FP8 copies under ``fp8.weight_cache:
+    layer``) lives until that backward: every layer's, or one layer's under activation checkpointing
+    (the one recomputed; forward kept none). ``fp8.weight_cache: step`` keeps every layer's FP8 forward
+    copy for the whole step and, on CUDA where dgrad reuses it, its K-major transpose beside it.
+    Not counted: the transient K-major copy the ``layer`` scope makes in backward, one linear's at a time."""
+    r = RECIPES[run.recipe]
+    if r.enabled and run.weight_cache == "step":
+        # the saved copy is the cached one where dgrad reuses it; else backward quantizes again
+        cached = weight_copy if r.reuses_weight else layer_weight_bytes(shape, r.w)
+        k_major = not run.cpu and r.reuses_weight and not r.w.is_fp4
+        return shape.layers * cached * (2 if k_major else 1)
+    return (1 if run.activation_checkpointing else shape.layers) * weight_copy
+

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..nn.module import WEIGHT_SCOPES
 from .measure import DEVICES
 
-__all__ = ["BF16_BYTES", "FP32_BYTES", "PlanInputs"]
+__all__ = ["BF16_BYTES", "FP32_BYTES", "WEIGHT_SCOPES", "PlanInputs"]
 
 FP32_BYTES, BF16_BYTES = 4, 2
 
@@ -17,7 +18,8 @@ class PlanInputs:
 
     ``device="cpu"`` plans a CPU run (per process): fp32 compute without autocast, so ``precision`` is
     then fp32. ``param_gather``: as ``fp8.param_gather`` (None: the recipe's default). ``context``:
-    context parallelism (``parallel.context``); ``gpus`` is data x context.
+    context parallelism (``parallel.context``); ``gpus`` is data x context. ``weight_cache``: as
+    ``fp8.weight_cache`` (``infir2.nn.module``: how long the FP8 weight copies live).
     """
 
     recipe: str
@@ -35,8 +37,13 @@ class PlanInputs:
     param_gather: bool | None = None
     device: str = "cuda"
     context: int = 1
+    weight_cache: str = "layer"
 
     def __post_init__(self) -> None:
+        if self.weight_cache not in WEIGHT_SCOPES:
+            raise ValueError(
+                f"weight_cache: expected one of {', '.join(WEIGHT_SCOPES)}, got {self.weight_cache!r}"
+            )
         if self.device not in DEVICES:
             raise ValueError(f"device: expected one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.state_dtype not in ("fp32", "bf16", "fp8"):

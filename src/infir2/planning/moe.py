@@ -1,10 +1,10 @@
 """The mixture-of-experts term: an MoE layer's figures from the dense layer of its active width.
 
 A mixture of experts gathers every expert's weights (as FP8 codes with ``param_gather``), keeps every
-expert's FP8 weight copy, and keeps activations estimated from the dense layer of the active width
-(top-k experts + the shared one) plus the experts' extra copies of each routed row: a lower bound
-(``tests/test_moe_plan.py``; tiny MoE models keep 25-35% more). Parameters and all-gather bytes are
-exact (``planning.shape``).
+expert's FP8 weight copy (until its layer's backward, as a dense layer's), and keeps activations
+estimated from the dense layer of the active width (top-k experts + the shared one) plus the experts'
+extra copies of each routed row: a lower bound (``tests/test_moe_plan.py``; tiny MoE models keep
+25-35% more). Parameters and all-gather bytes are exact (``planning.shape``).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ def moe_layer_figures(
 ) -> tuple[float, int]:
     """(activation bytes per token, weight-copy bytes) of an MoE layer from those of ``dense`` (its
     active width): plus the k - 1 extra copies of each token's input the experts keep (one per routed
-    row: the recipe's codes and scales, or bf16), weight copies scaled to all experts' weights (each expert's FP8 copy lives
-    for the step)."""
+    row: the recipe's codes and scales, or bf16), weight copies scaled to all experts' weights (each expert's FP8 copy is
+    saved for its layer's backward)."""
     r = RECIPES[recipe]  # an FP8 recipe's rows as the copy it saves for backward (x_wgrad): codes + scales
     row = row_bytes(r.x_wgrad, shape.hidden) if r.enabled else shape.hidden * BF16_BYTES
     per_token += (shape.top_k - 1) * row

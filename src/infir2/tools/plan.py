@@ -14,11 +14,12 @@ recipe side by side, next to InfiR2's published FP8/BF16 peak-memory ratios wher
 * gathered     FSDP2 working copies (only with gpus > 1): the root module's parameters (embedding,
                final norm, lm_head; the root is not resharded after forward) plus two decoder layers
                (the current one and the prefetched next), and their unsharded gradients
-* weight copies what each layer's GEMMs keep for backward: autocast's bf16 casts (2 B/param; one
-               layer's worth under activation checkpointing) or the FP8 copies with their scales
-               (every layer for the whole step: ``cache_fp8_weights``; blockwise 1 B/param + an fp32
-               scale per 128x128 block, nvfp4 0.5 B/param + an E4M3 scale per 16x16 block + an fp32 one
-               per tensor) -- measured per layer by ``infir2 memory``
+* weight copies what each layer's GEMMs keep for backward: autocast's bf16 casts (2 B/param) or the
+               FP8 copies with their scales (blockwise 1 B/param + an fp32 scale per 128x128 block,
+               nvfp4 0.5 B/param + an E4M3 scale per 16x16 block + an fp32 one per tensor), measured
+               per layer by ``infir2 memory``; each lives until its layer's backward, so one layer's
+               worth under activation checkpointing; ``--weight-cache step`` (``fp8.weight_cache``):
+               every layer's FP8 copy for the whole step, on CUDA with its K-major transpose
 * activations  per-layer bytes per token, measured by ``infir2 memory`` at the layer's shape, times
                tokens per micro-batch times layers; with activation checkpointing, each layer's fp32
                input plus one layer's full set (the one being recomputed); plus the final norm
@@ -97,6 +98,7 @@ from ..planning import (
     MODELS,
     MOE_NOTE,
     USABLE,
+    WEIGHT_SCOPES,
     ModelShape,
     Plan,
     PlanInputs,
@@ -206,6 +208,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="FP8 projections gathered in --precision, not as FP8 (fp8.param_gather: false)",
     )
+    parser.add_argument(
+        "--weight-cache",
+        choices=WEIGHT_SCOPES,
+        default="layer",
+        help="fp8.weight_cache: each layer's FP8 weight copy until its backward (layer, default) or "
+        "every layer's for the whole step (step)",
+    )
 
 
 def _chunk_tokens(text: str) -> int:
@@ -294,6 +303,7 @@ def _inputs(args: argparse.Namespace) -> PlanInputs:
         param_gather=False if args.no_param_gather else None,
         device=args.device,
         context=args.context,
+        weight_cache=args.weight_cache,
     )
 
 

@@ -4,7 +4,8 @@ One optimizer step, top to bottom (``train_step``):
 
 1. count the loss tokens of the whole global batch (this rank's micro-batches, summed over ranks);
 2. for each micro-batch: forward (bf16 autocast or fp32 for the high-precision parts, FP8 GEMMs in
-   the projections, each weight quantized once per step by ``cache_fp8_weights``), summed token
+   the projections; ``cache_fp8_weights`` with ``fp8.weight_cache``: each layer's FP8 weight quantized
+   in its forward and freed after its backward, or once per step and kept for it), summed token
    cross-entropy, backward of ``sum_ce * world_size / n_loss_tokens`` -- so that after FSDP averages
    gradients over ranks the step's gradient is that of the per-token mean over the global batch;
 3. clip the global gradient norm; if the loss or the norm is not finite, or the loss spikes (more than
@@ -143,20 +144,22 @@ def train_step(
     loss_chunk_tokens: int | str = "auto",
     max_loss: float = math.inf,
     noise_seed: int | None = None,
+    weight_cache: str = "layer",
 ) -> dict[str, Any]:
     """Forward/backward over this rank's micro-batches, clip, and one AdamW step -- skipped when the loss
     or the gradient norm is not finite, or the loss is above ``max_loss`` (a spike, ``out["spike"]``).
 
     ``noise_seed`` (the step's): each micro-batch's stochastic rounding (``nvfp4``) draws from a generator
     seeded by it and the micro-batch's index in the global batch (``infir2.fp8.nvfp4``), so the draws
-    do not depend on how the micro-batches are spread over processes; None: torch's generator."""
+    do not depend on how the micro-batches are spread over processes; None: torch's generator.
+    ``weight_cache``: how long the FP8 weight copies live (``fp8.weight_cache``, ``cache_fp8_weights``)."""
     counts = torch.tensor(
         [count_loss_tokens(micro_batches), sum(map(_num_tokens, micro_batches))], dtype=torch.float64
     )
     n_loss_tokens, n_tokens = all_reduce_sum(counts.to(env.device), env).tolist()
     scale = env.world_size / max(n_loss_tokens, 1.0)
     ce_total = torch.zeros((), dtype=torch.float64, device=env.device)
-    with cache_fp8_weights(model):
+    with cache_fp8_weights(model, weight_cache):
         for i, mb in enumerate(micro_batches):
             index = env.rank * len(micro_batches) + i  # the micro-batch's place in the global batch
             with shard_context(mb), _rounding_noise(noise_seed, index, env.device):
@@ -389,6 +392,7 @@ def _step(run: _Run, state: TrainState, micro_batches: list[MicroBatch], spikes:
             cfg.train.loss_chunk_tokens,
             limit,
             nvfp4.noise_seed(cfg.run.seed, state.step),
+            cfg.fp8.weight_cache,
         )
     if out["spike"]:
         out["spike_reference"] = spikes.reference()
