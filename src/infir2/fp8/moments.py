@@ -42,6 +42,7 @@ from .quantize import block_amax, dequantize, quantize
 __all__ = [
     "MAX_EXPONENT",
     "SECOND_MOMENT_FORMATS",
+    "STEP_ELEMENTS",
     "MomentCodes",
     "dequantize_moment",
     "moment_bytes_per_element",
@@ -51,6 +52,11 @@ __all__ = [
 SecondMoment = Literal["e5m2", "sqrt_e4m3"]
 #: how the second moment is stored: its own E5M2 codes, or the E4M3 codes of its square root
 SECOND_MOMENT_FORMATS: tuple[SecondMoment, ...] = ("e5m2", "sqrt_e4m3")
+#: elements of a parameter that infir2's AdamWs update at once: a larger one goes by slices of whole rows
+#: (the update is elementwise and a moment's blocks lie in one row, so the bits are the same), and the
+#: step's fp32 temporaries -- the moments read back, the quantizer's -- are a few copies of this many
+#: (64 MiB each) whatever the model; ``planning.optimizer`` counts them
+STEP_ELEMENTS = 1 << 24
 #: the largest range-expansion exponent (a block of nearly equal values would otherwise ask for a huge k)
 MAX_EXPONENT = 8.0
 

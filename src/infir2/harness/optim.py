@@ -37,6 +37,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..fp8 import moments
 from ..fp8.formats import BLOCK
 from ..fp8.moments import SECOND_MOMENT_FORMATS, MomentCodes, dequantize_moment, quantize_moment
 from .config import OptimConfig, ScheduleConfig
@@ -117,15 +118,17 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
                 state = self._moments(p)
                 state["step"] += 1
                 t = float(state["step"])
-                g = _local(grad).float()
-                m, v = self._read(state)
-                m.lerp_(g, 1 - beta1)
-                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                w = _local(p)  # a shard's own elements (FSDP2): the update is elementwise
-                w.mul_(1 - lr * wd)
-                denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
-                w.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
-                self._write(state, m, v)
+                w, g = _local(p), _local(grad)  # a shard's own elements (FSDP2): the update is elementwise
+                for rows in _row_slices(w):  # the fp32 temporaries of one slice at a time
+                    m, v = self._read(state, rows)
+                    gr = g[rows].float()
+                    m.lerp_(gr, 1 - beta1)
+                    v.mul_(beta2).addcmul_(gr, gr, value=1 - beta2)
+                    wr = w[rows]
+                    wr.mul_(1 - lr * wd)
+                    denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
+                    wr.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
+                    self._write(state, rows, m, v)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -133,14 +136,14 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         super().zero_grad(set_to_none)
         drop_grads(p for group in self.param_groups for p in group["params"])
 
-    def _read(self, state: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The moments as new fp32 tensors (this process's shard)."""
-        return _local(state["exp_avg"]).float(), _local(state["exp_avg_sq"]).float()
+    def _read(self, state: dict[str, Any], rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """The moments of ``rows`` (of this process's shard) as fp32 tensors (fp32 storage: views of it)."""
+        return _local(state["exp_avg"])[rows].float(), _local(state["exp_avg_sq"])[rows].float()
 
-    def _write(self, state: dict[str, Any], m: torch.Tensor, v: torch.Tensor) -> None:
-        """Round the new fp32 moments into their storage."""
-        _local(state["exp_avg"]).copy_(m)
-        _local(state["exp_avg_sq"]).copy_(v)
+    def _write(self, state: dict[str, Any], rows: slice, m: torch.Tensor, v: torch.Tensor) -> None:
+        """Round the new fp32 moments of ``rows`` into their storage."""
+        _local(state["exp_avg"])[rows].copy_(m)
+        _local(state["exp_avg_sq"])[rows].copy_(v)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's loader casts moments to the parameter dtype (fp32); store them back in ``state_dtype``."""
@@ -203,27 +206,28 @@ class Fp8AdamW(LowPrecisionAdamW):
                 state[f"{key}_exponent"] = _like_rows(p, blocks, 1.0)
         return state
 
-    def _stored(self, state: dict[str, Any], key: str) -> MomentCodes:
+    def _stored(self, state: dict[str, Any], key: str, rows: slice) -> MomentCodes:
         exponent = state.get(f"{key}_exponent")
         return MomentCodes(
-            _local(state[key]),
-            _local(state[f"{key}_scale"]),
-            None if exponent is None else _local(exponent),
+            _local(state[key])[rows],
+            _local(state[f"{key}_scale"])[rows],
+            None if exponent is None else _local(exponent)[rows],
         )
 
-    def _read(self, state: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read(self, state: dict[str, Any], rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
         if state["exp_avg"].dtype != torch.uint8:  # a 1-D parameter's fp32 moments
-            return super()._read(state)
+            return super()._read(state, rows)
         m, v = (
-            dequantize_moment(self._stored(state, k), kind, self.block) for k, kind in self._kinds().items()
+            dequantize_moment(self._stored(state, key, rows), kind, self.block)
+            for key, kind in self._kinds().items()
         )
         return m, v
 
-    def _write(self, state: dict[str, Any], m: torch.Tensor, v: torch.Tensor) -> None:
+    def _write(self, state: dict[str, Any], rows: slice, m: torch.Tensor, v: torch.Tensor) -> None:
         if state["exp_avg"].dtype != torch.uint8:
-            return super()._write(state, m, v)
+            return super()._write(state, rows, m, v)
         for (key, kind), value in zip(self._kinds().items(), (m, v), strict=True):
-            new, old = quantize_moment(value, kind, self.block, self.expand), self._stored(state, key)
+            new, old = quantize_moment(value, kind, self.block, self.expand), self._stored(state, key, rows)
             old.codes.copy_(new.codes)
             old.scale_inv.copy_(new.scale_inv)
             if old.exponent is not None and new.exponent is not None:
@@ -255,7 +259,7 @@ class Fp8AdamW(LowPrecisionAdamW):
         m, v, step = _local(state["exp_avg"]).float(), _local(state["exp_avg_sq"]).float(), state["step"]
         state.clear()
         self._moments(p)["step"] = step
-        self._write(self.state[p], m, v)
+        self._write(self.state[p], slice(None), m, v)
 
     def state_bytes(self, p: torch.Tensor) -> int:
         if p.dim() < 2:
@@ -277,6 +281,16 @@ def _like_rows(p: torch.Tensor, blocks: int, fill: float) -> torch.Tensor:
     shape = torch.Size((*p.shape[:-1], blocks))
     stride = torch.empty(shape, device="meta").stride()  # contiguous
     return DTensor.from_local(full, p.device_mesh, p.placements, run_check=False, shape=shape, stride=stride)
+
+
+def _row_slices(w: torch.Tensor) -> list[slice]:
+    """Slices of ``w``'s first dimension of at most ``fp8.moments.STEP_ELEMENTS`` elements (at least one
+    row): the update of a larger parameter goes slice by slice, its fp32 temporaries one slice's."""
+    if w.dim() == 0 or w.numel() <= moments.STEP_ELEMENTS:
+        return [slice(None)]
+    per_row = w.numel() // w.shape[0]
+    rows = max(1, moments.STEP_ELEMENTS // per_row)
+    return [slice(i, i + rows) for i in range(0, w.shape[0], rows)]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -169,4 +169,3 @@ def _layer_copies(shape: ModelShape, run: PlanInputs, weight_copy: int) -> float
         k_major = not run.cpu and r.reuses_weight and not r.w.is_fp4
         return shape.layers * cached * (2 if k_major else 1)
     return (1 if run.activation_checkpointing else shape.layers) * weight_copy
-

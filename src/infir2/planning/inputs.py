@@ -30,6 +30,7 @@ class PlanInputs:
     activation_checkpointing: bool = False
     state_dtype: str = "fp32"  # AdamW's moments: fp32, bf16 or fp8 (``planning.optimizer``)
     state_block: int = 128  # fp8 moments: elements of a row per scale
+    state_expand: bool = False  # fp8 moments: COAT's range expansion (its step's temporaries)
     grad_dtype: str = "fp32"  # gradients' storage: fp32, or bf16 (one process; ``planning.optimizer``)
     loss_chunk_tokens: int | str = "auto"
     recompute_mlp: bool = True

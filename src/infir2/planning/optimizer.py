@@ -12,13 +12,14 @@ Gradients (``optim.grad_dtype``): fp32, 4 bytes per parameter; bf16 (``harness.g
 
 The step's temporaries, when the activations are gone: torch's foreach AdamW on a CPU makes an fp32
 tensor per parameter at once (``sqrt(v)``: 4 bytes per parameter), the fused one on CUDA none;
-``LowPrecisionAdamW`` and ``Fp8AdamW`` go parameter by parameter, so their temporaries are fp32 copies of
-the largest parameter (the embedding): ``STEP_COPIES`` of them, measured by
-``benchmarks/optimizer_step_memory.py``.
+``LowPrecisionAdamW`` and ``Fp8AdamW`` update one slice of at most ``fp8.moments.STEP_ELEMENTS`` elements at
+a time, so their temporaries are ``STEP_COPIES`` fp32 copies of one slice (of the largest parameter when
+it is smaller), as measured by ``benchmarks/optimizer_step_memory.py``.
 """
 
 from __future__ import annotations
 
+from ..fp8.moments import STEP_ELEMENTS
 from .inputs import BF16_BYTES, FP32_BYTES, PlanInputs
 from .shape import ModelShape
 
@@ -33,9 +34,12 @@ __all__ = [
 
 STATE_DTYPES = ("fp32", "bf16", "fp8")
 GRAD_DTYPES = ("fp32", "bf16")
-#: fp32 copies of the largest parameter alive at once in a parameter-by-parameter step (bf16: the
-#: moments read back, the denominator; fp8: those and the quantizer's)
-STEP_COPIES = {"bf16": 3, "fp8": 3}
+#: fp32 copies of one slice alive at once in a slice-by-slice step, rounded up from
+#: ``benchmarks/optimizer_step_memory.py`` (151,936 x 896, 2026-12-07, two runs: 320 / 450-496 / 640-704
+#: / 544-550 MiB of 64 MiB slices for bf16, fp8, fp8 with range expansion, fp8 with bf16 gradients): the moments read
+#: back, the denominator, the quantizer's; COAT's expansion adds its powers, a bf16 gradient its fp32 copy
+STEP_COPIES = {"bf16": 5, "fp8": 8}
+EXPANSION_COPIES, BF16_GRAD_COPIES = 3, 1
 
 
 def moment_bytes(shape: ModelShape, run: PlanInputs) -> float:
@@ -51,9 +55,13 @@ def moment_bytes(shape: ModelShape, run: PlanInputs) -> float:
 
 def optimizer_step_bytes(shape: ModelShape, run: PlanInputs) -> float:
     """The step's temporaries on one GPU (module doc); not yet divided over the GPUs."""
-    if run.state_dtype == "fp32":
+    if run.state_dtype == "fp32" and run.grad_dtype == "fp32":
         return FP32_BYTES * shape.params if run.cpu else 0.0
-    return STEP_COPIES[run.state_dtype] * FP32_BYTES * shape.largest_param
+    copies = STEP_COPIES.get(run.state_dtype, STEP_COPIES["bf16"])  # fp32 moments with bf16 gradients: bf16's
+    copies += (EXPANSION_COPIES if run.state_expand else 0) + (
+        BF16_GRAD_COPIES if run.grad_dtype == "bf16" else 0
+    )
+    return copies * FP32_BYTES * min(shape.largest_param, STEP_ELEMENTS)
 
 
 def gradient_bytes(shape: ModelShape, run: PlanInputs) -> float:

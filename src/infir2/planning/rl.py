@@ -106,6 +106,7 @@ def plan_rl(
             activation_checkpointing=cfg.model.activation_checkpointing,
             state_dtype=cfg.optim.state_dtype,
             state_block=cfg.optim.fp8_block,
+            state_expand=cfg.optim.fp8_range_expansion,
             grad_dtype=cfg.optim.grad_dtype,
             loss_chunk_tokens="auto",
             recompute_mlp=cfg.model.recompute_mlp,
