@@ -227,8 +227,9 @@ class _RepackedFp8Method:
         self.scale_inv, self.perm = scale_inv, perm
 
     def apply(self, layer, x, bias=None):
-        codes = torch.empty_like(layer.weight.float())
-        codes.view(-1)[self.perm] = layer.weight.float().view(-1)  # un-permuted where it computes
+        held = layer.weight.view(torch.float8_e4m3fn).float()  # codes held as bytes of another dtype too
+        codes = torch.empty_like(held)
+        codes.view(-1)[self.perm] = held.view(-1)  # un-permuted where it computes
         w = dequantize_export(codes.to(torch.float8_e4m3fn), self.scale_inv)
         return (x.float() @ w.T).to(x.dtype)
 
@@ -264,6 +265,9 @@ def test_the_dequantized_read_back_checks_a_repacked_layout_by_its_values():
         layer.weight = torch.nn.Parameter(codes.view(-1)[perm].view(codes.shape), requires_grad=False)
         layer.input_size, layer.params_dtype = codes.shape[1], torch.bfloat16
         layer.quant_method = _RepackedFp8Method(codes, scale_inv, perm)
+        if name.endswith("down_proj"):  # repacked into bytes: a block-FP8 layer by its block scales
+            layer.weight = torch.nn.Parameter(layer.weight.data.view(torch.uint8), requires_grad=False)
+            layer.weight_scale_inv = scale_inv
         _put(model, name, layer)
     held = dequantized_weights(model, chunk=128)
     assert sorted(held) == sorted(f"{n}.weight" for n in fused)

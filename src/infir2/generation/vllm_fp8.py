@@ -140,7 +140,8 @@ def dequantized_weights(model: torch.nn.Module, chunk: int = 512) -> dict[str, t
     for name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
         weight = getattr(module, "weight", None)
-        if method is None or weight is None or weight.dtype != torch.float8_e4m3fn:
+        blocks = getattr(module, "weight_scale_inv", None) is not None  # a kernel may repack to another dtype
+        if method is None or weight is None or not (blocks or weight.dtype == torch.float8_e4m3fn):
             continue
         size = int(getattr(module, "input_size_per_partition", None) or module.input_size)
         dtype = getattr(module, "params_dtype", torch.bfloat16)
