@@ -37,6 +37,12 @@ next phase runs; ``--budget-s`` skips the phases that would start after the budg
               ``cache_fp8_weights``: BF16 vs FP8 on each backend, step time (CUDA events), TFLOP/s and
               peak memory, with the ratios to compare with InfiR2's 0.78x time and 0.86x memory
               (1-2 minutes).
+7. vllm     - (only when named: ``--phases env,vllm``; needs vLLM installed) the vllm engine's rollouts
+              (``benchmarks/vllm_bench.py``, each arm in a process of its own): rollout tokens/s of the
+              BF16 (``rollout.precision: high``, bf16) and FP8 (``rollout.precision: fp8``: the FP8 export's
+              weights, bf16 activations) engines on a random Qwen2.5-1.5B-shaped model (64 prompts x 8
+              samples, 256 + 512 tokens), the refit time per update, and the rollout-vs-trainer mismatch
+              of each (mean / max |dlogp|; the FP8 pair's is FP8's own). Not run on a GPU yet.
 
 Writes ``<out>/gpu_bench.json`` (every phase: status, seconds, rows, error) and ``<out>/gpu_bench.txt``
 (the tables) after every phase, and ``<out>/checks.txt`` (the pytest output). Exit status: 0 when every
@@ -76,7 +82,9 @@ from infir2.tools.bench.measure import QWEN25_LAYERS, StepModel, device_name, st
 from infir2.tools.bench.moe import MOE_GPU_SHAPES, MoeShape, grouped_projection, mlp_step, routed_counts
 
 ROOT = Path(__file__).resolve().parents[1]
-PHASES = ("env", "checks", "gemm", "quantize", "moe", "step")
+PHASES = ("env", "checks", "gemm", "quantize", "moe", "step", "vllm")
+#: what runs without --phases: vllm needs vLLM installed beside torch (the GPU image has none)
+DEFAULT_PHASES = PHASES[:-1]
 #: the grouped FP8 GEMM against the bf16 grouped GEMM (torchao's floors, dB): output, gradients
 MOE_SQNR_FLOORS = {"y": 27.0, "dx": 26.0, "dw": 26.0}
 #: the GPU grouped GEMM against the CPU emulation of the same operands (the dense kernels' bound)
@@ -575,6 +583,44 @@ def _guarded_dict(fn: Callable[[], dict]) -> dict:
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]}
 
 
+def _vllm_arm(arm: str, device: torch.device, layers: int | None, timeout_s: float) -> dict:
+    """One arm of ``vllm_bench.py`` in a process of its own: its JSON line, or why there is none."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "vllm_bench.py"), "--arm", arm, "--device", device.type]
+    cmd += ["--layers", str(layers)] if layers else []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"arm": arm, "error": f"timed out after {timeout_s:g} s (--vllm-timeout)"}
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if lines:
+        return json.loads(lines[-1])
+    tail = [ln for ln in done.stderr.splitlines() if ln.strip()][-1:] or ["no output"]
+    return {"arm": arm, "error": f"exit {done.returncode}: {tail[0][:200]}"}
+
+
+def phase_vllm(
+    device: torch.device, layers: int | None, timeout_s: float, report: Report, rows: list[dict]
+) -> None:
+    """The vllm engine's rollouts (``vllm_bench.py``: the high-precision arm -- bf16 on CUDA -- and the FP8
+    one, each in its own process): tokens/s, refit time per update, the rollout-vs-trainer mismatch; the
+    FP8 arm beside the high-precision one."""
+    if importlib.util.find_spec("vllm") is None:
+        raise RuntimeError("vLLM is not installed here (pip install vllm; on a CPU: .ci/vllm-env)")
+    base = None
+    for arm in ("high", "fp8"):
+        row = _vllm_arm(arm, device, layers, timeout_s)
+        if arm == "high" and "error" not in row:
+            base = row
+        if arm == "fp8" and base is not None and "error" not in row:
+            row["tokens/s vs high"] = row["rollout tokens/s"] / base["rollout tokens/s"]
+            row["refit vs high"] = row["refit s (median)"] / base["refit s (median)"]
+        rows.append(row)
+        report.write()
+    if any("error" in r for r in rows):
+        raise RuntimeError("; ".join(f"{r['arm']}: {r['error']}" for r in rows if "error" in r))
+
+
 # ----------------------------------------------------------------------------------------------
 # driver
 
@@ -602,7 +648,12 @@ def _meta(device: torch.device, argv: list[str]) -> dict[str, Any]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("bench-gpu"), help="output folder")
-    p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, of {', '.join(PHASES)}")
+    p.add_argument(
+        "--phases",
+        default=",".join(DEFAULT_PHASES),
+        help=f"comma-separated, of {', '.join(PHASES)} (default: all but vllm)",
+    )
+    p.add_argument("--vllm-timeout", type=float, default=420.0, help="seconds one vLLM arm may take")
     p.add_argument("--checks-only", action="store_true", help="env and checks only")
     p.add_argument("--skip-checks", action="store_true", help="every phase but the checks")
     p.add_argument("--layers", type=int, default=None, help="decoder layers of the step model (default 28)")
@@ -652,6 +703,7 @@ def main(argv: list[str] | None = None) -> int:
         "quantize": lambda rows: phase_quantize(device, sizes, backends, rows),
         "moe": lambda rows: phase_moe(device, sizes, backends, report.phase("moe"), rows),
         "step": lambda rows: phase_step(device, sizes, backends, report, deadline, rows),
+        "vllm": lambda rows: phase_vllm(device, args.layers, args.vllm_timeout, report, rows),
     }
     print(json.dumps(report.data["meta"]), flush=True)
     for name in phases:

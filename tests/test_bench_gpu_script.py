@@ -140,3 +140,42 @@ def test_the_whole_dry_run_without_the_packages_the_gpu_image_lacks(tmp_path):
     assert phases["checks"]["rows"][0]["passed"] >= 1  # the collection test of tests/gpu
     assert [r["arm"] for r in phases["step"]["rows"]] == ["bf16", "fp8[fast_emulated]"]
     assert all(r["ok"] for r in phases["moe"]["rows"] if "ok" in r) and len(phases["moe"]["rows"]) == 3
+
+
+def test_the_vllm_phase_is_named_to_run_and_says_why_it_cannot_without_vllm(bench, tmp_path, monkeypatch):
+    """Not among the default phases (the GPU image has no vLLM); named without vLLM installed, it is
+    recorded as an error naming how to install it, and the other phases still run."""
+    assert "vllm" in bench.PHASES and "vllm" not in bench.DEFAULT_PHASES
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)
+    )
+    rc = bench.main(["--device", "cpu", "--out", str(tmp_path), "--phases", "env,vllm"])
+    phases = json.loads((tmp_path / "gpu_bench.json").read_text())["phases"]
+    assert rc == 1 and phases["env"]["status"] == "ok"
+    assert (
+        phases["vllm"]["error"]
+        == "RuntimeError: vLLM is not installed here (pip install vllm; on a CPU: .ci/vllm-env)"
+    )
+
+
+def test_vllm_bench_refuses_bad_arguments_in_one_line(tmp_path):
+    script = ROOT / "benchmarks" / "vllm_bench.py"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    for args, line in (
+        (["--arm", "fp8", "--device", "cpu", "--layers", "0"], "vllm_bench.py: --layers must be >= 1, got 0"),
+        (["--arm", "int4"], "argument --arm: invalid choice: 'int4'"),
+    ):
+        done = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True)
+        assert done.returncode == 2 and line in done.stderr, done.stderr
+    if not torch_cuda():
+        done = subprocess.run(
+            [sys.executable, str(script), "--arm", "high"], env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 2 and "--device cuda: no CUDA device here" in done.stderr, done.stderr
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

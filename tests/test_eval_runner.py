@@ -122,6 +122,7 @@ def test_fp8_is_off_by_default(tiny_tokenizer) -> None:
     )  # restored
     fp8 = evaluate(converted, tiny_tokenizer, problems, precision="recipe", **kwargs)
     assert fp8.summary["precision"] == "recipe (blockwise)" and len(fp8.records) == len(problems)
+    assert reference.summary["dtype"] == "float32"  # what the high-precision parts computed in
     with pytest.raises(ValueError, match="no Fp8Linear"):
         evaluate(make_tiny_model(), tiny_tokenizer, problems, precision="recipe", **kwargs)
 

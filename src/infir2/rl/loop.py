@@ -54,7 +54,7 @@ import copy
 import json
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -177,8 +177,8 @@ def _build_engine(cfg: RLConfig, model: nn.Module, tokenizer: Any) -> RolloutEng
     settings: Any = (
         None  # the engine's own settings: the vllm section, the builtin's from the run (else defaults)
     )
-    if r.engine == "vllm":
-        settings = cfg.vllm.settings()
+    if r.engine == "vllm":  # auto serves model.precision's dtype, as the builtin engine's rollouts
+        settings = replace(cfg.vllm.settings(), model_precision=cfg.model.precision)
     elif ENGINES[r.engine].settings is BuiltinSettings:
         base_dtype = {"bf16": torch.bfloat16, "fp32": None}[r.base_dtype]
         settings = BuiltinSettings(cfg.model.precision, copy_model=True, base_dtype=base_dtype)
@@ -359,6 +359,7 @@ def _step(run: Run, state: RLState) -> dict[str, Any]:
         "train_time_s": now - t1,
         "step_time_s": now - t0,
         "refit_time_s": run.engine.refit_s if groups else 0.0,  # the sync (step 4) into the engine
+        "rollout_dtype": getattr(run.engine.engine, "served_dtype", None),  # what the engine computed in
         "samples_seen": state.samples_seen,
         "peak_mem_gib": peak_memory_gib(run.env.device),
     }
