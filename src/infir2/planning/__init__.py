@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from .context import check_context, context_kv_bytes
 from .dense import Plan, plan, plan_step
-from .fit import GPU_GIB, USABLE, fit_advice, rl_fit
+from .fit import GPU_GIB, USABLE, fewest_gpus, fit_advice, rl_fit, what_fits
 from .format import PUBLISHED, format_plan, format_rl_plan
 from .inputs import WEIGHT_SCOPES, PlanInputs
 from .layer import MEASURED, MEASURED_CPU, layer_figures
@@ -36,6 +36,7 @@ __all__ = [
     "RLPlan",
     "check_context",
     "context_kv_bytes",
+    "fewest_gpus",
     "fit_advice",
     "format_plan",
     "format_rl_plan",
@@ -47,4 +48,5 @@ __all__ = [
     "rl_context",
     "rl_fit",
     "unmodelled",
+    "what_fits",
 ]

@@ -10,7 +10,7 @@ from .inputs import PlanInputs
 from .rl import RLPlan, peak_phase
 from .shape import ModelShape
 
-__all__ = ["GPU_GIB", "USABLE", "fit_advice", "rl_fit"]
+__all__ = ["GPU_GIB", "USABLE", "fewest_gpus", "fit_advice", "rl_fit", "what_fits"]
 
 #: memory of one GPU (GiB) by name: what a plan must fit (``--gpu``)
 GPU_GIB: dict[str, float] = {"h100": 80.0, "h200": 141.0, "a100": 80.0, "b200": 180.0, "l40s": 48.0}
@@ -50,6 +50,34 @@ def fit_advice(shape: ModelShape, run: PlanInputs, peak: float, gpu: str) -> str
     return (
         f"warning: does not fit a {gpu.upper()} ({GPU_GIB[gpu]:.0f} GiB, {USABLE:.0%} usable): FP8 peak "
         f"{peak / gib:.1f} GiB per GPU. What would fit, each alone: {what}"
+    )
+
+
+def fewest_gpus(shape: ModelShape, run: PlanInputs, gpu: str, most: int = 64) -> int | None:
+    """The fewest GPUs (1, 2, 4, ... ``most``) on which ``run`` fits ``USABLE`` of ``gpu``; None: none.
+    bf16 gradients exist on one GPU only: beyond it the run keeps fp32 ones."""
+    limit, gpus = GPU_GIB[gpu] * USABLE * 2**30, 1
+    while gpus <= most:
+        trial = replace(run, gpus=gpus, grad_dtype=run.grad_dtype if gpus == 1 else "fp32")
+        if run.context <= gpus and gpus % run.context == 0 and plan_step(shape, trial).peak <= limit:
+            return gpus
+        gpus *= 2
+    return None
+
+
+def what_fits(shape: ModelShape, run: PlanInputs, gpu: str) -> str:
+    """One line: the fewest GPUs for BF16 as most runs train (fp32 moments and gradients), BF16 with
+    ``run``'s optimizer options, and ``run``'s recipe with them."""
+    usual = replace(run, recipe="bf16", state_dtype="fp32", grad_dtype="fp32", state_expand=False)
+    rows = [("BF16, fp32 moments and gradients", usual), ("BF16, these options", replace(run, recipe="bf16"))]
+    rows.append((f"{run.recipe}, these options", run))
+    said = []
+    for label, r in rows:
+        n = fewest_gpus(shape, r, gpu)
+        said.append(f"{label}: {n if n is not None else 'more than 64'} GPU{'s' if n != 1 else ''}")
+    return (
+        f"what fits a {gpu.upper()} ({USABLE:.0%} of {GPU_GIB[gpu]:.0f} GiB) at {run.seq_len} tokens: "
+        + "; ".join(said)
     )
 
 

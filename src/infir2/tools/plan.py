@@ -116,6 +116,7 @@ from ..planning import (
     rl_context,
     rl_fit,
     unmodelled,
+    what_fits,
 )
 from ..planning.optimizer import GRAD_DTYPES, STATE_DTYPES
 from .memory import add_run_arguments
@@ -328,8 +329,17 @@ def run(args: argparse.Namespace) -> int:
     )
     base, fp8 = plan_step(shape, replace(inputs, recipe="bf16")), plan_step(shape, inputs)
     print(format_plan(name, base, fp8, args.recipe, args.seq_len, args.device))
+    usual = plan_step(
+        shape, replace(inputs, recipe="bf16", state_dtype="fp32", grad_dtype="fp32", state_expand=False)
+    )
+    if usual.peak != base.peak:
+        print(
+            f"against BF16 with fp32 moments and gradients (what most runs use): peak {usual.peak / 2**30:.2f} "
+            f"GiB; this {args.recipe} plan {fp8.peak / usual.peak:.3f}x"
+        )
     if args.device == "cuda":
         print(fit_advice(shape, inputs, fp8.peak, args.gpu))
+        print(what_fits(shape, inputs, args.gpu))
     if shape.experts:
         print(MOE_NOTE)
     return 0
