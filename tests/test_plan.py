@@ -184,10 +184,12 @@ def test_a_plan_that_does_not_fit_its_gpu_says_so_and_what_would(capsys):
     from infir2.cli import main
 
     assert main(["plan", "qwen2.5-7b", "--gpus", "8", "--seq-len", "32768"]) == 0
-    last = capsys.readouterr().out.strip().splitlines()[-1]
+    *_, last, fits = capsys.readouterr().out.strip().splitlines()
     assert last.startswith("warning: does not fit a H100 (80 GiB"), last
     assert "activation checkpointing (" in last and "--seq-len 8192 (" in last
+    assert fits.endswith("blockwise, these options: none of 1 to 64 GPUs"), fits  # activations do not shard
     assert (
         main(["plan", "qwen2.5-7b", "--gpus", "8", "--seq-len", "32768", "--activation-checkpointing"]) == 0
     )
-    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("fits a H100 (80 GiB)")
+    *_, last, fits = capsys.readouterr().out.strip().splitlines()
+    assert last.startswith("fits a H100 (80 GiB)") and fits.endswith("blockwise, these options: 4 GPUs"), fits

@@ -74,7 +74,9 @@ def what_fits(shape: ModelShape, run: PlanInputs, gpu: str) -> str:
     said = []
     for label, r in rows:
         n = fewest_gpus(shape, r, gpu)
-        said.append(f"{label}: {n if n is not None else 'more than 64'} GPU{'s' if n != 1 else ''}")
+        said.append(
+            f"{label}: {'none of 1 to 64 GPUs' if n is None else f'{n} GPU' + ('s' if n > 1 else '')}"
+        )
     return (
         f"what fits a {gpu.upper()} ({USABLE:.0%} of {GPU_GIB[gpu]:.0f} GiB) at {run.seq_len} tokens: "
         + "; ".join(said)
