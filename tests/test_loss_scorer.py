@@ -1,7 +1,8 @@
 """The token scorer (``loss.score_tokens`` / ``chunked_token_scores``) equals a float64 full-vocabulary
 ``log_softmax``: log-probabilities, entropies and the gradients of both, at temperatures 1.0 and 0.6,
 with padding, uneven response lengths and chunks that do and do not divide the token count; and it
-never makes a ``[tokens, vocab]`` block beyond its chunk."""
+never makes a ``[tokens, vocab]`` block beyond its chunk, nor holds more than one (two with the
+entropy) at once."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from conftest import make_tiny_model
 from infir2.loss import chunked_token_scores, score_tokens
 from infir2.rl.batch import RLBatch
 from infir2.rl.update import response_logprobs
+from live_bytes import LiveBytes
 
 pytestmark = pytest.mark.transformers_api  # CI runs this file again under the oldest transformers
 
@@ -164,3 +166,29 @@ def test_rl_scoring_is_chunked_under_the_budget(monkeypatch: pytest.MonkeyPatch)
     assert ent is not None and plain_ent is not None
     torch.testing.assert_close(chunked[real], plain[real], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ent[real], plain_ent[real], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_chunks_vocabulary_block_alive_at_a_time(entropy: bool, dtype: torch.dtype) -> None:
+    """The ``[*, V]`` bytes the scorer holds at once, counted per allocation, in forward and in backward:
+    one fp32 ``[chunk, V]`` block (each made in place of the last, freed before the next chunk's logits),
+    two where the entropy or its gradient needs ``p`` beside ``logp``; under bf16 autocast the head's
+    bf16 logits (half a block) beside the first fp32 block, the bf16 gradient beside the last. (The
+    backward of 0dae9d9..b41cd12 held three fp32 blocks: ``p`` beside the logits, and the previous
+    chunk's gradient while the next chunk's logits were made.)"""
+    tokens, vocab, hidden, chunk = 64, 4096, 8, 16
+    h, w, targets, mix = _inputs(tokens, hidden, vocab)
+    h, w = h.requires_grad_(), w.requires_grad_()
+    block = chunk * vocab * 4
+    blocks = 2 if entropy else 1
+    forward, backward = LiveBytes(vocab, hidden), LiveBytes(vocab, hidden)
+    with forward, torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        logp, ent = chunked_token_scores(h, w, targets, 0.6, chunk, entropy=entropy)
+    loss = (logp * mix).sum() + (0 if ent is None else (ent * mix.flip(0)).sum())
+    with backward:
+        loss.backward()
+    half = block // 2 if dtype == torch.bfloat16 else 0
+    bound = max(blocks * block, block + half)
+    assert forward.peak == bound, forward.peak / block
+    assert backward.peak == bound, backward.peak / block

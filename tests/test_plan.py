@@ -16,6 +16,7 @@ from infir2.nn import cache_fp8_weights, convert_to_fp8, recompute_swiglu
 from infir2.planning import MODELS, ModelShape, load_shape, plan
 from infir2.tools.memory import saved_in_graph
 from infir2.train.config import parse_config
+from live_bytes import LiveBytes
 from train_synthetic import one_thread
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
@@ -85,6 +86,30 @@ def test_saved_bytes_match_a_whole_tiny_model(recipe: str, chunk: int, recompute
         recompute_mlp=recompute,
     )
     _within(p.activations + p.logits_saved + p.weight_copies, measured)
+
+
+@pytest.mark.parametrize(("precision", "device"), [("fp32", "cpu"), ("bf16", "cuda")])
+def test_chunked_logits_in_backward_are_what_a_tiny_models_backward_holds(precision: str, device: str):
+    """The plan's chunked-loss backward term == the most ``[*, V]`` bytes a tiny model's backward of
+    ``lm_loss_sum`` holds at once (counted per allocation): fp32 on a CPU, bf16 autocast as on a GPU."""
+    vocab, hidden, chunk = 2048, 64, 32
+    model = make_tiny_model(vocab_size=vocab, hidden=hidden, layers=1)
+    ids = torch.randint(0, vocab, (BATCH, SEQ + 1))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        loss = lm_loss_sum(model, ids, ids, chunk_tokens=chunk)
+    counted = LiveBytes(vocab, hidden)
+    with counted:
+        loss.backward()
+    p = plan(
+        _shape(model),
+        "bf16",
+        seq_len=SEQ,
+        micro_batch=BATCH,
+        loss_chunk_tokens=chunk,
+        precision=precision,
+        device=device,
+    )
+    assert p.logits_backward == counted.peak, (p.logits_backward, counted.peak)
 
 
 def test_shipped_shapes_and_config_json(tmp_path) -> None:

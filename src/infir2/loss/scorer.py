@@ -19,11 +19,13 @@ sampling temperature:
   ``dz_c = g_logp * (onehot(target) - p_c) - g_H * p_c * (logp_c + H)``, divided by ``T``; then
   ``dh_c = dz_c @ W`` and ``dW += dz_c.T @ h_c`` (accumulated in the math dtype).
 
-So the largest temporaries are two ``[chunk_tokens, V]`` blocks in the math dtype (one without the
-entropy in forward), plus the ``compute_dtype`` logits, whatever the sequence length; the price is one
-extra ``h @ W.T`` GEMM per step (backward recomputes the logits instead of keeping them). Values match
-``log_softmax((hidden @ weight.T).float() / T)`` to fp32 round-off (``tests/test_loss_scorer.py``
-compares both, and their gradients, with a float64 reference).
+So the largest temporary is one ``[chunk_tokens, V]`` block in the math dtype (two while the entropy
+or its gradient is computed: ``p`` beside ``logp``), plus the ``compute_dtype`` logits, whatever the
+sequence length: each block is made in place of the last and dies before the next chunk's logits
+(``tests/test_loss_scorer.py`` counts the live bytes). The price is one extra ``h @ W.T`` GEMM per
+step (backward recomputes the logits instead of keeping them). Values match ``log_softmax((hidden @
+weight.T).float() / T)`` to fp32 round-off (``tests/test_loss_scorer.py`` compares both, and their
+gradients, with a float64 reference).
 
 ``chunk_tokens_for(setting, tokens, vocab)`` is the policy (``train.loss_chunk_tokens``): ``"auto"``
 chunks when a micro-batch's fp32 logits would exceed ``AUTO_CHUNK_BYTES`` (256 MiB), and then at the
@@ -128,35 +130,50 @@ class ChunkedTokenScorer(torch.autograd.Function):
         for start in range(0, hidden.shape[0], ctx.chunk_tokens):
             rows = slice(start, start + ctx.chunk_tokens)
             h = hidden[rows].to(dtype)
-            logp_all = _logits(h, w, dtype, temperature).sub_(lse[rows, None])  # in place of the logits
-            p = logp_all.exp()
-            # dz = g_logp * (onehot - p) - g_H * p * (logp_all + H), the factor built in place of logp_all
             g = None if grad_logp is None else grad_logp[rows, None].to(math_dtype)
-            if use_ent:
-                assert grad_ent is not None
-                coef = logp_all.add_(ent[rows, None]).mul_(-grad_ent[rows, None].to(math_dtype))
-                if g is not None:
-                    coef.sub_(g)
-            else:
-                assert g is not None
-                coef = -g  # [c, 1]
-            dz = p.mul_(coef)
-            if g is not None:
-                dz[torch.arange(len(g), device=dz.device), targets[rows]] += g[:, 0]
-            del logp_all, coef
+            g_ent = None
+            if use_ent and grad_ent is not None:  # the entropy and its incoming gradient, [c, 1] each
+                g_ent = (ent[rows, None], grad_ent[rows, None].to(math_dtype))
+            dz_c = _grad_logits(_logits(h, w, dtype, temperature), lse[rows], targets[rows], g, g_ent)
             if temperature != 1.0:
-                dz.div_(temperature)
-            dz_c = dz.to(dtype)
-            del dz, p
+                dz_c.div_(temperature)
+            dz_c = dz_c.to(dtype)
             if grad_h is not None:
                 grad_h[rows] = dz_c @ w  # [c,V] @ [V,H] -> [c,H]
-            if grad_w is None:
-                continue
-            if dtype == math_dtype:  # in place: no [V,H] temporary per chunk
+            if grad_w is not None and dtype == math_dtype:  # in place: no [V,H] temporary per chunk
                 grad_w.addmm_(dz_c.t(), h)  # [V,c] @ [c,H] -> [V,H]
-            else:  # one [V,H] product in `dtype`, added into the fp32 sum without an fp32 copy
+            elif grad_w is not None:  # one [V,H] product in `dtype`, added without an fp32 copy
                 grad_w.add_(dz_c.t() @ h)  # [V,c] @ [c,H] -> [V,H]
+            del dz_c  # before the next chunk's logits: one chunk's [c,V] gradient alive at a time
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None
+
+
+def _grad_logits(
+    z: torch.Tensor,
+    lse: torch.Tensor,
+    targets: torch.Tensor,
+    g: torch.Tensor | None,
+    g_ent: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """``dz = g * (onehot(target) - p) - g_H * p * (logp + H)`` of one chunk, from its logits ``z``
+    (``[c,V]``, math dtype, consumed) and ``lse``, ``g`` and ``g_ent = (H, g_H)`` (``[c,1]`` each).
+
+    Without the entropy's gradient ``p`` is made in place of ``z``: one ``[c,V]`` block (as the chunked
+    CE did); with it ``logp`` and ``p`` are both needed, a second block that dies here."""
+    logp_all = z.sub_(lse[:, None])  # in place of the logits
+    if g_ent is None:
+        assert g is not None
+        dz = logp_all.exp_().mul_(-g)  # p, then -g * p, in place
+    else:
+        p = logp_all.exp()
+        ent, grad_ent = g_ent
+        coef = logp_all.add_(ent).mul_(-grad_ent)  # the factor, in place of logp
+        if g is not None:
+            coef.sub_(g)
+        dz = p.mul_(coef)
+    if g is not None:
+        dz[torch.arange(len(g), device=dz.device), targets] += g[:, 0]
+    return dz
 
 
 def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:

@@ -13,7 +13,7 @@
 * activations  per-layer bytes per token times tokens times layers; with activation checkpointing each
                layer's fp32 input plus one layer's full set; plus the final norm and the context term
 * logits       plain loss: the fp32 log-softmax (4 T V) and, in backward, its and the logits' gradients
-               (8 T V); chunked: two ``[chunk, V]`` fp32 blocks
+               (8 T V); chunked: one ``[chunk, V]`` fp32 block (1.5 under bf16: the bf16 logits beside it)
 * optimizer step  AdamW's temporaries during its step, when the activations are gone (``planning.optimizer``)
 * all-gather   bytes each GPU receives per optimizer step; reduce-scatter of fp32 gradients
 """
@@ -125,12 +125,15 @@ def _activations(shape: ModelShape, run: PlanInputs, per_token: float) -> float:
 
 def _logits(shape: ModelShape, run: PlanInputs) -> tuple[float, float]:
     """(kept for backward, made during backward): the plain loss's [T, V] blocks, or the chunked
-    scorer's fp32 loss per token and two ``[chunk, V]`` blocks."""
+    scorer's fp32 log-sum-exp per token and one ``[chunk, V]`` fp32 block (the recomputed logits, made
+    into their gradient in place), with half a block more under bf16 (the head's bf16 logits beside it,
+    then the bf16 gradient); ``tests/test_plan.py`` counts them in a tiny model's backward."""
     tokens = run.tokens
     chunk = chunk_tokens_for(run.loss_chunk_tokens, tokens, shape.vocab)
     if chunk is None:
         return tokens * shape.vocab * PLAIN_LOGITS_SAVED, tokens * shape.vocab * PLAIN_LOGITS_BACKWARD
-    return tokens * FP32_BYTES, 2 * min(chunk, tokens) * shape.vocab * FP32_BYTES
+    block = min(chunk, tokens) * shape.vocab * FP32_BYTES
+    return tokens * FP32_BYTES, block * (1.5 if run.precision == "bf16" and not run.cpu else 1.0)
 
 
 def _weights(shape: ModelShape, run: PlanInputs, weight_copy: int) -> tuple[float, float, float]:

@@ -24,7 +24,8 @@ recipe side by side, next to InfiR2's published FP8/BF16 peak-memory ratios wher
                tokens per micro-batch times layers; with activation checkpointing, each layer's fp32
                input plus one layer's full set (the one being recomputed); plus the final norm
 * logits       plain loss: the fp32 log-softmax kept for backward (4 T V) and, during backward, its
-               gradient and the logits' gradient (8 T V more); chunked: two ``[chunk, V]`` fp32 blocks
+               gradient and the logits' gradient (8 T V more); chunked: one ``[chunk, V]`` fp32 block
+               in backward (1.5 under bf16: the head's bf16 logits, then the bf16 gradient, beside it)
 * optimizer step  AdamW's temporaries during its step, when the activations are gone: torch's foreach
                AdamW on a CPU (fp32 moments) makes 4 bytes per parameter at once, the fused one on
                CUDA none, ``LowPrecisionAdamW`` three fp32 copies of the largest parameter; the peak
