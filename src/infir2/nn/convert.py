@@ -222,13 +222,18 @@ def convert_to_fp8(
         notable = notable or _looks_convertible(m, fqn, reason)
     experts = _select_experts(model, module_filter_fn, kept, tail, high_precision_tail)
     notable = notable or any(r.startswith(_UNRECOGNISED) for r in kept)
+    if not chosen and not experts and tail:
+        raise ValueError(
+            f"high_precision_tail={high_precision_tail} keeps all {len(tail)} decoder block(s) of this model "
+            "in high precision (the last ceil(fraction x blocks)): nothing is left to run in low precision; "
+            "drop the tail (the recipe without +tail) or use a model with more decoder blocks"
+        )
     if not chosen and not experts:
         raise _no_layer_error(model)
     if experts and recipe.x.is_fp4:
         raise ValueError(
             f"recipe {recipe.name!r} (NVFP4) runs dense linears only: the routed experts ({experts[0]!r}, "
-            f"{len(experts)} module(s)) run FP8 recipes; train this model with an FP8 recipe, or keep the "
-            "experts high precision with module_filter_fn"
+            f"{len(experts)} module(s)) run FP8 recipes; use an FP8 recipe (e.g. blockwise) for this model"
         )
     _warn_low_precision(model, chosen, experts)
     _swap_in(model, chosen, lambda m: Fp8Linear.from_linear(cast(nn.Linear, m), recipe, backend))

@@ -54,7 +54,8 @@ import dataclasses
 import os
 from pathlib import Path
 
-from ..recipe_spec import recipe_specs
+from ..._paths import check_out_folder
+from ..recipe_spec import check_tail, recipe_specs
 from .pipeline import FULL, QUICK, data_only, run_demo
 from .report import README_END, README_START, render, update_readme
 from .results import DemoRecord
@@ -144,12 +145,17 @@ def run(args: argparse.Namespace) -> int:
     settings = QUICK if args.quick else FULL
     if args.seeds is not None:
         settings = dataclasses.replace(settings, seeds=parse_seeds(args.seeds))
+    check_tail(recipes, settings.num_layers, "--recipes", "the demo's model")
+    if settings.text_width:
+        check_tail(recipes, settings.text_layers, "--recipes", "the demo's real-text model")
     out = Path(args.out)
     if args.data_only and (args.report_only or args.update_readme):
         raise ValueError(
             "--data-only trains nothing and writes no results; it does not go with --report-only "
             "or --update-readme"
         )
+    if not (args.report_only or args.update_readme):  # a run: its folder checked before any work
+        check_out_folder(out, "--out")
     if args.rl:
         return _run_rl(args, out)
     if args.report_only or args.update_readme:
