@@ -1307,7 +1307,21 @@ def round4_cases(w: World) -> list[Case]:
         ),
         Case(R + "config/rl-config-as-cpt", ["config", str(w.rl_yaml), "--stage", "train"], ("--stage",)),
     ]
-    # 8. flags that do not apply
+    # 8. flags that do not apply, and an export that would not load
+    for name, changes, needle in [
+        ("hidden", {"hidden_size": 128}, "lm_head.weight"),
+        ("layers", {"num_hidden_layers": 2, "layer_types": None}, "model.layers.1"),
+        ("vocab", {"vocab_size": 512}, "lm_head.weight"),
+    ]:
+        folder = f"m-r4-config-{name}"
+        cases.append(
+            Case(
+                f"{R}export/config-disagrees-{name}",
+                ["export", "--model", w.p(folder), "--out", w.p(f"export-out/r4-{name}")],
+                (needle,),
+                setup=w.model_copy(folder, lambda f, c=changes: _edit_config(f, c)),
+            )
+        )
     cases += [
         e("split-without-ppl", ["--split", "train"], ("--split",)),
         e("seq-len-without-ppl", ["--seq-len", "32"], ("--seq-len",)),
@@ -1345,6 +1359,12 @@ def round4_cases(w: World) -> list[Case]:
         ),
     ]
     return cases
+
+
+def _edit_config(folder: Path, changes: dict) -> None:
+    """``folder/config.json`` with ``changes`` (a key changed to None is removed)."""
+    config = {**json.loads((folder / "config.json").read_text()), **changes}
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
 
 
 def _recipe_run(w: World, name: str, recipe: str) -> Callable[[], None]:

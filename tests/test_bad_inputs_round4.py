@@ -416,3 +416,26 @@ def test_a_demo_that_fails_part_way_says_what_it_kept(tmp_path, monkeypatch):
     assert "a run failed (1 of 4 runs had finished in" in str(e.value)
     assert "starts the demo over" in str(e.value)
     assert not (tmp_path / "d" / "results.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"hidden_size": 128}, "lm_head.weight is [300, 64] in the files, [300, 128] by config.json"),
+        ({"intermediate_size": 64}, "mlp.down_proj.weight is [64, 256] in the files, [64, 64]"),
+        ({"num_hidden_layers": 2, "layer_types": None}, "it names model.layers.1."),
+        ({"num_hidden_layers": 2}, "transformers cannot build a model from it"),
+    ],
+)
+def test_an_export_whose_config_disagrees_with_its_tensors_is_refused_before_writing(
+    configs, capsys, changes, needle
+):
+    """The tensors were copied beside a config.json of another size: a folder that does not load."""
+    root, _, _ = configs
+    model = root / "model"
+    config = json.loads((model / "config.json").read_text())
+    config.update(changes)
+    (model / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    out = root / "export"
+    _refused(capsys, ["export", "--model", str(model), "--out", str(out)], "config.json", needle)
+    assert not out.exists() and not list(root.glob(".tmp-export-*"))
