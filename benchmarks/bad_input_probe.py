@@ -1,4 +1,4 @@
-"""A probe of bad inputs through the real command line (issues 28 and 46): each case runs ``infir2 ...`` on a
+"""A probe of bad inputs through the real command line (issues 28, 46 and 60): each case runs ``infir2 ...`` on a
 bad input made from tiny fixtures in a temporary folder and is classified
 
   GOOD        exit 2 (or 1 for a server error), exactly one error line on stderr naming the input
@@ -22,7 +22,8 @@ as above, and the exit code is the root cause's (the first failed worker's), rea
 ``nobody`` case runs as user nobody (``setpriv``) when the probe runs as root, whom chmod does not bind.
 Prints a table (case, command, verdict, first error line), the totals and the counts of tracebacks,
 hangs, exits 0 and refusals after reading weights; ``--only PATTERN`` runs the cases whose name holds
-PATTERN (a regular expression).
+PATTERN (a regular expression): the fourth round's cases (issue 60) are named ``r4/...``, so
+``--only '^r4/'`` runs them and ``--only '^(?!r4/)'`` the earlier rounds'.
 
     PYTHONPATH=src:tests OMP_NUM_THREADS=1 python benchmarks/bad_input_probe.py [--only eval] [--verbose]
 """

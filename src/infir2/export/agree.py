@@ -41,10 +41,11 @@ def check_config_agrees(src: Path, reader: Any) -> None:
     from the module's) when the files lack a tensor it names or hold one it does not."""
     expected, tied = _expected_shapes(src)
     where, fix = src / "config.json", "export from a folder whose config.json is its weights' own"
-    for name in reader.weight_map:
-        if name in expected and tuple(reader.shape_of(name)) != expected[name]:
+    shapes = {n: reader.shape_of(n) for _, names in reader.iter_shards() for n in names if n in expected}
+    for name, shape in shapes.items():  # the headers read one shard open at a time
+        if tuple(shape) != expected[name]:
             raise ValueError(
-                f"{where} disagrees with the weights: {name} is {list(reader.shape_of(name))} in the files, "
+                f"{where} disagrees with the weights: {name} is {list(shape)} in the files, "
                 f"{list(expected[name])} by config.json; {fix}"
             )
     if any(".experts." in n for n in (*expected, *reader.weight_map)):
