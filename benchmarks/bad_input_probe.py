@@ -1121,7 +1121,11 @@ def round4_cases(w: World) -> list[Case]:
             ("--seeds",),
         ),
     ]
-    cases += [Case(R + n, a, k, timeout=60) for n, a, k in dup]
+    out = ["--out", w.p("r4-dup")]  # inside the probe's folder, should a tree start the runs
+    cases += [
+        Case(R + n, [*a, *out] if a[0] in ("demo", "fidelity") and "--out" not in a else a, k, timeout=60)
+        for n, a, k in dup
+    ]
     # 4. zero is a value given
     eval_argv = [
         "eval",
