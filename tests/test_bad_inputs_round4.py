@@ -262,6 +262,7 @@ def test_refusals_known_before_the_weights_come_before_them(configs, moe_dir, ca
     base = ["eval", "--model", str(model), "--limit", "1", "--greedy", "--max-new-tokens", "4"]
     out = root / "rerun"
     assert main([*base, "--precision", "recipe", "--recipe", "blockwise", "--out", str(out)]) == 0
+    assert main([*base, "--precision", "recipe", "--recipe", "blockwise", "--out", str(out)]) == 0  # resumes
     monkeypatch.setattr(infir2.export, "load_checkpoint", _fail)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", _fail)
     _refused(

@@ -193,22 +193,24 @@ def check_experts(path: str | Path, recipe: str, key: str = "fp8.recipe", tail: 
             f"{', '.join(MOE_ARCHS)}; set {key}: bf16 to train it in high precision"
         )
     try:
-        with _quiet("infir2.nn"):  # the skeleton's conversion summary is not the run's
+        with _quiet("infir2.nn", "infir2.kernels"):  # the skeleton's conversion is not the run's
             convert_to_fp8(skeleton, recipe, high_precision_tail=tail)
     except ValueError as e:
         raise ValueError(f"{key}: {recipe} cannot run {path}: {e}") from None
 
 
 @contextmanager
-def _quiet(logger: str) -> Iterator[None]:
-    """``logger``'s records below ERROR dropped inside the block."""
-    log_ = logging.getLogger(logger)
-    level = log_.level
-    log_.setLevel(logging.ERROR)
+def _quiet(*loggers: str) -> Iterator[None]:
+    """The ``loggers``' records below ERROR dropped inside the block."""
+    found = [logging.getLogger(name) for name in loggers]
+    levels = [x.level for x in found]
+    for x in found:
+        x.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        log_.setLevel(level)
+        for x, level in zip(found, levels, strict=True):
+            x.setLevel(level)
 
 
 def prepare_for_training(
