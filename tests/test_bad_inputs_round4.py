@@ -347,9 +347,10 @@ def test_refusals_say_what_to_do(configs, capsys, no_work, tmp_path):
         (["--split", "train"], "--split sets the held-out loss of --perplexity"),
         (["--seq-len", "32"], "--seq-len sets the held-out loss"),
         (["--max-windows", "2"], "--max-windows sets the held-out loss"),
-        (["PPL", "--n", "4"], "--n sets how a benchmark is sampled"),
-        (["PPL", "--greedy"], "--greedy sets how a benchmark is sampled"),
-        (["PPL", "--data", "x.jsonl"], "--data sets how a benchmark is sampled"),
+        (["PPL", "--n", "4"], "--n sets how a benchmark is run"),
+        (["PPL", "--greedy"], "--greedy sets how a benchmark is run"),
+        (["PPL", "--data", "x.jsonl"], "--data sets how a benchmark is run"),
+        (["PPL", "--tokenizer", "tok"], "--tokenizer sets how a benchmark is run"),
     ],
 )
 def test_an_eval_flag_of_the_other_mode_is_refused(configs, capsys, no_work, extra, needle):

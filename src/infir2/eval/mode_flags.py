@@ -15,6 +15,7 @@ __all__ = ["BENCHMARK_FLAGS", "LOSS_FLAGS", "check_mode_flags", "check_recipe"]
 LOSS_FLAGS: dict[str, Any] = {"split": "val", "seq_len": 1024, "max_windows": None}
 BENCHMARK_FLAGS: tuple[str, ...] = (
     "preset",
+    "tokenizer",
     "task",
     "data",
     "n",
@@ -35,7 +36,7 @@ def check_mode_flags(args: argparse.Namespace) -> None:
     """A flag of the held-out loss without --perplexity, or a benchmark's flag with it, is refused (it
     would be ignored); then the loss flags' defaults are filled."""
     if args.perplexity:
-        wrong, why = BENCHMARK_FLAGS, "sets how a benchmark is sampled, not the held-out loss of --perplexity"
+        wrong, why = BENCHMARK_FLAGS, "sets how a benchmark is run, not the held-out loss of --perplexity"
     else:
         wrong, why = tuple(LOSS_FLAGS), "sets the held-out loss of --perplexity TOKEN_DIR: give that too"
     given = [d for d in wrong if getattr(args, d) is not None and getattr(args, d) is not False]
