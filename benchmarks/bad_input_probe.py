@@ -1334,6 +1334,18 @@ def round4_cases(w: World) -> list[Case]:
         e("max-windows-without-ppl", ["--max-windows", "3"], ("--max-windows",)),
         e("ppl-with-n", [*ppl, "--n", "4"], ("--n",)),
         e("ppl-with-greedy", [*ppl, "--greedy"], ("--greedy",)),
+        Case(R + "config/world-size-rl", ["config", str(w.rl_yaml), "--world-size", "4"], ("--world-size",)),
+        Case(R + "config/set-with-keys", ["config", "--keys", "--set", "optim.lr=1"], ("--set",)),
+        Case(
+            R + "demo/report-only-seeds",
+            ["demo", "--report-only", "--seeds", "0,1", "--out", w.p("r4-d")],
+            ("--seeds",),
+        ),
+        Case(
+            R + "demo/data-only-recipes",
+            ["demo", "--data-only", "--recipes", "bf16", "--out", w.p("r4-d")],
+            ("--recipes",),
+        ),
         Case(
             R + "export/scale-encoding-bf16",
             [

@@ -362,6 +362,21 @@ def test_an_eval_flag_of_the_other_mode_is_refused(configs, capsys, no_work, ext
     assert not (root / "o").exists()
 
 
+def test_a_flag_that_would_be_ignored_is_refused(configs, capsys, no_work, tmp_path):
+    root, _, _ = configs
+    out = str(tmp_path / "o")
+    _refused(capsys, ["config", str(root / "rl.yaml"), "--world-size", "4"], "--world-size", "RL config")
+    _refused(capsys, ["config", "--keys", "--set", "optim.lr=1"], "--set goes with a config to check")
+    _refused(capsys, ["config", "--list", "--world-size", "2"], "--world-size goes with a config")
+    for mode in (["--report-only"], ["--update-readme", "README.md"], ["--data-only"]):
+        for flag in (["--seeds", "0,1"], ["--recipes", "bf16"], ["--jobs", "2"]):
+            _refused(
+                capsys, ["demo", *mode, *flag, "--out", out], f"{flag[0]} sets the runs", f"drop {flag[0]}"
+            )
+    _refused(capsys, ["demo", "--report-only", "--quick", "--out", out], "--quick sets the runs")
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "fp32"])
 @pytest.mark.parametrize(
     "flag", [["--scale-encoding", "fp32"], ["--base-dtype", "fp32"], ["--whole-blocks-only"]]
