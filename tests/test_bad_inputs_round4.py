@@ -331,6 +331,13 @@ def test_refusals_say_what_to_do(configs, capsys, no_work, tmp_path):
     _refused(
         capsys, ["fidelity", "--quick", "--recipes", "nvfp4+tail", "--out", out], "use nvfp4 without +tail"
     )
+    tail = ["--set", "fp8.recipe=nvfp4", "--set", "fp8.high_precision_tail=0.5"]  # the config's tail, 1 block
+    _refused(
+        capsys,
+        ["train", str(root / "train.yaml"), "--no-progress", *tail],
+        "fp8.high_precision_tail",
+        "lower it",
+    )
     with pytest.raises(ValueError, match="keeps the last 1 of the 1 decoder block"):
         check_tail(["nvfp4+tail"], 1, "--recipes", "m")  # ceil(0.15 x 1) = 1: every block
     for blocks in (2, 4, 7):  # ceil(0.15 x n) < n: some blocks left in low precision

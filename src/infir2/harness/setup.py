@@ -16,6 +16,7 @@ Every stage reads ``cfg.model`` / ``cfg.fp8`` / ``cfg.run`` the same way:
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -45,15 +46,26 @@ log = logging.getLogger(__name__)
 
 
 def check_model_inputs(cfg: StageConfig) -> None:
-    """``model.path`` is a model folder whose experts the FP8 recipe can run (``model.check_experts``) and
-    ``model.tokenizer`` a folder (each error names its key)."""
-    m = cfg.model
+    """``model.path`` is a model folder the FP8 recipe can convert (``model.check_experts``: its experts,
+    ``fp8.high_precision_tail``), a ``model.from_config`` has blocks left below the tail, and
+    ``model.tokenizer`` is a folder (each error names its key)."""
+    m, recipe, tail = cfg.model, get_recipe(cfg.fp8.recipe), cfg.fp8.high_precision_tail
     if m.path:
         check_model_folder(m.path)
-        if (recipe := get_recipe(cfg.fp8.recipe)).enabled:
-            check_experts(
-                m.path, recipe.name, tail=cfg.fp8.high_precision_tail
-            )  # before any weights are read
+        if recipe.enabled:  # the conversion checked on the meta device, before any weights are read
+            check_experts(m.path, recipe.name, tail=tail)
+    blocks = (m.from_config or {}).get("num_hidden_layers")
+    if (
+        recipe.enabled
+        and isinstance(blocks, int)
+        and blocks > 0
+        and tail
+        and math.ceil(tail * blocks) >= blocks
+    ):
+        raise ValueError(
+            f"fp8.high_precision_tail: {tail} keeps all {blocks} decoder block(s) of model.from_config in high "
+            "precision (the last ceil(fraction x blocks)), nothing in low precision; lower it or add blocks"
+        )
     if m.tokenizer and not Path(m.tokenizer).is_dir():
         raise FileNotFoundError(
             f"model.tokenizer: tokenizer folder not found: {m.tokenizer} (`infir2 demo "

@@ -228,7 +228,7 @@ def convert_to_fp8(
         raise ValueError(
             f"high_precision_tail={high_precision_tail} keeps all {len(tail)} decoder block(s) of this model "
             "in high precision (the last ceil(fraction x blocks)): nothing is left to run in low precision; "
-            "drop the tail (the recipe without +tail) or use a model with more decoder blocks"
+            "lower high_precision_tail (or drop a recipe's +tail), or use a model with more decoder blocks"
         )
     if not chosen and not experts:
         raise _no_layer_error(model, kept)
