@@ -1,4 +1,4 @@
-"""A probe of bad inputs through the real command line (issues 28 and 46): each case runs ``infir2 ...`` on a
+"""A probe of bad inputs through the real command line (issues 28, 46 and 60): each case runs ``infir2 ...`` on a
 bad input made from tiny fixtures in a temporary folder and is classified
 
   GOOD        exit 2 (or 1 for a server error), exactly one error line on stderr naming the input
@@ -22,7 +22,8 @@ as above, and the exit code is the root cause's (the first failed worker's), rea
 ``nobody`` case runs as user nobody (``setpriv``) when the probe runs as root, whom chmod does not bind.
 Prints a table (case, command, verdict, first error line), the totals and the counts of tracebacks,
 hangs, exits 0 and refusals after reading weights; ``--only PATTERN`` runs the cases whose name holds
-PATTERN (a regular expression).
+PATTERN (a regular expression): the fourth round's cases (issue 60) are named ``r4/...``, so
+``--only '^r4/'`` runs them and ``--only '^(?!r4/)'`` the earlier rounds'.
 
     PYTHONPATH=src:tests OMP_NUM_THREADS=1 python benchmarks/bad_input_probe.py [--only eval] [--verbose]
 """
@@ -719,12 +720,30 @@ def rl_cases(w: World) -> list[Case]:
     return cases
 
 
+def _loss_argv(argv: list[str]) -> list[str]:
+    """An eval command line with --perplexity without the common prefix's benchmark flags (--data,
+    --limit, --max-new-tokens before --perplexity: refused in that mode since issue 60); a case's own
+    flags after it stay. Any other command line is returned as it is."""
+    if "--perplexity" not in argv:
+        return argv
+    start = argv.index("--perplexity")
+    out, skip = [], False
+    for i, word in enumerate(argv):
+        if skip:
+            skip = False
+        elif i < start and word in ("--data", "--limit", "--max-new-tokens"):
+            skip = True
+        else:
+            out.append(word)
+    return out
+
+
 def eval_cases(w: World) -> list[Case]:
     def e(name: str, extra: list[str], names: tuple[str, ...], model: str | None = None, **kw) -> Case:
         out = w.p(f"eval-out/{name}")
         argv = ["eval", "--model", model or str(w.model), "--data", str(w.problems), "--limit", "1"]
         argv += ["--max-new-tokens", "4", "--device", "cpu", "--out", out, *extra]
-        return Case(f"eval/{name}", argv, names, **kw)
+        return Case(f"eval/{name}", _loss_argv(argv), names, **kw)
 
     long_problem = " ".join(["the quick brown fox"] * 600)  # > 512 positions
     cases = [
@@ -788,7 +807,8 @@ def eval_cases(w: World) -> list[Case]:
             subprocess=True,
         ),
     ]
-    cases[21].argv[cases[21].argv.index("--out") + 1] = str(w.file / "x")
+    out_file = next(c for c in cases if c.name == "eval/out-file")  # by name: an index shifts with the list
+    out_file.argv[out_file.argv.index("--out") + 1] = str(w.file / "x")
     data_files: list[tuple[str, str | bytes]] = [
         ("bad-json", '{"problem": "1", "answer": "1"}\n{oops\n'),
         ("latin1", b'{"problem": "caf\xe9", "answer": "1"}\n'),
@@ -959,6 +979,437 @@ def _greedy_run(w: World, name: str) -> Callable[[], None]:
         argv = ["eval", "--model", str(w.model), "--data", str(w.problems), "--limit", "1", "--greedy"]
         with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
             assert main([*argv, "--max-new-tokens", "4", "--out", w.p(f"eval-out/{name}")]) == 0
+
+    return setup
+
+
+# ----------------------------------------------------------------------------- issue 60: the fourth round
+
+
+def _tiny_moe(w: World, name: str) -> Callable[[], None]:
+    """A setup: ``root/name``, a tiny Qwen3-MoE (routed experts the FP8 recipes run, NVFP4 does not)."""
+
+    def setup() -> None:
+        from transformers import AutoModelForCausalLM
+
+        from conftest import make_tokenizer
+        from moe_models import moe_config
+
+        if not (w.root / name).exists():
+            config = moe_config("qwen3_moe")
+            config.vocab_size = 300  # the fixtures' tokenizer
+            with contextlib.redirect_stderr(io.StringIO()):
+                AutoModelForCausalLM.from_config(config).save_pretrained(w.root / name)
+            make_tokenizer().save_pretrained(w.root / name)
+
+    return setup
+
+
+def _section_null(w: World, name: str, cfg: dict, section: str) -> Callable[[], None]:
+    """A setup: ``root/name``, the config ``cfg`` with ``section: null`` (PyYAML: an empty section)."""
+    import yaml
+
+    return w.yaml_file(name, yaml.safe_dump({**cfg, section: None}))
+
+
+def round4_cases(w: World) -> list[Case]:
+    """Issue 60, as a new user types them: malformed --set values (1), output folders of demo / demo --rl /
+    fidelity that cannot be written (2), a run list that names a run twice (3), 0 given for a flag (4),
+    a section given as null (5), refusals that need no weights (6), lines that say what to do (7), flags
+    that do not apply (8)."""
+    R = "r4/"
+    cases: list[Case] = []
+    # 1. a --set value that is not YAML
+    for cmd, cfg in (("train", w.train_yaml), ("rl", w.rl_yaml)):
+        for name, item, key in [
+            (
+                "set-brace",
+                "guard.max_kl={" if cmd == "rl" else "optim.lr={",
+                "max_kl" if cmd == "rl" else "optim.lr",
+            ),
+            ("set-bracket", "optim.betas=[0.9,", "optim.betas"),
+            ("set-quote", 'run.name="unclosed', "run.name"),
+            ("set-at", "run.name=@home", "run.name"),
+            ("set-colon", "run.name=a: b: c", "run.name"),
+        ]:
+            c = _stage_case(cmd, cfg, name, [item], (key,))
+            c.name = R + c.name
+            cases.append(c)
+    cases.append(
+        Case(R + "config/set-brace", ["config", str(w.train_yaml), "--set", "optim.lr={"], ("optim.lr",))
+    )
+    cases.append(
+        Case(
+            R + "config/set-alias", ["config", str(w.rl_yaml), "--set", "algo.kl_coef=*x"], ("algo.kl_coef",)
+        )
+    )
+    # 2. output folders checked before any work
+    ro = w.p("r4-ro")
+
+    def ro_setup() -> None:
+        _readable_by_all(w.root)
+        Path(ro).mkdir(mode=0o555, exist_ok=True)
+        os.chmod(ro, 0o555)
+
+    for cmd, extra in (("demo", ["--quick"]), ("demo-rl", ["--quick", "--rl"]), ("fidelity", ["--quick"])):
+        argv = ["fidelity" if cmd == "fidelity" else "demo", *extra]
+        cases += [
+            Case(f"{R}{cmd}/out-file", [*argv, "--out", str(w.file)], ("--out",), timeout=60),
+            Case(f"{R}{cmd}/out-under-file", [*argv, "--out", str(w.file / "x")], ("--out",), timeout=60),
+            Case(f"{R}{cmd}/out-unwritable", [*argv, "--out", UNWRITABLE], ("--out",), timeout=60),
+        ]
+        if not AS_NOBODY or shutil.which("setpriv"):
+            cases += [
+                Case(
+                    f"{R}{cmd}/out-read-only",
+                    [*argv, "--out", ro],
+                    ("--out",),
+                    setup=ro_setup,
+                    nobody=True,
+                    timeout=60,
+                ),
+                Case(
+                    f"{R}{cmd}/out-new-in-read-only",
+                    [*argv, "--out", ro + "/new"],
+                    ("--out",),
+                    setup=ro_setup,
+                    nobody=True,
+                    timeout=60,
+                ),
+            ]
+    # 3. a list that names a run twice
+    dup = [
+        ("demo/recipes-dup", ["demo", "--quick", "--recipes", "bf16,blockwise,blockwise"], ("--recipes",)),
+        ("demo/recipes-dup-spaces", ["demo", "--quick", "--recipes", "bf16, bf16"], ("--recipes",)),
+        (
+            "demo/recipes-dup-tail",
+            ["demo", "--quick", "--recipes", "bf16,nvfp4+tail,nvfp4+tail"],
+            ("--recipes",),
+        ),
+        (
+            "fidelity/recipes-dup",
+            ["fidelity", "--quick", "--recipes", "bf16,blockwise,blockwise"],
+            ("--recipes",),
+        ),
+        ("fidelity/widths-dup", ["fidelity", "--quick", "--widths", "128,128"], ("--widths",)),
+        ("fidelity/seeds-dup", ["fidelity", "--quick", "--seeds", "0,1,0"], ("--seeds",)),
+        ("fidelity/widths-str", ["fidelity", "--quick", "--widths", "wide"], ("--widths",)),
+        ("fidelity/seeds-neg", ["fidelity", "--quick", "--seeds", "-1"], ("--seeds",)),
+        (
+            "memory/recipes-dup",
+            ["memory", "--models", "1.5B", "--recipes", "blockwise,blockwise"],
+            ("--recipes",),
+        ),
+        ("memory/models-dup", ["memory", "--models", "1.5B,1.5B"], ("--models",)),
+        (
+            "bench/recipes-dup",
+            ["bench", "--device", "cpu", "--recipes", "blockwise,blockwise"],
+            ("--recipes",),
+        ),
+        (
+            "bench/sections-dup",
+            ["bench", "--device", "cpu", "--sections", "quantize,quantize"],
+            ("--sections",),
+        ),
+        (
+            "bench/backends-dup",
+            ["bench", "--device", "cpu", "--backends", "emulated,emulated"],
+            ("--backends",),
+        ),
+        (
+            "demo-rl/seeds-dup",
+            ["demo", "--quick", "--rl", "--seeds", "1,1", "--out", w.p("r4-d")],
+            ("--seeds",),
+        ),
+    ]
+    out = ["--out", w.p("r4-dup")]  # inside the probe's folder, should a tree start the runs
+    cases += [
+        Case(R + n, [*a, *out] if a[0] in ("demo", "fidelity") and "--out" not in a else a, k, timeout=60)
+        for n, a, k in dup
+    ]
+    # 4. zero is a value given
+    eval_argv = [
+        "eval",
+        "--model",
+        str(w.model),
+        "--data",
+        str(w.problems),
+        "--limit",
+        "1",
+        "--max-new-tokens",
+        "4",
+    ]
+    for flag in (
+        "--tensor-parallel-size",
+        "--memory-fraction",
+        "--cpu-kv-cache-gib",
+        "--max-model-len",
+        "--concurrency",
+        "--retries",
+        "--request-timeout",
+        "--samples-per-request",
+    ):
+        name = flag.strip("-")
+        out = w.p(f"eval-out/r4-{name}")
+        cases.append(Case(f"{R}eval/zero-{name}", [*eval_argv, "--out", out, flag, "0"], (flag,)))
+    cases += [
+        Case(
+            R + "fidelity/steps-zero",
+            ["fidelity", "--quick", "--steps", "0", "--out", w.p("r4-f")],
+            ("--steps",),
+        ),
+        Case(
+            R + "fidelity/layers-zero",
+            ["fidelity", "--quick", "--layers", "0", "--out", w.p("r4-f")],
+            ("--layers",),
+        ),
+        Case(R + "bench/layers-zero", ["bench", "--device", "cpu", "--layers", "0"], ("--layers",)),
+        Case(R + "bench/seq-zero", ["bench", "--device", "cpu", "--seq", "0"], ("--seq",)),
+    ]
+    # 5. a section given as null
+    for cmd, cfg, section, key in [
+        ("rl", w.rl_cfg, "guard", "guard"),
+        ("rl", w.rl_cfg, "algo", "algo"),
+        ("train", w.train_cfg, "optim", "optim"),
+        ("train", w.train_cfg, "schedule", "schedule"),
+    ]:
+        f = f"r4-{cmd}-{section}-null.yaml"
+        cases.append(
+            Case(
+                f"{R}{cmd}/yaml-{section}-null",
+                [cmd, w.p(f), "--no-progress"],
+                (key,),
+                setup=_section_null(w, f, cfg, section),
+            )
+        )
+    for cmd, cfg, item in (
+        ("rl", w.rl_yaml, "guard=null"),
+        ("train", w.train_yaml, "fp8=null"),
+        ("rl", w.rl_yaml, "rollout="),
+    ):
+        c = _stage_case(cmd, cfg, "set-section-null-" + item.split("=")[0], [item], (item.split("=")[0],))
+        c.name = R + c.name
+        cases.append(c)
+
+    # 6. refusals that need no weights
+    def e(name: str, extra: list[str], names: tuple[str, ...], model: str | None = None, **kw) -> Case:
+        argv = [*eval_argv, "--out", w.p(f"eval-out/r4-{name}"), *extra]
+        if model:
+            argv[argv.index("--model") + 1] = model
+        return Case(f"{R}eval/{name}", _loss_argv(argv), names, **kw)
+
+    ppl = ["--perplexity", str(w.cpt), "--seq-len", "16", "--max-windows", "1"]
+    cases += [
+        e("recipe-comma", ["--precision", "recipe", "--recipe", "blockwise,tensorwise"], ("--recipe",)),
+        e("recipe-not-fp8", ["--precision", "recipe", "--recipe", "bf16"], ("--recipe",)),
+        e("recipe-tail", ["--precision", "recipe", "--recipe", "nvfp4+tail"], ("--recipe",)),
+        e("ppl-recipe-unknown", [*ppl, "--precision", "recipe", "--recipe", "fp4"], ("--recipe",)),
+        e(
+            "ppl-recipe-comma",
+            [*ppl, "--precision", "recipe", "--recipe", "blockwise,tensorwise"],
+            ("--recipe",),
+        ),
+        e("ppl-recipe-not-fp8", [*ppl, "--precision", "recipe", "--recipe", "bf16"], ("--recipe",)),
+        e(
+            "nvfp4-moe",
+            ["--precision", "recipe", "--recipe", "nvfp4"],
+            ("--recipe", "nvfp4"),
+            model=w.p("m-r4-moe"),
+            setup=_tiny_moe(w, "m-r4-moe"),
+        ),
+        e(
+            "ppl-nvfp4-moe",
+            [*ppl, "--precision", "recipe", "--recipe", "nvfp4"],
+            ("--recipe", "nvfp4"),
+            model=w.p("m-r4-moe"),
+            setup=_tiny_moe(w, "m-r4-moe"),
+        ),
+        e(
+            "rerun-other-recipe",
+            ["--precision", "recipe", "--recipe", "tensorwise", "--greedy"],
+            ("--recipe", "recipe"),
+            setup=_recipe_run(w, "r4-rerun-other-recipe", "blockwise"),
+        ),
+        e(
+            "rerun-recipe-was-high",
+            ["--precision", "recipe", "--recipe", "blockwise", "--greedy"],
+            ("--precision", "precision"),
+            setup=_greedy_run(w, "r4-rerun-recipe-was-high"),
+        ),
+    ]
+    cases += [
+        Case(
+            R + "rl/nvfp4-moe",
+            [
+                "rl",
+                str(w.rl_yaml),
+                "--no-progress",
+                "--set",
+                "run.name=r4-moe",
+                "--set",
+                f"model.path={w.p('m-r4-moe')}",
+                "--set",
+                "fp8.recipe=nvfp4",
+            ],
+            ("fp8.recipe",),
+            setup=_tiny_moe(w, "m-r4-moe"),
+        ),
+        Case(
+            R + "train/nvfp4-moe",
+            [
+                "train",
+                str(w.train_yaml),
+                "--no-progress",
+                "--set",
+                "run.name=r4-moe",
+                "--set",
+                "model.from_config=null",
+                "--set",
+                f"model.path={w.p('m-r4-moe')}",
+                "--set",
+                "fp8.recipe=nvfp4",
+            ],
+            ("fp8.recipe",),
+            setup=_tiny_moe(w, "m-r4-moe"),
+        ),
+    ]
+    for cmd, cfg, sets in (
+        ("train", w.train_yaml, ["fp8.recipe=nvfp4", "fp8.backend=fast_emulated"]),
+        ("train", w.train_yaml, ["fp8.recipe=tensorwise", "fp8.backend=triton"]),
+        ("rl", w.rl_yaml, ["fp8.recipe=blockwise", "fp8.backend=triton"]),
+        ("rl", w.rl_yaml, ["fp8.recipe=nvfp4", "fp8.backend=compiled"]),
+    ):
+        c = _stage_case(
+            cmd, cfg, "backend-" + sets[1].split("=")[1] + "-" + sets[0].split("=")[1], sets, ("fp8.backend",)
+        )
+        c.name = R + c.name
+        cases.append(c)
+    # 7. lines that say what to do
+    cases += [
+        Case(
+            R + "demo/tail-takes-all",
+            ["demo", "--quick", "--recipes", "bf16,nvfp4+tail", "--out", w.p("r4-d")],
+            ("--recipes",),
+            timeout=60,
+        ),
+        Case(
+            R + "fidelity/tail-takes-all",
+            ["fidelity", "--quick", "--recipes", "bf16,nvfp4+tail", "--out", w.p("r4-f")],
+            ("--recipes",),
+            timeout=60,
+        ),
+        Case(
+            R + "train/tail-takes-all",
+            [
+                "train",
+                str(w.train_yaml),
+                "--no-progress",
+                "--set",
+                "run.name=r4-tail",
+                "--set",
+                "fp8.recipe=nvfp4",
+                "--set",
+                "fp8.high_precision_tail=0.5",
+            ],
+            ("fp8.high_precision_tail",),
+        ),
+        Case(R + "train/fp8-flag", ["train", str(w.train_yaml), "--fp8", "blockwise"], ("fp8.recipe",)),
+        Case(R + "rl/fp8-flag", ["rl", str(w.rl_yaml), "--fp8"], ("rollout.precision",)),
+        Case(R + "eval/fp8-flag", [*eval_argv, "--out", w.p("eval-out/r4-fp8"), "--fp8"], ("--precision",)),
+        Case(
+            R + "rl/cpt-config",
+            ["rl", str(w.train_yaml), "--no-progress"],
+            ("run this config with `infir2 train`",),
+        ),
+        Case(
+            R + "train/rl-config",
+            ["train", str(w.rl_yaml), "--no-progress"],
+            ("run this config with `infir2 rl`",),
+        ),
+        Case(R + "config/rl-config-as-cpt", ["config", str(w.rl_yaml), "--stage", "train"], ("--stage",)),
+    ]
+    # 8. flags that do not apply, and an export that would not load
+    for name, changes, needle in [
+        ("hidden", {"hidden_size": 128}, "lm_head.weight"),
+        ("layers", {"num_hidden_layers": 2, "layer_types": None}, "model.layers.1"),
+        ("vocab", {"vocab_size": 512}, "lm_head.weight"),
+    ]:
+        folder = f"m-r4-config-{name}"
+        cases.append(
+            Case(
+                f"{R}export/config-disagrees-{name}",
+                ["export", "--model", w.p(folder), "--out", w.p(f"export-out/r4-{name}")],
+                (needle,),
+                setup=w.model_copy(folder, lambda f, c=changes: _edit_config(f, c)),
+            )
+        )
+    cases += [
+        e("split-without-ppl", ["--split", "train"], ("--split",)),
+        e("seq-len-without-ppl", ["--seq-len", "32"], ("--seq-len",)),
+        e("max-windows-without-ppl", ["--max-windows", "3"], ("--max-windows",)),
+        e("ppl-with-n", [*ppl, "--n", "4"], ("--n",)),
+        e("ppl-with-greedy", [*ppl, "--greedy"], ("--greedy",)),
+        Case(R + "config/world-size-rl", ["config", str(w.rl_yaml), "--world-size", "4"], ("--world-size",)),
+        Case(R + "config/set-with-keys", ["config", "--keys", "--set", "optim.lr=1"], ("--set",)),
+        Case(
+            R + "demo/report-only-seeds",
+            ["demo", "--report-only", "--seeds", "0,1", "--out", w.p("r4-d")],
+            ("--seeds",),
+        ),
+        Case(
+            R + "demo/data-only-recipes",
+            ["demo", "--data-only", "--recipes", "bf16", "--out", w.p("r4-d")],
+            ("--recipes",),
+        ),
+        Case(
+            R + "export/scale-encoding-bf16",
+            [
+                "export",
+                "--model",
+                str(w.model),
+                "--out",
+                w.p("export-out/r4-se"),
+                "--format",
+                "bf16",
+                "--scale-encoding",
+                "fp32",
+            ],
+            ("--scale-encoding",),
+        ),
+        Case(
+            R + "export/whole-blocks-bf16",
+            [
+                "export",
+                "--model",
+                str(w.model),
+                "--out",
+                w.p("export-out/r4-wb"),
+                "--format",
+                "bf16",
+                "--whole-blocks-only",
+            ],
+            ("--whole-blocks-only",),
+        ),
+    ]
+    return cases
+
+
+def _edit_config(folder: Path, changes: dict) -> None:
+    """``folder/config.json`` with ``changes`` (a key changed to None is removed)."""
+    config = {**json.loads((folder / "config.json").read_text()), **changes}
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+
+
+def _recipe_run(w: World, name: str, recipe: str) -> Callable[[], None]:
+    """A setup: a greedy evaluation through ``--precision recipe --recipe RECIPE`` saved in eval-out/NAME."""
+
+    def setup() -> None:
+        from infir2.cli import main
+
+        argv = ["eval", "--model", str(w.model), "--data", str(w.problems), "--limit", "1", "--greedy"]
+        argv += ["--precision", "recipe", "--recipe", recipe, "--max-new-tokens", "4"]
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            assert main([*argv, "--out", w.p(f"eval-out/{name}")]) == 0
 
     return setup
 
@@ -1220,7 +1671,7 @@ def probe_world() -> Iterator[tuple[World, list[Case]]]:
                 f"http://127.0.0.1:{silent.getsockname()[1]}",
                 f"http://127.0.0.1:{dead.getsockname()[1]}",
             )
-            cases += other_cases(w) + round3_cases(w, stub)
+            cases += other_cases(w) + round3_cases(w, stub) + round4_cases(w)
             for case in cases:
                 case.folder = case.name in FOLDER_CASES
             yield w, cases

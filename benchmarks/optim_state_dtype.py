@@ -61,6 +61,7 @@ def text_leg(variant: str, seed: int, out: Path, steps: int | None = None) -> fl
     if steps is not None:
         ts = replace(ts, widths=(128,), steps=steps, eval_every=0)
     folder = out / variant
+    folder.mkdir(parents=True, exist_ok=True)
     tokenizer, _ = prepare(folder, ts)
     return run_one(folder, ts, ts.widths[0], "blockwise", seed, tokenizer).val_loss
 

@@ -58,9 +58,14 @@ ALLOWED: dict[str, set[str]] = {
         "tools.recipe_spec",
         "train",
     },  # demo --rl
-    "tools.recipe_spec": {"fp8"},  # RECIPE[+tail]: the recipes demo and fidelity runs name
+    "tools.recipe_spec": {"fp8"},  # RECIPE[+tail]: the recipes demo and fidelity runs name; lists of runs
     "tools.config": {"harness", "rl", "train"},  # infir2 config: the keys and checks of every stage
-    "tools.memory": {"fp8", "nn", "planning"},
+    "tools.memory": {
+        "fp8",
+        "nn",
+        "planning",
+        "tools.recipe_spec",
+    },  # recipe_spec.unique: a list names each once
     "tools.plan": {"fp8", "planning", "rl", "tools.memory", "train"},
     "tools.numerics": {"nn"},  # infir2 numerics: reads a run's telemetry keys
     "tools.wire_bytes": {"nn"},  # FSDP2 byte counters for benchmarks

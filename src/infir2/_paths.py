@@ -4,8 +4,9 @@
 truncated file or a garbage header is a ``ValueError`` naming the file and what the safetensors reader
 said, where it was a ``SafetensorError`` traceback. ``make_folder(path, what)`` creates an output folder
 or says in one line why it cannot (a file in the way, no permission), where it was an ``OSError``
-traceback. ``jsonl_records(path)`` reads a JSONL file line by line (CPT documents, SFT conversations,
-benchmark problems): bytes that are not UTF-8 or a line that is not JSON is one ``ValueError`` naming
+traceback; ``check_out_folder(path, what)`` checks the same without making anything (before any work).
+``jsonl_records(path)`` reads a JSONL file line by line (CPT documents, SFT conversations, benchmark
+problems): bytes that are not UTF-8 or a line that is not JSON is one ``ValueError`` naming
 ``file:line``. Imports nothing of infir2 (like ``_dist``, ``_logging``).
 """
 
@@ -17,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["check_safetensors", "jsonl_records", "make_folder", "not_utf8"]
+__all__ = ["check_out_folder", "check_safetensors", "jsonl_records", "make_folder", "not_utf8"]
 
 
 def check_safetensors(folder: str | Path) -> None:
@@ -46,6 +47,28 @@ def make_folder(path: str | Path, what: str) -> Path:
     if not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"{what}: {path} is not writable")
     return path
+
+
+def check_out_folder(path: str | Path, what: str) -> None:
+    """``path`` is a folder, or can be made one, and can be written: checked without making anything, so
+    that a command refuses a bad output folder in one line naming ``what`` (its flag) before any work,
+    not with an ``OSError`` traceback when its first file is written."""
+    path = Path(path)
+    top = next((p for p in (path, *path.parents) if p.exists() or p.is_symlink()), Path("."))
+    if not top.is_dir():
+        where = "" if top == path else f" ({top}, a folder above it)"
+        raise ValueError(f"{what} {path}: is a file{where}, not a folder; choose another {what}")
+    if not os.access(top, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} {path}: {top} is not writable (a read-only folder); choose another {what}")
+    if top != path:  # access() is not the whole story (root on a read-only mount, sysfs): try, and undo
+        first = top / path.relative_to(top).parts[0]  # the one folder made here, then removed
+        try:
+            first.mkdir()
+        except OSError as e:
+            raise ValueError(
+                f"{what} {path}: cannot create {first}: {e.strerror}; choose another {what}"
+            ) from None
+        first.rmdir()
 
 
 def jsonl_records(path: str | Path) -> Iterator[tuple[int, Any]]:

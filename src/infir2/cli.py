@@ -147,8 +147,38 @@ def _without_torchao() -> Iterator[None]:
             del sys.modules["torchao"]
 
 
+#: flags a release had and this one has not (command -> flag -> what to give instead): argparse's
+#: "unrecognized arguments" says what is wrong, this says what to do
+REMOVED_FLAGS: dict[str, dict[str, str]] = {
+    "eval": {
+        "--fp8": "--fp8 was replaced by --precision: --precision fp8 for the FP8 export's weights as "
+        "deployed, --precision recipe --recipe NAME for a training recipe's FP8 forward",
+    },
+    "train": {
+        "--fp8": "--fp8 is not a flag of infir2 train: the training recipe is the config's fp8.recipe "
+        "(e.g. --set fp8.recipe=blockwise)",
+    },
+    "rl": {
+        "--fp8": "--fp8 is not a flag of infir2 rl: the training recipe is the config's fp8.recipe and the "
+        "rollouts' precision rollout.precision (e.g. --set fp8.recipe=blockwise --set rollout.precision=fp8)",
+    },
+}
+
+
+def _removed_flag(argv: list[str]) -> str | None:
+    """The migration line of a removed flag in ``argv`` (``--fp8`` or ``--fp8=X``), if any."""
+    removed = REMOVED_FLAGS.get(_requested_command(argv) or "", {})
+    for word in argv:
+        if (flag := word.split("=", 1)[0]) in removed:
+            return removed[flag]
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if line := _removed_flag(argv):
+        print(f"infir2 {_requested_command(argv)}: error: {line}", file=sys.stderr, flush=True)
+        return 2
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     level = logging.DEBUG if args.verbose or os.environ.get("INFIR2_DEBUG") else logging.INFO

@@ -18,7 +18,9 @@ Nothing here downloads: folders are read with ``local_files_only=True``.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+import logging
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -169,10 +171,12 @@ def build_from_config(
     return model.float()
 
 
-def check_experts(path: str | Path, recipe: str, key: str = "fp8.recipe") -> None:
-    """The FP8 ``recipe`` (a recipe with FP8) for the model folder ``path`` whose routed experts ``convert_to_fp8`` cannot run
-    (they would stay high precision: most of an MoE's GEMM weights) is a ``ValueError`` naming ``key``,
-    the folder and the module. Reads only config.json: the module tree is built on the meta device."""
+def check_experts(path: str | Path, recipe: str, key: str = "fp8.recipe", tail: float = 0.0) -> None:
+    """The FP8 ``recipe`` (a recipe with FP8) for the model folder ``path``, checked before any weights are
+    read: routed experts ``convert_to_fp8`` cannot run (they would stay high precision: most of an MoE's
+    GEMM weights), and whatever the conversion itself refuses (NVFP4 on routed experts, a ``tail`` that
+    keeps every block high precision) are a ``ValueError`` naming ``key``, the folder and the fix. Reads
+    only config.json: the module tree is built, and converted, on the meta device."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
@@ -188,6 +192,25 @@ def check_experts(path: str | Path, recipe: str, key: str = "fp8.recipe") -> Non
             f"{len(found)} such module(s)): infir2 runs the transformers v5 experts layout of "
             f"{', '.join(MOE_ARCHS)}; set {key}: bf16 to train it in high precision"
         )
+    try:
+        with _quiet("infir2.nn", "infir2.kernels"):  # the skeleton's conversion is not the run's
+            convert_to_fp8(skeleton, recipe, high_precision_tail=tail)
+    except ValueError as e:
+        raise ValueError(f"{key}: {recipe} cannot run {path}: {e}") from None
+
+
+@contextmanager
+def _quiet(*loggers: str) -> Iterator[None]:
+    """The ``loggers``' records below ERROR dropped inside the block."""
+    found = [logging.getLogger(name) for name in loggers]
+    levels = [x.level for x in found]
+    for x in found:
+        x.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for x, level in zip(found, levels, strict=True):
+            x.setLevel(level)
 
 
 def prepare_for_training(

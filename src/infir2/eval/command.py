@@ -47,7 +47,6 @@ from typing import Any
 
 from ..data.chat import SYSTEM_PROMPT, THINK_PREFIX
 from ..data.tokenizer import load_tokenizer
-from ..fp8 import recipe_names
 from ..generation import (
     ENGINES,
     TRAITS,
@@ -55,7 +54,14 @@ from ..generation import (
     check_prompt_fits,
     precision_label,
 )
-from ..model import check_model_folder, check_vocabulary, check_vocabulary_rows, config_limits, resolve_device
+from ..model import (
+    check_experts,
+    check_model_folder,
+    check_vocabulary,
+    check_vocabulary_rows,
+    config_limits,
+    resolve_device,
+)
 from ..tasks import TASKS, sample_path
 from .completions import COMPLETIONS_FILE, CompletionLog, check_prompts, make_out_dir, read_saved
 from .engine_flags import (
@@ -66,6 +72,7 @@ from .engine_flags import (
     load_model,
     parse_extra_body,
 )
+from .mode_flags import check_mode_flags, check_recipe
 from .presets import PRESETS
 from .runner import render_prompts, run_evaluation
 
@@ -151,8 +158,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
     g = p.add_argument_group("held-out loss (instead of a benchmark)")
     g.add_argument("--perplexity", metavar="TOKEN_DIR", help="folder with val.bin + meta.json")
-    g.add_argument("--split", default="val", help="token file name without .bin (default: val)")
-    g.add_argument("--seq-len", type=int, default=1024, help="context per window (default 1024)")
+    g.add_argument("--split", help="token file name without .bin (default: val)")
+    g.add_argument("--seq-len", type=int, help="context per window (default 1024)")
     g.add_argument("--max-windows", type=int, help="score only the first N windows")
 
 
@@ -206,8 +213,6 @@ def _resolve(args: argparse.Namespace) -> None:
     _check_numbers(args)  # refused by flag, before any folder is written
     check_server_flags(args)
     resolve_device(args.device)  # a device this machine lacks is refused before anything loads
-    if args.precision == "recipe":
-        recipe_names(args.recipe, "--recipe")  # a recipe name, checked by get_recipe
     if args.no_system_prompt:
         args.system_prompt = None
     elif args.system_prompt is None:
@@ -244,13 +249,14 @@ def _settings(
 
 
 def _expected_settings(args: argparse.Namespace) -> dict[str, Any] | None:
-    """The settings the engine will report, from the flags alone (before any weights are read); None
-    where only the built engine knows its precision (one registered by name, --precision recipe: the
-    recipes of the layers the conversion turns into FP8)."""
+    """The settings the engine will report, from the flags alone (before any weights are read; with
+    --precision recipe every converted layer runs --recipe, the conversion checked on the meta device);
+    None where only the built engine knows its precision (one registered by name)."""
     if args.engine == "server":
         return _settings(args, args.engine, ServerEngine.precision, parse_extra_body(args))
-    if args.engine == "builtin" and args.precision != "recipe":
-        return _settings(args, args.engine, precision_label(args.precision, args.scale_encoding), {})
+    if args.engine == "builtin":  # --precision recipe converts every layer it converts with --recipe
+        recipes = [args.recipe] if args.precision == "recipe" else []
+        return _settings(args, args.engine, precision_label(args.precision, args.scale_encoding, recipes), {})
     if args.engine == "vllm":  # its precision and served dtype, from the flags and config.json
         return _settings(args, args.engine, args.vllm_precision, {}, args.served_dtype)
     return None
@@ -261,11 +267,15 @@ def run(args: argparse.Namespace) -> int:
 
     if args.perplexity and args.engine != "builtin":
         raise ValueError("--perplexity runs the model in this process: use --engine builtin")
+    check_mode_flags(args)
     check_engine_flags(args)
+    check_recipe(args)
     if args.perplexity:
         from .perplexity import check_loss_inputs
 
         check_model_folder(args.model)
+        if args.precision == "recipe":
+            check_experts(args.model, args.recipe, "--recipe")  # the conversion, on the meta device
         _check_out(Path(args.out))
         rows, positions = config_limits(args.model)  # the windows checked before any weights are read
         check_loss_inputs(args.perplexity, args.split, args.seq_len, args.max_windows, rows, positions)
@@ -349,6 +359,8 @@ def _preflight(args: argparse.Namespace, tokenizer, prompts: dict[str, str], out
         return
     rows, positions = config_limits(args.model)
     check_vocabulary_rows(rows, tokenizer, args.tokenizer or args.model)
+    if args.precision == "recipe":
+        check_experts(args.model, args.recipe, "--recipe")  # the conversion, on the meta device
     longest = max(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts.values())
     check_prompt_fits(longest, positions, args.beyond_context)
     _check_budget(args, positions)

@@ -123,7 +123,7 @@ VLLM_FLAGS = (
 
 def _vllm_settings(args: argparse.Namespace) -> Any:
     """The vllm engine's flags as its settings; given to another engine, a flag is refused."""
-    given = [d for d in VLLM_FLAGS if getattr(args, d, None) not in (None, False)]
+    given = [d for d in VLLM_FLAGS if _given(getattr(args, d, None))]
     if args.engine != "vllm":
         if given:
             raise ValueError(f"{_flag(given[0])} is a flag of --engine vllm, not of --engine {args.engine}")
@@ -157,6 +157,12 @@ def _vllm_settings(args: argparse.Namespace) -> Any:
     return settings
 
 
+def _given(value: Any) -> bool:
+    """A flag was given: not its unset ``None`` nor a switch left off. A value of 0 is a value given
+    (``0 in (None, False)`` is true in Python: ``--tensor-parallel-size 0`` passed for not given)."""
+    return value is not None and value is not False
+
+
 def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
@@ -169,7 +175,7 @@ def check_engine_flags(args: argparse.Namespace) -> None:
     of the flags not given."""
     traits = check_engine(args.engine, "--engine", args.precision, "--precision")
     args.vllm_settings = _vllm_settings(args)
-    given = [d for d in (*IN_PROCESS_FLAGS, *SERVER_FLAGS) if getattr(args, d) not in (None, False)]
+    given = [d for d in (*IN_PROCESS_FLAGS, *SERVER_FLAGS) if _given(getattr(args, d))]
     for dest in given:
         server_flag = dest in SERVER_FLAGS
         if traits is not None and server_flag == traits.in_process:

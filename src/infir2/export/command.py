@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--base-dtype",
         choices=["bf16", "fp32"],
-        default="bf16",
+        default=None,
         help="fp8: dtype of the tensors that stay high precision (embeddings, lm_head, norms, biases); "
         "default bf16, the published FP8 checkpoints' layout",
     )
@@ -73,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     from .convert import convert_checkpoint, describe
     from .shards import parse_size
 
+    _check_fp8_flags(args)
     encoding: ScaleEncoding = args.scale_encoding or "pow2"
     try:
         parse_size(args.max_shard_size)
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         scale_encoding=encoding,
         max_shard_size=args.max_shard_size,
         overwrite=args.overwrite,
-        base_dtype=torch.bfloat16 if args.base_dtype == "bf16" else torch.float32,
+        base_dtype=torch.float32 if args.base_dtype == "fp32" else torch.bfloat16,
         whole_blocks_only=args.whole_blocks_only,
     )
     info = describe(out)
@@ -94,3 +95,21 @@ def run(args: argparse.Namespace) -> int:
         f"{info['tensors_by_dtype']}"
     )
     return 0
+
+
+def _check_fp8_flags(args: argparse.Namespace) -> None:
+    """The flags of --format fp8 given with another format are refused (they would be ignored)."""
+    given = [
+        flag
+        for flag, value in (
+            ("--scale-encoding", args.scale_encoding),
+            ("--base-dtype", args.base_dtype),
+            ("--whole-blocks-only", args.whole_blocks_only or None),
+        )
+        if value is not None
+    ]
+    if given and args.format != "fp8":
+        raise ValueError(
+            f"{given[0]} sets how --format fp8 is written, not --format {args.format}: drop it, or export "
+            "with --format fp8"
+        )

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from .._paths import check_safetensors, make_folder
 from ..data.chat import stop_token_ids
 from ..fp8.quantize import ScaleEncoding
+from .agree import check_config_agrees
 from .hf_keys import checkpoint_tensors, fp8_weight_names, modules_to_not_convert
 from .layout import (
     QUANTIZATION_CONFIG,
@@ -363,6 +364,7 @@ def convert_checkpoint(
     src, out = Path(src_dir), Path(out_dir)
     _check_folders(src, out, fmt, overwrite)
     reader = CheckpointReader(src)  # its errors (no weights, a bad index) before any folder is made
+    check_config_agrees(src, reader)  # config.json describes these tensors
     make_folder(out.parent, "--out")  # the folder is written beside --out and renamed into place
     final, out = out, out.with_name(f".tmp-{out.name}-{os.getpid()}")
     shutil.rmtree(out, ignore_errors=True)

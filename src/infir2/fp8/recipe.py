@@ -238,10 +238,12 @@ def get_recipe(recipe: str | Fp8Recipe, **cast_overrides: object) -> Fp8Recipe:
 
 def recipe_names(text: str, option: str = "--recipes") -> list[str]:
     """A comma-separated list of recipe names (a command's option), each checked by ``get_recipe``; an
-    empty list or an unknown name is a ``ValueError`` naming ``option``."""
+    empty list, a name given twice or an unknown name is a ``ValueError`` naming ``option``."""
     names = [r.strip() for r in text.split(",") if r.strip()]
     if not names:
         raise ValueError(f"{option}: an empty list; known recipes: {', '.join(RECIPES)}")
+    if repeated := sorted({n for n in names if names.count(n) > 1}):
+        raise ValueError(f"{option}: recipe {', '.join(repeated)} given twice; name each recipe once")
     for name in names:
         try:
             get_recipe(name)

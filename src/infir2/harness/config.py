@@ -54,6 +54,7 @@ __all__ = [
     "TrainSection",
     "check_positive",
     "check_shared",
+    "check_stage",
     "config_to_dict",
     "key_reference",
     "load_stage_config",
@@ -247,6 +248,26 @@ class StageConfig:
 
 # --------------------------------------------------------------------------------------------
 # Rules
+
+
+def check_stage(data: Any, source: str, foreign: tuple[str, ...], other: str) -> None:
+    """A config of the other stage (a section or dotted key only it has: ``foreign``) is refused naming
+    the key and the command that runs it, where the type check would say only "unknown key"."""
+    found = [k for k in foreign if _has_key(data, k.split("."))]
+    if found:
+        raise config_error(
+            source,
+            found[0],
+            f"a key of `{other}` configs, not of this command's: run this config with `{other}`",
+        )
+
+
+def _has_key(data: Any, path: list[str]) -> bool:
+    for part in path:
+        if not isinstance(data, dict) or part not in data:
+            return False
+        data = data[part]
+    return True
 
 
 def check_positive(source: str, key: str, value: float | None, allow_zero: bool = False) -> None:

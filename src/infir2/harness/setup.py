@@ -16,6 +16,7 @@ Every stage reads ``cfg.model`` / ``cfg.fp8`` / ``cfg.run`` the same way:
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from torch import nn
 
 from ..data import folder_model_type, load_tokenizer
 from ..fp8 import get_recipe
+from ..kernels import BACKENDS
 from ..model import (
     build_from_config,
     check_experts,
@@ -44,17 +46,42 @@ log = logging.getLogger(__name__)
 
 
 def check_model_inputs(cfg: StageConfig) -> None:
-    """``model.path`` is a model folder whose experts the FP8 recipe can run (``model.check_experts``) and
-    ``model.tokenizer`` a folder (each error names its key)."""
-    m = cfg.model
+    """``model.path`` is a model folder the FP8 recipe can convert (``model.check_experts``: its experts,
+    ``fp8.high_precision_tail``), a ``model.from_config`` has blocks left below the tail, and
+    ``model.tokenizer`` is a folder (each error names its key)."""
+    m, recipe, tail = cfg.model, get_recipe(cfg.fp8.recipe), cfg.fp8.high_precision_tail
     if m.path:
         check_model_folder(m.path)
-        if (recipe := get_recipe(cfg.fp8.recipe)).enabled:
-            check_experts(m.path, recipe.name)  # before any weights are read
+        if recipe.enabled:  # the conversion checked on the meta device, before any weights are read
+            check_experts(m.path, recipe.name, tail=tail)
+    blocks = (m.from_config or {}).get("num_hidden_layers")
+    if (
+        recipe.enabled
+        and isinstance(blocks, int)
+        and blocks > 0
+        and tail
+        and math.ceil(tail * blocks) >= blocks
+    ):
+        raise ValueError(
+            f"fp8.high_precision_tail: {tail} keeps all {blocks} decoder block(s) of model.from_config in high "
+            "precision (the last ceil(fraction x blocks)), nothing in low precision; lower it or add blocks"
+        )
     if m.tokenizer and not Path(m.tokenizer).is_dir():
         raise FileNotFoundError(
             f"model.tokenizer: tokenizer folder not found: {m.tokenizer} (`infir2 demo "
             "--data-only --out DIR` writes a small one to DIR/tokenizer)"
+        )
+
+
+def _check_backend(recipe: Any, backend: str | None, device: torch.device) -> None:
+    """An ``fp8.backend`` that cannot run ``recipe`` on ``device``, refused before the model is built or
+    any weights are read (it was said at the conversion, after them)."""
+    if backend is None or not recipe.enabled:
+        return
+    if why := BACKENDS[backend].why_unavailable(recipe, device):
+        raise ValueError(
+            f"fp8.backend: {backend} cannot run fp8.recipe {recipe.name} on {device}: {why}; leave fp8.backend "
+            "out (null) for the automatic choice"
         )
 
 
@@ -109,13 +136,14 @@ def setup_model(
             "model.precision=bf16 on a CPU: most CPUs have no fast bf16 (often 10-100x slower); "
             "fp32 is the CPU baseline (--set model.precision=fp32)"
         )
+    recipe = get_recipe(cfg.fp8.recipe)  # the config's name, resolved once (validated by check_shared)
+    _check_backend(recipe, cfg.fp8.backend, env.device)
     where = cfg.model.tokenizer or cfg.model.path or "model.tokenizer"
     if model is None and cfg.model.path:  # the tokenizer against config.json, before any weights are read
         check_vocabulary_rows(config_limits(cfg.model.path)[0], tokenizer, where)
     model = model if model is not None else build_model(cfg, tokenizer)
     check_vocabulary(model, tokenizer, where)
     warn_router_loss(model)
-    recipe = get_recipe(cfg.fp8.recipe)  # the config's name, resolved once (validated by check_shared)
     master_dtype = torch.float64 if cfg.model.precision == "fp64" else torch.float32
     model = prepare_for_training(
         model,

@@ -13,6 +13,7 @@ Nothing here knows the run config's schema (that is ``config.py``).
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 from pathlib import Path
@@ -92,6 +93,8 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
             raise config_error(source, key, f"got {value!r}, expected one of {', '.join(map(str, allowed))}")
         return value
     if dataclasses.is_dataclass(tp):
+        if value is None:  # null is "off" for a key; for a whole section it would silently be "the defaults"
+            raise config_error(source, key, _null_section(tp, key))
         return build(tp, value, key, source)
     if origin is tuple:
         args = typing.get_args(tp)
@@ -105,6 +108,16 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
             raise config_error(source, key, f"expected a mapping, got {value!r}")
         return dict(value)
     return _coerce_scalar(value, tp, key, source)
+
+
+def _null_section(tp: Any, key: str) -> str:
+    """The refusal of a section given as null: null turns a key off, so a null section is ambiguous."""
+    names = [f.name for f in dataclasses.fields(tp)]
+    nullable = [
+        n for n, t in typing.get_type_hints(tp).items() if n in names and type(None) in typing.get_args(t)
+    ]
+    off = f"; to turn a setting off set that key to null (e.g. {key}.{nullable[0]}: null)" if nullable else ""
+    return f"is null; a section is a mapping of its keys: leave it out for its defaults{off}"
 
 
 def _coerce_scalar(value: Any, tp: Any, key: str, source: str) -> Any:
@@ -173,8 +186,25 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], source: str = "-
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"{source}: expected KEY=VALUE (e.g. optim.lr=3e-4), got {item!r}")
-        _set_dotted(data, key.strip(), yaml.safe_load(text) if text.strip() else None, source)
+        _set_dotted(data, key.strip(), _override_value(key.strip(), text, source), source)
     return data
+
+
+def _override_value(key: str, text: str, source: str) -> Any:
+    """The YAML value of one ``KEY=VALUE`` (``None`` for an empty value); text that does not parse is one
+    line naming the key, with the advice to quote it (``--set 'run.name="a{b"'``)."""
+    if not text.strip():
+        return None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        what = " ".join(x for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x)
+        raise config_error(
+            source,
+            key,
+            f"value {text!r} is not valid YAML ({what or 'does not parse'}); give a number, true/false, null, "
+            f"a [list] or a {{mapping}}, or quote a string: {key}={json.dumps(text)}",
+        ) from None
 
 
 def to_plain(obj: Any) -> Any:

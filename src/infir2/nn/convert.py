@@ -151,7 +151,7 @@ def _summary(kept: dict[str, list[str]]) -> str:
     return "; ".join(parts)
 
 
-def _no_layer_error(model: nn.Module) -> ValueError:
+def _no_layer_error(model: nn.Module, kept: dict[str, list[str]]) -> ValueError:
     n_linear = sum(type(m) is nn.Linear for m in model.modules())
     conv1d = [fqn for fqn, m in model.named_modules() if _is_conv1d(m)]
     if conv1d:
@@ -162,9 +162,11 @@ def _no_layer_error(model: nn.Module) -> ValueError:
             f"projections (Qwen2, Llama, Mistral, Phi-3), or replace each Conv1D with an nn.Linear "
             f"(weight = conv.weight.t()) before converting"
         )
+    why = _summary(kept)
     return ValueError(
-        f"no layer to convert to FP8: the model has {n_linear} nn.Linear modules and the "
-        f"module filter selected none"
+        f"no layer to convert to FP8: the model has {n_linear} nn.Linear modules and none runs in FP8 "
+        f"({why[:300]}{'...' if len(why) > 300 else ''}); use a model whose decoder projections are "
+        f"multiples of {SHAPE_MULTIPLE} wide, or a recipe without FP8 (bf16)"
     )
 
 
@@ -222,13 +224,18 @@ def convert_to_fp8(
         notable = notable or _looks_convertible(m, fqn, reason)
     experts = _select_experts(model, module_filter_fn, kept, tail, high_precision_tail)
     notable = notable or any(r.startswith(_UNRECOGNISED) for r in kept)
+    if not chosen and not experts and tail:
+        raise ValueError(
+            f"high_precision_tail={high_precision_tail} keeps all {len(tail)} decoder block(s) of this model "
+            "in high precision (the last ceil(fraction x blocks)): nothing is left to run in low precision; "
+            "lower high_precision_tail (or drop a recipe's +tail), or use a model with more decoder blocks"
+        )
     if not chosen and not experts:
-        raise _no_layer_error(model)
+        raise _no_layer_error(model, kept)
     if experts and recipe.x.is_fp4:
         raise ValueError(
             f"recipe {recipe.name!r} (NVFP4) runs dense linears only: the routed experts ({experts[0]!r}, "
-            f"{len(experts)} module(s)) run FP8 recipes; train this model with an FP8 recipe, or keep the "
-            "experts high precision with module_filter_fn"
+            f"{len(experts)} module(s)) run FP8 recipes; use an FP8 recipe (e.g. blockwise) for this model"
         )
     _warn_low_precision(model, chosen, experts)
     _swap_in(model, chosen, lambda m: Fp8Linear.from_linear(cast(nn.Linear, m), recipe, backend))

@@ -43,6 +43,7 @@ from ..harness.config import (
     TrainSection,
     check_positive,
     check_shared,
+    check_stage,
     load_stage_config,
     resolve_config_path,
     save_config,
@@ -367,6 +368,9 @@ def _refuse_old_precision(data: dict[str, Any], source: str) -> None:
 def parse_rl_config(data: dict[str, Any], source: str = "<dict>") -> RLConfig:
     """Validate a nested dict (parsed YAML) into an ``RLConfig``; ``source`` names it in errors."""
     _refuse_old_precision(data, source)
+    check_stage(
+        data, source, ("schedule", "load", "data.train_path", "data.kind"), "infir2 train"
+    )  # sections RLConfig has not
     cfg = build(RLConfig, data, "", source)
     _check(cfg, source)
     return cfg

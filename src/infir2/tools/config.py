@@ -49,8 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--world-size",
         type=int,
-        default=int(os.environ.get("WORLD_SIZE", "1")),
-        help="processes a training run will use, for the batch-size check (default: $WORLD_SIZE or 1)",
+        default=None,
+        help="processes a training run will use, for the batch-size check of a training config "
+        "(default: $WORLD_SIZE or 1)",
     )
 
 
@@ -102,12 +103,16 @@ def _check(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     if stage_of(load_yaml_file(path)) == "rl":
         from ..rl.config import load_rl_config
 
+        if args.world_size is not None:  # it would be ignored: an RL config has no batch split to check
+            raise ValueError(f"--world-size checks a training config's batch split; {path} is an RL config")
         return config_to_dict(load_rl_config(path, args.overrides))
     from ..train.config import load_config
     from ..train.setup import check_inputs
 
     cfg = load_config(path, args.overrides)
-    check_inputs(cfg, args.world_size)
+    check_inputs(
+        cfg, args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    )
     return config_to_dict(cfg)
 
 
@@ -115,6 +120,9 @@ def run(args: argparse.Namespace) -> int:
     from ..harness.config import resolve_config_path
 
     if args.config is None:  # --keys, --list, or (neither) both
+        if args.overrides or args.world_size is not None:  # they check a config: refused, not ignored
+            flag = "--set" if args.overrides else "--world-size"
+            raise ValueError(f"{flag} goes with a config to check (infir2 config CONFIG {flag} ...)")
         if args.keys or not args.list:
             for stage in [args.stage] if args.stage else list(STAGES):
                 _print_keys(stage)
@@ -130,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give a config to check, or --keys / --list, not both")
     if args.stage is not None:
         raise ValueError("--stage goes with --keys; a config's stage is read from its sections")
-    if args.world_size < 1:
+    if args.world_size is not None and args.world_size < 1:
         raise ValueError(f"--world-size: must be >= 1, got {args.world_size}")
     sys.stdout.write(yaml.safe_dump(_check(resolve_config_path(args.config), args), sort_keys=False))
     return 0

@@ -49,6 +49,7 @@ from ..planning.measure import (
     safe_tokens,
     saved_in_graph,
 )
+from .recipe_spec import unique
 
 __all__ = [
     "DEVICES",
@@ -139,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--context: must be >= 1, got {args.context}")
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    unique(models, "--models", "model")  # a row printed twice reads as two measurements
+    unique(recipes, "--recipes", "recipe")
     for bad, known, what in (
         (set(models) - set(LAYER_SHAPES), LAYER_SHAPES, "--models"),
         (set(recipes) - set(RECIPES), RECIPES, "--recipes"),

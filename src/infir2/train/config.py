@@ -48,6 +48,7 @@ from ..harness.config import (
     TrainSection,
     check_positive,
     check_shared,
+    check_stage,
     config_to_dict,
     load_stage_config,
     resolve_config_path,
@@ -247,6 +248,9 @@ def resolve_checkpoint_format(cfg: RunConfig, world_size: int) -> RunConfig:
 
 def parse_config(data: dict[str, Any], source: str = "<dict>") -> RunConfig:
     """Validate a nested dict (e.g. parsed YAML) into a ``RunConfig``; ``source`` names it in errors."""
+    check_stage(
+        data, source, ("rollout", "algo", "guard", "vllm", "data.prompts_path"), "infir2 rl"
+    )  # sections RunConfig has not
     cfg = build(RunConfig, data, "", source)
     _check(cfg, source)
     return cfg

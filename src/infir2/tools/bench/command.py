@@ -39,6 +39,7 @@ import torch
 from ...fp8 import RECIPES, get_recipe, recipe_names
 from ...kernels import BACKENDS, bind
 from ...model import resolve_device
+from ..recipe_spec import unique
 from .measure import BenchConfig, StepModel, bench_linear, bench_quantize, bench_step, device_name
 
 __all__ = ["PRESETS", "SECTIONS", "add_arguments", "main_table", "run", "run_bench"]
@@ -81,6 +82,7 @@ SECTIONS = ("quantize", "linear", "step")
 def _fp8_backends(requested: str | None, device: torch.device, recipe: str = "blockwise") -> list[str]:
     if requested:
         names = [b.strip() for b in requested.split(",") if b.strip()]
+        unique(names, "--backends", "backend")
         for name in names:
             bind(get_recipe(recipe), device, name)  # a clear error for an unusable one
         return names
@@ -221,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
             cfg, step=replace(cfg.step, layers=args.layers or cfg.step.layers, seq=args.seq or cfg.step.seq)
         )
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unique(sections, "--sections", "section")
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         raise ValueError(f"--sections: unknown {sorted(unknown)}; expected {', '.join(SECTIONS)}")

@@ -51,11 +51,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ..._paths import check_out_folder
 from ...data.cpt import is_val_document, prepare_cpt
 from ...data.tokenizer import train_bpe_tokenizer
 from ...fp8 import RECIPES
 from ...train import parse_config, train
-from ..recipe_spec import fp8_section, recipe_specs
+from ..recipe_spec import check_tail, fp8_section, int_list, recipe_specs
 from .fidelity_report import RunResult, summarize, table, write_outputs
 
 __all__ = [
@@ -277,7 +278,20 @@ def run_ladder(out: Path, s: FidelitySettings) -> dict[str, Any]:
         raise ValueError(f"--recipes must include the baseline {BASELINE!r}: gaps are measured against it")
     out.mkdir(parents=True, exist_ok=True)
     tokenizer, meta = prepare(out, s)
-    runs = [run_one(out, s, w, r, seed, tokenizer) for w, r, seed in _order(s)]
+    order, runs = list(_order(s)), []
+    try:
+        for w, r, seed in order:
+            runs.append(run_one(out, s, w, r, seed, tokenizer))
+    except Exception as e:  # one line: what is kept and how the rerun goes on; no fidelity.json of a part
+        kept = (
+            f"{len(runs)} of {len(order)} runs finished and kept in {out / 'runs'}, no fidelity.json written "
+            "for this ladder: the same command again trains only the rest (--report: the table of those "
+            "finished)"
+        )
+        if isinstance(e, ValueError):
+            raise ValueError(f"{e} ({kept})") from e
+        log.error("fidelity: %s", kept)
+        raise
     result = {
         "settings": asdict(s),
         "data": meta,
@@ -312,8 +326,28 @@ def report_finished(out: Path) -> dict[str, Any]:
     return result
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(v) for v in text.split(",") if v.strip())
+def settings_from_args(args: argparse.Namespace) -> FidelitySettings:
+    """The ladder of the flags over the preset's: each list checked (a recipe, width or seed given twice
+    would train two runs into one folder), and a number given is a number given (0 is refused, not
+    taken for "the preset's")."""
+    s = QUICK if args.quick else FULL
+    if args.recipes is not None:
+        recipes = tuple(recipe_specs(args.recipes))
+        s = replace(s, recipes=(BASELINE, *(r for r in recipes if r != BASELINE)))
+    if args.widths is not None:
+        s = replace(
+            s, widths=int_list(args.widths, "--widths", "width", minimum=_HEAD_DIM, multiple=_HEAD_DIM)
+        )
+    if args.seeds is not None:
+        s = replace(s, seeds=int_list(args.seeds, "--seeds", "seed"))
+    for flag in ("steps", "layers"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag}: must be at least 1, got {value}")
+        if value is not None:
+            s = replace(s, **{flag: value})
+    check_tail(s.recipes, s.layers, "--recipes", "this ladder's models (--layers)")
+    return s
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -341,18 +375,8 @@ def run(args: argparse.Namespace) -> int:
         result = report_finished(args.out)
         print(table(result["summary"], result["runs"]))
         return 0
-    s = QUICK if args.quick else FULL
-    if args.recipes:
-        recipes = tuple(recipe_specs(args.recipes))
-        s = replace(s, recipes=(BASELINE, *(r for r in recipes if r != BASELINE)))
-    if args.widths:
-        s = replace(s, widths=_ints(args.widths))
-    if args.seeds:
-        s = replace(s, seeds=_ints(args.seeds))
-    if args.steps:
-        s = replace(s, steps=args.steps)
-    if args.layers:
-        s = replace(s, layers=args.layers)
+    s = settings_from_args(args)
+    check_out_folder(args.out, "--out")  # before the corpus is read and any run trains
     result = run_ladder(args.out, s)
     print(table(result["summary"], result["runs"]))
     print(

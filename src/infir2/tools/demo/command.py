@@ -54,7 +54,8 @@ import dataclasses
 import os
 from pathlib import Path
 
-from ..recipe_spec import recipe_specs
+from ..._paths import check_out_folder
+from ..recipe_spec import check_tail, recipe_specs
 from .pipeline import FULL, QUICK, data_only, run_demo
 from .report import README_END, README_START, render, update_readme
 from .results import DemoRecord
@@ -144,12 +145,18 @@ def run(args: argparse.Namespace) -> int:
     settings = QUICK if args.quick else FULL
     if args.seeds is not None:
         settings = dataclasses.replace(settings, seeds=parse_seeds(args.seeds))
+    check_tail(recipes, settings.num_layers, "--recipes", "the demo's model")
+    if settings.text_width:
+        check_tail(recipes, settings.text_layers, "--recipes", "the demo's real-text model")
     out = Path(args.out)
     if args.data_only and (args.report_only or args.update_readme):
         raise ValueError(
             "--data-only trains nothing and writes no results; it does not go with --report-only "
             "or --update-readme"
         )
+    _check_unused(args)
+    if not (args.report_only or args.update_readme):  # a run: its folder checked before any work
+        check_out_folder(out, "--out")
     if args.rl:
         return _run_rl(args, out)
     if args.report_only or args.update_readme:
@@ -168,6 +175,20 @@ def run(args: argparse.Namespace) -> int:
     jobs = args.jobs if args.jobs is not None else (os.cpu_count() or 1)
     run_demo(out, settings, recipes, jobs)
     return 0
+
+
+def _check_unused(args: argparse.Namespace) -> None:
+    """A flag that sets runs given where none is trained (--report-only / --update-readme render the
+    saved results; --data-only writes data, of --quick's size or not) is refused, not ignored."""
+    if args.rl:
+        return  # _run_rl says which flags go with --rl
+    mode = "--report-only" if args.report_only else "--update-readme" if args.update_readme else "--data-only"
+    if not (args.report_only or args.update_readme or args.data_only):
+        return
+    unused = ["--recipes", "--seeds", "--jobs"] + ([] if args.data_only else ["--quick"])
+    given = [f for f in unused if getattr(args, f[2:]) is not None and getattr(args, f[2:]) is not False]
+    if given:
+        raise ValueError(f"{given[0]} sets the runs a demo trains; {mode} trains none: drop {given[0]}")
 
 
 def _run_rl(args: argparse.Namespace, out: Path) -> int:

@@ -345,25 +345,25 @@ def _longest_first(pairs: list[tuple[str, int]], baseline: str) -> list[tuple[st
     return sorted(pairs, key=lambda pair: pair[0] == baseline)
 
 
-def run_demo(out: Path, settings: DemoSettings, recipes: list[str], jobs: int = 1) -> DemoRecord:
-    """The whole demo: every recipe at every seed of ``settings.seeds``, then ``results.json`` and the report.
-
-    ``jobs > 1`` runs (recipe, seed) pairs side by side in worker processes (one thread each when there
-    are fewer cores than jobs): this tiny model's small GEMMs use a second thread poorly, so
-    single-threaded runs side by side get through more work than one run on two threads."""
-    t0 = time.perf_counter()
-    _fresh_output(out, settings, recipes)
-    log.info("demo: generating data and training the tokenizer in %s", out)
-    data, tokenizer = prepare_data(out, settings)
+def _train_all(
+    out: Path,
+    settings: DemoSettings,
+    recipes: list[str],
+    jobs: int,
+    data: dict[str, Path],
+    tokenizer: Any,
+    finished: list[RecipeResult],
+) -> tuple[Any, int, int]:
+    """Every (recipe, seed) run, appended to ``finished`` in order as each is collected, then the
+    real-text part: ``(its result, jobs, threads)``."""
     pairs = [(recipe, seed) for recipe in recipes for seed in settings.seeds]
     jobs = max(1, min(jobs, len(pairs)))
     threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else _torch_threads()
     text_out = out / "text"  # the verdict's part: real text (demo/text.py)
     if jobs == 1:
-        results = []
         for i, (recipe, seed) in enumerate(pairs, 1):
             log.info("demo: run %d/%d: %s, seed %d", i, len(pairs), recipe, seed)
-            results.append(run_recipe(recipe, seed, out, settings, data, tokenizer))
+            finished.append(run_recipe(recipe, seed, out, settings, data, tokenizer))
         text = run_text(text_out, settings, recipes)
     else:
         log.info(
@@ -397,9 +397,36 @@ def run_demo(out: Path, settings: DemoSettings, recipes: list[str], jobs: int = 
                 if plan is not None
                 else {}
             )
-            results = [futures[pair].result() for pair in pairs]
+            finished.extend(futures[pair].result() for pair in pairs)
             text_runs = [text_futures[pair].result() for pair in plan.pairs] if plan is not None else []
         text = text_result(plan, text_runs) if plan is not None else None
+    return text, jobs, threads
+
+
+def run_demo(out: Path, settings: DemoSettings, recipes: list[str], jobs: int = 1) -> DemoRecord:
+    """The whole demo: every recipe at every seed of ``settings.seeds``, then ``results.json`` and the report.
+
+    ``jobs > 1`` runs (recipe, seed) pairs side by side in worker processes (one thread each when there
+    are fewer cores than jobs): this tiny model's small GEMMs use a second thread poorly, so
+    single-threaded runs side by side get through more work than one run on two threads."""
+    t0 = time.perf_counter()
+    _fresh_output(out, settings, recipes)
+    log.info("demo: generating data and training the tokenizer in %s", out)
+    data, tokenizer = prepare_data(out, settings)
+    pairs = [(recipe, seed) for recipe in recipes for seed in settings.seeds]
+    finished: list[RecipeResult] = []
+    try:
+        text, jobs, threads = _train_all(out, settings, recipes, jobs, data, tokenizer, finished)
+    except Exception as e:  # one line: what is kept and what a rerun does; no results.json of a part
+        kept = (
+            f"{len(finished)} of {len(pairs)} runs had finished in {out}, no results.json written: the same "
+            f"command again starts the demo over (it clears {out})"
+        )
+        if isinstance(e, ValueError):
+            raise ValueError(f"{e} ({kept})") from e
+        log.error("demo: %s", kept)
+        raise
+    results = finished
     record = DemoRecord(
         settings=settings,
         recipes=recipes,
