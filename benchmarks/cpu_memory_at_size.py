@@ -14,7 +14,9 @@ the variant says), the SwiGLU recompute and the chunked loss as ``infir2 train``
 * ``fp8-kept``   the same with the weight's dequantized fp32 copy kept all step beside its codes (the
                  CPU emulation before the change; ``fast_emulated.quantize_kept_operand`` for weights):
                  bit-identical losses, 4 more bytes per weight, one decode fewer per GEMM.
-* ``base-m8``, ``fp8-m8``  ``baseline``, ``fp8`` with FP8 AdamW moments (``optim.state_dtype: fp8``).
+* ``base-m8``, ``fp8-m8``  ``baseline``, ``fp8`` with FP8 AdamW moments (``optim.state_dtype: fp8``);
+* ``fp8-g16``    ``fp8`` with bf16 gradients (``optim.grad_dtype: bf16``);
+* ``base-stack``, ``fp8-stack``  ``baseline``, ``fp8`` with both.
 
     python benchmarks/cpu_memory_at_size.py                       # 2 layers, seq 1024, 3 steps
     python benchmarks/cpu_memory_at_size.py --layers 4 --seq-len 512 --variants baseline,fp8
@@ -52,6 +54,9 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
     "fp8-kept": ("blockwise", {}),
     "base-m8": ("bf16", {"state_dtype": "fp8"}),
     "fp8-m8": ("blockwise", {"state_dtype": "fp8"}),
+    "fp8-g16": ("blockwise", {"grad_dtype": "bf16"}),
+    "base-stack": ("bf16", {"state_dtype": "fp8", "grad_dtype": "bf16"}),
+    "fp8-stack": ("blockwise", {"state_dtype": "fp8", "grad_dtype": "bf16"}),
 }
 
 
@@ -64,13 +69,14 @@ def child(variant: str, layers: int, seq_len: int, steps: int) -> dict:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from infir2.harness.guards import clip_grad_norm
     from infir2.harness.optim import build_optimizer
     from infir2.kernels import fast_emulated
     from infir2.kernels.registry import BACKENDS
     from infir2.loss import token_ce_sum
     from infir2.model import prepare_for_training
     from infir2.nn import cache_fp8_weights
-    from infir2.train.config import OptimConfig
+    from infir2.train.config import Fp8Config, OptimConfig
 
     torch.set_num_threads(1)
     if variant == "fp8-kept":  # weights quantized with their fp32 copy, as before
@@ -86,10 +92,10 @@ def child(variant: str, layers: int, seq_len: int, steps: int) -> dict:
     for _ in range(steps):
         ids = torch.randint(0, SHAPE["vocab_size"], (1, seq_len))
         t0 = time.perf_counter()
-        with cache_fp8_weights(model):
+        with cache_fp8_weights(model, Fp8Config().weight_cache):  # as the train loop: fp8.weight_cache
             loss = token_ce_sum(model, {"input_ids": ids, "labels": ids}, "fp32", device) / seq_len
             loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        clip_grad_norm(model, 1.0)  # infir2's: reads bf16 gradients too
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)

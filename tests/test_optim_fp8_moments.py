@@ -8,10 +8,7 @@ training run killed with SIGKILL and resumed bit for bit.
 from __future__ import annotations
 
 import copy
-import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -23,7 +20,7 @@ from infir2.fp8.moments import MAX_EXPONENT, dequantize_moment, quantize_moment
 from infir2.harness.optim import Fp8AdamW, build_optimizer
 from infir2.train import train
 from infir2.train.config import parse_config
-from train_synthetic import SyntheticSource, one_thread, subprocess_env, tiny_run_config
+from train_synthetic import SyntheticSource, killed_and_resumed, one_thread, tiny_run_config
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
 
@@ -183,25 +180,6 @@ def test_fp32_moments_load_as_fp8_codes() -> None:
     assert torch.equal(m, dequantize_moment(quantize_moment(fp32["exp_avg"], "m", 128), "m", 128))
 
 
-#: a child process that trains and SIGKILLs itself when asked for step 4 (after step 3's checkpoint)
-_KILLED_RUN = """
-import json, os, signal, sys
-from conftest import make_tiny_model
-from infir2.train import train
-from train_synthetic import SyntheticSource, tiny_run_config
-
-class KillAfter(SyntheticSource):
-    def __iter__(self):
-        for step in super().__iter__():
-            if self.step > 3:
-                os.kill(os.getpid(), signal.SIGKILL)  # kill -9: no cleanup, no finally
-            yield step
-
-cfg = tiny_run_config(sys.argv[1], "split", **json.loads(sys.argv[2]))
-train(cfg, model=make_tiny_model(), train_source=KillAfter(seed=1), progress=False)
-"""
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "optim",
@@ -214,24 +192,7 @@ train(cfg, model=make_tiny_model(), train_source=KillAfter(seed=1), progress=Fal
 def test_fp8_moments_resume_identically_after_kill_9(tmp_path, optim) -> None:
     """Killed by SIGKILL after step 3's checkpoint and resumed in this process: the losses, weights and
     stored moments of 6 uninterrupted steps, bit for bit."""
-    kw = {"train": {"max_steps": 6, "save_every": 3, "keep_last": 2}, "optim": {"lr": 3e-3, **optim}}
-    proc = subprocess.run(
-        [sys.executable, "-c", _KILLED_RUN, str(tmp_path), json.dumps(kw)],
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == -9, proc.stderr[-3000:]
-    cfg = tiny_run_config(tmp_path, "split", **kw)
-    resumed = train(cfg, model=make_tiny_model(seed=7), train_source=SyntheticSource(seed=1), progress=False)
-    assert resumed.resumed_from.name == "step_00000003"
-    full = train(
-        tiny_run_config(tmp_path, "full", **kw),
-        model=make_tiny_model(),
-        train_source=SyntheticSource(seed=1),
-        progress=False,
-    )
+    resumed, full = killed_and_resumed(tmp_path, {"optim": {"lr": 3e-3, **optim}})
     assert [m["loss"] for m in resumed.history] == [m["loss"] for m in full.history[3:]]
     a, b = load_checkpoint(full.checkpoint), load_checkpoint(resumed.checkpoint)
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])

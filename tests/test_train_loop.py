@@ -12,7 +12,7 @@ from conftest import make_tiny_model
 from infir2.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from infir2.harness.distributed import DistEnv
 from infir2.train import NonFiniteError, train, train_step
-from train_synthetic import CrashAfter, SyntheticSource, one_thread, tiny_run_config
+from train_synthetic import CrashAfter, SyntheticSource, killed_and_resumed, one_thread, tiny_run_config
 
 CPU = DistEnv(rank=0, world_size=1, device=torch.device("cpu"), owns_group=False)
 _one_thread = pytest.fixture(autouse=True)(one_thread)
@@ -55,51 +55,10 @@ def test_resume_is_exact(tmp_path, recipe):
     assert b["data"] == [{"step": 6}] and b["scheduler"] == {"step": 6}
 
 
-#: a child process that trains and SIGKILLs itself when asked for step 4 (after step 3's checkpoint)
-_KILLED_RUN = """
-import json, os, signal, sys
-from conftest import make_tiny_model
-from infir2.train import train
-from train_synthetic import SyntheticSource, tiny_run_config
-
-class KillAfter(SyntheticSource):
-    def __iter__(self):
-        for step in super().__iter__():
-            if self.step > 3:
-                os.kill(os.getpid(), signal.SIGKILL)  # kill -9: no cleanup, no finally
-            yield step
-
-cfg = tiny_run_config(sys.argv[1], "split", **json.loads(sys.argv[2]))
-train(cfg, model=make_tiny_model(), train_source=KillAfter(seed=1), progress=False)
-"""
-
-
 def test_nvfp4_resumes_identically_after_kill_9(tmp_path):
     """nvfp4 (stochastic rounding) killed by SIGKILL after step 3 and resumed in a fresh process: the
     same losses and weights as 6 uninterrupted steps."""
-    import subprocess
-    import sys
-
-    from train_synthetic import subprocess_env
-
-    kw = {"train": {"max_steps": 6, "save_every": 3, "keep_last": 2}, "fp8": {"recipe": "nvfp4"}}
-    proc = subprocess.run(
-        [sys.executable, "-c", _KILLED_RUN, str(tmp_path), json.dumps(kw)],
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == -9, proc.stderr[-3000:]
-    cfg = tiny_run_config(tmp_path, "split", **kw)
-    resumed = train(cfg, model=make_tiny_model(seed=7), train_source=SyntheticSource(seed=1), progress=False)
-    assert resumed.resumed_from.name == "step_00000003"
-    full = train(
-        tiny_run_config(tmp_path, "full", **kw),
-        model=make_tiny_model(),
-        train_source=SyntheticSource(seed=1),
-        progress=False,
-    )
+    resumed, full = killed_and_resumed(tmp_path, {"fp8": {"recipe": "nvfp4"}})
     assert [m["loss"] for m in resumed.history] == [m["loss"] for m in full.history[3:]]
     a, b = load_checkpoint(full.checkpoint), load_checkpoint(resumed.checkpoint)
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])

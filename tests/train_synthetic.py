@@ -107,6 +107,56 @@ def subprocess_env(tests_too: bool = True) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1"}
 
 
+#: a child process that trains and SIGKILLs itself when asked for step 4 (after step 3's checkpoint)
+_KILLED_RUN = """
+import json, os, signal, sys
+from conftest import make_tiny_model
+from infir2.train import train
+from train_synthetic import SyntheticSource, tiny_run_config
+
+class KillAfter(SyntheticSource):
+    def __iter__(self):
+        for step in super().__iter__():
+            if self.step > 3:
+                os.kill(os.getpid(), signal.SIGKILL)  # kill -9: no cleanup, no finally
+            yield step
+
+cfg = tiny_run_config(sys.argv[1], "split", **json.loads(sys.argv[2]))
+train(cfg, model=make_tiny_model(), train_source=KillAfter(seed=1), progress=False)
+"""
+
+
+def killed_and_resumed(tmp_path: Any, sections: dict[str, Any]) -> tuple[Any, Any]:
+    """A 6-step tiny run of ``sections`` (``save_every: 3``) SIGKILLed in a child process after step 3's
+    checkpoint and resumed here, and the same run uninterrupted: ``(resumed, full)``, ``train``'s results."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import make_tiny_model
+    from infir2.train import train
+
+    kw = {**sections, "train": {"max_steps": 6, "save_every": 3, "keep_last": 2, **sections.get("train", {})}}
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_RUN, str(tmp_path), json.dumps(kw)],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    cfg = tiny_run_config(tmp_path, "split", **kw)
+    resumed = train(cfg, model=make_tiny_model(seed=7), train_source=SyntheticSource(seed=1), progress=False)
+    assert resumed.resumed_from is not None and resumed.resumed_from.name == "step_00000003"
+    full = train(
+        tiny_run_config(tmp_path, "full", **kw),
+        model=make_tiny_model(),
+        train_source=SyntheticSource(seed=1),
+        progress=False,
+    )
+    return resumed, full
+
+
 def torchrun(*args: object, nproc: int = 2, timeout: int = 300, env: dict[str, str] | None = None) -> Any:
     """Launch ``args`` (a script and its arguments, or ``"-m", module, ...``) under ``torchrun --standalone``
     on ``nproc`` CPU processes with ``subprocess_env()``; assert it exits 0 (showing the output's tails)."""
