@@ -58,9 +58,10 @@ def fewest_gpus(shape: ModelShape, run: PlanInputs, gpu: str, most: int = 64) ->
     bf16 gradients exist on one GPU only: beyond it the run keeps fp32 ones."""
     limit, gpus = GPU_GIB[gpu] * USABLE * 2**30, 1
     while gpus <= most:
-        trial = replace(run, gpus=gpus, grad_dtype=run.grad_dtype if gpus == 1 else "fp32")
-        if run.context <= gpus and gpus % run.context == 0 and plan_step(shape, trial).peak <= limit:
-            return gpus
+        if gpus % run.context == 0:  # the GPUs are data x context
+            trial = replace(run, gpus=gpus, grad_dtype=run.grad_dtype if gpus == 1 else "fp32")
+            if plan_step(shape, trial).peak <= limit:
+                return gpus
         gpus *= 2
     return None
 
