@@ -104,5 +104,12 @@ def test_the_plan_counts_the_bf16_gradients() -> None:
 def test_bf16_gradients_are_refused_where_they_cannot_be() -> None:
     with pytest.raises(ValueError, match=r"optim\.grad_dtype"):
         parse_config({"optim": {"grad_dtype": "fp16"}}, "<test>")
-    with pytest.raises(ValueError, match="grad_dtype"):
+    with pytest.raises(ValueError, match=r"optim\.grad_dtype"):
         plan(ModelShape(128, 256, 2, 4, 2, 300, True), "bf16", gpus=2, grad_dtype="bf16")
+    from infir2.train.setup import check_inputs
+    from train_synthetic import tiny_run_config
+
+    cfg = tiny_run_config("/nonexistent", optim={"grad_dtype": "bf16"})
+    check_inputs(cfg, world_size=1, data=False)  # one process: fine
+    with pytest.raises(ValueError, match=r"optim\.grad_dtype: bf16 .* one process only, this run has 2"):
+        check_inputs(cfg, world_size=2, data=False)  # before any folder, model or data

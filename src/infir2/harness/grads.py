@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["GRAD_ATTR", "GRAD_DTYPES", "drop_grads", "grad_of", "keep_bf16_grads"]
+__all__ = ["GRAD_ATTR", "GRAD_DTYPES", "check_grad_dtype", "drop_grads", "grad_of", "keep_bf16_grads"]
 
 GRAD_DTYPES = ("fp32", "bf16")
 #: the attribute of a parameter that holds its bf16 gradient
@@ -42,6 +42,15 @@ def _keep(p: torch.Tensor) -> None:
         setattr(p, GRAD_ATTR, g.to(torch.bfloat16))
     else:
         kept.copy_(kept.float().add_(g))
+
+
+def check_grad_dtype(grad_dtype: str, world_size: int) -> None:
+    """Before anything is built: bf16 gradients in a run of several processes are refused (module doc)."""
+    if grad_dtype == "bf16" and world_size > 1:
+        raise ValueError(
+            f"optim.grad_dtype: bf16 gradients are kept in one process only, this run has {world_size} "
+            "(under FSDP2 each rank's gradient shard is fp32): set optim.grad_dtype: fp32"
+        )
 
 
 def keep_bf16_grads(model: nn.Module) -> None:

@@ -50,7 +50,10 @@ class PlanInputs:
         if self.state_dtype not in ("fp32", "bf16", "fp8"):
             raise ValueError(f"state_dtype: expected fp32, bf16 or fp8, got {self.state_dtype!r}")
         if self.grad_dtype not in ("fp32", "bf16") or (self.grad_dtype == "bf16" and self.gpus > 1):
-            raise ValueError(f"grad_dtype: fp32, or bf16 on one GPU; got {self.grad_dtype!r} on {self.gpus}")
+            raise ValueError(
+                f"optim.grad_dtype {self.grad_dtype!r} on {self.gpus} GPUs: fp32, or bf16 in one process only "
+                "(under FSDP2 each rank's gradient shard is fp32)"
+            )
         if self.context < 1 or self.gpus % self.context:
             raise ValueError(
                 f"context: {self.context} must be >= 1 and divide gpus={self.gpus} (the GPUs are data x context)"

@@ -75,6 +75,7 @@ from ..generation import (
 from ..harness.config import config_to_dict
 from ..harness.config_changes import reconcile_saved_config
 from ..harness.distributed import DistEnv, all_reduce_sum, context_layout, context_parallel, data_ranks
+from ..harness.grads import check_grad_dtype
 from ..harness.guards import StepGuard
 from ..harness.metrics import MetricsLogger, peak_memory_gib
 from ..harness.optim import build_optimizer
@@ -250,6 +251,7 @@ def rl(
 
     def check(env: DistEnv) -> None:  # before any folder or model
         data_ranks(env.world_size, cfg.parallel.context)  # the world is data x context
+        check_grad_dtype(cfg.optim.grad_dtype, env.world_size)
         inputs.append(_load_inputs(cfg, model is not None))
 
     with open_run(cfg.run_dir, cfg.run.device, check) as env:  # a run that fails to start leaves no folder

@@ -25,6 +25,7 @@ from ..data import (
 from ..data.base import MicroBatch, StepSource
 from ..data.tokens import check_batch_sizes
 from ..harness.distributed import DistEnv, data_ranks
+from ..harness.grads import check_grad_dtype
 from ..harness.setup import check_model_inputs
 from .config import RunConfig
 
@@ -45,6 +46,7 @@ def check_inputs(cfg: RunConfig, world_size: int = 1, data: bool = True) -> None
     """
     d, context = cfg.data, cfg.parallel.context
     check_model_inputs(cfg)
+    check_grad_dtype(cfg.optim.grad_dtype, world_size)
     world_size = data_ranks(world_size, context)  # a context group shares its sequences
     if not data:
         return
