@@ -324,33 +324,17 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     device = next(model.parameters()).device
     if cfg.grad_dtype == "bf16":
         keep_bf16_grads(model)  # torch's AdamW reads only p.grad: fp32 moments below are LowPrecisionAdamW's
+    groups = param_groups(model, cfg.weight_decay)
+    hyper: dict[str, Any] = {"lr": cfg.lr, "betas": cfg.betas, "eps": cfg.eps}
     if cfg.state_dtype == "fp8":
+        expand = cfg.fp8_range_expansion
         return Fp8AdamW(
-            param_groups(model, cfg.weight_decay),
-            lr=cfg.lr,
-            betas=cfg.betas,
-            eps=cfg.eps,
-            block=cfg.fp8_block,
-            second_moment=cfg.fp8_second_moment,
-            expand=cfg.fp8_range_expansion,
+            groups, **hyper, block=cfg.fp8_block, second_moment=cfg.fp8_second_moment, expand=expand
         )
     if cfg.state_dtype != "fp32" or cfg.grad_dtype != "fp32":
-        return LowPrecisionAdamW(
-            param_groups(model, cfg.weight_decay),
-            lr=cfg.lr,
-            betas=cfg.betas,
-            eps=cfg.eps,
-            state_dtype=STATE_DTYPES[cfg.state_dtype],
-        )
+        return LowPrecisionAdamW(groups, **hyper, state_dtype=STATE_DTYPES[cfg.state_dtype])
     fused = cfg.fused if cfg.fused is not None else device.type == "cuda"
-    return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay),
-        lr=cfg.lr,
-        betas=cfg.betas,
-        eps=cfg.eps,
-        fused=fused or None,
-        foreach=None if fused else True,
-    )
+    return torch.optim.AdamW(groups, **hyper, fused=fused or None, foreach=None if fused else True)
 
 
 @dataclass(frozen=True)
