@@ -88,17 +88,17 @@ def test_bf16_gradients_track_fp32_gradients(state_dtype: str) -> None:
 
 
 def test_the_plan_counts_the_bf16_gradients() -> None:
-    """The planner's gradient term (2 bytes per parameter, plus the largest parameter's fp32 gradient
-    while it is handed over) against the tensors after a tiny model's backward."""
+    """The planner's gradient term (2 bytes per parameter, the largest parameter's fp32 gradient in place
+    of its bf16 copy while it is handed over) against the tensors after a tiny model's backward."""
     model = make_tiny_model(hidden=128)
     keep_bf16_grads(model)
     ids = torch.randint(0, 300, (2, 64))
     lm_loss_sum(model, ids, ids, chunk_tokens=None).backward()
     kept = sum(grad_of(p).numel() * grad_of(p).element_size() for p in model.parameters())
     shape = ModelShape.from_config(model.config.to_dict(), "<tiny>")
-    largest = max(p.numel() for p in model.parameters()) * 4
+    largest = max(p.numel() for p in model.parameters())
     planned = plan(shape, "bf16", gpus=1, seq_len=64, micro_batch=2, grad_dtype="bf16").gradients
-    assert planned == kept + largest
+    assert planned == kept - 2 * largest + 4 * largest
 
 
 def test_bf16_gradients_are_refused_where_they_cannot_be() -> None:

@@ -69,6 +69,12 @@ ALLOWED: dict[str, set[str]] = {
     "tools.plan": {"fp8", "planning", "rl", "tools.memory", "train"},
     "tools.numerics": {"nn"},  # infir2 numerics: reads a run's telemetry keys
     "tools.wire_bytes": {"nn"},  # FSDP2 byte counters for benchmarks
+    "tools.fake_step": {
+        "harness",
+        "model",
+        "planning",
+        "train",
+    },  # the real step under FakeTensorMode vs the plan
     "cli": set(),  # cli imports its subcommands lazily by name (importlib), never statically
     "__init__": {"fp8", "nn"},
     "_logging": set(),

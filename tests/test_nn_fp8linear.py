@@ -323,3 +323,17 @@ def test_an_fsdp_gathered_weight_gets_the_k_major_dgrad_copy_in_backward():
     assert layouts[0] == ((128, 384), (256, 384), False)  # the transposed view
     assert layouts[1] == ((128, 384), (256, 384), True)  # the K-major copy
     assert torch.equal(grads[0], grads[1])
+
+
+def test_the_input_cache_lets_go_of_a_freed_input() -> None:
+    """The FP8 copies of the last input (``linear._INPUT_CACHE``) go with that input: none outlives a
+    step's backward (two ``[T, K]`` fp32 copies on a CPU); the layers fed the same input still share
+    one quantization while it lives."""
+    from infir2.nn.linear import _INPUT_CACHE
+
+    a, b = Fp8Linear(256, 128), Fp8Linear(256, 128)
+    x = torch.randn(128, 256, requires_grad=True)
+    (a(x).sum() + b(x).sum()).backward()
+    assert len(_INPUT_CACHE._ops) == 1  # one entry for both layers while x lives
+    del x
+    assert _INPUT_CACHE._ops == {} and _INPUT_CACHE._ref is None

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from .._logging import log_once
 
@@ -133,7 +134,10 @@ def available() -> bool:
 
 
 def _takes(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dim() == 2 and x.is_contiguous() and x.numel() > 0
+    """A tensor the C loops can read: on the CPU, 2-D, contiguous, not empty, and with data (a fake
+    tensor's, under ``FakeTensorMode``, has none: the eager code runs, making the same tensors)."""
+    real = not is_fake(x)
+    return real and x.device.type == "cpu" and x.dim() == 2 and x.is_contiguous() and x.numel() > 0
 
 
 def quantize(

@@ -201,7 +201,7 @@ class _InputCache:
     ) -> tuple[Operand, Operand]:
         """``(fprop, wgrad)`` operands of ``x2d`` (the 2-D, autocast view of ``original``)."""
         if self._ref is None or self._ref() is not original or self._version != original._version:
-            self._ref, self._version, self._ops = weakref.ref(original), original._version, {}
+            self._ref, self._version, self._ops = weakref.ref(original, self._drop), original._version, {}
         key = (recipe.x, recipe.x_wgrad, kernels.name, x2d.dtype, tuple(x2d.shape))
         if key not in self._ops:
             with torch.no_grad(), no_autocast(x2d.device):
@@ -211,6 +211,11 @@ class _InputCache:
 
     def clear(self) -> None:
         self._ref, self._version, self._ops = None, -1, {}
+
+    def _drop(self, ref: weakref.ref[torch.Tensor]) -> None:
+        """The input of the cached copies is freed: drop them (an older input's going changes nothing)."""
+        if ref is self._ref:
+            self.clear()
 
 
 _INPUT_CACHE = _InputCache()

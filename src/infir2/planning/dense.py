@@ -1,7 +1,8 @@
 """The training step's terms, per GPU (or per CPU process): ``plan(shape, recipe, **settings)``.
 
 * parameters   fp32 masters, FSDP-sharded: ``4 P / gpus``; gradients the same (bf16 on one GPU:
-               ``2 P`` and the largest parameter's fp32 gradient; ``planning.optimizer``)
+               ``2 P`` and the largest parameter's fp32 gradient as it arrives; one process accumulating
+               micro-batches: the arriving gradient beside the stored ones; ``planning.optimizer``)
 * optimizer    AdamW moments: ``8 P / gpus`` (``state_dtype="fp32"``), ``4 P / gpus`` (``bf16``) or about
                ``2.06 P / gpus`` (``fp8``; ``planning.optimizer``)
 * gathered     FSDP2 working copies (gpus > 1): the root module's parameters plus two decoder layers
@@ -28,7 +29,7 @@ from ..loss.scorer import chunk_tokens_for
 from .context import gathered_kv_bytes
 from .inputs import BF16_BYTES, FP32_BYTES, PlanInputs
 from .layer import layer_figures
-from .optimizer import gradient_bytes, moment_bytes, optimizer_step_bytes
+from .optimizer import arriving_gradient_bytes, gradient_bytes, moment_bytes, optimizer_step_bytes
 from .quantized import layer_weight_bytes
 from .shape import ModelShape
 
@@ -52,6 +53,7 @@ class Plan:
     all_gather: float
     reduce_scatter: float
     optimizer_step: float = 0.0  # AdamW's temporaries during its step (activations are gone by then)
+    arriving: float = 0.0  # of ``gradients``: the fp32 gradient autograd hands over, gone by the step
 
     @property
     def backward_peak(self) -> float:
@@ -68,7 +70,7 @@ class Plan:
 
     @property
     def step_peak(self) -> float:
-        return self.parameters + self.gradients + self.optimizer + self.optimizer_step
+        return self.parameters + self.gradients - self.arriving + self.optimizer + self.optimizer_step
 
     @property
     def peak(self) -> float:
@@ -94,10 +96,11 @@ def plan_step(shape: ModelShape, run: PlanInputs) -> Plan:
     p, shard = shape.params, 1 / run.gpus
     saved, backward = _logits(shape, run)
     gathered, weight_copies, gather = _weights(shape, run, weight_copy)
-    micro_steps = max((run.global_batch or run.micro_batch * run.data) // (run.micro_batch * run.data), 1)
+    micro_steps = run.micro_steps
     return Plan(
         parameters=FP32_BYTES * p * shard,
         gradients=gradient_bytes(shape, run) * shard,
+        arriving=arriving_gradient_bytes(shape, run) * shard,
         optimizer=moment_bytes(shape, run) * shard,
         gathered=gathered,
         weight_copies=weight_copies,

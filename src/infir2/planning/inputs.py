@@ -74,6 +74,11 @@ class PlanInputs:
         return self.seq_len * self.micro_batch // self.context
 
     @property
+    def micro_steps(self) -> int:
+        """Micro-batches each GPU accumulates per optimizer step (at least 1)."""
+        return max((self.global_batch or self.micro_batch * self.data) // (self.micro_batch * self.data), 1)
+
+    @property
     def data(self) -> int:
         """The data-parallel replicas: micro-batches one forward on every GPU takes."""
         return self.gpus // self.context

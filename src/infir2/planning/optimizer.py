@@ -8,7 +8,11 @@
             moments (8 bytes).
 
 Gradients (``optim.grad_dtype``): fp32, 4 bytes per parameter; bf16 (``harness.grads``: one process),
-2 bytes per parameter and, while autograd hands one over, the largest parameter's fp32 gradient.
+2 bytes per parameter and, while autograd hands one over, the largest parameter's fp32 gradient in
+place of its bf16 copy (made right after). One process accumulating micro-batches (a stored gradient
+to add to): the arriving fp32 gradient beside every stored one, and with bf16 ``harness.grads``' fp32
+copy of the stored one too (2 x 4 bytes of the largest). Measured against the real step under
+``FakeTensorMode`` by ``tools.fake_step`` (``tests/test_plan_vs_fake_step.py``).
 
 The step's temporaries, when the activations are gone: torch's foreach AdamW on a CPU makes an fp32
 tensor per parameter at once (``sqrt(v)``: 4 bytes per parameter), the fused one on CUDA none;
@@ -27,6 +31,7 @@ __all__ = [
     "GRAD_DTYPES",
     "STATE_DTYPES",
     "STEP_COPIES",
+    "arriving_gradient_bytes",
     "gradient_bytes",
     "moment_bytes",
     "optimizer_step_bytes",
@@ -65,7 +70,23 @@ def optimizer_step_bytes(shape: ModelShape, run: PlanInputs) -> float:
 
 
 def gradient_bytes(shape: ModelShape, run: PlanInputs) -> float:
-    """The gradients of the whole model at the peak of backward (not yet divided over the GPUs)."""
+    """The gradients of the whole model at the peak of backward (not yet divided over the GPUs): the
+    stored ones and ``arriving_gradient_bytes`` (module doc)."""
+    stored = (FP32_BYTES if run.grad_dtype == "fp32" else BF16_BYTES) * shape.params
+    if run.grad_dtype == "bf16" and not _accumulating(run):  # the largest's bf16 copy comes after
+        stored -= BF16_BYTES * shape.largest_param
+    return stored + arriving_gradient_bytes(shape, run)
+
+
+def arriving_gradient_bytes(shape: ModelShape, run: PlanInputs) -> float:
+    """The part of ``gradient_bytes`` that lives only while autograd hands the largest parameter's fp32
+    gradient over (none after backward: not in the optimizer step's peak)."""
+    arriving = FP32_BYTES * shape.largest_param
     if run.grad_dtype == "fp32":
-        return FP32_BYTES * shape.params
-    return BF16_BYTES * shape.params + FP32_BYTES * shape.largest_param
+        return arriving if _accumulating(run) else 0.0  # else it is the stored gradient itself
+    return 2 * arriving if _accumulating(run) else arriving  # accumulating: ``harness.grads``' fp32 copy
+
+
+def _accumulating(run: PlanInputs) -> bool:
+    """One process adding micro-batches' gradients: a stored gradient is there when the next arrives."""
+    return run.gpus == 1 and run.micro_steps > 1
