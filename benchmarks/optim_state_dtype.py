@@ -76,6 +76,10 @@ def main() -> None:
     torch.set_num_threads(1)
     seeds = [int(s) for s in args.seeds.split(",")]
     variants = args.variants.split(",")
+    if len(set(variants)) != len(variants):
+        p.error(f"--variants names a variant twice: {args.variants}")
+    if len(set(seeds)) != len(seeds):
+        p.error(f"--seeds names a seed twice: {args.seeds}")
     if variants[0] != "fp32" or any(v not in VARIANTS for v in variants):
         p.error(f"--variants: fp32 first, then any of {', '.join(VARIANTS)}")
     print(f"CPU: {cpu()}; torch {torch.__version__}")

@@ -87,7 +87,10 @@ def main() -> None:
         hidden=SHAPE[1], intermediate=SHAPE[1], layers=0, heads=1, kv_heads=1, vocab=SHAPE[0], tied=True
     )
     print(f"{'variant':<16}{'measured MiB':>14}{'planned MiB':>13}{'measured/plan':>15}")
-    for variant in args.variants.split(","):
+    variants = args.variants.split(",")
+    if len(set(variants)) != len(variants) or any(v not in VARIANTS for v in variants):
+        p.error(f"--variants: each of {', '.join(VARIANTS)} at most once, got {args.variants}")
+    for variant in variants:
         out = subprocess.run(
             [sys.executable, __file__, "--child", variant], capture_output=True, text=True, check=True
         )
