@@ -11,9 +11,10 @@ recipe side by side, next to InfiR2's published FP8/BF16 peak-memory ratios wher
 * gradients    fp32, sharded: ``4 P / gpus``
 * optimizer    AdamW moments: ``8 P / gpus`` (``--state-dtype fp32``), ``4 P / gpus`` (``bf16``) or
                ``~2.06 P / gpus`` (``fp8``: codes and a scale per 128 elements of a row)
-* gathered     FSDP2 working copies (only with gpus > 1): the root module's parameters (embedding,
-               final norm, lm_head; the root is not resharded after forward) plus two decoder layers
-               (the current one and the prefetched next), and their unsharded gradients
+* gathered     FSDP2 working copies (only with gpus > 1): the root module's parameters (final norm,
+               lm_head, a tied embedding; the root is not resharded after forward) plus two decoder
+               layers (the current one and the prefetched next), and their unsharded gradients; an
+               untied embedding is an FSDP unit of its own, gathered for its forward and its backward
 * weight copies what each layer's GEMMs keep for backward: autocast's bf16 casts (2 B/param) or the
                FP8 copies with their scales (blockwise 1 B/param + an fp32 scale per 128x128 block,
                nvfp4 0.5 B/param + an E4M3 scale per 16x16 block + an fp32 one per tensor), measured
