@@ -88,8 +88,9 @@ from ..tasks import Problem, load_problems, reward
 from .algorithm import group_advantages
 from .batch import RLBatch
 from .collect import collect_groups, completion_text, share
-from .config import MEANINGFUL, RLConfig, tis_mode
+from .config import MEANINGFUL, RLConfig, keeps_reference, tis_mode
 from .guard import CollapseGuard
+from .plan_inputs import plan_inputs
 from .prompts import PromptStream
 from .state import RLState, RolloutData, Run
 from .update import my_micro_batches, plan_batches, score, update
@@ -203,8 +204,7 @@ def _setup(
 
     def before_shard(whole: nn.Module) -> None:  # the engine and the reference copy the whole model
         built["engine"] = _build_engine(cfg, whole, tokenizer)
-        keeps_ref = cfg.algo.kl_coef > 0 or cfg.guard.max_kl is not None  # the loss's KL, or the guard's
-        if keeps_ref:  # a whole copy on every rank (no collectives in its forwards)
+        if keeps_reference(cfg):  # the loss's KL, or the guard's: a whole copy on every rank (no collectives)
             built["ref"] = copy.deepcopy(whole).eval().requires_grad_(False)
 
     prompt_ids, val_ids = _encode(tokenizer, problems), _encode(tokenizer, val)
@@ -213,7 +213,8 @@ def _setup(
     if model is None and cfg.model.path:  # against config.json, before any weights are read
         positions = config_limits(cfg.model.path)[1]
         check_positions(positions, longest + cfg.rollout.max_new_tokens, key, cfg.model.beyond_context)
-        warn_if_unfit(cfg, env, longest)  # the planned step against this device: one warning if over
+        # the planned step against this device: one warning if over
+        warn_if_unfit(plan_inputs(cfg), env, longest, cfg.model.path, cfg.run.name)
     layout = context_layout(env, cfg.parallel.context)  # every rank: it makes the context groups
     model = context_parallel(setup_model(cfg, env, model, tokenizer, before_shard), layout)
     check_context(model, longest + cfg.rollout.max_new_tokens, key, cfg.model.beyond_context)
