@@ -82,6 +82,7 @@ from ..harness.optim import build_optimizer
 from ..harness.resume import PendingSave, export_final, restore, save
 from ..harness.run import open_run
 from ..harness.setup import check_model_inputs, load_run_tokenizer, setup_model
+from ..harness.step import step_seed
 from ..model import check_context, check_positions, config_limits
 from ..planning.check import warn_if_unfit
 from ..tasks import Problem, load_problems, reward
@@ -344,7 +345,8 @@ def _step(run: Run, state: RLState) -> dict[str, Any]:
         plan = plan_batches(list(range(len(batch))), a.updates_per_batch, a.micro_batch_size)
         metrics |= score(run, batch, plan)
         why = _why_skipped(run, metrics)
-        metrics |= update(run, batch, plan) if why is None else idle | {"skipped_updates": len(plan)}
+        seed = step_seed(run.cfg.run.seed, state.step)  # the update's stochastic rounding (nvfp4)
+        metrics |= update(run, batch, plan, seed) if why is None else idle | {"skipped_updates": len(plan)}
         if metrics["skipped_updates"] and why is None:
             why = f"non-finite loss or gradient norm, {metrics['skipped_updates']} update(s) skipped"
         if why is not None:
