@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from infir2.planning import ModelShape, RLInputs, context_kv_bytes, plan_rl
+from infir2.planning import ModelShape, PlanInputs, RLInputs, context_kv_bytes, plan_rl
 from infir2.rl.config import parse_rl_config
 from infir2.rl.plan_inputs import plan_inputs
 from train_synthetic import one_thread
@@ -61,6 +61,38 @@ def test_context_4_splits_the_update_and_the_scoring_not_the_rollout(checkpointi
 def test_the_record_reads_the_configs_context() -> None:
     cfg = parse_rl_config({"data": {"prompts_path": "unused.jsonl"}, "parallel": {"context": 2}})
     assert plan_inputs(cfg).context == 2 and plan_inputs(_replace_context(cfg, 1)).context == 1
+
+
+def test_the_update_is_planned_with_the_configs_training_settings() -> None:
+    """``RLInputs.update`` takes the fields it shares with ``PlanInputs`` by name: the record equals one
+    written out field by field from the config (model.precision fp64 planned as fp32)."""
+    cfg = parse_rl_config(
+        {
+            "model": {"path": "unused", "precision": "fp64", "activation_checkpointing": True},
+            "fp8": {"recipe": "blockwise"},
+            "optim": {"state_dtype": "fp8", "fp8_block": 32, "fp8_range_expansion": True},
+            "data": {"prompts_path": "unused.jsonl"},
+            "algo": {"micro_batch_size": 3},
+            "parallel": {"context": 2},
+        }
+    )
+    m, o = cfg.model, cfg.optim
+    expected = PlanInputs(
+        "blockwise",
+        gpus=4,
+        seq_len=640,
+        micro_batch=3,
+        activation_checkpointing=True,
+        state_dtype="fp8",
+        state_block=32,
+        state_expand=True,
+        grad_dtype=o.grad_dtype,
+        recompute_mlp=m.recompute_mlp,
+        precision="fp32",
+        device="cpu",
+        context=2,
+    )
+    assert plan_inputs(cfg).update(4, 640, "cpu") == expected
 
 
 def test_gpus_that_the_context_does_not_divide_are_refused() -> None:

@@ -3,7 +3,7 @@ model's shape."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from ..nn.module import WEIGHT_SCOPES
 from .measure import DEVICES
@@ -121,20 +121,9 @@ class RLInputs:
 
     def update(self, gpus: int, seq_len: int, device: str) -> PlanInputs:
         """The policy's update as a training step: ``micro_batch`` sequences of ``seq_len`` tokens, the
-        scorer's chunked logits (``loss_chunk_tokens="auto"``)."""
-        return PlanInputs(
-            self.recipe,
-            gpus=gpus,
-            seq_len=seq_len,
-            micro_batch=self.micro_batch,
-            activation_checkpointing=self.activation_checkpointing,
-            state_dtype=self.state_dtype,
-            state_block=self.state_block,
-            state_expand=self.state_expand,
-            grad_dtype=self.grad_dtype,
-            loss_chunk_tokens="auto",
-            recompute_mlp=self.recompute_mlp,
-            precision=self.precision if self.precision != "fp64" else "fp32",
-            device=device,
-            context=self.context,
-        )
+        fields both records name alike taken over, the scorer's chunked logits (``PlanInputs``'s
+        default ``loss_chunk_tokens="auto"``)."""
+        own = {f.name for f in fields(self)}
+        same = {f.name: getattr(self, f.name) for f in fields(PlanInputs) if f.name in own}  # by name
+        wire = "fp32" if self.precision == "fp64" else self.precision
+        return PlanInputs(**same | {"precision": wire, "gpus": gpus, "seq_len": seq_len, "device": device})
