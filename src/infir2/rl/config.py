@@ -60,6 +60,7 @@ __all__ = [
     "RLGuard",
     "RLTrain",
     "RolloutConfig",
+    "keeps_reference",
     "load_rl_config",
     "parse_rl_config",
     "save_rl_config",
@@ -231,6 +232,12 @@ def tis_mode(cfg: RLConfig) -> str:
     if same and cfg.rollout.precision == "fp8":
         same = cfg.fp8.recipe == SAME_RECIPE[cfg.rollout.scale_encoding] and cfg.rollout.base_dtype == "fp32"
     return "off" if same else "truncate"
+
+
+def keeps_reference(cfg: RLConfig) -> bool:
+    """Whether the run keeps a whole copy of the start model: for the loss's KL (``algo.kl_coef > 0``)
+    or the collapse guard's (``guard.max_kl``). The loop builds it by this rule, the planner counts it."""
+    return cfg.algo.kl_coef > 0 or cfg.guard.max_kl is not None
 
 
 def _check(cfg: RLConfig, source: str) -> None:

@@ -61,7 +61,7 @@ together, then the old / reference scoring and the update over ``algo.micro_batc
 Besides the training terms above (the update's micro-batch, its logits those of the chunked token
 scorer) it counts:
 
-* reference    the KL reference (``algo.kl_coef > 0``): a whole fp32 copy of the model on every rank
+* reference    the start model (``algo.kl_coef > 0`` or ``guard.max_kl``): a whole fp32 copy on every rank
 * engine       the rollout engine's copy (``rollout.precision: fp8``: the FP8 export's projections, 1 byte
                per weight + a 128x128 block's fp32 scale, the rest fp32; ``bf16``: a whole fp32 copy)
 * kv cache     ``rollout.batch_size`` x (``--prompt-len`` + ``max_new_tokens``) keys and values of every
@@ -123,7 +123,6 @@ from ..planning import (
     plan,
     plan_rl,
     plan_step,
-    rl_context,
     rl_fit,
     unmodelled,
     what_fits,
@@ -251,9 +250,11 @@ def _chunk_tokens(text: str) -> int:
 def run_rl(args: argparse.Namespace) -> int:
     """``infir2 plan --rl CONFIG``: one RL step of the config, on ``--gpus`` GPUs (or CPU processes)."""
     from ..rl.config import load_rl_config
+    from ..rl.plan_inputs import plan_inputs
     from ..train.config import resolve_config_path
 
     cfg = load_rl_config(resolve_config_path(args.rl))
+    inputs = plan_inputs(cfg)
     if args.gpus <= 0 or args.prompt_len <= 0:
         raise ValueError(f"--gpus and --prompt-len must be > 0, got {args.gpus} and {args.prompt_len}")
     model = args.model
@@ -265,19 +266,19 @@ def run_rl(args: argparse.Namespace) -> int:
                 f"shape: a shipped model ({', '.join(MODELS)}) or a config.json"
             )
         model = str(folder)
-    context = rl_context(cfg)
+    context = inputs.context
     if args.gpus % context:
         raise ValueError(f"--gpus {args.gpus}: not a multiple of the config's parallel.context {context}")
     name, shape = load_shape(model)
-    p = plan_rl(shape, cfg, args.gpus, args.prompt_len, args.device)
+    p = plan_rl(shape, inputs, args.gpus, args.prompt_len, args.device)
     where = f"{args.gpus} GPUs" if args.device == "cuda" else f"{args.gpus} CPU processes, fp32 emulation"
     where += f", context {context}" if context > 1 else ""
     r, a = cfg.rollout, cfg.algo
     print(
         f"{name}, RL step of {args.rl}: {shape.params / 1e9:.2f}B parameters, {where} (FSDP2), recipe "
         f"{cfg.fp8.recipe}, rollout {r.precision} x {r.batch_size} sequences of {args.prompt_len} + "
-        f"{r.max_new_tokens} tokens, micro-batch {a.micro_batch_size}, KL reference "
-        f"{'on' if a.kl_coef > 0 else 'off'}, AC {'on' if cfg.model.activation_checkpointing else 'off'}"
+        f"{r.max_new_tokens} tokens, micro-batch {a.micro_batch_size}, reference copy "
+        f"{'on' if inputs.keeps_reference else 'off'}, AC {'on' if cfg.model.activation_checkpointing else 'off'}"
     )
     print(format_rl_plan(p, args.device))
     if args.device == "cuda":
