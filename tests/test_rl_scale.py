@@ -121,7 +121,7 @@ def test_plan_runs_on_the_shipped_rl_configs(path, capsys):
     for row in (
         "rollout kv cache",
         "rollout engine",
-        "reference (KL)",
+        "reference",
         "scoring",
         "update activations",
         "peak",
