@@ -1,0 +1,259 @@
+"""Routing replay (R3, ``algo.routing_replay: rollout``): the engine records each token's experts, the
+trainer's MoE forward uses exactly those (a planted router tie), replaying agreeing routes changes nothing,
+the routes travel through the batch, the checkpointed buffer and the context split, and a dense model's
+run is the same with replay on or off."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import make_tiny_model, make_tokenizer
+from infir2 import convert_to_fp8
+from infir2.data.context import shard_micro_batch
+from infir2.eval import GRADERS, Graded
+from infir2.generation import BuiltinEngine, SamplingConfig
+from infir2.generation.base import Prompt, Request
+from infir2.nn.moe import record_routes, replay_routes, routers
+from infir2.rl import parse_rl_config, rl
+from infir2.rl.batch import Group, RLBatch
+from infir2.rl.context import as_micro_batch, row_routes
+from moe_models import FAMILIES, moe_config
+from rl_runs import fingerprint
+from train_synthetic import one_thread
+
+pytestmark = pytest.mark.transformers_api  # the routers' output layout is transformers'
+
+_one_thread = pytest.fixture(autouse=True)(one_thread)
+
+
+def _moe(family: str = "qwen3_moe", seed: int = 0, vocab: int = 256) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    config = moe_config(family)
+    config.vocab_size = vocab
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).float().eval()
+
+
+def _ids(rows: int = 2, length: int = 24, seed: int = 3) -> torch.Tensor:
+    return torch.randint(0, 256, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def _plant_tie(model: torch.nn.Module) -> None:
+    """Every router: expert 0 scores ``h.w``, expert 1 ``-h.w``, experts 2 and 3 exactly 0: each token's
+    top-2 is the positive one of 0 / 1 and one of the tied 2 / 3, a pick no logit decides."""
+    for gate in routers(model):
+        w = torch.randn(gate.weight.shape[1], generator=torch.Generator().manual_seed(7))
+        with torch.no_grad():
+            gate.weight.zero_()
+            gate.weight[0], gate.weight[1] = w, -w
+
+
+def test_replayed_routes_pick_exactly_the_recorded_experts_at_a_planted_tie():
+    model = convert_to_fp8(_moe())  # blockwise FP8 experts (Fp8Experts)
+    _plant_tie(model)
+    ids = _ids()
+    with record_routes(model, ids.shape[0]) as log:
+        plain = _logits(model, ids)
+    fresh = log.routes()
+    assert fresh is not None and fresh.shape == (2, 24, 2, 2)
+    tied = (fresh == 2) | (fresh == 3)
+    assert bool((tied.sum(-1) == 1).all())  # every token took exactly one of the tied experts
+    planted = torch.where(fresh == 2, 3, torch.where(fresh == 3, 2, fresh)).to(fresh.dtype)  # the other one
+
+    seen = []
+    hooks = [
+        m.experts.register_forward_pre_hook(lambda mod, args: seen.append(args[1].clone()))
+        for m in model.modules()
+        if hasattr(m, "experts") and hasattr(m, "gate")
+    ]
+    with replay_routes(model, planted) as stats:
+        replayed = _logits(model, ids)
+    for h in hooks:
+        h.remove()
+    for layer, got in enumerate(seen):  # the experts ran on exactly the recorded ids, in their order
+        assert torch.equal(got, planted[:, :, layer].reshape(-1, 2).long())
+    assert stats.counts.tolist() == [[48, 48], [48, 48]]  # every token's route differed before replay
+    assert not torch.equal(replayed, plain)
+
+    # independently: the model with experts 2 and 3 swapped, routed by its own (tie-broken) router,
+    # computes with the same weights on the same rows: the same logits, bit for bit
+    swapped = convert_to_fp8(_moe())
+    _plant_tie(swapped)
+    with torch.no_grad():
+        for m in swapped.modules():
+            if hasattr(m, "gate_up_proj") and m.gate_up_proj.dim() == 3:
+                for p in (m.gate_up_proj, m.down_proj):
+                    p[[2, 3]] = p[[3, 2]].clone()
+    with record_routes(swapped, ids.shape[0]) as again:
+        reference = _logits(swapped, ids)
+    assert torch.equal(again.routes(), fresh)  # the swapped model's router broke the tie the same way
+    assert torch.equal(replayed, reference)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_replaying_the_routers_own_routes_changes_nothing(family):
+    model = _moe(family)
+    ids = _ids()
+    with record_routes(model, ids.shape[0]) as log:
+        plain = _logits(model, ids)
+    routes = log.routes()
+    routes[0, :5] = -1  # tokens without a record: routed afresh
+    with replay_routes(model, routes) as stats:
+        again = _logits(model, ids)
+    assert torch.equal(again, plain)
+    assert stats.counts[:, 1].sum() == 0 and stats.counts[:, 0].tolist() == [43] * routes.shape[2]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_replayed_weights_are_the_routers_formula_at_the_replayed_experts(family):
+    """A single MoE block, replayed to other experts: its output equals the experts module called with
+    weights computed here in fp64 from the router's logits (softmax or sigmoid, renormalised, scaled)."""
+    model = _moe(family)
+    block = next(m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate"))
+    x = torch.randn(1, 6, 128, generator=torch.Generator().manual_seed(1))
+    index = torch.tensor([[3, 1], [0, 2], [2, 3], [1, 0], [3, 0], [2, 1]])
+    with torch.no_grad(), replay_routes(block, index.reshape(1, 6, 1, 2).to(torch.int16)):
+        got = block(x)
+        logits = block.gate(x.reshape(6, 128))[0].double()
+    gate = block.gate
+    if family == "deepseek_v3":
+        w = logits.sigmoid().gather(1, index)
+        w = w / w.sum(-1, keepdim=True) * gate.routed_scaling_factor
+    else:
+        w = logits.softmax(-1).gather(1, index)
+        w = w / w.sum(-1, keepdim=True) if getattr(gate, "norm_topk_prob", True) else w
+    with torch.no_grad():
+        expected = block.experts(x.reshape(6, 128), index, w.float())
+        if family == "deepseek_v3":
+            expected = expected + block.shared_experts(x).reshape(6, 128)
+    torch.testing.assert_close(got.reshape(6, 128), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_engine_records_what_the_trainers_forward_routes():
+    """At high precision on the same weights, the routes the built-in engine records for each sample equal
+    the routes of one whole forward over prompt + response (a column off would differ almost everywhere)."""
+    model, tok = _moe(vocab=300), make_tokenizer()
+    engine = BuiltinEngine(model, tok, "high", copy_model=True, record_routes=True)
+    prompts = [Prompt([5, 6, 7, 8, 9], None, (1, 2)), Prompt([11, 12, 13], None, (3,))]
+    out = engine.generate(Request(prompts, SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=6)))
+    for prompt, samples in zip(prompts, out, strict=True):
+        for s in samples:
+            ids = torch.tensor([prompt.ids + s.response_ids])
+            assert s.routes is not None and s.routes.shape == (ids.shape[1], 2, 2)
+            assert bool((s.routes[-1] == -1).all()) and bool((s.routes[:-1] >= 0).all())
+            with record_routes(model, 1) as log:
+                _logits(model, ids)
+            whole = log.routes()[0]
+            assert torch.equal(s.routes[:-1].sort(-1).values, whole[:-1].sort(-1).values)
+
+
+def _group(prompt: int, plen: int, lengths: list[int]) -> Group:
+    routes = [torch.randint(0, 4, (plen + n, 2, 2), dtype=torch.int16) for n in lengths]
+    responses = [list(range(1, n + 1)) for n in lengths]
+    logprobs = torch.zeros(len(lengths), max(lengths))
+    n = len(lengths)
+    return Group(prompt, lengths, [True] * n, [0.0] * n, [0.0] * n, responses, logprobs, routes)
+
+
+def test_routes_travel_through_the_buffer_record_the_batch_and_the_context_split():
+    groups = [_group(0, 3, [4, 2]), _group(1, 5, [3, 1])]
+    back = [Group.from_record(g.to_record()) for g in groups]
+    assert all(
+        torch.equal(a, b)
+        for g, h in zip(groups, back, strict=True)
+        for a, b in zip(g.routes, h.routes, strict=True)
+    )
+    prompts = [[7] * 3, [8] * 5]
+    batch = RLBatch.build(prompts, back, torch.zeros(2, 2), False, 0)
+    rows = batch.rows([0, 3])  # group 0's first response, group 1's second: prompt 5 wide, response 4
+    assert rows.routes.shape == (2, 9, 2, 2)
+    assert torch.equal(rows.routes[0, 2:9], groups[0].routes[0]) and bool((rows.routes[0, :2] == -1).all())
+    assert torch.equal(rows.routes[1, :6], groups[1].routes[1]) and bool((rows.routes[1, 6:] == -1).all())
+
+    # the context split cuts the routes where it cuts the tokens: route "ids" equal to the token ids
+    rows.routes = rows.ids[:, :, None, None].expand(-1, -1, 2, 2).to(torch.int16)
+    for rank in range(2):
+        shard = shard_micro_batch(as_micro_batch(rows), rank, 2)
+        part = type("Part", (), {"batch": shard})()
+        got = row_routes(rows, part)  # type: ignore[arg-type]
+        assert got.shape[:2] == shard["input_ids"].shape
+        columns = int(shard["context_start"]) + torch.arange(got.shape[1])
+        inside = columns < rows.ids.shape[1]  # past the row: the split's padding, routed afresh
+        assert torch.equal(got[:, inside, 0, 0].long(), shard["input_ids"][:, inside])
+        assert bool((got[:, ~inside] == -1).all()) and bool((~inside).any())
+    assert row_routes(rows, None) is rows.routes
+
+
+def test_replay_config_key_is_checked():
+    base = {"data": {"prompts_path": "p.jsonl"}}
+    with pytest.raises(ValueError, match=r"x\.yaml: algo\.routing_replay"):
+        parse_rl_config({**base, "algo": {"routing_replay": "old"}}, "x.yaml")
+    with pytest.raises(ValueError, match=r"routing_replay: rollout needs rollout\.engine: builtin \(infir2's vllm engine"):
+        parse_rl_config(
+            {**base, "algo": {"routing_replay": "rollout"}, "rollout": {"engine": "vllm"}}, "x.yaml"
+        )
+
+
+def _prompts(path, n=4):
+    path.write_text(
+        "".join(json.dumps({"problem": f"Add {i} and {i}.", "answer": str(2 * i)}) + "\n" for i in range(n))
+    )
+    return path
+
+
+def _config(tmp_path, name, replay, **sections):
+    data = {
+        "run": {"name": name, "out_dir": str(tmp_path), "device": "cpu"},
+        "model": {"precision": "fp32"},
+        "fp8": {"recipe": "blockwise"},
+        "optim": {"lr": 1e-3},
+        "data": {"prompts_path": str(_prompts(tmp_path / "prompts.jsonl"))},
+        "rollout": {
+            "precision": "fp8",
+            "prompts_per_step": 2,
+            "group_size": 2,
+            "oversample_prompts": 3,
+            "max_new_tokens": 6,
+            "batch_size": 6,
+            "carry_over": True,
+        },
+        "algo": {"reward": "parity", "micro_batch_size": 2, "updates_per_batch": 2, "routing_replay": replay},
+        "train": {"max_steps": 2, "save_every": 1},
+    }
+    for section, values in sections.items():
+        data[section] = {**data.get(section, {}), **values}
+    return parse_rl_config(data, "test")
+
+
+@pytest.fixture
+def parity_reward(monkeypatch):
+    monkeypatch.setitem(GRADERS, "parity", lambda problem, text: Graded(None, len(text) % 2 == 1))
+
+
+def test_a_dense_models_run_is_bit_identical_with_replay_on_or_off(tmp_path, parity_reward):
+    tok = make_tokenizer()
+    for replay in ("off", "rollout"):
+        rl(_config(tmp_path, replay, replay), model=make_tiny_model(seed=1), tokenizer=tok, progress=False)
+    off, on = fingerprint(tmp_path / "off"), fingerprint(tmp_path / "rollout")
+    assert off[0] == on[0] and not any(k.startswith("routing/") for m in on[0] for k in m)
+    assert off[1].keys() == on[1].keys() and all(torch.equal(off[1][k], on[1][k]) for k in off[1])
+
+
+def test_a_moe_run_with_replay_logs_the_routing_metrics(tmp_path, parity_reward):
+    result = rl(
+        _config(tmp_path, "moe", "rollout"), model=_moe(vocab=300), tokenizer=make_tokenizer(), progress=False
+    )
+    for m in result.history:
+        shares = [m[f"routing/differ_share/layer{i}"] for i in range(2)]
+        assert all(0 <= s <= 1 for s in shares) and m["routing/differ_share"] == pytest.approx(
+            sum(shares) / 2
+        )
