@@ -197,7 +197,9 @@ def test_replay_config_key_is_checked():
     base = {"data": {"prompts_path": "p.jsonl"}}
     with pytest.raises(ValueError, match=r"x\.yaml: algo\.routing_replay"):
         parse_rl_config({**base, "algo": {"routing_replay": "old"}}, "x.yaml")
-    with pytest.raises(ValueError, match=r"routing_replay: rollout needs rollout\.engine: builtin \(infir2's vllm engine"):
+    with pytest.raises(
+        ValueError, match=r"routing_replay: rollout needs rollout\.engine: builtin \(infir2's vllm engine"
+    ):
         parse_rl_config(
             {**base, "algo": {"routing_replay": "rollout"}, "rollout": {"engine": "vllm"}}, "x.yaml"
         )
@@ -211,7 +213,11 @@ def _prompts(path, n=4):
 
 
 def _config(tmp_path, name, replay, **sections):
-    data = {
+    return parse_rl_config(_config_data(tmp_path, name, replay, **sections), "test")
+
+
+def _config_data(tmp_path, name, replay, **sections):
+    data: dict = {
         "run": {"name": name, "out_dir": str(tmp_path), "device": "cpu"},
         "model": {"precision": "fp32"},
         "fp8": {"recipe": "blockwise"},
@@ -231,7 +237,7 @@ def _config(tmp_path, name, replay, **sections):
     }
     for section, values in sections.items():
         data[section] = {**data.get(section, {}), **values}
-    return parse_rl_config(data, "test")
+    return data
 
 
 @pytest.fixture
@@ -257,3 +263,74 @@ def test_a_moe_run_with_replay_logs_the_routing_metrics(tmp_path, parity_reward)
         assert all(0 <= s <= 1 for s in shares) and m["routing/differ_share"] == pytest.approx(
             sum(shares) / 2
         )
+
+
+#: a child ``infir2 rl`` (the parity reward registered first) that SIGKILLs itself in step 3's update
+_KILLED_RL = """
+import os, signal, sys
+from infir2.cli import main
+from infir2.eval import GRADERS, Graded
+from infir2.rl import loop
+GRADERS["parity"] = lambda problem, text: Graded(None, len(text) % 2 == 1)
+update, calls = loop.update, []
+def killed(run, batch, plan):
+    calls.append(1)
+    if len(calls) == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return update(run, batch, plan)
+loop.update = killed
+sys.exit(main(["rl", sys.argv[1], "--no-progress"]))
+"""
+
+
+def _tiny_moe_rl_yaml(tmp_path, name: str, replay: str) -> str:
+    """``infir2 rl`` on the shipped tiny MoE (``tiny-moe-cpt``'s model): FP8 rollouts, blockwise FP8
+    training and experts, routing replay ``replay``, a checkpoint every step, a carried-over buffer."""
+    import yaml
+
+    from infir2.harness.config import resolve_config_path
+
+    model = yaml.safe_load(resolve_config_path("tiny-moe-cpt").read_text())["model"]
+    if not (tmp_path / "tok").is_dir():
+        make_tokenizer().save_pretrained(tmp_path / "tok")
+    data = _config_data(tmp_path, name, replay, train={"max_steps": 4, "save_every": 1, "keep_last": 4})
+    data["model"] = {**model, "tokenizer": str(tmp_path / "tok")}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replay", ["off", "rollout"])
+def test_kill_9_of_infir2_rl_on_the_tiny_moe_resumes_bit_identically(tmp_path, parity_reward, replay):
+    """``infir2 rl`` SIGKILLed in its third step's update (after step 2's checkpoint), then the same command
+    again: every metric (the routing ones included) and the final weights and AdamW state equal the
+    uninterrupted run's, bit for bit; with replay the checkpointed buffer carried routes."""
+    import signal
+    import subprocess
+    import sys
+
+    from infir2.cli import main
+    from train_synthetic import subprocess_env
+
+    assert main(["rl", _tiny_moe_rl_yaml(tmp_path, "whole", replay), "--no-progress"]) == 0
+    killed = _tiny_moe_rl_yaml(tmp_path, "killed", replay)
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_RL, killed], env=subprocess_env(), capture_output=True, text=True
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    steps = [json.loads(x)["step"] for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]  # killed in step 3's update
+    assert main(["rl", killed, "--no-progress"]) == 0
+    whole, resumed = fingerprint(tmp_path / "whole"), fingerprint(tmp_path / "killed")
+    assert resumed[0] == whole[0]
+    assert all(("routing/differ_share" in m) == (replay == "rollout") for m in whole[0])
+    assert whole[1].keys() == resumed[1].keys() and any("experts.gate_up_proj" in k for k in whole[1])
+    assert all(torch.equal(whole[1][k], resumed[1][k]) for k in whole[1])
+    saved = [
+        torch.load(c / "state.pt", weights_only=True)
+        for c in (tmp_path / "killed/checkpoints").glob("step_*")
+    ]
+    records = [r for s in saved for r in s["data"][0]["buffer"] if "responses" in r]
+    assert records and all(("routes" in r) == (replay == "rollout") for r in records)
+    assert all(r["routes"][0].dtype == torch.int16 for r in records if "routes" in r)  # crossed checkpoints
