@@ -6,6 +6,7 @@ run is the same with replay on or off."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -334,3 +335,38 @@ def test_kill_9_of_infir2_rl_on_the_tiny_moe_resumes_bit_identically(tmp_path, p
     records = [r for s in saved for r in s["data"][0]["buffer"] if "responses" in r]
     assert records and all(("routes" in r) == (replay == "rollout") for r in records)
     assert all(r["routes"][0].dtype == torch.int16 for r in records if "routes" in r)  # crossed checkpoints
+
+
+@pytest.mark.slow
+def test_replay_under_context_parallelism_routes_as_one_process(tmp_path, monkeypatch):
+    """``parallel.context: 2`` on the tiny MoE with replay: each rank replays the routes of its own tokens
+    of every row (``rl.context.row_routes``), so the first step's scoring -- the routes that differed,
+    layer by layer, the entropy and the mismatch -- is one process's."""
+    from infir2.cli import main
+    from rl_distributed_worker import parity
+    from test_rl_distributed import _config as distributed_config
+    from test_rl_distributed import _metrics
+    from train_synthetic import torchrun
+
+    monkeypatch.setitem(GRADERS, "parity", parity)
+    tok = make_tokenizer()
+    cfg = distributed_config(tmp_path, tok)
+    moe = tmp_path / "moe"
+    _moe(vocab=300, seed=1).save_pretrained(moe)
+    tok.save_pretrained(moe)
+    sets = [
+        "model.path=" + str(moe),
+        "algo.routing_replay=rollout",
+        "train.max_steps=1",
+        "rollout.base_dtype=bf16",
+    ]
+    args = [a for s in sets for a in ("--set", s)]
+    worker = Path(__file__).parent / "rl_distributed_worker.py"
+    torchrun(worker, "--no-engine-check", cfg, *args, "--set", "parallel.context=2", "--set", "run.name=cp")
+    assert main(["rl", str(cfg), "--no-progress", *args, "--set", "run.name=one"]) == 0
+    two, one = (_metrics(tmp_path / "runs" / name)[0] for name in ("cp", "one"))
+    routing = [k for k in one if k.startswith("routing/")]
+    assert len(routing) == 3 and one["routing/differ_share"] > 0  # bf16 rollouts: some routes differ
+    assert {k: two[k] for k in routing} == {k: one[k] for k in routing}
+    for key in ("entropy", "mismatch/abs_dlogp_mean", "mismatch/k3_kl"):
+        assert two[key] == pytest.approx(one[key], rel=1e-5), key
