@@ -17,12 +17,14 @@ from infir2.data.context import shard_micro_batch
 from infir2.eval import GRADERS, Graded
 from infir2.generation import BuiltinEngine, SamplingConfig
 from infir2.generation.base import Prompt, Request
+from infir2.harness.config import config_to_dict
 from infir2.nn.moe import record_routes, replay_routes, routers
 from infir2.rl import parse_rl_config, rl
 from infir2.rl.batch import Group, RLBatch
 from infir2.rl.context import as_micro_batch, row_routes
 from moe_models import FAMILIES, moe_config
 from rl_runs import fingerprint
+from test_rl_loop import _config as loop_config
 from train_synthetic import one_thread
 
 pytestmark = pytest.mark.transformers_api  # the routers' output layout is transformers'
@@ -206,39 +208,12 @@ def test_replay_config_key_is_checked():
         )
 
 
-def _prompts(path, n=4):
-    path.write_text(
-        "".join(json.dumps({"problem": f"Add {i} and {i}.", "answer": str(2 * i)}) + "\n" for i in range(n))
-    )
-    return path
-
-
 def _config(tmp_path, name, replay, **sections):
-    return parse_rl_config(_config_data(tmp_path, name, replay, **sections), "test")
-
-
-def _config_data(tmp_path, name, replay, **sections):
-    data: dict = {
-        "run": {"name": name, "out_dir": str(tmp_path), "device": "cpu"},
-        "model": {"precision": "fp32"},
-        "fp8": {"recipe": "blockwise"},
-        "optim": {"lr": 1e-3},
-        "data": {"prompts_path": str(_prompts(tmp_path / "prompts.jsonl"))},
-        "rollout": {
-            "precision": "fp8",
-            "prompts_per_step": 2,
-            "group_size": 2,
-            "oversample_prompts": 3,
-            "max_new_tokens": 6,
-            "batch_size": 6,
-            "carry_over": True,
-        },
-        "algo": {"reward": "parity", "micro_batch_size": 2, "updates_per_batch": 2, "routing_replay": replay},
-        "train": {"max_steps": 2, "save_every": 1},
-    }
-    for section, values in sections.items():
-        data[section] = {**data.get(section, {}), **values}
-    return data
+    """``test_rl_loop``'s run (FP8 rollouts of the identical pair, blockwise training, a carried-over
+    buffer, two updates a step) with ``algo.routing_replay: replay``."""
+    return loop_config(
+        tmp_path, name, algo={"routing_replay": replay, **sections.pop("algo", {})}, **sections
+    )
 
 
 @pytest.fixture
@@ -256,14 +231,13 @@ def test_a_dense_models_run_is_bit_identical_with_replay_on_or_off(tmp_path, par
 
 
 def test_a_moe_run_with_replay_logs_the_routing_metrics(tmp_path, parity_reward):
-    result = rl(
-        _config(tmp_path, "moe", "rollout"), model=_moe(vocab=300), tokenizer=make_tokenizer(), progress=False
-    )
+    cfg = _config(tmp_path, "moe", "rollout", rollout={"base_dtype": "bf16"})  # bf16: some routes differ
+    result = rl(cfg, model=_moe(vocab=300), tokenizer=make_tokenizer(), progress=False)
     for m in result.history:
         shares = [m[f"routing/differ_share/layer{i}"] for i in range(2)]
-        assert all(0 <= s <= 1 for s in shares) and m["routing/differ_share"] == pytest.approx(
-            sum(shares) / 2
-        )
+        assert all(0 <= s < 0.5 for s in shares)
+        assert m["routing/differ_share"] == pytest.approx(sum(shares) / 2)  # every layer sees every token
+    assert any(m["routing/differ_share"] > 0 for m in result.history)
 
 
 #: a child ``infir2 rl`` (the parity reward registered first) that SIGKILLs itself in step 3's update
@@ -286,7 +260,8 @@ sys.exit(main(["rl", sys.argv[1], "--no-progress"]))
 
 def _tiny_moe_rl_yaml(tmp_path, name: str, replay: str) -> str:
     """``infir2 rl`` on the shipped tiny MoE (``tiny-moe-cpt``'s model): FP8 rollouts, blockwise FP8
-    training and experts, routing replay ``replay``, a checkpoint every step, a carried-over buffer."""
+    training and experts, bf16 rollout embeddings (so that some routes differ), routing replay
+    ``replay``, a checkpoint every step, a carried-over buffer."""
     import yaml
 
     from infir2.harness.config import resolve_config_path
@@ -294,7 +269,8 @@ def _tiny_moe_rl_yaml(tmp_path, name: str, replay: str) -> str:
     model = yaml.safe_load(resolve_config_path("tiny-moe-cpt").read_text())["model"]
     if not (tmp_path / "tok").is_dir():
         make_tokenizer().save_pretrained(tmp_path / "tok")
-    data = _config_data(tmp_path, name, replay, train={"max_steps": 4, "save_every": 1, "keep_last": 4})
+    train = {"max_steps": 4, "save_every": 1, "keep_last": 4}
+    data = config_to_dict(_config(tmp_path, name, replay, train=train, rollout={"base_dtype": "bf16"}))
     data["model"] = {**model, "tokenizer": str(tmp_path / "tok")}
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(data))

@@ -82,24 +82,44 @@ class RouteLog:
         return torch.stack(per_layer, dim=2).to(ROUTE_DTYPE)
 
 
+#: ``hook(layer, router, output)``: called after each router's forward; a return value replaces the output
+RouterHook = Callable[[int, nn.Module, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], Any]
+
+
+@contextmanager
+def _on_routers(gates: list[nn.Module], hook: RouterHook) -> Iterator[None]:
+    """``hook`` on the forward of each router of ``gates`` (layer ``i`` = ``gates[i]``) while held."""
+
+    def bound(layer: int) -> Callable[[nn.Module, Any, Any], Any]:
+        def call(module: nn.Module, args: Any, out: Any) -> Any:
+            if not (isinstance(out, tuple) and len(out) == 3):
+                raise TypeError(
+                    f"routing replay: {type(module).__name__} returns {type(out).__name__}, not the "
+                    "(router_logits, top_k_weights, top_k_index) of transformers' MoE routers"
+                )
+            return hook(layer, module, out)
+
+        return call
+
+    handles = [g.register_forward_hook(bound(i)) for i, g in enumerate(gates)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 @contextmanager
 def record_routes(model: nn.Module, rows: int) -> Iterator[RouteLog]:
     """Record the experts every forward of ``model`` chooses (module doc) while held."""
     gates = routers(model)
     log = RouteLog(len(gates), rows)
 
-    def hook(layer: int) -> Callable[[nn.Module, Any, Any], None]:
-        def record(module: nn.Module, args: Any, out: Any) -> None:
-            log.seen[layer].append(out[2].detach().cpu())
+    def record(layer: int, module: nn.Module, out: tuple[torch.Tensor, ...]) -> None:
+        log.seen[layer].append(out[2].detach().cpu())
 
-        return record
-
-    handles = [g.register_forward_hook(hook(i)) for i, g in enumerate(gates)]
-    try:
+    with _on_routers(gates, record):
         yield log
-    finally:
-        for h in handles:
-            h.remove()
 
 
 class ReplayStats:
@@ -125,33 +145,19 @@ def replay_routes(model: nn.Module, routes: torch.Tensor | None, count: bool = T
     if gates and routes is not None and routes.shape[2] != len(gates):
         raise ValueError(f"routes for {routes.shape[2]} MoE layers, but the model has {len(gates)}")
 
-    def hook(layer: int) -> Callable[[nn.Module, Any, Any], Any]:
-        def replay(module: nn.Module, args: Any, out: Any) -> Any:
-            if not (isinstance(out, tuple) and len(out) == 3):
-                raise TypeError(
-                    f"routing replay: {type(module).__name__} returns {type(out).__name__}, not the "
-                    "(router_logits, top_k_weights, top_k_index) of transformers' MoE routers"
-                )
-            logits, weights, fresh = out
-            assert routes is not None
-            recorded = routes[:, :, layer].reshape(-1, fresh.shape[-1]).to(fresh.device, fresh.dtype)
-            if recorded.shape[0] != fresh.shape[0]:
-                raise ValueError(
-                    f"routes for {recorded.shape[0]} tokens, but the forward has {fresh.shape[0]}"
-                )
-            known = (recorded >= 0).all(dim=-1)
-            differ = _differ(fresh, recorded) & known  # elsewhere the router's own output stands
-            if stats.count:
-                stats.counts[layer] += torch.stack([known.sum(), differ.sum()]).cpu()
-            index = torch.where(differ[:, None], recorded, fresh)
-            replayed = _replayed_weights(module, logits, index, weights)
-            return logits, torch.where(differ[:, None], replayed, weights), index
+    def replay(layer: int, module: nn.Module, out: tuple[torch.Tensor, ...]) -> Any:
+        logits, weights, fresh = out
+        assert routes is not None
+        recorded = routes[:, :, layer].reshape(-1, fresh.shape[-1]).to(fresh.device, fresh.dtype)
+        if recorded.shape[0] != fresh.shape[0]:
+            raise ValueError(f"routes for {recorded.shape[0]} tokens, but the forward has {fresh.shape[0]}")
+        known = (recorded >= 0).all(dim=-1)
+        differ = _differ(fresh, recorded) & known  # elsewhere the router's own output stands
+        if stats.count:
+            stats.counts[layer] += torch.stack([known.sum(), differ.sum()]).cpu()
+        index = torch.where(differ[:, None], recorded, fresh)
+        replayed = _replayed_weights(module, logits, index, weights)
+        return logits, torch.where(differ[:, None], replayed, weights), index
 
-        return replay
-
-    handles = [g.register_forward_hook(hook(i)) for i, g in enumerate(gates)]
-    try:
+    with _on_routers(gates, replay):
         yield stats
-    finally:
-        for h in handles:
-            h.remove()
