@@ -79,7 +79,7 @@ class RouteLog:
         if not self.seen or not self.seen[0]:
             return None
         per_layer = [torch.cat([f.reshape(self.rows, -1, f.shape[-1]) for f in s], 1) for s in self.seen]
-        return torch.stack(per_layer, dim=2).to(ROUTE_DTYPE)
+        return torch.stack(per_layer, dim=2).cpu()  # one copy from the device, after the last forward
 
 
 #: ``hook(layer, router, output)``: called after each router's forward; a return value replaces the output
@@ -116,7 +116,7 @@ def record_routes(model: nn.Module, rows: int) -> Iterator[RouteLog]:
     log = RouteLog(len(gates), rows)
 
     def record(layer: int, module: nn.Module, out: tuple[torch.Tensor, ...]) -> None:
-        log.seen[layer].append(out[2].detach().cpu())
+        log.seen[layer].append(out[2].detach().to(ROUTE_DTYPE))  # kept on the device: no sync per step
 
     with _on_routers(gates, record):
         yield log
@@ -125,8 +125,8 @@ def record_routes(model: nn.Module, rows: int) -> Iterator[RouteLog]:
 class ReplayStats:
     """Per layer: recorded tokens compared, and those the router would have routed elsewhere."""
 
-    def __init__(self, layers: int, count: bool) -> None:
-        self.counts = torch.zeros(layers, 2, dtype=torch.int64)
+    def __init__(self, layers: int, count: bool, device: torch.device | None = None) -> None:
+        self.counts = torch.zeros(layers, 2, dtype=torch.int64, device=device)  # summed on the device
         self.count = count
 
 
@@ -141,9 +141,12 @@ def replay_routes(model: nn.Module, routes: torch.Tensor | None, count: bool = T
     add every forward's compared and differing tokens to the stats (a recomputing backward would add
     them twice: the update leaves it off)."""
     gates = routers(model) if routes is not None else []
-    stats = ReplayStats(len(gates), count)
+    device = next(model.parameters()).device
+    stats = ReplayStats(len(gates), count, device)
     if gates and routes is not None and routes.shape[2] != len(gates):
         raise ValueError(f"routes for {routes.shape[2]} MoE layers, but the model has {len(gates)}")
+    if gates and routes is not None:
+        routes = routes.to(device)  # once, not per layer
 
     def replay(layer: int, module: nn.Module, out: tuple[torch.Tensor, ...]) -> Any:
         logits, weights, fresh = out
@@ -154,7 +157,7 @@ def replay_routes(model: nn.Module, routes: torch.Tensor | None, count: bool = T
         known = (recorded >= 0).all(dim=-1)
         differ = _differ(fresh, recorded) & known  # elsewhere the router's own output stands
         if stats.count:
-            stats.counts[layer] += torch.stack([known.sum(), differ.sum()]).cpu()
+            stats.counts[layer] += torch.stack([known.sum(), differ.sum()]).to(stats.counts.device)
         index = torch.where(differ[:, None], recorded, fresh)
         replayed = _replayed_weights(module, logits, index, weights)
         return logits, torch.where(differ[:, None], replayed, weights), index
