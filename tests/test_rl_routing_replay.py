@@ -159,6 +159,20 @@ def test_the_engine_records_what_the_trainers_forward_routes():
             assert torch.equal(s.routes[:-1].sort(-1).values, whole[:-1].sort(-1).values)
 
 
+def test_routes_of_forwards_that_are_not_one_column_per_token_are_refused():
+    from infir2.generation.base import Sample
+    from infir2.generation.builtin import sample_routes
+
+    samples = [Sample([1, 2, 3], [0.0] * 3, True), Sample([4], [0.0], True)]
+    sample_routes(torch.zeros(2, 4 + 2, 2, 2, dtype=torch.int16), [[5] * 4, [6] * 2], samples)  # 4 + 3 - 1
+    assert samples[0].routes.shape == (7, 2, 2) and samples[1].routes.shape == (3, 2, 2)
+    assert bool((samples[1].routes[:2] == 0).all()) and bool((samples[1].routes[2:] == -1).all())
+    with pytest.raises(
+        RuntimeError, match="not one column per token fed"
+    ):  # e.g. a whole-sequence forward per step
+        sample_routes(torch.zeros(2, 4 + 3 + 4, 2, 2, dtype=torch.int16), [[5] * 4, [6] * 2], samples)
+
+
 def _group(prompt: int, plen: int, lengths: list[int]) -> Group:
     routes = [torch.randint(0, 4, (plen + n, 2, 2), dtype=torch.int16) for n in lengths]
     responses = [list(range(1, n + 1)) for n in lengths]

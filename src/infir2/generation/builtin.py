@@ -177,7 +177,12 @@ def sample_routes(
     no forward is fed (``NO_ROUTE``); None for a dense model."""
     if routes is None:
         return
-    width = max(len(p) for p in prompts)
+    width, longest = max(len(p) for p in prompts), max(len(s.response_ids) for s in samples)
+    if routes.shape[1] not in (width + longest - 1, width + longest):  # the last step may feed one more
+        raise RuntimeError(
+            f"routing replay: the sampler's forwards fed {routes.shape[1]} columns for prompts {width} wide "
+            f"and responses up to {longest} tokens: not one column per token fed, the routes cannot be placed"
+        )
     for i, (prompt, s) in enumerate(zip(prompts, samples, strict=True)):
         start, n = width - len(prompt), len(prompt) + len(s.response_ids)
         own = torch.full((n, *routes.shape[2:]), NO_ROUTE, dtype=routes.dtype)
