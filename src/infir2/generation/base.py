@@ -91,7 +91,8 @@ class Sample:
     ``response_ids`` includes the stop token when it stopped (``[]`` from an engine that returns text
     only); ``logprobs`` the engine's log-probability of each (``softmax(logits / temperature)``, before
     any top-p / top-k); ``text`` the engine's own text of it (a server's, without the stop token);
-    ``n_tokens`` the engine's count when it returns no ids.
+    ``n_tokens`` the engine's count when it returns no ids; ``routes`` the experts each token went to
+    (an engine asked to record them: ``nn.moe.routing``).
     """
 
     response_ids: list[int]
@@ -99,6 +100,9 @@ class Sample:
     finished: bool  # stopped at a stop token (False: cut at max_new_tokens)
     text: str | None = None
     n_tokens: int | None = field(default=None)
+    # routing replay: [prompt + response tokens, MoE layers, k] int16 expert ids the engine chose (-1: none
+    # recorded, as for the last response token, which no forward is fed); None: not recorded, or dense
+    routes: torch.Tensor | None = None
 
     @property
     def tokens(self) -> int:

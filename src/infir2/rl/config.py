@@ -14,7 +14,7 @@ where they published one, docs/RL.md)::
               oversample_prompts, max_rounds, carry_over, max_new_tokens, temperature, batch_size
     algo:     reward, clip_low, clip_high, kl_coef, tis (auto|truncate|mask|off), tis_cap,
               overlong (none|mask|penalty), overlong_buffer, overlong_penalty, updates_per_batch,
-              micro_batch_size, adv_eps
+              micro_batch_size, adv_eps, routing_replay (off|rollout)
     train:    max_steps, save_every, keep_last, log_every, eval_every, max_skipped_in_row (as in `infir2 train`),
               eval_problems, eval_samples, max_prob_error
     parallel: context                                          (as in `infir2 train`: processes per sequence)
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from ..generation import SAME_RECIPE, check_engine
+from ..generation import ENGINES, SAME_RECIPE, BuiltinSettings, check_engine
 from ..harness.config import MEANINGFUL as SHARED_MEANINGFUL
 from ..harness.config import (
     OptimConfig,
@@ -148,6 +148,12 @@ class AlgoConfig:
     updates_per_batch: int = setting(1, "optimizer steps per rollout batch (mini-batches; > 1 is off-policy)")
     micro_batch_size: int = setting(16, "sequences per forward/backward")
     adv_eps: float = setting(1e-6, "advantage = (r - mean) / (std + adv_eps) within the group")
+    routing_replay: Literal["off", "rollout"] = setting(
+        "off",
+        "MoE: rollout = the trainer's old, reference and policy forwards send each token to the experts "
+        "the rollout engine chose (R3; builtin engine); off = the trainer's router decides. A dense "
+        "model is unchanged either way",
+    )
 
 
 @dataclass(frozen=True)
@@ -301,7 +307,22 @@ def _check(cfg: RLConfig, source: str) -> None:
         )
     positive("guard.max_kl", g.max_kl)
     _check_names(cfg, source)
+    _check_replay(cfg, source)
     _check_vllm(cfg, source)
+
+
+def _check_replay(cfg: RLConfig, source: str) -> None:
+    """Routing replay needs an engine that records each token's experts: the built-in one."""
+    engine = cfg.rollout.engine
+    if cfg.algo.routing_replay == "rollout" and ENGINES[engine].settings is not BuiltinSettings:
+        why = (
+            "infir2's vllm engine does not pass vLLM's routed experts through yet"
+            if engine == "vllm"
+            else f"the {engine} engine does not report the experts it routed each token to"
+        )
+        raise config_error(
+            source, "algo.routing_replay", f"rollout needs rollout.engine: builtin ({why}); set it to off"
+        )
 
 
 def _check_vllm(cfg: RLConfig, source: str) -> None:

@@ -184,7 +184,8 @@ def _build_engine(cfg: RLConfig, model: nn.Module, tokenizer: Any) -> RolloutEng
         settings = replace(cfg.vllm.settings(), model_precision=cfg.model.precision)
     elif ENGINES[r.engine].settings is BuiltinSettings:
         base_dtype = {"bf16": torch.bfloat16, "fp32": None}[r.base_dtype]
-        settings = BuiltinSettings(cfg.model.precision, copy_model=True, base_dtype=base_dtype)
+        replay = cfg.algo.routing_replay == "rollout"  # the engine records each token's experts
+        settings = BuiltinSettings(cfg.model.precision, True, base_dtype, record_routes=replay)
     sampling = SamplingConfig(  # the policy itself: no top-p / top-k
         False, r.temperature, 1.0, r.max_new_tokens, r.batch_size, beyond_context=cfg.model.beyond_context
     )

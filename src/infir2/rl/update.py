@@ -19,11 +19,11 @@ from torch import nn
 from ..harness.distributed import all_reduce_max, all_reduce_sum
 from ..harness.step import apply_update, loss_scale, rounding_noise
 from ..loss import score_tokens
-from ..model import autocast
+from ..model import autocast, replay_routes
 from .algorithm import mismatch_from_sums, mismatch_sums, policy_loss, tis_weights
 from .batch import RLBatch, Rows
 from .config import tis_mode
-from .context import RowShard, row_shard, shard_response_logprobs
+from .context import RowShard, row_routes, row_shard, shard_response_logprobs
 from .state import Run
 
 __all__ = ["Plan", "my_micro_batches", "plan_batches", "response_logprobs", "score", "update"]
@@ -95,14 +95,19 @@ def score(run: Run, batch: RLBatch, plan: Plan) -> dict[str, float]:
     the mismatch metrics and entropy over all ranks' rows."""
     cfg, env, context = run.cfg, run.env, run.context
     temperature, precision = cfg.rollout.temperature, cfg.model.precision
-    old_all, roll_all, ent_sum = [], [], 0.0
+    old_all, roll_all, ent_sum, routed = [], [], 0.0, None
     for mini in plan:
         for micro in my_micro_batches(mini, context.data_env.rank, context.data_env.world_size):
             rows = batch.rows(micro or mini[0])
             with row_shard(rows, context) as part:
-                logp, ent = response_logprobs(run.model, rows, temperature, precision, True, part)
+                routes = row_routes(rows, part)  # routing replay: the rollout's experts (else None)
+                with replay_routes(run.model, routes) as seen:
+                    logp, ent = response_logprobs(run.model, rows, temperature, precision, True, part)
                 if run.ref is not None and micro is not None:
-                    ref = response_logprobs(run.ref, rows, temperature, precision, shard=part)[0]
+                    with replay_routes(run.ref, routes, count=False):
+                        ref = response_logprobs(run.ref, rows, temperature, precision, shard=part)[0]
+            if routes is not None:  # every rank, the padding forward too: the all-reduce below
+                routed = seen.counts * (micro is not None) + (0 if routed is None else routed)
             if micro is None:  # the padding forward: same collectives, nothing kept
                 continue
             mask = rows.response_mask.to(logp.device)
@@ -128,6 +133,20 @@ def score(run: Run, batch: RLBatch, plan: Plan) -> dict[str, float]:
     out = mismatch_from_sums(sums[:-1], max_abs)
     out["entropy"] = float(sums[-1]) / max(tokens, 1)
     out["response_tokens"] = tokens
+    return out | _routing_metrics(routed, run)
+
+
+def _routing_metrics(counts: torch.Tensor | None, run: Run) -> dict[str, float]:
+    """Routing replay: per MoE layer, the share of the rollout's tokens whose experts the trainer's ``old``
+    forward would have chosen differently before replay (``routing/differ_share/layer{i}``), and over all
+    layers (``routing/differ_share``); {} without replay or for a dense model."""
+    if counts is None:
+        return {}
+    counts = all_reduce_sum(counts.to(run.env.device), run.env).cpu()  # [layers, 2]: compared, differed
+    out = {
+        f"routing/differ_share/layer{i}": int(d) / max(int(n), 1) for i, (n, d) in enumerate(counts.tolist())
+    }
+    out["routing/differ_share"] = int(counts[:, 1].sum()) / max(int(counts[:, 0].sum()), 1)
     return out
 
 
@@ -170,7 +189,11 @@ def update(run: Run, batch: RLBatch, plan: Plan, seed: int | None) -> dict[str, 
             rows = batch.rows(micro or mini[0])
             at = data.rank + i * data.world_size  # its index in the mini-batch (past the end: padding)
             noise = rounding_noise(seed, j, at, context.context_rank, device=env.device)
-            with row_shard(rows, context) as part, noise:  # the backward too: it may recompute attention
+            with (
+                row_shard(rows, context) as part,  # the backward too: it may recompute attention
+                replay_routes(run.model, row_routes(rows, part), count=False),  # and the routing
+                noise,
+            ):
                 total, st = _micro_loss(run, rows, micro, part)
                 (total * scale).backward()
             stats = [float(total.detach())] + [
