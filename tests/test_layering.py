@@ -22,7 +22,12 @@ ALLOWED: dict[str, set[str]] = {
     "nn": {"fp8", "kernels"},
     "data": {"fp8"},  # data.context: shards start on multiples of fp8.formats.BLOCK
     "model": {"fp8", "nn"},
-    "loss": {"data", "model", "nn"},  # the token scorer and next-token loss shared by train, eval and rl
+    "loss": {
+        "data",
+        "fp8",
+        "model",
+        "nn",
+    },  # the token scorer and next-token loss shared by train, eval and rl
     "checkpoint": {"nn"},  # the folder, the full and the sharded format (FP8 gather wrappers unwrapped)
     "export": {"data", "fp8", "nn"},
     # engines, the KV-cache sampler, the FP8 serving linear, the server client: below eval and rl
