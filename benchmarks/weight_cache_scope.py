@@ -17,7 +17,6 @@ measured: no GPU was lent to the session that wrote it).
 from __future__ import annotations
 
 import argparse
-import subprocess
 import time
 from typing import Any
 
@@ -25,16 +24,10 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from infir2.nn import Fp8Linear, cache_fp8_weights, convert_to_fp8, recompute_swiglu
+from infir2.tools.machine import cpu_description
 from infir2.tools.memory import build_layer
 
 SHAPE = {"hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14, "num_key_value_heads": 2}
-
-
-def _cpu() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = next((line.split(":", 1)[1].strip() for line in out.splitlines() if "Model name" in line), "?")
-    flags = next((line for line in out.splitlines() if line.startswith("Flags")), "").split()
-    return f"{model} ({', '.join(f for f in ('avx2', 'avx512f', 'amx_bf16') if f in flags) or 'no avx2'})"
 
 
 def step(layer: Any, rotary: Any, tokens: int, micro: int, scope: str) -> float:
@@ -90,7 +83,7 @@ def main() -> None:
             best[scope] = min(best[scope], step(layer, rotary, args.tokens, args.micro, scope))
         quantize = min(quantize, quantize_all(layer))
     extra = 2 * args.micro - 1  # layer: forward + recompute per micro-batch; step: once
-    print(f"CPU: {_cpu()}, 1 thread")
+    print(f"CPU: {cpu_description()}, 1 thread")
     print(
         f"one layer at the 0.5B width, checkpointed, {args.micro} x {args.tokens} tokens, best of {args.repeats}"
     )

@@ -50,6 +50,7 @@ ALLOWED: dict[str, set[str]] = {
     # tools/: each subpackage or module is a layer of its own (tools.<name>), above the library
     "tools": set(),
     "tools.paired": set(),  # paired-seed statistics shared by demo and bench (floats only)
+    "tools.machine": set(),  # the CPU line every benchmark prints and the demo stores
     "tools.bench": {"data", "fp8", "kernels", "model", "nn", "train", "tools.paired", "tools.recipe_spec"},
     "tools.demo": {
         "data",
@@ -59,6 +60,7 @@ ALLOWED: dict[str, set[str]] = {
         "harness",
         "rl",
         "tools.bench",
+        "tools.machine",
         "tools.paired",
         "tools.recipe_spec",
         "train",

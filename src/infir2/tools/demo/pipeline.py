@@ -30,10 +30,11 @@ from ...data.tokenizer import train_bpe_tokenizer
 from ...data.tokens import heldout_windows, load_tokens
 from ...train import parse_config, train
 from ..bench.fidelity import cpt_data_section, cpu_run_section
+from ..machine import machine_description
 from ..recipe_spec import fp8_section
 from .data import NUMBERS, make_demo_data, tokenizer_training_texts
 from .report import render
-from .results import FULL, QUICK, DemoRecord, DemoSettings, RecipeResult, machine_description
+from .results import FULL, QUICK, DemoRecord, DemoSettings, RecipeResult
 from .text import plan_text, run_text, text_result, text_worker
 from .workers import die_with_parent, start_worker
 
