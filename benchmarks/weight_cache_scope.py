@@ -64,17 +64,29 @@ def gpu_estimate(tokens: int, tflops: float, tbps: float) -> float:
     return (12 / (tbps * 1e12)) / (8 * tokens / (tflops * 1e12))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def layer_arguments(doc: str | None) -> argparse.Namespace:
+    """The flags of the one-layer timings (this script and ``weight_decode_cost.py``)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--micro", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
-    args = p.parse_args()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
+    return p.parse_args()
+
+
+def fp8_layer() -> tuple[Any, Any]:
+    """One Qwen2 decoder layer at the 0.5B width (``SHAPE``) with the SwiGLU recompute, its linears FP8
+    blockwise, and its rotary embedding."""
     layer, rotary = build_layer("", **SHAPE)
     recompute_swiglu(layer)
     convert_to_fp8(layer, "blockwise", module_filter_fn=lambda m, _fqn: isinstance(m, torch.nn.Linear))
+    return layer, rotary
+
+
+def main() -> None:
+    args = layer_arguments(__doc__)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    layer, rotary = fp8_layer()
     layer.train()
     best = {"step": float("inf"), "layer": float("inf")}
     quantize = float("inf")
