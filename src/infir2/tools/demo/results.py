@@ -83,6 +83,15 @@ class DemoSettings:
     text_max_chars: int | None = None  # the whole corpus
     text_null_control: bool = False  # the null control on real text too (off: time; real text is quiet)
 
+    def data_arguments(self) -> dict[str, Any]:
+        """The settings that make the generated data, as ``data.make_demo_data`` takes them (its
+        ``seed`` is ``data_seed``): the one list of which fields are the data's."""
+        return {"seed": self.data_seed, **{name: getattr(self, name) for name in DATA_FIELDS}}
+
+
+#: the fields of ``DemoSettings`` (besides ``data_seed``) that make the generated data
+DATA_FIELDS = ("n_train", "n_test", "n_cpt_worked", "n_cpt_tables", "max_operand", "num_ops", "n_test_hard")
+
 
 # The setting of the seed studies (BENCHMARKS.md, "The reasoning task, seed by seed"): every number one
 # token, so each copy from the question sits at a fixed distance; two layers; both schedules decayed to
