@@ -269,3 +269,17 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def regression_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+    """One optimizer step per ``step`` of an MSE regression on random data seeded by the step (the same
+    batches for every model and optimizer of a test): 8 rows as wide as the first linear's input,
+    targets as wide as the last linear's output."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    for step in steps:
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(8, linears[0].in_features, generator=g)
+        y = torch.randn(8, linears[-1].out_features, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
