@@ -30,6 +30,11 @@ class DemoSettings:
     ``seeds``: every recipe is trained once per seed (``run.seed`` of its CPT and SFT: initialization
     and data order); the same seed across recipes makes a paired comparison. The data and tokenizer
     are generated once, with ``data_seed``, and shared by every run.
+
+    The fields stay one flat record, grouped by their comments (the data, the model, CPT and SFT, the
+    real-text part): their names are the keys of ``results.json`` and what ``--set KEY=VALUE`` of
+    ``benchmarks/demo_seeds.py`` and ``--demo-set`` of ``benchmarks/rl_study_sweep.py`` name;
+    ``data_arguments`` names the fields that make the generated data.
     """
 
     seeds: tuple[int, ...] = (0, 1, 2)
