@@ -91,6 +91,7 @@ from .collect import collect_groups, completion_text, share
 from .config import MEANINGFUL, RLConfig, tis_mode
 from .guard import CollapseGuard
 from .prompts import PromptStream
+from .rescore import rescore
 from .state import RLState, RolloutData, Run
 from .update import my_micro_batches, plan_batches, score, update
 
@@ -341,6 +342,8 @@ def _step(run: Run, state: RLState) -> dict[str, Any]:
         adv = group_advantages(torch.tensor([g.rewards for g in groups], dtype=torch.float64), a.adv_eps)
         batch = RLBatch.build(run.prompt_ids, groups, adv, a.overlong == "mask", run.pad_id)
         plan = plan_batches(list(range(len(batch))), a.updates_per_batch, a.micro_batch_size)
+        if run.cfg.rollout.rescore:  # before the sync: the engine holds the weights it sampled with
+            metrics["rescore_time_s"] = rescore(run, batch, plan)
         metrics |= score(run, batch, plan)
         why = _why_skipped(run, metrics)
         metrics |= update(run, batch, plan) if why is None else idle | {"skipped_updates": len(plan)}
