@@ -15,8 +15,10 @@ load that drifts over the run touches both.
 
 Per variant, the mean over every step but each run's first (the warm-up) of ``rollout_time_s`` (the
 generation), ``rescore_time_s`` (the extra forward), ``train_time_s`` (rescoring, scoring, the update) and
-``step_time_s``; then the ratios of the step and of the rollout-plus-rescore to the run without, and
-the largest ``mismatch/abs_dlogp_max`` of the steps (0 with rescoring: the ratios are exactly 1).
+``step_time_s`` (wall clock), the process CPU seconds of the rollout, the rescoring and the step (one
+thread: on cores other jobs share, the CPU time is the steadier measure), and the largest
+``mismatch/abs_dlogp_max`` of the steps (0 with rescoring: the ratios are exactly 1); then the step's
+ratio with / without and rescoring's share of the step it is in.
 """
 
 from __future__ import annotations
@@ -26,7 +28,11 @@ import os
 import statistics
 import sys
 import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,6 +46,7 @@ PAIRS = {
     "high": ({"precision": "high"}, {"recipe": "bf16"}),
 }
 PHASES = ("rollout_time_s", "rescore_time_s", "train_time_s", "step_time_s")
+CPU = ("rollout_cpu_s", "rescore_cpu_s", "step_cpu_s")
 
 
 def run_variant(args: argparse.Namespace, rescore: bool, out: Path, name: str) -> list[dict]:
@@ -64,7 +71,37 @@ def run_variant(args: argparse.Namespace, rescore: bool, out: Path, name: str) -
     model = make_tiny_model(
         vocab_size=args.vocab, hidden=args.hidden, layers=args.layers, max_positions=args.max_new_tokens + 64
     )
-    return rl(cfg, model=model, tokenizer=make_tokenizer(), progress=False).history
+    cpu: list[dict[str, float]] = []
+    with cpu_timed(cpu):
+        history = rl(cfg, model=model, tokenizer=make_tokenizer(), progress=False).history
+    return [m | {f"{k}_cpu_s": v for k, v in c.items()} for m, c in zip(history, cpu, strict=True)]
+
+
+@contextmanager
+def cpu_timed(per_step: list[dict[str, float]]) -> Iterator[None]:
+    """Inside: each RL step's process CPU seconds (``time.process_time``: one thread, so what the other
+    jobs on the cores take does not count) of the step, its rollout and its rescoring, appended to
+    ``per_step``."""
+    from infir2.rl import loop as rl_loop
+
+    real = {"step": rl_loop._step, "rollout": rl_loop.collect_groups, "rescore": rl_loop.rescore}
+
+    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*a: Any) -> Any:
+            if name == "step":
+                per_step.append({"rollout": 0.0, "rescore": 0.0})
+            t = time.process_time()
+            out = fn(*a)
+            per_step[-1][name] = per_step[-1].get(name, 0.0) + time.process_time() - t
+            return out
+
+        return wrapper
+
+    rl_loop._step, rl_loop.collect_groups, rl_loop.rescore = (timed(k, fn) for k, fn in real.items())
+    try:
+        yield
+    finally:
+        rl_loop._step, rl_loop.collect_groups, rl_loop.rescore = real.values()
 
 
 def main() -> None:
@@ -92,11 +129,15 @@ def main() -> None:
             for rescore in (False, True):
                 history = run_variant(args, rescore, out, f"{'on' if rescore else 'off'}{k}")
                 steps[rescore] += history[1:]
-    mean = {v: {key: statistics.mean(m.get(key, 0.0) for m in s) for key in PHASES} for v, s in steps.items()}
+    mean = {
+        v: {key: statistics.mean(m.get(key, 0.0) for m in s) for key in PHASES + CPU}
+        for v, s in steps.items()
+    }
     print(
-        "| rescore | steps | tokens / step | rollout s | rescore s | score + update s | step s | max abs dlogp |"
+        "| rescore | steps | tokens / step | rollout s | rescore s | score + update s | step s | "
+        "CPU s: rollout / rescore / step | max abs dlogp |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for v, s in steps.items():
         m = mean[v]
         tokens = statistics.mean(x["response_tokens"] for x in s)
@@ -104,12 +145,15 @@ def main() -> None:
         print(
             f"| {'on' if v else 'off'} | {len(s)} | {tokens:.0f} | {m['rollout_time_s']:.3f} | "
             f"{m['rescore_time_s']:.3f} | {m['train_time_s'] - m['rescore_time_s']:.3f} | "
-            f"{m['step_time_s']:.3f} | {worst:.2e} |"
+            f"{m['step_time_s']:.3f} | {m['rollout_cpu_s']:.3f} / {m['rescore_cpu_s']:.3f} / "
+            f"{m['step_cpu_s']:.3f} | {worst:.2e} |"
         )
     off, on = mean[False], mean[True]
     print(
-        f"step time with / without: {on['step_time_s'] / off['step_time_s']:.3f}x; "
-        f"rescore / rollout (with): {on['rescore_time_s'] / on['rollout_time_s']:.3f}"
+        f"with / without: step {on['step_time_s'] / off['step_time_s']:.3f}x wall, "
+        f"{on['step_cpu_s'] / off['step_cpu_s']:.3f}x CPU; rescoring's share of the step with it: "
+        f"{on['rescore_time_s'] / on['step_time_s']:.3f} wall, {on['rescore_cpu_s'] / on['step_cpu_s']:.3f} CPU; "
+        f"rescore / rollout: {on['rescore_cpu_s'] / on['rollout_cpu_s']:.3f} CPU"
     )
 
 
