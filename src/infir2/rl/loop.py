@@ -8,9 +8,12 @@
    with ``rollout.carry_over`` buffered for the next step (the buffer is part of every checkpoint);
 2. **score** (``_score``): the step's ``RLBatch`` (``rl/batch.py``: padded tensors, built once), the
    trainer's log-probabilities of every response token before any update (``old``), the mismatch
-   metrics against the engine's (``algorithm.mismatch_sums``), the TIS weights (``algorithm.tis_weights``,
-   mode ``tis_mode(cfg)``) and group advantages; a mismatch above ``train.max_prob_error`` skips the
-   step's updates (the engine no longer matches the policy: not a step to learn from);
+   metrics against the engine's (``algorithm.mismatch_sums``, ``correction.correction_sums``), the TIS
+   weights (``correction.correction_weights``: mode ``tis_mode(cfg)`` at ``algo.tis_level``, the rows
+   ``algo.geo_mask`` drops at 0) and group advantages; with ``rollout.rescore`` the engine's
+   log-probabilities are first replaced by the trainer's scorer run on its weights (``rl/rescore.py``);
+   a mismatch above ``train.max_prob_error`` skips the step's updates (the engine no longer matches the
+   policy: not a step to learn from);
 3. **update**: ``algo.updates_per_batch`` mini-batches, each one AdamW step at the constant
    ``optim.lr`` on the token-level clipped objective (``algorithm.policy_loss``), gradients clipped;
    a non-finite loss or norm skips the update (``train.max_skipped_in_row`` skipped steps in a row
