@@ -114,7 +114,11 @@ def test_two_processes_train_as_one(tmp_path, tiny_tokenizer, monkeypatch):
         assert set(a) == set(b)
         # the engine's log-probabilities depend (at float rounding) on which sequences it batched together,
         # and the gradient norm sums its squares over two shards: equal to rounding, not bit for bit
-        rounded = [k for k in a if k.startswith("mismatch/") or k in FIELD_NAMES or k == "grad_norm"]
+        rounded = [
+            k
+            for k in a
+            if k.startswith(("mismatch/", "rollout_corr/")) or k in FIELD_NAMES or k == "grad_norm"
+        ]
         assert {k: v for k, v in a.items() if k not in rounded} == {k: b[k] for k in a if k not in rounded}
         assert [a[k] for k in rounded] == pytest.approx([b[k] for k in rounded], rel=1e-5, abs=1e-7)
     a = torch.load(runs / "two" / "checkpoints" / "step_00000003" / "state.pt", weights_only=True)

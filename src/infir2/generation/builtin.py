@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 from torch import nn
@@ -129,6 +130,11 @@ class BuiltinEngine:
             out[f"{fqn}.weight_scale_inv"] = layer.weight_scale_inv
         return out
 
+    def forward_context(self) -> AbstractContextManager[Any]:
+        """Around a forward of ``self.model``: its FP8 recipe layers on or off as ``precision`` says (what
+        ``generate`` computes in; RL's ``rollout.rescore`` scores in it too)."""
+        return fp8_enabled(self.model, self.mode == "recipe") if self.mode != "fp8" else nullcontext()
+
     def generate(self, request: Request) -> list[list[Sample]]:
         prompts, sampling = request.prompts, request.sampling
         _check_prompt_lengths(self.model, prompts, sampling)
@@ -136,10 +142,9 @@ class BuiltinEngine:
         out: list[list[Sample]] = [[] for _ in prompts]
         was_training = self.model.training
         self.model.eval()
-        switch = fp8_enabled(self.model, self.mode == "recipe") if self.mode != "fp8" else nullcontext()
         try:
             with (
-                switch,
+                self.forward_context(),
                 tqdm(total=len(flat), desc=self.name, unit="seq", disable=not request.progress) as bar,
             ):
                 for start in range(0, len(flat), sampling.batch_size):

@@ -11,8 +11,9 @@ where they published one, docs/RL.md)::
               shuffle, seed
     rollout:  engine (a name in infir2.generation.ENGINES), precision (high|fp8), scale_encoding (pow2|fp32),
               base_dtype (bf16|fp32), prompts_per_step, group_size,
-              oversample_prompts, max_rounds, carry_over, max_new_tokens, temperature, batch_size
+              oversample_prompts, max_rounds, carry_over, max_new_tokens, temperature, batch_size, rescore
     algo:     reward, clip_low, clip_high, kl_coef, tis (auto|truncate|mask|off), tis_cap,
+              tis_level (token|sequence|geometric), geo_mask,
               overlong (none|mask|penalty), overlong_buffer, overlong_penalty, updates_per_batch,
               micro_batch_size, adv_eps, routing_replay (off|rollout)
     train:    max_steps, save_every, keep_last, log_every, eval_every, max_skipped_in_row (as in `infir2 train`),
@@ -121,6 +122,11 @@ class RolloutConfig:
     max_new_tokens: int = setting(8192, "response budget per sample, in tokens")
     temperature: float = setting(1.0, "sampling temperature (the log-probabilities are of this distribution)")
     batch_size: int = setting(64, "sequences generated together (the KV cache holds this many)")
+    rescore: bool = setting(
+        False,
+        "the rollout log-probabilities from the trainer's scorer run on the engine's weights after "
+        "generating (one more forward), not from the sampler; the builtin engine only",
+    )
 
 
 @dataclass(frozen=True)
@@ -137,7 +143,17 @@ class AlgoConfig:
     tis: Literal["auto", "truncate", "mask", "off"] = setting(
         "auto", "truncated importance sampling; auto: truncate when rollout and training precisions differ"
     )
-    tis_cap: float = setting(2.0, "per-token pi_train / pi_rollout cap")
+    tis_cap: float = setting(2.0, "cap of the pi_train / pi_rollout ratio at algo.tis_level")
+    tis_level: Literal["token", "sequence", "geometric"] = setting(
+        "token",
+        "what one TIS ratio is taken over: each token's own, or per sequence the product of its token "
+        "ratios (sequence) or their geometric mean (geometric), the same weight on all its tokens",
+    )
+    geo_mask: float | None = setting(
+        None,
+        "b in (0, 1): drop every sequence whose geometric-mean ratio exp(mean(logp_train - logp_rollout)) "
+        "leaves [1 - b, 1 + b] (its tokens weigh 0); null = off",
+    )
     overlong: Literal["none", "mask", "penalty"] = setting(
         "mask", "truncated responses: no loss (mask), or a length penalty"
     )
@@ -281,6 +297,7 @@ def _check(cfg: RLConfig, source: str) -> None:
             source, "algo.clip_low", f"must be < 1 (the ratio floor is 1 - clip_low), got {a.clip_low}"
         )
     positive("algo.tis_cap", a.tis_cap)
+    _check_correction(cfg, source)
     positive("algo.overlong_buffer", a.overlong_buffer, allow_zero=True)
     if a.overlong == "penalty" and not 0 < a.overlong_buffer <= r.max_new_tokens:
         raise config_error(
@@ -322,6 +339,35 @@ def _check_replay(cfg: RLConfig, source: str) -> None:
         )
         raise config_error(
             source, "algo.routing_replay", f"rollout needs rollout.engine: builtin ({why}); set it to off"
+        )
+
+
+def _check_correction(cfg: RLConfig, source: str) -> None:
+    """algo.tis_level, algo.geo_mask and rollout.rescore: in range, and with what they need."""
+    a, r = cfg.algo, cfg.rollout
+    if a.geo_mask is not None and not 0 < a.geo_mask < 1:
+        raise config_error(
+            source, "algo.geo_mask", f"the band [1 - b, 1 + b] needs 0 < b < 1 (or null), got {a.geo_mask}"
+        )
+    if a.tis == "off" and a.tis_level != "token":
+        raise config_error(
+            source,
+            "algo.tis_level",
+            f"{a.tis_level} weighs nothing with algo.tis: off (set tis or leave token)",
+        )
+    entry = ENGINES.get(r.engine)  # an unknown name is _check_names' to refuse
+    if r.rescore and entry is not None and entry.settings is not BuiltinSettings:
+        raise config_error(
+            source,
+            "rollout.rescore",
+            f"scores with the engine's weights in this process: the builtin engine, not {r.engine!r}",
+        )
+    if r.rescore and r.carry_over:
+        raise config_error(
+            source,
+            "rollout.rescore",
+            "is refused with rollout.carry_over: a carried group was sampled before the last update, and "
+            "rescoring it with the engine's new weights would hide that",
         )
 
 

@@ -8,9 +8,12 @@
    with ``rollout.carry_over`` buffered for the next step (the buffer is part of every checkpoint);
 2. **score** (``_score``): the step's ``RLBatch`` (``rl/batch.py``: padded tensors, built once), the
    trainer's log-probabilities of every response token before any update (``old``), the mismatch
-   metrics against the engine's (``algorithm.mismatch_sums``), the TIS weights (``algorithm.tis_weights``,
-   mode ``tis_mode(cfg)``) and group advantages; a mismatch above ``train.max_prob_error`` skips the
-   step's updates (the engine no longer matches the policy: not a step to learn from);
+   metrics against the engine's (``algorithm.mismatch_sums``, ``correction.correction_sums``), the TIS
+   weights (``correction.correction_weights``: mode ``tis_mode(cfg)`` at ``algo.tis_level``, the rows
+   ``algo.geo_mask`` drops at 0) and group advantages; with ``rollout.rescore`` the engine's
+   log-probabilities are first replaced by the trainer's scorer run on its weights (``rl/rescore.py``);
+   a mismatch above ``train.max_prob_error`` skips the step's updates (the engine no longer matches the
+   policy: not a step to learn from);
 3. **update**: ``algo.updates_per_batch`` mini-batches, each one AdamW step at the constant
    ``optim.lr`` on the token-level clipped objective (``algorithm.policy_loss``), gradients clipped;
    a non-finite loss or norm skips the update (``train.max_skipped_in_row`` skipped steps in a row
@@ -93,6 +96,7 @@ from .config import MEANINGFUL, RLConfig, keeps_reference, tis_mode
 from .guard import CollapseGuard
 from .plan_inputs import plan_inputs
 from .prompts import PromptStream
+from .rescore import rescore
 from .state import RLState, RolloutData, Run
 from .update import my_micro_batches, plan_batches, score, update
 
@@ -344,6 +348,8 @@ def _step(run: Run, state: RLState) -> dict[str, Any]:
         adv = group_advantages(torch.tensor([g.rewards for g in groups], dtype=torch.float64), a.adv_eps)
         batch = RLBatch.build(run.prompt_ids, groups, adv, a.overlong == "mask", run.pad_id)
         plan = plan_batches(list(range(len(batch))), a.updates_per_batch, a.micro_batch_size)
+        if run.cfg.rollout.rescore:  # before the sync: the engine holds the weights it sampled with
+            metrics["rescore_time_s"] = rescore(run, batch, plan)
         metrics |= score(run, batch, plan)
         why = _why_skipped(run, metrics)
         seed = step_seed(run.cfg.run.seed, state.step)  # the update's stochastic rounding (nvfp4)

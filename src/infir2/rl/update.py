@@ -21,10 +21,11 @@ from ..harness.distributed import all_reduce_max, all_reduce_sum
 from ..harness.step import apply_update, loss_scale, rounding_noise
 from ..loss import score_tokens
 from ..model import autocast, replay_routes
-from .algorithm import mismatch_from_sums, mismatch_sums, policy_loss, tis_weights
+from .algorithm import mismatch_from_sums, mismatch_sums, policy_loss
 from .batch import RLBatch, Rows
 from .config import tis_mode
 from .context import RowShard, row_routes, row_shard, shard_response_logprobs
+from .correction import CORRECTION_SUMS, correction_from_sums, correction_sums, correction_weights
 from .state import Run
 
 __all__ = ["Plan", "my_micro_batches", "plan_batches", "response_logprobs", "score", "update"]
@@ -93,10 +94,13 @@ Plan = list[list[list[int]]]
 @torch.no_grad()
 def score(run: Run, batch: RLBatch, plan: Plan) -> dict[str, float]:
     """The trainer's ``old`` logprobs (and the reference's) of this rank's rows, their TIS weights, and
-    the mismatch metrics and entropy over all ranks' rows."""
-    cfg, env, context = run.cfg, run.env, run.context
+    the mismatch metrics and entropy over all ranks' rows. Under context parallelism every context rank
+    holds the whole rows' logprobs (``context_sum``): a sequence's weight is of all its tokens."""
+    cfg, env, context, a = run.cfg, run.env, run.context, run.cfg.algo
     temperature, precision = cfg.rollout.temperature, cfg.model.precision
     old_all, roll_all, ent_sum, routed = [], [], 0.0, None
+    seq_sums = torch.zeros(len(CORRECTION_SUMS), dtype=torch.float64)
+    seq_max = torch.full((4,), -math.inf, dtype=torch.float64)
     for mini in plan:
         for micro in my_micro_batches(mini, context.data_env.rank, context.data_env.world_size):
             rows = batch.rows(micro or mini[0])
@@ -118,20 +122,27 @@ def score(run: Run, batch: RLBatch, plan: Plan) -> dict[str, float]:
             batch.old_logp[rows.index, : old.shape[1]] = old
             if run.ref is not None:
                 batch.ref_logp[rows.index, : old.shape[1]] = ref.masked_fill(~real, 0).cpu()
-            tis = tis_weights(old, rows.rollout_logp, tis_mode(cfg), cfg.algo.tis_cap)
-            batch.tis[rows.index, : old.shape[1]] = tis.masked_fill(~real.cpu(), 0)
+            real = real.cpu()
+            tis = correction_weights(
+                old, rows.rollout_logp, real, tis_mode(cfg), a.tis_cap, a.tis_level, a.geo_mask
+            )
+            batch.tis[rows.index, : old.shape[1]] = tis.masked_fill(~real, 0)
             if context.context_rank == 0:  # counted once: the group's other ranks hold the same rows
                 ent_sum += float((ent * mask).sum())
-                old_all.append(old[real.cpu()])
-                roll_all.append(rows.rollout_logp[real.cpu()])
+                old_all.append(old[real])
+                roll_all.append(rows.rollout_logp[real])
+                sums, top = correction_sums(old, rows.rollout_logp, real, a.tis_cap, a.tis_level, a.geo_mask)
+                seq_sums, seq_max = seq_sums + sums, torch.maximum(seq_max, top)
     empty = torch.zeros(0)
     old, roll = (torch.cat(old_all), torch.cat(roll_all)) if old_all else (empty, empty)
     sums, max_abs = mismatch_sums(old, roll, torch.ones_like(old), cfg.algo.tis_cap)
-    sums = torch.cat([sums, torch.tensor([ent_sum], dtype=torch.float64)])
+    k = len(sums)
+    sums = torch.cat([sums, seq_sums, torch.tensor([ent_sum], dtype=torch.float64)])
     sums = all_reduce_sum(sums.to(env.device), env).cpu()  # NCCL reduces device tensors only
-    max_abs = all_reduce_max(max_abs.reshape(1).to(env.device), env).cpu()[0]
+    maxima = all_reduce_max(torch.cat([max_abs.reshape(1), seq_max]).to(env.device), env).cpu()
     tokens = int(batch.response_len.sum())
-    out = mismatch_from_sums(sums[:-1], max_abs)
+    out = mismatch_from_sums(sums[:k], maxima[0])
+    out |= correction_from_sums(sums[k:-1], maxima[1:], a.tis_level, a.geo_mask)
     out["entropy"] = float(sums[-1]) / max(tokens, 1)
     out["response_tokens"] = tokens
     return out | _routing_metrics(routed, run)
