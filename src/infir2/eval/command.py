@@ -47,13 +47,7 @@ from typing import Any
 
 from ..data.chat import SYSTEM_PROMPT, THINK_PREFIX
 from ..data.tokenizer import load_tokenizer
-from ..generation import (
-    ENGINES,
-    TRAITS,
-    ServerEngine,
-    check_prompt_fits,
-    precision_label,
-)
+from ..generation import ENGINES, ServerEngine, check_prompt_fits
 from ..model import (
     check_experts,
     check_model_folder,
@@ -230,7 +224,8 @@ def _settings(
     dtype: str | None = None,
 ) -> dict[str, Any]:
     """What the samples depend on: a resumed run must match these (``completions.CompletionLog``);
-    ``dtype``: the dtype the vllm engine serves in (absent for the other engines: their folders resume)."""
+    ``dtype``: the dtype an engine serves in where its preflight says one (vllm; absent for the other
+    engines: their folders resume)."""
     return {
         "engine": engine,
         "model": str(args.model),
@@ -253,13 +248,10 @@ def _expected_settings(args: argparse.Namespace) -> dict[str, Any] | None:
     --precision recipe every converted layer runs --recipe, the conversion checked on the meta device);
     None where only the built engine knows its precision (one registered by name)."""
     if args.engine == "server":
-        return _settings(args, args.engine, ServerEngine.precision, parse_extra_body(args))
-    if args.engine == "builtin":  # --precision recipe converts every layer it converts with --recipe
-        recipes = [args.recipe] if args.precision == "recipe" else []
-        return _settings(args, args.engine, precision_label(args.precision, args.scale_encoding, recipes), {})
-    if args.engine == "vllm":  # its precision and served dtype, from the flags and config.json
-        return _settings(args, args.engine, args.vllm_precision, {}, args.served_dtype)
-    return None
+        return _settings(args, args.engine, ServerEngine.label, parse_extra_body(args))
+    if args.preview is None:  # an engine without a preflight: its label is known when it is built
+        return None
+    return _settings(args, args.engine, args.preview.label, {}, args.preview.served_dtype)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -305,8 +297,8 @@ def _sample_and_grade(args: argparse.Namespace, problems: list, cfg: Any, out: P
         engine = build_eval_engine(args, tokenizer)  # an in-process engine reads the weights here
         if getattr(engine, "model", None) is not None:  # the loaded embedding, where config.json did not say
             check_vocabulary(engine.model, tokenizer, args.tokenizer or args.model)
-        dtype = getattr(engine, "served_dtype", None) if args.engine == "vllm" else None
-        settings = _settings(args, engine.name, engine.precision, getattr(engine, "extra_body", {}), dtype)
+        dtype = getattr(engine, "served_dtype", None) if args.preview and args.preview.served_dtype else None
+        settings = _settings(args, engine.name, engine.label, getattr(engine, "extra_body", {}), dtype)
         completions = CompletionLog(out, settings)
     except BaseException:
         if created is not None:  # a refused start leaves no folder behind
@@ -354,7 +346,7 @@ def _preflight(args: argparse.Namespace, tokenizer, prompts: dict[str, str], out
     if expected is not None and out.is_dir():
         saved = read_saved(out, expected)
         check_prompts(out / COMPLETIONS_FILE, saved.prompts, prompts)
-    traits = TRAITS.get(args.engine)
+    traits = ENGINES[args.engine].traits
     if traits is None or not traits.in_process:
         return
     rows, positions = config_limits(args.model)
@@ -412,11 +404,11 @@ def _run_benchmark(args: argparse.Namespace) -> int:
             PRESETS[args.preset].problems,
         )
     cfg = SamplingConfig(
-        args.greedy,
-        args.temperature,
-        args.top_p,
-        args.max_new_tokens,
-        args.batch_size,
+        greedy=args.greedy,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
         beyond_context=args.beyond_context,
     )
     result = _sample_and_grade(args, problems, cfg, out)
@@ -438,11 +430,10 @@ def _run_benchmark(args: argparse.Namespace) -> int:
 
 
 def _run_perplexity(model, args: argparse.Namespace, out: Path) -> int:
-    from ..generation import serve_fp8
+    from ..generation import apply_precision
     from .perplexity import evaluate_loss
 
-    if args.precision == "fp8":
-        serve_fp8(model, args.scale_encoding)
+    apply_precision(model, args.precision, args.recipe, args.scale_encoding)
 
     result = evaluate_loss(
         model,

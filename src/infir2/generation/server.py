@@ -290,7 +290,7 @@ async def _generate_all(
 class ServerEngine:
     """An OpenAI-compatible ``/v1/completions`` server (vLLM, SGLang, ``transformers serve``): text out."""
 
-    precision = "as served"
+    label = "as served"  # what a server loaded: infir2 cannot see it
     returns_ids = False
 
     def __init__(self, server: ServerConfig, tokenizer, name: str = "server") -> None:

@@ -79,9 +79,27 @@ def _print_keys(stage: str) -> None:
         if key.split(".")[0] != section:
             section = key.split(".")[0]
             print(f"{section}:")
-        value = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip()
-        print(f"  {key.split('.', 1)[1]}: {value}")
-        print(f"      {meaning}")
+        _print_key(key.split(".", 1)[1], default, meaning)
+    if stage == "rl":
+        _print_engine_keys()
+
+
+def _print_key(key: str, default: Any, meaning: str) -> None:
+    value = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip()
+    print(f"  {key}: {value}")
+    print(f"      {meaning}")
+
+
+def _print_engine_keys() -> None:
+    """The ``engine`` section of each engine RL can roll out on: its settings' fields (``generation.knob``)."""
+    from dataclasses import MISSING
+
+    from ..rl.config import rollout_engines
+
+    for name, fields in rollout_engines().items():
+        print(f"engine:  # with rollout.engine: {name}")
+        for f in fields:
+            _print_key(f.name, None if f.default is MISSING else f.default, f.metadata["help"])
 
 
 def _print_list() -> None:
