@@ -8,6 +8,7 @@ settings)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import typing
 from pathlib import Path
@@ -15,6 +16,9 @@ from typing import Any
 
 from ..generation import ENGINES, PRECISIONS, check_engine, knobs, preflight_engine
 from ..model import resolve_device
+
+if typing.TYPE_CHECKING:
+    from .config import EvalConfig
 
 __all__ = [
     "IN_PROCESS_FLAGS",
@@ -24,6 +28,7 @@ __all__ = [
     "check_engine_flags",
     "check_server_flags",
     "engine_knob_flags",
+    "engine_preview",
     "load_model",
     "parse_extra_body",
 ]
@@ -146,8 +151,7 @@ SERVER_FLAGS: dict[str, Any] = {
 
 def _engine_settings(args: argparse.Namespace) -> Any:
     """The generated flags of ``--engine``'s settings as its settings (a flag of another engine is
-    refused), checked with the engine's preflight before anything is read; ``args.preview``: what the
-    engine will report (its label, its served dtype), None where only the built engine knows."""
+    refused, a value out of range too)."""
     for dest, line in _MOVED_FLAGS.items():
         if getattr(args, dest, False):
             raise ValueError(line)
@@ -157,22 +161,13 @@ def _engine_settings(args: argparse.Namespace) -> Any:
             if flag not in own and _given(getattr(args, _knob_dest(f.name), None)):
                 raise ValueError(f"{flag} is a flag of --engine {name}, not of --engine {args.engine}")
     kind = ENGINES[args.engine].settings
-    settings = None
+    settings = kind() if kind is not None and not dataclasses.fields(kind) else None  # none of its own
     if knobs(kind):
         given = {f.name: getattr(args, _knob_dest(f.name)) for _, f in engine_knob_flags()[args.engine]}
         try:
             settings = kind(**{k: v for k, v in given.items() if v is not None})  # type: ignore[misc]
         except ValueError as e:
             raise ValueError(f"--engine {args.engine}: {e}") from None
-    keys = {
-        "engine": f"--engine {args.engine}",
-        "precision": "--precision",
-        "model": "--model",
-        "device": "--device",
-    }
-    keys |= {f.name: flag for flag, f in engine_knob_flags()[args.engine]}
-    options = _options(args, tokenizer=None)
-    args.preview = preflight_engine(args.engine, options, settings, keys)
     return settings
 
 
@@ -217,36 +212,53 @@ def check_engine_flags(args: argparse.Namespace) -> None:
             setattr(args, dest, default)
 
 
-def load_model(args: argparse.Namespace):
+def load_model(cfg: EvalConfig):
     """The model of --model on --device, as stored (the engine applies --precision)."""
     from ..export import load_checkpoint
 
-    return load_checkpoint(args.model, device=str(resolve_device(args.device)))
+    return load_checkpoint(cfg.model.path, device=str(resolve_device(cfg.generation.device)))
 
 
-def _options(args: argparse.Namespace, tokenizer: Any) -> Any:
-    """What every engine is built from, from the flags: the precision (both applied by the engine), the
-    model folder and its loader (``load_model``)."""
+def _options(cfg: EvalConfig, tokenizer: Any) -> Any:
+    """What every engine is built from: the precision and recipe (both applied by the engine), the model
+    folder and its loader (``load_model``)."""
     from ..generation import EngineOptions
 
+    g = cfg.generation
     return EngineOptions(
         tokenizer=tokenizer,
-        model=lambda: load_model(args),
-        precision=args.precision,
-        recipe=args.recipe,
-        scale_encoding=args.scale_encoding or "pow2",
-        model_dir=str(args.model),
-        device=args.device,
+        model=lambda: load_model(cfg),
+        precision=g.precision,
+        recipe=g.recipe,
+        scale_encoding=g.scale_encoding,
+        model_dir=cfg.model.path,
+        device=g.device,
     )
 
 
-def build_eval_engine(args: argparse.Namespace, tokenizer):
-    """The engine of --engine: the options every engine takes, and the engine's own settings (a server's
-    from its flags; the others' from their generated flags)."""
+def engine_preview(cfg: EvalConfig) -> Any:
+    """The engine's checks that need no weights (``generation.preflight_engine``: vllm installed, FP8 on
+    this machine, its served dtype), each refusal one line naming the flag; what the engine will report
+    (``generation.Preview``; None where only the built engine knows)."""
+    name = cfg.generation.engine
+    keys = {
+        "engine": f"--engine {name}",
+        "precision": "--precision",
+        "model": "--model",
+        "device": "--device",
+    }
+    keys |= {f.name: flag for flag, f in engine_knob_flags()[name]}
+    return preflight_engine(name, _options(cfg, tokenizer=None), cfg.engine, keys)
+
+
+def build_eval_engine(cfg: EvalConfig, tokenizer):
+    """The engine of ``generation.engine``: the options every engine takes, and the engine's own settings
+    (a server's from the server section; the others' the config's ``engine``)."""
     from ..generation import build_engine
 
-    own = _server_config(args) if args.engine == "server" and args.base_url else args.engine_settings
-    return build_engine(args.engine, _options(args, tokenizer), own)
+    name = cfg.generation.engine
+    own = _server_config(cfg) if name == "server" and cfg.server.base_url else cfg.engine
+    return build_engine(name, _options(cfg, tokenizer), own)
 
 
 def check_server_flags(args: argparse.Namespace) -> None:
@@ -255,7 +267,7 @@ def check_server_flags(args: argparse.Namespace) -> None:
         return
     if not args.base_url:
         raise ValueError("--engine server needs --base-url (e.g. http://127.0.0.1:8000)")
-    parse_extra_body(args)
+    parse_extra_body(args.extra_body)
     if args.tokenizer is None and not Path(args.model).is_dir():
         raise ValueError(
             f"--engine server needs --tokenizer FOLDER to render the prompts (--model {args.model!r} "
@@ -263,13 +275,14 @@ def check_server_flags(args: argparse.Namespace) -> None:
         )
 
 
-def parse_extra_body(args: argparse.Namespace) -> dict[str, Any]:
+def parse_extra_body(text: str) -> dict[str, Any]:
+    """--extra-body's JSON object."""
     try:
-        extra = json.loads(args.extra_body)
+        extra = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"--extra-body is not JSON ({e.msg}): {args.extra_body!r}") from None
+        raise ValueError(f"--extra-body is not JSON ({e.msg}): {text!r}") from None
     if not isinstance(extra, dict):
-        raise ValueError(f"--extra-body must be a JSON object, got {args.extra_body!r}")
+        raise ValueError(f"--extra-body must be a JSON object, got {text!r}")
     return extra
 
 
@@ -283,8 +296,13 @@ _SERVER_FIELDS = {
 }
 
 
-def _server_config(args: argparse.Namespace):
+def _server_config(cfg: EvalConfig):
     from ..generation import ServerConfig
 
-    own = {field: getattr(args, dest) for dest, field in _SERVER_FIELDS.items()}
-    return ServerConfig(args.base_url, args.model, extra_body=parse_extra_body(args), **own)
+    own = {field: getattr(cfg.server, key) for key, field in _SERVER_FIELDS.items()}
+    return ServerConfig(
+        base_url=cfg.server.base_url or "",
+        model=cfg.model.path,
+        extra_body=cfg.server.extra_body or {},
+        **own,
+    )

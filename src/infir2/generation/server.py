@@ -54,9 +54,10 @@ class ServerError(RuntimeError):
     """A failure talking to the server, as one line (what failed, where, what to do)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ServerConfig:
-    """Where and how to reach the server; ``extra_body`` is merged into every request (engine extensions)."""
+    """Where and how to reach the server; ``extra_body`` is merged into every request (engine extensions).
+    The server engine's settings, built from eval's server flags (``eval.engine_flags``)."""
 
     base_url: str
     model: str

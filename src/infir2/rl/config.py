@@ -31,7 +31,6 @@ dotted key and the file); ``--set key=value`` overrides use the same dotted keys
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -58,6 +57,7 @@ from ..harness.config import (
     resolve_config_path,
     save_config,
     setting,
+    settings_section,
 )
 from ..harness.typed_yaml import build, config_error
 from ..tasks import GRADERS, TASKS
@@ -333,16 +333,7 @@ def _engine_section(data: dict[str, Any], source: str) -> Any:
     section = data.pop("engine", None)
     if name not in ENGINES:  # said by check_engine, naming the registered engines
         return None
-    kind = ENGINES[name].settings
-    if not knobs(kind):  # no settings of its own (builtin), or none that are config keys (server)
-        if section:
-            where = f"engine.{next(iter(section))}" if isinstance(section, dict) else "engine"
-            raise config_error(source, where, f"the {name} engine has no settings of its own")
-        return kind() if kind is not None and not dataclasses.fields(kind) else None
-    try:
-        return build(kind, section, "engine", source)
-    except ValueError as e:  # the settings' own range checks name their field, not the file
-        raise e if str(e).startswith(source) else config_error(source, "engine", str(e)) from None
+    return settings_section(ENGINES[name].settings, name, section, source)
 
 
 def _check_names(cfg: RLConfig, source: str) -> None:
