@@ -22,7 +22,13 @@ from ..generation import ENGINES
 from ..harness.config import load_stage_config, settings_section
 from ..harness.typed_yaml import build
 from .config import SECTION_TYPES, EvalConfig
-from .engine_flags import check_engine_flags, engine_knob_flags, engine_preview, parse_extra_body
+from .engine_flags import (
+    IN_PROCESS_FLAGS,
+    check_engine_flags,
+    engine_knob_flags,
+    engine_preview,
+    parse_extra_body,
+)
 from .flags import add_arguments, resolve_protocol
 from .mode_flags import check_mode_flags, check_recipe
 
@@ -66,15 +72,12 @@ def _dest(f: Any) -> str:
 #: the fields of each kind of run: eval_argv gives a flag only where eval takes it
 _BENCHMARK_ONLY = ("benchmark", "sampling")
 _SERVER_ONLY = ("server",)
-_IN_PROCESS_ONLY = {
-    "generation": ("device", "batch_size", "scale_encoding", "recipe"),
-    "sampling": ("beyond_context",),
-}
 
 
 def eval_argv(cfg: EvalConfig) -> list[str]:
-    """``cfg`` as eval's command line (``infir2 eval`` + these): the flags of its mode and engine, those
-    holding a value other than the flag's unset default."""
+    """``cfg`` as eval's command line (``infir2 eval`` + these): the flags its mode and engine take, each
+    with its value (none for a value the builder fills again: a preset's budget, the protocol's prompt,
+    an unset null, a switch left off)."""
     traits = ENGINES[cfg.generation.engine].traits if cfg.generation.engine in ENGINES else None
     in_process = traits is None or traits.in_process
     argv: list[str] = []
@@ -85,7 +88,7 @@ def eval_argv(cfg: EvalConfig) -> list[str]:
         if (name == "loss" and not cfg.loss.tokens_dir) or (name in _SERVER_ONLY and in_process):
             continue
         for f in fields(SECTION_TYPES[name]):
-            if not in_process and f.name in _IN_PROCESS_ONLY.get(name, ()):
+            if not in_process and f.name in IN_PROCESS_FLAGS:  # their names are the fields'
                 continue
             argv += _flag_of(cfg, name, f)
     for flag, f in engine_knob_flags().get(cfg.generation.engine, []):

@@ -6,14 +6,14 @@ from YAML; the rest of ``eval/`` reads it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
 from ..data.chat import SYSTEM_PROMPT, THINK_PREFIX
-from ..generation import ENGINES, BuiltinSettings, knobs
+from ..generation import ENGINES, BuiltinSettings, ServerConfig, knobs
 from ..harness.typed_yaml import to_plain
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "EVAL_SECTIONS",
     "SECTION_TYPES",
     "EvalConfig",
+    "defaults",
     "eval_engines",
     "save_eval_config",
 ]
@@ -91,16 +92,22 @@ class EvalSampling:
     beyond_context: bool = _key(False, "in-process engines: run past max_position_embeddings")
 
 
+#: the server engine's own defaults (``generation.ServerConfig``): the server section's
+_SERVER = {f.name: f.default for f in fields(ServerConfig)}
+
+
 @dataclass(frozen=True, kw_only=True)
 class EvalServer:
     base_url: str | None = _key(None, "engine server: the server, e.g. http://127.0.0.1:8000")
-    concurrency: int = _key(8, "engine server: requests in flight")
-    request_timeout: float = _key(3600.0, "engine server: seconds one request may take")
-    retries: int = _key(8, "engine server: retries after a connection error, timeout, 429 or 5xx")
-    samples_per_request: int | None = _key(
-        None, "engine server: samples per request; null: all of a problem's"
+    concurrency: int = _key(_SERVER["concurrency"], "engine server: requests in flight")
+    request_timeout: float = _key(_SERVER["timeout_s"], "engine server: seconds one request may take")
+    retries: int = _key(
+        _SERVER["retries"], "engine server: retries after a connection error, timeout, 429 or 5xx"
     )
-    api_key: str | None = _key(None, "engine server: sent as 'Authorization: Bearer KEY'")
+    samples_per_request: int | None = _key(
+        _SERVER["samples_per_request"], "engine server: samples per request; null: all of a problem's"
+    )
+    api_key: str | None = _key(_SERVER["api_key"], "engine server: sent as 'Authorization: Bearer KEY'")
     extra_body: dict[str, Any] | None = field(
         default=None, metadata={"help": "engine server: JSON merged into every request", "flag": None}
     )
@@ -139,6 +146,12 @@ SECTION_TYPES: dict[str, Any] = {
     "server": EvalServer,
     "loss": EvalLoss,
 }
+
+
+def defaults(section: type, names: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """The defaults of a section's fields (``names``; None: all): what a flag left unset takes."""
+    return {f.name: f.default for f in fields(section) if names is None or f.name in names}
+
 
 #: sections only an eval config has: a config with one of them is checked as `infir2 eval` checks it
 EVAL_SECTIONS = ("generation", "benchmark", "sampling", "server", "loss")

@@ -16,9 +16,7 @@ from typing import Any
 
 from ..generation import ENGINES, PRECISIONS, check_engine, knobs, preflight_engine
 from ..model import resolve_device
-
-if typing.TYPE_CHECKING:
-    from .config import EvalConfig
+from .config import EvalConfig, EvalGeneration, EvalSampling, EvalServer, defaults
 
 __all__ = [
     "IN_PROCESS_FLAGS",
@@ -130,23 +128,12 @@ def _knob_kwargs(tp: Any, f: Any) -> dict[str, Any]:
 
 #: each engine's own flags (dest -> default): given to an engine of the other kind, they are refused
 IN_PROCESS_FLAGS: dict[str, Any] = {
-    "batch_size": 8,
-    "recipe": None,
-    "scale_encoding": "pow2",
-    "device": "auto",
-    "beyond_context": False,
+    **defaults(EvalGeneration, ("batch_size", "recipe", "scale_encoding", "device")),
+    **defaults(EvalSampling, ("beyond_context",)),
 }
 
 
-SERVER_FLAGS: dict[str, Any] = {
-    "base_url": None,
-    "concurrency": 8,
-    "request_timeout": 3600.0,
-    "retries": 8,
-    "samples_per_request": None,
-    "api_key": None,
-    "extra_body": "{}",
-}
+SERVER_FLAGS: dict[str, Any] = {**defaults(EvalServer), "extra_body": "{}"}  # --extra-body: JSON text
 
 
 def _engine_settings(args: argparse.Namespace) -> Any:

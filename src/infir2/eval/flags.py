@@ -11,7 +11,7 @@ from ..data.chat import SYSTEM_PROMPT, THINK_PREFIX
 from ..generation import ENGINES
 from ..model import resolve_device
 from ..tasks import TASKS
-from .config import DEFAULT_MAX_NEW_TOKENS
+from .config import DEFAULT_MAX_NEW_TOKENS, EvalBenchmark, EvalSampling, defaults
 from .engine_flags import add_engine_arguments, check_server_flags
 from .presets import PRESETS
 
@@ -19,11 +19,8 @@ __all__ = ["DEFAULTS", "DEFAULT_MAX_NEW_TOKENS", "add_arguments", "resolve_proto
 
 #: values used when neither the flag nor a preset sets them
 DEFAULTS: dict[str, Any] = {
-    "task": "math",
-    "n": 1,
-    "temperature": 0.65,
-    "top_p": 0.95,
-    "max_new_tokens": DEFAULT_MAX_NEW_TOKENS,
+    **defaults(EvalBenchmark, ("task", "n")),
+    **defaults(EvalSampling, ("temperature", "top_p", "max_new_tokens")),
 }
 
 
