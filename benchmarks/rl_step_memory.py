@@ -112,9 +112,9 @@ def child(
         timed["tokens"] += int(rl_batch.response_len.sum())
         return out
 
-    def update(run, rl_batch, plan):  # type: ignore[no-untyped-def]
+    def update(*args):  # type: ignore[no-untyped-def]
         t = time.perf_counter()
-        out = real_update(run, rl_batch, plan)
+        out = real_update(*args)
         timed["update"] += time.perf_counter() - t
         phases["train_peak"] = vm_hwm()
         return out

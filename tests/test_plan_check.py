@@ -3,16 +3,19 @@ limit (issue 46), none when it fits; the run's RNG untouched by a layer the plan
 
 from __future__ import annotations
 
+import copy
 import logging
 from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from conftest import make_tiny_model, make_tokenizer
 from infir2.planning import load_shape, plan_rl
 from infir2.planning.check import available_ram, device_limit, warn_if_unfit
-from infir2.rl.config import parse_rl_config
+from infir2.rl.config import keeps_reference, parse_rl_config
+from infir2.rl.plan_inputs import plan_inputs
 from train_synthetic import one_thread
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
@@ -46,6 +49,11 @@ def _raw(model_dir, tmp_path, micro_batch_size: int = 2, recipe: str = "bf16") -
     }
 
 
+def _warn(cfg, env=CPU):
+    """``infir2 rl``'s check of ``cfg``, as the loop calls it (prompts of 20 tokens)."""
+    return warn_if_unfit(plan_inputs(cfg), env, 20, cfg.model.path, cfg.run.name)
+
+
 def test_available_ram_reads_meminfo(tmp_path):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       25165824 kB\nMemFree:  100 kB\nMemAvailable:   12582912 kB\n")
@@ -57,12 +65,12 @@ def test_available_ram_reads_meminfo(tmp_path):
 
 def test_a_step_over_the_limit_is_warned_once_and_one_that_fits_is_not(model_dir, tmp_path, caplog):
     big = _cfg(model_dir, tmp_path, micro_batch_size=10**9)
-    peak = plan_rl(load_shape(str(model_dir))[1], big, 1, 20, "cpu").peak
+    peak = plan_rl(load_shape(str(model_dir))[1], plan_inputs(big), 1, 20, "cpu").peak
     assert peak > 2**45  # 32 TiB: over any machine's memory
     with caplog.at_level(logging.WARNING, logger="infir2.planning.check"):
-        line = warn_if_unfit(big, CPU, 20)
-        assert warn_if_unfit(big, SimpleNamespace(**{**vars(CPU), "is_main": False}), 20) is None
-        assert warn_if_unfit(_cfg(model_dir, tmp_path), CPU, 20) is None  # a few MiB: fits
+        line = _warn(big)
+        assert _warn(big, SimpleNamespace(**{**vars(CPU), "is_main": False})) is None
+        assert _warn(_cfg(model_dir, tmp_path)) is None  # a few MiB: fits
     assert [r.getMessage() for r in caplog.records] == [line]
     assert line.startswith("RL run 'fit-check'") and f"{peak / 2**30:.1f} GiB per process" in line
     assert "in the update" in line and "memory available now" in line and "estimate" in line
@@ -83,7 +91,7 @@ def test_a_config_json_the_planner_cannot_read_stops_nothing(model_dir, tmp_path
         {**_raw(model_dir, tmp_path, 10**9), "model": {"path": str(odd), "precision": "fp32"}}
     )
     with caplog.at_level(logging.INFO, logger="infir2.planning.check"):
-        assert warn_if_unfit(odd_cfg, CPU, 20) is None
+        assert _warn(odd_cfg) is None
     assert any("missing intermediate_size" in r.getMessage() for r in caplog.records)
 
 
@@ -94,7 +102,7 @@ def test_the_planner_leaves_the_runs_rng_alone(model_dir, tmp_path):
     expected = torch.rand(4)
     torch.manual_seed(1234)
     # a recipe this tiny shape has not been measured with in this module
-    warn_if_unfit(_cfg(model_dir, tmp_path, recipe="tensorwise"), CPU, 20)
+    _warn(_cfg(model_dir, tmp_path, recipe="tensorwise"))
     assert torch.equal(torch.rand(4), expected)
 
 
@@ -110,3 +118,42 @@ def test_infir2_rl_warns_before_it_loads_the_weights(model_dir, tmp_path, monkey
         loop.rl(_cfg(model_dir, tmp_path, micro_batch_size=10**9), progress=False)
     said = [r for r in caplog.records if r.name == "infir2.planning.check"]
     assert len(said) == 1 and "RL run 'fit-check'" in said[0].getMessage()
+
+
+@pytest.mark.parametrize(
+    ("kl_coef", "max_kl", "kept"), [(0.0, None, False), (0.01, None, True), (0.0, 0.5, True)]
+)
+def test_the_plan_counts_the_reference_copy_the_loop_keeps(
+    model_dir, tmp_path, monkeypatch, kl_coef, max_kl, kept
+):
+    """One rule (``keeps_reference``): ``guard.max_kl`` alone keeps a whole copy of the start model as
+    ``algo.kl_coef > 0`` does. ``rl`` is stopped where it would shard the model, after its
+    ``before_shard`` hook built the copies: it copied the model exactly when the plan counts a
+    reference, and the plan's bytes are those of the copy's tensors (within 10%, as test_rl_scale)."""
+    import infir2.rl.loop as loop
+
+    copies: list[int] = []
+
+    def deepcopy(module):  # what the loop copies for its reference, counted in bytes
+        copies.append(sum(t.numel() * t.element_size() for t in module.state_dict().values()))
+        return copy.deepcopy(module)
+
+    class Stop(Exception):
+        pass
+
+    def setup_model(cfg, env, model, tokenizer, before_shard):
+        before_shard(AutoModelForCausalLM.from_pretrained(model_dir))
+        raise Stop
+
+    raw = _raw(model_dir, tmp_path)
+    raw["algo"]["kl_coef"], raw["guard"] = kl_coef, {"max_kl": max_kl}
+    cfg = parse_rl_config(raw)
+    assert keeps_reference(cfg) is kept
+    planned = plan_rl(load_shape(str(model_dir))[1], plan_inputs(cfg), 1, 20, "cpu").reference
+    monkeypatch.setattr(loop, "setup_model", setup_model)
+    monkeypatch.setattr(loop, "copy", SimpleNamespace(deepcopy=deepcopy))
+    with pytest.raises(Stop):
+        loop.rl(cfg, progress=False)
+    assert len(copies) == int(kept) and (planned > 0) is kept
+    if kept:
+        assert abs(planned / copies[0] - 1) <= 0.10, (planned, copies[0])

@@ -47,3 +47,42 @@ def test_7b_full_parameter_sft_at_8k_fits_one_80gb_gpu_with_the_fp8_stack() -> N
     assert fewest_gpus(shape, stack, "h100") == 1 and fewest_gpus(shape, usual, "h100") == 2
     line = what_fits(shape, stack, "h100")
     assert "BF16, fp32 moments and gradients: 2 GPUs" in line and "blockwise, these options: 1 GPU" in line
+
+
+def test_the_shipped_one_gpu_config_plans_as_the_goal_says(capsys) -> None:
+    """``qwen2.5-7b-sft-8k-1gpu`` as it is written (``infir2 plan --train``): the same step as the flags
+    above, so the shipped config is the one that fits one 80 GB GPU."""
+    from infir2.cli import main
+    from infir2.tools.plan import train_inputs
+    from infir2.train.config import load_config, resolve_config_path
+
+    cfg = load_config(resolve_config_path("qwen2.5-7b-sft-8k-1gpu"))
+    inputs = train_inputs(cfg, 1, "cuda", "test")
+    flags = PlanInputs(
+        "blockwise", gpus=1, seq_len=8192, activation_checkpointing=True, state_dtype="fp8", grad_dtype="bf16"
+    )
+    assert inputs == flags
+    _, shape = load_shape("qwen2.5-7b")
+    assert plan_step(shape, inputs).peak <= 72 * GIB
+    assert main(["plan", "qwen2.5-7b", "--train", "qwen2.5-7b-sft-8k-1gpu", "--gpus", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "AdamW moments fp8, gradients bf16" in out and "fits a H100 (80 GiB)" in out
+    with pytest.raises(ValueError, match=r"optim\.grad_dtype bf16 is for one GPU.*--gpus 8"):
+        train_inputs(cfg, 8, "cuda", "--train qwen2.5-7b-sft-8k-1gpu")
+
+
+def test_a_cpt_config_plans_its_windows_and_batch() -> None:
+    from infir2.tools.plan import train_inputs
+    from infir2.train.config import load_config, resolve_config_path
+
+    cfg = load_config(resolve_config_path("qwen2.5-7b-cpt"))
+    inputs = train_inputs(cfg, 8, "cuda", "test")
+    d = cfg.data
+    assert (inputs.seq_len, inputs.micro_batch, inputs.global_batch) == (
+        d.seq_len,
+        d.micro_batch_size,
+        d.global_batch_size,
+    )
+    assert (inputs.state_dtype, inputs.recipe, inputs.gpus) == (cfg.optim.state_dtype, cfg.fp8.recipe, 8)
+    with pytest.raises(ValueError, match=r"data\.global_batch_size 128 is not a multiple of --gpus 3"):
+        train_inputs(cfg, 3, "cuda", "test")

@@ -4,13 +4,13 @@ rollout's KV cache, the engine and the reference stay whole; FSDP still shards o
 
 from __future__ import annotations
 
-from dataclasses import fields
-from types import SimpleNamespace
+from dataclasses import replace
 
 import pytest
 
-from infir2.planning import ModelShape, context_kv_bytes, plan_rl
+from infir2.planning import ModelShape, PlanInputs, RLInputs, context_kv_bytes, plan_rl
 from infir2.rl.config import parse_rl_config
+from infir2.rl.plan_inputs import plan_inputs
 from train_synthetic import one_thread
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
@@ -19,9 +19,8 @@ SHAPE = ModelShape(256, 512, 4, 4, 2, 1000, False)
 PROMPT, NEW, MICRO = 128, 896, 2  # sequences of 1024 tokens: every share whole
 
 
-def _cfg(context: int, checkpointing: bool = False):
-    """An RLConfig's sections with ``parallel.context`` set (the planner takes any config object that has
-    the sections; one without ``parallel`` plans as context 1)."""
+def _cfg(context: int, checkpointing: bool = False) -> RLInputs:
+    """The planner's record of an RLConfig with ``parallel.context`` set."""
     cfg = parse_rl_config(
         {
             "model": {"path": "unused", "precision": "bf16", "activation_checkpointing": checkpointing},
@@ -31,8 +30,7 @@ def _cfg(context: int, checkpointing: bool = False):
             "algo": {"micro_batch_size": MICRO, "kl_coef": 0.01},
         }
     )
-    sections = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "parallel"}
-    return SimpleNamespace(**sections, parallel=SimpleNamespace(context=context))
+    return replace(plan_inputs(cfg), context=context)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -60,10 +58,41 @@ def test_context_4_splits_the_update_and_the_scoring_not_the_rollout(checkpointi
     assert four.rollout_peak == one.rollout_peak
 
 
-def test_a_config_without_the_key_plans_as_context_1() -> None:
-    cfg = _cfg(1)
-    bare = SimpleNamespace(**{k: v for k, v in vars(cfg).items() if k != "parallel"})
-    assert plan_rl(SHAPE, bare, gpus=8, prompt_len=PROMPT) == plan_rl(SHAPE, cfg, gpus=8, prompt_len=PROMPT)
+def test_the_record_reads_the_configs_context() -> None:
+    cfg = parse_rl_config({"data": {"prompts_path": "unused.jsonl"}, "parallel": {"context": 2}})
+    assert plan_inputs(cfg).context == 2 and plan_inputs(_replace_context(cfg, 1)).context == 1
+
+
+def test_the_update_is_planned_with_the_configs_training_settings() -> None:
+    """``RLInputs.update`` takes the fields it shares with ``PlanInputs`` by name: the record equals one
+    written out field by field from the config (model.precision fp64 planned as fp32)."""
+    cfg = parse_rl_config(
+        {
+            "model": {"path": "unused", "precision": "fp64", "activation_checkpointing": True},
+            "fp8": {"recipe": "blockwise"},
+            "optim": {"state_dtype": "fp8", "fp8_block": 32, "fp8_range_expansion": True},
+            "data": {"prompts_path": "unused.jsonl"},
+            "algo": {"micro_batch_size": 3},
+            "parallel": {"context": 2},
+        }
+    )
+    m, o = cfg.model, cfg.optim
+    expected = PlanInputs(
+        "blockwise",
+        gpus=4,
+        seq_len=640,
+        micro_batch=3,
+        activation_checkpointing=True,
+        state_dtype="fp8",
+        state_block=32,
+        state_expand=True,
+        grad_dtype=o.grad_dtype,
+        recompute_mlp=m.recompute_mlp,
+        precision="fp32",
+        device="cpu",
+        context=2,
+    )
+    assert plan_inputs(cfg).update(4, 640, "cpu") == expected
 
 
 def test_gpus_that_the_context_does_not_divide_are_refused() -> None:
@@ -81,8 +110,8 @@ def test_the_shipped_long_trace_config_is_planned_with_its_context_degree(capsys
     cfg = load_rl_config("qwen2.5-7b-rl-32k-cp")
     assert cfg.parallel.context == 4 and cfg.rollout.max_new_tokens == 32768
     _, shape = load_shape("qwen2.5-7b")
-    four = plan_rl(shape, cfg, gpus=8, prompt_len=512)
-    whole = plan_rl(shape, _replace_context(cfg, 1), gpus=8, prompt_len=512)
+    four = plan_rl(shape, plan_inputs(cfg), gpus=8, prompt_len=512)
+    whole = plan_rl(shape, plan_inputs(_replace_context(cfg, 1)), gpus=8, prompt_len=512)
     assert whole.update.activations == pytest.approx(4 * four.update.activations, rel=0.02)
     assert four.kv_cache == whole.kv_cache  # the rollout is not split
     assert "qwen2.5-7b" in MODELS
@@ -92,6 +121,4 @@ def test_the_shipped_long_trace_config_is_planned_with_its_context_degree(capsys
 
 
 def _replace_context(cfg, context: int):
-    from dataclasses import replace
-
     return replace(cfg, parallel=replace(cfg.parallel, context=context))

@@ -34,9 +34,12 @@ CASES: dict[str, dict[str, object]] = {
 #: 6045899 (the scorer's one-block backward merged): the backward and step peaks are within 10% there
 #: (before it the plan's backward peak was 1.10-1.15x over); the activations' peak is not
 ONE_BLOCK = (
-    "the plan counts one [chunk, V] fp32 logit block in backward (the scorer's, loss/scorer.py), the "
-    "tracked step's activations peak about 250 MiB higher with checkpointing -- one more such block, or "
-    "the head's [V, H] fp32 gradient before it lands: not yet explained; plan under"
+    "the plan adds the scorer's [chunk, V] logit block to the recomputed layer's saved set, but the two "
+    "are never alive together (the scorer's backward ends before the last layer is recomputed), and it "
+    "counts none of the layer backward's temporaries (its [T, I] activation gradients), where the tracked "
+    "peak is: the gap does not move with the vocabulary (251 MiB at 32,000 and 64,000 words), vanishes at "
+    "half the MLP width (-3 MiB at I = 4480) and turns over at half the tokens (the plan 277 MiB above at "
+    "2,048); plan under"
 )
 TEMPORARIES = (
     "without checkpointing the activations' peak is at the start of backward, where the plan counts the "

@@ -21,6 +21,7 @@ from infir2.cli import main
 from infir2.rl import loop as rl_loop
 from infir2.rl import parse_rl_config, rl
 from infir2.rl.config import load_rl_config, save_rl_config
+from infir2.rl.plan_inputs import plan_inputs
 from infir2.tools.plan import ModelShape, plan_rl
 from infir2.train.config import RunConfig, load_config
 from rl_runs import one_step_config
@@ -120,7 +121,7 @@ def test_plan_runs_on_the_shipped_rl_configs(path, capsys):
     for row in (
         "rollout kv cache",
         "rollout engine",
-        "reference (KL)",
+        "reference",
         "scoring",
         "update activations",
         "peak",
@@ -161,7 +162,7 @@ def test_rl_plan_terms_match_the_tensors(rollout: str, tiny_tokenizer) -> None:
     shape = ModelShape.from_config(model.config.to_dict(), "<tiny>")
     prompt, new, batch = 32, 96, 3
     cfg = _rl_cfg(rollout, 0.1, max_new_tokens=new, batch_size=batch)
-    p = plan_rl(shape, cfg, gpus=1, prompt_len=prompt, device="cpu")
+    p = plan_rl(shape, plan_inputs(cfg), gpus=1, prompt_len=prompt, device="cpu")
     policy = prepare_for_training(model, "blockwise")
     engine = BuiltinEngine(policy, tiny_tokenizer, precision=rollout, copy_model=True)
     held = {
@@ -176,7 +177,7 @@ def test_rl_plan_terms_match_the_tensors(rollout: str, tiny_tokenizer) -> None:
         model(input_ids=ids, use_cache=True, **{cache_keyword(model): cache})  # `cache` from 5.2x
     kv = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     _within(p.kv_cache * shape.layers / (shape.layers + 1), kv)  # less the growing layer's second copy
-    assert plan_rl(shape, _rl_cfg(rollout, 0.0), prompt_len=prompt, device="cpu").reference == 0
+    assert plan_rl(shape, plan_inputs(_rl_cfg(rollout, 0.0)), prompt_len=prompt, device="cpu").reference == 0
 
 
 def _within(planned: float, measured: float, tol: float = 0.10) -> None:

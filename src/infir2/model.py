@@ -29,6 +29,7 @@ from torch import nn
 
 from ._paths import check_safetensors
 from .nn import convert_to_fp8, recompute_swiglu, unrecognised_experts
+from .nn.moe.routing import replay_routes  # RL's trainer forwards replay the rollout's routes
 
 if TYPE_CHECKING:
     from .fp8.recipe import Fp8Recipe
@@ -42,6 +43,7 @@ __all__ = [
     "check_model_folder",
     "load_pretrained",
     "prepare_for_training",
+    "replay_routes",
 ]
 
 #: arch name -> (transformers config class name, model class name)

@@ -169,7 +169,7 @@ def _flag(dest: str) -> str:
 
 
 def check_engine_flags(args: argparse.Namespace) -> None:
-    """Refuse a flag of another kind of engine (``TRAITS``: an in-process engine's --batch-size, --recipe,
+    """Refuse a flag of another kind of engine (its ``EngineTraits``: an in-process engine's --batch-size, --recipe,
     --scale-encoding, --device, --beyond-context; a server's --base-url, --concurrency ...), what the
     engine cannot run (``check_engine``: --precision fp8 on a server) and a --recipe or --scale-encoding
     without its precision, in one line naming the flag, before anything is read; then fill the defaults

@@ -24,11 +24,11 @@ Rounding (``rounding``): ``"nearest"`` is round-to-nearest-even, ties to the eve
 rounds up with probability equal to the distance from the lower neighbour over the spacing, which is
 unbiased (``E[q] = x`` inside the range). The noise is uniform in [0, 1), drawn from ``generator``;
 without one, from the generator of the innermost :func:`noise_generator` context, else from torch's
-generator of the tensor's device. Training (``infir2.train``) opens one context per micro-batch, with a
-generator seeded by :func:`noise_seed` from (run seed, step, the micro-batch's index in the global
-batch): the draws depend on nothing else, so a run resumed from a checkpoint, and a run whose
-micro-batches are spread over data-parallel processes, draw the same noise as one uninterrupted
-process.
+generator of the tensor's device. Training and RL's updates open one context per micro-batch
+(``infir2.harness.step.rounding_noise``), with a generator seeded by :func:`noise_seed` from (run seed,
+step, the micro-batch's place in the step): the draws depend on nothing else, so a run resumed from a
+checkpoint, and a run whose micro-batches are spread over data-parallel processes, draw the same noise
+as one uninterrupted process.
 
 The random Hadamard transform (``hadamard_transform``): before quantizing the wgrad operands
 ``dY`` and ``X`` (blocks ``(16, 1)``, along tokens), TransformerEngine multiplies every 16 tokens by

@@ -103,6 +103,7 @@ class EngineOptions:
     model_precision: str | None = None  # RL: model.precision, the autocast of the high-precision parts
     copy_model: bool = False  # RL: generate from a copy that load_weights(policy) refreshes
     base_dtype: torch.dtype | None = None  # fp8 + copy_model: the other tensors as the FP8 export holds them
+    record_routes: bool = False  # RL's routing replay: each sample's MoE experts per token (Sample.routes)
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,8 @@ class Sample:
     ``response_ids`` includes the stop token when it stopped (``[]`` from an engine that returns text
     only); ``logprobs`` the engine's log-probability of each (``softmax(logits / temperature)``, before
     any top-p / top-k); ``text`` the engine's own text of it (a server's, without the stop token);
-    ``n_tokens`` the engine's count when it returns no ids.
+    ``n_tokens`` the engine's count when it returns no ids; ``routes`` the experts each token went to
+    (an engine asked to record them: ``nn.moe.routing``).
     """
 
     response_ids: list[int]
@@ -168,6 +170,9 @@ class Sample:
     finished: bool  # stopped at a stop token (False: cut at max_new_tokens)
     text: str | None = None
     n_tokens: int | None = field(default=None)
+    # routing replay: [prompt + response tokens, MoE layers, k] int16 expert ids the engine chose (-1: none
+    # recorded, as for the last response token, which no forward is fed); None: not recorded, or dense
+    routes: torch.Tensor | None = None
 
     @property
     def tokens(self) -> int:

@@ -15,7 +15,9 @@ FSDP2-sharded policy, one tensor at a time in the same order on every rank), els
 it, as the FP8 export stores them (``infir2 export --base-dtype``, bf16 by default), so the copy's
 weights are the export folder's values (the arithmetic stays in ``model_precision``); None keeps the
 policy's own values. Samples are batched ``batch_size`` at a
-time in the order asked, each from a generator seeded with its own seed.
+time in the order asked, each from a generator seeded with its own seed. ``record_routes`` (RL's routing
+replay): each sample carries the experts every MoE layer chose for its tokens (``Sample.routes``,
+``sample_routes``).
 """
 
 from __future__ import annotations
@@ -29,11 +31,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..nn import fp8_enabled, fp8_modules
+from ..nn.moe.routing import NO_ROUTE, record_routes
 from .base import PRECISIONS, Prompt, Request, Sample, SamplingConfig, check_prompt_fits, stops_and_pad
 from .fp8_linear import ServingFp8Linear, serve_fp8
 from .sampler import sample_batch
 
-__all__ = ["BuiltinEngine", "apply_precision", "precision_label"]
+__all__ = ["BuiltinEngine", "apply_precision", "precision_label", "sample_routes"]
 
 
 def precision_label(precision: str, scale_encoding: str = "pow2", recipes: Sequence[str] = ()) -> str:
@@ -77,11 +80,13 @@ class BuiltinEngine:
         model_precision: str | None = None,
         copy_model: bool = False,
         base_dtype: torch.dtype | None = None,
+        record_routes: bool = False,
         name: str = "builtin",
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         self.name, self.model_precision, self.copy_model = name, model_precision, copy_model
+        self.record_routes = record_routes
         self.stop_ids, self.pad_id = stops_and_pad(tokenizer)
         self.precision = precision  # the word (base.PRECISIONS); ``label`` says it for eval's settings
         self.base_dtype = base_dtype if precision == "fp8" else None
@@ -148,15 +153,20 @@ class BuiltinEngine:
                     chunk = flat[start : start + sampling.batch_size]
                     device = next(self.model.parameters()).device
                     gens = [torch.Generator(device=device).manual_seed(s) for *_, s in chunk]
-                    samples = sample_batch(
-                        self.model,
-                        [ids for _, _, ids, _ in chunk],
-                        gens,
-                        sampling,
-                        self.stop_ids,
-                        self.pad_id,
-                        self.model_precision,
-                    )
+                    ids_of = [ids for _, _, ids, _ in chunk]
+                    recording = record_routes(self.model, len(chunk)) if self.record_routes else nullcontext()
+                    with recording as log:
+                        samples = sample_batch(
+                            self.model,
+                            ids_of,
+                            gens,
+                            sampling,
+                            self.stop_ids,
+                            self.pad_id,
+                            self.model_precision,
+                        )
+                    if log is not None:
+                        sample_routes(log.routes(), ids_of, samples)
                     for (i, j, _, _), s in zip(chunk, samples, strict=True):
                         out[i].append(s)
                         request.done(i, j, s)
@@ -164,6 +174,28 @@ class BuiltinEngine:
         finally:
             self.model.train(was_training)
         return out
+
+
+def sample_routes(
+    routes: torch.Tensor | None, prompts: Sequence[list[int]], samples: Sequence[Sample]
+) -> None:
+    """Set each sample's ``routes`` from a left-padded batch's ``[B, columns, layers, k]`` (``RouteLog``):
+    its prompt's columns, then one per response token fed to a decode step -- all but the last, which
+    no forward is fed (``NO_ROUTE``); None for a dense model."""
+    if routes is None:
+        return
+    width, longest = max(len(p) for p in prompts), max(len(s.response_ids) for s in samples)
+    if routes.shape[1] not in (width + longest - 1, width + longest):  # the last step may feed one more
+        raise RuntimeError(
+            f"routing replay: the sampler's forwards fed {routes.shape[1]} columns for prompts {width} wide "
+            f"and responses up to {longest} tokens: not one column per token fed, the routes cannot be placed"
+        )
+    for i, (prompt, s) in enumerate(zip(prompts, samples, strict=True)):
+        start, n = width - len(prompt), len(prompt) + len(s.response_ids)
+        own = torch.full((n, *routes.shape[2:]), NO_ROUTE, dtype=routes.dtype)
+        fed = routes[i, start : start + n - 1]
+        own[: fed.shape[0]] = fed
+        s.routes = own
 
 
 def _check_prompt_lengths(model: nn.Module, prompts: Sequence[Prompt], sampling: SamplingConfig) -> None:

@@ -48,7 +48,7 @@ __all__ = [
 @dataclass(frozen=True, kw_only=True)
 class BuiltinSettings:
     """The built-in engine's own settings: none. What it runs comes from ``EngineOptions`` (the precision,
-    RL's copy of the policy and its dtypes) and ``SamplingConfig`` (its batch size)."""
+    RL's copy of the policy, its dtypes and routing replay's records) and ``SamplingConfig`` (its batch size)."""
 
 
 #: ``factory(name, options, settings)``: ``settings`` an instance of the entry's settings type, or None
@@ -69,6 +69,7 @@ def _builtin(name: str, o: EngineOptions, settings: BuiltinSettings | None) -> E
         model_precision=o.model_precision,
         copy_model=o.copy_model,
         base_dtype=o.base_dtype,
+        record_routes=o.record_routes,
         name=name,
     )
 
@@ -120,6 +121,7 @@ class EngineTraits:
     in_process: bool  # runs the model in this process (eval: --batch-size, --device ... are its flags)
     precisions: tuple[str, ...]  # the ``EngineOptions.precision`` words it runs; () = what its server loaded
     returns_ids: bool  # token ids and log-probabilities (what RL trains on); False: text only
+    records_routes: bool = False  # each sample's MoE experts per token (Sample.routes: RL's routing replay)
 
 
 #: ``preflight(options, settings, keys)``: refuse, in one line naming ``keys[...]`` (the caller's flag or
@@ -145,7 +147,7 @@ ENGINES: dict[str, EngineEntry] = {
     "builtin": EngineEntry(
         factory=_builtin,
         settings=BuiltinSettings,
-        traits=EngineTraits(True, tuple(PRECISIONS), True),
+        traits=EngineTraits(True, tuple(PRECISIONS), True, records_routes=True),
         preflight=_builtin_preview,
     ),
     "server": EngineEntry(factory=_server, settings=ServerConfig, traits=EngineTraits(False, (), False)),

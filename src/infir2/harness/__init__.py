@@ -11,7 +11,9 @@
 * ``metrics`` -- metrics.jsonl, TensorBoard, the progress bar;
 * ``resume`` -- checkpoints (every RNG, the stage's counters and named data state) through
   ``checkpoint/``, restore, and the final Hugging Face export;
-* ``guards`` -- the gradient norm, skipped-step streaks, the spike rule.
+* ``guards`` -- the gradient norm, skipped-step streaks, the spike rule;
+* ``step`` -- the update step's shared parts: the loss scale, the seeded rounding noise of a
+  micro-batch (NVFP4), the tail (clip, one optimizer step when finite, gradients freed).
 
 A stage (``train/``, ``rl/``) is its config sections, its data or rollouts, its step and its loop; the
 rest is here, once.

@@ -2,8 +2,8 @@
 
 One code path for every scale: a plain ``python`` run is world size 1 (no process group, no
 sharding); under ``torchrun --nproc_per_node N`` each process joins the group (NCCL on GPUs, gloo
-on CPUs) and the model is sharded with FSDP2: ``fully_shard`` on every decoder layer, then on the
-root, after ``convert_to_fp8`` (``Fp8Linear`` holds ordinary parameters, so FSDP shards them like
+on CPUs) and the model is sharded with FSDP2: ``fully_shard`` on every decoder layer and on an untied
+input embedding, then on the root, after ``convert_to_fp8`` (``Fp8Linear`` holds ordinary parameters, so FSDP shards them like
 any ``nn.Linear``). A caller that already initialised a process group (a test, a notebook) keeps
 it; ``train`` only tears down what it set up, and a caller ends its own group with
 ``destroy_process_group`` (here), which also drops the references FSDP2 left to it in DTensor's caches.
@@ -48,6 +48,7 @@ __all__ = [
     "data_ranks",
     "init_distributed",
     "shard_model",
+    "untied_input_embedding",
 ]
 
 
@@ -120,7 +121,14 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def shard_model(model: nn.Module, precision: str = "fp32", fp8_param_gather: bool = False) -> nn.Module:
-    """FSDP2: shard each decoder layer, then the root (embedding, final norm, lm_head).
+    """FSDP2: shard each decoder layer, the input embedding (when ``lm_head`` does not share its weight),
+    then the root (final norm, lm_head).
+
+    The embedding is a unit of its own, as in torchtitan, so that it is resharded after its forward: the
+    root stays gathered from its forward through backward (FSDP2 never reshards the root after forward),
+    and an embedding inside it would hold ``vocab x hidden`` gathered weights over the whole backward
+    (1.02 GiB in bf16 at Qwen2.5-7B) although only its own backward, the last, reads them. A tied
+    embedding is ``lm_head``'s weight and stays in the root.
 
     ``precision`` ``bf16`` all-gathers parameters in bf16 and reduce-scatters gradients in fp32;
     ``fp8_param_gather`` all-gathers the FP8 linears' weights as FP8 codes (module docstring).
@@ -140,5 +148,22 @@ def shard_model(model: nn.Module, precision: str = "fp32", fp8_param_gather: boo
         fully_shard(layer, mp_policy=mp)
         if fp8_param_gather:
             link_fsdp_params(layer)
+    embedding = untied_input_embedding(model)
+    if embedding is not None:
+        fully_shard(embedding, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     return model
+
+
+def untied_input_embedding(model: nn.Module) -> nn.Module | None:
+    """The input embedding module of a HF causal LM, or None when ``lm_head`` shares its weight (or the
+    model has none to name)."""
+    get_in, get_out = (
+        getattr(model, "get_input_embeddings", None),
+        getattr(model, "get_output_embeddings", None),
+    )
+    embedding = get_in() if callable(get_in) else None
+    head = get_out() if callable(get_out) else None
+    if embedding is None or (head is not None and head.weight is embedding.weight):
+        return None
+    return embedding

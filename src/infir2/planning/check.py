@@ -1,7 +1,7 @@
 """The check ``infir2 rl`` makes before it loads weights: does the planned step fit this device?
 
-``warn_if_unfit(cfg, env, prompt_len)`` plans one RL step of ``cfg`` (``planning.rl.plan_rl``) for the
-shape in ``model.path``'s ``config.json``, on the run's device and world size, and when the peak is
+``warn_if_unfit(run, env, prompt_len, model_path, name)`` plans one RL step of ``run`` (an ``RLInputs``,
+``rl.plan_inputs`` of the config; ``planning.rl.plan_rl``) for the shape in ``model.path``'s ``config.json``, on the run's device and world size, and when the peak is
 over what one process may fill it logs ONE warning line: the run, the peak, the phase that peaks and
 the limit. A warning, not a refusal: a plan is an estimate (allocated tensor bytes; no allocator
 fragmentation, CUDA context or NCCL buffers), and a run over it may still fit, or not.
@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from .._dist import DistEnv
 from .fit import USABLE
-from .rl import RLPlan, peak_phase, plan_rl, rl_context
+from .inputs import RLInputs
+from .rl import RLPlan, peak_phase, plan_rl
 from .shape import load_shape
 
 __all__ = ["available_ram", "device_limit", "unfit_line", "warn_if_unfit"]
@@ -64,12 +65,15 @@ def unfit_line(name: str, p: RLPlan, limit: float, limit_name: str, device: str)
     )
 
 
-def warn_if_unfit(cfg: Any, env: Any, prompt_len: int) -> str | None:
-    """Plan one step of the RL config ``cfg`` on ``env`` (a ``DistEnv``: its device and world size),
-    prompts of ``prompt_len`` tokens, and log one warning when its peak is over the device's limit (the
-    main process only). Returns the line, or None (it fits, or there is nothing to plan from)."""
-    config = Path(cfg.model.path or "") / "config.json"
-    if not env.is_main or not cfg.model.path or not config.is_file() or env.world_size % rl_context(cfg):
+def warn_if_unfit(
+    run: RLInputs, env: DistEnv, prompt_len: int, model_path: str | None, name: str
+) -> str | None:
+    """Plan one step of the RL run ``run`` on ``env`` (its device and world size), prompts of
+    ``prompt_len`` tokens, the shape of ``model_path``'s ``config.json``, and log one warning when its
+    peak is over the device's limit (the main process only; ``name``: the run's). Returns the line, or
+    None (it fits, or there is nothing to plan from)."""
+    config = Path(model_path or "") / "config.json"
+    if not env.is_main or not model_path or not config.is_file() or env.world_size % run.context:
         return None  # (a world size that parallel.context does not divide: the run refuses it itself)
     limit = device_limit(env.device, env.world_size)
     if limit is None:
@@ -78,12 +82,12 @@ def warn_if_unfit(cfg: Any, env: Any, prompt_len: int) -> str | None:
     try:
         with torch.random.fork_rng(devices=[]):  # a layer measured on the fly seeds torch: the RNG stays
             _, shape = load_shape(str(config))
-            p = plan_rl(shape, cfg, env.world_size, max(prompt_len, 1), device)
+            p = plan_rl(shape, run, env.world_size, max(prompt_len, 1), device)
     except (ValueError, KeyError, TypeError) as e:  # a shape the planner cannot read: no check, no stop
         log.info("no memory plan of this run (%s)", e)
         return None
-    name = f"RL run {cfg.run.name!r} (model.path {cfg.model.path}, {env.world_size} x {device})"
-    line = unfit_line(name, p, *limit, device)
+    where = f"RL run {name!r} (model.path {model_path}, {env.world_size} x {device})"
+    line = unfit_line(where, p, *limit, device)
     if line is not None:
         log.warning(line)
     return line

@@ -5,8 +5,9 @@
                micro-batches: the arriving gradient beside the stored ones; ``planning.optimizer``)
 * optimizer    AdamW moments: ``8 P / gpus`` (``state_dtype="fp32"``), ``4 P / gpus`` (``bf16``) or about
                ``2.06 P / gpus`` (``fp8``; ``planning.optimizer``)
-* gathered     FSDP2 working copies (gpus > 1): the root module's parameters plus two decoder layers
-               (the current one and the prefetched next), and their unsharded gradients
+* gathered     FSDP2 working copies (gpus > 1): the root module's parameters (final norm, lm_head; a tied
+               embedding) plus two decoder layers (the current one and the prefetched next), and their
+               unsharded gradients; an untied embedding is a unit of its own, gathered only in its passes
 * weight copies what each layer's GEMMs keep for backward (``layer.layer_figures``): autocast's bf16
                copies and the FP8 copies alike live until the layer's backward (every layer's, one under
                activation checkpointing); with ``weight_cache="step"`` every layer's FP8 copy (and on CUDA
@@ -155,8 +156,13 @@ def _weights(shape: ModelShape, run: PlanInputs, weight_copy: int) -> tuple[floa
         layer_wire = (shape.layer_params - proj) * wire + layer_weight_bytes(shape, r.w)
     gemm_reads_gathered = distributed and (fp8_gather if r.enabled else wire == BF16_BYTES)
     copies = 0.0 if gemm_reads_gathered else _layer_copies(shape, run, weight_copy)
-    working = shape.root_params * wire + 2 * layer_wire  # unsharded while in use: root + 2 layers
-    gather = (2 * shape.layers * layer_wire + shape.root_params * wire) * (1 - shard)
+    # an untied embedding is an FSDP unit of its own (``harness.distributed.shard_model``): resharded after
+    # its forward, gathered again for its backward, the last; the root (final norm, lm_head) stays gathered
+    embedding = 0 if shape.tied else shape.vocab * shape.hidden
+    working = (
+        shape.root_params - embedding
+    ) * wire + 2 * layer_wire  # unsharded while in use: root + 2 layers
+    gather = (2 * shape.layers * layer_wire + (shape.root_params + embedding) * wire) * (1 - shard)
     gathered = 2 * working * (1 - shard) if distributed else 0.0  # the weights and their gradients
     return gathered, copies + head_copy, gather
 

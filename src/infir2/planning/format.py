@@ -58,7 +58,7 @@ def format_rl_plan(p: RLPlan, device: str = "cuda") -> str:
     rows = [
         ("parameters", u.parameters),
         ("optimizer", u.optimizer),
-        ("reference (KL)", p.reference),
+        ("reference", p.reference),
         ("rollout engine", p.engine),
         ("rollout kv cache", p.kv_cache),
         ("rollout logits", p.rollout_logits),

@@ -1,13 +1,14 @@
-"""What a plan is asked about: one run's settings (``PlanInputs``), apart from the model's shape."""
+"""What a plan is asked about: one run's settings (``PlanInputs``; an RL run's, ``RLInputs``), apart from the
+model's shape."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from ..nn.module import WEIGHT_SCOPES
 from .measure import DEVICES
 
-__all__ = ["BF16_BYTES", "FP32_BYTES", "WEIGHT_SCOPES", "PlanInputs"]
+__all__ = ["BF16_BYTES", "FP32_BYTES", "WEIGHT_SCOPES", "PlanInputs", "RLInputs"]
 
 FP32_BYTES, BF16_BYTES = 4, 2
 
@@ -82,3 +83,47 @@ class PlanInputs:
     def data(self) -> int:
         """The data-parallel replicas: micro-batches one forward on every GPU takes."""
         return self.gpus // self.context
+
+
+@dataclass(frozen=True, kw_only=True)
+class RLInputs:
+    """One RL run as the planner sees it (``planning.rl.plan_rl``), apart from the model's shape and
+    where it runs (GPUs, prompt length, device): what ``rl.plan.plan_inputs`` reads from an ``RLConfig``.
+
+    Every field is given (no defaults: the config's are the one declaration). The update's settings are
+    ``PlanInputs``'s (``recipe`` to ``context``); the rest is what RL keeps
+    besides: ``micro_batch`` (``algo.micro_batch_size``), the rollout's ``max_new_tokens``,
+    ``rollout_batch`` (``rollout.batch_size``) and ``rollout_precision`` (``high`` or ``fp8``), and
+    ``keeps_reference``: whether the run holds a whole copy of the start model (``rl.config.keeps_reference``).
+    """
+
+    recipe: str
+    precision: str  # model.precision (fp64 is planned as fp32: the same bytes on the wire)
+    activation_checkpointing: bool
+    recompute_mlp: bool
+    state_dtype: str
+    state_block: int
+    state_expand: bool
+    grad_dtype: str
+    context: int
+    micro_batch: int
+    max_new_tokens: int
+    rollout_batch: int
+    rollout_precision: str
+    keeps_reference: bool
+
+    def __post_init__(self) -> None:
+        if self.rollout_precision not in ("high", "fp8"):
+            raise ValueError(f"rollout_precision: expected high or fp8, got {self.rollout_precision!r}")
+        for key in ("context", "micro_batch", "max_new_tokens", "rollout_batch"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}: must be >= 1, got {getattr(self, key)}")
+
+    def update(self, gpus: int, seq_len: int, device: str) -> PlanInputs:
+        """The policy's update as a training step: ``micro_batch`` sequences of ``seq_len`` tokens, the
+        fields both records name alike taken over, the scorer's chunked logits (``PlanInputs``'s
+        default ``loss_chunk_tokens="auto"``)."""
+        own = {f.name for f in fields(self)}
+        same = {f.name: getattr(self, f.name) for f in fields(PlanInputs) if f.name in own}  # by name
+        wire = "fp32" if self.precision == "fp64" else self.precision
+        return PlanInputs(**same | {"precision": wire, "gpus": gpus, "seq_len": seq_len, "device": device})

@@ -8,7 +8,8 @@
 * ``RLBatch`` -- the step's samples (one row per response) as padded tensors, built once per step:
   prompts left-padded ``[B, P]``, responses right-padded ``[B, R]``, the rollout / old / reference
   log-probabilities and TIS weights ``[B, R]`` (zero past each response), advantages ``[B]`` and whether a
-  row counts in the loss. ``rows(idx)`` slices a micro-batch trimmed to its own widths -- the tensors
+  row counts in the loss, and with routing replay the experts the engine chose per token and MoE layer
+  (``routes`` ``[B, P + R, layers, k]`` int16, ``-1`` where none was recorded). ``rows(idx)`` slices a micro-batch trimmed to its own widths -- the tensors
   the trainer's forward would get from those samples alone, so the numerics do not depend on the batch.
 """
 
@@ -39,6 +40,7 @@ class Group:
     rewards: list[float]
     responses: list[list[int]] | None = None
     logprobs: torch.Tensor | None = None  # [n, max length] float32, zero past each response
+    routes: list[torch.Tensor] | None = None  # routing replay: per response [P + length, layers, k] int16
 
     @property
     def kept(self) -> bool:
@@ -60,6 +62,8 @@ class Group:
         if self.responses is not None:
             record["responses"] = self.responses
             record["logprobs"] = [self.response_logprobs(j).tolist() for j in range(len(self.lengths))]
+            if self.routes is not None:
+                record["routes"] = self.routes
         return record
 
     @classmethod
@@ -86,6 +90,7 @@ class Group:
             list(record["rewards"]),
             responses,
             logprobs,
+            record.get("routes"),
         )
 
 
@@ -113,6 +118,7 @@ class Rows:
     adv: torch.Tensor  # [m] float64
     keep: torch.Tensor  # [m] bool
     index: torch.Tensor  # [m] the rows' indices in the batch
+    routes: torch.Tensor | None = None  # [m, P + R, layers, k] int16 (routing replay), -1: route afresh
 
 
 @dataclass
@@ -127,6 +133,7 @@ class RLBatch:
     rollout_logp: torch.Tensor  # [B, R] float32
     adv: torch.Tensor  # [B] float64
     keep: torch.Tensor  # [B] bool: counts in the loss (overlong: mask drops unfinished responses)
+    routes: torch.Tensor | None = None  # [B, P + R, layers, k] int16 (routing replay), -1: none recorded
     old_logp: torch.Tensor = field(init=False)
     ref_logp: torch.Tensor = field(init=False)
     tis: torch.Tensor = field(init=False)
@@ -162,6 +169,7 @@ class RLBatch:
             pad_rows([g.response_logprobs(j) for g, j in rows]),
             torch.stack([adv[gi, j] for gi, g in enumerate(groups) for j in range(len(g.lengths))]),
             torch.tensor([not (mask_unfinished and not g.finished[j]) for g, j in rows]),
+            _batch_routes(rows, left.shape[1]),
         )
 
     @classmethod
@@ -184,4 +192,30 @@ class RLBatch:
         ids = torch.cat([self.prompt_ids[idx, -p:], response], dim=1)
         attention = torch.cat([prompt_mask.long(), resp_mask.long()], dim=1)
         sliced = {k: getattr(self, k)[idx, :r] for k in ("rollout_logp", "old_logp", "ref_logp", "tis")}
-        return Rows(ids, attention, resp_mask, p, **sliced, adv=self.adv[idx], keep=self.keep[idx], index=idx)
+        routes = None if self.routes is None else self.routes[idx, self.prompt_ids.shape[1] - p :][:, : p + r]
+        return Rows(
+            ids,
+            attention,
+            resp_mask,
+            p,
+            **sliced,
+            adv=self.adv[idx],
+            keep=self.keep[idx],
+            index=idx,
+            routes=routes,
+        )
+
+
+def _batch_routes(rows: list[tuple[Group, int]], width: int) -> torch.Tensor | None:
+    """The rows' routes ``[B, width + longest response, layers, k]`` laid out as their prompts (left-padded
+    to ``width``) and responses, ``-1`` on the padding; None unless every group recorded them."""
+    if not rows or any(g.routes is None for g, _ in rows):
+        return None
+    first = rows[0][0].routes[rows[0][1]]  # type: ignore[index]
+    longest = max(g.lengths[j] for g, j in rows)
+    out = torch.full((len(rows), width + longest, *first.shape[1:]), -1, dtype=first.dtype)
+    for i, (g, j) in enumerate(rows):
+        own = g.routes[j]  # type: ignore[index]
+        start = width - (own.shape[0] - g.lengths[j])  # the prompt's first column
+        out[i, start : start + own.shape[0]] = own
+    return out

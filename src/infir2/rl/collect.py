@@ -93,6 +93,8 @@ def _grade(run: Run, index: int, rollouts: list[Sample]) -> Group:
     group.logprobs = torch.zeros(len(rollouts), max(lengths, default=0))
     for j, g in enumerate(rollouts):
         group.logprobs[j, : len(g.logprobs)] = torch.tensor(g.logprobs, dtype=torch.float32)
+    routes = [g.routes for g in rollouts]  # routing replay: the engine's experts per token (MoE only)
+    group.routes = None if any(r is None for r in routes) else cast(list[torch.Tensor], routes)
     return group
 
 

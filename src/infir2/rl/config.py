@@ -14,7 +14,7 @@ where they published one, docs/RL.md)::
               oversample_prompts, max_rounds, carry_over, max_new_tokens, temperature, batch_size
     algo:     reward, clip_low, clip_high, kl_coef, tis (auto|truncate|mask|off), tis_cap,
               overlong (none|mask|penalty), overlong_buffer, overlong_penalty, updates_per_batch,
-              micro_batch_size, adv_eps
+              micro_batch_size, adv_eps, routing_replay (off|rollout)
     train:    max_steps, save_every, keep_last, log_every, eval_every, max_skipped_in_row (as in `infir2 train`),
               eval_problems, eval_samples, max_prob_error
     parallel: context                                          (as in `infir2 train`: processes per sequence)
@@ -70,6 +70,7 @@ __all__ = [
     "RLGuard",
     "RLTrain",
     "RolloutConfig",
+    "keeps_reference",
     "load_rl_config",
     "parse_rl_config",
     "rollout_engines",
@@ -158,6 +159,12 @@ class AlgoConfig:
     updates_per_batch: int = setting(1, "optimizer steps per rollout batch (mini-batches; > 1 is off-policy)")
     micro_batch_size: int = setting(16, "sequences per forward/backward")
     adv_eps: float = setting(1e-6, "advantage = (r - mean) / (std + adv_eps) within the group")
+    routing_replay: Literal["off", "rollout"] = setting(
+        "off",
+        "MoE: rollout = the trainer's old, reference and policy forwards send each token to the experts "
+        "the rollout engine chose (R3; builtin engine); off = the trainer's router decides. A dense "
+        "model is unchanged either way",
+    )
 
 
 @dataclass(frozen=True)
@@ -223,6 +230,12 @@ def tis_mode(cfg: RLConfig) -> str:
     return "off" if same else "truncate"
 
 
+def keeps_reference(cfg: RLConfig) -> bool:
+    """Whether the run keeps a whole copy of the start model: for the loss's KL (``algo.kl_coef > 0``)
+    or the collapse guard's (``guard.max_kl``). The loop builds it by this rule, the planner counts it."""
+    return cfg.algo.kl_coef > 0 or cfg.guard.max_kl is not None
+
+
 def _check(cfg: RLConfig, source: str) -> None:
     check_shared(cfg, cfg.optim, cfg.train, cfg.parallel, source)  # as `infir2 train` checks them
     r, a, t = cfg.rollout, cfg.algo, cfg.train
@@ -284,7 +297,24 @@ def _check(cfg: RLConfig, source: str) -> None:
         )
     positive("guard.max_kl", g.max_kl)
     _check_names(cfg, source)
+    _check_replay(cfg, source)
     _check_engine(cfg, source)
+
+
+def _check_replay(cfg: RLConfig, source: str) -> None:
+    """Routing replay needs an engine that records each token's experts (``EngineTraits.records_routes``:
+    the built-in one)."""
+    engine = cfg.rollout.engine
+    traits = ENGINES[engine].traits
+    if cfg.algo.routing_replay == "rollout" and (traits is None or not traits.records_routes):
+        why = (
+            "infir2's vllm engine does not pass vLLM's routed experts through yet"
+            if engine == "vllm"
+            else f"the {engine} engine does not report the experts it routed each token to"
+        )
+        raise config_error(
+            source, "algo.routing_replay", f"rollout needs rollout.engine: builtin ({why}); set it to off"
+        )
 
 
 def _check_engine(cfg: RLConfig, source: str) -> None:

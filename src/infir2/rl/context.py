@@ -16,6 +16,9 @@ responses right-padded, as the engine generates), ``row_shard``:
 3. holds ``loss.shard_context`` around the forward and the backward (activation checkpointing recomputes
    the attention in backward, which gathers the other shards' keys again).
 
+With routing replay the rows' routes are split the same way (``row_routes``: padded at the end, this
+rank's contiguous tokens).
+
 ``shard_response_logprobs`` scores the shard's targets (``loss.score_tokens``, chunked as ever) and lays
 them out as the response columns ``[B, R]``: every response token is scored by exactly one rank (the one
 that holds the token before it) and the others add zeros, so ``context_sum`` (an all-reduce over the
@@ -43,7 +46,7 @@ from ..harness.distributed import ContextLayout
 from ..loss import score_tokens, shard_context
 from .batch import Rows
 
-__all__ = ["RowShard", "context_sum", "row_shard", "shard_response_logprobs"]
+__all__ = ["RowShard", "context_sum", "row_routes", "row_shard", "shard_response_logprobs"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,18 @@ def row_shard(rows: Rows, layout: ContextLayout) -> Iterator[RowShard | None]:
     shard = shard_micro_batch(as_micro_batch(rows), layout.context_rank, layout.context)
     with shard_context(shard):
         yield RowShard(shard, rows.prompt_width, layout.group)
+
+
+def row_routes(rows: Rows, part: RowShard | None) -> torch.Tensor | None:
+    """The routes to replay (``Rows.routes``, routing replay) for this rank's tokens of ``rows``: whole at
+    context 1, else padded at the end (``-1``: route afresh) and cut as the shard's tokens are."""
+    if rows.routes is None or part is None:
+        return rows.routes
+    mb = part.batch
+    width, start, size = mb["documents"].shape[1], int(mb["context_start"]), mb["input_ids"].shape[1]
+    routes = rows.routes
+    pad = routes.new_full((routes.shape[0], width - routes.shape[1], *routes.shape[2:]), -1)
+    return torch.cat([routes, pad], dim=1)[:, start : start + size]
 
 
 class _ContextSum(torch.autograd.Function):

@@ -80,14 +80,16 @@ from ..harness.optim import build_optimizer
 from ..harness.resume import PendingSave, export_final, restore, save
 from ..harness.run import open_run
 from ..harness.setup import check_model_inputs, load_run_tokenizer, setup_model
+from ..harness.step import step_seed
 from ..model import check_context, check_positions, config_limits
 from ..planning.check import warn_if_unfit
 from ..tasks import Problem, load_problems, reward
 from .algorithm import group_advantages
 from .batch import RLBatch
 from .collect import collect_groups, completion_text, share
-from .config import MEANINGFUL, RLConfig, tis_mode
+from .config import MEANINGFUL, RLConfig, keeps_reference, tis_mode
 from .guard import CollapseGuard
+from .plan_inputs import plan_inputs
 from .prompts import PromptStream
 from .state import RLState, RolloutData, Run
 from .update import my_micro_batches, plan_batches, score, update
@@ -179,6 +181,7 @@ def _build_engine(cfg: RLConfig, model: nn.Module, tokenizer: Any) -> RolloutEng
         model_precision=cfg.model.precision,  # auto-dtypes and autocast: as the trainer computes
         copy_model=True,
         base_dtype={"bf16": torch.bfloat16, "fp32": None}[r.base_dtype],
+        record_routes=cfg.algo.routing_replay == "rollout",  # the engine records each token's experts
     )
     sampling = SamplingConfig(  # the policy itself: no top-p / top-k
         greedy=False,
@@ -205,8 +208,7 @@ def _setup(
 
     def before_shard(whole: nn.Module) -> None:  # the engine and the reference copy the whole model
         built["engine"] = _build_engine(cfg, whole, tokenizer)
-        keeps_ref = cfg.algo.kl_coef > 0 or cfg.guard.max_kl is not None  # the loss's KL, or the guard's
-        if keeps_ref:  # a whole copy on every rank (no collectives in its forwards)
+        if keeps_reference(cfg):  # the loss's KL, or the guard's: a whole copy on every rank (no collectives)
             built["ref"] = copy.deepcopy(whole).eval().requires_grad_(False)
 
     prompt_ids, val_ids = _encode(tokenizer, problems), _encode(tokenizer, val)
@@ -215,7 +217,8 @@ def _setup(
     if model is None and cfg.model.path:  # against config.json, before any weights are read
         positions = config_limits(cfg.model.path)[1]
         check_positions(positions, longest + cfg.rollout.max_new_tokens, key, cfg.model.beyond_context)
-        warn_if_unfit(cfg, env, longest)  # the planned step against this device: one warning if over
+        # the planned step against this device: one warning if over
+        warn_if_unfit(plan_inputs(cfg), env, longest, cfg.model.path, cfg.run.name)
     layout = context_layout(env, cfg.parallel.context)  # every rank: it makes the context groups
     model = context_parallel(setup_model(cfg, env, model, tokenizer, before_shard), layout)
     check_context(model, longest + cfg.rollout.max_new_tokens, key, cfg.model.beyond_context)
@@ -345,7 +348,8 @@ def _step(run: Run, state: RLState) -> dict[str, Any]:
         plan = plan_batches(list(range(len(batch))), a.updates_per_batch, a.micro_batch_size)
         metrics |= score(run, batch, plan)
         why = _why_skipped(run, metrics)
-        metrics |= update(run, batch, plan) if why is None else idle | {"skipped_updates": len(plan)}
+        seed = step_seed(run.cfg.run.seed, state.step)  # the update's stochastic rounding (nvfp4)
+        metrics |= update(run, batch, plan, seed) if why is None else idle | {"skipped_updates": len(plan)}
         if metrics["skipped_updates"] and why is None:
             why = f"non-finite loss or gradient norm, {metrics['skipped_updates']} update(s) skipped"
         if why is not None:

@@ -17,13 +17,13 @@ import torch
 from torch import nn
 
 from ..harness.distributed import all_reduce_max, all_reduce_sum
-from ..harness.guards import clip_grad_norm
+from ..harness.step import apply_update, loss_scale, rounding_noise
 from ..loss import score_tokens
-from ..model import autocast
+from ..model import autocast, replay_routes
 from .algorithm import mismatch_from_sums, mismatch_sums, policy_loss, tis_weights
 from .batch import RLBatch, Rows
 from .config import tis_mode
-from .context import RowShard, row_shard, shard_response_logprobs
+from .context import RowShard, row_routes, row_shard, shard_response_logprobs
 from .state import Run
 
 __all__ = ["Plan", "my_micro_batches", "plan_batches", "response_logprobs", "score", "update"]
@@ -95,14 +95,19 @@ def score(run: Run, batch: RLBatch, plan: Plan) -> dict[str, float]:
     the mismatch metrics and entropy over all ranks' rows."""
     cfg, env, context = run.cfg, run.env, run.context
     temperature, precision = cfg.rollout.temperature, cfg.model.precision
-    old_all, roll_all, ent_sum = [], [], 0.0
+    old_all, roll_all, ent_sum, routed = [], [], 0.0, None
     for mini in plan:
         for micro in my_micro_batches(mini, context.data_env.rank, context.data_env.world_size):
             rows = batch.rows(micro or mini[0])
             with row_shard(rows, context) as part:
-                logp, ent = response_logprobs(run.model, rows, temperature, precision, True, part)
+                routes = row_routes(rows, part)  # routing replay: the rollout's experts (else None)
+                with replay_routes(run.model, routes) as seen:
+                    logp, ent = response_logprobs(run.model, rows, temperature, precision, True, part)
                 if run.ref is not None and micro is not None:
-                    ref = response_logprobs(run.ref, rows, temperature, precision, shard=part)[0]
+                    with replay_routes(run.ref, routes, count=False):
+                        ref = response_logprobs(run.ref, rows, temperature, precision, shard=part)[0]
+            if routes is not None:  # every rank, the padding forward too: the all-reduce below
+                routed = seen.counts * (micro is not None) + (0 if routed is None else routed)
             if micro is None:  # the padding forward: same collectives, nothing kept
                 continue
             mask = rows.response_mask.to(logp.device)
@@ -128,6 +133,20 @@ def score(run: Run, batch: RLBatch, plan: Plan) -> dict[str, float]:
     out = mismatch_from_sums(sums[:-1], max_abs)
     out["entropy"] = float(sums[-1]) / max(tokens, 1)
     out["response_tokens"] = tokens
+    return out | _routing_metrics(routed, run)
+
+
+def _routing_metrics(counts: torch.Tensor | None, run: Run) -> dict[str, float]:
+    """Routing replay: per MoE layer, the share of the rollout's tokens whose experts the trainer's ``old``
+    forward would have chosen differently before replay (``routing/differ_share/layer{i}``), and over all
+    layers (``routing/differ_share``); {} without replay or for a dense model."""
+    if counts is None:
+        return {}
+    counts = all_reduce_sum(counts.to(run.env.device), run.env).cpu()  # [layers, 2]: compared, differed
+    out = {
+        f"routing/differ_share/layer{i}": int(d) / max(int(n), 1) for i, (n, d) in enumerate(counts.tolist())
+    }
+    out["routing/differ_share"] = int(counts[:, 1].sum()) / max(int(counts[:, 0].sum()), 1)
     return out
 
 
@@ -145,26 +164,36 @@ def _micro_loss(run: Run, rows: Rows, micro: list[int] | None, part: RowShard | 
     return policy_loss(logp, old, adv, mask, a.clip_low, a.clip_high, tis, a.kl_coef, ref)
 
 
-def update(run: Run, batch: RLBatch, plan: Plan) -> dict[str, float]:
+def update(run: Run, batch: RLBatch, plan: Plan, seed: int | None) -> dict[str, float]:
     """One AdamW step per mini-batch of ``plan``; each rank backpropagates its micro-batches of it.
 
     The token-level loss is normalised by the token count of the whole mini-batch (all ranks), and
-    scaled by the world size because FSDP2 averages the gradients over ranks: the gradient is the one
-    process's (context ranks: partial sums of one loss's, ``rl/context.py``). Loss and statistics are
-    summed over ranks, each row counted once (on context rank 0 of its group).
+    scaled by the world size because FSDP2 averages the gradients over ranks (``harness.step.loss_scale``):
+    the gradient is the one process's (context ranks: partial sums of one loss's, ``rl/context.py``).
+    Loss and statistics are summed over ranks, each row counted once (on context rank 0 of its group).
+    ``seed`` (the step's, ``harness.step.step_seed``): micro-batch k of mini-batch j rounds
+    stochastically (``nvfp4``) with draws seeded by (seed, j, k, context rank) wherever it runs
+    (``harness.step.rounding_noise``); the tail (clip, the step when finite, gradients freed) is the
+    harness's ``apply_update``.
     """
     cfg, env, context = run.cfg, run.env, run.context
-    counted = context.context_rank == 0
+    data, counted = context.data_env, context.context_rank == 0
     sums = torch.zeros(4, dtype=torch.float64)  # clip_low, clip_high, kl, tokens
     losses, norms, skipped = [], [], 0
-    for mini in plan:
+    for j, mini in enumerate(plan):
         flat = torch.tensor([i for micro in mini for i in micro])
         n_tokens = int(batch.response_len[flat][batch.keep[flat]].sum())
-        scale = env.world_size / max(n_tokens, 1)
+        scale = loss_scale(env.world_size, n_tokens)
         local = torch.zeros(5, dtype=torch.float64)  # the summed token loss, then the four sums above
-        for micro in my_micro_batches(mini, context.data_env.rank, context.data_env.world_size):
+        for i, micro in enumerate(my_micro_batches(mini, data.rank, data.world_size)):
             rows = batch.rows(micro or mini[0])
-            with row_shard(rows, context) as part:  # the backward too: it may recompute attention
+            at = data.rank + i * data.world_size  # its index in the mini-batch (past the end: padding)
+            noise = rounding_noise(seed, j, at, context.context_rank, device=env.device)
+            with (
+                row_shard(rows, context) as part,  # the backward too: it may recompute attention
+                replay_routes(run.model, row_routes(rows, part), count=False),  # and the routing
+                noise,
+            ):
                 total, st = _micro_loss(run, rows, micro, part)
                 (total * scale).backward()
             stats = [float(total.detach())] + [
@@ -174,17 +203,11 @@ def update(run: Run, batch: RLBatch, plan: Plan) -> dict[str, float]:
                 local += torch.tensor(stats, dtype=torch.float64)
         local = all_reduce_sum(local.to(env.device), env).cpu()
         sums += local[1:]
-        norm = clip_grad_norm(run.model, cfg.optim.grad_clip)
         loss = float(local[0]) / max(n_tokens, 1)
+        done = apply_update(run.model, run.optimizer, loss, cfg.optim.lr, cfg.optim.grad_clip, n_tokens == 0)
         losses.append(loss)
-        norms.append(norm)
-        if math.isfinite(loss) and math.isfinite(norm) and n_tokens > 0:
-            for group in run.optimizer.param_groups:
-                group["lr"] = cfg.optim.lr
-            run.optimizer.step()
-        elif not (math.isfinite(loss) and math.isfinite(norm)):
-            skipped += 1
-        run.optimizer.zero_grad(set_to_none=True)
+        norms.append(done.grad_norm)
+        skipped += not done.finite
     clip_low, clip_high, kl, tokens = sums.tolist()
     tokens = max(tokens, 1.0)
     out = {

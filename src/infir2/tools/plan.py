@@ -11,9 +11,10 @@ recipe side by side, next to InfiR2's published FP8/BF16 peak-memory ratios wher
 * gradients    fp32, sharded: ``4 P / gpus``
 * optimizer    AdamW moments: ``8 P / gpus`` (``--state-dtype fp32``), ``4 P / gpus`` (``bf16``) or
                ``~2.06 P / gpus`` (``fp8``: codes and a scale per 128 elements of a row)
-* gathered     FSDP2 working copies (only with gpus > 1): the root module's parameters (embedding,
-               final norm, lm_head; the root is not resharded after forward) plus two decoder layers
-               (the current one and the prefetched next), and their unsharded gradients
+* gathered     FSDP2 working copies (only with gpus > 1): the root module's parameters (final norm,
+               lm_head, a tied embedding; the root is not resharded after forward) plus two decoder
+               layers (the current one and the prefetched next), and their unsharded gradients; an
+               untied embedding is an FSDP unit of its own, gathered for its forward and its backward
 * weight copies what each layer's GEMMs keep for backward: autocast's bf16 casts (2 B/param) or the
                FP8 copies with their scales (blockwise 1 B/param + an fp32 scale per 128x128 block,
                nvfp4 0.5 B/param + an E4M3 scale per 16x16 block + an fp32 one per tensor), measured
@@ -60,7 +61,7 @@ together, then the old / reference scoring and the update over ``algo.micro_batc
 Besides the training terms above (the update's micro-batch, its logits those of the chunked token
 scorer) it counts:
 
-* reference    the KL reference (``algo.kl_coef > 0``): a whole fp32 copy of the model on every rank
+* reference    the start model (``algo.kl_coef > 0`` or ``guard.max_kl``): a whole fp32 copy on every rank
 * engine       the rollout engine's copy (``rollout.precision: fp8``: the FP8 export's projections, 1 byte
                per weight + a 128x128 block's fp32 scale, the rest fp32; ``bf16``: a whole fp32 copy)
 * kv cache     ``rollout.batch_size`` x (``--prompt-len`` + ``max_new_tokens``) keys and values of every
@@ -74,6 +75,13 @@ The three phases peak apart (rollout: the weights, optimizer state and KV cache;
 the training plan), over the resident weights, the reference and the engine, and the plan says
 plainly when the largest does not fit the ``--gpu`` it names.
 
+**A training config as it is written** (``--train CONFIG``: a shipped name or a YAML file; the model shape
+is the positional model, else ``model.path``'s ``config.json``): ``fp8.recipe``, ``model.precision``,
+checkpointing and the SwiGLU recompute, ``optim.state_dtype`` / ``grad_dtype`` / ``fp8_block``,
+``fp8.weight_cache`` and ``param_gather``, ``parallel.context``, and the tokens of a micro-batch (CPT:
+``data.micro_batch_size`` x ``data.seq_len``; SFT: ``data.max_tokens_per_micro_batch``, else
+``data.max_length``) come from the config; the GPUs from ``--gpus``.
+
 Every term is an estimate of allocated tensor bytes (no allocator fragmentation, no CUDA context, no
 NCCL buffers); ``tests/test_plan.py`` checks the parameter, gradient, optimizer, activation and
 logits terms against bytes measured on tiny models.
@@ -84,6 +92,7 @@ logits terms against bytes measured on tiny models.
     infir2 plan path/to/config.json --gpus 4 --seq-len 32768 --recipe blockwise --state-dtype bf16 \\
         --activation-checkpointing --loss-chunk-tokens auto
     infir2 plan qwen2.5-7b --rl qwen2.5-7b-rl --gpus 8 --gpu h200
+    infir2 plan qwen2.5-7b --train qwen2.5-7b-sft-8k-1gpu --gpus 1
 """
 
 from __future__ import annotations
@@ -114,12 +123,12 @@ from ..planning import (
     plan,
     plan_rl,
     plan_step,
-    rl_context,
     rl_fit,
     unmodelled,
     what_fits,
 )
 from ..planning.optimizer import GRAD_DTYPES, STATE_DTYPES
+from ..train.config import RunConfig
 from .memory import add_run_arguments
 
 # the planner's names, where the tools, tests and benchmarks have imported them (``infir2.planning``)
@@ -153,6 +162,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rl",
         metavar="CONFIG",
         help="plan one RL step of this RL config (a shipped name such as qwen2.5-7b-rl, or a YAML file)",
+    )
+    parser.add_argument(
+        "--train",
+        metavar="CONFIG",
+        help="plan one training step of this train config as it is written (a shipped name such as "
+        "qwen2.5-7b-sft-8k-1gpu, or a YAML file): recipe, precision, checkpointing, moments, gradients, "
+        "weight cache, tokens per micro-batch and context from the config; --gpus from the command line",
     )
     parser.add_argument(
         "--prompt-len", type=int, default=512, help="with --rl: prompt tokens before each response"
@@ -234,9 +250,11 @@ def _chunk_tokens(text: str) -> int:
 def run_rl(args: argparse.Namespace) -> int:
     """``infir2 plan --rl CONFIG``: one RL step of the config, on ``--gpus`` GPUs (or CPU processes)."""
     from ..rl.config import load_rl_config
+    from ..rl.plan_inputs import plan_inputs
     from ..train.config import resolve_config_path
 
     cfg = load_rl_config(resolve_config_path(args.rl))
+    inputs = plan_inputs(cfg)
     if args.gpus <= 0 or args.prompt_len <= 0:
         raise ValueError(f"--gpus and --prompt-len must be > 0, got {args.gpus} and {args.prompt_len}")
     model = args.model
@@ -248,19 +266,19 @@ def run_rl(args: argparse.Namespace) -> int:
                 f"shape: a shipped model ({', '.join(MODELS)}) or a config.json"
             )
         model = str(folder)
-    context = rl_context(cfg)
+    context = inputs.context
     if args.gpus % context:
         raise ValueError(f"--gpus {args.gpus}: not a multiple of the config's parallel.context {context}")
     name, shape = load_shape(model)
-    p = plan_rl(shape, cfg, args.gpus, args.prompt_len, args.device)
+    p = plan_rl(shape, inputs, args.gpus, args.prompt_len, args.device)
     where = f"{args.gpus} GPUs" if args.device == "cuda" else f"{args.gpus} CPU processes, fp32 emulation"
     where += f", context {context}" if context > 1 else ""
     r, a = cfg.rollout, cfg.algo
     print(
         f"{name}, RL step of {args.rl}: {shape.params / 1e9:.2f}B parameters, {where} (FSDP2), recipe "
         f"{cfg.fp8.recipe}, rollout {r.precision} x {r.batch_size} sequences of {args.prompt_len} + "
-        f"{r.max_new_tokens} tokens, micro-batch {a.micro_batch_size}, KL reference "
-        f"{'on' if a.kl_coef > 0 else 'off'}, AC {'on' if cfg.model.activation_checkpointing else 'off'}"
+        f"{r.max_new_tokens} tokens, micro-batch {a.micro_batch_size}, reference copy "
+        f"{'on' if inputs.keeps_reference else 'off'}, AC {'on' if cfg.model.activation_checkpointing else 'off'}"
     )
     print(format_rl_plan(p, args.device))
     if args.device == "cuda":
@@ -309,38 +327,112 @@ def _inputs(args: argparse.Namespace) -> PlanInputs:
     )
 
 
+def train_inputs(cfg: RunConfig, gpus: int, device: str, source: str) -> PlanInputs:
+    """The step a train config describes, on ``gpus`` GPUs: every setting the planner models from the config.
+
+    A CPT micro-batch is ``data.micro_batch_size`` windows of ``data.seq_len`` tokens, ``data.global_batch_size``
+    of them a step; an SFT micro-batch is packed up to ``data.max_tokens_per_micro_batch`` tokens (else one
+    sample of ``data.max_length``), planned as one sequence of that many tokens.
+    """
+    d, o = cfg.data, cfg.optim
+    if d.kind == "cpt":
+        seq_len, micro, global_batch = d.seq_len, d.micro_batch_size, d.global_batch_size
+        per_step = gpus // cfg.parallel.context * micro
+        if global_batch % per_step:
+            raise ValueError(
+                f"{source}: data.global_batch_size {global_batch} is not a multiple of --gpus {gpus} / "
+                f"parallel.context x data.micro_batch_size = {per_step}"
+            )
+    else:
+        seq_len, micro, global_batch = d.max_tokens_per_micro_batch or d.max_length, 1, None
+    check_context(cfg.parallel.context, gpus, seq_len)
+    if o.grad_dtype == "bf16" and gpus > 1:
+        raise ValueError(
+            f"{source}: optim.grad_dtype bf16 is for one GPU; plan it with --gpus 1, got --gpus {gpus}"
+        )
+    return PlanInputs(
+        cfg.fp8.recipe,
+        gpus=gpus,
+        seq_len=seq_len,
+        micro_batch=micro,
+        global_batch=global_batch,
+        activation_checkpointing=cfg.model.activation_checkpointing,
+        state_dtype=o.state_dtype,
+        state_block=o.fp8_block,
+        state_expand=o.fp8_range_expansion,
+        grad_dtype=o.grad_dtype,
+        loss_chunk_tokens=cfg.train.loss_chunk_tokens,
+        recompute_mlp=cfg.model.recompute_mlp,
+        precision="fp32" if device == "cpu" else cfg.model.precision,
+        param_gather=cfg.fp8.param_gather,
+        device=device,
+        context=cfg.parallel.context,
+        weight_cache=cfg.fp8.weight_cache,
+    )
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """``infir2 plan --train CONFIG``: one optimizer step of a train config, on ``--gpus`` GPUs."""
+    from ..train.config import load_config, resolve_config_path
+
+    cfg = load_config(resolve_config_path(args.train))
+    if args.gpus <= 0:
+        raise ValueError(f"--gpus: must be > 0, got {args.gpus}")
+    model = args.model
+    if model is None:
+        folder = Path(cfg.model.path) if cfg.model.path else None
+        if folder is None or not (folder / "config.json").is_file():
+            raise ValueError(
+                f"--train {args.train}: model.path {cfg.model.path!r} has no config.json here; name the model "
+                f"shape: a shipped model ({', '.join(MODELS)}) or a config.json"
+            )
+        model = str(folder)
+    inputs = train_inputs(cfg, args.gpus, args.device, f"--train {args.train}")
+    print(f"train config {args.train}: recipe {cfg.fp8.recipe}, model.precision {inputs.precision}")
+    return _report(args, model, inputs)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.rl:
         return run_rl(args)
+    if args.train:
+        return run_train(args)
     if args.model is None:
         raise ValueError("model: name a shipped model or a config.json (or plan an RL step with --rl CONFIG)")
-    inputs = _inputs(args)
-    name, shape = load_shape(args.model)
+    return _report(args, args.model, _inputs(args))
+
+
+def _report(args: argparse.Namespace, model: str, inputs: PlanInputs) -> int:
+    """Print the plan of ``inputs`` for ``model``: BF16 with the same options beside the FP8 recipe, then
+    BF16 as most runs train, what fits and the fewest GPUs."""
+    name, shape = load_shape(model)
     experts = (
         f" ({shape.active_params / 1e9:.2f}B active: {shape.top_k} of {shape.experts} experts per layer)"
         if shape.experts
         else ""
     )
-    where = f"{args.gpus} GPUs" if args.device == "cuda" else f"{args.gpus} CPU processes, fp32 emulation"
+    i = inputs
+    where = f"{i.gpus} GPUs" if i.device == "cuda" else f"{i.gpus} CPU processes, fp32 emulation"
     print(
-        f"{name}: {shape.params / 1e9:.2f}B parameters{experts}, {where}, {args.seq_len} x {args.micro_batch} "
-        f"tokens per micro-batch{f' over {args.context} context ranks' if args.context > 1 else ''}, "
-        f"AC {'on' if args.activation_checkpointing else 'off'}, AdamW moments "
-        f"{args.state_dtype}, gradients {args.grad_dtype}, loss chunk {inputs.loss_chunk_tokens}"
+        f"{name}: {shape.params / 1e9:.2f}B parameters{experts}, {where}, {i.seq_len} x {i.micro_batch} "
+        f"tokens per micro-batch{f' over {i.context} context ranks' if i.context > 1 else ''}, "
+        f"AC {'on' if i.activation_checkpointing else 'off'}, AdamW moments "
+        f"{i.state_dtype}, gradients {i.grad_dtype}, loss chunk {i.loss_chunk_tokens}"
     )
-    base, fp8 = plan_step(shape, replace(inputs, recipe="bf16")), plan_step(shape, inputs)
-    print(format_plan(name, base, fp8, args.recipe, args.seq_len, args.device))
+    recipe = i.recipe
+    base, fp8 = plan_step(shape, replace(i, recipe="bf16")), plan_step(shape, i)
+    print(format_plan(name, base, fp8, recipe, i.seq_len, i.device))
     usual = plan_step(
-        shape, replace(inputs, recipe="bf16", state_dtype="fp32", grad_dtype="fp32", state_expand=False)
+        shape, replace(i, recipe="bf16", state_dtype="fp32", grad_dtype="fp32", state_expand=False)
     )
     if usual.peak != base.peak:
         print(
             f"against BF16 with fp32 moments and gradients (what most runs use): peak {usual.peak / 2**30:.2f} "
-            f"GiB; this {args.recipe} plan {fp8.peak / usual.peak:.3f}x"
+            f"GiB; this {recipe} plan {fp8.peak / usual.peak:.3f}x"
         )
-    if args.device == "cuda":
-        print(fit_advice(shape, inputs, fp8.peak, args.gpu))
-        print(what_fits(shape, inputs, args.gpu))
+    if i.device == "cuda":
+        print(fit_advice(shape, i, fp8.peak, args.gpu))
+        print(what_fits(shape, i, args.gpu))
     if shape.experts:
         print(MOE_NOTE)
     return 0

@@ -40,7 +40,6 @@ import math
 import random
 import time
 from collections.abc import Iterable
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,16 +50,16 @@ from torch import nn
 from ..data import first_difference, load_tokenizer
 from ..data.base import MicroBatch, StepSource, count_loss_tokens
 from ..data.context import ContextShards, shard_steps
-from ..fp8 import nvfp4
 from ..harness.config import config_to_dict
 from ..harness.config_changes import reconcile_saved_config
 from ..harness.distributed import ContextLayout, DistEnv, all_reduce_sum, context_layout
-from ..harness.guards import NonFiniteError, SpikeRule, StepGuard, clip_grad_norm
+from ..harness.guards import NonFiniteError, SpikeRule, StepGuard
 from ..harness.metrics import MetricsLogger, peak_memory_gib
 from ..harness.optim import Schedule, build_optimizer, make_schedule
 from ..harness.resume import LoadRequest, PendingSave, SavePolicy, export_final, restore, save
 from ..harness.run import open_run
 from ..harness.setup import load_run_tokenizer, setup_model
+from ..harness.step import apply_update, loss_scale, rounding_noise, step_seed
 from ..loss import heldout_loss, shard_context, token_ce_sum
 from ..model import check_context
 from ..nn import cache_fp8_weights, fp8_modules
@@ -149,40 +148,36 @@ def train_step(
     """Forward/backward over this rank's micro-batches, clip, and one AdamW step -- skipped when the loss
     or the gradient norm is not finite, or the loss is above ``max_loss`` (a spike, ``out["spike"]``).
 
-    ``noise_seed`` (the step's): each micro-batch's stochastic rounding (``nvfp4``) draws from a generator
-    seeded by it and the micro-batch's index in the global batch (``infir2.fp8.nvfp4``), so the draws
-    do not depend on how the micro-batches are spread over processes; None: torch's generator.
+    ``noise_seed`` (the step's, ``harness.step.step_seed``): each micro-batch's stochastic rounding
+    (``nvfp4``) draws from a generator seeded by it and the micro-batch's index in the global batch
+    (``harness.step.rounding_noise``), so the draws do not depend on how the micro-batches are spread
+    over processes; None: torch's generator. The loss scale and the tail (clip, the AdamW step when
+    finite and no spike, gradients freed) are the harness's (``harness.step``).
     ``weight_cache``: how long the FP8 weight copies live (``fp8.weight_cache``, ``cache_fp8_weights``)."""
     counts = torch.tensor(
         [count_loss_tokens(micro_batches), sum(map(_num_tokens, micro_batches))], dtype=torch.float64
     )
     n_loss_tokens, n_tokens = all_reduce_sum(counts.to(env.device), env).tolist()
-    scale = env.world_size / max(n_loss_tokens, 1.0)
+    scale = loss_scale(env.world_size, n_loss_tokens)
     ce_total = torch.zeros((), dtype=torch.float64, device=env.device)
     with cache_fp8_weights(model, weight_cache):
         for i, mb in enumerate(micro_batches):
             index = env.rank * len(micro_batches) + i  # the micro-batch's place in the global batch
-            with shard_context(mb), _rounding_noise(noise_seed, index, env.device):
+            with shard_context(mb), rounding_noise(noise_seed, index, device=env.device):
                 # shard_context: a context shard's backward gathers keys and values too
                 ce_sum = token_ce_sum(model, mb, precision, env.device, loss_chunk_tokens)
                 (ce_sum * scale).backward()
             ce_total += ce_sum.detach().double()
     loss = float(all_reduce_sum(ce_total, env)) / max(n_loss_tokens, 1.0)
-    grad_norm = clip_grad_norm(model, grad_clip)
-    finite = math.isfinite(loss) and math.isfinite(grad_norm)
-    spike = finite and loss > max_loss
-    if finite and not spike:
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    done = apply_update(model, optimizer, loss, lr, grad_clip, hold=loss > max_loss)
+    grad_norm, spike = done.grad_norm, done.finite and loss > max_loss
     return {
         "loss": loss,
         "lr": lr,
         "grad_norm": grad_norm,
         "loss_tokens": int(n_loss_tokens),
         "tokens": int(n_tokens),
-        "skipped": not finite or spike,
+        "skipped": not done.stepped,
         "spike": spike,
     }
 
@@ -369,13 +364,6 @@ def _run(run: _Run, progress: bool) -> TrainResult:
     return result
 
 
-def _rounding_noise(seed: int | None, index: int, device: torch.device) -> AbstractContextManager[Any]:
-    """The stochastic-rounding generator of one micro-batch (``train_step``), or nothing without a seed."""
-    if seed is None:
-        return nullcontext()
-    return nvfp4.noise_generator(torch.Generator(device).manual_seed(nvfp4.noise_seed(seed, index)))
-
-
 def _step(run: _Run, state: TrainState, micro_batches: list[MicroBatch], spikes: SpikeRule) -> dict[str, Any]:
     """One optimizer step (``train_step``) with the spike rule's limit, and its metrics."""
     cfg, t0 = run.cfg, time.perf_counter()
@@ -391,7 +379,7 @@ def _step(run: _Run, state: TrainState, micro_batches: list[MicroBatch], spikes:
             run.env,
             cfg.train.loss_chunk_tokens,
             limit,
-            nvfp4.noise_seed(cfg.run.seed, state.step),
+            step_seed(cfg.run.seed, state.step),
             cfg.fp8.weight_cache,
         )
     if out["spike"]:
