@@ -38,6 +38,8 @@ import subprocess
 import sys
 import time
 
+from infir2.tools.machine import cpu_description
+
 GIB = 2**30
 SHAPE = {
     "hidden_size": 896,
@@ -113,13 +115,6 @@ def planned(variant: str, layers: int, seq_len: int) -> float:
     return plan(shape, recipe, gpus=1, seq_len=seq_len, device="cpu", **optim).peak
 
 
-def _cpu() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = next((line.split(":", 1)[1].strip() for line in out.splitlines() if "Model name" in line), "?")
-    flags = next((line for line in out.splitlines() if line.startswith("Flags")), "").split()
-    return f"{model} ({', '.join(f for f in ('avx2', 'avx512f', 'amx_bf16') if f in flags) or 'no avx2'})"
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=2)
@@ -133,7 +128,7 @@ def main() -> None:
         print(json.dumps(child(args.child, args.layers, args.seq_len, args.steps)))
         return
     print(
-        f"CPU: {_cpu()}; 1 thread; hidden 896, intermediate 4864, 14/2 heads, vocab 151936 (tied), "
+        f"CPU: {cpu_description()}; 1 thread; hidden 896, intermediate 4864, 14/2 heads, vocab 151936 (tied), "
         f"{args.layers} layers, seq {args.seq_len}, {args.steps} steps, "
         f"MALLOC_MMAP_THRESHOLD_ {args.mmap_threshold or 'glibc default'}"
     )

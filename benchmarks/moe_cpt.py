@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from infir2.cli import main as cli
-from infir2.tools.demo.results import machine_description
+from infir2.tools.machine import machine_description
 from infir2.tools.paired import paired_gaps, paired_verdict
 from infir2.train import train
 from infir2.train.config import load_config

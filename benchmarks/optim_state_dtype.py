@@ -20,7 +20,6 @@ and the verdicts.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 
 import torch
 
+from infir2.tools.machine import cpu_description
 from infir2.tools.paired import gap_pct, paired_verdict
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -40,14 +40,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fp8_bf16_grads": {"state_dtype": "fp8", "grad_dtype": "bf16"},
 }
 MARGIN = 1.0  # % of the loss
-
-
-def cpu() -> str:
-    """The CPU's model and the flags that change its arithmetic."""
-    text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if "Model name" in line), "?")
-    flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in text.split()]
-    return f"{model} ({', '.join(flags) or 'no avx2'})"
 
 
 def text_leg(variant: str, seed: int, out: Path, steps: int | None = None) -> float:
@@ -82,7 +74,7 @@ def main() -> None:
         p.error(f"--seeds names a seed twice: {args.seeds}")
     if variants[0] != "fp32" or any(v not in VARIANTS for v in variants):
         p.error(f"--variants: fp32 first, then any of {', '.join(VARIANTS)}")
-    print(f"CPU: {cpu()}; torch {torch.__version__}")
+    print(f"CPU: {cpu_description()}; torch {torch.__version__}")
     loss: dict[tuple[str, int], float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in seeds:

@@ -78,11 +78,9 @@ def main() -> None:
         return
     from infir2.planning import ModelShape, PlanInputs
     from infir2.planning.optimizer import optimizer_step_bytes
+    from infir2.tools.machine import cpu_description
 
-    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = next((x.split(":", 1)[1].strip() for x in cpu.splitlines() if "Model name" in x), "?")
-    flags = [f for f in ("avx2", "avx512f", "amx_bf16") if f in cpu.split()]
-    print(f"CPU: {model} ({', '.join(flags)}); one parameter of {SHAPE[0]} x {SHAPE[1]}, 1 thread")
+    print(f"CPU: {cpu_description()}; one parameter of {SHAPE[0]} x {SHAPE[1]}, 1 thread")
     shape = ModelShape(
         hidden=SHAPE[1], intermediate=SHAPE[1], layers=0, heads=1, kv_heads=1, vocab=SHAPE[0], tied=True
     )

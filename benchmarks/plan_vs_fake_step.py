@@ -15,9 +15,10 @@ backward, of the optimizer step, and of the step. Nothing is allocated: it runs 
 from __future__ import annotations
 
 import argparse
-import subprocess
 import time
 from typing import Any
+
+from infir2.tools.machine import cpu_description
 
 #: variant -> ``StepSettings`` fields (activation checkpointing on unless said)
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -31,13 +32,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fp8-2-micro": {"micro_batches": 2},
 }
 DEFAULT = "bf16,fp8,fp8-stack,fp8-no-ckpt,bf16-no-ckpt"
-
-
-def _cpu() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = next((line.split(":", 1)[1].strip() for line in out.splitlines() if "Model name" in line), "?")
-    flags = next((line for line in out.splitlines() if line.startswith("Flags")), "").split()
-    return f"{model} ({', '.join(f for f in ('avx2', 'avx512f', 'amx_bf16') if f in flags) or 'no avx2'})"
 
 
 def main() -> None:
@@ -55,7 +49,9 @@ def main() -> None:
     from infir2.planning import ModelShape
     from infir2.tools.fake_step import StepSettings, compare, fake_step, model_fields
 
-    print(f"CPU: {_cpu()}; torch {torch.__version__}; a CPU step (fp32), planned with device='cpu'")
+    print(
+        f"CPU: {cpu_description()}; torch {torch.__version__}; a CPU step (fp32), planned with device='cpu'"
+    )
     print(f"{'model':13} {'variant':15} {'term':14} {'plan GiB':>9} {'tracked GiB':>12} {'plan/tracked':>13}")
     for model in args.models.split(","):
         fields = model_fields(model)

@@ -31,9 +31,7 @@ import json
 import math
 import multiprocessing
 import os
-import platform
 import statistics
-import subprocess
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
@@ -41,8 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from infir2.tools.bench.fidelity import FidelitySettings, _run_config, prepare
-from infir2.tools.demo.results import FULL, cpu_description
+from infir2.tools.demo.results import FULL
 from infir2.tools.demo.text import text_settings
+from infir2.tools.machine import cpu_description
 from infir2.tools.paired import paired_verdict, t_quantile
 
 RECIPES = ("bf16", "blockwise")
@@ -217,18 +216,6 @@ def table_by_step(out: Path, names: list[str], seeds: list[int]) -> str:
     return "\n".join(lines)
 
 
-def _cpu_line() -> str:
-    try:
-        model = next(
-            line.split(":", 1)[1].strip()
-            for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-            if line.startswith("Model name")
-        )
-    except (OSError, StopIteration):
-        model = platform.processor()
-    return f"lscpu: {model}; {cpu_description()}; {os.cpu_count()} CPUs"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -244,7 +231,7 @@ def main() -> int:
     if unknown:
         raise SystemExit(f"--candidates: unknown {unknown}; expected some of {', '.join(CANDIDATES)}")
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    print(_cpu_line())
+    print(f"CPU: {cpu_description()}; {os.cpu_count()} CPUs")
     if not args.table_only:
         args.out.mkdir(parents=True, exist_ok=True)
         s, _ = _settings(names[0])

@@ -26,9 +26,9 @@ from pathlib import Path
 
 from infir2.tools.bench.fidelity_report import table
 from infir2.tools.demo.pipeline import FULL
-from infir2.tools.demo.results import machine_description
 from infir2.tools.demo.text import plan_text, text_result, text_worker
 from infir2.tools.demo.workers import die_with_parent
+from infir2.tools.machine import machine_description
 from infir2.tools.paired import paired_gaps, paired_verdict
 from infir2.tools.recipe_spec import recipe_specs
 

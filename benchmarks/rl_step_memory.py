@@ -40,13 +40,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from infir2.tools.machine import cpu_description
 
 GIB = 2**30
 FP32_BYTES = 4
@@ -149,19 +150,6 @@ def write_prompts(path: Path) -> None:
     path.write_text(json.dumps({"problem": "Compute 7 + 5.", "answer": "12"}) + "\n")
 
 
-def cpu_line() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor() or "unknown CPU"
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    flags = fields.get("Flags", "").split()
-    isa = (
-        " ".join(f for f in ("avx2", "avx512f", "amx_bf16") if f in flags) or "none of avx2/avx512f/amx_bf16"
-    )
-    return f"{fields.get('Model name', '?').strip()} ({isa})"
-
-
 def run_child(spec: list, nproc: int = 1) -> subprocess.CompletedProcess:
     launch = [sys.executable]
     if nproc > 1:
@@ -174,7 +162,9 @@ def context_cases(args: argparse.Namespace) -> None:
     import torch
 
     n = args.context
-    print(f"# {cpu_line()}; torch {torch.__version__}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
+    print(
+        f"# {cpu_description()}; torch {torch.__version__}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"
+    )
     print(
         f"# {args.layers}-layer Qwen2, hidden {args.hidden}, {args.batch} responses, FP8 rollouts, KL reference on"
     )
@@ -235,7 +225,9 @@ def main() -> None:
         return
     import torch
 
-    print(f"# {cpu_line()}; torch {torch.__version__}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
+    print(
+        f"# {cpu_description()}; torch {torch.__version__}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"
+    )
     print(f"# 1-layer Qwen2, hidden {args.hidden}, {args.batch} responses, FP8 rollouts, KL reference on")
     head = f"{'vocab':>7} {'max_new':>7} {'scored':>7} {'mode':>9} {'peak RSS':>9} {'rise':>8}"
     print(f"{head} {'[B,R,V] fp32':>12} {'us/token':>9} {'step s':>7}")

@@ -26,8 +26,10 @@ from pathlib import Path
 
 from demo_seeds import parse_sets  # benchmarks/demo_seeds.py
 
-from infir2.tools.demo.results import FULL, DemoSettings, machine_description
-from infir2.tools.demo.rl import STUDY, RLStudy, _problems, accuracy_name, run_rl_study, start_model
+from infir2.tools.demo.results import FULL, DemoSettings
+from infir2.tools.demo.rl import STUDY, RLStudy, _problems, run_rl_study, start_model
+from infir2.tools.demo.rl_results import accuracy_name
+from infir2.tools.machine import machine_description
 
 
 def start_headroom(out: Path, study: RLStudy, s: DemoSettings, sharpen: tuple[float, ...] = ()) -> None:

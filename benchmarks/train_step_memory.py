@@ -29,6 +29,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from infir2.tools.machine import cpu_description
+
 GB = 1e9  # /usr/bin/time's %M is in KiB (ru_maxrss); printed as it is and in GB (1e9 bytes)
 BUDGET_GB = 2.0  # the step's peak this project set itself at this shape (BENCHMARKS.md)
 
@@ -87,14 +89,6 @@ def _hwm_kb() -> int:
         return int(next(x for x in f if x.startswith("VmHWM:")).split()[1])
 
 
-def _cpu() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = next((line.split(":", 1)[1].strip() for line in out.splitlines() if "Model name" in line), "?")
-    flags = next((line for line in out.splitlines() if line.startswith("Flags")), "").split()
-    shown = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{model}, {os.cpu_count()} cores ({', '.join(shown) or 'no avx2'})"
-
-
 def _commit(src: Path) -> str:
     run = subprocess.run(
         ["git", "-C", str(src), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
@@ -129,7 +123,9 @@ def main() -> None:
         return
     import torch
 
-    print(f"CPU: {_cpu()}; torch {torch.__version__}; Python {platform.python_version()}; one thread")
+    print(
+        f"CPU: {cpu_description()}, {os.cpu_count()} cores; torch {torch.__version__}; Python {platform.python_version()}; one thread"
+    )
     print(f"1-layer Qwen2, hidden {args.hidden}, vocab 151936 (tied), {args.tokens} tokens, blockwise, fp32")
     print(
         f"{'tree':<20}{'commit':>16}{'%M KiB':>10}{'peak GB':>9}{'ratio':>7}{'2.0 GB':>7}"

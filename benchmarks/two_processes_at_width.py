@@ -14,23 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
+from infir2.tools.machine import cpu_description
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
-
-
-def cpu() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "?")
-    flags = next((ln for ln in out.splitlines() if ln.startswith("Flags")), "")
-    have = [f for f in ("avx2", "avx512f", "amx_bf16") if f" {f}" in flags]
-    return f"{model} ({', '.join(have) or 'no avx2'})"
 
 
 def main() -> int:
@@ -48,7 +41,7 @@ def main() -> int:
     torch.set_num_threads(1)
     recipes = args.recipes.split(",")
     print(
-        f"CPU: {cpu()}; torch {torch.__version__}; width {args.width}, {args.layers} layers, {args.steps} steps"
+        f"CPU: {cpu_description()}; torch {torch.__version__}; width {args.width}, {args.layers} layers, {args.steps} steps"
     )
     with tempfile.TemporaryDirectory() as tmp:
         shape = ["--width", str(args.width), "--layers", str(args.layers), "--steps", str(args.steps)]

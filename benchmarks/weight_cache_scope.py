@@ -17,7 +17,6 @@ measured: no GPU was lent to the session that wrote it).
 from __future__ import annotations
 
 import argparse
-import subprocess
 import time
 from typing import Any
 
@@ -25,16 +24,10 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from infir2.nn import Fp8Linear, cache_fp8_weights, convert_to_fp8, recompute_swiglu
+from infir2.tools.machine import cpu_description
 from infir2.tools.memory import build_layer
 
 SHAPE = {"hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14, "num_key_value_heads": 2}
-
-
-def _cpu() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = next((line.split(":", 1)[1].strip() for line in out.splitlines() if "Model name" in line), "?")
-    flags = next((line for line in out.splitlines() if line.startswith("Flags")), "").split()
-    return f"{model} ({', '.join(f for f in ('avx2', 'avx512f', 'amx_bf16') if f in flags) or 'no avx2'})"
 
 
 def step(layer: Any, rotary: Any, tokens: int, micro: int, scope: str) -> float:
@@ -71,17 +64,29 @@ def gpu_estimate(tokens: int, tflops: float, tbps: float) -> float:
     return (12 / (tbps * 1e12)) / (8 * tokens / (tflops * 1e12))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def layer_arguments(doc: str | None) -> argparse.Namespace:
+    """The flags of the one-layer timings (this script and ``weight_decode_cost.py``)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--micro", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
-    args = p.parse_args()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
+    return p.parse_args()
+
+
+def fp8_layer() -> tuple[Any, Any]:
+    """One Qwen2 decoder layer at the 0.5B width (``SHAPE``) with the SwiGLU recompute, its linears FP8
+    blockwise, and its rotary embedding."""
     layer, rotary = build_layer("", **SHAPE)
     recompute_swiglu(layer)
     convert_to_fp8(layer, "blockwise", module_filter_fn=lambda m, _fqn: isinstance(m, torch.nn.Linear))
+    return layer, rotary
+
+
+def main() -> None:
+    args = layer_arguments(__doc__)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    layer, rotary = fp8_layer()
     layer.train()
     best = {"step": float("inf"), "layer": float("inf")}
     quantize = float("inf")
@@ -90,7 +95,7 @@ def main() -> None:
             best[scope] = min(best[scope], step(layer, rotary, args.tokens, args.micro, scope))
         quantize = min(quantize, quantize_all(layer))
     extra = 2 * args.micro - 1  # layer: forward + recompute per micro-batch; step: once
-    print(f"CPU: {_cpu()}, 1 thread")
+    print(f"CPU: {cpu_description()}, 1 thread")
     print(
         f"one layer at the 0.5B width, checkpointed, {args.micro} x {args.tokens} tokens, best of {args.repeats}"
     )

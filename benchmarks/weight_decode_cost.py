@@ -10,17 +10,15 @@ inside one ``cache_fp8_weights`` block (the weights quantized once, as a trainin
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
+from weight_cache_scope import SHAPE, fp8_layer, layer_arguments  # the same layer and flags
 
 from infir2.kernels import fast_emulated
 from infir2.kernels.registry import BACKENDS
-from infir2.nn import cache_fp8_weights, convert_to_fp8, recompute_swiglu
-from infir2.tools.memory import build_layer
+from infir2.nn import cache_fp8_weights
 
-SHAPE = {"hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14, "num_key_value_heads": 2}
 QUANTIZERS = {"codes": fast_emulated.quantize, "kept fp32 copy": fast_emulated.quantize_kept_operand}
 
 
@@ -37,15 +35,9 @@ def step(layer, rotary, tokens: int, micro: int) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=1024)
-    p.add_argument("--micro", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=5)
-    args = p.parse_args()
+    args = layer_arguments(__doc__)
     torch.set_num_threads(1)
-    layer, rotary = build_layer("", **SHAPE)
-    recompute_swiglu(layer)
-    convert_to_fp8(layer, "blockwise", module_filter_fn=lambda m, _fqn: isinstance(m, torch.nn.Linear))
+    layer, rotary = fp8_layer()
     best = dict.fromkeys(QUANTIZERS, float("inf"))
     for _ in range(args.repeats):
         for name, quantize in QUANTIZERS.items():

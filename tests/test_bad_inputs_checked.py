@@ -16,7 +16,7 @@ from conftest import make_tiny_model, make_tokenizer
 from infir2.cli import main
 from infir2.data import load_tokenizer
 from infir2.rl import parse_rl_config
-from train_synthetic import one_thread, prepared_cpt, tiny_llama
+from train_synthetic import one_thread, prepared_cpt, tiny_llama, tiny_rl_sections
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -64,17 +64,7 @@ def test_eval_refuses_a_count_below_one_and_writes_nothing(model_dir, tmp_path, 
 
 
 def _rl_yaml(tmp_path, model_dir, **sections) -> str:
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text(
-        "".join(json.dumps({"problem": f"{i} + 1", "answer": str(i + 1)}) + "\n" for i in range(4))
-    )
-    data = {
-        "run": {"name": "rl", "out_dir": str(tmp_path / "runs"), "device": "cpu"},
-        "model": {"path": str(model_dir), "precision": "fp32"},
-        "data": {"prompts_path": str(prompts)},
-        "rollout": {"prompts_per_step": 2, "group_size": 2, "oversample_prompts": 2, "max_new_tokens": 4},
-        "train": {"max_steps": 1},
-    }
+    data = tiny_rl_sections(tmp_path, model_dir)
     for section, values in sections.items():
         data[section] = {**data.get(section, {}), **values}
     path = tmp_path / "rl.yaml"

@@ -19,7 +19,7 @@ from infir2.data.tokens import load_tokens
 from infir2.eval.perplexity import evaluate_loss
 from infir2.tasks import load_problems
 from infir2.train.config import parse_config
-from train_synthetic import one_thread, prepared_cpt, tiny_llama
+from train_synthetic import one_thread, prepared_cpt, tiny_cpt_sections
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
 
@@ -34,15 +34,7 @@ def _one_line(capsys, argv: list[str], *needles: str) -> str:
 
 @pytest.fixture
 def cpt(tmp_path):
-    tok, data = prepared_cpt(tmp_path, documents=200)
-    cfg = {
-        "run": {"name": "r", "out_dir": str(tmp_path / "runs"), "device": "cpu"},
-        "model": {"from_config": tiny_llama(layers=1, max_positions=64), "tokenizer": str(tok)},
-        "fp8": {"recipe": "bf16"},
-        "data": {"train_path": str(data), "seq_len": 16, "global_batch_size": 2},
-        "train": {"max_steps": 1},
-    }
-    return tmp_path, cfg
+    return tmp_path, tiny_cpt_sections(tmp_path)
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ from infir2.cli import main
 from infir2.harness.typed_yaml import apply_overrides
 from infir2.rl import parse_rl_config
 from infir2.tools.recipe_spec import check_tail
-from train_synthetic import one_thread, prepared_cpt, tiny_llama
+from train_synthetic import one_thread, tiny_cpt_sections, tiny_rl_sections
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
 
@@ -62,25 +62,7 @@ def configs(tmp_path):
     model = tmp_path / "model"
     make_tiny_model(hidden=64, layers=1, seed=1).save_pretrained(model)
     make_tokenizer().save_pretrained(model)
-    tok, cpt = prepared_cpt(tmp_path, documents=200)
-    problems = tmp_path / "problems.jsonl"
-    problems.write_text(
-        "".join(json.dumps({"problem": f"{i}+1", "answer": str(i + 1)}) + "\n" for i in range(4))
-    )
-    train = {
-        "run": {"name": "t", "out_dir": str(tmp_path / "runs"), "device": "cpu"},
-        "model": {"from_config": tiny_llama(layers=1, max_positions=64), "tokenizer": str(tok)},
-        "fp8": {"recipe": "bf16"},
-        "data": {"train_path": str(cpt), "seq_len": 16, "global_batch_size": 2},
-        "train": {"max_steps": 1},
-    }
-    rl = {
-        "run": {"name": "rl", "out_dir": str(tmp_path / "runs"), "device": "cpu"},
-        "model": {"path": str(model), "precision": "fp32"},
-        "data": {"prompts_path": str(problems)},
-        "rollout": {"prompts_per_step": 2, "group_size": 2, "oversample_prompts": 2, "max_new_tokens": 4},
-        "train": {"max_steps": 1},
-    }
+    train, rl = tiny_cpt_sections(tmp_path), tiny_rl_sections(tmp_path, model)
     (tmp_path / "train.yaml").write_text(yaml.safe_dump(train))
     (tmp_path / "rl.yaml").write_text(yaml.safe_dump(rl))
     return tmp_path, train, rl

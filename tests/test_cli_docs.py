@@ -164,6 +164,7 @@ def test_recipe_citations_name_sections_that_exist():
     files = [
         *DOCS,
         ROOT / "BENCHMARKS.md",
+        *sorted((ROOT / "docs" / "benchmarks").glob("*.md")),
         *(ROOT / "src").rglob("*.py"),
         *(ROOT / "src").rglob("*.yaml"),
         *(ROOT / "tests").glob("*.py"),

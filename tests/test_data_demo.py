@@ -187,3 +187,17 @@ def test_every_number_of_the_task_is_one_token(demo):
     assert tok.convert_ids_to_tokens(tok("= 18.")["input_ids"])[-2] == "18"
     text = load_conversations(demo["sft_train"])[0][2]["content"]
     assert tok.decode(tok(text)["input_ids"]) == text  # decodes back exactly
+
+
+def test_demo_settings_give_make_demo_data_every_argument():
+    """``DemoSettings.data_arguments`` names each of ``make_demo_data``'s settings (none left at its
+    default by the demo) and nothing else: the one list of which settings are the data's."""
+    import inspect
+
+    from infir2.tools.demo.results import FULL, QUICK
+
+    wanted = set(inspect.signature(make_demo_data).parameters) - {"out_dir"}
+    for s in (FULL, QUICK):
+        args = s.data_arguments()
+        assert set(args) == wanted
+        assert args["seed"] == s.data_seed and args["n_cpt_tables"] == s.n_cpt_tables

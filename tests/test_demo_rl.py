@@ -12,7 +12,8 @@ from conftest import make_tiny_model
 from infir2.cli import main
 from infir2.tools.demo.data import harder
 from infir2.tools.demo.pipeline import QUICK, prepare_data
-from infir2.tools.demo.rl import QUICK_STUDY, _every_run, _problems, start_model, weight_views
+from infir2.tools.demo.rl import QUICK_STUDY, _every_run, _problems, start_model
+from infir2.tools.demo.rl_results import weight_views
 from infir2.tools.paired import paired_verdict
 
 

@@ -101,7 +101,7 @@ def test_where_the_offsets_path_runs(recipe, dtype, backend, takes):
 
 @pytest.mark.parametrize("path", ["loop", "offsets"])
 def test_autocast_changes_no_bit_of_the_grouped_linear(path):
-    """The GEMMs are fp32 sums of dequantized operands with autocast on too (``nn.module.no_autocast``):
+    """The GEMMs are fp32 sums of dequantized operands with autocast on too (``fp8.accumulate.no_autocast``):
     under bf16 autocast a CPU fp32 matmul runs as a bf16 GEMM, whose result is rounded to bf16 (an fp32
     input shows it on every CPU) and on AVX2 summed in another order (a bf16 input shows it there: the
     whole-model test below failed on AVX2 before the loop turned autocast off, 2026-12-07)."""

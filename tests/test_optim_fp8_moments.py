@@ -20,7 +20,7 @@ from infir2.fp8.moments import MAX_EXPONENT, dequantize_moment, quantize_moment
 from infir2.harness.optim import Fp8AdamW, build_optimizer
 from infir2.train import train
 from infir2.train.config import parse_config
-from train_synthetic import SyntheticSource, killed_and_resumed, one_thread, tiny_run_config
+from train_synthetic import SyntheticSource, killed_and_resumed, one_thread, regression_steps, tiny_run_config
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
 
@@ -102,15 +102,6 @@ def _model(seed: int = 0, bias: bool = True) -> nn.Module:
     return nn.Sequential(nn.Linear(256, 64, bias=bias), nn.ReLU(), nn.Linear(64, 4, bias=bias))
 
 
-def _run(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
-    for step in steps:
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(8, 256, generator=g), torch.randn(8, 4, generator=g)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-
-
 @pytest.mark.parametrize("expand", [False, True])
 def test_bytes_per_parameter_counted_from_the_tensors(expand: bool) -> None:
     """fp32 master + fp32 grad (8 bytes) + two moments of 1 byte and one fp32 scale per 128 elements of a
@@ -120,7 +111,7 @@ def test_bytes_per_parameter_counted_from_the_tensors(expand: bool) -> None:
     opt = build_optimizer(model, cfg.optim)
     assert isinstance(opt, Fp8AdamW)
     predicted = opt.state_bytes(model.weight)
-    _run(nn.Sequential(model, nn.Linear(64, 4)), opt, range(1))
+    regression_steps(nn.Sequential(model, nn.Linear(64, 4)), opt, range(1))
     state = opt.state[model.weight]
     moments = sum(t.numel() * t.element_size() for k, t in state.items() if k != "step")
     assert (8 * model.weight.numel() + moments) / model.weight.numel() == 10.0625 + (0.0625 if expand else 0)
@@ -130,7 +121,7 @@ def test_bytes_per_parameter_counted_from_the_tensors(expand: bool) -> None:
 def test_one_dimensional_parameters_keep_fp32_moments() -> None:
     model = _model()
     opt = Fp8AdamW(model.parameters(), **HYPER)
-    _run(model, opt, range(1))
+    regression_steps(model, opt, range(1))
     assert opt.state[model[0].weight]["exp_avg"].dtype == torch.uint8
     assert opt.state[model[0].bias]["exp_avg"].dtype == torch.float32
 
@@ -140,8 +131,8 @@ def test_fp8_moments_track_fp32_moments(second: str) -> None:
     """20 steps of a small regression: the weights' distance from torch's AdamW is a few percent of how
     far they moved (bound 15%; bf16 moments: under 2%, COAT's expansion halves the FP8 figure), and not zero."""
     a, b = _model(), _model()
-    _run(a, torch.optim.AdamW(a.parameters(), **HYPER), range(20))
-    _run(b, Fp8AdamW(b.parameters(), **HYPER, second_moment=second), range(20))
+    regression_steps(a, torch.optim.AdamW(a.parameters(), **HYPER), range(20))
+    regression_steps(b, Fp8AdamW(b.parameters(), **HYPER, second_moment=second), range(20))
     for p0, pa, pb in zip(_model().parameters(), a.parameters(), b.parameters(), strict=True):
         moved = (pa - p0).norm()
         assert 0 < (pa - pb).norm() < 0.15 * moved
@@ -152,17 +143,17 @@ def test_state_dict_round_trip_resumes_exactly(expand: bool) -> None:
     """3 steps, save, load into a fresh model + optimizer, 3 more == 6 in one go, bit for bit; the codes
     load as uint8 (torch's loader alone would cast them to fp32)."""
     ref = _model()
-    _run(ref, Fp8AdamW(ref.parameters(), **HYPER, expand=expand), range(6))
+    regression_steps(ref, Fp8AdamW(ref.parameters(), **HYPER, expand=expand), range(6))
     first = _model()
     opt = Fp8AdamW(first.parameters(), **HYPER, expand=expand)
-    _run(first, opt, range(3))
+    regression_steps(first, opt, range(3))
     saved_model, saved_opt = copy.deepcopy(first.state_dict()), copy.deepcopy(opt.state_dict())
     resumed = _model(seed=1)
     resumed.load_state_dict(saved_model)
     opt2 = Fp8AdamW(resumed.parameters(), **HYPER, expand=expand)
     opt2.load_state_dict(saved_opt)
     assert opt2.state[resumed[0].weight]["exp_avg"].dtype == torch.uint8
-    _run(resumed, opt2, range(3, 6))
+    regression_steps(resumed, opt2, range(3, 6))
     for pa, pb in zip(ref.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(pa, pb)
 
@@ -171,7 +162,7 @@ def test_fp32_moments_load_as_fp8_codes() -> None:
     """A run that switches optim.state_dtype from fp32 to fp8: the loaded moments are stored as codes."""
     model = _model()
     adamw = torch.optim.AdamW(model.parameters(), **HYPER)
-    _run(model, adamw, range(2))
+    regression_steps(model, adamw, range(2))
     opt = Fp8AdamW(model.parameters(), **HYPER)
     opt.load_state_dict(adamw.state_dict())
     state, fp32 = opt.state[model[0].weight], adamw.state[model[0].weight]
@@ -237,7 +228,7 @@ def test_a_step_by_row_slices_is_the_whole_step_bit_for_bit(monkeypatch, state_d
     for limit in (moments.STEP_ELEMENTS, 1000):  # 1000: 3 rows of 256 a slice, the last one partial
         monkeypatch.setattr(moments, "STEP_ELEMENTS", limit)
         model = _model()
-        _run(model, build_optimizer(model, cfg), range(4))
+        regression_steps(model, build_optimizer(model, cfg), range(4))
         runs.append(model)
     for a, b in zip(runs[0].parameters(), runs[1].parameters(), strict=True):
         assert torch.equal(a, b)

@@ -262,11 +262,11 @@ from infir2.eval import GRADERS, Graded
 from infir2.rl import loop
 GRADERS["parity"] = lambda problem, text: Graded(None, len(text) % 2 == 1)
 update, calls = loop.update, []
-def killed(run, batch, plan):
+def killed(*args):
     calls.append(1)
     if len(calls) == 3:
         os.kill(os.getpid(), signal.SIGKILL)
-    return update(run, batch, plan)
+    return update(*args)
 loop.update = killed
 sys.exit(main(["rl", sys.argv[1], "--no-progress"]))
 """

@@ -10,7 +10,7 @@ from torch import nn
 
 from infir2.harness.optim import LowPrecisionAdamW, build_optimizer
 from infir2.train.config import parse_config
-from train_synthetic import one_thread
+from train_synthetic import one_thread, regression_steps
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
 
@@ -22,29 +22,20 @@ def _model(seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
 
 
-def _run(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
-    for step in steps:
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-
-
 def test_fp32_state_is_torch_adamw() -> None:
     """The same math as torch.optim.AdamW when the moments are kept in fp32 (the update rule itself)."""
     a, b = _model(), _model()
-    _run(a, torch.optim.AdamW(a.parameters(), **HYPER, foreach=False), range(5))
-    _run(b, LowPrecisionAdamW(b.parameters(), **HYPER, state_dtype=torch.float32), range(5))
+    regression_steps(a, torch.optim.AdamW(a.parameters(), **HYPER, foreach=False), range(5))
+    regression_steps(b, LowPrecisionAdamW(b.parameters(), **HYPER, state_dtype=torch.float32), range(5))
     for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(pb, pa, rtol=1e-6, atol=1e-7)
 
 
 def test_bf16_state_stores_bf16_and_tracks_fp32() -> None:
     a, b = _model(), _model()
-    _run(a, torch.optim.AdamW(a.parameters(), **HYPER), range(10))
+    regression_steps(a, torch.optim.AdamW(a.parameters(), **HYPER), range(10))
     opt = LowPrecisionAdamW(b.parameters(), **HYPER)
-    _run(b, opt, range(10))
+    regression_steps(b, opt, range(10))
     for p in b.parameters():
         assert opt.state[p]["exp_avg"].dtype == torch.bfloat16
         assert opt.state[p]["exp_avg_sq"].dtype == torch.bfloat16
@@ -59,17 +50,17 @@ def test_state_dict_round_trip_resumes_exactly() -> None:
     """3 steps, save, load into a fresh model + optimizer, 3 more == 6 steps in one go (bit-exact)."""
     ref = _model()
     opt_ref = LowPrecisionAdamW(ref.parameters(), **HYPER)
-    _run(ref, opt_ref, range(6))
+    regression_steps(ref, opt_ref, range(6))
     first = _model()
     opt = LowPrecisionAdamW(first.parameters(), **HYPER)
-    _run(first, opt, range(3))
+    regression_steps(first, opt, range(3))
     saved_model, saved_opt = copy.deepcopy(first.state_dict()), copy.deepcopy(opt.state_dict())
     resumed = _model(seed=1)
     resumed.load_state_dict(saved_model)
     opt2 = LowPrecisionAdamW(resumed.parameters(), **HYPER)
     opt2.load_state_dict(saved_opt)
     assert all(s["exp_avg"].dtype == torch.bfloat16 for s in opt2.state.values())
-    _run(resumed, opt2, range(3, 6))
+    regression_steps(resumed, opt2, range(3, 6))
     for pa, pb in zip(ref.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(pa, pb)
 
@@ -80,7 +71,7 @@ def test_bytes_per_parameter(state_dtype: str, bytes_per_param: int) -> None:
     cfg = parse_config({"optim": {"state_dtype": state_dtype}}, "<test>")
     model = _model()
     opt = build_optimizer(model, cfg.optim)
-    _run(model, opt, range(1))
+    regression_steps(model, opt, range(1))
     n = sum(p.numel() for p in model.parameters())
     params_and_grads = sum(
         p.numel() * p.element_size() + p.grad.numel() * p.grad.element_size() for p in model.parameters()

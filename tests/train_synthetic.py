@@ -269,3 +269,48 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def regression_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+    """One optimizer step per ``step`` of an MSE regression on random data seeded by the step (the same
+    batches for every model and optimizer of a test): 8 rows as wide as the first linear's input,
+    targets as wide as the last linear's output."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    for step in steps:
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(8, linears[0].in_features, generator=g)
+        y = torch.randn(8, linears[-1].out_features, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def tiny_cpt_sections(folder: Any) -> dict[str, Any]:
+    """A one-step bf16 CPT config of a 1-layer tiny Llama on 200 documents prepared in ``folder`` (runs
+    under ``folder/runs``): the bad-input tests' training config."""
+    tok, data = prepared_cpt(folder, documents=200)
+    return {
+        "run": {"name": "t", "out_dir": str(folder / "runs"), "device": "cpu"},
+        "model": {"from_config": tiny_llama(layers=1, max_positions=64), "tokenizer": str(tok)},
+        "fp8": {"recipe": "bf16"},
+        "data": {"train_path": str(data), "seq_len": 16, "global_batch_size": 2},
+        "train": {"max_steps": 1},
+    }
+
+
+def tiny_rl_sections(folder: Any, model_dir: Any) -> dict[str, Any]:
+    """A one-step RL config of ``model_dir`` on four problems written to ``folder/p.jsonl`` (runs under
+    ``folder/runs``): the bad-input tests' RL config."""
+    import json
+
+    prompts = folder / "p.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"problem": f"{i} + 1", "answer": str(i + 1)}) + "\n" for i in range(4))
+    )
+    return {
+        "run": {"name": "rl", "out_dir": str(folder / "runs"), "device": "cpu"},
+        "model": {"path": str(model_dir), "precision": "fp32"},
+        "data": {"prompts_path": str(prompts)},
+        "rollout": {"prompts_per_step": 2, "group_size": 2, "oversample_prompts": 2, "max_new_tokens": 4},
+        "train": {"max_steps": 1},
+    }

@@ -1,6 +1,6 @@
 """Data: CPT token files (prepare, read), chat rendering, SFT batching, tokenizers."""
 
-from .base import IGNORE_INDEX, MicroBatch, StepSource, count_loss_tokens
+from .base import IGNORE_INDEX, MicroBatch, StepSource, count_loss_tokens, left_pad_positions
 from .chat import SYSTEM_PROMPT, assistant_spans, render_conversation, render_prompt, stop_token_ids
 from .chat_template import CHATML_SPECIAL_TOKENS, DEFAULT_CHAT_TEMPLATE
 from .cpt import prepare_cpt
@@ -22,6 +22,7 @@ __all__ = [
     "count_loss_tokens",
     "first_difference",
     "folder_model_type",
+    "left_pad_positions",
     "load_conversations",
     "load_cpt_meta",
     "load_tokenizer",

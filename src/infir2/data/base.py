@@ -28,7 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["IGNORE_INDEX", "MicroBatch", "StepSource", "count_loss_tokens"]
+__all__ = ["IGNORE_INDEX", "MicroBatch", "StepSource", "count_loss_tokens", "left_pad_positions"]
 
 IGNORE_INDEX = -100
 
@@ -52,3 +52,11 @@ def count_loss_tokens(micro_batches: list[MicroBatch]) -> int:
 
 def _targets(mb: MicroBatch) -> torch.Tensor:
     return mb["shift_labels"] if "shift_labels" in mb else mb["labels"][:, 1:]
+
+
+def left_pad_positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of a left-padded batch from its attention ``mask`` (``[B, L]``, 1 = real token):
+    each row counts from 0 at its first real token; padding columns take 0. The one rule of the
+    sampler's prompts and of RL's scoring and update, so that the trainer scores each token at the
+    position the engine generated it at (the mismatch metric compares the two)."""
+    return (mask.cumsum(-1) - 1).clamp(min=0)

@@ -1,4 +1,7 @@
-"""FP8 numerics: formats, block-scaled quantization (the reference), recipes, quality measures."""
+"""FP8 numerics: formats, block-scaled quantization (the reference), recipes, quality measures.
+
+"FP8" names the low-precision path: NVFP4's E2M1 (``nvfp4.py``) lives here too, and ``Fp8Linear`` runs
+it (docs/ARCHITECTURE.md, "Names")."""
 
 from .formats import BLOCK, FORMATS, Fp8Format, get_format
 from .numerics import calc_diff, sqnr

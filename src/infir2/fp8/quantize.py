@@ -52,6 +52,7 @@ __all__ = [
     "ScaleEncoding",
     "amax_to_scale",
     "block_amax",
+    "check_quantize_input",
     "dequantize",
     "expand_blocks",
     "quantize",
@@ -86,7 +87,9 @@ def resolve_block(block: Block, shape: tuple[int, ...] | torch.Size) -> Block:
     return out[0], out[1]
 
 
-def _check_input(x: torch.Tensor) -> None:
+def check_quantize_input(x: torch.Tensor) -> None:
+    """The one check of what every quantizer takes (the reference and each backend): a 2-D
+    floating-point tensor ``[M, K]`` wider than one byte; else one line saying what was expected."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 2:
@@ -211,7 +214,7 @@ def quantize(
     ``scale_inv`` is fp32, or ``float8_e8m0fnu`` for ``scale_encoding="e8m0"`` (``.float()`` reads it).
     The block amax (:func:`block_amax`), then :func:`quantize_with_amax`.
     """
-    _check_input(x)
+    check_quantize_input(x)
     encoding = resolve_encoding(scale_encoding)
     get_format(fmt)
     return quantize_with_amax(x, block_amax(x, block), block, fmt, encoding)

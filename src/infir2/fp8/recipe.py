@@ -108,8 +108,24 @@ class Cast:
 
     @property
     def is_fp4(self) -> bool:
-        """True for an NVFP4 (E2M1) cast."""
+        """True for an NVFP4 (E2M1) cast. Outside ``fp8/`` and ``kernels/`` read what it means instead:
+        the byte counts below, or a recipe's capabilities (``Fp8Recipe.compiles`` and the rest)."""
         return self.fmt == E2M1.name
+
+    @property
+    def code_bytes(self) -> float:
+        """Bytes per element of the quantized codes: 0.5 for E2M1 (two a byte), 1 for an FP8 format."""
+        return 0.5 if self.is_fp4 else 1.0
+
+    @property
+    def block_scale_bytes(self) -> int:
+        """Bytes per block scale: 1 for an E4M3 scale (NVFP4) or an E8M0 one, else 4 (fp32 / pow2)."""
+        return 1 if self.is_fp4 or self.scale_encoding == "e8m0" else 4
+
+    @property
+    def tensor_scale_bytes(self) -> int:
+        """Bytes of the one scale per tensor above the block scales: 4 (fp32) for NVFP4, else none."""
+        return 4 if self.is_fp4 else 0
 
 
 @dataclass(frozen=True)
@@ -153,6 +169,31 @@ class Fp8Recipe:
         off for one scale per tensor (the gather would need the whole tensor's amax first) and where
         :attr:`gathers_fp8_weight` is False."""
         return self.gathers_fp8_weight and all(b > 0 for b in self.w.block)
+
+    @property
+    def k_major_dgrad_weight(self) -> bool:
+        """True when, on CUDA, dgrad reads a K-major copy of the fprop weight's transpose: fprop and dgrad
+        share one quantized weight and it is FP8 (NVFP4 runs on dequantized operands on every device: no
+        FP4 GEMM reads a K-major copy)."""
+        return self.reuses_weight and not self.w.is_fp4
+
+    @property
+    def compiles(self) -> bool:
+        """True when ``Fp8Linear`` runs under ``torch.compile`` (its custom op is written): FP8 recipes;
+        NVFP4's runs eager only."""
+        return not self.x.is_fp4
+
+    @property
+    def runs_experts(self) -> bool:
+        """True when the routed experts' grouped GEMMs take this recipe (``Fp8Experts``): every cast FP8.
+        NVFP4 runs dense linears only."""
+        return not any(c.is_fp4 for c in self.casts.values())
+
+    @property
+    def has_telemetry(self) -> bool:
+        """True when the FP8 telemetry (``fp8.stats_every``) can read this recipe's operands: it reads FP8
+        codes, so not where an operand is E2M1 (NVFP4)."""
+        return not any(c.is_fp4 for c in self.casts.values())
 
     def param_gather(self, setting: bool | None) -> bool:
         """Whether FSDP2 all-gathers the weights as FP8 codes for a ``fp8.param_gather`` setting."""

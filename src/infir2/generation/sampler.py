@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..data.base import left_pad_positions
 from ..model import autocast
 from .base import Sample, SamplingConfig
 
@@ -118,7 +119,7 @@ def sample_batch(
 
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_id, device)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    positions = left_pad_positions(mask)
     cache, keyword = DynamicCache(), cache_keyword(model)
     stops = torch.tensor(list(stop_ids), device=device)
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)

@@ -312,7 +312,7 @@ def _check_fp8(f: Fp8Config, source: str) -> None:
         raise config_error(
             source, "fp8.high_precision_tail", f"a fraction in [0, 1), got {f.high_precision_tail!r}"
         )
-    if f.stats_every and any(c.is_fp4 for c in RECIPES[f.recipe].casts.values()):
+    if f.stats_every and not RECIPES[f.recipe].has_telemetry:
         raise config_error(
             source,
             "fp8.stats_every",

@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from ..fp8.formats import BitLayout, Fp8Format, bit_layout, get_format
-from ..fp8.quantize import Block, ScaleEncoding, amax_to_scale, resolve_block
+from ..fp8.quantize import Block, ScaleEncoding, amax_to_scale, check_quantize_input, resolve_block
 from ..fp8.quantize import dequantize as reference_dequantize
 from ..fp8.quantize import quantize as reference_quantize
 from ..fp8.recipe import Cast, Fp8Recipe
@@ -125,18 +125,11 @@ class _Blocks:
         return t if tuple(t.shape) == (self.m, self.k) else t[: self.m, : self.k]
 
 
-def _check_input(x: torch.Tensor) -> None:
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise ValueError(f"quantize expects a 2-D tensor [M, K], got {getattr(x, 'shape', type(x).__name__)}")
-    if not x.dtype.is_floating_point or x.dtype.itemsize == 1:
-        raise ValueError(f"quantize expects a floating-point tensor (fp32/bf16/fp16/fp64), got {x.dtype}")
-
-
 def _quantize_blocks(
     x: torch.Tensor, block: Block, f: Fp8Format, scale_encoding: ScaleEncoding
 ) -> tuple[_Blocks, torch.Tensor, torch.Tensor] | None:
     """``(blocks, codes in the blocks' view, scale_inv)``; ``None`` where the reference must run."""
-    _check_input(x)
+    check_quantize_input(x)
     if x.dtype == torch.float64 or x.numel() == 0:  # fp64 input rounds differently in x.float()
         return None
     b = _Blocks(x, block)
@@ -153,7 +146,7 @@ def _native(
     x: torch.Tensor, block: Block, f: Fp8Format, scale_encoding: ScaleEncoding, kept: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """The C kernel's result (``kernels.native``), or ``None`` where the eager code runs."""
-    _check_input(x)
+    check_quantize_input(x)
     if scale_encoding not in ("fp32", "pow2"):
         raise ValueError(f"fast_emulated quantizes with fp32 or pow2 scales, got {scale_encoding!r}")
     if x.dtype != torch.float32:

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..nn.module import accumulation_dtype
+from ..fp8.accumulate import accumulation_dtype
 
 __all__ = [
     "AUTO_CHUNK_BYTES",

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .module import accumulation_dtype
+from ..fp8.accumulate import accumulation_dtype
 
 __all__ = [
     "ATTENTION",

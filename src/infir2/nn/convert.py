@@ -232,7 +232,7 @@ def convert_to_fp8(
         )
     if not chosen and not experts:
         raise _no_layer_error(model, kept)
-    if experts and recipe.x.is_fp4:
+    if experts and not recipe.runs_experts:
         raise ValueError(
             f"recipe {recipe.name!r} (NVFP4) runs dense linears only: the routed experts ({experts[0]!r}, "
             f"{len(experts)} module(s)) run FP8 recipes; use an FP8 recipe (e.g. blockwise) for this model"

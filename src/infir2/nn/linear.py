@@ -43,11 +43,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..fp8.accumulate import accumulation_dtype, no_autocast
 from ..fp8.formats import BLOCK
 from ..fp8.recipe import Fp8Recipe
 from ..kernels import Kernels, Nvfp4Operand, Operand, scaled_mm
 from .fsdp import Fp8GatheredWeight
-from .module import Fp8Module, Recorder, accumulation_dtype, no_autocast
+from .module import Fp8Module, Recorder
 
 __all__ = ["Fp8Linear"]
 
@@ -325,7 +326,7 @@ class Fp8Linear(nn.Linear, Fp8Module):
         if not self.fp8_enabled:
             return F.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():  # one custom op: caches and kernels stay outside the graph
-            if self.recipe.x.is_fp4:
+            if not self.recipe.compiles:
                 raise NotImplementedError("the nvfp4 recipe runs eager only: its custom op is not written")
             device = x.device.type
             dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None

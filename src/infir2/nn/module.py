@@ -37,7 +37,6 @@ import itertools
 import logging
 import weakref
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -46,7 +45,7 @@ from torch import nn
 from ..fp8.recipe import Cast, Fp8Recipe, get_recipe
 from ..kernels import BACKENDS, ORDER, Kernels, Operand, bind, emulated
 
-__all__ = ["WEIGHT_SCOPES", "Fp8Module", "Recorder", "accumulation_dtype", "module_by_key", "no_autocast"]
+__all__ = ["WEIGHT_SCOPES", "Fp8Module", "Recorder", "module_by_key"]
 
 log = logging.getLogger(__name__)
 _WARNED_EMULATED: set[tuple[str, torch.device]] = set()  # (recipe, device) already warned about
@@ -69,21 +68,6 @@ def module_by_key(key: int, kind: type[M]) -> M:
             f"no {kind.__name__} with key {key}: the module was freed (or the key is another kind's)"
         )
     return module
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype products and sums accumulate in: fp32, or fp64 for fp64 tensors (``model.precision:
-    fp64``, the CPU-independent reference)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def no_autocast(device: torch.device) -> AbstractContextManager[Any]:
-    """Autocast off on ``device`` for an FP8 function's body: its GEMMs are written as fp32 products and
-    sums of dequantized operands, and under autocast a CPU ``a @ b`` of fp32 tensors would run as a bf16
-    GEMM (a bf16 result, another kernel, on AVX2 another summation order and 7-300x slower)."""
-    if torch.is_autocast_enabled(device.type):
-        return torch.autocast(device.type, enabled=False)
-    return nullcontext()
 
 
 class Recorder(Protocol):

@@ -178,6 +178,6 @@ def _layer_copies(shape: ModelShape, run: PlanInputs, weight_copy: int) -> float
     if r.enabled and run.weight_cache == "step":
         # the saved copy is the cached one where dgrad reuses it; else backward quantizes again
         cached = weight_copy if r.reuses_weight else layer_weight_bytes(shape, r.w)
-        k_major = not run.cpu and r.reuses_weight and not r.w.is_fp4
+        k_major = not run.cpu and r.k_major_dgrad_weight
         return shape.layers * cached * (2 if k_major else 1)
     return (1 if run.activation_checkpointing else shape.layers) * weight_copy

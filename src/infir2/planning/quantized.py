@@ -10,20 +10,9 @@ tensor. A block dimension of -1 is the whole dimension (one scale per row, colum
 from __future__ import annotations
 
 from ..fp8.recipe import Cast
-from .inputs import FP32_BYTES
 from .shape import ModelShape
 
-__all__ = ["element_bytes", "layer_weight_bytes", "matrix_bytes", "row_bytes", "scale_bytes"]
-
-
-def element_bytes(cast: Cast) -> float:
-    """Bytes per element of the codes: 0.5 for E2M1 (two a byte), 1 for an FP8 format."""
-    return 0.5 if cast.is_fp4 else 1.0
-
-
-def scale_bytes(cast: Cast) -> int:
-    """Bytes per block scale: E4M3 under NVFP4, E8M0 (one byte), else fp32."""
-    return 1 if cast.is_fp4 or cast.scale_encoding == "e8m0" else FP32_BYTES
+__all__ = ["layer_weight_bytes", "matrix_bytes", "row_bytes"]
 
 
 def matrix_bytes(rows: int, cols: int, cast: Cast) -> float:
@@ -31,7 +20,7 @@ def matrix_bytes(rows: int, cols: int, cast: Cast) -> float:
     per-tensor fp32 scale."""
     bm, bk = (rows if cast.block[0] < 0 else cast.block[0]), (cols if cast.block[1] < 0 else cast.block[1])
     blocks = -(-rows // bm) * -(-cols // bk)
-    return rows * cols * element_bytes(cast) + blocks * scale_bytes(cast) + (FP32_BYTES if cast.is_fp4 else 0)
+    return rows * cols * cast.code_bytes + blocks * cast.block_scale_bytes + cast.tensor_scale_bytes
 
 
 def layer_weight_bytes(shape: ModelShape, cast: Cast) -> float:
@@ -44,4 +33,4 @@ def row_bytes(cast: Cast, width: int) -> float:
     tokens; a block over all tokens counts no scale per token)."""
     bk = width if cast.block[1] < 0 else cast.block[1]
     scales = 0.0 if cast.block[0] < 0 else -(-width // bk) / cast.block[0]
-    return width * element_bytes(cast) + scales * scale_bytes(cast)
+    return width * cast.code_bytes + scales * cast.block_scale_bytes

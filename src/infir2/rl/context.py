@@ -8,7 +8,7 @@ engine generates whole sequences: ``rl/collect.py``). For a micro-batch's ``Rows
 responses right-padded, as the engine generates), ``row_shard``:
 
 1. writes the rows as a training micro-batch: ``labels`` the response tokens (``IGNORE_INDEX`` on the
-   prompt and the padding), the positions one process scores them at (``mask.cumsum - 1``), the mask;
+   prompt and the padding), the positions one process scores them at (``data.left_pad_positions``), the mask;
 2. hands it to ``data.context.shard_micro_batch``, the split CPT and SFT use: the row padded at its end to
    a multiple of ``C x 128`` tokens, the labels shifted on the whole row (the last token of a shard
    predicts the first of the next), this rank's contiguous ``L / C`` tokens; padding, left or right, is a
@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..data.base import IGNORE_INDEX, MicroBatch
+from ..data.base import IGNORE_INDEX, MicroBatch, left_pad_positions
 from ..data.context import shard_micro_batch
 from ..harness.distributed import ContextLayout
 from ..loss import score_tokens, shard_context
@@ -64,7 +64,7 @@ def as_micro_batch(rows: Rows) -> MicroBatch:
     mask = rows.attention_mask
     labels = rows.ids.masked_fill(~mask.bool(), IGNORE_INDEX)
     labels[:, : rows.prompt_width] = IGNORE_INDEX  # a prompt token is no target
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as rl.update.response_logprobs scores one process
+    positions = left_pad_positions(mask)  # as rl.update.response_logprobs scores one process
     return {"input_ids": rows.ids, "labels": labels, "attention_mask": mask, "position_ids": positions}
 
 

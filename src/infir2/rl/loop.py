@@ -227,21 +227,21 @@ def _setup(
         PromptStream(len(problems), cfg.data.shuffle, seed), torch.Generator().manual_seed(cfg.run.seed)
     )
     return Run(
-        cfg,
-        env,
-        model,
-        build_optimizer(model, cfg.optim),
-        tokenizer,
-        built["engine"],
-        context_parallel(built["ref"], layout) if "ref" in built else None,  # scored like the policy
-        problems,
-        prompt_ids,
-        data,
-        stops,
-        pad_id,
-        val,
-        val_ids,
-        layout,
+        cfg=cfg,
+        env=env,
+        model=model,
+        optimizer=build_optimizer(model, cfg.optim),
+        tokenizer=tokenizer,
+        engine=built["engine"],
+        ref=context_parallel(built["ref"], layout) if "ref" in built else None,  # scored like the policy
+        problems=problems,
+        prompt_ids=prompt_ids,
+        data=data,
+        stop_ids=stops,
+        pad_id=pad_id,
+        val=val,
+        val_ids=val_ids,
+        context=layout,
     )
 
 

@@ -55,9 +55,9 @@ class RolloutData(Replicated):
         self.sampler.set_state(state["sampler"])
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
-    """What a step works with (built once by ``_setup``)."""
+    """What a step works with (built once by ``_setup``; keyword-only: fifteen fields, several of one type)."""
 
     cfg: RLConfig
     env: DistEnv

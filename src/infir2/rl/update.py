@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..data.base import left_pad_positions
 from ..harness.distributed import all_reduce_max, all_reduce_sum
 from ..harness.step import apply_update, loss_scale, rounding_noise
 from ..loss import score_tokens
@@ -52,7 +53,7 @@ def response_logprobs(
         return logp.float(), None if ent is None else ent.float()
     ids, mask = rows.ids.to(device), rows.attention_mask.to(device)
     r = rows.response_mask.shape[1]
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    positions = left_pad_positions(mask)
     with autocast(precision, device):
         logp, ent = score_tokens(
             model,

@@ -152,6 +152,12 @@ __all__ = [
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_target_arguments(parser)
+    _add_step_arguments(parser)
+
+
+def _add_target_arguments(parser: argparse.ArgumentParser) -> None:
+    """What is planned (a model, an RL config's step or a train config as written) and the GPUs it must fit."""
     parser.add_argument(
         "model",
         nargs="?",
@@ -180,6 +186,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="h100",
         help="the GPU the plan must fit (default h100, 80 GiB; a plan over 90%% of it is said, with what fits)",
     )
+
+
+def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """The run's settings the plan depends on: batch, recipe, storage dtypes, parallelism, caches."""
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per forward")
     parser.add_argument(

@@ -43,10 +43,11 @@ from typing import cast
 import torch
 from torch import nn
 
+from ...fp8.accumulate import accumulation_dtype
 from ...fp8.recipe import Fp8Recipe
 from ...kernels import Kernels, Operand
 from ..fsdp import Fp8GatheredWeight
-from ..module import Fp8Module, accumulation_dtype
+from ..module import Fp8Module
 from .grouped_linear import fp8_grouped_linear
 from .offsets import fp8_grouped_linear_offsets, runs_on_offsets
 

@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 
+from ...fp8.accumulate import accumulation_dtype, no_autocast
 from ...fp8.recipe import Fp8Recipe
 from ...kernels import Kernels, Operand
 from ...kernels.grouped import gemm_nt_grouped, group_bounds, quantize_pair_groups
-from ..module import Recorder, accumulation_dtype, no_autocast
+from ..module import Recorder
 from .telemetry import ExpertsProbe
 
 __all__ = ["fp8_grouped_linear"]

@@ -50,7 +50,7 @@ def runs_on_offsets(recipe: Fp8Recipe, kernels: Kernels, x: torch.Tensor, weight
         and recipe.dy.block[0] == 1
         and bm > 0
         and recipe.dy_wgrad.block[0] == bm
-        and not any(c.is_fp4 for c in (recipe.x, recipe.dy, recipe.x_wgrad, recipe.dy_wgrad))
+        and recipe.runs_experts
         and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and x.shape[0] > 0

@@ -30,10 +30,11 @@ from ...data.tokenizer import train_bpe_tokenizer
 from ...data.tokens import heldout_windows, load_tokens
 from ...train import parse_config, train
 from ..bench.fidelity import cpt_data_section, cpu_run_section
+from ..machine import machine_description
 from ..recipe_spec import fp8_section
 from .data import NUMBERS, make_demo_data, tokenizer_training_texts
 from .report import render
-from .results import FULL, QUICK, DemoRecord, DemoSettings, RecipeResult, machine_description
+from .results import FULL, QUICK, DemoRecord, DemoSettings, RecipeResult
 from .text import plan_text, run_text, text_result, text_worker
 from .workers import die_with_parent, start_worker
 
@@ -166,17 +167,7 @@ def prepare_data(out: Path, s: DemoSettings) -> tuple[dict[str, Path], Any]:
     SFT conversations: ``out/data/sft_train_split.jsonl`` and ``out/data/sft_val.jsonl``. The tiny
     configs (``configs/tiny-*.yaml``) read exactly these paths under ``runs/tiny``.
     """
-    data = make_demo_data(
-        out / "data",
-        seed=s.data_seed,
-        n_train=s.n_train,
-        n_test=s.n_test,
-        n_cpt_worked=s.n_cpt_worked,
-        n_cpt_tables=s.n_cpt_tables,
-        max_operand=s.max_operand,
-        num_ops=s.num_ops,
-        n_test_hard=s.n_test_hard,
-    )
+    data = make_demo_data(out / "data", **s.data_arguments())
     tokenizer = train_bpe_tokenizer(tokenizer_training_texts(data), s.vocab_size, whole_numbers=NUMBERS)
     data["sft_train"], data["sft_val"] = _split_sft(data["sft_train"], _sft_val_count(s))
     tokenizer.save_pretrained(out / "tokenizer")

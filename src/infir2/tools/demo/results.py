@@ -9,8 +9,6 @@ them without training), so a table can always be traced back to the runs that ma
 from __future__ import annotations
 
 import json
-import os
-import platform
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
@@ -22,8 +20,6 @@ __all__ = [
     "DemoRecord",
     "DemoSettings",
     "RecipeResult",
-    "cpu_description",
-    "machine_description",
 ]
 
 
@@ -34,6 +30,11 @@ class DemoSettings:
     ``seeds``: every recipe is trained once per seed (``run.seed`` of its CPT and SFT: initialization
     and data order); the same seed across recipes makes a paired comparison. The data and tokenizer
     are generated once, with ``data_seed``, and shared by every run.
+
+    The fields stay one flat record, grouped by their comments (the data, the model, CPT and SFT, the
+    real-text part): their names are the keys of ``results.json`` and what ``--set KEY=VALUE`` of
+    ``benchmarks/demo_seeds.py`` and ``--demo-set`` of ``benchmarks/rl_study_sweep.py`` name;
+    ``data_arguments`` names the fields that make the generated data.
     """
 
     seeds: tuple[int, ...] = (0, 1, 2)
@@ -86,6 +87,15 @@ class DemoSettings:
     text_readout_evals: int = 1  # a run's held-out loss: the mean of its last this many evaluations
     text_max_chars: int | None = None  # the whole corpus
     text_null_control: bool = False  # the null control on real text too (off: time; real text is quiet)
+
+    def data_arguments(self) -> dict[str, Any]:
+        """The settings that make the generated data, as ``data.make_demo_data`` takes them (its
+        ``seed`` is ``data_seed``): the one list of which fields are the data's."""
+        return {"seed": self.data_seed, **{name: getattr(self, name) for name in DATA_FIELDS}}
+
+
+#: the fields of ``DemoSettings`` (besides ``data_seed``) that make the generated data
+DATA_FIELDS = ("n_train", "n_test", "n_cpt_worked", "n_cpt_tables", "max_operand", "num_ops", "n_test_hard")
 
 
 # The setting of the seed studies (BENCHMARKS.md, "The reasoning task, seed by seed"): every number one
@@ -144,35 +154,6 @@ class RecipeResult:
     cpt_curve: list[tuple[int, float]] = field(default_factory=list)
     sft_curve: list[tuple[int, float]] = field(default_factory=list)
     hard_accuracy: float | None = None  # on the harder split (``n_test_hard`` problems); None: not evaluated
-
-
-# what the speed and the rounding of a CPU GEMM depend on
-_ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-
-
-def cpu_description(cpuinfo: str | None = None) -> str:
-    """``"AMD EPYC (avx2, avx512f, avx512_bf16; no amx_bf16)"``: the CPU model and its vector extensions,
-    from ``/proc/cpuinfo`` (Linux); the platform's processor name elsewhere."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return platform.processor() or platform.machine()
-    fields_ = dict(line.split(":", 1) for line in cpuinfo.splitlines() if ":" in line)
-    fields_ = {k.strip(): v.strip() for k, v in fields_.items()}
-    model = fields_.get("model name") or platform.processor() or platform.machine()
-    flags = set(fields_.get("flags", "").split())
-    have = [f for f in _ISA_FLAGS if f in flags]
-    lack = [f for f in _ISA_FLAGS if f not in flags]
-    return f"{model} ({', '.join(have) or 'none of ' + '/'.join(_ISA_FLAGS)}{'; no ' + ', '.join(lack) if lack else ''})"
-
-
-def machine_description(threads_per_run: int | None = None) -> str:
-    """``"2 CPUs, AMD EPYC (avx2, ...), 1 thread per run, torch <version>"``: what a run was measured on."""
-    import torch
-
-    threads = f", {threads_per_run} thread(s) per run" if threads_per_run else ""
-    return f"{os.cpu_count()} CPUs, {cpu_description()}{threads}, torch {torch.__version__}"
 
 
 @dataclass
