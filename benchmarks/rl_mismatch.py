@@ -44,8 +44,12 @@ def measure(
 ) -> dict[str, float]:
     policy = prepare_for_training(load_pretrained(model_dir), recipe)
     base = {"bf16": torch.bfloat16, "fp32": None}[args.base_dtype]
-    builtin = BuiltinEngine(policy, tok, rollout, "pow2", "fp32", copy_model=True, base_dtype=base)
-    engine = RolloutEngine(builtin, SamplingConfig(False, 1.0, 1.0, args.max_new_tokens, 64))
+    builtin = BuiltinEngine(
+        policy, tok, precision=rollout, model_precision="fp32", copy_model=True, base_dtype=base
+    )
+    engine = RolloutEngine(
+        builtin, SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=args.max_new_tokens, batch_size=64)
+    )
     t0 = time.perf_counter()
     groups = engine.generate(prompts, args.samples, seed=args.seed)
     times = {"generate": time.perf_counter() - t0, "score": 0.0, "rescore": 0.0}

@@ -109,14 +109,20 @@ def run_arm(arm: str, device: torch.device, sizes: VllmSizes) -> dict[str, Any]:
     cuda = device.type == "cuda"
     precision = "bf16" if cuda else "fp32"  # model.precision: what the trainer scores in
     policy = _policy(sizes, device)
-    settings = VllmSettings(
-        memory_fraction=0.35, max_model_len=sizes.prompt_len + sizes.new_tokens, model_precision=precision
-    )
+    settings = VllmSettings(memory_fraction=0.35, max_model_len=sizes.prompt_len + sizes.new_tokens)
     t0 = time.perf_counter()
-    engine = VllmEngine(_Tokenizer(sizes.vocab), settings, policy=policy, precision=arm)
+    engine = VllmEngine(
+        _Tokenizer(sizes.vocab), settings, policy=policy, precision=arm, model_precision=precision
+    )
     start_s = time.perf_counter() - t0
     rollout = RolloutEngine(
-        engine, SamplingConfig(False, 1.0, 1.0, sizes.new_tokens, sizes.prompts * sizes.samples)
+        engine,
+        SamplingConfig(
+            temperature=1.0,
+            top_p=1.0,
+            max_new_tokens=sizes.new_tokens,
+            batch_size=sizes.prompts * sizes.samples,
+        ),
     )
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, sizes.vocab - 1, (sizes.prompts, sizes.prompt_len), generator=gen).tolist()

@@ -36,7 +36,14 @@ def parity(problem, text: str) -> Graded:
 def check_engine_weights() -> None:
     policy = prepare_for_training(make_tiny_model(seed=3), "blockwise")
     reference = copy.deepcopy(policy)
-    engine = BuiltinEngine(policy, make_tokenizer(), "fp8", "pow2", "fp32", copy_model=True)
+    engine = BuiltinEngine(
+        policy,
+        make_tokenizer(),
+        precision="fp8",
+        scale_encoding="pow2",
+        model_precision="fp32",
+        copy_model=True,
+    )
     shard_model(policy, "fp32", fp8_param_gather=True)
     with torch.no_grad():  # new weights, the same on every rank, loaded into the shards
         gen = torch.Generator().manual_seed(5)

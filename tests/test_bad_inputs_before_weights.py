@@ -222,7 +222,9 @@ def test_the_vllm_engine_without_vllm_is_one_line_saying_how_to_install_it(model
 
 
 def test_rl_refuses_a_text_only_engine_and_fp8_it_cannot_run(tmp_path, monkeypatch):
-    from infir2.generation import ENGINES, TRAITS, EngineTraits
+    from dataclasses import replace
+
+    from infir2.generation import ENGINES, EngineTraits
 
     cfg = {
         "run": {"name": "r", "out_dir": str(tmp_path)},
@@ -232,8 +234,8 @@ def test_rl_refuses_a_text_only_engine_and_fp8_it_cannot_run(tmp_path, monkeypat
     }
     with pytest.raises(ValueError, match=r"^x.yaml: rollout.engine: the server engine returns text only"):
         parse_rl_config(cfg, "x.yaml")
-    monkeypatch.setitem(ENGINES, "high-only", ENGINES["builtin"])  # an engine that runs no FP8
-    monkeypatch.setitem(TRAITS, "high-only", EngineTraits(True, ("high",), True))
+    high_only = replace(ENGINES["builtin"], traits=EngineTraits(True, ("high",), True))
+    monkeypatch.setitem(ENGINES, "high-only", high_only)  # an engine that runs no FP8
     cfg["rollout"] = {"engine": "high-only", "precision": "fp8"}
     with pytest.raises(
         ValueError, match=r"^x.yaml: rollout.precision: the high-only engine cannot run FP8 \(the FP8 export"

@@ -59,7 +59,7 @@ def test_batched_greedy_matches_unbatched_argmax_loop(tiny_tokenizer) -> None:
 class ScriptedEngine:
     """Returns the scripted texts in the order asked (problem-major, then sample)."""
 
-    name, precision, returns_ids = "scripted", "none", False
+    name, label, returns_ids = "scripted", "none", False
 
     def __init__(self, texts: list[str], finished: list[bool]) -> None:
         self.texts, self.finished = texts, finished

@@ -199,7 +199,7 @@ def test_prompt_flags_reach_the_request(server, tok_dir: Path, problems: Path, t
 
 def test_retries_on_429_and_5xx_then_gives_a_one_line_error(server, tiny_tokenizer) -> None:
     url, script = server
-    cfg = ServerConfig(url, "fake", retries=3, backoff_s=0.01)
+    cfg = ServerConfig(base_url=url, model="fake", retries=3, backoff_s=0.01)
     sampling = SamplingConfig(greedy=True, max_new_tokens=4)
     script.fail = [429, 503, 502]
     got = complete(cfg, "<|im_start|>user\nabc<|im_end|>\n", 1, sampling, ["<|im_end|>"], 0, len)

@@ -19,8 +19,16 @@ from conftest import make_tiny_model
 from infir2.cli import main
 from infir2.eval import GRADERS, Graded, evaluate, problems_from_dicts
 from infir2.export import export_model
-from infir2.generation import ENGINES, EngineOptions, Request, Sample, build_engine, register_engine
-from infir2.generation.builtin import stops_and_pad
+from infir2.generation import (
+    ENGINES,
+    EngineOptions,
+    Request,
+    Sample,
+    build_engine,
+    knob,
+    register_engine,
+    stops_and_pad,
+)
 from infir2.generation.sampler import filter_probs
 from infir2.rl import parse_rl_config
 from train_synthetic import one_thread
@@ -30,11 +38,11 @@ pytestmark = pytest.mark.transformers_api  # CI runs this file again under the o
 _one_thread = pytest.fixture(autouse=True)(one_thread)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LoopSettings:
     """The test engine's own settings (what a new engine declares beside its factory)."""
 
-    copy_model: bool = True  # generate from a copy that load_weights refreshes
+    copy_model: bool = knob(True, "generate from a copy that load_weights refreshes")
 
 
 class LoopEngine:
@@ -46,7 +54,7 @@ class LoopEngine:
     def __init__(self, name: str, options: EngineOptions, settings: LoopSettings | None = None) -> None:
         assert options.model is not None
         model = options.model()
-        self.name, self.precision = name, "high (test loop)"
+        self.name, self.label = name, "high (test loop)"
         self.model = copy.deepcopy(model).eval() if (settings or LoopSettings()).copy_model else model
         self.stops, _ = stops_and_pad(options.tokenizer)
 
@@ -165,7 +173,7 @@ def test_eval_picks_a_registered_engine_by_name(model_dir: Path, tmp_path: Path,
 
 def test_each_engine_is_built_from_its_own_settings(tiny_tokenizer, loop_engine: str) -> None:
     model = make_tiny_model()
-    options = EngineOptions(tiny_tokenizer, model=lambda: model)
+    options = EngineOptions(tokenizer=tiny_tokenizer, model=lambda: model)
     assert build_engine(loop_engine, options, LoopSettings(copy_model=False)).model is model
     assert build_engine(loop_engine, options).model is not model  # its defaults: a copy
     with pytest.raises(

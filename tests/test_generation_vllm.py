@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from infir2.export.layout import quantize_weight
-from infir2.generation import TRAITS, check_engine
+from infir2.generation import ENGINES, check_engine
 from infir2.generation.vllm_engine import (
     VllmEngine,
     VllmSettings,
@@ -21,7 +21,8 @@ from infir2.rl import parse_rl_config
 
 
 def test_the_registry_knows_vllm_as_an_in_process_engine_with_token_ids():
-    assert TRAITS["vllm"].in_process and TRAITS["vllm"].returns_ids
+    traits = ENGINES["vllm"].traits
+    assert traits is not None and traits.in_process and traits.returns_ids
     check_engine("vllm", "rollout.engine", "fp8", "rollout.precision", needs_ids=True)
     with pytest.raises(ValueError, match=r"--precision: the vllm engine cannot run a training recipe's FP8"):
         check_engine("vllm", "--engine", "recipe", "--precision")
@@ -57,12 +58,12 @@ def test_rl_refuses_fp8_rollouts_on_vllm_where_vllm_cannot_serve_them(monkeypatc
     ):
         parse_rl_config({**base, "rollout": {"engine": "vllm", "precision": "fp8"}}, "rl.yaml")
     cfg = parse_rl_config(
-        {**base, "rollout": {"engine": "vllm", "precision": "high"}, "vllm": {"max_model_len": 64}}
+        {**base, "rollout": {"engine": "vllm", "precision": "high"}, "engine": {"max_model_len": 64}}
     )
-    assert cfg.vllm.settings() == VllmSettings(max_model_len=64)
+    assert cfg.engine == VllmSettings(max_model_len=64)  # the section is the engine's own settings type
     with pytest.raises(ValueError, match=r"memory_fraction in \(0, 1\]"):
         parse_rl_config(
-            {**base, "rollout": {"engine": "vllm", "precision": "high"}, "vllm": {"memory_fraction": 2}}
+            {**base, "rollout": {"engine": "vllm", "precision": "high"}, "engine": {"memory_fraction": 2}}
         )
 
 
@@ -133,9 +134,9 @@ def test_the_served_dtype_is_what_the_precision_word_means_on_the_builtin_engine
     assert served_dtype(VllmSettings(), fp8=False)[0] == "float32"
     assert served_dtype(VllmSettings(), fp8=True)[0] == "bfloat16"
     for word, dtype in (("fp32", "float32"), ("bf16", "bfloat16"), ("fp64", "float64")):
-        assert served_dtype(VllmSettings(model_precision=word), fp8=False)[0] == dtype
-        assert served_dtype(VllmSettings(model_precision=word), fp8=True)[0] == "bfloat16"
-    assert served_dtype(VllmSettings(dtype="float16", model_precision="fp32"), fp8=False) == (
+        assert served_dtype(VllmSettings(), fp8=False, model_precision=word)[0] == dtype
+        assert served_dtype(VllmSettings(), fp8=True, model_precision=word)[0] == "bfloat16"
+    assert served_dtype(VllmSettings(dtype="float16"), fp8=False, model_precision="fp32") == (
         "float16",
         "as set",
     )
@@ -184,15 +185,15 @@ def test_rl_refuses_a_served_dtype_vllm_cannot_serve_before_any_model(monkeypatc
     monkeypatch.setattr(v, "fp8_unsupported", lambda: None)  # as if AMX or a GPU
     monkeypatch.setattr(v, "supported_dtypes", lambda: ["bfloat16", "float16", "float32"])
     base = {"data": {"prompts_path": "p.jsonl"}, "rollout": {"engine": "vllm", "precision": "fp8"}}
-    with pytest.raises(ValueError, match=r"^rl\.yaml: vllm\.dtype float32: vLLM's FP8 takes bfloat16"):
-        parse_rl_config({**base, "vllm": {"dtype": "float32"}}, "rl.yaml")
+    with pytest.raises(ValueError, match=r"^rl\.yaml: engine\.dtype float32: vLLM's FP8 takes bfloat16"):
+        parse_rl_config({**base, "engine": {"dtype": "float32"}}, "rl.yaml")
     parse_rl_config({**base, "model": {"precision": "fp32"}}, "rl.yaml")  # auto: bfloat16 for FP8
     high = {**base, "rollout": {"engine": "vllm", "precision": "high"}, "model": {"precision": "fp64"}}
     with pytest.raises(
-        ValueError, match=r"^rl\.yaml: vllm\.dtype auto means float64 here \(model\.precision fp64"
+        ValueError, match=r"^rl\.yaml: engine\.dtype auto means float64 here \(model\.precision fp64"
     ):
         parse_rl_config(high, "rl.yaml")
-    parse_rl_config({**high, "vllm": {"dtype": "float32"}}, "rl.yaml")  # said how: accepted
+    parse_rl_config({**high, "engine": {"dtype": "float32"}}, "rl.yaml")  # said how: accepted
 
 
 def test_the_builtin_engine_says_the_dtype_it_computes_in():

@@ -33,7 +33,7 @@ ALLOWED: dict[str, set[str]] = {
     # engines, the KV-cache sampler, the FP8 serving linear, the server client: below eval and rl
     "generation": {"data", "export", "fp8", "kernels", "model", "nn"},
     "tasks": set(),  # problem schemas, graders, answer extraction: what eval scores and RL rewards with
-    "eval": {"data", "export", "fp8", "generation", "loss", "model", "nn", "tasks"},
+    "eval": {"data", "export", "fp8", "generation", "harness", "loss", "model", "tasks"},
     # the run harness under every stage: config sections, run folder, model setup, resume, guards
     "harness": {"checkpoint", "data", "export", "fp8", "kernels", "model", "nn"},
     "train": {
@@ -66,7 +66,7 @@ ALLOWED: dict[str, set[str]] = {
         "train",
     },  # demo --rl
     "tools.recipe_spec": {"fp8"},  # RECIPE[+tail]: the recipes demo and fidelity runs name; lists of runs
-    "tools.config": {"harness", "rl", "train"},  # infir2 config: the keys and checks of every stage
+    "tools.config": {"eval", "harness", "rl", "train"},  # infir2 config: the keys and checks of every stage
     "tools.memory": {
         "fp8",
         "nn",

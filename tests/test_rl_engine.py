@@ -28,8 +28,13 @@ PROMPTS = ["Compute 7 + 5 - 3.", "The quick brown fox", "12 + 30 = "]
 
 def _engine(policy, tok, precision, scale="pow2", max_new_tokens=12, batch_size=4):
     """RL's engine as `rollout.precision: PRECISION` builds it (fp8: the export's FP8 linear)."""
-    builtin = BuiltinEngine(policy, tok, precision, scale, "fp32", copy_model=True)
-    return RolloutEngine(builtin, SamplingConfig(False, 1.0, 1.0, max_new_tokens, batch_size))
+    builtin = BuiltinEngine(
+        policy, tok, precision=precision, scale_encoding=scale, model_precision="fp32", copy_model=True
+    )
+    return RolloutEngine(
+        builtin,
+        SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens, batch_size=batch_size),
+    )
 
 
 def _exported_fp8(policy, tok, tmp_path, name, pow2=True) -> dict[str, torch.Tensor]:
@@ -172,7 +177,14 @@ def test_fp8_rollouts_of_an_moe_policy_run_the_experts_on_the_exports_bytes(tmp_
     from moe_models import make_tiny_moe
 
     policy = prepare_for_training(make_tiny_moe("qwen3_moe"), "blockwise")
-    engine = BuiltinEngine(policy, tiny_tokenizer, "fp8", "fp32", "fp32", copy_model=True)
+    engine = BuiltinEngine(
+        policy,
+        tiny_tokenizer,
+        precision="fp8",
+        scale_encoding="fp32",
+        model_precision="fp32",
+        copy_model=True,
+    )
     for step in range(2):
         out = export_model(policy, None, tmp_path / f"fp8-{step}", fmt="fp8", scale_encoding="fp32")
         exported = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
@@ -191,5 +203,5 @@ def test_fp8_rollouts_of_an_moe_policy_run_the_experts_on_the_exports_bytes(tmp_
             for p in policy.parameters():
                 p.add_(torch.randn_like(p) * 0.01)
         engine.load_weights(policy)
-    high = BuiltinEngine(policy, tiny_tokenizer, "high", "pow2", "fp32", copy_model=True)
+    high = BuiltinEngine(policy, tiny_tokenizer, precision="high", model_precision="fp32", copy_model=True)
     assert not any(m.fp8_enabled for m in high.model.modules() if isinstance(m, Fp8Experts))

@@ -76,8 +76,10 @@ def _independent_model(folder):
 
 
 def _engine(policy, tok, base_dtype):
-    builtin = BuiltinEngine(policy, tok, "fp8", "pow2", "fp32", copy_model=True, base_dtype=base_dtype)
-    return RolloutEngine(builtin, SamplingConfig(False, 1.0, 1.0, 12, 8))
+    builtin = BuiltinEngine(
+        policy, tok, precision="fp8", model_precision="fp32", copy_model=True, base_dtype=base_dtype
+    )
+    return RolloutEngine(builtin, SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=12, batch_size=8))
 
 
 def _dlogp(engine, reference, tok) -> torch.Tensor:

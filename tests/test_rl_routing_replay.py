@@ -145,7 +145,7 @@ def test_the_engine_records_what_the_trainers_forward_routes():
     """At high precision on the same weights, the routes the built-in engine records for each sample equal
     the routes of one whole forward over prompt + response (a column off would differ almost everywhere)."""
     model, tok = _moe(vocab=300), make_tokenizer()
-    engine = BuiltinEngine(model, tok, "high", copy_model=True, record_routes=True)
+    engine = BuiltinEngine(model, tok, precision="high", copy_model=True, record_routes=True)
     prompts = [Prompt([5, 6, 7, 8, 9], None, (1, 2)), Prompt([11, 12, 13], None, (3,))]
     out = engine.generate(Request(prompts, SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=6)))
     for prompt, samples in zip(prompts, out, strict=True):

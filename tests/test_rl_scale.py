@@ -164,7 +164,7 @@ def test_rl_plan_terms_match_the_tensors(rollout: str, tiny_tokenizer) -> None:
     cfg = _rl_cfg(rollout, 0.1, max_new_tokens=new, batch_size=batch)
     p = plan_rl(shape, plan_inputs(cfg), gpus=1, prompt_len=prompt, device="cpu")
     policy = prepare_for_training(model, "blockwise")
-    engine = BuiltinEngine(policy, tiny_tokenizer, rollout, copy_model=True)
+    engine = BuiltinEngine(policy, tiny_tokenizer, precision=rollout, copy_model=True)
     held = {
         t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
         for t in engine.model.state_dict().values()

@@ -143,8 +143,8 @@ def test_fp8_start_up_passes_vllms_own_config_validation(tmp_path):
     (tmp_path / "policy").mkdir()
     write_policy_config(policy, tmp_path / "policy", fp8=True)
     export = export_model(policy, make_tokenizer(), tmp_path / "fp8", fmt="fp8")
-    settings = VllmSettings(max_model_len=256, model_precision="fp32")
-    dtype, _ = served_dtype(settings, fp8=True)
+    settings = VllmSettings(max_model_len=256)
+    dtype, _ = served_dtype(settings, fp8=True, model_precision="fp32")
     assert dtype == "bfloat16"
     for source, from_policy in ((tmp_path / "policy", True), (export, False)):
         config = EngineArgs(**llm_arguments(source, settings, dtype, from_policy)).create_engine_config()

@@ -45,268 +45,107 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..data.chat import SYSTEM_PROMPT, THINK_PREFIX
 from ..data.tokenizer import load_tokenizer
-from ..generation import (
-    ENGINES,
-    TRAITS,
-    ServerEngine,
-    check_prompt_fits,
-    precision_label,
-)
+from ..generation import ENGINES, ServerEngine, check_prompt_fits
 from ..model import (
     check_experts,
     check_model_folder,
     check_vocabulary,
     check_vocabulary_rows,
     config_limits,
-    resolve_device,
 )
-from ..tasks import TASKS, sample_path
+from ..tasks import sample_path
+from .builder import eval_config
 from .completions import COMPLETIONS_FILE, CompletionLog, check_prompts, make_out_dir, read_saved
+from .config import EvalConfig
 from .engine_flags import (
-    add_engine_arguments,
     build_eval_engine,
-    check_engine_flags,
-    check_server_flags,
+    engine_preview,
     load_model,
-    parse_extra_body,
 )
-from .mode_flags import check_mode_flags, check_recipe
+from .flags import DEFAULT_MAX_NEW_TOKENS, add_arguments
 from .presets import PRESETS
 from .runner import render_prompts, run_evaluation
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "add_arguments", "run", "sample_path"]
 
-DEFAULT_MAX_NEW_TOKENS = 32768  # the InfiR2 evaluation budget (its 32k context): reasoning is long
-#: values used when neither the flag nor a preset sets them
-DEFAULTS: dict[str, Any] = {
-    "task": "math",
-    "n": 1,
-    "temperature": 0.65,
-    "top_p": 0.95,
-    "max_new_tokens": DEFAULT_MAX_NEW_TOKENS,
-}
-
 log = logging.getLogger(__name__)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        required=True,
-        help="checkpoint folder (HF BF16/FP32, or FP8 from `infir2 export`); with --engine server, "
-        "the model name the server serves",
-    )
-    p.add_argument("--tokenizer", help="tokenizer folder that renders the prompts (default: --model)")
-    p.add_argument(
-        "--preset",
-        choices=list(PRESETS),
-        help="the authors' protocol for a benchmark: task, --n, --max-new-tokens, sampling "
-        "(needs --data: your local copy of its problems)",
-    )
-    p.add_argument(
-        "--task",
-        choices=list(TASKS),
-        help="answer format, a task of the registry, unless a preset sets it (default: math)",
-    )
-    p.add_argument("--data", help="benchmark JSONL (default: the shipped sample for --task)")
-    p.add_argument(
-        "--n", type=int, help="samples per problem (avg@n, pass@k), unless a preset sets it (default: 1)"
-    )
-    p.add_argument("--greedy", action="store_true", help="greedy decoding (requires --n 1)")
-    p.add_argument(
-        "--temperature", type=float, help="sampling temperature, unless a preset sets it (default: 0.65)"
-    )
-    p.add_argument(
-        "--top-p", type=float, help="nucleus sampling threshold, unless a preset sets it (default: 0.95)"
-    )
-    p.add_argument(
-        "--beyond-context",
-        action="store_true",
-        help="builtin engine: run past the model's max_position_embeddings (RoPE extrapolation, on purpose); "
-        "by default a longer prompt is refused and each sample stops at the model's positions (truncated)",
-    )
-    p.add_argument(
-        "--max-new-tokens",
-        type=int,
-        help=f"generation budget per sample, unless a preset sets it (default: {DEFAULT_MAX_NEW_TOKENS}); reasoning traces need "
-        "tens of thousands, generation stops earlier at the end-of-turn token, and samples cut "
-        "here are counted as truncated (with a warning); builtin engine: a budget past the model's positions "
-        "is refused (samples stop there; --beyond-context runs past them), a default's or preset's is said",
-    )
-    prompt = p.add_mutually_exclusive_group()
-    prompt.add_argument("--system-prompt", help="system turn of every prompt (default: the protocol's)")
-    prompt.add_argument("--no-system-prompt", action="store_true", help="prompts without a system turn")
-    think = p.add_mutually_exclusive_group()
-    think.add_argument("--think-prefix", help="text that opens the assistant turn (default: '<think>\\n')")
-    think.add_argument("--no-think-prefix", action="store_true", help="leave the assistant turn empty")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--limit", type=int, help="only the first LIMIT problems")
-    p.add_argument(
-        "--out",
-        default="eval_out",
-        help="output folder; a rerun into the same folder resumes (default: eval_out)",
-    )
-    p.add_argument(
-        "--engine",
-        choices=list(ENGINES),
-        default="builtin",
-        help="builtin: the KV-cache engine in this process; server: an OpenAI-compatible /v1/completions "
-        "endpoint (vLLM, SGLang, transformers serve); vllm: an in-process vllm.LLM; or one registered by name",
-    )
-    add_engine_arguments(p)
-    g = p.add_argument_group("held-out loss (instead of a benchmark)")
-    g.add_argument("--perplexity", metavar="TOKEN_DIR", help="folder with val.bin + meta.json")
-    g.add_argument("--split", help="token file name without .bin (default: val)")
-    g.add_argument("--seq-len", type=int, help="context per window (default 1024)")
-    g.add_argument("--max-windows", type=int, help="score only the first N windows")
-
-
-def _check_numbers(args: argparse.Namespace) -> None:
-    """Every numeric flag in its range, named by its flag (the libraries below name their own fields)."""
-    import math
-
-    at_least_one = ("limit", "n", "max_new_tokens", "batch_size", "concurrency", "samples_per_request")
-    for key in at_least_one:
-        value = getattr(args, key, None)
-        if value is not None and value < 1:
-            raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {value}")
-    if args.greedy and args.n not in (None, 1):
-        raise ValueError(f"--greedy is deterministic: it takes --n 1, got --n {args.n}")
-    checks = (
-        ("--temperature", args.temperature, lambda v: args.greedy or (math.isfinite(v) and v > 0), "> 0"),
-        ("--top-p", args.top_p, lambda v: 0 < v <= 1, "in (0, 1]"),
-        (
-            "--request-timeout",
-            getattr(args, "request_timeout", None),
-            lambda v: math.isfinite(v) and v > 0,
-            "> 0",
-        ),
-        ("--retries", getattr(args, "retries", None), lambda v: v >= 0, ">= 0"),
-    )
-    for flag, value, ok, expected in checks:
-        if value is not None and not ok(value):
-            raise ValueError(f"{flag} must be {expected}, got {value}")
-
-
-def _resolve(args: argparse.Namespace) -> None:
-    """Fill the protocol flags: explicit flag > preset > default."""
-    preset = PRESETS[args.preset] if args.preset else None
-    args.budget_from = (
-        "--max-new-tokens"
-        if args.max_new_tokens is not None
-        else f"--preset {args.preset}'s"
-        if preset
-        else "the default"
-    )
-    for key, default in DEFAULTS.items():
-        if getattr(args, key) is None:
-            setattr(args, key, getattr(preset, key) if preset else default)
-    if preset and args.task != preset.task:
-        raise ValueError(f"--preset {args.preset} is a {preset.task} benchmark, not --task {args.task}")
-    if preset and not args.data:
-        raise ValueError(
-            f"--preset {args.preset} needs --data: your local copy of its problems "
-            f"(docs/EVAL_EXPORT.md says where to get it)"
-        )
-    _check_numbers(args)  # refused by flag, before any folder is written
-    check_server_flags(args)
-    resolve_device(args.device)  # a device this machine lacks is refused before anything loads
-    if args.no_system_prompt:
-        args.system_prompt = None
-    elif args.system_prompt is None:
-        args.system_prompt = SYSTEM_PROMPT
-    args.think_prefix = (
-        "" if args.no_think_prefix else THINK_PREFIX if args.think_prefix is None else args.think_prefix
-    )
-
-
-def _settings(
-    args: argparse.Namespace,
-    engine: str,
-    precision: str,
-    extra_body: dict[str, Any],
-    dtype: str | None = None,
-) -> dict[str, Any]:
+def _settings(cfg: EvalConfig, engine: str, label: str, extra_body: dict, dtype: str | None = None) -> dict:
     """What the samples depend on: a resumed run must match these (``completions.CompletionLog``);
-    ``dtype``: the dtype the vllm engine serves in (absent for the other engines: their folders resume)."""
+    ``dtype``: the dtype an engine serves in where its preflight says one (vllm; absent for the other
+    engines: their folders resume)."""
+    b, s = cfg.benchmark, cfg.sampling
     return {
         "engine": engine,
-        "model": str(args.model),
-        "precision": precision,
-        "task": args.task,
-        "system_prompt": args.system_prompt,
-        "think_prefix": args.think_prefix,
-        "greedy": args.greedy,
-        "temperature": None if args.greedy else args.temperature,
-        "top_p": None if args.greedy else args.top_p,
-        "max_new_tokens": args.max_new_tokens,
+        "model": cfg.model.path,
+        "precision": label,
+        "task": b.task,
+        "system_prompt": b.system_prompt,
+        "think_prefix": b.think_prefix,
+        "greedy": s.greedy,
+        "temperature": None if s.greedy else s.temperature,
+        "top_p": None if s.greedy else s.top_p,
+        "max_new_tokens": s.max_new_tokens,
         "extra_body": extra_body,
-        **({"beyond_context": True} if args.beyond_context else {}),  # absent by default: old folders resume
+        **({"beyond_context": True} if s.beyond_context else {}),  # absent by default: old folders resume
         **({"dtype": dtype} if dtype else {}),
     }
 
 
-def _expected_settings(args: argparse.Namespace) -> dict[str, Any] | None:
-    """The settings the engine will report, from the flags alone (before any weights are read; with
-    --precision recipe every converted layer runs --recipe, the conversion checked on the meta device);
-    None where only the built engine knows its precision (one registered by name)."""
-    if args.engine == "server":
-        return _settings(args, args.engine, ServerEngine.precision, parse_extra_body(args))
-    if args.engine == "builtin":  # --precision recipe converts every layer it converts with --recipe
-        recipes = [args.recipe] if args.precision == "recipe" else []
-        return _settings(args, args.engine, precision_label(args.precision, args.scale_encoding, recipes), {})
-    if args.engine == "vllm":  # its precision and served dtype, from the flags and config.json
-        return _settings(args, args.engine, args.vllm_precision, {}, args.served_dtype)
-    return None
+def _expected_settings(cfg: EvalConfig) -> dict[str, Any] | None:
+    """The settings the engine will report, from the config alone (before any weights are read); None
+    where only the built engine knows its label (one registered by name without a preflight)."""
+    if cfg.generation.engine == "server":
+        return _settings(cfg, "server", ServerEngine.label, cfg.server.extra_body or {})
+    preview = engine_preview(cfg)
+    if preview is None:
+        return None
+    return _settings(cfg, cfg.generation.engine, preview.label, {}, preview.served_dtype)
 
 
 def run(args: argparse.Namespace) -> int:
     from ..generation import ServerError
 
-    if args.perplexity and args.engine != "builtin":
-        raise ValueError("--perplexity runs the model in this process: use --engine builtin")
-    check_mode_flags(args)
-    check_engine_flags(args)
-    check_recipe(args)
-    if args.perplexity:
+    cfg = eval_config(args)
+    loss = cfg.loss
+    if loss.tokens_dir:
         from .perplexity import check_loss_inputs
 
-        check_model_folder(args.model)
-        if args.precision == "recipe":
-            check_experts(args.model, args.recipe, "--recipe")  # the conversion, on the meta device
-        _check_out(Path(args.out))
-        rows, positions = config_limits(args.model)  # the windows checked before any weights are read
-        check_loss_inputs(args.perplexity, args.split, args.seq_len, args.max_windows, rows, positions)
-        return _run_perplexity(load_model(args), args, Path(args.out))
-    _resolve(args)
+        check_model_folder(cfg.model.path)
+        if cfg.generation.precision == "recipe":
+            check_experts(cfg.model.path, cfg.generation.recipe or "", "--recipe")  # the conversion, on meta
+        _check_out(Path(cfg.run.out))
+        rows, positions = config_limits(cfg.model.path)  # the windows checked before any weights are read
+        check_loss_inputs(loss.tokens_dir, loss.split, loss.seq_len, loss.max_windows, rows, positions)
+        return _run_perplexity(load_model(cfg), cfg, Path(cfg.run.out))
     try:
-        return _run_benchmark(args)
+        return _run_benchmark(cfg)
     except ServerError as e:
         print(f"infir2 eval: error: {e}", file=sys.stderr, flush=True)
         return 1
 
 
-def _sample_and_grade(args: argparse.Namespace, problems: list, cfg: Any, out: Path) -> Any:
-    """The engine of ``args`` over ``problems`` into ``out``'s completions log (resumed), graded."""
+def _sample_and_grade(cfg: EvalConfig, problems: list, sampling: Any, out: Path) -> Any:
+    """The engine of ``cfg`` over ``problems`` into ``out``'s completions log (resumed), graded."""
     from ..generation import ServerError
 
-    if args.engine != "server":  # the model folder is named before the tokenizer read from it
-        check_model_folder(args.model)
-    tokenizer = load_tokenizer(args.tokenizer or args.model)
-    _preflight(
-        args, tokenizer, render_prompts(tokenizer, problems, args.system_prompt, args.think_prefix), out
-    )
+    b, tokenizer_dir = cfg.benchmark, cfg.model.tokenizer or cfg.model.path
+    if cfg.generation.engine != "server":  # the model folder is named before the tokenizer read from it
+        check_model_folder(cfg.model.path)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    _preflight(cfg, tokenizer, render_prompts(tokenizer, problems, b.system_prompt, b.think_prefix), out)
     top = next((p for p in (out, *out.parents) if p.parent.exists()), out)  # the top folder made here
     created = None if top.exists() else top
     try:
         make_out_dir(out)  # a folder that cannot be made is said before the weights are read
-        engine = build_eval_engine(args, tokenizer)  # an in-process engine reads the weights here
+        engine = build_eval_engine(cfg, tokenizer)  # an in-process engine reads the weights here
         if getattr(engine, "model", None) is not None:  # the loaded embedding, where config.json did not say
-            check_vocabulary(engine.model, tokenizer, args.tokenizer or args.model)
-        dtype = getattr(engine, "served_dtype", None) if args.engine == "vllm" else None
-        settings = _settings(args, engine.name, engine.precision, getattr(engine, "extra_body", {}), dtype)
+            check_vocabulary(engine.model, tokenizer, tokenizer_dir)
+        preview = engine_preview(cfg) if cfg.generation.engine != "server" else None
+        dtype = getattr(engine, "served_dtype", None) if preview and preview.served_dtype else None
+        settings = _settings(cfg, engine.name, engine.label, getattr(engine, "extra_body", {}), dtype)
         completions = CompletionLog(out, settings)
     except BaseException:
         if created is not None:  # a refused start leaves no folder behind
@@ -320,13 +159,13 @@ def _sample_and_grade(args: argparse.Namespace, problems: list, cfg: Any, out: P
                 engine,
                 tokenizer,
                 problems,
-                args.task,
-                args.n,
-                cfg,
-                args.system_prompt,
-                args.think_prefix,
+                b.task,
+                b.n,
+                sampling,
+                b.system_prompt,
+                b.think_prefix,
                 log=completions,
-                seed=args.seed,
+                seed=cfg.run.seed,
             )
         except (ServerError, ValueError) as e:  # one line: the error and what is kept
             if created is not None and not completions.done:  # nothing to resume: leave no folder behind
@@ -344,44 +183,45 @@ def _sample_and_grade(args: argparse.Namespace, problems: list, cfg: Any, out: P
             raise
 
 
-def _preflight(args: argparse.Namespace, tokenizer, prompts: dict[str, str], out: Path) -> None:
+def _preflight(cfg: EvalConfig, tokenizer, prompts: dict[str, str], out: Path) -> None:
     """Every refusal that needs no weights, before any are read: --out (a folder, or one that can be
     made, and writable), the samples saved there (drawn with these settings and prompts), and for an
     in-process engine the model's config.json (the tokenizer fits its embedding, the prompts and
     --max-new-tokens its positions). Writes nothing."""
     _check_out(out)
-    expected = _expected_settings(args)
+    expected = _expected_settings(cfg)
     if expected is not None and out.is_dir():
         saved = read_saved(out, expected)
         check_prompts(out / COMPLETIONS_FILE, saved.prompts, prompts)
-    traits = TRAITS.get(args.engine)
+    traits = ENGINES[cfg.generation.engine].traits
     if traits is None or not traits.in_process:
         return
-    rows, positions = config_limits(args.model)
-    check_vocabulary_rows(rows, tokenizer, args.tokenizer or args.model)
-    if args.precision == "recipe":
-        check_experts(args.model, args.recipe, "--recipe")  # the conversion, on the meta device
+    rows, positions = config_limits(cfg.model.path)
+    check_vocabulary_rows(rows, tokenizer, cfg.model.tokenizer or cfg.model.path)
+    if cfg.generation.precision == "recipe":
+        check_experts(cfg.model.path, cfg.generation.recipe or "", "--recipe")  # the conversion, on meta
     longest = max(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts.values())
-    check_prompt_fits(longest, positions, args.beyond_context)
-    _check_budget(args, positions)
+    check_prompt_fits(longest, positions, cfg.sampling.beyond_context)
+    _check_budget(cfg, positions)
 
 
-def _check_budget(args: argparse.Namespace, positions: int | None) -> None:
+def _check_budget(cfg: EvalConfig, positions: int | None) -> None:
     """A --max-new-tokens past the model's positions (without --beyond-context) is refused when asked
     for, and said in one warning line when it is the default's or a preset's (each sample stops there)."""
-    if positions is None or args.beyond_context or args.max_new_tokens <= positions:
+    s = cfg.sampling
+    if positions is None or s.beyond_context or s.max_new_tokens <= positions:
         return
-    if args.budget_from == "--max-new-tokens":
+    if s.max_new_tokens_from == "--max-new-tokens":
         raise ValueError(
-            f"--max-new-tokens {args.max_new_tokens} is more than the model's {positions} positions "
-            f"(max_position_embeddings in {Path(args.model) / 'config.json'}): a sample stops there "
+            f"--max-new-tokens {s.max_new_tokens} is more than the model's {positions} positions "
+            f"(max_position_embeddings in {Path(cfg.model.path) / 'config.json'}): a sample stops there "
             f"whatever the budget; give at most {positions}, or --beyond-context to run past them"
         )
     log.warning(
         "--max-new-tokens %d (%s) is more than the model's %d positions: each sample stops where prompt and "
         "response reach %d tokens (--beyond-context runs past them)",
-        args.max_new_tokens,
-        args.budget_from,
+        s.max_new_tokens,
+        s.max_new_tokens_from,
         positions,
         positions,
     )
@@ -396,31 +236,31 @@ def _check_out(out: Path) -> None:
         raise ValueError(f"--out {out}: {top} is not writable (a read-only folder); choose another --out")
 
 
-def _run_benchmark(args: argparse.Namespace) -> int:
+def _run_benchmark(cfg: EvalConfig) -> int:
     from ..generation import SamplingConfig
     from ..tasks import load_problems
 
-    out = Path(args.out)
-    data = Path(args.data) if args.data else sample_path(args.task)
-    problems = load_problems(data, args.task)[: args.limit]
-    if args.preset and args.limit is None and len(problems) != PRESETS[args.preset].problems:
+    b, s, out = cfg.benchmark, cfg.sampling, Path(cfg.run.out)
+    data = Path(b.data) if b.data else sample_path(b.task)
+    problems = load_problems(data, b.task)[: b.limit]
+    if b.preset and b.limit is None and len(problems) != PRESETS[b.preset].problems:
         log.warning(
             "%s holds %d problems; the public %s set has %d",
             data,
             len(problems),
-            args.preset,
-            PRESETS[args.preset].problems,
+            b.preset,
+            PRESETS[b.preset].problems,
         )
-    cfg = SamplingConfig(
-        args.greedy,
-        args.temperature,
-        args.top_p,
-        args.max_new_tokens,
-        args.batch_size,
-        beyond_context=args.beyond_context,
+    sampling = SamplingConfig(
+        greedy=s.greedy,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        max_new_tokens=s.max_new_tokens,
+        batch_size=cfg.generation.batch_size,
+        beyond_context=s.beyond_context,
     )
-    result = _sample_and_grade(args, problems, cfg, out)
-    result.summary = {"model": str(args.model), "data": str(data), **result.summary}
+    result = _sample_and_grade(cfg, problems, sampling, out)
+    result.summary = {"model": cfg.model.path, "data": str(data), **result.summary}
     result.save(out)
     print(result.markdown(), end="")
     truncated, samples = result.summary.get("truncated", 0), result.summary.get("samples", 0)
@@ -431,33 +271,32 @@ def _run_benchmark(args: argparse.Namespace) -> int:
             "models, or --beyond-context to run past the positions",
             truncated,
             samples,
-            args.max_new_tokens,
+            s.max_new_tokens,
         )
     print(f"results: {out}/samples.jsonl, {out}/problems.jsonl, {out}/summary.md")
     return 0
 
 
-def _run_perplexity(model, args: argparse.Namespace, out: Path) -> int:
-    from ..generation import serve_fp8
+def _run_perplexity(model, cfg: EvalConfig, out: Path) -> int:
+    from ..generation import apply_precision
     from .perplexity import evaluate_loss
 
-    if args.precision == "fp8":
-        serve_fp8(model, args.scale_encoding)
-
+    g, loss = cfg.generation, cfg.loss
+    apply_precision(model, g.precision, g.recipe, g.scale_encoding)  # as the builtin engine applies them
     result = evaluate_loss(
         model,
-        args.perplexity,
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        max_windows=args.max_windows,
-        split=args.split,
-        fp8=args.precision == "recipe",
+        str(loss.tokens_dir),
+        seq_len=loss.seq_len,
+        batch_size=g.batch_size,
+        max_windows=loss.max_windows,
+        split=loss.split,
+        fp8=g.precision == "recipe",
     )
     summary = {
-        "model": str(args.model),
-        "tokens_dir": str(args.perplexity),
-        "split": args.split,
-        "seq_len": args.seq_len,
+        "model": cfg.model.path,
+        "tokens_dir": loss.tokens_dir,
+        "split": loss.split,
+        "seq_len": loss.seq_len,
         **result.as_dict(),
     }
     out.mkdir(parents=True, exist_ok=True)

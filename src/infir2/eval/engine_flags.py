@@ -1,26 +1,32 @@
 """`infir2 eval`'s engine flags: the precision (``--precision``, the words of ``generation.PRECISIONS``)
-and each engine's own (the built-in engine's, a server's, vLLM's), refused when given to another engine,
-checked before anything is read, and turned into the engine they build (``EngineOptions`` and the
-engine's own settings)."""
+and each engine's own -- the built-in engine's and a server's written here, every other engine's
+generated from its settings' fields (``generation.knob``: vllm's ``--tensor-parallel-size`` ...,
+or those of an engine registered by name) -- refused when given to another engine, checked before
+anything is read, and turned into the engine they build (``EngineOptions`` and the engine's own
+settings)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import typing
 from pathlib import Path
 from typing import Any
 
-from ..generation import PRECISIONS, check_engine
+from ..generation import ENGINES, PRECISIONS, check_engine, knobs, preflight_engine
 from ..model import resolve_device
+from .config import EvalConfig, EvalGeneration, EvalSampling, EvalServer, defaults
 
 __all__ = [
     "IN_PROCESS_FLAGS",
     "SERVER_FLAGS",
-    "VLLM_FLAGS",
     "add_engine_arguments",
     "build_eval_engine",
     "check_engine_flags",
     "check_server_flags",
+    "engine_knob_flags",
+    "engine_preview",
     "load_model",
     "parse_extra_body",
 ]
@@ -66,94 +72,89 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="samples asked for in one request (the API's n; default: all of a problem's)",
     )
     s.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
-    v = p.add_argument_group("vllm engine (an in-process vllm.LLM; vLLM is an optional extra)")
-    v.add_argument("--tensor-parallel-size", type=int, help="GPUs the model is split over (default: 1)")
-    v.add_argument(
-        "--memory-fraction", type=float, help="share of the GPU's memory vLLM takes (default: 0.5)"
-    )
-    v.add_argument("--cpu-kv-cache-gib", type=float, help="CPU: the KV cache in GiB (default: 1)")
-    v.add_argument(
-        "--max-model-len", type=int, help="longest prompt + response (default: the model's positions)"
-    )
-    v.add_argument(
-        "--dtype",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="what vLLM computes in (default auto: as --engine builtin, float32 on a CPU and bfloat16 on "
-        "CUDA; bfloat16 for FP8, whose activations vLLM takes in bf16)",
-    )
-    v.add_argument(
-        "--cuda-graphs", action="store_true", help="capture CUDA graphs (default: eager, faster start)"
-    )
     s.add_argument(
         "--extra-body",
         help="JSON merged into every request, for engine extensions, e.g. '{\"top_k\": -1}' (default: {})",
     )
+    _add_knob_flags(p)
+
+
+#: flags of before the engines declared their settings, and what each is now
+_MOVED_FLAGS = {"cuda_graphs": "--cuda-graphs is now --no-enforce-eager (the vllm engine's enforce_eager)"}
+
+
+def engine_knob_flags() -> dict[str, list[tuple[str, Any]]]:
+    """Each registered engine's generated flags: flag -> the settings field it sets (``generation.knobs``)."""
+    return {name: [(_flag(f.name), f) for f in knobs(entry.settings)] for name, entry in ENGINES.items()}
+
+
+def _add_knob_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per knob of every registered engine (``--NAME-WITH-DASHES``), typed by its annotation;
+    a knob two engines share is one flag."""
+    added: set[str] = set()
+    for name, flags in engine_knob_flags().items():
+        group = p.add_argument_group(f"{name} engine (its settings' fields)") if flags else None
+        hints = typing.get_type_hints(ENGINES[name].settings) if flags else {}
+        for flag, f in flags:
+            if flag in added:
+                continue
+            if flag in p._option_string_actions:
+                raise ValueError(
+                    f"engine {name}: its setting {f.name} would be {flag}, a flag of infir2 eval"
+                )
+            assert group is not None
+            group.add_argument(flag, dest=_knob_dest(f.name), **_knob_kwargs(hints[f.name], f))
+            added.add(flag)
+    p.add_argument("--cuda-graphs", action="store_true", help=argparse.SUPPRESS)  # refused: _MOVED_FLAGS
+
+
+def _knob_dest(name: str) -> str:
+    return f"knob_{name}"
+
+
+def _knob_kwargs(tp: Any, f: Any) -> dict[str, Any]:
+    """argparse's type, choices or action for a knob of annotation ``tp`` (``X | None`` as ``X``)."""
+    meaning = f"{f.metadata['help']} (default: {f.default})"
+    options = (
+        [t for t in typing.get_args(tp) if t is not type(None)] if type(None) in typing.get_args(tp) else [tp]
+    )
+    tp = options[0]
+    if tp is bool:
+        return {"action": argparse.BooleanOptionalAction, "default": None, "help": meaning}
+    if typing.get_origin(tp) is typing.Literal:
+        return {"choices": list(typing.get_args(tp)), "help": meaning}
+    return {"type": tp, "metavar": f.name.upper(), "help": meaning}
 
 
 #: each engine's own flags (dest -> default): given to an engine of the other kind, they are refused
 IN_PROCESS_FLAGS: dict[str, Any] = {
-    "batch_size": 8,
-    "recipe": None,
-    "scale_encoding": "pow2",
-    "device": "auto",
-    "beyond_context": False,
+    **defaults(EvalGeneration, ("batch_size", "recipe", "scale_encoding", "device")),
+    **defaults(EvalSampling, ("beyond_context",)),
 }
 
 
-SERVER_FLAGS: dict[str, Any] = {
-    "base_url": None,
-    "concurrency": 8,
-    "request_timeout": 3600.0,
-    "retries": 8,
-    "samples_per_request": None,
-    "api_key": None,
-    "extra_body": "{}",
-}
+SERVER_FLAGS: dict[str, Any] = {**defaults(EvalServer), "extra_body": "{}"}  # --extra-body: JSON text
 
 
-VLLM_FLAGS = (
-    "tensor_parallel_size",
-    "memory_fraction",
-    "cpu_kv_cache_gib",
-    "max_model_len",
-    "dtype",
-    "cuda_graphs",
-)
-
-
-def _vllm_settings(args: argparse.Namespace) -> Any:
-    """The vllm engine's flags as its settings; given to another engine, a flag is refused."""
-    given = [d for d in VLLM_FLAGS if _given(getattr(args, d, None))]
-    if args.engine != "vllm":
-        if given:
-            raise ValueError(f"{_flag(given[0])} is a flag of --engine vllm, not of --engine {args.engine}")
-        return None
-    from ..generation import vllm_engine as ve
-
-    ve.require_vllm("--engine vllm")  # installed, before anything is read
-    fp8 = (
-        "--precision"
-        if args.precision == "fp8"
-        else "--model"
-        if ve.is_fp8_folder(Path(args.model))
-        else None
-    )
-    why = ve.fp8_unsupported() if fp8 else None
-    if fp8 and why:
-        raise ve.fp8_refusal(fp8, why)
-    if args.device not in (None, "auto"):
-        raise ValueError("--device is not a flag of --engine vllm: vLLM places the model itself")
-
-    kept = {d: getattr(args, d) for d in VLLM_FLAGS[:-1] if getattr(args, d) is not None}
-    try:
-        settings = ve.VllmSettings(**kept, enforce_eager=not args.cuda_graphs)
-    except ValueError as e:
-        raise ValueError(f"--engine vllm: {e}") from None
-    # the served dtype, known before any weights: eval's settings (a resumed run must match it)
-    args.served_dtype, how = ve.served_dtype(settings, fp8 is not None)
-    auto = how if settings.dtype == "auto" else ""
-    ve.check_served_dtype(args.served_dtype, fp8 is not None, "--dtype", ve.supported_dtypes(), auto)
-    args.vllm_precision = ve.vllm_precision_label(fp8 is not None)
+def _engine_settings(args: argparse.Namespace) -> Any:
+    """The generated flags of ``--engine``'s settings as its settings (a flag of another engine is
+    refused, a value out of range too)."""
+    for dest, line in _MOVED_FLAGS.items():
+        if getattr(args, dest, False):
+            raise ValueError(line)
+    own = {flag for flag, _ in engine_knob_flags()[args.engine]}
+    for name, flags in engine_knob_flags().items():
+        for flag, f in flags:
+            if flag not in own and _given(getattr(args, _knob_dest(f.name), None)):
+                raise ValueError(f"{flag} is a flag of --engine {name}, not of --engine {args.engine}")
+    kind = ENGINES[args.engine].settings
+    settings = kind() if kind is not None and not dataclasses.fields(kind) else None  # none of its own
+    if knobs(kind):
+        given = {f.name: getattr(args, _knob_dest(f.name)) for _, f in engine_knob_flags()[args.engine]}
+        try:
+            settings = kind(**{k: v for k, v in given.items() if v is not None})  # type: ignore[misc]
+        except ValueError as e:
+            raise ValueError(f"--engine {args.engine}: {e}") from None
     return settings
 
 
@@ -168,13 +169,13 @@ def _flag(dest: str) -> str:
 
 
 def check_engine_flags(args: argparse.Namespace) -> None:
-    """Refuse a flag of another kind of engine (``TRAITS``: an in-process engine's --batch-size, --recipe,
+    """Refuse a flag of another kind of engine (its ``EngineTraits``: an in-process engine's --batch-size, --recipe,
     --scale-encoding, --device, --beyond-context; a server's --base-url, --concurrency ...), what the
     engine cannot run (``check_engine``: --precision fp8 on a server) and a --recipe or --scale-encoding
     without its precision, in one line naming the flag, before anything is read; then fill the defaults
     of the flags not given."""
     traits = check_engine(args.engine, "--engine", args.precision, "--precision")
-    args.vllm_settings = _vllm_settings(args)
+    args.engine_settings = _engine_settings(args)
     given = [d for d in (*IN_PROCESS_FLAGS, *SERVER_FLAGS) if _given(getattr(args, d))]
     for dest in given:
         server_flag = dest in SERVER_FLAGS
@@ -198,33 +199,53 @@ def check_engine_flags(args: argparse.Namespace) -> None:
             setattr(args, dest, default)
 
 
-def load_model(args: argparse.Namespace):
-    """The model of --model; with --precision recipe its projections converted to ``Fp8Linear``."""
+def load_model(cfg: EvalConfig):
+    """The model of --model on --device, as stored (the engine applies --precision)."""
     from ..export import load_checkpoint
 
-    device = str(resolve_device(args.device))
-    model = load_checkpoint(args.model, device=device)
-    if args.precision == "recipe":
-        from ..nn import convert_to_fp8
-
-        convert_to_fp8(model, args.recipe)  # an unknown recipe name is a ValueError naming the choices
-    return model
+    return load_checkpoint(cfg.model.path, device=str(resolve_device(cfg.generation.device)))
 
 
-def build_eval_engine(args: argparse.Namespace, tokenizer):
-    """The engine of --engine: the options every engine takes, and the engine's own settings (a server's
-    and vllm's from their flags; the others' defaults)."""
-    from ..generation import EngineOptions, build_engine
+def _options(cfg: EvalConfig, tokenizer: Any) -> Any:
+    """What every engine is built from: the precision and recipe (both applied by the engine), the model
+    folder and its loader (``load_model``)."""
+    from ..generation import EngineOptions
 
-    options = EngineOptions(
-        tokenizer,
-        model=lambda: load_model(args),
-        precision=args.precision,
-        scale_encoding=args.scale_encoding,
-        model_dir=str(args.model),
+    g = cfg.generation
+    return EngineOptions(
+        tokenizer=tokenizer,
+        model=lambda: load_model(cfg),
+        precision=g.precision,
+        recipe=g.recipe,
+        scale_encoding=g.scale_encoding,
+        model_dir=cfg.model.path,
+        device=g.device,
     )
-    own = {"server": _server_config(args) if args.base_url else None, "vllm": args.vllm_settings}
-    return build_engine(args.engine, options, own.get(args.engine))
+
+
+def engine_preview(cfg: EvalConfig) -> Any:
+    """The engine's checks that need no weights (``generation.preflight_engine``: vllm installed, FP8 on
+    this machine, its served dtype), each refusal one line naming the flag; what the engine will report
+    (``generation.Preview``; None where only the built engine knows)."""
+    name = cfg.generation.engine
+    keys = {
+        "engine": f"--engine {name}",
+        "precision": "--precision",
+        "model": "--model",
+        "device": "--device",
+    }
+    keys |= {f.name: flag for flag, f in engine_knob_flags()[name]}
+    return preflight_engine(name, _options(cfg, tokenizer=None), cfg.engine, keys)
+
+
+def build_eval_engine(cfg: EvalConfig, tokenizer):
+    """The engine of ``generation.engine``: the options every engine takes, and the engine's own settings
+    (a server's from the server section; the others' the config's ``engine``)."""
+    from ..generation import build_engine
+
+    name = cfg.generation.engine
+    own = _server_config(cfg) if name == "server" and cfg.server.base_url else cfg.engine
+    return build_engine(name, _options(cfg, tokenizer), own)
 
 
 def check_server_flags(args: argparse.Namespace) -> None:
@@ -233,7 +254,7 @@ def check_server_flags(args: argparse.Namespace) -> None:
         return
     if not args.base_url:
         raise ValueError("--engine server needs --base-url (e.g. http://127.0.0.1:8000)")
-    parse_extra_body(args)
+    parse_extra_body(args.extra_body)
     if args.tokenizer is None and not Path(args.model).is_dir():
         raise ValueError(
             f"--engine server needs --tokenizer FOLDER to render the prompts (--model {args.model!r} "
@@ -241,13 +262,14 @@ def check_server_flags(args: argparse.Namespace) -> None:
         )
 
 
-def parse_extra_body(args: argparse.Namespace) -> dict[str, Any]:
+def parse_extra_body(text: str) -> dict[str, Any]:
+    """--extra-body's JSON object."""
     try:
-        extra = json.loads(args.extra_body)
+        extra = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"--extra-body is not JSON ({e.msg}): {args.extra_body!r}") from None
+        raise ValueError(f"--extra-body is not JSON ({e.msg}): {text!r}") from None
     if not isinstance(extra, dict):
-        raise ValueError(f"--extra-body must be a JSON object, got {args.extra_body!r}")
+        raise ValueError(f"--extra-body must be a JSON object, got {text!r}")
     return extra
 
 
@@ -261,8 +283,13 @@ _SERVER_FIELDS = {
 }
 
 
-def _server_config(args: argparse.Namespace):
+def _server_config(cfg: EvalConfig):
     from ..generation import ServerConfig
 
-    own = {field: getattr(args, dest) for dest, field in _SERVER_FIELDS.items()}
-    return ServerConfig(args.base_url, args.model, extra_body=parse_extra_body(args), **own)
+    own = {field: getattr(cfg.server, key) for key, field in _SERVER_FIELDS.items()}
+    return ServerConfig(
+        base_url=cfg.server.base_url or "",
+        model=cfg.model.path,
+        extra_body=cfg.server.extra_body or {},
+        **own,
+    )

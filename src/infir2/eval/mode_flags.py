@@ -8,11 +8,12 @@ import argparse
 from typing import Any
 
 from ..fp8 import get_recipe, recipe_names
+from .config import EvalLoss, defaults
 
 __all__ = ["BENCHMARK_FLAGS", "LOSS_FLAGS", "check_mode_flags", "check_recipe"]
 
 #: the held-out loss's flags (dest -> default) and the benchmark's: each refused in the other mode
-LOSS_FLAGS: dict[str, Any] = {"split": "val", "seq_len": 1024, "max_windows": None}
+LOSS_FLAGS: dict[str, Any] = defaults(EvalLoss, ("split", "seq_len", "max_windows"))
 BENCHMARK_FLAGS: tuple[str, ...] = (
     "preset",
     "tokenizer",

@@ -93,8 +93,14 @@ def evaluate(
     ``problems``: ``Problem`` objects (``load_problems``) or plain dicts with the JSONL schema of ``task``.
     ``log``: a ``CompletionLog`` that keeps every finished sample (and supplies those of an earlier run).
     """
-    cfg = SamplingConfig(greedy, temperature, top_p, max_new_tokens, batch_size)
-    engine = BuiltinEngine(model, tokenizer, precision)
+    cfg = SamplingConfig(
+        greedy=greedy,
+        temperature=temperature,
+        top_p=top_p,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+    )
+    engine = BuiltinEngine(model, tokenizer, precision=precision)
     return run_evaluation(
         engine, tokenizer, problems, task, n, cfg, system_prompt, think_prefix, log, progress, seed
     )
@@ -262,7 +268,7 @@ def _summary(
         "samples_per_problem": n,
         "decoding": "greedy" if cfg.greedy else f"sample (temperature {cfg.temperature}, top_p {cfg.top_p})",
         "engine": engine.name,
-        "precision": engine.precision,
+        "precision": engine.label,
         **({"dtype": dtype} if (dtype := getattr(engine, "served_dtype", None)) else {}),  # computed in
         "avg@n": avg_at_n(counts, n),
     }

@@ -1,18 +1,32 @@
 """Generation below ``eval`` and ``rl``: one engine interface, one KV-cache sampler, one FP8 serving linear,
 the OpenAI-compatible server client, and the engine registry both ``infir2 eval`` and ``infir2 rl`` read."""
 
-from .base import PRECISIONS, Engine, Prompt, Request, RolloutEngine, Sample, SamplingConfig, derive_seeds
-from .builtin import BuiltinEngine, check_prompt_fits, precision_label, stops_and_pad
+from .base import (
+    PRECISIONS,
+    Engine,
+    EngineOptions,
+    Preview,
+    Prompt,
+    Request,
+    RolloutEngine,
+    Sample,
+    SamplingConfig,
+    check_prompt_fits,
+    derive_seeds,
+    knob,
+    knobs,
+    stops_and_pad,
+)
+from .builtin import BuiltinEngine, apply_precision, precision_label
 from .fp8_linear import SAME_RECIPE, ServingFp8Linear, serve_fp8
 from .registry import (
     ENGINES,
-    TRAITS,
     BuiltinSettings,
     EngineEntry,
-    EngineOptions,
     EngineTraits,
     build_engine,
     check_engine,
+    preflight_engine,
     register_engine,
 )
 from .sampler import left_pad, sample_batch
@@ -22,13 +36,13 @@ __all__ = [
     "ENGINES",
     "PRECISIONS",
     "SAME_RECIPE",
-    "TRAITS",
     "BuiltinEngine",
     "BuiltinSettings",
     "Engine",
     "EngineEntry",
     "EngineOptions",
     "EngineTraits",
+    "Preview",
     "Prompt",
     "Request",
     "RolloutEngine",
@@ -38,13 +52,17 @@ __all__ = [
     "ServerEngine",
     "ServerError",
     "ServingFp8Linear",
+    "apply_precision",
     "build_engine",
     "check_engine",
     "check_prompt_fits",
     "check_server",
     "derive_seeds",
+    "knob",
+    "knobs",
     "left_pad",
     "precision_label",
+    "preflight_engine",
     "register_engine",
     "sample_batch",
     "serve_fp8",

@@ -16,22 +16,30 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Protocol
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from ..data.chat import stop_token_ids
+
 __all__ = [
     "PRECISIONS",
     "Engine",
+    "EngineOptions",
     "OnSample",
+    "Preview",
     "Prompt",
     "Request",
     "RolloutEngine",
     "Sample",
     "SamplingConfig",
+    "check_prompt_fits",
     "derive_seeds",
+    "knob",
+    "knobs",
+    "stops_and_pad",
 ]
 
 
@@ -44,7 +52,69 @@ PRECISIONS: dict[str, str] = {
 }
 
 
+def knob(default: Any, meaning: str) -> Any:
+    """A field of an engine's settings (a ``kw_only`` dataclass) with its default and meaning: the one
+    declaration that RL's ``engine`` section and ``infir2 eval``'s generated flags are read from."""
+    return field(default=default, metadata={"help": meaning})
+
+
+def knobs(settings: type | None) -> list[Any]:
+    """The knobs of a settings type (its fields declared with ``knob``); [] for None or a type whose
+    fields are set by the caller (a server's ``ServerConfig``, built from eval's own flags)."""
+    if settings is None:
+        return []
+    found = fields(settings)
+    return list(found) if all("help" in f.metadata for f in found) else []
+
+
+def stops_and_pad(tokenizer) -> tuple[list[int], int]:
+    """The stop ids (``data.chat.stop_token_ids``, sorted) and the pad id (the tokenizer's, else the first
+    stop id): the one rule for every padded batch of generated text (the sampler's and RL's)."""
+    stops = sorted(set(stop_token_ids(tokenizer)))
+    if not stops:
+        raise ValueError("the tokenizer has neither <|im_end|> nor an eos token: generation could never stop")
+    pad = tokenizer.pad_token_id
+    return stops, pad if pad is not None else stop_token_ids(tokenizer)[0]
+
+
+def check_prompt_fits(longest: int, limit: int | None, beyond_context: bool = False) -> None:
+    """A prompt of ``longest`` tokens must leave a position to generate in, of the model's ``limit``
+    (``max_position_embeddings``); ``beyond_context``: run past them (RoPE extrapolation)."""
+    if limit is not None and longest >= limit and not beyond_context:
+        raise ValueError(
+            f"a prompt of {longest} tokens does not fit the model's {limit} positions (max_position_embeddings): "
+            "shorten the problems, or pass --beyond-context (eval) / set model.beyond_context (rl) to run past them"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineOptions:
+    """What every engine is built from: ``infir2 eval``'s config, or the RL config and its policy."""
+
+    tokenizer: Any
+    model: Callable[[], nn.Module] | None = (
+        None  # in-process engines call it (eval loads, RL hands the policy)
+    )
+    precision: str = "high"  # a word of PRECISIONS: high | fp8 (the FP8 export's weights) | recipe
+    recipe: str | None = None  # recipe: the training recipe the engine converts the model's projections with
+    scale_encoding: str = "pow2"  # fp8: the export's block scales (pow2 | fp32)
+    model_dir: str | None = None  # eval: the --model folder, for an engine that reads it itself (vllm)
+    device: str | None = None  # eval: --device (None: the engine's own choice; vllm places the model itself)
+    model_precision: str | None = None  # RL: model.precision, the autocast of the high-precision parts
+    copy_model: bool = False  # RL: generate from a copy that load_weights(policy) refreshes
+    base_dtype: torch.dtype | None = None  # fp8 + copy_model: the other tensors as the FP8 export holds them
+    record_routes: bool = False  # RL's routing replay: each sample's MoE experts per token (Sample.routes)
+
+
 @dataclass(frozen=True)
+class Preview:
+    """What an engine will report, known before it is built (eval's settings, which a resume must match)."""
+
+    label: str  # its ``Engine.label``
+    served_dtype: str | None = None  # the dtype it serves in, where that is not the folder's (vllm)
+
+
+@dataclass(frozen=True, kw_only=True)
 class SamplingConfig:
     """Decoding settings. ``greedy`` ignores temperature / top_p / top_k; ``top_k`` 0 = no top-k.
 
@@ -130,11 +200,12 @@ class Request:
 
 
 class Engine(Protocol):
-    """Where samples come from. ``name`` is its registry name, ``precision`` what its projections run in
-    (a label that starts with one of ``PRECISIONS``' words, or says what a server loaded)."""
+    """Where samples come from. ``name`` is its registry name, ``label`` what its projections run in, as
+    eval's settings and summary say it (it starts with one of ``PRECISIONS``' words, or says what a
+    server loaded); the word itself is ``EngineOptions.precision``."""
 
     name: str
-    precision: str
+    label: str
     returns_ids: bool  # response ids and log-probabilities (what RL trains on); False: text only
 
     def load_weights(self, policy: nn.Module) -> None:

@@ -31,28 +31,17 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..data.chat import stop_token_ids
 from ..nn import fp8_enabled, fp8_modules
 from ..nn.moe.routing import NO_ROUTE, record_routes
-from .base import PRECISIONS, Prompt, Request, Sample, SamplingConfig
+from .base import PRECISIONS, Prompt, Request, Sample, SamplingConfig, check_prompt_fits, stops_and_pad
 from .fp8_linear import ServingFp8Linear, serve_fp8
 from .sampler import sample_batch
 
-__all__ = ["BuiltinEngine", "check_prompt_fits", "precision_label", "sample_routes", "stops_and_pad"]
-
-
-def stops_and_pad(tokenizer) -> tuple[list[int], int]:
-    """The stop ids (``data.chat.stop_token_ids``, sorted) and the pad id (the tokenizer's, else the first
-    stop id): the one rule for every padded batch of generated text (the sampler's and RL's)."""
-    stops = sorted(set(stop_token_ids(tokenizer)))
-    if not stops:
-        raise ValueError("the tokenizer has neither <|im_end|> nor an eos token: generation could never stop")
-    pad = tokenizer.pad_token_id
-    return stops, pad if pad is not None else stop_token_ids(tokenizer)[0]
+__all__ = ["BuiltinEngine", "apply_precision", "precision_label", "sample_routes"]
 
 
 def precision_label(precision: str, scale_encoding: str = "pow2", recipes: Sequence[str] = ()) -> str:
-    """What ``BuiltinEngine.precision`` says (the settings a resumed evaluation must match) for
+    """What ``BuiltinEngine.label`` says (the settings a resumed evaluation must match) for
     ``precision`` (``base.PRECISIONS``), the export's scales and the recipes of the model's ``Fp8Linear`` layers."""
     names = ", ".join(sorted(set(recipes)))
     return {
@@ -60,6 +49,21 @@ def precision_label(precision: str, scale_encoding: str = "pow2", recipes: Seque
         "fp8": f"fp8 (the export's weights, {scale_encoding} scales)",
         "recipe": f"recipe ({names})" if names else "recipe",
     }[precision]
+
+
+def apply_precision(
+    model: nn.Module, precision: str, recipe: str | None, scale_encoding: str = "pow2"
+) -> None:
+    """Make ``model`` compute in ``precision`` (``base.PRECISIONS``), in place: ``recipe`` converts its
+    projections to ``Fp8Linear`` with the training recipe ``recipe`` (run in FP8 while generating);
+    ``fp8`` swaps them for the FP8 export's ``ServingFp8Linear``; ``high`` leaves the model as it is. The
+    one place both precisions are applied (the builtin engine's factory, eval's held-out loss)."""
+    if precision == "recipe" and recipe is not None:
+        from ..nn import convert_to_fp8
+
+        convert_to_fp8(model, recipe)  # an unknown recipe name is a ValueError naming the choices
+    elif precision == "fp8":
+        serve_fp8(model, scale_encoding)
 
 
 class BuiltinEngine:
@@ -71,22 +75,23 @@ class BuiltinEngine:
         self,
         model: nn.Module,
         tokenizer,
+        *,
         precision: str = "high",
         scale_encoding: str = "pow2",
         model_precision: str | None = None,
         copy_model: bool = False,
-        name: str = "builtin",
         base_dtype: torch.dtype | None = None,
         record_routes: bool = False,
+        name: str = "builtin",
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         self.name, self.model_precision, self.copy_model = name, model_precision, copy_model
         self.record_routes = record_routes
         self.stop_ids, self.pad_id = stops_and_pad(tokenizer)
-        self.mode = precision
+        self.precision = precision  # the word (base.PRECISIONS); ``label`` says it for eval's settings
         self.base_dtype = base_dtype if precision == "fp8" else None
-        self.precision = precision_label(
+        self.label = precision_label(
             precision, scale_encoding, [m.recipe.name for _, m in fp8_modules(model)]
         )
         self.model = copy.deepcopy(model).eval().requires_grad_(False) if copy_model else model
@@ -133,7 +138,9 @@ class BuiltinEngine:
     def forward_context(self) -> AbstractContextManager[Any]:
         """Around a forward of ``self.model``: its FP8 recipe layers on or off as ``precision`` says (what
         ``generate`` computes in; RL's ``rollout.rescore`` scores in it too)."""
-        return fp8_enabled(self.model, self.mode == "recipe") if self.mode != "fp8" else nullcontext()
+        return (
+            fp8_enabled(self.model, self.precision == "recipe") if self.precision != "fp8" else nullcontext()
+        )
 
     def generate(self, request: Request) -> list[list[Sample]]:
         prompts, sampling = request.prompts, request.sampling
@@ -199,13 +206,3 @@ def sample_routes(
 def _check_prompt_lengths(model: nn.Module, prompts: Sequence[Prompt], sampling: SamplingConfig) -> None:
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     check_prompt_fits(max((len(p.ids) for p in prompts), default=0), limit, sampling.beyond_context)
-
-
-def check_prompt_fits(longest: int, limit: int | None, beyond_context: bool = False) -> None:
-    """A prompt of ``longest`` tokens must leave a position to generate in, of the model's ``limit``
-    (``max_position_embeddings``); ``beyond_context``: run past them (RoPE extrapolation)."""
-    if limit is not None and longest >= limit and not beyond_context:
-        raise ValueError(
-            f"a prompt of {longest} tokens does not fit the model's {limit} positions (max_position_embeddings): "
-            "shorten the problems, or pass --beyond-context (eval) / set model.beyond_context (rl) to run past them"
-        )

@@ -1,70 +1,54 @@
 """The engine registry: ``infir2 eval --engine NAME`` and ``rollout.engine: NAME`` both read ``ENGINES``.
 
-An entry (``EngineEntry``) is a factory ``(name, EngineOptions, settings) -> Engine`` and the type of the
-engine's own settings: ``EngineOptions`` is what every engine is built from (the tokenizer, the model,
-the precision of ``base.PRECISIONS``); ``settings`` is an instance of the entry's own dataclass
-(``BuiltinSettings``, ``ServerConfig``, ``VllmSettings``; None: its defaults), so a new engine adds its
-settings without touching another engine's. A new engine (an SGLang adapter) is a module with a class
-that implements ``base.Engine`` and one ``register_engine(NAME, factory, settings=ItsSettings)``;
-``infir2 eval`` then accepts ``--engine NAME`` and ``infir2 rl`` ``rollout.engine: NAME`` (RL needs
-``returns_ids``: token ids and log-probabilities), with no change to either loop.
+An entry (``EngineEntry``) holds everything known of an engine before it is built, declared once: its
+factory ``(name, EngineOptions, settings) -> Engine``, the type of its own settings and its traits.
+``EngineOptions`` (``base``) is what every engine is built from (the tokenizer, the model, the precision
+of ``base.PRECISIONS``); ``settings`` is an instance of the entry's own ``kw_only`` dataclass whose fields
+are declared with ``base.knob(default, meaning)`` (``VllmSettings``; None: its defaults). Those fields
+are the one declaration of the engine's knobs: RL's ``engine`` section and ``infir2 eval``'s generated
+flags (``--tensor-parallel-size`` ...) are read from them. A new engine (an SGLang adapter) is one
+module with a class that implements ``base.Engine`` and one ``register_engine(NAME, factory,
+settings=ItsSettings, traits=...)``: ``infir2 eval`` then accepts ``--engine NAME`` and its knobs' flags,
+and ``infir2 rl`` ``rollout.engine: NAME`` and its ``engine`` section (RL needs ``returns_ids``: token
+ids and log-probabilities), with no change to either.
 
-``register_engine(..., traits=EngineTraits(...))`` may also say what the engine is (in this process or
-not, the precisions it runs, whether it returns token ids), known before it is built: ``check_engine``
-then refuses what it cannot do -- FP8 on a server, RL on a text-only engine -- in one line naming the
-flag or key, before any weights are read. An engine registered without traits is checked when it is
-built.
+``traits`` (``EngineTraits``) say what the engine is (in this process or not, the precisions it runs,
+whether it returns token ids): ``check_engine`` then refuses what it cannot do -- FP8 on a server, RL on
+a text-only engine -- in one line naming the flag or key, before any weights are read. ``preflight``
+refuses the rest of what needs no weights (vllm: installed, FP8 on this machine, the served dtype) and
+says what the engine will report (``base.Preview``). An engine registered without traits is checked
+when it is built.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-from torch import nn
-
-from .base import PRECISIONS, Engine
-from .builtin import BuiltinEngine
+from .base import PRECISIONS, Engine, EngineOptions, Preview
+from .builtin import BuiltinEngine, apply_precision, precision_label
 from .server import ServerConfig, ServerEngine, check_server
 from .vllm_engine import VllmSettings
 
 __all__ = [
     "ENGINES",
-    "TRAITS",
     "BuiltinSettings",
     "EngineEntry",
     "EngineFactory",
-    "EngineOptions",
     "EngineTraits",
+    "Preflight",
     "build_engine",
     "check_engine",
+    "preflight_engine",
     "register_engine",
 ]
 
 
-@dataclass(frozen=True)
-class EngineOptions:
-    """What every engine is built from: ``infir2 eval``'s flags, or the RL config and its policy."""
-
-    tokenizer: Any
-    model: Callable[[], nn.Module] | None = (
-        None  # in-process engines call it (eval loads, RL hands the policy)
-    )
-    precision: str = "high"  # a word of base.PRECISIONS: high | fp8 (the FP8 export's weights) | recipe
-    scale_encoding: str = "pow2"  # fp8: the export's block scales (pow2 | fp32)
-    model_dir: str | None = None  # eval: the --model folder, for an engine that reads it itself (vllm)
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BuiltinSettings:
-    """The built-in engine's own settings (``BuiltinEngine``)."""
-
-    model_precision: str | None = None  # autocast of the high-precision parts (RL: model.precision)
-    copy_model: bool = False  # RL: generate from a copy that load_weights refreshes
-    base_dtype: torch.dtype | None = None  # fp8 + copy_model: the other tensors as the FP8 export holds them
-    record_routes: bool = False  # routing replay: each sample's MoE experts per token (Sample.routes)
+    """The built-in engine's own settings: none. What it runs comes from ``EngineOptions`` (the precision,
+    RL's copy of the policy, its dtypes and routing replay's records) and ``SamplingConfig`` (its batch size)."""
 
 
 #: ``factory(name, options, settings)``: ``settings`` an instance of the entry's settings type, or None
@@ -74,18 +58,26 @@ EngineFactory = Callable[[str, EngineOptions, Any], Engine]
 def _builtin(name: str, o: EngineOptions, settings: BuiltinSettings | None) -> Engine:
     if o.model is None:
         raise ValueError(f"the {name} engine runs a model in this process: give a model")
-    s = settings or BuiltinSettings()
+    model = o.model()
+    if o.precision == "recipe":  # fp8 is swapped in by the engine (on its copy in RL)
+        apply_precision(model, "recipe", o.recipe)
     return BuiltinEngine(
-        o.model(),
+        model,
         o.tokenizer,
-        o.precision,
-        o.scale_encoding,
-        s.model_precision,
-        s.copy_model,
-        name,
-        s.base_dtype,
-        s.record_routes,
+        precision=o.precision,
+        scale_encoding=o.scale_encoding,
+        model_precision=o.model_precision,
+        copy_model=o.copy_model,
+        base_dtype=o.base_dtype,
+        record_routes=o.record_routes,
+        name=name,
     )
+
+
+def _builtin_preview(o: EngineOptions, settings: Any, keys: Mapping[str, str]) -> Preview:
+    """With --precision recipe every layer it converts runs ``recipe`` (the conversion is checked on the
+    meta device by eval)."""
+    return Preview(precision_label(o.precision, o.scale_encoding, [o.recipe] if o.recipe else []))
 
 
 def _server(name: str, o: EngineOptions, settings: ServerConfig | None) -> Engine:
@@ -111,16 +103,15 @@ def _vllm(name: str, o: EngineOptions, settings: VllmSettings | None) -> Engine:
         policy=policy,
         precision=o.precision,
         scale_encoding=o.scale_encoding,
+        model_precision=o.model_precision,
         name=name,
     )
 
 
-@dataclass(frozen=True)
-class EngineEntry:
-    """A registered engine: its factory and the type of its own settings (None: it has none)."""
+def _vllm_preflight(o: EngineOptions, settings: Any, keys: Mapping[str, str]) -> Preview:
+    from .vllm_engine import preflight  # looked up when called (tests patch the module)
 
-    factory: EngineFactory
-    settings: type | None = None
+    return preflight(o, settings, keys)
 
 
 @dataclass(frozen=True)
@@ -130,20 +121,42 @@ class EngineTraits:
     in_process: bool  # runs the model in this process (eval: --batch-size, --device ... are its flags)
     precisions: tuple[str, ...]  # the ``EngineOptions.precision`` words it runs; () = what its server loaded
     returns_ids: bool  # token ids and log-probabilities (what RL trains on); False: text only
+    records_routes: bool = False  # each sample's MoE experts per token (Sample.routes: RL's routing replay)
+
+
+#: ``preflight(options, settings, keys)``: refuse, in one line naming ``keys[...]`` (the caller's flag or
+#: config key of ``engine``, ``precision``, ``model``, ``device`` and of each setting), what the engine
+#: cannot run, before any weights are read; return what it will report
+Preflight = Callable[[EngineOptions, Any, Mapping[str, str]], Preview]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineEntry:
+    """A registered engine: its factory, the type of its own settings (None: it has none), its traits
+    (None: checked when built) and its preflight (None: nothing to check before it is built)."""
+
+    factory: EngineFactory
+    settings: type | None = None
+    traits: EngineTraits | None = None
+    preflight: Preflight | None = None
 
 
 #: engine name -> entry. ``builtin``: KV-cache generation in this process; ``server``: an OpenAI-compatible
 #: server; ``vllm``: an in-process ``vllm.LLM`` (``vllm_engine``; vLLM is an optional extra)
 ENGINES: dict[str, EngineEntry] = {
-    "builtin": EngineEntry(_builtin, BuiltinSettings),
-    "server": EngineEntry(_server, ServerConfig),
-    "vllm": EngineEntry(_vllm, VllmSettings),
-}
-#: engine name -> its traits (an engine registered without them is absent)
-TRAITS: dict[str, EngineTraits] = {
-    "builtin": EngineTraits(True, tuple(PRECISIONS), True),
-    "server": EngineTraits(False, (), False),
-    "vllm": EngineTraits(True, ("high", "fp8"), True),  # generation/vllm_engine.py (optional: vLLM)
+    "builtin": EngineEntry(
+        factory=_builtin,
+        settings=BuiltinSettings,
+        traits=EngineTraits(True, tuple(PRECISIONS), True, records_routes=True),
+        preflight=_builtin_preview,
+    ),
+    "server": EngineEntry(factory=_server, settings=ServerConfig, traits=EngineTraits(False, (), False)),
+    "vllm": EngineEntry(
+        factory=_vllm,
+        settings=VllmSettings,
+        traits=EngineTraits(True, ("high", "fp8"), True),
+        preflight=_vllm_preflight,
+    ),
 }
 
 
@@ -151,16 +164,18 @@ _PRECISION_WORDS = {"fp8": "FP8 (the FP8 export's weights)", "recipe": "a traini
 
 
 def register_engine(
-    name: str, factory: EngineFactory, settings: type | None = None, traits: EngineTraits | None = None
+    name: str,
+    factory: EngineFactory,
+    *,
+    settings: type | None = None,
+    traits: EngineTraits | None = None,
+    preflight: Preflight | None = None,
 ) -> None:
     """Add an engine under ``name`` (or replace one): eval's ``--engine`` and RL's ``rollout.engine`` take it.
-    ``settings``: the type of its own settings (a dataclass; None: it has none); ``traits``: what it is,
-    so that ``check_engine`` refuses what it cannot do before it is built."""
-    ENGINES[name] = EngineEntry(factory, settings)
-    if traits is None:
-        TRAITS.pop(name, None)
-    else:
-        TRAITS[name] = traits
+    ``settings``: the type of its own settings (a ``kw_only`` dataclass of ``base.knob`` fields: eval's
+    flags and RL's ``engine`` section; None: it has none); ``traits``: what it is, so that
+    ``check_engine`` refuses what it cannot do before it is built; ``preflight``: its other checks."""
+    ENGINES[name] = EngineEntry(factory=factory, settings=settings, traits=traits, preflight=preflight)
 
 
 def check_engine(
@@ -177,13 +192,14 @@ def check_engine(
         raise ValueError(
             f"{key}: got {name!r}, expected one of {', '.join(ENGINES)} (the registered engines)"
         )
-    traits = TRAITS.get(name)
+    traits = ENGINES[name].traits
     if traits is None:
         return None
     if needs_ids and not traits.returns_ids:
+        with_ids = [n for n, e in ENGINES.items() if e.traits is not None and e.traits.returns_ids]
         raise ValueError(
             f"{key}: the {name} engine returns text only; RL trains on the engine's token ids and "
-            f"log-probabilities (use an in-process engine: {', '.join(n for n, t in TRAITS.items() if t.returns_ids)})"
+            f"log-probabilities (use an in-process engine: {', '.join(with_ids)})"
         )
     if precision != "high" and precision not in traits.precisions:
         runs = (
@@ -207,3 +223,12 @@ def build_engine(name: str, options: EngineOptions, settings: Any = None) -> Eng
         want = "none" if entry.settings is None else entry.settings.__name__
         raise TypeError(f"the {name} engine's settings are {want}, got a {type(settings).__name__}")
     return entry.factory(name, options, settings)
+
+
+def preflight_engine(
+    name: str, options: EngineOptions, settings: Any, keys: Mapping[str, str]
+) -> Preview | None:
+    """The engine's checks that need no weights (``EngineEntry.preflight``), and what it will report;
+    None for an engine that knows its label only when built."""
+    entry = ENGINES[name]
+    return None if entry.preflight is None else entry.preflight(options, settings, keys)

@@ -54,9 +54,10 @@ class ServerError(RuntimeError):
     """A failure talking to the server, as one line (what failed, where, what to do)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ServerConfig:
-    """Where and how to reach the server; ``extra_body`` is merged into every request (engine extensions)."""
+    """Where and how to reach the server; ``extra_body`` is merged into every request (engine extensions).
+    The server engine's settings, built from eval's server flags (``eval.engine_flags``)."""
 
     base_url: str
     model: str
@@ -290,7 +291,7 @@ async def _generate_all(
 class ServerEngine:
     """An OpenAI-compatible ``/v1/completions`` server (vLLM, SGLang, ``transformers serve``): text out."""
 
-    precision = "as served"
+    label = "as served"  # what a server loaded: infir2 cannot see it
     returns_ids = False
 
     def __init__(self, server: ServerConfig, tokenizer, name: str = "server") -> None:

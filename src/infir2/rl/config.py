@@ -19,8 +19,9 @@ where they published one, docs/RL.md)::
     train:    max_steps, save_every, keep_last, log_every, eval_every, max_skipped_in_row (as in `infir2 train`),
               eval_problems, eval_samples, max_prob_error
     parallel: context                                          (as in `infir2 train`: processes per sequence)
-    vllm:     tensor_parallel_size, memory_fraction, cpu_kv_cache_gib, max_model_len, enforce_eager, dtype
-              (the settings of rollout.engine: vllm, generation.VllmSettings; refused with another engine)
+    engine:   rollout.engine's own settings, declared by the engine (its registry entry's settings type:
+              rollout.engine: vllm takes tensor_parallel_size, memory_fraction, ... of generation.VllmSettings;
+              the builtin engine has none); `infir2 config --keys --stage rl` lists each engine's
     guard:    max_val_drop, max_kl, stop                       (the collapse guard, rl/guard.py)
 
 The run, model, fp8, optim and parallel sections, the keys ``train`` shares (``TrainSection``), their rules,
@@ -35,7 +36,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from ..generation import ENGINES, SAME_RECIPE, BuiltinSettings, check_engine
+from ..generation import (
+    ENGINES,
+    SAME_RECIPE,
+    BuiltinSettings,
+    EngineOptions,
+    check_engine,
+    knobs,
+    preflight_engine,
+)
 from ..harness.config import MEANINGFUL as SHARED_MEANINGFUL
 from ..harness.config import (
     OptimConfig,
@@ -49,6 +58,7 @@ from ..harness.config import (
     resolve_config_path,
     save_config,
     setting,
+    settings_section,
 )
 from ..harness.typed_yaml import build, config_error
 from ..tasks import GRADERS, TASKS
@@ -64,6 +74,7 @@ __all__ = [
     "keeps_reference",
     "load_rl_config",
     "parse_rl_config",
+    "rollout_engines",
     "save_rl_config",
     "tis_mode",
 ]
@@ -192,29 +203,6 @@ class RLTrain(TrainSection):
 
 
 @dataclass(frozen=True)
-class RLVllm:
-    """``rollout.engine: vllm``'s own settings (``generation.vllm_engine.VllmSettings``)."""
-
-    tensor_parallel_size: int = setting(1, "GPUs vLLM splits the model over")
-    memory_fraction: float = setting(
-        0.5, "GPU memory vLLM takes (gpu_memory_utilization); colocated: leave the trainer room"
-    )
-    cpu_kv_cache_gib: float = setting(1.0, "CPU: the KV cache in GiB (VLLM_CPU_KVCACHE_SPACE, when unset)")
-    max_model_len: int | None = setting(None, "null: the model's max_position_embeddings")
-    enforce_eager: bool = setting(True, "no CUDA graphs (start in seconds); false: faster decoding on GPU")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = setting(
-        "auto",
-        "what vLLM computes in; auto: as the builtin engine's rollouts (model.precision's dtype; bfloat16 "
-        "for rollout.precision fp8, whose activations vLLM takes in bf16)",
-    )
-
-    def settings(self) -> Any:
-        from ..generation.vllm_engine import VllmSettings
-
-        return VllmSettings(**{f: getattr(self, f) for f in self.__dataclass_fields__})
-
-
-@dataclass(frozen=True)
 class RLGuard:
     """The collapse guard (``rl/guard.py``): a warning, or with ``stop`` the end of the run."""
 
@@ -241,8 +229,10 @@ class RLConfig(StageConfig):
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: RLTrain = field(default_factory=RLTrain)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # context: scoring and update only
-    vllm: RLVllm = field(default_factory=RLVllm)
     guard: RLGuard = field(default_factory=RLGuard)
+    #: rollout.engine's own settings: an instance of its registry entry's settings type (``generation.ENGINES``),
+    #: read from the ``engine`` section by ``parse_rl_config`` (the builtin engine has none)
+    engine: Any = field(default_factory=BuiltinSettings)
 
 
 def tis_mode(cfg: RLConfig) -> str:
@@ -325,13 +315,15 @@ def _check(cfg: RLConfig, source: str) -> None:
     positive("guard.max_kl", g.max_kl)
     _check_names(cfg, source)
     _check_replay(cfg, source)
-    _check_vllm(cfg, source)
+    _check_engine(cfg, source)
 
 
 def _check_replay(cfg: RLConfig, source: str) -> None:
-    """Routing replay needs an engine that records each token's experts: the built-in one."""
+    """Routing replay needs an engine that records each token's experts (``EngineTraits.records_routes``:
+    the built-in one)."""
     engine = cfg.rollout.engine
-    if cfg.algo.routing_replay == "rollout" and ENGINES[engine].settings is not BuiltinSettings:
+    traits = ENGINES[engine].traits
+    if cfg.algo.routing_replay == "rollout" and (traits is None or not traits.records_routes):
         why = (
             "infir2's vllm engine does not pass vLLM's routed experts through yet"
             if engine == "vllm"
@@ -371,32 +363,53 @@ def _check_correction(cfg: RLConfig, source: str) -> None:
         )
 
 
-def _check_vllm(cfg: RLConfig, source: str) -> None:
-    """The vllm section: in range, and changed only for rollout.engine: vllm."""
-    v = cfg.vllm
-    if cfg.rollout.engine != "vllm" and v != RLVllm():
-        changed = [f for f in v.__dataclass_fields__ if getattr(v, f) != getattr(RLVllm(), f)]
-        raise config_error(
-            source,
-            f"vllm.{changed[0]}",
-            f"sets rollout.engine: vllm's engine, but rollout.engine is {cfg.rollout.engine!r}",
-        )
-    if cfg.rollout.engine != "vllm":
-        return
-    from ..generation import vllm_engine as ve
-
-    fp8 = cfg.rollout.precision == "fp8"
+def _check_engine(cfg: RLConfig, source: str) -> None:
+    """rollout.engine's own checks that need no model (vllm: installed, FP8 on this machine, the dtype it
+    serves in), each in one line naming the key."""
+    r = cfg.rollout
+    options = EngineOptions(
+        tokenizer=None,
+        precision=r.precision,
+        scale_encoding=r.scale_encoding,
+        model_precision=cfg.model.precision,
+    )
+    keys = {"engine": "rollout.engine", "precision": "rollout.precision", "model": "model.path"}
+    keys |= {f.name: f"engine.{f.name}" for f in knobs(ENGINES[r.engine].settings)}
     try:
-        settings = replace(v.settings(), model_precision=cfg.model.precision)
-        ve.require_vllm("rollout.engine")  # installed, before any model is read
-        why = ve.fp8_unsupported() if fp8 else None
-        if why is not None:
-            raise ve.fp8_refusal("rollout.precision", why)
-        dtype, why = ve.served_dtype(settings, fp8)
-        auto = why if v.dtype == "auto" else ""
-        ve.check_served_dtype(dtype, fp8, "vllm.dtype", ve.supported_dtypes(), auto)
+        preflight_engine(r.engine, options, cfg.engine, keys)
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
+
+
+def rollout_engines() -> dict[str, list[Any]]:
+    """The registered engines RL can roll out on that have settings of their own, each with the fields
+    of its ``engine`` section (``generation.knobs``)."""
+    return {
+        name: knobs(entry.settings)
+        for name, entry in ENGINES.items()
+        if knobs(entry.settings) and (entry.traits is None or entry.traits.returns_ids)
+    }
+
+
+def _engine_section(data: dict[str, Any], source: str) -> Any:
+    """The ``engine`` section as an instance of rollout.engine's settings type (``generation.ENGINES``),
+    popped from ``data``; a ``vllm`` section (its name before the engines declared their settings) is
+    refused in one line naming the key it is now."""
+    rollout = data.get("rollout")
+    name = rollout.get("engine", "builtin") if isinstance(rollout, dict) else "builtin"
+    old = data.get("vllm")
+    if isinstance(old, dict) and old:
+        key = next(iter(old))
+        raise config_error(
+            source,
+            f"vllm.{key}",
+            f"the vllm engine's settings are now the engine section (engine.{key}), read with "
+            f"rollout.engine: vllm; rollout.engine is {name!r}",
+        )
+    section = data.pop("engine", None)
+    if name not in ENGINES:  # said by check_engine, naming the registered engines
+        return None
+    return settings_section(ENGINES[name].settings, name, section, source)
 
 
 def _check_names(cfg: RLConfig, source: str) -> None:
@@ -445,7 +458,10 @@ def parse_rl_config(data: dict[str, Any], source: str = "<dict>") -> RLConfig:
     check_stage(
         data, source, ("schedule", "load", "data.train_path", "data.kind"), "infir2 train"
     )  # sections RLConfig has not
-    cfg = build(RLConfig, data, "", source)
+    data = dict(data)
+    engine = _engine_section(data, source)
+    data.pop("vllm", None)  # empty: nothing to refuse
+    cfg = replace(build(RLConfig, data, "", source), engine=engine)
     _check(cfg, source)
     return cfg
 

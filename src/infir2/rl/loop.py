@@ -57,7 +57,7 @@ import copy
 import json
 import random
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,8 +66,6 @@ from torch import nn
 
 from ..data.chat import render_prompt, stop_token_ids
 from ..generation import (
-    ENGINES,
-    BuiltinSettings,
     EngineOptions,
     RolloutEngine,
     SamplingConfig,
@@ -176,24 +174,28 @@ def _load_inputs(cfg: RLConfig, model_given: bool) -> tuple[list[Problem], list[
 
 
 def _build_engine(cfg: RLConfig, model: nn.Module, tokenizer: Any) -> RolloutEngine:
-    """``rollout.engine`` from the registry (``generation.ENGINES``), generating from a copy of the policy."""
+    """``rollout.engine`` from the registry (``generation.ENGINES``) with its own settings (the ``engine``
+    section), generating from a copy of the policy that ``load_weights`` refreshes."""
     r = cfg.rollout
     options = EngineOptions(
-        tokenizer, model=lambda: model, precision=r.precision, scale_encoding=r.scale_encoding
+        tokenizer=tokenizer,
+        model=lambda: model,
+        precision=r.precision,
+        scale_encoding=r.scale_encoding,
+        model_precision=cfg.model.precision,  # auto-dtypes and autocast: as the trainer computes
+        copy_model=True,
+        base_dtype={"bf16": torch.bfloat16, "fp32": None}[r.base_dtype],
+        record_routes=cfg.algo.routing_replay == "rollout",  # the engine records each token's experts
     )
-    settings: Any = (
-        None  # the engine's own settings: the vllm section, the builtin's from the run (else defaults)
-    )
-    if r.engine == "vllm":  # auto serves model.precision's dtype, as the builtin engine's rollouts
-        settings = replace(cfg.vllm.settings(), model_precision=cfg.model.precision)
-    elif ENGINES[r.engine].settings is BuiltinSettings:
-        base_dtype = {"bf16": torch.bfloat16, "fp32": None}[r.base_dtype]
-        replay = cfg.algo.routing_replay == "rollout"  # the engine records each token's experts
-        settings = BuiltinSettings(cfg.model.precision, True, base_dtype, record_routes=replay)
     sampling = SamplingConfig(  # the policy itself: no top-p / top-k
-        False, r.temperature, 1.0, r.max_new_tokens, r.batch_size, beyond_context=cfg.model.beyond_context
+        greedy=False,
+        temperature=r.temperature,
+        top_p=1.0,
+        max_new_tokens=r.max_new_tokens,
+        batch_size=r.batch_size,
+        beyond_context=cfg.model.beyond_context,
     )
-    return RolloutEngine(build_engine(r.engine, options, settings), sampling)
+    return RolloutEngine(build_engine(r.engine, options, cfg.engine), sampling)
 
 
 def _setup(

@@ -2,7 +2,9 @@
 configs, and a whole config checked the way its stage checks it before it builds anything.
 
 A config's stage is read from its sections: one with a ``rollout`` or ``algo`` section is an RL config
-(`infir2 rl`), any other a training config (`infir2 train`: CPT or SFT). Both stages share the run, model,
+(`infir2 rl`), one with a ``generation``, ``benchmark``, ``sampling``, ``server`` or ``loss`` section an eval config (`infir2 eval`:
+its keys are eval's flags, checked by the same rules), any other a training config (`infir2 train`: CPT
+or SFT). Both stages share the run, model,
 fp8 and optim sections; a key left out takes its default. `infir2 train NAME` and `infir2 rl NAME` accept
 a file or the name of a shipped config (`infir2 config --list`), after `pip install` as in a checkout.
 
@@ -29,7 +31,11 @@ __all__ = ["RL_SECTIONS", "add_arguments", "run", "stage_of"]
 
 #: sections only an RL config has: a config with one of them is checked as `infir2 rl` checks it
 RL_SECTIONS = ("rollout", "algo")
-STAGES = {"train": "infir2 train (CPT, SFT)", "rl": "infir2 rl (GRPO / DAPO)"}
+STAGES = {
+    "train": "infir2 train (CPT, SFT)",
+    "rl": "infir2 rl (GRPO / DAPO)",
+    "eval": "infir2 eval (each key is a flag: `infir2 eval --help`)",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,11 +62,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def stage_of(data: Any) -> str:
-    """``"rl"`` for a config mapping with an RL section, else ``"train"``."""
-    return "rl" if isinstance(data, dict) and any(name in data for name in RL_SECTIONS) else "train"
+    """``"rl"`` for a config mapping with an RL section, ``"eval"`` with an eval section
+    (``eval.config.EVAL_SECTIONS``), else ``"train"``."""
+    from ..eval.config import EVAL_SECTIONS
+
+    if isinstance(data, dict) and any(name in data for name in RL_SECTIONS):
+        return "rl"
+    return "eval" if isinstance(data, dict) and any(name in data for name in EVAL_SECTIONS) else "train"
 
 
 def _default_config(stage: str) -> Any:
+    if stage == "eval":
+        from ..eval.config import EvalConfig
+
+        return EvalConfig()
     if stage == "rl":
         from ..rl.config import RLConfig
 
@@ -79,9 +94,31 @@ def _print_keys(stage: str) -> None:
         if key.split(".")[0] != section:
             section = key.split(".")[0]
             print(f"{section}:")
-        value = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip()
-        print(f"  {key.split('.', 1)[1]}: {value}")
-        print(f"      {meaning}")
+        _print_key(key.split(".", 1)[1], default, meaning)
+    if stage != "train":
+        _print_engine_keys(stage)
+
+
+def _print_key(key: str, default: Any, meaning: str) -> None:
+    value = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip()
+    print(f"  {key}: {value}")
+    print(f"      {meaning}")
+
+
+def _print_engine_keys(stage: str) -> None:
+    """The ``engine`` section of each engine the stage can run (RL: those that roll out): its settings'
+    fields (``generation.knob``)."""
+    from dataclasses import MISSING
+
+    from ..eval.config import eval_engines
+    from ..rl.config import rollout_engines
+
+    engines = rollout_engines() if stage == "rl" else eval_engines()
+    key = "rollout.engine" if stage == "rl" else "generation.engine"
+    for name, fields in engines.items():
+        print(f"engine:  # with {key}: {name}")
+        for f in fields:
+            _print_key(f.name, None if f.default is MISSING else f.default, f.metadata["help"])
 
 
 def _print_list() -> None:
@@ -100,7 +137,15 @@ def _check(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     from ..harness.config import config_to_dict
     from ..harness.typed_yaml import load_yaml_file
 
-    if stage_of(load_yaml_file(path)) == "rl":
+    stage = stage_of(load_yaml_file(path))
+    if stage == "eval":
+        from ..eval.builder import load_eval_config
+        from ..harness.typed_yaml import to_plain
+
+        if args.world_size is not None:
+            raise ValueError(f"--world-size checks a training config's batch split; {path} is an eval config")
+        return to_plain(load_eval_config(path, args.overrides))
+    if stage == "rl":
         from ..rl.config import load_rl_config
 
         if args.world_size is not None:  # it would be ignored: an RL config has no batch split to check
