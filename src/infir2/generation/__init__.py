@@ -1,6 +1,8 @@
 """Generation below ``eval`` and ``rl``: one engine interface, one KV-cache sampler, one FP8 serving linear,
-the OpenAI-compatible server client, and the engine registry both ``infir2 eval`` and ``infir2 rl`` read."""
+the OpenAI-compatible server client, and the engine registry both ``infir2 eval`` and ``infir2 rl`` read
+(``use_exact_numerics``: the switch to ``nn.exact``'s numerics that RL's trainer shares with the engine)."""
 
+from ..nn.exact import use_exact_numerics
 from .base import PRECISIONS, Engine, Prompt, Request, RolloutEngine, Sample, SamplingConfig, derive_seeds
 from .builtin import BuiltinEngine, check_prompt_fits, precision_label, stops_and_pad
 from .fp8_linear import SAME_RECIPE, ServingFp8Linear, serve_fp8
@@ -49,4 +51,5 @@ __all__ = [
     "sample_batch",
     "serve_fp8",
     "stops_and_pad",
+    "use_exact_numerics",
 ]

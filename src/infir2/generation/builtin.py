@@ -14,7 +14,9 @@ FSDP2-sharded policy, one tensor at a time in the same order on every rank), els
 ``copy_model``): the copy holds every other tensor -- embeddings, norms, ``lm_head``, biases -- rounded to
 it, as the FP8 export stores them (``infir2 export --base-dtype``, bf16 by default), so the copy's
 weights are the export folder's values (the arithmetic stays in ``model_precision``); None keeps the
-policy's own values. Samples are batched ``batch_size`` at a
+policy's own values. ``exact``: decode with exact numerics (``nn.exact``: each token's logits the bits
+of one full forward of a model switched by ``nn.exact.use_exact_numerics``, as RL's trainer is under
+``rollout.exact``); the engine switches its own model. Samples are batched ``batch_size`` at a
 time in the order asked, each from a generator seeded with its own seed.
 """
 
@@ -30,6 +32,7 @@ from tqdm.auto import tqdm
 
 from ..data.chat import stop_token_ids
 from ..nn import fp8_enabled, fp8_modules
+from ..nn.exact import use_exact_numerics
 from .base import PRECISIONS, Prompt, Request, Sample, SamplingConfig
 from .fp8_linear import ServingFp8Linear, serve_fp8
 from .sampler import sample_batch
@@ -73,6 +76,7 @@ class BuiltinEngine:
         copy_model: bool = False,
         name: str = "builtin",
         base_dtype: torch.dtype | None = None,
+        exact: bool = False,
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -87,6 +91,9 @@ class BuiltinEngine:
         self.fp8_layers: dict[str, ServingFp8Linear] = {}
         if copy_model or precision == "fp8":
             self.fp8_layers = serve_fp8(self.model, scale_encoding if precision == "fp8" else None)
+        self.exact = exact
+        if exact:  # after the swaps above: the served experts modules are row-padded too
+            use_exact_numerics(self.model)
         if hasattr(self.model.config, "use_cache"):
             self.model.config.use_cache = True
         if copy_model:
@@ -149,6 +156,7 @@ class BuiltinEngine:
                         self.stop_ids,
                         self.pad_id,
                         self.model_precision,
+                        self.exact,
                     )
                     for (i, j, _, _), s in zip(chunk, samples, strict=True):
                         out[i].append(s)

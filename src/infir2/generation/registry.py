@@ -64,6 +64,7 @@ class BuiltinSettings:
     model_precision: str | None = None  # autocast of the high-precision parts (RL: model.precision)
     copy_model: bool = False  # RL: generate from a copy that load_weights refreshes
     base_dtype: torch.dtype | None = None  # fp8 + copy_model: the other tensors as the FP8 export holds them
+    exact: bool = False  # decode with exact numerics (nn.exact; RL: rollout.exact)
 
 
 #: ``factory(name, options, settings)``: ``settings`` an instance of the entry's settings type, or None
@@ -83,6 +84,7 @@ def _builtin(name: str, o: EngineOptions, settings: BuiltinSettings | None) -> E
         s.copy_model,
         name,
         s.base_dtype,
+        s.exact,
     )
 
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model import autocast
+from ..nn.exact import MIN_ROWS
 from .base import Sample, SamplingConfig
 
 __all__ = ["cache_keyword", "filter_probs", "left_pad", "sample_batch"]
@@ -109,19 +110,25 @@ def sample_batch(
     stop_ids: Sequence[int],
     pad_id: int,
     precision: str | None,
+    exact: bool = False,
 ) -> list[Sample]:
     """One response per prompt (``gens[i]`` draws prompt i's tokens); ``precision`` the autocast of the
-    high-precision parts (``model.autocast``; None: the model as it is)."""
+    high-precision parts (``model.autocast``; None: the model as it is). ``exact`` (a model switched by
+    ``nn.exact.use_exact_numerics``): a batch runs with copies of the last prompt up to a multiple of
+    ``nn.exact.MIN_ROWS`` rows (finished from the start, dropped), and the prompt's forward makes the logits
+    of every position (``lm_head`` on whole rows: a GEMM on the strided last rows alone rounds otherwise)."""
     from contextlib import nullcontext
 
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
-    ids, mask = left_pad(prompts, pad_id, device)
+    extra = -len(prompts) % MIN_ROWS if exact else 0
+    ids, mask = left_pad(list(prompts) + [prompts[-1]] * extra, pad_id, device)
+    gens = list(gens) + [torch.Generator(device=device).manual_seed(0) for _ in range(extra)]
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache, keyword = DynamicCache(), cache_keyword(model)
     stops = torch.tensor(list(stop_ids), device=device)
-    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
+    done = torch.arange(ids.shape[0], device=device) >= len(prompts)  # the copies: finished already
     tokens, logps = [], []
     temperature = sampling.temperature if sampling.temperature > 0 else 1.0  # greedy may say 0
     with nullcontext() if precision is None else autocast(precision, device):
@@ -130,7 +137,7 @@ def sample_batch(
             attention_mask=mask,
             position_ids=positions,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=0 if exact else 1,
             **{keyword: cache},
         )
         _check_cache_grew(cache, ids.shape[1], keyword)

@@ -11,7 +11,7 @@ where they published one, docs/RL.md)::
               shuffle, seed
     rollout:  engine (a name in infir2.generation.ENGINES), precision (high|fp8), scale_encoding (pow2|fp32),
               base_dtype (bf16|fp32), prompts_per_step, group_size,
-              oversample_prompts, max_rounds, carry_over, max_new_tokens, temperature, batch_size
+              oversample_prompts, max_rounds, carry_over, max_new_tokens, temperature, batch_size, exact
     algo:     reward, clip_low, clip_high, kl_coef, tis (auto|truncate|mask|off), tis_cap,
               overlong (none|mask|penalty), overlong_buffer, overlong_penalty, updates_per_batch,
               micro_batch_size, adv_eps
@@ -120,6 +120,11 @@ class RolloutConfig:
     max_new_tokens: int = setting(8192, "response budget per sample, in tokens")
     temperature: float = setting(1.0, "sampling temperature (the log-probabilities are of this distribution)")
     batch_size: int = setting(64, "sequences generated together (the KV cache holds this many)")
+    exact: bool = setting(
+        False,
+        "builtin engine: decode with exact numerics (the trainer's forward and the KV-cached decode compute "
+        "each token's logits bit for bit alike; fp32, CPU, one thread; docs/RL.md)",
+    )
 
 
 @dataclass(frozen=True)
@@ -293,8 +298,28 @@ def _check(cfg: RLConfig, source: str) -> None:
             f"a fraction in [0, 1) (0.05 = 5 points) or null, got {g.max_val_drop}",
         )
     positive("guard.max_kl", g.max_kl)
+    _check_exact(cfg, source)
     _check_names(cfg, source)
     _check_vllm(cfg, source)
+
+
+def _check_exact(cfg: RLConfig, source: str) -> None:
+    """``rollout.exact``: the built-in engine, fp32 math, one process per sequence (what is measured)."""
+    if not cfg.rollout.exact:
+        return
+    if cfg.rollout.engine != "builtin":
+        why = f"the built-in engine's decode only; rollout.engine is {cfg.rollout.engine!r}"
+    elif cfg.model.precision != "fp32":
+        why = (
+            f"needs model.precision: fp32 (exact numerics are fp32 CPU kernels), got {cfg.model.precision!r}"
+        )
+    elif cfg.parallel.context > 1:
+        why = (
+            f"needs parallel.context: 1 (the trainer's forward whole, not split), got {cfg.parallel.context}"
+        )
+    else:
+        return
+    raise config_error(source, "rollout.exact", why)
 
 
 def _check_vllm(cfg: RLConfig, source: str) -> None:

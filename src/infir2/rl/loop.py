@@ -71,6 +71,7 @@ from ..generation import (
     build_engine,
     derive_seeds,
     stops_and_pad,
+    use_exact_numerics,
 )
 from ..harness.config import config_to_dict
 from ..harness.config_changes import reconcile_saved_config
@@ -182,7 +183,7 @@ def _build_engine(cfg: RLConfig, model: nn.Module, tokenizer: Any) -> RolloutEng
         settings = replace(cfg.vllm.settings(), model_precision=cfg.model.precision)
     elif ENGINES[r.engine].settings is BuiltinSettings:
         base_dtype = {"bf16": torch.bfloat16, "fp32": None}[r.base_dtype]
-        settings = BuiltinSettings(cfg.model.precision, copy_model=True, base_dtype=base_dtype)
+        settings = BuiltinSettings(cfg.model.precision, copy_model=True, base_dtype=base_dtype, exact=r.exact)
     sampling = SamplingConfig(  # the policy itself: no top-p / top-k
         False, r.temperature, 1.0, r.max_new_tokens, r.batch_size, beyond_context=cfg.model.beyond_context
     )
@@ -202,6 +203,8 @@ def _setup(
     built: dict[str, Any] = {}
 
     def before_shard(whole: nn.Module) -> None:  # the engine and the reference copy the whole model
+        if cfg.rollout.exact:  # the trainer's forward as the engine decodes (nn.exact)
+            use_exact_numerics(whole)
         built["engine"] = _build_engine(cfg, whole, tokenizer)
         keeps_ref = cfg.algo.kl_coef > 0 or cfg.guard.max_kl is not None  # the loss's KL, or the guard's
         if keeps_ref:  # a whole copy on every rank (no collectives in its forwards)
