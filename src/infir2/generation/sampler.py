@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model import autocast
-from ..nn.exact import MIN_ROWS
+from ..nn.exact import MIN_ROWS, decoding
 from .base import Sample, SamplingConfig
 
 __all__ = ["cache_keyword", "filter_probs", "left_pad", "sample_batch"]
@@ -131,7 +131,10 @@ def sample_batch(
     done = torch.arange(ids.shape[0], device=device) >= len(prompts)  # the copies: finished already
     tokens, logps = [], []
     temperature = sampling.temperature if sampling.temperature > 0 else 1.0  # greedy may say 0
-    with nullcontext() if precision is None else autocast(precision, device):
+    with (
+        nullcontext() if precision is None else autocast(precision, device),
+        decoding() if exact else nullcontext(),
+    ):
         out = model(
             input_ids=ids,
             attention_mask=mask,

@@ -33,6 +33,8 @@ measured at one intra-op thread. GPU kernels are not covered.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import torch
@@ -67,10 +69,17 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return x if short <= 0 else torch.cat([x, x.new_zeros(*x.shape[:-2], short, x.shape[-1])], dim=-2)
 
 
-def _canonical(mask: torch.Tensor, key_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The key columns to gather so each row's key ``p`` lands at column ``p`` (``[B, S]``, S whole
-    ``KEY_BLOCK``s) and which canonical columns hold a key (``[B, S]``), from the 4-D bool mask."""
-    real = mask.any(dim=2)[:, 0]  # [B, Lk]: a key some query sees
+_LAST: list[Any] = []  # (mask, canonical layout): every layer of a forward gets the same mask object
+
+
+def _canonical(mask: torch.Tensor, key_len: int, lq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each row's keys go so that key ``p`` lands at canonical column ``p`` -- the flat rows of
+    ``[B * Lk]`` to take (``[B * S]``, S whole ``KEY_BLOCK``s) -- and which canonical keys each query
+    sees (``[B, Lq, S]``: causal, this row's keys), from transformers' 4-D bool mask (computed once per
+    mask object: once per forward)."""
+    if _LAST and _LAST[0] is mask:
+        return _LAST[1]
+    real = mask[:, 0, -1]  # [B, Lk]: the last query sees every key of its row (a right pad's too)
     count = real.sum(-1)
     first = (real.cumsum(-1) == 0).sum(-1)
     last = torch.where(real, torch.arange(key_len, device=mask.device), -1).amax(-1)
@@ -79,21 +88,78 @@ def _canonical(mask: torch.Tensor, key_len: int) -> tuple[torch.Tensor, torch.Te
     width = -(-key_len // KEY_BLOCK) * KEY_BLOCK
     cols = torch.arange(width, device=mask.device)
     index = (cols[None] + first[:, None]).clamp(max=key_len - 1)
-    return index, cols[None] < count[:, None]
+    rows = (index + torch.arange(mask.shape[0], device=mask.device)[:, None] * key_len).reshape(-1)
+    position = torch.arange(key_len - lq, key_len, device=mask.device)[None] - first[:, None]  # [B, Lq]
+    sees = (cols[None, None] <= position[:, :, None]) & (cols < count[:, None])[:, None]
+    _LAST[:] = [mask, (rows, sees, count)]
+    return rows, sees, count
+
+
+_DECODING: list[dict[int, Any]] = []  # inside ``decoding()``: each attention layer's canonical K/V
+
+
+@contextmanager
+def decoding() -> Iterator[None]:
+    """While a KV-cached generation runs: each attention layer keeps its keys and values in canonical
+    columns from one step to the next and writes only the new token's (instead of re-laying the whole
+    cache each step); dropped at exit."""
+    _DECODING.append({})
+    try:
+        yield
+    finally:
+        _DECODING.pop()
+
+
+def _keys(x: torch.Tensor, rows: torch.Tensor, width: int, ones: bool = False) -> torch.Tensor:
+    """``x [B, Hkv, Lk, D]`` at the canonical columns: ``[B, Hkv, S, D]`` contiguous (``ones``: a
+    column of ones appended, ``[..., D + 1]``)."""
+    b, hkv, lk, d = x.shape
+    taken = x.transpose(1, 2).reshape(b * lk, hkv * d).index_select(0, rows).view(b, width, hkv, d)
+    if ones:
+        taken = F.pad(taken, (0, 1), value=1.0)
+    return taken.transpose(1, 2).contiguous()
+
+
+def _canonical_kv(
+    module: nn.Module,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    rows: torch.Tensor,
+    count: torch.Tensor,
+    width: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``key`` and ``value`` at the canonical columns (``[B, Hkv, S, D]``, ``[B, Hkv, S, Dv + 1]`` with
+    the column of ones); under ``decoding()`` a one-token step extends the layer's last layout in place
+    (the same values in the same columns: the newest key of a row at column ``count - 1``)."""
+    state = _DECODING[-1] if _DECODING else None
+    held = state.get(id(module)) if state is not None else None
+    b, lk = key.shape[0], key.shape[2]
+    if held is not None and held[0] == lk - 1 and held[1].shape[0] == b:
+        _, k, v = held
+        if k.shape[2] < width:  # one more block of keys: zeros, masked until written
+            k, v = F.pad(k, (0, 0, 0, width - k.shape[2])), F.pad(v, (0, 0, 0, width - v.shape[2]))
+        at = torch.arange(b, device=key.device)
+        k[at, :, count - 1] = key[:, :, -1]
+        v[at, :, count - 1] = F.pad(value[:, :, -1], (0, 1), value=1.0)
+    else:
+        k, v = _keys(key, rows, width), _keys(value, rows, width, ones=True)
+    if state is not None:
+        state[id(module)] = (lk, k, v)
+    return k, v
 
 
 def exact_attention(
     module: nn.Module,
     query: torch.Tensor,  # [B, H, Lq, D]
     key: torch.Tensor,  # [B, Hkv, Lk, D]
-    value: torch.Tensor,  # [B, Hkv, Lk, D]
+    value: torch.Tensor,  # [B, Hkv, Lk, Dv]
     attention_mask: torch.Tensor | None,  # [B, 1, Lq, Lk] bool (``exact_mask``)
     dropout: float = 0.0,
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Softmax attention whose every query row is computed the same way at any batch, query and cache
-    length (the module doc); transformers' attention-function contract: returns ``[B, Lq, H, D]``."""
+    length (the module doc); transformers' attention-function contract: returns ``[B, Lq, H, Dv]``."""
     if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
         raise ValueError(
             "exact attention supports full causal attention only (no sliding window, no softcap)"
@@ -103,21 +169,18 @@ def exact_attention(
     rep = h // hkv
     if attention_mask is None:
         attention_mask = torch.ones(b, 1, lq, lk, dtype=torch.bool, device=query.device).tril(lk - lq)
-    index, holds = _canonical(attention_mask, lk)
-    width = index.shape[1]
-    k = key.gather(2, index[:, None, :, None].expand(b, hkv, width, d))
-    v = torch.cat([value, value.new_ones(b, hkv, lk, 1)], -1)  # the ones column sums p
-    v = v.gather(2, index[:, None, :, None].expand(b, hkv, width, dv + 1))
-    allowed = attention_mask.gather(3, index[:, None, None, :].expand(b, 1, lq, width)) & holds[:, None, None]
+    flat, sees, count = _canonical(attention_mask, lk, lq)
+    width = sees.shape[-1]
+    k, v = _canonical_kv(module, key, value, flat, count, width)  # v's column of ones sums p
     rows = -(-(rep * lq) // MIN_ROWS) * MIN_ROWS  # whole groups of MIN_ROWS query rows
     # head hkv*rep + r reads kv head hkv; every GEMM operand contiguous (a strided one rounds otherwise)
     q = _pad_rows(query.reshape(b, hkv, rep * lq, d), rows).contiguous()
-    allowed = _pad_rows(allowed.expand(b, rep, lq, width).reshape(b, 1, rep * lq, width), rows)
+    sees = _pad_rows(sees[:, None].expand(b, rep, lq, width).reshape(b, rep * lq, width), rows)
     scale = d**-0.5 if scaling is None else scaling
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, Hkv, M, S]
-    scores = scores.masked_fill(~allowed, float("-inf"))
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)  # [B, Hkv, M, S]
+    scores = scores.masked_fill_(~sees[:, None], float("-inf"))
     top = scores.amax(-1, keepdim=True)
-    p = (scores - torch.where(torch.isfinite(top), top, torch.zeros_like(top))).exp()
+    p = (scores - torch.where(torch.isfinite(top), top, torch.zeros_like(top))).exp_()
     if dropout > 0.0 and module.training:
         p = F.dropout(p, dropout)
     blocks = width // KEY_BLOCK
