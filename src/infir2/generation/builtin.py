@@ -23,6 +23,7 @@ time in the order asked, each from a generator seeded with its own seed.
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Sequence
 from contextlib import nullcontext
 
@@ -38,6 +39,8 @@ from .fp8_linear import ServingFp8Linear, serve_fp8
 from .sampler import sample_batch
 
 __all__ = ["BuiltinEngine", "check_prompt_fits", "precision_label", "stops_and_pad"]
+
+log = logging.getLogger(__name__)
 
 
 def stops_and_pad(tokenizer) -> tuple[list[int], int]:
@@ -91,7 +94,7 @@ class BuiltinEngine:
         self.fp8_layers: dict[str, ServingFp8Linear] = {}
         if copy_model or precision == "fp8":
             self.fp8_layers = serve_fp8(self.model, scale_encoding if precision == "fp8" else None)
-        self.exact = exact
+        self.exact, self._warned_threads = exact, False
         if exact:  # after the swaps above: the served experts modules are row-padded too
             use_exact_numerics(self.model)
         if hasattr(self.model.config, "use_cache"):
@@ -133,6 +136,9 @@ class BuiltinEngine:
 
     def generate(self, request: Request) -> list[list[Sample]]:
         prompts, sampling = request.prompts, request.sampling
+        if self.exact and torch.get_num_threads() > 1 and not self._warned_threads:
+            self._warned_threads = True  # multi-threaded GEMMs may split a batch's rows by thread
+            log.warning("exact numerics are measured at one intra-op thread; %d run", torch.get_num_threads())
         _check_prompt_lengths(self.model, prompts, sampling)
         flat = [(i, j, p.ids, seed) for i, p in enumerate(prompts) for j, seed in enumerate(p.seeds)]
         out: list[list[Sample]] = [[] for _ in prompts]
