@@ -88,7 +88,7 @@ def _canonical(mask: torch.Tensor, key_len: int, lq: int) -> tuple[torch.Tensor,
     width = -(-key_len // KEY_BLOCK) * KEY_BLOCK
     cols = torch.arange(width, device=mask.device)
     index = (cols[None] + first[:, None]).clamp(max=key_len - 1)
-    rows = (index + torch.arange(mask.shape[0], device=mask.device)[:, None] * key_len).reshape(-1)
+    rows = index + torch.arange(mask.shape[0], device=mask.device)[:, None] * key_len  # [B, S] of B * Lk
     position = torch.arange(key_len - lq, key_len, device=mask.device)[None] - first[:, None]  # [B, Lq]
     sees = (cols[None, None] <= position[:, :, None]) & (cols < count[:, None])[:, None]
     _LAST[:] = [mask, (rows, sees, count)]
@@ -111,13 +111,14 @@ def decoding() -> Iterator[None]:
 
 
 def _keys(x: torch.Tensor, rows: torch.Tensor, width: int, ones: bool = False) -> torch.Tensor:
-    """``x [B, Hkv, Lk, D]`` at the canonical columns: ``[B, Hkv, S, D]`` contiguous (``ones``: a
-    column of ones appended, ``[..., D + 1]``)."""
+    """``x [B, Hkv, Lk, D]`` at the canonical columns (``rows [B, S]``: flat rows of ``B * Lk``):
+    ``[B, Hkv, S, D]`` contiguous, one ``index_select`` (``ones``: a column of ones appended first)."""
     b, hkv, lk, d = x.shape
-    taken = x.transpose(1, 2).reshape(b * lk, hkv * d).index_select(0, rows).view(b, width, hkv, d)
     if ones:
-        taken = F.pad(taken, (0, 1), value=1.0)
-    return taken.transpose(1, 2).contiguous()
+        x, d = F.pad(x, (0, 1), value=1.0), d + 1
+    batch, head = rows.div(lk, rounding_mode="floor"), torch.arange(hkv, device=x.device)
+    flat = ((batch[:, None] * hkv + head[None, :, None]) * lk + (rows - batch * lk)[:, None]).reshape(-1)
+    return x.reshape(b * hkv * lk, d).index_select(0, flat).view(b, hkv, width, d)
 
 
 def _canonical_kv(
