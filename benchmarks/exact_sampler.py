@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the tiny tokenizer of the test suite
+sys.path.insert(0, str(ROOT / "tests"))  # the tiny model builder and tokenizer of the test suite
 
-from conftest import make_tokenizer  # noqa: E402
+from conftest import make_tiny_model, make_tokenizer  # noqa: E402
 from infir2.generation import BuiltinEngine, RolloutEngine, SamplingConfig  # noqa: E402
 from infir2.model import prepare_for_training  # noqa: E402
 from infir2.nn.exact import use_exact_numerics  # noqa: E402
@@ -58,22 +58,13 @@ def gemm_probe() -> str:
 
 
 def showcase_model(path: str | None) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
+    """The demo's model shape (``tools.demo.pipeline``'s config), random weights of seed 0; or ``path``."""
     if path:
+        from transformers import AutoModelForCausalLM
+
         return AutoModelForCausalLM.from_pretrained(path).float()
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=400,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-    )
-    return Qwen2ForCausalLM(config).float()
+    shape = dict(hidden=128, layers=2, intermediate=256, heads=8, kv_heads=4, max_positions=128, tie=True)
+    return make_tiny_model("qwen2", vocab_size=400, seed=0, **shape)
 
 
 def prompts_for(tok, n: int, vocab: int) -> list[list[int]]:
