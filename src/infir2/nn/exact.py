@@ -33,6 +33,7 @@ measured at one intra-op thread. GPU kernels are not covered.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar
@@ -69,7 +70,8 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return x if short <= 0 else torch.cat([x, x.new_zeros(*x.shape[:-2], short, x.shape[-1])], dim=-2)
 
 
-_LAST: list[Any] = []  # (mask, canonical layout): every layer of a forward gets the same mask object
+#: (a weak reference to the mask, its canonical layout): every layer of a forward gets the same mask object
+_LAST: list[Any] = []
 
 
 def _canonical(mask: torch.Tensor, key_len: int, lq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -77,7 +79,7 @@ def _canonical(mask: torch.Tensor, key_len: int, lq: int) -> tuple[torch.Tensor,
     ``[B * Lk]`` to take (``[B * S]``, S whole ``KEY_BLOCK``s) -- and which canonical keys each query
     sees (``[B, Lq, S]``: causal, this row's keys), from transformers' 4-D bool mask (computed once per
     mask object: once per forward)."""
-    if _LAST and _LAST[0] is mask:
+    if _LAST and _LAST[0]() is mask:
         return _LAST[1]
     real = mask[:, 0, -1]  # [B, Lk]: the last query sees every key of its row (a right pad's too)
     count = real.sum(-1)
@@ -91,7 +93,7 @@ def _canonical(mask: torch.Tensor, key_len: int, lq: int) -> tuple[torch.Tensor,
     rows = index + torch.arange(mask.shape[0], device=mask.device)[:, None] * key_len  # [B, S] of B * Lk
     position = torch.arange(key_len - lq, key_len, device=mask.device)[None] - first[:, None]  # [B, Lq]
     sees = (cols[None, None] <= position[:, :, None]) & (cols < count[:, None])[:, None]
-    _LAST[:] = [mask, (rows, sees, count)]
+    _LAST[:] = [weakref.ref(mask), (rows, sees, count)]
     return rows, sees, count
 
 
