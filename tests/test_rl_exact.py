@@ -74,6 +74,23 @@ def test_exact_attention_is_softmax_attention_and_ignores_padding_and_cache_leng
             assert torch.equal(first[:, -1], full[:, left + t]), (t, lp)  # a prompt's forward too
 
 
+def test_exact_attention_gradients_are_softmax_attentions():
+    """The trainer backpropagates through it: its gradients are those of an fp64 softmax attention."""
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(2, h, 70, 8, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    pad = torch.ones(2, 70)
+    pad[0, :5] = 0  # a left-padded row
+    out, _ = exact_attention(torch.nn.Module(), q, k, v, _mask(pad, 70), scaling=0.3)
+    keep = pad.bool()[:, :, None, None]  # a padding query's output is 0 by definition
+    weights = torch.randn_like(out)
+    grads = torch.autograd.grad((out * weights * keep).sum(), (q, k, v))
+    allowed = _mask(pad, 70)
+    s = (q @ k.repeat_interleave(2, 1).transpose(-1, -2) * 0.3).masked_fill(~allowed, -torch.inf)
+    ref = (s.softmax(-1).nan_to_num() @ v.repeat_interleave(2, 1)).transpose(1, 2)
+    for got, want in zip(grads, torch.autograd.grad((ref * weights * keep).sum(), (q, k, v)), strict=True):
+        assert torch.allclose(got, want, atol=1e-10)
+
+
 def _engine_vs_trainer(policy, tok, rollout: str, exact: bool, max_new_tokens: int = 70):
     """The engine's per-token log-probabilities and the trainer's (``response_logprobs``) of its tokens."""
     if exact:

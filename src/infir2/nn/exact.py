@@ -182,7 +182,7 @@ def exact_attention(
     scale = d**-0.5 if scaling is None else scaling
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)  # [B, Hkv, M, S]
     scores = scores.masked_fill_(~sees[:, None], float("-inf"))
-    top = scores.amax(-1, keepdim=True)
+    top = scores.amax(-1, keepdim=True).detach()  # softmax does not depend on it
     p = (scores - torch.where(torch.isfinite(top), top, torch.zeros_like(top))).exp_()
     if dropout > 0.0 and module.training:
         p = F.dropout(p, dropout)
