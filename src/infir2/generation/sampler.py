@@ -115,8 +115,8 @@ def sample_batch(
     """One response per prompt (``gens[i]`` draws prompt i's tokens); ``precision`` the autocast of the
     high-precision parts (``model.autocast``; None: the model as it is). ``exact`` (a model switched by
     ``nn.exact.use_exact_numerics``): a batch runs with copies of the last prompt up to a multiple of
-    ``nn.exact.MIN_ROWS`` rows (finished from the start, dropped), and the prompt's forward makes the logits
-    of every position (``lm_head`` on whole rows: a GEMM on the strided last rows alone rounds otherwise)."""
+    ``nn.exact.MIN_ROWS`` rows (finished from the start, dropped), and the prompt's forward takes its last
+    position by an index (a contiguous copy: ``lm_head`` on the strided last rows rounds otherwise)."""
     from contextlib import nullcontext
 
     from transformers import DynamicCache
@@ -140,7 +140,7 @@ def sample_batch(
             attention_mask=mask,
             position_ids=positions,
             use_cache=True,
-            logits_to_keep=0 if exact else 1,
+            logits_to_keep=_last_position(ids) if exact else 1,
             **{keyword: cache},
         )
         _check_cache_grew(cache, ids.shape[1], keyword)
@@ -172,6 +172,12 @@ def sample_batch(
             next_pos = next_pos + 1
     all_ids, all_logps = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()
     return [_sample(all_ids[i][: kept[i]], all_logps[i][: kept[i]], stop_ids) for i in range(len(prompts))]
+
+
+def _last_position(ids: torch.Tensor) -> torch.Tensor:
+    """``logits_to_keep`` as a 1-D index of the last column: transformers indexes the hidden states with
+    it, a contiguous ``[B, 1, H]`` copy (an int slices them, a strided view)."""
+    return torch.tensor([ids.shape[1] - 1], device=ids.device)
 
 
 def _sample(ids: list[int], logps: list[float], stop_ids: Sequence[int]) -> Sample:
