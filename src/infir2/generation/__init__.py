@@ -1,6 +1,8 @@
 """Generation below ``eval`` and ``rl``: one engine interface, one KV-cache sampler, one FP8 serving linear,
-the OpenAI-compatible server client, and the engine registry both ``infir2 eval`` and ``infir2 rl`` read."""
+the OpenAI-compatible server client, and the engine registry both ``infir2 eval`` and ``infir2 rl`` read
+(``use_exact_numerics``: the switch to ``nn.exact``'s numerics that RL's trainer shares with the engine)."""
 
+from ..nn.exact import use_exact_numerics
 from .base import (
     PRECISIONS,
     Engine,
@@ -67,4 +69,5 @@ __all__ = [
     "sample_batch",
     "serve_fp8",
     "stops_and_pad",
+    "use_exact_numerics",
 ]

@@ -104,6 +104,7 @@ class EngineOptions:
     copy_model: bool = False  # RL: generate from a copy that load_weights(policy) refreshes
     base_dtype: torch.dtype | None = None  # fp8 + copy_model: the other tensors as the FP8 export holds them
     record_routes: bool = False  # RL's routing replay: each sample's MoE experts per token (Sample.routes)
+    exact: bool = False  # RL's rollout.exact: decode with exact numerics (nn.exact; the builtin engine)
 
 
 @dataclass(frozen=True)

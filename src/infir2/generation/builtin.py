@@ -14,7 +14,9 @@ FSDP2-sharded policy, one tensor at a time in the same order on every rank), els
 ``copy_model``): the copy holds every other tensor -- embeddings, norms, ``lm_head``, biases -- rounded to
 it, as the FP8 export stores them (``infir2 export --base-dtype``, bf16 by default), so the copy's
 weights are the export folder's values (the arithmetic stays in ``model_precision``); None keeps the
-policy's own values. Samples are batched ``batch_size`` at a
+policy's own values. ``exact``: decode with exact numerics (``nn.exact``: each token's logits the bits
+of one full forward of a model switched by ``nn.exact.use_exact_numerics``, as RL's trainer is under
+``rollout.exact``); the engine switches its own model. Samples are batched ``batch_size`` at a
 time in the order asked, each from a generator seeded with its own seed. ``record_routes`` (RL's routing
 replay): each sample carries the experts every MoE layer chose for its tokens (``Sample.routes``,
 ``sample_routes``).
@@ -23,6 +25,7 @@ replay): each sample carries the experts every MoE layer chose for its tokens (`
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -32,12 +35,15 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..nn import fp8_enabled, fp8_modules
+from ..nn.exact import use_exact_numerics
 from ..nn.moe.routing import NO_ROUTE, record_routes
 from .base import PRECISIONS, Prompt, Request, Sample, SamplingConfig, check_prompt_fits, stops_and_pad
 from .fp8_linear import ServingFp8Linear, serve_fp8
 from .sampler import sample_batch
 
 __all__ = ["BuiltinEngine", "apply_precision", "precision_label", "sample_routes"]
+
+log = logging.getLogger(__name__)
 
 
 def precision_label(precision: str, scale_encoding: str = "pow2", recipes: Sequence[str] = ()) -> str:
@@ -83,6 +89,7 @@ class BuiltinEngine:
         base_dtype: torch.dtype | None = None,
         record_routes: bool = False,
         name: str = "builtin",
+        exact: bool = False,
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -98,6 +105,9 @@ class BuiltinEngine:
         self.fp8_layers: dict[str, ServingFp8Linear] = {}
         if copy_model or precision == "fp8":
             self.fp8_layers = serve_fp8(self.model, scale_encoding if precision == "fp8" else None)
+        self.exact, self._warned_threads = exact, False
+        if exact:  # after the swaps above: the served experts modules are row-padded too
+            use_exact_numerics(self.model)
         if hasattr(self.model.config, "use_cache"):
             self.model.config.use_cache = True
         if copy_model:
@@ -144,6 +154,9 @@ class BuiltinEngine:
 
     def generate(self, request: Request) -> list[list[Sample]]:
         prompts, sampling = request.prompts, request.sampling
+        if self.exact and torch.get_num_threads() > 1 and not self._warned_threads:
+            self._warned_threads = True  # multi-threaded GEMMs may split a batch's rows by thread
+            log.warning("exact numerics are measured at one intra-op thread; %d run", torch.get_num_threads())
         _check_prompt_lengths(self.model, prompts, sampling)
         flat = [(i, j, p.ids, seed) for i, p in enumerate(prompts) for j, seed in enumerate(p.seeds)]
         out: list[list[Sample]] = [[] for _ in prompts]
@@ -160,7 +173,7 @@ class BuiltinEngine:
                     gens = [torch.Generator(device=device).manual_seed(s) for *_, s in chunk]
                     ids_of = [ids for _, _, ids, _ in chunk]
                     recording = record_routes(self.model, len(chunk)) if self.record_routes else nullcontext()
-                    with recording as log:
+                    with recording as routes:
                         samples = sample_batch(
                             self.model,
                             ids_of,
@@ -169,9 +182,10 @@ class BuiltinEngine:
                             self.stop_ids,
                             self.pad_id,
                             self.model_precision,
+                            self.exact,
                         )
-                    if log is not None:
-                        sample_routes(log.routes(), ids_of, samples)
+                    if routes is not None:
+                        sample_routes(routes.routes(), ids_of, samples)
                     for (i, j, _, _), s in zip(chunk, samples, strict=True):
                         out[i].append(s)
                         request.done(i, j, s)

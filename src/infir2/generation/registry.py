@@ -48,7 +48,7 @@ __all__ = [
 @dataclass(frozen=True, kw_only=True)
 class BuiltinSettings:
     """The built-in engine's own settings: none. What it runs comes from ``EngineOptions`` (the precision,
-    RL's copy of the policy, its dtypes and routing replay's records) and ``SamplingConfig`` (its batch size)."""
+    RL's copy of the policy, its dtypes, routing replay's records, exact numerics) and ``SamplingConfig`` (its batch size)."""
 
 
 #: ``factory(name, options, settings)``: ``settings`` an instance of the entry's settings type, or None
@@ -70,6 +70,7 @@ def _builtin(name: str, o: EngineOptions, settings: BuiltinSettings | None) -> E
         copy_model=o.copy_model,
         base_dtype=o.base_dtype,
         record_routes=o.record_routes,
+        exact=o.exact,
         name=name,
     )
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..data.base import left_pad_positions
 from ..model import autocast
+from ..nn.exact import MIN_ROWS, decoding
 from .base import Sample, SamplingConfig
 
 __all__ = ["cache_keyword", "filter_probs", "left_pad", "sample_batch"]
@@ -110,28 +111,37 @@ def sample_batch(
     stop_ids: Sequence[int],
     pad_id: int,
     precision: str | None,
+    exact: bool = False,
 ) -> list[Sample]:
     """One response per prompt (``gens[i]`` draws prompt i's tokens); ``precision`` the autocast of the
-    high-precision parts (``model.autocast``; None: the model as it is)."""
+    high-precision parts (``model.autocast``; None: the model as it is). ``exact`` (a model switched by
+    ``nn.exact.use_exact_numerics``): a batch runs with copies of the last prompt up to a multiple of
+    ``nn.exact.MIN_ROWS`` rows (finished from the start, dropped), and the prompt's forward takes its last
+    position by an index (a contiguous copy: ``lm_head`` on the strided last rows rounds otherwise)."""
     from contextlib import nullcontext
 
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
-    ids, mask = left_pad(prompts, pad_id, device)
+    extra = -len(prompts) % MIN_ROWS if exact else 0
+    ids, mask = left_pad(list(prompts) + [prompts[-1]] * extra, pad_id, device)
+    gens = list(gens) + [torch.Generator(device=device).manual_seed(0) for _ in range(extra)]
     positions = left_pad_positions(mask)
     cache, keyword = DynamicCache(), cache_keyword(model)
     stops = torch.tensor(list(stop_ids), device=device)
-    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
+    done = torch.arange(ids.shape[0], device=device) >= len(prompts)  # the copies: finished already
     tokens, logps = [], []
     temperature = sampling.temperature if sampling.temperature > 0 else 1.0  # greedy may say 0
-    with nullcontext() if precision is None else autocast(precision, device):
+    with (
+        nullcontext() if precision is None else autocast(precision, device),
+        decoding() if exact else nullcontext(),
+    ):
         out = model(
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=_last_position(ids) if exact else 1,
             **{keyword: cache},
         )
         _check_cache_grew(cache, ids.shape[1], keyword)
@@ -163,6 +173,12 @@ def sample_batch(
             next_pos = next_pos + 1
     all_ids, all_logps = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()
     return [_sample(all_ids[i][: kept[i]], all_logps[i][: kept[i]], stop_ids) for i in range(len(prompts))]
+
+
+def _last_position(ids: torch.Tensor) -> torch.Tensor:
+    """``logits_to_keep`` as a 1-D index of the last column: transformers indexes the hidden states with
+    it, a contiguous ``[B, 1, H]`` copy (an int slices them, a strided view)."""
+    return torch.tensor([ids.shape[1] - 1], device=ids.device)
 
 
 def _sample(ids: list[int], logps: list[float], stop_ids: Sequence[int]) -> Sample:

@@ -11,7 +11,8 @@ where they published one, docs/RL.md)::
               shuffle, seed
     rollout:  engine (a name in infir2.generation.ENGINES), precision (high|fp8), scale_encoding (pow2|fp32),
               base_dtype (bf16|fp32), prompts_per_step, group_size,
-              oversample_prompts, max_rounds, carry_over, max_new_tokens, temperature, batch_size, rescore
+              oversample_prompts, max_rounds, carry_over, max_new_tokens, temperature, batch_size, rescore,
+              exact
     algo:     reward, clip_low, clip_high, kl_coef, tis (auto|truncate|mask|off), tis_cap,
               tis_level (token|sequence|geometric), geo_mask,
               overlong (none|mask|penalty), overlong_buffer, overlong_penalty, updates_per_batch,
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from ..generation import (
     ENGINES,
@@ -62,6 +63,7 @@ from ..harness.config import (
 )
 from ..harness.typed_yaml import build, config_error
 from ..tasks import GRADERS, TASKS
+from .sections import AlgoConfig, RolloutConfig
 
 __all__ = [
     "MEANINGFUL",
@@ -103,84 +105,6 @@ class RLData:
     )
     shuffle: bool = setting(True, "a new prompt order every pass over the file")
     seed: int | None = setting(None, "prompt-order seed; null: run.seed")
-
-
-@dataclass(frozen=True)
-class RolloutConfig:
-    engine: str = setting("builtin", "a name in infir2.generation.ENGINES (builtin: in-process, KV cache)")
-    precision: Literal["high", "fp8"] = setting(
-        "fp8",
-        "the projections' GEMMs while generating (generation.PRECISIONS): fp8 = the FP8 export's 128x128 "
-        "weights + 1x128 activations; high = no FP8, the run's high precision (its dtype: model.precision)",
-    )
-    scale_encoding: Literal["pow2", "fp32"] = setting(
-        "pow2", "fp8 block scales, as `infir2 export --scale-encoding`"
-    )
-    base_dtype: Literal["bf16", "fp32"] = setting(
-        "bf16",
-        "fp8: the embeddings, norms and lm_head as the FP8 export stores them (`infir2 export --base-dtype`): "
-        "rollouts are the deployed model; fp32: the trainer's values (the identical pair)",
-    )
-    prompts_per_step: int = setting(128, "groups trained on per step")
-    group_size: int = setting(16, "samples per prompt")
-    oversample_prompts: int | None = setting(
-        384, "prompts drawn per generation round (dynamic sampling); null: prompts_per_step"
-    )
-    max_rounds: int = setting(4, "generation rounds per step before training on fewer groups")
-    carry_over: bool = setting(
-        False, "keep valid groups beyond prompts_per_step for the next step (else drop them)"
-    )
-    max_new_tokens: int = setting(8192, "response budget per sample, in tokens")
-    temperature: float = setting(1.0, "sampling temperature (the log-probabilities are of this distribution)")
-    batch_size: int = setting(64, "sequences generated together (the KV cache holds this many)")
-    rescore: bool = setting(
-        False,
-        "the rollout log-probabilities from the trainer's scorer run on the engine's weights after "
-        "generating (one more forward), not from the sampler; the builtin engine only",
-    )
-
-
-@dataclass(frozen=True)
-class AlgoConfig:
-    reward: str = setting(
-        "math", "a grader of infir2.tasks.GRADERS (1.0 correct, else 0.0): data.task's, or a registered one"
-    )
-    dynamic_sampling: bool = setting(True, "drop groups whose rewards all agree and refill (DAPO)")
-    clip_low: float = setting(0.2, "the ratio is clipped to [1 - clip_low, 1 + clip_high] (clip-higher)")
-    clip_high: float = setting(0.28, "upper clip of the ratio (DAPO's clip-higher)")
-    kl_coef: float = setting(
-        0.0, "k3 KL to the initial model in the loss; 0 = only logged (no reference kept)"
-    )
-    tis: Literal["auto", "truncate", "mask", "off"] = setting(
-        "auto", "truncated importance sampling; auto: truncate when rollout and training precisions differ"
-    )
-    tis_cap: float = setting(2.0, "cap of the pi_train / pi_rollout ratio at algo.tis_level")
-    tis_level: Literal["token", "sequence", "geometric"] = setting(
-        "token",
-        "what one TIS ratio is taken over: each token's own, or per sequence the product of its token "
-        "ratios (sequence) or their geometric mean (geometric), the same weight on all its tokens",
-    )
-    geo_mask: float | None = setting(
-        None,
-        "b in (0, 1): drop every sequence whose geometric-mean ratio exp(mean(logp_train - logp_rollout)) "
-        "leaves [1 - b, 1 + b] (its tokens weigh 0); null = off",
-    )
-    overlong: Literal["none", "mask", "penalty"] = setting(
-        "mask", "truncated responses: no loss (mask), or a length penalty"
-    )
-    overlong_buffer: int = setting(
-        0, "penalty: the last N tokens before max_new_tokens are penalised linearly"
-    )
-    overlong_penalty: float = setting(1.0, "penalty at max_new_tokens")
-    updates_per_batch: int = setting(1, "optimizer steps per rollout batch (mini-batches; > 1 is off-policy)")
-    micro_batch_size: int = setting(16, "sequences per forward/backward")
-    adv_eps: float = setting(1e-6, "advantage = (r - mean) / (std + adv_eps) within the group")
-    routing_replay: Literal["off", "rollout"] = setting(
-        "off",
-        "MoE: rollout = the trainer's old, reference and policy forwards send each token to the experts "
-        "the rollout engine chose (R3; builtin engine); off = the trainer's router decides. A dense "
-        "model is unchanged either way",
-    )
 
 
 @dataclass(frozen=True)
@@ -313,9 +237,34 @@ def _check(cfg: RLConfig, source: str) -> None:
             f"a fraction in [0, 1) (0.05 = 5 points) or null, got {g.max_val_drop}",
         )
     positive("guard.max_kl", g.max_kl)
+    _check_exact(cfg, source)
     _check_names(cfg, source)
     _check_replay(cfg, source)
     _check_engine(cfg, source)
+
+
+def _check_exact(cfg: RLConfig, source: str) -> None:
+    """``rollout.exact``: the built-in engine, fp32 math, one process per sequence (what is measured)."""
+    if not cfg.rollout.exact:
+        return
+    if cfg.rollout.engine != "builtin":
+        why = f"the built-in engine's decode only; rollout.engine is {cfg.rollout.engine!r}"
+    elif cfg.model.precision != "fp32":
+        why = (
+            f"needs model.precision: fp32 (exact numerics are fp32 CPU kernels), got {cfg.model.precision!r}"
+        )
+    elif cfg.algo.routing_replay == "rollout":
+        why = (
+            "is not wired with algo.routing_replay: rollout (the exact decode pads its batch, the route "
+            "recorder reads it unpadded); the identical pairs route alike under it: set replay off"
+        )
+    elif cfg.parallel.context > 1:
+        why = (
+            f"needs parallel.context: 1 (the trainer's forward whole, not split), got {cfg.parallel.context}"
+        )
+    else:
+        return
+    raise config_error(source, "rollout.exact", why)
 
 
 def _check_replay(cfg: RLConfig, source: str) -> None:

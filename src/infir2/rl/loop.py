@@ -72,6 +72,7 @@ from ..generation import (
     build_engine,
     derive_seeds,
     stops_and_pad,
+    use_exact_numerics,
 )
 from ..harness.config import config_to_dict
 from ..harness.config_changes import reconcile_saved_config
@@ -186,6 +187,7 @@ def _build_engine(cfg: RLConfig, model: nn.Module, tokenizer: Any) -> RolloutEng
         copy_model=True,
         base_dtype={"bf16": torch.bfloat16, "fp32": None}[r.base_dtype],
         record_routes=cfg.algo.routing_replay == "rollout",  # the engine records each token's experts
+        exact=r.exact,  # rollout.exact: the engine decodes with the trainer's numerics (nn.exact)
     )
     sampling = SamplingConfig(  # the policy itself: no top-p / top-k
         greedy=False,
@@ -211,6 +213,8 @@ def _setup(
     built: dict[str, Any] = {}
 
     def before_shard(whole: nn.Module) -> None:  # the engine and the reference copy the whole model
+        if cfg.rollout.exact:  # the trainer's forward as the engine decodes (nn.exact)
+            use_exact_numerics(whole)
         built["engine"] = _build_engine(cfg, whole, tokenizer)
         if keeps_reference(cfg):  # the loss's KL, or the guard's: a whole copy on every rank (no collectives)
             built["ref"] = copy.deepcopy(whole).eval().requires_grad_(False)
