@@ -208,6 +208,7 @@ def test_exact_rl_has_no_mismatch_over_ten_updates(
         ("model", {"precision": "bf16"}, "needs model.precision: fp32"),
         ("parallel", {"context": 2}, "needs parallel.context: 1"),
         ("rollout", {"engine": "vllm"}, "the built-in engine's decode only"),
+        ("algo", {"routing_replay": "rollout"}, "is not wired with algo.routing_replay: rollout"),
     ],
 )
 def test_exact_is_refused_where_it_is_not_measured(tmp_path, section, values, says):
