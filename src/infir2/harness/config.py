@@ -4,7 +4,8 @@
 sections; four of them are the same for both and live here::
 
     run:   name, out_dir, seed, device, accept_config_changes
-    model: path | from_config, tokenizer, precision, activation_checkpointing, recompute_mlp, export_dtype
+    model: path | from_config, tokenizer, precision, activation_checkpointing, recompute_mlp, recompute_norm,
+           export_dtype
     fp8:   recipe, backend, param_gather, weight_cache, stats_every, high_precision_tail
     optim: lr, betas, eps, weight_decay, grad_clip, fused, state_dtype
 
@@ -126,6 +127,11 @@ class ModelConfig:
     recompute_mlp: bool = setting(
         True,
         "SwiGLU MLPs keep gate and up outputs and recompute silu in backward (exact; saves 2 [T, I] tensors)",
+    )
+    recompute_norm: bool = setting(
+        True,
+        "RMSNorms keep their input and rstd and recompute the normalized output in backward (exact; saves "
+        "one [T, H] fp32 tensor per norm)",
     )
     export_dtype: Literal["fp32", "bf16"] | None = setting(
         None, "dtype of the final <run>/hf export; default: precision (fp32 for an fp64 run)"

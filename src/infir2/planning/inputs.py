@@ -34,6 +34,7 @@ class PlanInputs:
     grad_dtype: str = "fp32"  # gradients' storage: fp32, or bf16 (one process; ``planning.optimizer``)
     loss_chunk_tokens: int | str = "auto"
     recompute_mlp: bool = True
+    recompute_norm: bool = True
     precision: str = "bf16"
     param_gather: bool | None = None
     device: str = "cuda"

@@ -110,6 +110,7 @@ def plan_rl(
             grad_dtype=cfg.optim.grad_dtype,
             loss_chunk_tokens="auto",
             recompute_mlp=cfg.model.recompute_mlp,
+            recompute_norm=cfg.model.recompute_norm,
             precision=cfg.model.precision if cfg.model.precision != "fp64" else "fp32",
             device=device,
             context=context,

@@ -198,6 +198,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "the run planned: cuda (GPUs, bf16 autocast; default) or cpu (fp32 emulation, per process)"
         ),
         recompute_help="without the SwiGLU recompute (model.recompute_mlp: false)",
+        norm_help="without the RMSNorm recompute (model.recompute_norm: false)",
     )
     parser.add_argument(
         "--context",
@@ -302,6 +303,7 @@ def _inputs(args: argparse.Namespace) -> PlanInputs:
         loss_chunk_tokens=chunk,
         precision=args.precision,
         recompute_mlp=not args.no_recompute_mlp,
+        recompute_norm=not args.no_recompute_norm,
         param_gather=False if args.no_param_gather else None,
         device=args.device,
         context=args.context,
