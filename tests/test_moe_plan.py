@@ -84,7 +84,7 @@ def test_qwen3_30b_a3b_is_shipped_with_its_published_size(capsys):
     # the embedded figures of its layer (the dense layer of the active width, 8 x 768, heads of 128)
     from infir2.planning import MEASURED, ModelShape
 
-    row = MEASURED[(2048, 8 * 768, 32, 4, True, True, 128)]
+    row = MEASURED[(2048, 8 * 768, 32, 4, True, True, False, 128)]
     dense = ModelShape(2048, 8 * 768, 48, 32, 4, 151936, False, head_dim=128).projection_weights
     assert row["bf16"][1] == 2 * dense and dense < row["blockwise"][1] < 1.001 * dense
     assert main(["plan", name, "--gpus", "8", "--seq-len", "8192", "--activation-checkpointing"]) == 0

@@ -13,7 +13,7 @@ from infir2.cli import main
 from infir2.harness.optim import build_optimizer
 from infir2.loss import lm_loss_sum
 from infir2.nn import cache_fp8_weights, convert_to_fp8, recompute_rmsnorm, recompute_swiglu
-from infir2.planning import MODELS, ModelShape, load_shape, plan
+from infir2.planning import MODELS, ModelShape, layer_figures, load_shape, plan
 from infir2.tools.memory import saved_in_graph
 from infir2.train.config import parse_config
 from live_bytes import LiveBytes
@@ -72,13 +72,17 @@ def test_states_match_the_tensors_after_one_step(state_dtype: str) -> None:
         ("blockwise", 64, True, True),
         ("blockwise", 0, False, False),
         ("blockwise", 0, True, False),
+        ("blockwise", 0, "fp8", True),
     ],
 )
-def test_saved_bytes_match_a_whole_tiny_model(recipe: str, chunk: int, recompute: bool, norm: bool) -> None:
-    """Activations + logits + weight copies of the plan == what a whole model's forward keeps."""
+def test_saved_bytes_match_a_whole_tiny_model(
+    recipe: str, chunk: int, recompute: bool | str, norm: bool
+) -> None:
+    """Activations + logits + weight copies of the plan == what a whole model's forward keeps
+    (``recompute="fp8"``: the SwiGLU recompute keeping its inputs in FP8, model.mlp_saved_fp8)."""
     model = make_tiny_model(hidden=128, layers=3)
     if recompute:  # as training does by default (model.recompute_mlp)
-        recompute_swiglu(model)
+        recompute_swiglu(model, fp8_saved=recompute == "fp8")
     if norm:  # likewise (model.recompute_norm)
         recompute_rmsnorm(model)
     if recipe != "bf16":
@@ -91,8 +95,9 @@ def test_saved_bytes_match_a_whole_tiny_model(recipe: str, chunk: int, recompute
         seq_len=SEQ,
         micro_batch=BATCH,
         loss_chunk_tokens=chunk,
-        recompute_mlp=recompute,
+        recompute_mlp=bool(recompute),
         recompute_norm=norm,
+        mlp_saved_fp8=recompute == "fp8",
     )
     _within(p.activations + p.logits_saved + p.weight_copies, measured)
 
@@ -183,17 +188,23 @@ def test_embedded_figures_are_what_infir2_memory_measures() -> None:
     assert projections == shape.projection_weights
     layer = (shape.hidden, shape.intermediate, shape.heads, shape.kv_heads)
     for recompute in ((False, False), (True, False), (True, True)):
-        row = MEASURED[(*layer, *recompute)]
+        row = MEASURED[(*layer, *recompute, False)]
         assert row["bf16"][1] == 2 * projections  # autocast's bf16 copies
         assert projections < row["blockwise"][1] < projections * 1.001  # FP8 copies + 128x128 scales
     # the MLP recompute drops exactly silu(g): one bf16 [T, I] tensor, 2 I bytes per token
-    plain, recomputed, norms = (MEASURED[(*layer, *r)] for r in ((False, False), (True, False), (True, True)))
+    plain, recomputed, norms = (
+        MEASURED[(*layer, *r, False)] for r in ((False, False), (True, False), (True, True))
+    )
     for recipe in recomputed.keys() & plain.keys():
         assert plain[recipe][0] - recomputed[recipe][0] == 2 * shape.intermediate, recipe
     # the norm recompute drops exactly each norm's normalized output: two fp32 [T, H] tensors, 8 H bytes
     assert recomputed.keys() == norms.keys()
     for recipe in norms:
         assert recomputed[recipe][0] - norms[recipe][0] == 2 * 4 * shape.hidden, recipe
+    # model.mlp_saved_fp8 (measured now, not embedded): the bf16 gate and up outputs become E4M3 codes and
+    # an fp32 scale per 128 elements: 2 x (2 - 1 - 4 / 128) I bytes per token fewer
+    fp8_saved, _ = layer_figures(shape, "blockwise", mlp_saved_fp8=True)
+    assert norms["blockwise"][0] - fp8_saved == 2 * (shape.intermediate - 4 * shape.intermediate // 128)
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "blockwise"])

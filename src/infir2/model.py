@@ -222,9 +222,11 @@ def prepare_for_training(
     master_dtype: torch.dtype = torch.float32,
     high_precision_tail: float = 0.0,
     recompute_norm: bool = True,
+    mlp_saved_fp8: bool = False,
 ) -> nn.Module:
     """fp32 (or ``master_dtype``) masters, train mode, optional activation checkpointing, the SwiGLU recompute
-    (``infir2.nn.recompute_swiglu``: exact, keeps two fewer ``[T, I]`` tensors), the RMSNorm recompute
+    (``infir2.nn.recompute_swiglu``: exact, keeps two fewer ``[T, I]`` tensors; ``mlp_saved_fp8``: keeps
+    the two it saves in FP8, lossy), the RMSNorm recompute
     (``infir2.nn.recompute_rmsnorm``: exact, keeps one fewer ``[T, H]`` per norm), then the FP8 swap
     (none for a recipe without FP8, ``bf16``; the last ``high_precision_tail`` of the decoder blocks kept
     in high precision)."""
@@ -235,7 +237,9 @@ def prepare_for_training(
         hf_model: Any = model
         hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if recompute_mlp:
-        recompute_swiglu(model)
+        recompute_swiglu(model, fp8_saved=mlp_saved_fp8)
+    elif mlp_saved_fp8:
+        raise ValueError("mlp_saved_fp8 keeps the SwiGLU recompute's inputs in FP8: it needs recompute_mlp")
     if recompute_norm:
         recompute_rmsnorm(model)
     convert_to_fp8(model, recipe, backend=backend, high_precision_tail=high_precision_tail)

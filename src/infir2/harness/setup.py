@@ -154,6 +154,7 @@ def setup_model(
         master_dtype,
         cfg.fp8.high_precision_tail,
         recompute_norm=cfg.model.recompute_norm,
+        mlp_saved_fp8=cfg.model.mlp_saved_fp8,
     )
     model.to(env.device)
     if before_shard is not None:

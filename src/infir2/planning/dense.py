@@ -93,7 +93,7 @@ def plan_step(shape: ModelShape, run: PlanInputs) -> Plan:
     an FP8 recipe's weight copies are its FP8 codes and scales (no K-major transpose).
     """
     per_token, weight_copy = layer_figures(
-        shape, run.recipe, run.recompute_mlp, run.device, run.recompute_norm
+        shape, run.recipe, run.recompute_mlp, run.device, run.recompute_norm, run.mlp_saved_fp8
     )
     p, shard = shape.params, 1 / run.gpus
     saved, backward = _logits(shape, run)

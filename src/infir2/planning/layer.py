@@ -15,19 +15,20 @@ from .shape import ModelShape
 
 __all__ = ["MEASURED", "MEASURED_CPU", "layer_figures"]
 
-#: Per decoder layer (hidden, intermediate, heads, kv heads, SwiGLU recompute, RMSNorm recompute) -> recipe ->
+#: Per decoder layer (hidden, intermediate, heads, kv heads, SwiGLU recompute, RMSNorm recompute, the SwiGLU's
+#: saved inputs in FP8) -> recipe ->
 #: (activation bytes per token,
 #: weight-copy bytes), as printed by ``infir2 memory --tokens 384`` (BENCHMARKS.md); other shapes are
 #: measured on the fly by ``layer_figures`` (a head_dim other than hidden // heads: last in the key).
 MEASURED: dict[tuple[int | bool, ...], dict[str, tuple[float, int]]] = {
-    (1536, 8960, 12, 2, False, False): {
+    (1536, 8960, 12, 2, False, False, False): {
         "bf16": (118840, 93585408),
         "blockwise": (99552, 46804128),
         "blockwise_fp32scale": (99552, 46804128),
         "rowwise": (99269, 0),
         "tensorwise": (99128, 46792732),
     },
-    (3584, 18944, 28, 4, False, False): {
+    (3584, 18944, 28, 4, False, False, False): {
         "bf16": (261240, 466092032),
         "blockwise": (218136, 233102912),
         "blockwise_fp32scale": (218136, 233102912),
@@ -35,7 +36,7 @@ MEASURED: dict[tuple[int | bool, ...], dict[str, tuple[float, int]]] = {
         "tensorwise": (217208, 233046044),
     },
     # with the SwiGLU recompute training applies by default (``infir2 memory``, same command, 2026-11-30)
-    (1536, 8960, 12, 2, True, False): {
+    (1536, 8960, 12, 2, True, False, False): {
         "bf16": (100920, 93585408),
         "blockwise": (81632, 46804128),
         "blockwise_fp32scale": (81632, 46804128),
@@ -43,7 +44,7 @@ MEASURED: dict[tuple[int | bool, ...], dict[str, tuple[float, int]]] = {
         "rowwise": (81349, 0),
         "tensorwise": (81208, 46792732),
     },
-    (3584, 18944, 28, 4, True, False): {
+    (3584, 18944, 28, 4, True, False, False): {
         "bf16": (223352, 466092032),
         "blockwise": (180248, 233102912),
         # the shipped qwen2.5-7b-rl's recipe, as layer_figures measures it (2026-12-03): kept here so that
@@ -54,7 +55,7 @@ MEASURED: dict[tuple[int | bool, ...], dict[str, tuple[float, int]]] = {
     },
     # with the RMSNorm recompute as well (model.recompute_norm, on by default; ``infir2 memory``, same
     # command, 2026-12-07): each norm's normalized output no longer kept, 8 x hidden bytes per token less
-    (1536, 8960, 12, 2, True, True): {
+    (1536, 8960, 12, 2, True, True, False): {
         "bf16": (88632, 93585408),
         "blockwise": (69344, 46815552),
         "blockwise_fp32scale": (69344, 46815552),
@@ -62,7 +63,7 @@ MEASURED: dict[tuple[int | bool, ...], dict[str, tuple[float, int]]] = {
         "rowwise": (69061, 0),
         "tensorwise": (68920, 46792760),
     },
-    (3584, 18944, 28, 4, True, True): {
+    (3584, 18944, 28, 4, True, True, False): {
         "bf16": (194680, 466092032),
         "blockwise": (151576, 233159808),
         "blockwise_fp32scale": (151576, 233159808),
@@ -71,12 +72,12 @@ MEASURED: dict[tuple[int | bool, ...], dict[str, tuple[float, int]]] = {
     },
     # Qwen3-30B-A3B's layer at its active width (8 x 768; head_dim 128), SwiGLU recompute (layer_figures,
     # 2026-12-01)
-    (2048, 6144, 32, 4, True, False, 128): {
+    (2048, 6144, 32, 4, True, False, False, 128): {
         "bf16": (108680, 113246208),
         "blockwise": (90696, 56650752),
     },
     # and with the RMSNorm recompute (layer_memory at 640 tokens, 2026-12-07)
-    (2048, 6144, 32, 4, True, True, 128): {
+    (2048, 6144, 32, 4, True, True, False, 128): {
         "bf16": (92296, 113246208),
         "blockwise": (74312, 56650752),
     },
@@ -109,6 +110,7 @@ def layer_figures(
     recompute_mlp: bool = True,
     device: str = "cuda",
     recompute_norm: bool = True,
+    mlp_saved_fp8: bool = False,
 ) -> tuple[float, int]:
     """(activation bytes per token, weight-copy bytes) of one decoder layer: measured, cached.
     ``MEASURED`` holds GPU figures; a CPU run's (fp32, no autocast) are measured on the fly.
@@ -121,6 +123,7 @@ def layer_figures(
         dense.kv_heads,
         recompute_mlp,
         recompute_norm,
+        mlp_saved_fp8,
     )
     if dense.head_dim != dense.hidden // dense.heads:
         key += (dense.head_dim,)  # heads of another width than hidden // heads: keyed apart
@@ -134,6 +137,7 @@ def layer_figures(
             recompute_mlp,
             device,
             recompute_norm,
+            mlp_saved_fp8,
             hidden_size=dense.hidden,
             intermediate_size=dense.intermediate,
             num_attention_heads=dense.heads,

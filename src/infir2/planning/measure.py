@@ -173,20 +173,22 @@ def layer_memory(
     recompute_mlp: bool = False,
     device: str = "cuda",
     recompute_norm: bool = False,
+    mlp_saved_fp8: bool = False,
     **overrides: int,
 ) -> LayerMemory:
     """Run one layer's forward on ``tokens`` tokens and list what it keeps for backward.
 
     ``recompute_mlp`` / ``recompute_norm``: the SwiGLU and RMSNorm recomputes training applies by default
     (``model.recompute_mlp``, ``model.recompute_norm``; ``infir2.nn.recompute_swiglu``,
-    ``recompute_rmsnorm``); both off, the layer is the plain Hugging Face one. ``device``: the run
+    ``recompute_rmsnorm``); both off, the layer is the plain Hugging Face one. ``mlp_saved_fp8``: the
+    SwiGLU recompute keeps its inputs in FP8 (``model.mlp_saved_fp8``). ``device``: the run
     modelled (:data:`DEVICES`): ``cuda`` under bf16 autocast, ``cpu`` in fp32 without autocast.
     """
     if device not in DEVICES:
         raise ValueError(f"device: expected one of {', '.join(DEVICES)}, got {device!r}")
     layer, rotary = build_layer(model, **overrides)
     if recompute_mlp:
-        recompute_swiglu(layer)
+        recompute_swiglu(layer, fp8_saved=mlp_saved_fp8)
     if recompute_norm:
         recompute_rmsnorm(layer)
     if recipe != "bf16":

@@ -111,6 +111,7 @@ def plan_rl(
             loss_chunk_tokens="auto",
             recompute_mlp=cfg.model.recompute_mlp,
             recompute_norm=cfg.model.recompute_norm,
+            mlp_saved_fp8=cfg.model.mlp_saved_fp8,
             precision=cfg.model.precision if cfg.model.precision != "fp64" else "fp32",
             device=device,
             context=context,

@@ -132,11 +132,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def add_run_arguments(
     parser: argparse.ArgumentParser, device_help: str, recompute_help: str, norm_help: str
 ) -> None:
-    """``--device`` (cuda / cpu), ``--no-recompute-mlp`` and ``--no-recompute-norm``: the run that
-    ``infir2 memory`` and ``infir2 plan`` model, each with its own help."""
+    """``--device`` (cuda / cpu), ``--no-recompute-mlp``, ``--no-recompute-norm`` and ``--mlp-saved-fp8``:
+    the run that ``infir2 memory`` and ``infir2 plan`` model."""
     parser.add_argument("--device", choices=DEVICES, default="cuda", help=device_help)
     parser.add_argument("--no-recompute-mlp", action="store_true", help=recompute_help)
     parser.add_argument("--no-recompute-norm", action="store_true", help=norm_help)
+    parser.add_argument(
+        "--mlp-saved-fp8",
+        action="store_true",
+        help="the SwiGLU recompute keeps its gate and up outputs in FP8 (model.mlp_saved_fp8; lossy, off by default)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -161,17 +166,28 @@ def run(args: argparse.Namespace) -> int:
         f"{'model':<7}{'recipe':<26}{'activations':>12}{'B/token':>10}{'vs bf16':>9}{'vs bf16+rc':>11}"
         f"{'weight copies':>15}{'shared':>9}"
     )
-    mlp, norm = not args.no_recompute_mlp, not args.no_recompute_norm
-    rc = ",".join(name for name, on in (("mlp", mlp), ("norm", norm)) if on)
+    mlp, norm, fp8 = not args.no_recompute_mlp, not args.no_recompute_norm, args.mlp_saved_fp8
+    if fp8 and not mlp:
+        raise ValueError(
+            "--mlp-saved-fp8: keeps the SwiGLU recompute's inputs in FP8; drop --no-recompute-mlp"
+        )
+    rc = ",".join(name for name, on in (("mlp", mlp), ("norm", norm)) if on) + (" mlp-fp8" if fp8 else "")
     if rc:
         print(f"rc {rc}: the recomputes training runs by default (model.recompute_mlp, model.recompute_norm)")
+    if fp8:
+        print(
+            "mlp-fp8: the SwiGLU recompute keeps its inputs in FP8 (model.mlp_saved_fp8, lossy, off by default)"
+        )
     for model in models:
         # the baseline users run (plain HF layer) and the like-for-like one (the same recomputes)
         base = layer_memory(model, "bf16", args.tokens, device=args.device)
-        base_rc = layer_memory(model, "bf16", args.tokens, mlp, args.device, norm)
+        base_rc = layer_memory(model, "bf16", args.tokens, mlp, args.device, norm, fp8)
         rows = [("bf16", base), (f"bf16 + rc {rc}" if rc else "bf16", base_rc)]
         rows += [
-            (r + (f" + rc {rc}" if rc else ""), layer_memory(model, r, args.tokens, mlp, args.device, norm))
+            (
+                r + (f" + rc {rc}" if rc else ""),
+                layer_memory(model, r, args.tokens, mlp, args.device, norm, fp8),
+            )
             for r in recipes
         ]
         for label, m in rows:

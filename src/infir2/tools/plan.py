@@ -304,6 +304,7 @@ def _inputs(args: argparse.Namespace) -> PlanInputs:
         precision=args.precision,
         recompute_mlp=not args.no_recompute_mlp,
         recompute_norm=not args.no_recompute_norm,
+        mlp_saved_fp8=args.mlp_saved_fp8,
         param_gather=False if args.no_param_gather else None,
         device=args.device,
         context=args.context,
