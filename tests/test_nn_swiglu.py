@@ -148,3 +148,39 @@ def test_fp8_saved_needs_the_recompute():
     model = prepare_for_training(make_tiny_model(hidden=64, layers=1), "blockwise", mlp_saved_fp8=True)
     assert recompute_swiglu(model, fp8_saved=True) == 0  # already so
     assert recompute_swiglu(model) == 1  # back to the exact one
+
+
+def _short_run(recipe: str, fp8_saved: bool) -> torch.Tensor:
+    """Twenty AdamW steps of a tiny model on one batch: the loss at each step."""
+    model = make_tiny_model("qwen2", hidden=128, layers=2, seed=3)
+    recompute_swiglu(model, fp8_saved=fp8_saved)
+    if recipe != "bf16":
+        convert_to_fp8(model, recipe)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids = torch.randint(0, 300, (4, 64), generator=torch.Generator().manual_seed(4))
+    curve = []
+    for _ in range(20):
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        curve.append(loss.item())
+    return torch.tensor(curve)
+
+
+def test_fp8_saved_tracks_the_exact_recompute_over_a_short_run():
+    """FP8 blockwise, with the SwiGLU's inputs kept in FP8 or not, and bf16 (no FP8 at all): the loss
+    curve with them in FP8 stays closer to the exact one than FP8's GEMMs themselves stay to bf16, and
+    within 2% at every step (measured: 1.2% at most, 0.7% on average; FP8 GEMMs against bf16: 2.5%)."""
+    exact, fp8_saved, bf16 = (
+        _short_run("blockwise", False),
+        _short_run("blockwise", True),
+        _short_run("bf16", False),
+    )
+    assert fp8_saved[-1] < 0.2 * fp8_saved[0]  # it trains
+    assert not torch.equal(exact, fp8_saved)  # lossy: the gradients differ
+
+    def gap(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a - b).abs() / b).max().item()
+
+    assert gap(fp8_saved, exact) < min(gap(bf16, exact), 0.02), (exact, fp8_saved, bf16)

@@ -171,13 +171,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             "--mlp-saved-fp8: keeps the SwiGLU recompute's inputs in FP8; drop --no-recompute-mlp"
         )
-    rc = ",".join(name for name, on in (("mlp", mlp), ("norm", norm)) if on) + (" mlp-fp8" if fp8 else "")
+    rc = ",".join(name for name, on in (("mlp", mlp), ("norm", norm)) if on)
     if rc:
         print(f"rc {rc}: the recomputes training runs by default (model.recompute_mlp, model.recompute_norm)")
     if fp8:
         print(
             "mlp-fp8: the SwiGLU recompute keeps its inputs in FP8 (model.mlp_saved_fp8, lossy, off by default)"
         )
+        rc += " + mlp-fp8"
     for model in models:
         # the baseline users run (plain HF layer) and the like-for-like one (the same recomputes)
         base = layer_memory(model, "bf16", args.tokens, device=args.device)
