@@ -10,6 +10,7 @@ import torch
 from conftest import make_tiny_model
 from infir2 import convert_to_fp8
 from infir2.nn import recompute_rmsnorm, recompute_swiglu
+from test_nn_swiglu import saved_storages
 from train_synthetic import one_thread
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
@@ -136,19 +137,6 @@ def test_activation_checkpointing_gradients_are_bit_identical():
     _assert_bit_identical(plain, recomputing, ids)
 
 
-def _saved_bytes(fn) -> dict[int, int]:
-    """The storages autograd saves while ``fn`` runs: {data pointer: bytes}."""
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return seen
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_normalized_output_is_no_longer_kept(dtype):
     """Per saved tensor: before, x (fp32), rstd [T, 1] and h = x * rstd (in the input's dtype, [T, H]);
@@ -157,9 +145,9 @@ def test_the_normalized_output_is_no_longer_kept(dtype):
     norm = model.model.layers[0].input_layernorm
     x = torch.randn(64, 128, dtype=dtype, requires_grad=True)
     weight = norm.weight.untyped_storage().data_ptr()
-    before = _saved_bytes(lambda: norm(x))
+    before = saved_storages(lambda: norm(x))
     recompute_rmsnorm(model)
-    after = _saved_bytes(lambda: norm(x))
+    after = saved_storages(lambda: norm(x))
     before.pop(weight), after.pop(weight)
     fp32_x, h = 64 * 128 * 4, 64 * 128 * dtype.itemsize
     assert sorted(before.values()) == sorted([64 * 4, fp32_x, h])

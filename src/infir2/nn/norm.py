@@ -24,11 +24,12 @@ backward.
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import torch
 from torch import nn
+
+from .swiglu import patch_forwards
 
 __all__ = ["NORM_CLASSES", "recompute_rmsnorm"]
 
@@ -92,9 +93,4 @@ def recompute_rmsnorm(model: nn.Module) -> int:
     """Make every RMSNorm of ``model`` (a class of :data:`NORM_CLASSES`) keep only its input and rstd
     for backward (module doc); returns how many were changed. Parameters, state_dict keys, outputs and
     gradients are unchanged."""
-    count = 0
-    for module in model.modules():
-        if _is_rmsnorm(module) and getattr(module.forward, "__func__", None) is not _rmsnorm_forward:
-            module.forward = types.MethodType(_rmsnorm_forward, module)
-            count += 1
-    return count
+    return patch_forwards(model, _is_rmsnorm, _rmsnorm_forward)

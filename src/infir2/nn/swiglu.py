@@ -25,6 +25,7 @@ Two ``[T, I]`` tensors of the autocast dtype become one byte per element plus 4 
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ from torch import nn
 from ..fp8.formats import BLOCK
 from ..fp8.quantize import dequantize, quantize
 
-__all__ = ["SAVED_TILE", "recompute_swiglu", "swiglu"]
+__all__ = ["SAVED_TILE", "patch_forwards", "recompute_swiglu", "swiglu"]
 
 #: the tiles of ``fp8_saved``'s codes (module doc): one scale per token per 128 channels
 SAVED_TILE = (1, BLOCK)
@@ -103,10 +104,17 @@ def recompute_swiglu(model: nn.Module, fp8_saved: bool = False) -> int:
     ``act_fn``) recompute its activation in backward, keeping the gate and up outputs in FP8 with
     ``fp8_saved`` (module doc); returns how many were changed. Parameters, state_dict keys and outputs
     are unchanged."""
-    forward = _mlp_forward_fp8_saved if fp8_saved else _mlp_forward
+    return patch_forwards(model, _is_swiglu_mlp, _mlp_forward_fp8_saved if fp8_saved else _mlp_forward)
+
+
+def patch_forwards(
+    model: nn.Module, matches: Callable[[nn.Module], bool], forward: Callable[..., Any]
+) -> int:
+    """Bind ``forward`` as the forward of every module of ``model`` that ``matches`` and does not run it
+    yet (an instance attribute: parameters and state_dict keys unchanged); returns how many."""
     count = 0
     for module in model.modules():
-        if _is_swiglu_mlp(module) and getattr(module.forward, "__func__", None) is not forward:
+        if matches(module) and getattr(module.forward, "__func__", None) is not forward:
             module.forward = types.MethodType(forward, module)
             count += 1
     return count
