@@ -10,8 +10,9 @@ seed against fp32 moments and gradients (``tools.paired``'s rule):
 
 Variants: ``fp32`` (the baseline), ``bf16``, ``fp8`` (E4M3 m, sqrt(v) in E4M3, block 128), ``fp8_e5m2``
 (v in E5M2), ``fp8_expand`` (COAT's range expansion), ``bf16_grads`` (``optim.grad_dtype: bf16``, fp32
-moments), ``fp8_bf16_grads`` (both); ``--variants`` picks. Prints the CPU, every run
-and the verdicts.
+moments), ``fp8_bf16_grads`` (both); and one that is not an optimizer's, ``mlp_fp8`` (fp32 moments, the
+SwiGLU's saved gate and up outputs in FP8: ``model.mlp_saved_fp8``); ``--variants`` picks. Prints the
+CPU, every run and the verdicts.
 
     PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/optim_state_dtype.py --leg text --seeds 0,1,2
     PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/optim_state_dtype.py --leg long --steps 500
@@ -39,6 +40,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "bf16_grads": {"grad_dtype": "bf16"},
     "fp8_bf16_grads": {"state_dtype": "fp8", "grad_dtype": "bf16"},
 }
+#: variants that change model keys instead (fp32 moments)
+MODEL_VARIANTS: dict[str, dict[str, Any]] = {"mlp_fp8": {"mlp_saved_fp8": True}}
 MARGIN = 1.0  # % of the loss
 
 
@@ -49,7 +52,11 @@ def text_leg(variant: str, seed: int, out: Path, steps: int | None = None) -> fl
     from infir2.tools.demo.results import FULL
     from infir2.tools.demo.text import text_settings
 
-    ts = replace(text_settings(FULL, ["blockwise"]), optim=tuple(VARIANTS[variant].items()))
+    ts = replace(
+        text_settings(FULL, ["blockwise"]),
+        optim=tuple(VARIANTS.get(variant, {}).items()),
+        model=tuple(MODEL_VARIANTS.get(variant, {}).items()),
+    )
     if steps is not None:
         ts = replace(ts, widths=(128,), steps=steps, eval_every=0)
     folder = out / variant
@@ -72,8 +79,8 @@ def main() -> None:
         p.error(f"--variants names a variant twice: {args.variants}")
     if len(set(seeds)) != len(seeds):
         p.error(f"--seeds names a seed twice: {args.seeds}")
-    if variants[0] != "fp32" or any(v not in VARIANTS for v in variants):
-        p.error(f"--variants: fp32 first, then any of {', '.join(VARIANTS)}")
+    if variants[0] != "fp32" or any(v not in VARIANTS | MODEL_VARIANTS for v in variants):
+        p.error(f"--variants: fp32 first, then any of {', '.join(VARIANTS | MODEL_VARIANTS)}")
     print(f"CPU: {cpu_description()}; torch {torch.__version__}")
     loss: dict[tuple[str, int], float] = {}
     with tempfile.TemporaryDirectory() as tmp:

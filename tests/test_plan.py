@@ -12,8 +12,8 @@ from conftest import make_tiny_model
 from infir2.cli import main
 from infir2.harness.optim import build_optimizer
 from infir2.loss import lm_loss_sum
-from infir2.nn import cache_fp8_weights, convert_to_fp8, recompute_swiglu
-from infir2.planning import MODELS, ModelShape, load_shape, plan
+from infir2.nn import cache_fp8_weights, convert_to_fp8, recompute_rmsnorm, recompute_swiglu
+from infir2.planning import MODELS, ModelShape, layer_figures, load_shape, plan
 from infir2.tools.memory import saved_in_graph
 from infir2.train.config import parse_config
 from live_bytes import LiveBytes
@@ -65,14 +65,26 @@ def test_states_match_the_tensors_after_one_step(state_dtype: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("recipe", "chunk", "recompute"),
-    [("bf16", 0, True), ("blockwise", 0, True), ("blockwise", 64, True), ("blockwise", 0, False)],
+    ("recipe", "chunk", "recompute", "norm"),
+    [
+        ("bf16", 0, True, True),
+        ("blockwise", 0, True, True),
+        ("blockwise", 64, True, True),
+        ("blockwise", 0, False, False),
+        ("blockwise", 0, True, False),
+        ("blockwise", 0, "fp8", True),
+    ],
 )
-def test_saved_bytes_match_a_whole_tiny_model(recipe: str, chunk: int, recompute: bool) -> None:
-    """Activations + logits + weight copies of the plan == what a whole model's forward keeps."""
+def test_saved_bytes_match_a_whole_tiny_model(
+    recipe: str, chunk: int, recompute: bool | str, norm: bool
+) -> None:
+    """Activations + logits + weight copies of the plan == what a whole model's forward keeps
+    (``recompute="fp8"``: the SwiGLU recompute keeping its inputs in FP8, model.mlp_saved_fp8)."""
     model = make_tiny_model(hidden=128, layers=3)
     if recompute:  # as training does by default (model.recompute_mlp)
-        recompute_swiglu(model)
+        recompute_swiglu(model, fp8_saved=recompute == "fp8")
+    if norm:  # likewise (model.recompute_norm)
+        recompute_rmsnorm(model)
     if recipe != "bf16":
         convert_to_fp8(model, recipe)
     measured = saved_bytes(model, torch.randint(0, 300, (BATCH, SEQ)), chunk or None)
@@ -83,7 +95,9 @@ def test_saved_bytes_match_a_whole_tiny_model(recipe: str, chunk: int, recompute
         seq_len=SEQ,
         micro_batch=BATCH,
         loss_chunk_tokens=chunk,
-        recompute_mlp=recompute,
+        recompute_mlp=bool(recompute),
+        recompute_norm=norm,
+        mlp_saved_fp8=recompute == "fp8",
     )
     _within(p.activations + p.logits_saved + p.weight_copies, measured)
 
@@ -146,6 +160,7 @@ def test_activations_with_a_head_dim_other_than_hidden_over_heads() -> None:
     exactly (bf16 casts), and activations + logits + weight copies match a whole model's (10%)."""
     model = make_tiny_model("llama", hidden=128, layers=3, head_dim=96)
     recompute_swiglu(model)
+    recompute_rmsnorm(model)
     shape = _shape(model)
     p = plan(shape, "bf16", gpus=1, seq_len=SEQ, micro_batch=BATCH, loss_chunk_tokens=0)
     assert p.weight_copies == shape.layers * 2 * _projection_elements(model) + 2 * shape.vocab * shape.hidden
@@ -171,15 +186,25 @@ def test_embedded_figures_are_what_infir2_memory_measures() -> None:
     shape = load_shape("qwen2.5-1.5b")[1]
     projections = shape.layer_params - 2 * shape.hidden - (shape.hidden + 2 * 256)  # minus norms and biases
     assert projections == shape.projection_weights
-    for recompute in (False, True):
-        row = MEASURED[(shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, recompute)]
+    layer = (shape.hidden, shape.intermediate, shape.heads, shape.kv_heads)
+    for recompute in ((False, False), (True, False), (True, True)):
+        row = MEASURED[(*layer, *recompute, False)]
         assert row["bf16"][1] == 2 * projections  # autocast's bf16 copies
         assert projections < row["blockwise"][1] < projections * 1.001  # FP8 copies + 128x128 scales
-    # the recompute drops exactly silu(g): one bf16 [T, I] tensor, 2 I bytes per token
-    recomputed = MEASURED[(shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, True)]
-    plain = MEASURED[(shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, False)]
+    # the MLP recompute drops exactly silu(g): one bf16 [T, I] tensor, 2 I bytes per token
+    plain, recomputed, norms = (
+        MEASURED[(*layer, *r, False)] for r in ((False, False), (True, False), (True, True))
+    )
     for recipe in recomputed.keys() & plain.keys():
         assert plain[recipe][0] - recomputed[recipe][0] == 2 * shape.intermediate, recipe
+    # the norm recompute drops exactly each norm's normalized output: two fp32 [T, H] tensors, 8 H bytes
+    assert recomputed.keys() == norms.keys()
+    for recipe in norms:
+        assert recomputed[recipe][0] - norms[recipe][0] == 2 * 4 * shape.hidden, recipe
+    # model.mlp_saved_fp8 (measured now, not embedded): the bf16 gate and up outputs become E4M3 codes and
+    # an fp32 scale per 128 elements: 2 x (2 - 1 - 4 / 128) I bytes per token fewer
+    fp8_saved, _ = layer_figures(shape, "blockwise", mlp_saved_fp8=True)
+    assert norms["blockwise"][0] - fp8_saved == 2 * (shape.intermediate - 4 * shape.intermediate // 128)
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "blockwise"])
@@ -188,6 +213,7 @@ def test_a_cpu_run_is_planned_as_it_runs(recipe: str, tmp_path, capsys) -> None:
     holding 1 byte per projection weight; activations + logits + weight copies == a tiny model's."""
     model = make_tiny_model(hidden=128, layers=3)
     recompute_swiglu(model)
+    recompute_rmsnorm(model)
     if recipe != "bf16":
         convert_to_fp8(model, recipe)
     measured = saved_bytes(model, torch.randint(0, 300, (BATCH, SEQ)), autocast=False)  # a CPU run in fp32

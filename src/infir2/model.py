@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ._paths import check_safetensors
-from .nn import convert_to_fp8, recompute_swiglu, unrecognised_experts
+from .nn import convert_to_fp8, recompute_rmsnorm, recompute_swiglu, unrecognised_experts
 from .nn.moe.routing import replay_routes  # RL's trainer forwards replay the rollout's routes
 
 if TYPE_CHECKING:
@@ -223,9 +223,13 @@ def prepare_for_training(
     recompute_mlp: bool = True,
     master_dtype: torch.dtype = torch.float32,
     high_precision_tail: float = 0.0,
+    recompute_norm: bool = True,
+    mlp_saved_fp8: bool = False,
 ) -> nn.Module:
     """fp32 (or ``master_dtype``) masters, train mode, optional activation checkpointing, the SwiGLU recompute
-    (``infir2.nn.recompute_swiglu``: exact, keeps two fewer ``[T, I]`` tensors), then the FP8 swap
+    (``infir2.nn.recompute_swiglu``: exact, keeps two fewer ``[T, I]`` tensors; ``mlp_saved_fp8``: keeps
+    the two it saves in FP8, lossy), the RMSNorm recompute
+    (``infir2.nn.recompute_rmsnorm``: exact, keeps one fewer ``[T, H]`` per norm), then the FP8 swap
     (none for a recipe without FP8, ``bf16``; the last ``high_precision_tail`` of the decoder blocks kept
     in high precision)."""
     model.to(master_dtype).train()
@@ -235,7 +239,11 @@ def prepare_for_training(
         hf_model: Any = model
         hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if recompute_mlp:
-        recompute_swiglu(model)
+        recompute_swiglu(model, fp8_saved=mlp_saved_fp8)
+    elif mlp_saved_fp8:
+        raise ValueError("mlp_saved_fp8 keeps the SwiGLU recompute's inputs in FP8: it needs recompute_mlp")
+    if recompute_norm:
+        recompute_rmsnorm(model)
     convert_to_fp8(model, recipe, backend=backend, high_precision_tail=high_precision_tail)
     return model
 

@@ -4,7 +4,8 @@
 sections; four of them are the same for both and live here::
 
     run:   name, out_dir, seed, device, accept_config_changes
-    model: path | from_config, tokenizer, precision, activation_checkpointing, recompute_mlp, export_dtype
+    model: path | from_config, tokenizer, precision, activation_checkpointing, recompute_mlp, recompute_norm,
+           mlp_saved_fp8, export_dtype
     fp8:   recipe, backend, param_gather, weight_cache, stats_every, high_precision_tail
     optim: lr, betas, eps, weight_decay, grad_clip, fused, state_dtype
 
@@ -127,6 +128,16 @@ class ModelConfig:
     recompute_mlp: bool = setting(
         True,
         "SwiGLU MLPs keep gate and up outputs and recompute silu in backward (exact; saves 2 [T, I] tensors)",
+    )
+    recompute_norm: bool = setting(
+        True,
+        "RMSNorms keep their input and rstd and recompute the normalized output in backward (exact; saves "
+        "one [T, H] fp32 tensor per norm)",
+    )
+    mlp_saved_fp8: bool = setting(
+        False,
+        "the SwiGLU recompute keeps gate and up outputs in FP8 (E4M3, a scale per 1x128 tile; lossy, in the "
+        "gradients only; needs recompute_mlp)",
     )
     export_dtype: Literal["fp32", "bf16"] | None = setting(
         None, "dtype of the final <run>/hf export; default: precision (fp32 for an fp64 run)"
@@ -296,6 +307,12 @@ def _check_model(m: ModelConfig, source: str) -> None:
         )
     if m.from_config is not None and m.tokenizer is None:
         raise config_error(source, "model.tokenizer", "a model built from_config needs a tokenizer folder")
+    if m.mlp_saved_fp8 and not m.recompute_mlp:
+        raise config_error(
+            source,
+            "model.mlp_saved_fp8",
+            "keeps the SwiGLU recompute's inputs in FP8: needs model.recompute_mlp",
+        )
 
 
 def _check_fp8(f: Fp8Config, source: str) -> None:

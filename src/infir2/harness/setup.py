@@ -153,6 +153,8 @@ def setup_model(
         cfg.model.recompute_mlp,
         master_dtype,
         cfg.fp8.high_precision_tail,
+        recompute_norm=cfg.model.recompute_norm,
+        mlp_saved_fp8=cfg.model.mlp_saved_fp8,
     )
     model.to(env.device)
     if before_shard is not None:

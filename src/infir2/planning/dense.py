@@ -93,7 +93,9 @@ def plan_step(shape: ModelShape, run: PlanInputs) -> Plan:
     so no other weight copy is kept. A CPU run: no bf16 weight or lm_head copies, fp32 activations, and
     an FP8 recipe's weight copies are its FP8 codes and scales (no K-major transpose).
     """
-    per_token, weight_copy = layer_figures(shape, run.recipe, run.recompute_mlp, run.device)
+    per_token, weight_copy = layer_figures(
+        shape, run.recipe, run.recompute_mlp, run.device, run.recompute_norm, run.mlp_saved_fp8
+    )
     p, shard = shape.params, 1 / run.gpus
     saved, backward = _logits(shape, run)
     gathered, weight_copies, gather = _weights(shape, run, weight_copy)

@@ -35,6 +35,8 @@ class PlanInputs:
     grad_dtype: str = "fp32"  # gradients' storage: fp32, or bf16 (one process; ``planning.optimizer``)
     loss_chunk_tokens: int | str = "auto"
     recompute_mlp: bool = True
+    recompute_norm: bool = True
+    mlp_saved_fp8: bool = False  # the SwiGLU recompute's inputs kept in FP8 (``model.mlp_saved_fp8``)
     precision: str = "bf16"
     param_gather: bool | None = None
     device: str = "cuda"
@@ -48,6 +50,10 @@ class PlanInputs:
             )
         if self.device not in DEVICES:
             raise ValueError(f"device: expected one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.mlp_saved_fp8 and not self.recompute_mlp:
+            raise ValueError(
+                "mlp_saved_fp8: keeps the SwiGLU recompute's inputs in FP8; it needs recompute_mlp"
+            )
         if self.state_dtype not in ("fp32", "bf16", "fp8"):
             raise ValueError(f"state_dtype: expected fp32, bf16 or fp8, got {self.state_dtype!r}")
         if self.grad_dtype not in ("fp32", "bf16") or (self.grad_dtype == "bf16" and self.gpus > 1):
@@ -101,6 +107,8 @@ class RLInputs:
     precision: str  # model.precision (fp64 is planned as fp32: the same bytes on the wire)
     activation_checkpointing: bool
     recompute_mlp: bool
+    recompute_norm: bool
+    mlp_saved_fp8: bool
     state_dtype: str
     state_block: int
     state_expand: bool

@@ -15,18 +15,20 @@ from .shape import ModelShape
 
 __all__ = ["MEASURED", "MEASURED_CPU", "layer_figures"]
 
-#: Per decoder layer (hidden, intermediate, heads, kv heads, SwiGLU recompute) -> recipe -> (activation bytes per token,
+#: Per decoder layer (hidden, intermediate, heads, kv heads, SwiGLU recompute, RMSNorm recompute, the SwiGLU's
+#: saved inputs in FP8) -> recipe ->
+#: (activation bytes per token,
 #: weight-copy bytes), as printed by ``infir2 memory --tokens 384`` (BENCHMARKS.md); other shapes are
 #: measured on the fly by ``layer_figures`` (a head_dim other than hidden // heads: last in the key).
 MEASURED: dict[tuple[int | bool, ...], dict[str, tuple[float, int]]] = {
-    (1536, 8960, 12, 2, False): {
+    (1536, 8960, 12, 2, False, False, False): {
         "bf16": (118840, 93585408),
         "blockwise": (99552, 46804128),
         "blockwise_fp32scale": (99552, 46804128),
         "rowwise": (99269, 0),
         "tensorwise": (99128, 46792732),
     },
-    (3584, 18944, 28, 4, False): {
+    (3584, 18944, 28, 4, False, False, False): {
         "bf16": (261240, 466092032),
         "blockwise": (218136, 233102912),
         "blockwise_fp32scale": (218136, 233102912),
@@ -34,7 +36,7 @@ MEASURED: dict[tuple[int | bool, ...], dict[str, tuple[float, int]]] = {
         "tensorwise": (217208, 233046044),
     },
     # with the SwiGLU recompute training applies by default (``infir2 memory``, same command, 2026-11-30)
-    (1536, 8960, 12, 2, True): {
+    (1536, 8960, 12, 2, True, False, False): {
         "bf16": (100920, 93585408),
         "blockwise": (81632, 46804128),
         "blockwise_fp32scale": (81632, 46804128),
@@ -42,7 +44,7 @@ MEASURED: dict[tuple[int | bool, ...], dict[str, tuple[float, int]]] = {
         "rowwise": (81349, 0),
         "tensorwise": (81208, 46792732),
     },
-    (3584, 18944, 28, 4, True): {
+    (3584, 18944, 28, 4, True, False, False): {
         "bf16": (223352, 466092032),
         "blockwise": (180248, 233102912),
         # the shipped qwen2.5-7b-rl's recipe, as layer_figures measures it (2026-12-03): kept here so that
@@ -51,11 +53,33 @@ MEASURED: dict[tuple[int | bool, ...], dict[str, tuple[float, int]]] = {
         "mxfp8": (180248, 0),
         "tensorwise": (179320, 233046044),
     },
+    # with the RMSNorm recompute as well (model.recompute_norm, on by default; ``infir2 memory``, same
+    # command, 2026-12-07): each norm's normalized output no longer kept, 8 x hidden bytes per token less
+    (1536, 8960, 12, 2, True, True, False): {
+        "bf16": (88632, 93585408),
+        "blockwise": (69344, 46815552),
+        "blockwise_fp32scale": (69344, 46815552),
+        "mxfp8": (69344, 0),
+        "rowwise": (69061, 0),
+        "tensorwise": (68920, 46792760),
+    },
+    (3584, 18944, 28, 4, True, True, False): {
+        "bf16": (194680, 466092032),
+        "blockwise": (151576, 233159808),
+        "blockwise_fp32scale": (151576, 233159808),
+        "mxfp8": (151576, 0),
+        "tensorwise": (150648, 233046072),
+    },
     # Qwen3-30B-A3B's layer at its active width (8 x 768; head_dim 128), SwiGLU recompute (layer_figures,
     # 2026-12-01)
-    (2048, 6144, 32, 4, True, 128): {
+    (2048, 6144, 32, 4, True, False, False, 128): {
         "bf16": (108680, 113246208),
         "blockwise": (90696, 56650752),
+    },
+    # and with the RMSNorm recompute (layer_memory at 640 tokens, 2026-12-07)
+    (2048, 6144, 32, 4, True, True, False, 128): {
+        "bf16": (92296, 113246208),
+        "blockwise": (74312, 56650752),
     },
 }
 
@@ -81,7 +105,12 @@ def active_width_layer(shape: ModelShape) -> ModelShape:
 
 
 def layer_figures(
-    shape: ModelShape, recipe: str, recompute_mlp: bool = True, device: str = "cuda"
+    shape: ModelShape,
+    recipe: str,
+    recompute_mlp: bool = True,
+    device: str = "cuda",
+    recompute_norm: bool = True,
+    mlp_saved_fp8: bool = False,
 ) -> tuple[float, int]:
     """(activation bytes per token, weight-copy bytes) of one decoder layer: measured, cached.
     ``MEASURED`` holds GPU figures; a CPU run's (fp32, no autocast) are measured on the fly.
@@ -93,6 +122,8 @@ def layer_figures(
         dense.heads,
         dense.kv_heads,
         recompute_mlp,
+        recompute_norm,
+        mlp_saved_fp8,
     )
     if dense.head_dim != dense.hidden // dense.heads:
         key += (dense.head_dim,)  # heads of another width than hidden // heads: keyed apart
@@ -105,6 +136,8 @@ def layer_figures(
             safe_tokens({dense.hidden, dense.intermediate, *heads}),
             recompute_mlp,
             device,
+            recompute_norm,
+            mlp_saved_fp8,
             hidden_size=dense.hidden,
             intermediate_size=dense.intermediate,
             num_attention_heads=dense.heads,

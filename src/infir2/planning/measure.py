@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..fp8.formats import BLOCK, NVFP4_BLOCK
-from ..nn import cache_fp8_weights, convert_to_fp8, recompute_swiglu
+from ..nn import cache_fp8_weights, convert_to_fp8, recompute_rmsnorm, recompute_swiglu
 
 __all__ = [
     "DEVICES",
@@ -143,9 +143,12 @@ def _cached_weights(layer: nn.Module) -> set[int]:
 
 
 def safe_tokens(dims: set[int], at_least: int = 256) -> int:
-    """The smallest multiple of BLOCK >= ``at_least`` that is none of ``dims`` (tokens tell activations apart)."""
+    """The smallest multiple of BLOCK >= ``at_least`` that is none of ``dims`` nor of the weight shapes
+    made from them (``_weight_shapes``: NVFP4's packed codes, the scale grids): tokens tell activations
+    apart."""
+    derived = {-(-d // n) for d in dims for n in (1, 2, BLOCK, NVFP4_BLOCK)}
     tokens = -(-at_least // BLOCK) * BLOCK
-    while tokens in dims:
+    while tokens in derived:
         tokens += BLOCK
     return tokens
 
@@ -169,19 +172,25 @@ def layer_memory(
     tokens: int,
     recompute_mlp: bool = False,
     device: str = "cuda",
+    recompute_norm: bool = False,
+    mlp_saved_fp8: bool = False,
     **overrides: int,
 ) -> LayerMemory:
     """Run one layer's forward on ``tokens`` tokens and list what it keeps for backward.
 
-    ``recompute_mlp``: the SwiGLU recompute training applies by default (``model.recompute_mlp``,
-    ``infir2.nn.recompute_swiglu``); off, the layer is the plain Hugging Face one. ``device``: the run
+    ``recompute_mlp`` / ``recompute_norm``: the SwiGLU and RMSNorm recomputes training applies by default
+    (``model.recompute_mlp``, ``model.recompute_norm``; ``infir2.nn.recompute_swiglu``,
+    ``recompute_rmsnorm``); both off, the layer is the plain Hugging Face one. ``mlp_saved_fp8``: the
+    SwiGLU recompute keeps its inputs in FP8 (``model.mlp_saved_fp8``). ``device``: the run
     modelled (:data:`DEVICES`): ``cuda`` under bf16 autocast, ``cpu`` in fp32 without autocast.
     """
     if device not in DEVICES:
         raise ValueError(f"device: expected one of {', '.join(DEVICES)}, got {device!r}")
     layer, rotary = build_layer(model, **overrides)
     if recompute_mlp:
-        recompute_swiglu(layer)
+        recompute_swiglu(layer, fp8_saved=mlp_saved_fp8)
+    if recompute_norm:
+        recompute_rmsnorm(layer)
     if recipe != "bf16":
         convert_to_fp8(layer, recipe, module_filter_fn=lambda m, _fqn: isinstance(m, nn.Linear))
     hidden = {**LAYER_SHAPES.get(model, {}), **overrides}["hidden_size"]

@@ -22,6 +22,8 @@ def plan_inputs(cfg: RLConfig) -> RLInputs:
         precision=m.precision,
         activation_checkpointing=m.activation_checkpointing,
         recompute_mlp=m.recompute_mlp,
+        recompute_norm=m.recompute_norm,
+        mlp_saved_fp8=m.mlp_saved_fp8,
         state_dtype=o.state_dtype,
         state_block=o.fp8_block,
         state_expand=o.fp8_range_expansion,

@@ -22,11 +22,13 @@ CPU-sized token count scale linearly to 8k or 32k (``per_token`` is what ``infir
 Only the forward runs (saved tensors are made there), but bf16 GEMMs are slow on CPUs without native
 bf16: keep ``--tokens`` small (256-1024).
 
-FP8 layers are measured as training runs them: with the SwiGLU recompute (``model.recompute_mlp``,
-on by default), which keeps the gate and up outputs and recomputes ``silu`` in backward, so the
-down projection's FP8 input is the only copy of the product. Two baselines are printed: the plain
-HF layer (what users run today: "vs bf16") and the same layer with the recompute ("vs bf16+rc",
-like for like, since the recompute is not FP8's own doing).
+FP8 layers are measured as training runs them, with the two recomputes on by default ("rc mlp,norm"):
+the SwiGLU recompute (``model.recompute_mlp``), which keeps the gate and up outputs and recomputes
+``silu`` in backward, so the down projection's FP8 input is the only copy of the product; and the
+RMSNorm recompute (``model.recompute_norm``), which keeps each norm's input and per-row rstd and makes
+the normalized output again in backward, so the next projection's FP8 input is its only copy. Both
+are exact. Two baselines are printed: the plain HF layer (what users run today: "vs bf16") and the
+same layer with the same recomputes ("vs bf16+rc", like for like, since they are not FP8's own doing).
 
     infir2 memory                              # 1.5B and 7B shapes, 384 tokens, all recipes
     infir2 memory --models 1.5B --tokens 1024 --recipes blockwise --table
@@ -121,16 +123,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser,
         device_help="the run modelled: cuda (bf16 autocast, default) or cpu (fp32, no autocast)",
         recompute_help=(
-            "FP8 layers without the SwiGLU recompute training uses by default (model.recompute_mlp: true)"
+            "layers without the SwiGLU recompute training uses by default (model.recompute_mlp: true)"
         ),
+        norm_help="layers without the RMSNorm recompute training uses by default (model.recompute_norm: true)",
     )
 
 
-def add_run_arguments(parser: argparse.ArgumentParser, device_help: str, recompute_help: str) -> None:
-    """``--device`` (cuda / cpu) and ``--no-recompute-mlp``: the run that ``infir2 memory`` and
-    ``infir2 plan`` model, each with its own help."""
+def add_run_arguments(
+    parser: argparse.ArgumentParser, device_help: str, recompute_help: str, norm_help: str
+) -> None:
+    """``--device`` (cuda / cpu), ``--no-recompute-mlp``, ``--no-recompute-norm`` and ``--mlp-saved-fp8``:
+    the run that ``infir2 memory`` and ``infir2 plan`` model."""
     parser.add_argument("--device", choices=DEVICES, default="cuda", help=device_help)
     parser.add_argument("--no-recompute-mlp", action="store_true", help=recompute_help)
+    parser.add_argument("--no-recompute-norm", action="store_true", help=norm_help)
+    parser.add_argument(
+        "--mlp-saved-fp8",
+        action="store_true",
+        help="the SwiGLU recompute keeps its gate and up outputs in FP8 (model.mlp_saved_fp8; lossy, off by default)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -155,18 +166,28 @@ def run(args: argparse.Namespace) -> int:
         f"{'model':<7}{'recipe':<26}{'activations':>12}{'B/token':>10}{'vs bf16':>9}{'vs bf16+rc':>11}"
         f"{'weight copies':>15}{'shared':>9}"
     )
-    recompute = not args.no_recompute_mlp
-    for model in models:
-        # the baseline users run (plain HF MLP) and the like-for-like one (the same recompute)
-        base, base_rc = (
-            layer_memory(model, "bf16", args.tokens, device=args.device),
-            layer_memory(model, "bf16", args.tokens, True, device=args.device),
+    mlp, norm, fp8 = not args.no_recompute_mlp, not args.no_recompute_norm, args.mlp_saved_fp8
+    if fp8 and not mlp:
+        raise ValueError(
+            "--mlp-saved-fp8: keeps the SwiGLU recompute's inputs in FP8; drop --no-recompute-mlp"
         )
-        rows = [("bf16", base), ("bf16 + recompute_mlp", base_rc)]
+    rc = ",".join(name for name, on in (("mlp", mlp), ("norm", norm)) if on)
+    if rc:
+        print(f"rc {rc}: the recomputes training runs by default (model.recompute_mlp, model.recompute_norm)")
+    if fp8:
+        print(
+            "mlp-fp8: the SwiGLU recompute keeps its inputs in FP8 (model.mlp_saved_fp8, lossy, off by default)"
+        )
+        rc += " + mlp-fp8"
+    for model in models:
+        # the baseline users run (plain HF layer) and the like-for-like one (the same recomputes)
+        base = layer_memory(model, "bf16", args.tokens, device=args.device)
+        base_rc = layer_memory(model, "bf16", args.tokens, mlp, args.device, norm, fp8)
+        rows = [("bf16", base), (f"bf16 + rc {rc}" if rc else "bf16", base_rc)]
         rows += [
             (
-                r + (" + recompute_mlp" if recompute else ""),
-                layer_memory(model, r, args.tokens, recompute, device=args.device),
+                r + (f" + rc {rc}" if rc else ""),
+                layer_memory(model, r, args.tokens, mlp, args.device, norm, fp8),
             )
             for r in recipes
         ]

@@ -224,6 +224,7 @@ def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
             "the run planned: cuda (GPUs, bf16 autocast; default) or cpu (fp32 emulation, per process)"
         ),
         recompute_help="without the SwiGLU recompute (model.recompute_mlp: false)",
+        norm_help="without the RMSNorm recompute (model.recompute_norm: false)",
     )
     parser.add_argument(
         "--context",
@@ -330,6 +331,8 @@ def _inputs(args: argparse.Namespace) -> PlanInputs:
         loss_chunk_tokens=chunk,
         precision=args.precision,
         recompute_mlp=not args.no_recompute_mlp,
+        recompute_norm=not args.no_recompute_norm,
+        mlp_saved_fp8=args.mlp_saved_fp8,
         param_gather=False if args.no_param_gather else None,
         device=args.device,
         context=args.context,
@@ -373,6 +376,8 @@ def train_inputs(cfg: RunConfig, gpus: int, device: str, source: str) -> PlanInp
         grad_dtype=o.grad_dtype,
         loss_chunk_tokens=cfg.train.loss_chunk_tokens,
         recompute_mlp=cfg.model.recompute_mlp,
+        recompute_norm=cfg.model.recompute_norm,
+        mlp_saved_fp8=cfg.model.mlp_saved_fp8,
         precision="fp32" if device == "cpu" else cfg.model.precision,
         param_gather=cfg.fp8.param_gather,
         device=device,

@@ -6,7 +6,8 @@ docs/RECIPE.md section 2, can be written down)::
 
     run:      name, out_dir, seed, device (auto|cpu|cuda), accept_config_changes
     model:    path (local HF folder) | from_config ({arch: a name in infir2.model.ARCHS, hidden_size, ...}),
-              tokenizer, precision (fp32|bf16|fp64), activation_checkpointing, recompute_mlp, export_dtype
+              tokenizer, precision (fp32|bf16|fp64), activation_checkpointing, recompute_mlp, recompute_norm,
+              mlp_saved_fp8, export_dtype
     fp8:      recipe (a name in infir2.fp8.RECIPES: bf16, blockwise, ...), backend, param_gather, weight_cache,
               stats_every
     data:     kind (cpt|sft), train_path, val_path, seq_len, global_batch_size, micro_batch_size,

@@ -105,6 +105,7 @@ class FidelitySettings:
     eval_from: int = 0  # ... from this step on (0: from the start)
     max_chars: int | None = None  # keep only the first chapters up to this many characters
     optim: tuple[tuple[str, Any], ...] = ()  # more optim keys for every run, e.g. (("state_dtype", "fp8"),)
+    model: tuple[tuple[str, Any], ...] = ()  # more model keys, e.g. (("mlp_saved_fp8", True),)
 
 
 FULL = FidelitySettings()
@@ -200,7 +201,12 @@ def _run_config(
     }
     return {
         "run": cpu_run_section(_run_name(width, recipe, seed), out / "runs", seed),
-        "model": {"from_config": model, "tokenizer": str(out / "tokenizer"), "precision": "fp32"},
+        "model": {
+            "from_config": model,
+            "tokenizer": str(out / "tokenizer"),
+            "precision": "fp32",
+            **dict(s.model),
+        },
         "fp8": fp8_section(recipe),
         "data": cpt_data_section(out / "tokens", s.seq_len, s.batch),
         "optim": {"lr": s.lr, "weight_decay": 0.1, "grad_clip": 1.0, **dict(s.optim)},
