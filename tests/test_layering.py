@@ -73,7 +73,7 @@ ALLOWED: dict[str, set[str]] = {
         "planning",
         "tools.recipe_spec",
     },  # recipe_spec.unique: a list names each once
-    "tools.plan": {"fp8", "planning", "rl", "tools.memory", "train"},
+    "tools.plan": {"fp8", "harness", "planning", "rl", "tools.memory", "train"},
     "tools.numerics": {"nn"},  # infir2 numerics: reads a run's telemetry keys
     "tools.wire_bytes": {"nn"},  # FSDP2 byte counters for benchmarks
     "tools.fake_step": {

@@ -102,6 +102,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..fp8 import RECIPES, recipe_names
+from ..harness.plan_settings import step_settings
 from ..planning import (
     GPU_GIB,
     MEASURED,
@@ -258,6 +259,20 @@ def _chunk_tokens(text: str) -> int:
     return value
 
 
+def _model_shape(model: str | None, path: str | None, flag: str) -> str:
+    """The model shape to plan: the positional model, else the config's ``model.path`` folder (its
+    ``config.json``); one line naming ``flag`` when neither is there."""
+    if model is not None:
+        return model
+    folder = Path(path) if path else None
+    if folder is None or not (folder / "config.json").is_file():
+        raise ValueError(
+            f"{flag}: model.path {path!r} has no config.json here; name the model "
+            f"shape: a shipped model ({', '.join(MODELS)}) or a config.json"
+        )
+    return str(folder)
+
+
 def run_rl(args: argparse.Namespace) -> int:
     """``infir2 plan --rl CONFIG``: one RL step of the config, on ``--gpus`` GPUs (or CPU processes)."""
     from ..rl.config import load_rl_config
@@ -268,15 +283,7 @@ def run_rl(args: argparse.Namespace) -> int:
     inputs = plan_inputs(cfg)
     if args.gpus <= 0 or args.prompt_len <= 0:
         raise ValueError(f"--gpus and --prompt-len must be > 0, got {args.gpus} and {args.prompt_len}")
-    model = args.model
-    if model is None:
-        folder = Path(cfg.model.path) if cfg.model.path else None
-        if folder is None or not (folder / "config.json").is_file():
-            raise ValueError(
-                f"--rl {args.rl}: model.path {cfg.model.path!r} has no config.json here; name the model "
-                f"shape: a shipped model ({', '.join(MODELS)}) or a config.json"
-            )
-        model = str(folder)
+    model = _model_shape(args.model, cfg.model.path, f"--rl {args.rl}")
     context = inputs.context
     if args.gpus % context:
         raise ValueError(f"--gpus {args.gpus}: not a multiple of the config's parallel.context {context}")
@@ -363,25 +370,21 @@ def train_inputs(cfg: RunConfig, gpus: int, device: str, source: str) -> PlanInp
         raise ValueError(
             f"{source}: optim.grad_dtype bf16 is for one GPU; plan it with --gpus 1, got --gpus {gpus}"
         )
+    settings = step_settings(cfg.model, cfg.fp8, cfg.optim, cfg.parallel)
     return PlanInputs(
-        cfg.fp8.recipe,
+        **settings
+        | {
+            "precision": "fp32"
+            if device == "cpu" or settings["precision"] == "fp64"
+            else settings["precision"]
+        },
         gpus=gpus,
         seq_len=seq_len,
         micro_batch=micro,
         global_batch=global_batch,
-        activation_checkpointing=cfg.model.activation_checkpointing,
-        state_dtype=o.state_dtype,
-        state_block=o.fp8_block,
-        state_expand=o.fp8_range_expansion,
-        grad_dtype=o.grad_dtype,
         loss_chunk_tokens=cfg.train.loss_chunk_tokens,
-        recompute_mlp=cfg.model.recompute_mlp,
-        recompute_norm=cfg.model.recompute_norm,
-        mlp_saved_fp8=cfg.model.mlp_saved_fp8,
-        precision="fp32" if device == "cpu" else cfg.model.precision,
         param_gather=cfg.fp8.param_gather,
         device=device,
-        context=cfg.parallel.context,
         weight_cache=cfg.fp8.weight_cache,
     )
 
@@ -393,15 +396,7 @@ def run_train(args: argparse.Namespace) -> int:
     cfg = load_config(resolve_config_path(args.train))
     if args.gpus <= 0:
         raise ValueError(f"--gpus: must be > 0, got {args.gpus}")
-    model = args.model
-    if model is None:
-        folder = Path(cfg.model.path) if cfg.model.path else None
-        if folder is None or not (folder / "config.json").is_file():
-            raise ValueError(
-                f"--train {args.train}: model.path {cfg.model.path!r} has no config.json here; name the model "
-                f"shape: a shipped model ({', '.join(MODELS)}) or a config.json"
-            )
-        model = str(folder)
+    model = _model_shape(args.model, cfg.model.path, f"--train {args.train}")
     inputs = train_inputs(cfg, args.gpus, args.device, f"--train {args.train}")
     print(f"train config {args.train}: recipe {cfg.fp8.recipe}, model.precision {inputs.precision}")
     return _report(args, model, inputs)
