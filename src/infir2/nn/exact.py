@@ -253,7 +253,7 @@ def _grouped_by_rows(
         raise ValueError(
             "exact numerics: a grouped GEMM of 2-D rows by 3-D expert weights with offs is expected"
         )
-    ends = offs.tolist()
+    ends = offs.tolist()  # off the hot path: rollout.exact's CPU grouped GEMM, one matmul per group by design
     parts, start = [], 0
     for g, end in enumerate(ends):
         if end > start:

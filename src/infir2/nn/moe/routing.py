@@ -79,7 +79,7 @@ class RouteLog:
         if not self.seen or not self.seen[0]:
             return None
         per_layer = [torch.cat([f.reshape(self.rows, -1, f.shape[-1]) for f in s], 1) for s in self.seen]
-        return torch.stack(per_layer, dim=2).cpu()  # one copy from the device, after the last forward
+        return torch.stack(per_layer, dim=2).cpu()  # off the hot path: one copy per generate call, at its end
 
 
 #: ``hook(layer, router, output)``: called after each router's forward; a return value replaces the output
