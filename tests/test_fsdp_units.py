@@ -12,6 +12,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from conftest import make_tiny_model
 from infir2.harness.distributed import shard_model, untied_input_embedding
+from infir2.model import prepare_for_training
 from infir2.planning import PlanInputs, load_shape, plan_step
 
 
@@ -22,12 +23,17 @@ def one_rank_group(tmp_path):
     dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("recipe", [None, "blockwise"])
 @pytest.mark.parametrize("tie", [False, True])
-def test_an_untied_embedding_is_a_unit_of_its_own(one_rank_group, tie) -> None:
+def test_an_untied_embedding_is_a_unit_of_its_own(one_rank_group, tie, recipe) -> None:
+    """As training shards it: after ``prepare_for_training`` (FP8 projections, the recomputes) too, a
+    tied embedding stays lm_head's weight in the root."""
     model = make_tiny_model(tie=tie)
+    if recipe is not None:
+        model = prepare_for_training(model, recipe)
     embedding = model.get_input_embeddings()
     assert (untied_input_embedding(model) is embedding) is not tie
-    shard_model(model, "fp32")
+    shard_model(model, "fp32", fp8_param_gather=recipe is not None)
     assert isinstance(embedding, FSDPModule) is not tie
     assert all(isinstance(layer, FSDPModule) for layer in model.model.layers) and isinstance(
         model, FSDPModule
