@@ -233,7 +233,7 @@ def _config(folder: Path, root: Path, name: str) -> Path:
         },
         "algo": {"reward": "parity", "overlong": "none", "micro_batch_size": 8},
         "train": {"max_steps": STEPS, "save_every": 1, "keep_last": 5, "max_prob_error": None},
-        "vllm": {"max_model_len": 256, "cpu_kv_cache_gib": 0.5},
+        "engine": {"max_model_len": 256, "cpu_kv_cache_gib": 0.5},
     }
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
