@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
-from two_processes_at_width import cpu  # noqa: E402 - after the path set-up, like the tests' helpers
+from infir2.tools.machine import cpu_description  # noqa: E402 - after the path set-up, like the tests' helpers
 
 LAYOUTS = ((2, ["2"], "d1c2", 1), (4, ["4", "2"], "d1c4", 1), (4, [], "d2c2", 2))
 
@@ -33,7 +33,7 @@ def main() -> int:
     from context_parallel_case import compare, load_ranks, one_process
     from train_synthetic import torchrun
 
-    print(f"CPU: {cpu()}; recipe {args.recipe}; GPU: not measured")
+    print(f"CPU: {cpu_description()}; recipe {args.recipe}; GPU: not measured")
     worker = ROOT / "tests" / "context_parallel_worker.py"
     with tempfile.TemporaryDirectory() as tmp:
         for nproc, degrees, _, _ in LAYOUTS:

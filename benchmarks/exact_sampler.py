@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,16 +35,9 @@ from infir2.model import prepare_for_training  # noqa: E402
 from infir2.nn.exact import use_exact_numerics  # noqa: E402
 from infir2.rl.batch import RLBatch  # noqa: E402
 from infir2.rl.update import response_logprobs  # noqa: E402
+from infir2.tools.machine import cpu_description  # noqa: E402
 
 PAIRS = {"fp8": "blockwise", "high": "bf16"}  # rollout precision -> the training recipe of its identical pair
-
-
-def cpu_line() -> str:
-    """The CPU's model and the flags that change its arithmetic."""
-    text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if "Model name" in line), "?")
-    flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in text.split()]
-    return f"{model} ({', '.join(flags) or 'no avx2'})"
 
 
 def gemm_probe() -> str:
@@ -141,20 +133,23 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    pairs = [w.strip() for w in args.pairs.split(",")]
+    if "" in pairs or any(w not in PAIRS for w in pairs) or len(set(pairs)) != len(pairs):
+        p.error(f"--pairs: each of {', '.join(PAIRS)} at most once, comma-separated; got {args.pairs!r}")
     torch.set_num_threads(1)  # exact numerics are measured at one intra-op thread (nn.exact)
     tok = make_tokenizer(400)
     if args.model:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(args.model)
-    print(f"CPU: {cpu_line()}; torch {torch.__version__}; threads {torch.get_num_threads()}")
+    print(f"CPU: {cpu_description()}; torch {torch.__version__}; threads {torch.get_num_threads()}")
     print(f"fp32 GEMM [M,128] @ [128,384], a row against the same row of M=512: {gemm_probe()}")
     print(
         "| rollout:training | tokens default / exact | generate default / exact s | generate ratio | "
         "score default / exact s | score ratio | tokens equal to the trainer's: default / exact |"
     )
     print("|---|---|---|---|---|---|---|")
-    for rollout in args.pairs.split(","):
+    for rollout in pairs:
         m = measure(args, rollout, tok)
         print(
             f"| {rollout}:{PAIRS[rollout]} | {m['default_tokens']:.0f} / {m['exact_tokens']:.0f} | "

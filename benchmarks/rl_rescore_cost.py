@@ -38,7 +38,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' tiny builders
 
-from rl_step_memory import cpu_line, write_prompts
+from rl_step_memory import write_prompts
+
+from infir2.tools.machine import cpu_description
 
 #: ``--pair``: the rollout and fp8 sections of an identical pair
 PAIRS = {
@@ -119,7 +121,7 @@ def main() -> None:
         p.error(f"--steps: at least 2 (the first step of a run is not counted), got {args.steps}")
     threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
     torch.set_num_threads(threads)
-    print(f"# {cpu_line()}; torch {torch.__version__}; OMP_NUM_THREADS={threads}")
+    print(f"# {cpu_description()}; torch {torch.__version__}; OMP_NUM_THREADS={threads}")
     print(f"# {' '.join(sys.argv)}")
     steps: dict[bool, list[dict]] = {False: [], True: []}
     with tempfile.TemporaryDirectory() as tmp:

@@ -28,7 +28,8 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from optim_state_dtype import cpu  # the CPU line every benchmark prints
+from infir2.tools.machine import cpu_description  # the CPU line every benchmark prints
+from infir2.tools.recipe_spec import int_list
 
 KEYS = ("mismatch/abs_dlogp_mean", "mismatch/k3_kl", "mismatch/prob_error")
 
@@ -90,6 +91,10 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--base-dtype", choices=("bf16", "fp32"), default="bf16")
     args = parser.parse_args()
+    try:
+        seeds = int_list(args.seeds, "--seeds", "seed")  # empty entries and a seed given twice refused
+    except ValueError as e:
+        parser.error(str(e))
     torch.set_num_threads(1)
     data = args.out / "tiny"
     if not (data / "tokenizer").is_dir():
@@ -99,7 +104,7 @@ def main() -> int:
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
-    print(f"CPU: {cpu()}; torch {torch.__version__}; commit {commit}")
+    print(f"CPU: {cpu_description()}; torch {torch.__version__}; commit {commit}")
     print(
         f"FP8 rollouts (base_dtype {args.base_dtype}), blockwise training; {args.prompts} prompts x {args.group}"
     )
@@ -108,7 +113,7 @@ def main() -> int:
     print(f"| seed, steps | {head} | routes differed |")
     print("|---" * (2 + 3 * len(KEYS)) + "|")
     rows = []
-    for seed in (int(s) for s in args.seeds.split(",")):
+    for seed in seeds:
         off, on = _run(args, data, seed, "off"), _run(args, data, seed, "rollout")
         rows.append((off, on))
         print(_row(f"{seed}, step 1 (paired)", off[:1], on[:1]))
