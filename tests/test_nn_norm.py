@@ -13,6 +13,8 @@ from infir2.nn import recompute_rmsnorm, recompute_swiglu
 from test_nn_swiglu import saved_storages
 from train_synthetic import one_thread
 
+pytestmark = pytest.mark.transformers_api  # transformers' RMSNorm classes, patched by name
+
 _one_thread = pytest.fixture(autouse=True)(one_thread)
 
 

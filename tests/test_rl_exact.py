@@ -21,6 +21,8 @@ from infir2.rl.update import response_logprobs
 from moe_models import make_tiny_moe, moe_config
 from train_synthetic import one_thread
 
+pytestmark = pytest.mark.transformers_api  # transformers' attention interface, mask helpers and KV cache
+
 _one_thread = pytest.fixture(autouse=True)(one_thread)
 
 PROMPTS = [
